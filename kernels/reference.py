@@ -1,0 +1,171 @@
+"""Slow, obviously correct torch versions of every kernel, with the kernels' signatures.
+
+Conventions (DESIGN.md section 2): LSE is the natural log of the sum of exp of the *scaled* scores, shape
+``[tokens, heads]``; an empty key set gives O = 0 and LSE = -inf. Local Q head ``i`` of a tensor whose first head
+has global index ``q_head_start`` reads stored KV head ``(q_head_start + i) // q_per_kv - kv_head_start``.
+
+The references compute in float64 when given float64 inputs (tests do that) and in float32 otherwise; LSE comes
+back in float64 for float64 queries and float32 otherwise. They sync with the host freely: tests and the CPU
+fallback only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _kv_index(num_q_heads: int, q_head_start: int, q_per_kv: int, kv_head_start: int, device) -> torch.Tensor:
+    heads = torch.arange(q_head_start, q_head_start + num_q_heads, device=device)
+    return heads // q_per_kv - kv_head_start
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None):
+    """q [Tq, H, D], k/v [Tk, H, D] (already one KV row per Q head) -> (out [Tq, H, D], lse [Tq, H])."""
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [H, Tq]
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)  # empty rows: exp(-inf - -inf) -> 0
+    out = torch.einsum("hqk,khd->qhd", probs, v)
+    return out, lse.transpose(0, 1)
+
+
+def _finish(out_acc, lse_acc, q, out, lse):
+    if out is None:
+        out = torch.empty(q.shape[0], q.shape[1], out_acc.shape[-1], dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(q.shape[0], q.shape[1], dtype=_acc_dtype(q), device=q.device)
+    out.copy_(out_acc)
+    lse.copy_(lse_acc)
+    return out, lse
+
+
+def write_kv_cache(k, v, key_cache, value_cache, slot_mapping) -> None:
+    """Store ``k[t], v[t]`` at slot ``slot_mapping[t]`` (page ``slot // block_size``, row ``slot % block_size``).
+
+    ``k``/``v``: ``[T, H, D]`` with ``T >= len(slot_mapping)`` (rows past it are padding); caches
+    ``[num_blocks, block_size, H, D]`` (any strides). Slots < 0 belong to another rank and are skipped.
+    """
+    block_size = key_cache.shape[1]
+    slots = slot_mapping.to(torch.int64)
+    tokens = torch.nonzero(slots >= 0).flatten()
+    mine = slots[tokens]
+    key_cache[mine // block_size, mine % block_size] = k[tokens].to(key_cache.dtype)
+    value_cache[mine // block_size, mine % block_size] = v[tokens].to(value_cache.dtype)
+
+
+def extend_attention(q, k, v, cu_seqlens, max_seqlen, *, scale, q_head_start, q_per_kv, kv_head_start,
+                     out=None, lse=None):
+    """Causal attention of each sequence's queries to that sequence's own new keys.
+
+    ``q [T, Hq, D]``, ``k/v [T, Hk, D]``, ``cu_seqlens [B + 1]``: sequence ``b`` is rows
+    ``cu_seqlens[b]:cu_seqlens[b + 1]``; query row ``i`` of it sees key rows ``0..i`` of it.
+    Returns ``(out [T, Hq, D], lse [T, Hq])``.
+    """
+    acc = _acc_dtype(q)
+    kv = _kv_index(q.shape[1], q_head_start, q_per_kv, kv_head_start, q.device)
+    out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse_acc = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        n = end - start
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        o, l = _attend(q[start:end].to(acc), k[start:end, kv].to(acc), v[start:end, kv].to(acc), scale, mask)
+        out_acc[start:end], lse_acc[start:end] = o, l
+    return _finish(out_acc, lse_acc, q, out, lse)
+
+
+def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, *, scale, q_head_start,
+                    q_per_kv, kv_head_start, max_context_len, out=None, lse=None, num_splits=None):
+    """Every query row of request ``b`` attends, non-causally, to its cached tokens ``[0, context_lens[b])``.
+
+    Cached token ``j`` of request ``b`` is ``key_cache[block_table[b, j // block_size], j % block_size]``.
+    ``q [T, Hq, D]`` (request ``b`` is rows ``query_start_loc[b]:query_start_loc[b + 1]``), caches
+    ``[num_blocks, block_size, Hk, D]``. ``max_context_len`` bounds ``context_lens``; ``num_splits`` only tunes the
+    kernel. Returns ``(out [T, Hq, D], lse [T, Hq])``; a request with no cached tokens gets (0, -inf).
+    """
+    acc = _acc_dtype(q)
+    block_size = key_cache.shape[1]
+    kv = _kv_index(q.shape[1], q_head_start, q_per_kv, kv_head_start, q.device)
+    out_acc = torch.zeros(q.shape[0], q.shape[1], value_cache.shape[-1], dtype=acc, device=q.device)
+    lse_acc = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
+    bounds = query_start_loc.tolist()
+    for b, ctx in enumerate(context_lens.tolist()):
+        start, end = bounds[b], bounds[b + 1]
+        if end == start or ctx == 0:
+            continue
+        pos = torch.arange(ctx, device=q.device)
+        pages = block_table[b, pos // block_size].to(torch.int64)
+        keys = key_cache[pages, pos % block_size][:, kv].to(acc)
+        values = value_cache[pages, pos % block_size][:, kv].to(acc)
+        out_acc[start:end], lse_acc[start:end] = _attend(q[start:end].to(acc), keys, values, scale, None)
+    return _finish(out_acc, lse_acc, q, out, lse)
+
+
+def combine_partials(parts_out, parts_lse, *, out=None, lse=None, extra_out=None, extra_lse=None):
+    """Exact LSE-weighted combination of ``N`` partial results over disjoint key sets.
+
+    ``parts_out [N, T, H, D]``, ``parts_lse [N, T, H]`` (any strides, e.g. views of one packed buffer).
+    ``extra_out [T, H, D]`` / ``extra_lse [T, H]``, when given, join as one more partial (the current chunk).
+    Partials with LSE -inf (empty) weigh exactly 0, whatever their O holds. Returns ``(out [T, H, D], lse [T, H])``,
+    ``out`` in ``parts_out``'s dtype by default.
+    """
+    acc = _acc_dtype(parts_lse)
+    if extra_out is not None:
+        acc = torch.promote_types(acc, _acc_dtype(extra_lse))
+        if out is None:
+            out = torch.empty(parts_out.shape[1:], dtype=parts_out.dtype, device=parts_out.device)
+        parts_out = torch.cat([parts_out.to(acc), extra_out.unsqueeze(0).to(acc)])
+        parts_lse = torch.cat([parts_lse.to(acc), extra_lse.unsqueeze(0).to(acc)])
+    lses = parts_lse.to(acc)
+    lses = torch.where(torch.isnan(lses) | (lses == float("inf")), float("-inf"), lses)
+    total = torch.logsumexp(lses, dim=0)  # -inf when every partial is empty
+    weights = torch.exp(lses - total.unsqueeze(0)).nan_to_num(0.0)  # [N, T, H]
+    values = torch.where(weights.unsqueeze(-1) > 0, parts_out.to(acc), 0.0)
+    out_acc = (weights.unsqueeze(-1) * values).sum(0)
+    if out is None:
+        out = torch.empty(parts_out.shape[1:], dtype=parts_out.dtype, device=parts_out.device)
+    if lse is None:
+        lse = torch.empty(parts_lse.shape[1:], dtype=acc, device=parts_lse.device)
+    out.copy_(out_acc)
+    lse.copy_(total)
+    return out, lse
+
+
+def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
+    """Merge two partial results over disjoint key sets: ``out [T, H, D]`` (dtype of ``out_b`` by default)."""
+    if out is None:
+        out = torch.empty(out_b.shape, dtype=out_b.dtype, device=out_b.device)
+    acc = torch.promote_types(_acc_dtype(lse_a), _acc_dtype(lse_b))
+    return combine_partials(
+        torch.stack([out_a.to(acc), out_b.to(acc)]), torch.stack([lse_a.to(acc), lse_b.to(acc)]), out=out, lse=lse
+    )
+
+
+def rescale_partial(part_out, lse_all, rank, *, out=None, lse=None):
+    """The ``ag_rs`` combine's local step: scale this rank's partial by its share of the global softmax mass.
+
+    ``part_out [T, H, D]`` is rank ``rank``'s partial, ``lse_all [N, T, H]`` every rank's LSE (all-gathered).
+    Returns ``(scaled [T, H, D] float32 by default, lse [T, H])``, where summing ``scaled`` over ranks (the
+    reduce-scatter) gives the combined output and ``lse`` is the combined LSE.
+    """
+    acc = _acc_dtype(lse_all)
+    lses = lse_all.to(acc)
+    lses = torch.where(torch.isnan(lses) | (lses == float("inf")), float("-inf"), lses)
+    total = torch.logsumexp(lses, dim=0)
+    weight = torch.exp(lses[rank] - total).nan_to_num(0.0)
+    scaled = torch.where(weight.unsqueeze(-1) > 0, part_out.to(acc), 0.0) * weight.unsqueeze(-1)
+    if out is None:
+        out = torch.empty(part_out.shape, dtype=torch.float32 if acc != torch.float64 else acc,
+                          device=part_out.device)
+    if lse is None:
+        lse = torch.empty(total.shape, dtype=acc, device=total.device)
+    out.copy_(scaled)
+    lse.copy_(total)
+    return out, lse
