@@ -13,3 +13,5 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 from dcp_plugin.kernels.extend_attention import extend_attention
 from dcp_plugin.kernels.combine import combine_partials, merge_states, rescale_partial
+from dcp_plugin.kernels.paged_attention import paged_attention
+from dcp_plugin.kernels.write_kv_cache import write_kv_cache

@@ -1,0 +1,394 @@
+"""Queries against the local paged KV cache (the DCP prefix pass): non-causal, GQA-packed, split-KV, with LSE.
+
+Stage 1 runs one program per (query block, head tile, KV split). A tile's rows are ``BLOCK_Q`` query tokens of one
+request times ``BLOCK_H`` Q heads of ONE KV group, so each K/V tile is loaded once for every Q head that reads it,
+and a tile never mixes two KV heads whatever the group size or the offset of the first Q head. A request's cached
+tokens are cut into ``num_splits`` ranges of whole ``BLOCK_N`` tiles; with one split stage 1 writes ``out``/``lse``
+directly, otherwise it writes fp32 partials that stage 2 merges by LSE. Softmax runs in base 2 with
+``scale * log2(e)`` folded into one multiplier; LSE is stored in natural log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import torch
+import triton
+import triton.language as tl
+
+from dcp_plugin.kernels import INTERPRET
+from dcp_plugin.kernels._launch import (
+    FLOAT_DTYPES, INDEX_DTYPES, check_head_map, check_out, check_shape, check_tensor, device_index, next_pow2,
+    num_sms,
+)
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+MAX_SPLITS = 256  # explicit num_splits upper bound (stage 2 holds all splits of a row in one tile)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PagedConfig:
+    block_n: int  # KV tokens per tile; split boundaries are multiples of it
+    block_m: int  # most rows (query tokens x Q heads of one KV group) per tile
+    num_warps: int
+    num_stages: int
+
+
+# (padded head dim, decode) -> Hopper starting points, tuned later on an H200; benchmarks sweep via ``config=``.
+# "decode" = the caller promised one query row per request (max_query_len=1).
+GPU_CONFIGS = {
+    (64, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=3),
+    (64, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=3),
+    (128, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=3),
+    (128, False): PagedConfig(block_n=64, block_m=128, num_warps=8, num_stages=3),
+    (256, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=2),
+    (256, False): PagedConfig(block_n=64, block_m=64, num_warps=8, num_stages=2),
+}
+INTERPRET_CONFIG = PagedConfig(block_n=32, block_m=32, num_warps=1, num_stages=1)
+
+# Automatic split count: aim stage 1 at PROGRAMS_PER_SM programs per SM, never cut a request's context into
+# pieces shorter than MIN_TILES_PER_SPLIT tiles (stage 2 would cost more than the split saves).
+PROGRAMS_PER_SM = 2
+MIN_TILES_PER_SPLIT = 4
+MAX_AUTO_SPLITS = 32
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q: tl.constexpr):
+    """Last request b whose query blocks start at or before ``q_block``; request b's blocks start at
+    ``query_start_loc[b] // BLOCK_Q + b`` (an upper bound that needs no host sync)."""
+    lo: tl.int32 = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def group_head_tile(pid_h, first_kv_head, head_tiles_per_group, q_head_start, q_per_kv, kv_head_start, num_q_heads,
+                    block_h):
+    """Head program ``pid_h`` -> (stored KV head, first local Q head of its tile, end of that KV group's local Q
+    heads). The local Q heads reading stored KV head ``kv`` are ``[max(0, g * q_per_kv - q_head_start),
+    min(Hq, (g + 1) * q_per_kv - q_head_start))`` with ``g = kv + kv_head_start``; a tile never passes the end."""
+    kv_head = first_kv_head + pid_h // head_tiles_per_group
+    group_lo = (kv_head + kv_head_start) * q_per_kv - q_head_start
+    head_hi = tl.minimum(group_lo + q_per_kv, num_q_heads)
+    tile_lo = tl.maximum(group_lo, 0) + (pid_h % head_tiles_per_group) * block_h
+    return kv_head, tile_lo, head_hi
+
+
+def head_tiling(*, num_q_heads: int, q_head_start: int, q_per_kv: int, kv_head_start: int,
+                block_h: int) -> tuple[int, int, int]:
+    """Host side of ``group_head_tile``: (first stored KV head touched, KV groups touched, tiles per group)."""
+    first_kv_head = q_head_start // q_per_kv - kv_head_start
+    last_kv_head = (q_head_start + num_q_heads - 1) // q_per_kv - kv_head_start
+    return first_kv_head, last_kv_head - first_kv_head + 1, triton.cdiv(min(q_per_kv, num_q_heads), block_h)
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr,
+    out_ptr, lse_ptr,
+    num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs, q_blocks_per_req,
+    qk_scale, q_head_start, q_per_kv, kv_head_start, first_kv_head, head_tiles_per_group, num_splits,
+    stride_q_t, stride_q_h, stride_q_d,
+    stride_kc_blk, stride_kc_tok, stride_kc_h, stride_kc_d,
+    stride_vc_blk, stride_vc_tok, stride_vc_h, stride_vc_d,
+    stride_bt_req, stride_bt_blk,
+    stride_o_t, stride_o_h, stride_o_s, stride_o_d,
+    stride_lse_t, stride_lse_h, stride_lse_s,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_Q_BLOCK_SEARCH: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
+    pid_q = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # Programs past num_q_programs cover rows after query_start_loc[-1] (CUDA-graph padding) as a request with
+    # no cached tokens, so every row of out/lse is written, with (0, -inf) there.
+    is_tail = pid_q >= num_q_programs
+    if USE_Q_BLOCK_SEARCH:
+        req = tl.maximum(_find_request(query_start_loc_ptr, num_reqs, pid_q, BLOCK_Q), 0)
+        q_block = pid_q - (tl.load(query_start_loc_ptr + req) // BLOCK_Q + req)
+    else:
+        req = pid_q // q_blocks_per_req
+        q_block = pid_q % q_blocks_per_req
+    req = tl.where(is_tail, num_reqs, req)
+    q_block = tl.where(is_tail, pid_q - num_q_programs, q_block)
+    q_start = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    q_end = tl.load(query_start_loc_ptr + req + 1, mask=~is_tail, other=0).to(tl.int64)
+    q_end = tl.where(is_tail, num_tokens, q_end)
+    context_len = tl.load(context_lens_ptr + req, mask=~is_tail, other=0).to(tl.int32)
+    if (q_block < 0) | (q_block * BLOCK_Q >= q_end - q_start):
+        return
+
+    kv_head, tile_lo, head_hi = group_head_tile(pid_h, first_kv_head, head_tiles_per_group, q_head_start, q_per_kv,
+                                                kv_head_start, num_q_heads, BLOCK_H)
+    if tile_lo >= head_hi:
+        return
+
+    rows = tl.arange(0, BLOCK_M)
+    token = q_start + q_block * BLOCK_Q + rows // BLOCK_H  # [BLOCK_M]
+    head = (tile_lo + rows % BLOCK_H).to(tl.int64)  # [BLOCK_M]
+    row_mask = (token < q_end) & (head < head_hi)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    q = tl.load(q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :] * stride_q_d,
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+
+    # This split's whole tiles of the request's cached tokens.
+    num_tiles = (context_len + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = (num_tiles + num_splits - 1) // num_splits
+    kv_start = split * tiles_per_split * BLOCK_N
+    kv_end = tl.minimum(context_len, kv_start + tiles_per_split * BLOCK_N)
+
+    k_head_ptr = key_cache_ptr + kv_head.to(tl.int64) * stride_kc_h
+    v_head_ptr = value_cache_ptr + kv_head.to(tl.int64) * stride_vc_h
+    table_ptr = block_table_ptr + req.to(tl.int64) * stride_bt_req
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n_start in range(kv_start, kv_end, BLOCK_N):
+        pos = n_start + offs_n
+        pos_mask = pos < kv_end
+        # Per-token page lookup: any page size works, tiles may span pages.
+        page = tl.load(table_ptr + (pos // PAGE_SIZE) * stride_bt_blk, mask=pos_mask, other=0).to(tl.int64)
+        in_page = (pos % PAGE_SIZE).to(tl.int64)
+        k_tok = page * stride_kc_blk + in_page * stride_kc_tok  # [BLOCK_N]
+        v_tok = page * stride_vc_blk + in_page * stride_vc_tok
+        k = tl.load(k_head_ptr + k_tok[None, :] + dims[:, None] * stride_kc_d,
+                    mask=dim_mask[:, None] & pos_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+        v = tl.load(v_head_ptr + v_tok[:, None] + dims[None, :] * stride_vc_d,
+                    mask=pos_mask[:, None] & dim_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], base-2 units
+        scores = tl.where(pos_mask[None, :], scores, float("-inf"))
+        # n_start < kv_end: every tile holds a cached token, so each row's max is finite (no -inf - -inf).
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # No cached tokens: acc = 0, l_i = 0, m_i = -inf -> (0, -inf).
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = (m_i + tl.log2(l_safe)) / LOG2E
+    split_off = split.to(tl.int64)
+    out_rows = out_ptr + token * stride_o_t + head * stride_o_h + split_off * stride_o_s
+    tl.store(out_rows[:, None] + dims[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & dim_mask[None, :])
+    tl.store(lse_ptr + token * stride_lse_t + head * stride_lse_h + split_off * stride_lse_s, lse, mask=row_mask)
+
+
+@triton.jit
+def paged_attention_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
+    num_q_heads, num_splits, head_dim,
+    stride_po_t, stride_po_h, stride_po_s, stride_po_d,
+    stride_pl_t, stride_pl_h, stride_pl_s,
+    stride_o_t, stride_o_h, stride_o_d,
+    stride_lse_t, stride_lse_h,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    lse_mask = (heads[:, None] < num_q_heads) & (splits[None, :] < num_splits)  # [BLOCK_H, BLOCK_S]
+
+    part_lse = tl.load(part_lse_ptr + token * stride_pl_t + heads[:, None] * stride_pl_h
+                       + splits[None, :] * stride_pl_s, mask=lse_mask, other=float("-inf"))  # [BLOCK_H, BLOCK_S]
+    lse_max = tl.max(part_lse, 1)
+    lse_max_safe = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.exp2((part_lse - lse_max_safe[:, None]) * LOG2E)  # exactly 0 for empty splits
+    total = tl.sum(weight, 1)
+    total_safe = tl.where(total > 0.0, total, 1.0)
+
+    part_ptrs = (part_out_ptr + token * stride_po_t + heads[:, None, None] * stride_po_h
+                 + splits[None, :, None] * stride_po_s + dims[None, None, :] * stride_po_d)
+    part_mask = lse_mask[:, :, None] & (dims[None, None, :] < head_dim)
+    parts = tl.load(part_ptrs, mask=part_mask, other=0.0)  # [BLOCK_H, BLOCK_S, BLOCK_D]
+    out = tl.sum(parts * weight[:, :, None], 1) / total_safe[:, None]  # [BLOCK_H, BLOCK_D]
+    lse = tl.where(total > 0.0, lse_max + tl.log(total_safe), float("-inf"))
+    out_mask = (heads[:, None] < num_q_heads) & (dims[None, :] < head_dim)
+    tl.store(out_ptr + token * stride_o_t + heads[:, None] * stride_o_h + dims[None, :] * stride_o_d,
+             out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(lse_ptr + token * stride_lse_t + heads * stride_lse_h, lse, mask=heads < num_q_heads)
+
+
+def pick_config(head_dim: int, *, decode: bool, config: PagedConfig | None = None) -> PagedConfig:
+    """The launch constants a call uses: ``config`` if given (validated), else the table entry."""
+    if config is None:
+        if INTERPRET:
+            return INTERPRET_CONFIG
+        padded = min(d for d, _ in GPU_CONFIGS if d >= head_dim)
+        return GPU_CONFIGS[(padded, decode)]
+    if not isinstance(config, PagedConfig):
+        raise ValueError(f"config must be a PagedConfig, got {type(config).__name__}")
+    for name in ("block_n", "block_m"):
+        value = getattr(config, name)
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"config.{name} must be a power of two >= 16 (tl.dot tiles), got {value}")
+    if config.num_warps < 1 or config.num_stages < 1:
+        raise ValueError(f"config.num_warps and config.num_stages must be >= 1, got {config!r}")
+    return config
+
+
+def pick_num_splits(*, programs: int, max_context_len: int, block_n: int, sms: int) -> int:
+    """Splits per request so that stage 1 fills ``sms`` SMs, from host ints only (CUDA-graph safe)."""
+    by_occupancy = triton.cdiv(PROGRAMS_PER_SM * sms, max(programs, 1))
+    by_length = max(1, triton.cdiv(max_context_len, block_n) // MIN_TILES_PER_SPLIT)
+    return max(1, min(MAX_AUTO_SPLITS, by_occupancy, by_length))
+
+
+def _check_int(name: str, value, *, low: int, high: int | None = None) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low or \
+            (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+
+
+def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, *, scale, q_head_start,
+                    q_per_kv, kv_head_start, max_context_len, max_query_len=None, num_splits=None, out=None,
+                    lse=None, config: PagedConfig | None = None):
+    """Every query row of request ``b`` attends, non-causally, to its cached tokens ``[0, context_lens[b])``.
+
+    Args:
+        q: ``[T, Hq, D]`` fp16/bf16/fp32, any strides; request ``b`` owns rows
+            ``query_start_loc[b]:query_start_loc[b + 1]``; rows past ``query_start_loc[-1]`` get (0, -inf).
+        key_cache, value_cache: ``[num_blocks, block_size, Hk, D]``, q's dtype, any strides (vLLM's views of one
+            buffer are fine). Cached token ``j`` of request ``b`` is row ``j % block_size`` of page
+            ``block_table[b, j // block_size]``.
+        block_table: ``[>= B, max_blocks]`` int32/int64. context_lens: ``[B]`` int. query_start_loc: ``[B + 1]``
+            int, ``query_start_loc[0] == 0``.
+        scale: softmax scale. q_head_start, q_per_kv, kv_head_start: local Q head ``i`` reads stored KV head
+            ``(q_head_start + i) // q_per_kv - kv_head_start`` (DESIGN.md section 2).
+        max_context_len: host int >= every ``context_lens[b]``; only tunes the split count.
+        max_query_len: host int >= every request's query rows, or None (unknown). 1 selects the decode path.
+        num_splits: KV splits per request (None: chosen to fill the GPU; 1 on CPU).
+        out: ``[T, Hq, D]`` any float dtype (default: q's dtype). lse: ``[T, Hq]`` float32. Written in place.
+        config: a ``PagedConfig`` overriding the tuning table (benchmarks).
+
+    Returns:
+        ``(out, lse)``: lse is the natural-log sum of exp of the scaled scores; no cached tokens -> (0, -inf).
+
+    Example:
+        >>> out, lse = paged_attention(q, kc, vc, block_table, context_lens, query_start_loc, scale=D ** -0.5,
+        ...                            q_head_start=0, q_per_kv=4, kv_head_start=0, max_context_len=4096,
+        ...                            max_query_len=1)
+    """
+    check_tensor("q", q, ndim=3)
+    device = q.device
+    num_tokens, num_q_heads, head_dim = q.shape
+    check_tensor("key_cache", key_cache, ndim=4, dtypes=(q.dtype,), device=device)
+    check_tensor("value_cache", value_cache, ndim=4, dtypes=(q.dtype,), device=device)
+    check_shape("key_cache", key_cache, (None, None, None, head_dim))
+    check_shape("value_cache", value_cache, tuple(key_cache.shape))
+    num_blocks, page_size, num_kv_heads, _ = key_cache.shape
+    check_tensor("context_lens", context_lens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    num_reqs = context_lens.shape[0]
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_shape("query_start_loc", query_start_loc, (num_reqs + 1,))
+    check_tensor("block_table", block_table, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    if block_table.shape[0] < num_reqs:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows but context_lens has {num_reqs} requests")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim {head_dim} (q.shape[-1]) is not supported; use 1..{MAX_HEAD_DIM}")
+    if page_size < 1:
+        raise ValueError(f"key_cache block size (dim 1) must be >= 1, got {page_size}")
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        raise ValueError(f"scale must be a float, got {scale!r}")
+    check_head_map(num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv,
+                   kv_head_start=kv_head_start, num_kv_heads=num_kv_heads, kv_name="key_cache")
+    _check_int("max_context_len", max_context_len, low=0, high=block_table.shape[1] * page_size)
+    if max_query_len is not None:
+        _check_int("max_query_len", max_query_len, low=0)
+    if num_splits is not None:
+        _check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
+    if out is None:
+        out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=device)
+    check_out("out", out, (num_tokens, num_q_heads, head_dim), device, dtypes=FLOAT_DTYPES)
+    if lse is None:
+        lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=device)
+    check_out("lse", lse, (num_tokens, num_q_heads), device, dtypes=(torch.float32,))
+    cfg = pick_config(head_dim, decode=max_query_len == 1, config=config)
+    if num_tokens == 0:
+        return out, lse
+
+    # Tile rows: BLOCK_Q query tokens x BLOCK_H Q heads of one KV group; at least 16 rows for tl.dot.
+    group_size = min(q_per_kv, num_q_heads)
+    block_h = min(next_pow2(group_size), cfg.block_m)
+    block_q = max(1, cfg.block_m // block_h)
+    if max_query_len is not None:
+        block_q = min(block_q, next_pow2(max(max_query_len, 1)))
+    block_h = max(block_h, 16 // block_q)
+    first_kv_head, num_groups, head_tiles_per_group = head_tiling(
+        num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
+        block_h=block_h)
+
+    if max_query_len is not None:
+        q_blocks_per_req = max(1, triton.cdiv(max_query_len, block_q))
+        num_q_programs = num_reqs * triton.cdiv(max_query_len, block_q)
+    else:
+        q_blocks_per_req = 1  # unused: programs find their request by binary search
+        num_q_programs = num_tokens // block_q + num_reqs if num_reqs else 0
+    head_programs = num_groups * head_tiles_per_group
+    if num_splits is None:
+        num_splits = 1 if INTERPRET else pick_num_splits(
+            programs=num_q_programs * head_programs, max_context_len=max_context_len, block_n=cfg.block_n,
+            sms=num_sms(device_index(q)))
+
+    block_d = max(16, next_pow2(head_dim))
+    if num_splits == 1:
+        stage1_out, stage1_lse = out, lse
+        out_strides, lse_strides = (*out.stride()[:2], 0, out.stride(2)), (*lse.stride(), 0)
+    else:
+        stage1_out = torch.empty(num_tokens, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
+        stage1_lse = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=device)
+        out_strides, lse_strides = stage1_out.stride(), stage1_lse.stride()
+    grid = (num_q_programs + triton.cdiv(num_tokens, block_q), head_programs, num_splits)
+    paged_attention_kernel[grid](
+        q, key_cache, value_cache, block_table, context_lens, query_start_loc,
+        stage1_out, stage1_lse,
+        num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs, q_blocks_per_req,
+        float(scale) * LOG2E, q_head_start, q_per_kv, kv_head_start, first_kv_head, head_tiles_per_group,
+        num_splits,
+        *q.stride(), *key_cache.stride(), *value_cache.stride(), *block_table.stride(),
+        *out_strides, *lse_strides,
+        PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        USE_Q_BLOCK_SEARCH=max_query_len is None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        block_s = next_pow2(num_splits)
+        # One program merges the splits of a few heads of one token (all heads under the interpreter, where
+        # every program costs Python time).
+        max_elements = 1 << 16 if INTERPRET else 4096
+        reduce_heads = min(next_pow2(num_q_heads), max(1, max_elements // (block_s * block_d)))
+        paged_attention_reduce_kernel[(num_tokens, triton.cdiv(num_q_heads, reduce_heads))](
+            stage1_out, stage1_lse, out, lse,
+            num_q_heads, num_splits, head_dim,
+            *stage1_out.stride(), *stage1_lse.stride(), *out.stride(), *lse.stride(),
+            BLOCK_H=reduce_heads, BLOCK_S=block_s, BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out, lse

@@ -1,0 +1,90 @@
+"""Scatter this step's new K/V rows into the paged cache (step 1 of DCP attention)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dcp_plugin.kernels._launch import INDEX_DTYPES, check_shape, check_tensor, next_pow2
+
+_MAX_TILE_ELEMENTS = 4096  # heads x head-dim elements one program moves; bounds registers per program
+
+
+@triton.jit
+def write_kv_cache_kernel(
+    k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    num_heads, head_dim,
+    stride_k_t, stride_k_h, stride_k_d,
+    stride_v_t, stride_v_h, stride_v_d,
+    stride_kc_blk, stride_kc_tok, stride_kc_h, stride_kc_d,
+    stride_vc_blk, stride_vc_tok, stride_vc_h, stride_vc_d,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # another DCP rank owns this token
+        return
+    page = slot // PAGE_SIZE
+    row = slot % PAGE_SIZE
+
+    heads = (head_block * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    dims = tl.arange(0, BLOCK_D).to(tl.int64)
+    mask = (heads[:, None] < num_heads) & (dims[None, :] < head_dim)  # [BLOCK_H, BLOCK_D]
+
+    k = tl.load(k_ptr + token * stride_k_t + heads[:, None] * stride_k_h + dims[None, :] * stride_k_d, mask=mask)
+    v = tl.load(v_ptr + token * stride_v_t + heads[:, None] * stride_v_h + dims[None, :] * stride_v_d, mask=mask)
+    k_dst = key_cache_ptr + page * stride_kc_blk + row * stride_kc_tok
+    v_dst = value_cache_ptr + page * stride_vc_blk + row * stride_vc_tok
+    tl.store(k_dst + heads[:, None] * stride_kc_h + dims[None, :] * stride_kc_d,
+             k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst + heads[:, None] * stride_vc_h + dims[None, :] * stride_vc_d,
+             v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Store ``k[t], v[t]`` at slot ``slot_mapping[t]`` of the paged caches, in place.
+
+    Args:
+        k, v: ``[T, H, D]`` float (fp16/bf16/fp32, any strides); rows ``t >= len(slot_mapping)`` are padding and
+            are not written.
+        key_cache, value_cache: ``[num_blocks, block_size, H, D]`` float, any strides (e.g. views of one
+            ``[num_blocks, block_size, H, 2 * D]`` buffer); values are cast to the cache dtype.
+        slot_mapping: ``[num_slots]`` int32/int64, ``num_slots <= T``; slot ``s`` is row ``s % block_size`` of
+            page ``s // block_size``; ``s < 0`` means another DCP rank owns the token (skipped).
+
+    Example:
+        >>> write_kv_cache(k, v, key_cache, value_cache, torch.tensor([0, -1, 17], device=k.device))
+    """
+    check_tensor("k", k, ndim=3)
+    device = k.device
+    check_tensor("v", v, ndim=3, device=device)
+    check_tensor("key_cache", key_cache, ndim=4, device=device)
+    check_tensor("value_cache", value_cache, ndim=4, device=device)
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    num_tokens, num_heads, head_dim = k.shape
+    check_shape("v", v, tuple(k.shape))
+    check_shape("key_cache", key_cache, (None, None, num_heads, head_dim))
+    check_shape("value_cache", value_cache, tuple(key_cache.shape))
+    if key_cache.shape[1] < 1:
+        raise ValueError(f"key_cache block size (dim 1) must be >= 1, got {key_cache.shape[1]}")
+    num_slots = slot_mapping.shape[0]
+    if num_slots > num_tokens:
+        raise ValueError(f"slot_mapping has {num_slots} entries but k/v hold only {num_tokens} rows; "
+                         "it must have at most one slot per row")
+    if num_slots == 0 or num_heads == 0 or head_dim == 0:
+        return
+
+    block_d = next_pow2(head_dim)
+    block_h = min(next_pow2(num_heads), max(1, _MAX_TILE_ELEMENTS // block_d))
+    grid = (num_slots, triton.cdiv(num_heads, block_h))
+    write_kv_cache_kernel[grid](
+        k, v, key_cache, value_cache, slot_mapping,
+        num_heads, head_dim,
+        *k.stride(), *v.stride(), *key_cache.stride(), *value_cache.stride(),
+        PAGE_SIZE=key_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
+    )

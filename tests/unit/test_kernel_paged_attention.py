@@ -1,0 +1,240 @@
+"""paged_attention (the DCP prefix / decode pass) under the Triton interpreter vs the float64 torch reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from dcp_plugin.kernels import reference
+from dcp_plugin.kernels.paged_attention import (
+    PagedConfig, group_head_tile, head_tiling, paged_attention, pick_num_splits,
+)
+from tests.kernel_checks import assert_matches, poisoned
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    q_lens: list[int]
+    ctx_lens: list[int]
+    num_q_heads: int
+    num_kv_heads: int  # stored in the cache
+    q_per_kv: int
+    q_head_start: int = 0
+    kv_head_start: int = 0
+    head_dim: int = 64
+    block_size: int = 16
+    dtype: torch.dtype = torch.float32
+    layout: str = "nhd"  # nhd | kv_last_dim (vLLM's [.., H, 2 * D] split) | hnd (heads before tokens)
+    max_query_len: str = "exact"  # exact | none (in-kernel request search)
+    num_splits: int | None = None
+    pad_rows: int = 0  # query rows past query_start_loc[-1] (CUDA-graph padding)
+    out_dtype: torch.dtype | None = None
+    config: PagedConfig | None = None
+
+
+CASES = {
+    "mha-decode-ctx0-1-7-63": Case([1, 1, 1, 1], [0, 1, 7, 63], 4, 4, 1),
+    "mha-decode-tile-spans-pages": Case([1, 1], [63, 33], 2, 2, 1,
+                                        config=PagedConfig(block_n=64, block_m=16, num_warps=4, num_stages=1)),
+    "gqa3-mixed-search-fp16-d80-kvsplit-padded": Case([1, 11, 1, 3], [63, 7, 0, 20], 6, 2, 3, head_dim=80,
+                                                      dtype=torch.float16, layout="kv_last_dim", max_query_len="none",
+                                                      pad_rows=2),
+    "gqa5-prefix-hnd-bs32-tile16": Case([4, 1, 9], [33, 1, 70], 10, 2, 5, block_size=32, layout="hnd",
+                                        config=PagedConfig(block_n=16, block_m=32, num_warps=4, num_stages=1)),
+    "gqa8-decode-3splits-fp16-d128-outfp32": Case([1, 1, 1], [63, 100, 0], 16, 2, 8, head_dim=128,
+                                                  dtype=torch.float16, num_splits=3, out_dtype=torch.float32),
+    "mqa-mixed-2splits-search-padded": Case([2, 1, 3], [7, 50, 0], 8, 1, 8, layout="kv_last_dim",
+                                            max_query_len="none", num_splits=2, pad_rows=1),
+    "group48of2-two-tiles-per-group-fp16": Case([1, 2], [40, 17], 48, 2, 24, dtype=torch.float16,
+                                                config=PagedConfig(block_n=16, block_m=16, num_warps=4,
+                                                                   num_stages=1)),
+    "group48of2-default-2splits": Case([1, 2], [40, 17], 48, 2, 24, max_query_len="none", num_splits=2),
+    "dcp-gathered-q8-15-of-32q2kv": Case([1, 3], [63, 7], 8, 2, 16, q_head_start=8),
+    "dcp-12q3kv-rank1-mid-group-hnd": Case([1, 1, 2], [1, 63, 7], 6, 2, 4, q_head_start=6, kv_head_start=1,
+                                           layout="hnd"),
+    "dcp-q8-15-of-32q8kv-first-kv2": Case([1, 2], [30, 9], 8, 8, 4, q_head_start=8),
+    "dcp-12q3kv-rank0-two-groups-2splits-fp16": Case([2, 1], [20, 45], 6, 3, 4, dtype=torch.float16,
+                                                     num_splits=2),
+    "all-empty-contexts-3splits": Case([1, 2], [0, 0], 4, 2, 2, num_splits=3),
+}
+
+
+def _caches(case: Case, num_blocks: int):
+    """K/V caches ``[num_blocks, block_size, Hk, D]`` as the views a host hands over, NaN everywhere at first."""
+    shape_nhd = (num_blocks, case.block_size, case.num_kv_heads, case.head_dim)
+    if case.layout == "nhd":
+        return (torch.full(shape_nhd, float("nan"), dtype=case.dtype),
+                torch.full(shape_nhd, float("nan"), dtype=case.dtype))
+    if case.layout == "kv_last_dim":
+        buf = torch.full((*shape_nhd[:3], 2 * case.head_dim), float("nan"), dtype=case.dtype)
+        return buf[..., :case.head_dim], buf[..., case.head_dim:]
+    buf = torch.full((num_blocks, 2, case.num_kv_heads, case.block_size, case.head_dim), float("nan"),
+                     dtype=case.dtype)
+    return buf[:, 0].permute(0, 2, 1, 3), buf[:, 1].permute(0, 2, 1, 3)
+
+
+def _inputs(case: Case, seed: int = 0):
+    """Random Q and a paged cache holding random K/V exactly at each request's cached tokens, NaN elsewhere (a
+    kernel that reads past a context, or a block-table entry past it, turns its output NaN)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = sum(case.q_lens) + case.pad_rows
+    # q is a strided view (a slice of a wider buffer), as after a fused projection.
+    q = torch.randn(num_tokens, case.num_q_heads + 1, case.head_dim, generator=gen).to(case.dtype)[:, 1:]
+    pages_per_req = [triton.cdiv(c, case.block_size) for c in case.ctx_lens]
+    nan_page = sum(pages_per_req)
+    order = torch.randperm(nan_page, generator=gen).tolist()
+    width = max(pages_per_req, default=0) + 1
+    block_table = torch.full((len(case.ctx_lens) + 1, width), nan_page, dtype=torch.int32)
+    key_cache, value_cache = _caches(case, nan_page + 1)
+    for b, ctx in enumerate(case.ctx_lens):
+        pages = torch.tensor([order.pop() for _ in range(pages_per_req[b])], dtype=torch.int32)
+        block_table[b, :len(pages)] = pages
+        pos = torch.arange(ctx)
+        rows = (case.num_kv_heads, case.head_dim)
+        key_cache[pages[pos // case.block_size].long(), pos % case.block_size] = \
+            torch.randn(ctx, *rows, generator=gen).to(case.dtype)
+        value_cache[pages[pos // case.block_size].long(), pos % case.block_size] = \
+            torch.randn(ctx, *rows, generator=gen).to(case.dtype)
+    query_start_loc = torch.tensor([0, *torch.tensor(case.q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    context_lens = torch.tensor(case.ctx_lens, dtype=torch.int32)
+    return q, key_cache, value_cache, block_table, context_lens, query_start_loc
+
+
+def _heads(case: Case) -> dict:
+    return dict(q_head_start=case.q_head_start, q_per_kv=case.q_per_kv, kv_head_start=case.kv_head_start)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference(name):
+    case = CASES[name]
+    q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case)
+    scale = case.head_dim ** -0.5
+    out = poisoned(q.shape, case.out_dtype or case.dtype)
+    lse = poisoned(q.shape[:2], torch.float32)
+    got_out, got_lse = paged_attention(
+        q, key_cache, value_cache, block_table, context_lens, query_start_loc, scale=scale, **_heads(case),
+        max_context_len=max(case.ctx_lens), max_query_len=max(case.q_lens) if case.max_query_len == "exact" else None,
+        num_splits=case.num_splits, out=out, lse=lse, config=case.config)
+    assert got_out is out and got_lse is lse
+    want_out, want_lse = reference.paged_attention(
+        q.double(), key_cache.double(), value_cache.double(), block_table, context_lens, query_start_loc,
+        scale=scale, **_heads(case), max_context_len=max(case.ctx_lens))
+    assert_matches(out, want_out, case.dtype, "out")
+    assert_matches(lse, want_lse, case.dtype, "lse")
+
+
+def test_default_outputs_and_loose_max_context_len():
+    case = Case([3, 1], [9, 30], 4, 2, 2, dtype=torch.float16)
+    q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case, seed=1)
+    capacity = block_table.shape[1] * case.block_size  # a loose bound only tunes splits
+    out, lse = paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, scale=0.3,
+                               **_heads(case), max_context_len=capacity)
+    assert out.dtype == torch.float16 and lse.dtype == torch.float32
+    want_out, want_lse = reference.paged_attention(
+        q.double(), key_cache.double(), value_cache.double(), block_table, context_lens, query_start_loc,
+        scale=0.3, **_heads(case), max_context_len=capacity)
+    assert_matches(out, want_out, torch.float16, "out")
+    assert_matches(lse, want_lse, torch.float16, "lse")
+
+
+def test_out_view_in_q_dtype():
+    case = Case([2, 1], [15, 4], 4, 4, 1, num_splits=2)
+    q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case, seed=2)
+    wide = poisoned((q.shape[0], q.shape[1], 2 * q.shape[2]), q.dtype)
+    out = wide[..., q.shape[2]:]  # strided out, e.g. one half of a packed buffer
+    lse_wide = poisoned((q.shape[1], q.shape[0]), torch.float32)
+    paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, scale=0.125,
+                    **_heads(case), max_context_len=15, max_query_len=2, num_splits=2, out=out, lse=lse_wide.t())
+    want_out, want_lse = reference.paged_attention(
+        q.double(), key_cache.double(), value_cache.double(), block_table, context_lens, query_start_loc,
+        scale=0.125, **_heads(case), max_context_len=15)
+    assert_matches(out, want_out, q.dtype, "out")
+    assert_matches(lse_wide.t(), want_lse, q.dtype, "lse")
+    assert torch.isnan(wide[..., :q.shape[2]]).all(), "wrote outside the out view"
+
+
+# (local Q heads, q_head_start, q_per_kv, kv_head_start): group sizes > 16 and not multiples of 16 (the grouped-
+# kernel bug of vLLM/SGLang), DCP ranks' gathered heads starting mid-group, MQA, and first KV heads other than 0.
+HEAD_MAPS = [
+    (4, 0, 1, 0), (6, 0, 3, 0), (10, 0, 5, 0), (16, 0, 8, 0), (8, 0, 8, 0), (48, 0, 24, 0), (40, 0, 20, 0),
+    (56, 0, 28, 0), (24, 24, 24, 1), (8, 8, 16, 0), (6, 6, 4, 1), (6, 0, 4, 0), (8, 8, 4, 0), (5, 3, 2, 1),
+    (7, 13, 5, 2), (33, 7, 48, 0), (100, 10, 48, 0), (17, 0, 17, 0),
+]
+MAX_HEADS = 256  # room past every map's heads, so a tile writing past its group's end shows up
+
+
+@triton.jit
+def _head_map_kernel(params_ptr, kv_of_head_ptr, writes_ptr, ROWS: tl.constexpr):
+    """Every head program of map ``cfg`` records, through the kernel's own ``group_head_tile``, which KV head each
+    of its tile's Q heads would read, and counts the writes."""
+    cfg = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    p = params_ptr + cfg * 7
+    if pid_h < tl.load(p + 6):
+        kv_head, tile_lo, head_hi = group_head_tile(pid_h, tl.load(p + 4), tl.load(p + 5), tl.load(p + 1),
+                                                    tl.load(p + 2), tl.load(p + 3), tl.load(p), ROWS)
+        heads = tile_lo + tl.arange(0, ROWS)
+        mask = heads < head_hi
+        tl.store(kv_of_head_ptr + cfg * MAX_HEADS + heads, kv_head + 0 * heads, mask=mask)
+        tl.atomic_add(writes_ptr + cfg * MAX_HEADS + heads, 1 + 0 * heads, mask=mask)
+
+
+@pytest.mark.parametrize("block_h", [4, 16])
+def test_head_tiles_cover_each_q_head_once_with_its_kv_head(block_h):
+    params = []
+    for num_q_heads, q_head_start, q_per_kv, kv_head_start in HEAD_MAPS:
+        first, groups, tiles = head_tiling(num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv,
+                                           kv_head_start=kv_head_start, block_h=block_h)
+        params.append([num_q_heads, q_head_start, q_per_kv, kv_head_start, first, tiles, groups * tiles])
+    params = torch.tensor(params, dtype=torch.int32)
+    kv_of_head = torch.full((len(HEAD_MAPS), MAX_HEADS), -1, dtype=torch.int32)
+    writes = torch.zeros((len(HEAD_MAPS), MAX_HEADS), dtype=torch.int32)
+    _head_map_kernel[(len(HEAD_MAPS), int(params[:, 6].max()))](params, kv_of_head, writes, ROWS=block_h)
+    for row, (num_q_heads, q_head_start, q_per_kv, kv_head_start) in enumerate(HEAD_MAPS):
+        want = torch.full((MAX_HEADS,), -1, dtype=torch.int32)
+        want[:num_q_heads] = torch.arange(q_head_start, q_head_start + num_q_heads) // q_per_kv - kv_head_start
+        assert writes[row].tolist() == [1] * num_q_heads + [0] * (MAX_HEADS - num_q_heads), HEAD_MAPS[row]
+        assert torch.equal(kv_of_head[row], want), HEAD_MAPS[row]
+
+
+@pytest.mark.parametrize("programs", [1, 8, 32, 100, 264, 1000])
+def test_auto_splits_fill_the_gpu(programs):
+    sms, block_n = 132, 64
+    splits = pick_num_splits(programs=programs, max_context_len=128 * 1024, block_n=block_n, sms=sms)
+    assert 1 <= splits <= 32
+    assert programs * splits >= min(2 * sms, 32 * programs), (programs, splits)
+    short = pick_num_splits(programs=programs, max_context_len=3 * block_n, block_n=block_n, sms=sms)
+    assert short == 1, "contexts under 4 tiles are not split"
+
+
+def _good() -> dict:
+    case = Case([1, 2], [5, 9], 4, 2, 2)
+    q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case)
+    return dict(q=q, key_cache=key_cache, value_cache=value_cache, block_table=block_table,
+                context_lens=context_lens, query_start_loc=query_start_loc, scale=0.125, q_head_start=0,
+                q_per_kv=2, kv_head_start=0, max_context_len=9)
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (dict(q=torch.randn(3, 256)), "q must have 3 dims"),
+    (dict(key_cache=torch.randn(3, 16, 2, 64, dtype=torch.float16)), "key_cache has dtype"),
+    (dict(value_cache=torch.randn(3, 16, 2, 32)), "value_cache must have shape"),
+    (dict(block_table=torch.zeros(3, 2)), "block_table has dtype"),
+    (dict(context_lens=torch.tensor([5, 9, 1], dtype=torch.int32)), "query_start_loc must have shape"),
+    (dict(q_head_start=2), "head mapping out of range"),
+    (dict(q_per_kv=0), "q_per_kv must be an int >= 1"),
+    (dict(max_context_len=10_000), "max_context_len must be an int"),
+    (dict(num_splits=0), "num_splits must be an int"),
+    (dict(out=torch.empty(3, 4, 32)), "out must have shape"),
+    (dict(lse=torch.empty(3, 4, dtype=torch.float16)), "lse has dtype"),
+    (dict(config=PagedConfig(block_n=8, block_m=16, num_warps=4, num_stages=1)), "config.block_n"),
+], ids=["q-dims", "cache-dtype", "value-cache-shape", "block-table-dtype", "query-start-loc-length",
+        "head-map-range", "q-per-kv-zero", "max-context-over-table", "splits-zero", "out-shape", "lse-dtype",
+        "config-block-n"])
+def test_rejects_bad_inputs(change, match):
+    with pytest.raises(ValueError, match=match):
+        paged_attention(**{**_good(), **change})
