@@ -1,0 +1,221 @@
+"""The DCP current chunk: causal varlen attention of each sequence's queries to that sequence's own new K/V.
+
+Flash-attention forward, one program per (query block, local Q head, sequence). Key blocks strictly below the
+query block's first row need no mask (the off-diagonal part); the keys inside the query block's own rows form the
+diagonal part, masked causally. Softmax runs in base 2 with ``scale * log2(e)`` folded into one multiplier; the
+LSE is converted to natural log once, at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import torch
+import triton
+import triton.language as tl
+
+from dcp_plugin.kernels import INTERPRET
+from dcp_plugin.kernels._launch import (
+    INDEX_DTYPES, check_head_map, check_out, check_shape, check_tensor, next_pow2,
+)
+
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExtendConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Hopper defaults for fp16/bf16 by padded head dim (the benchmark sweeps candidates through ``config=``).
+# H200, bf16, 2 x 4096 causal, 32 heads: D=64 317 TFLOP/s, D=128 392, D=256 358.
+GPU_CONFIGS = {
+    64: ExtendConfig(block_m=128, block_n=128, num_warps=4, num_stages=3),
+    128: ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
+    256: ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
+}
+# fp32 tiles take twice the shared memory; fp32 is for tests, so one small tile fits every head dim.
+GPU_FP32_CONFIG = ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+# The interpreter pays per tile operation: small tiles keep CPU tests fast.
+INTERPRET_CONFIG = ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+
+
+@triton.jit
+def _attend_key_block(acc, l_i, m_i, q, k_base, v_base, n_start, seq_len, offs_m, offs_n, offs_d, qk_scale,
+                      stride_kt, stride_kd, stride_vt, stride_vd,
+                      HEAD_DIM: tl.constexpr, IS_DIAGONAL: tl.constexpr, MASK_KV: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over keys ``n_start + offs_n``; scores in base-2 units."""
+    offs_kn = n_start + offs_n
+    k_ptrs = k_base + offs_kn[:, None] * stride_kt + offs_d[None, :] * stride_kd
+    v_ptrs = v_base + offs_kn[:, None] * stride_vt + offs_d[None, :] * stride_vd
+    if MASK_KV:
+        kv_mask = (offs_kn < seq_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if IS_DIAGONAL:
+        # Rows past the sequence end see masked (zero) keys too; they are never stored.
+        qk = tl.where(offs_m[:, None] >= offs_kn[None, :], qk, float("-inf"))
+    # Every row sees at least one key (off-diagonal: all; diagonal: its own), so m_new is finite: no NaN guard.
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def extend_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_ptr,
+    num_tokens, qk_scale, q_head_start, q_per_kv, kv_head_start,
+    stride_qt, stride_qh, stride_qd,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_lt, stride_lh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (query blocks of max_seqlen, local Q heads, sequences + 1); the programs of the extra last sequence
+    index write (0, -inf) to the padding rows past cu_seqlens[-1]."""
+    LN2: tl.constexpr = 0.6931471805599453
+    num_m_blocks = tl.num_programs(0)
+    # Longest-running query blocks (the last ones of each sequence) start first.
+    m_block = num_m_blocks - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    out_head = out_ptr + head.to(tl.int64) * stride_oh
+    lse_head = lse_ptr + head.to(tl.int64) * stride_lh
+
+    if seq == tl.num_programs(2) - 1:
+        pad_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+        for row0 in range(pad_start + m_block * BLOCK_M, num_tokens, num_m_blocks * BLOCK_M):
+            rows = row0 + offs_m
+            row_mask = rows < num_tokens
+            tl.store(out_head + rows[:, None] * stride_ot + offs_d[None, :] * stride_od,
+                     tl.zeros([BLOCK_M, BLOCK_D], dtype=out_ptr.dtype.element_ty),
+                     mask=row_mask[:, None] & d_mask[None, :])
+            tl.store(lse_head + rows * stride_lt, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_mask)
+        return
+
+    seq_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+    seq_len = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64) - seq_start
+    m_start = m_block.to(tl.int64) * BLOCK_M
+    if m_start >= seq_len:
+        return
+
+    kv_head = ((q_head_start + head) // q_per_kv - kv_head_start).to(tl.int64)
+    offs_m += m_start
+    q_rows = seq_start + offs_m  # [BLOCK_M] int64
+    m_mask = offs_m < seq_len
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head.to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd,
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    k_base = k_ptr + seq_start * stride_kt + kv_head * stride_kh
+    v_base = v_ptr + seq_start * stride_vt + kv_head * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Keys [0, m_start) all lie below every row of this block and inside the sequence: no mask.
+    for n_start in range(0, m_start, BLOCK_N):
+        acc, l_i, m_i = _attend_key_block(
+            acc, l_i, m_i, q, k_base, v_base, n_start, seq_len, offs_m, offs_n, offs_d, qk_scale,
+            stride_kt, stride_kd, stride_vt, stride_vd,
+            HEAD_DIM=HEAD_DIM, IS_DIAGONAL=False, MASK_KV=BLOCK_D != HEAD_DIM, DOT_PRECISION=DOT_PRECISION,
+        )
+    for n_start in range(m_start, tl.minimum(m_start + BLOCK_M, seq_len), BLOCK_N):
+        acc, l_i, m_i = _attend_key_block(
+            acc, l_i, m_i, q, k_base, v_base, n_start, seq_len, offs_m, offs_n, offs_d, qk_scale,
+            stride_kt, stride_kd, stride_vt, stride_vd,
+            HEAD_DIM=HEAD_DIM, IS_DIAGONAL=True, MASK_KV=True, DOT_PRECISION=DOT_PRECISION,
+        )
+
+    out = acc / l_i[:, None]
+    tl.store(out_head + q_rows[:, None] * stride_ot + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & d_mask[None, :])
+    tl.store(lse_head + q_rows * stride_lt, (m_i + tl.log2(l_i)) * LN2, mask=m_mask)
+
+
+def _pick_config(head_dim: int, dtype: torch.dtype, config: ExtendConfig | None) -> ExtendConfig:
+    if config is None:
+        if INTERPRET:
+            config = INTERPRET_CONFIG
+        elif dtype == torch.float32:
+            config = GPU_FP32_CONFIG
+        else:
+            config = GPU_CONFIGS[min(d for d in GPU_CONFIGS if d >= head_dim)]
+    if not isinstance(config, ExtendConfig) or config.block_m % config.block_n:
+        raise ValueError(f"config must be an ExtendConfig whose block_m is a multiple of block_n, got {config!r}")
+    return config
+
+
+def extend_attention(q, k, v, cu_seqlens, max_seqlen, *, scale, q_head_start, q_per_kv, kv_head_start,
+                     out=None, lse=None, config: ExtendConfig | None = None):
+    """Causal attention of each sequence's queries to that sequence's own new keys (the DCP current chunk).
+
+    ``q``: ``[T, Hq, D]`` (this rank's local Q heads), ``k``/``v``: ``[T, Hk, D]`` (the stored KV heads), all one
+    dtype of fp16/bf16/fp32, any strides. ``cu_seqlens``: ``[B + 1]`` int32/int64 on q's device; sequence ``b`` is
+    rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` and query row ``i`` of it sees its key rows ``0..i``. ``max_seqlen``:
+    host int bounding every sequence length (it sizes the grid; no device sync). Local Q head ``i`` reads KV head
+    ``(q_head_start + i) // q_per_kv - kv_head_start``. D in 64/80/96/128/256.
+    Returns ``(out [T, Hq, D], lse [T, Hq] float32, natural log)``; ``out`` (any float dtype, defaults to q's) and
+    ``lse`` are written in place when given. Rows past ``cu_seqlens[B]`` get (0, -inf). ``config`` overrides the
+    tile table (benchmarks only).
+
+    Example (rank with local Q heads 8..15 of a 32 Q / 2 KV model, k holding KV heads 0..1):
+    ``o, l = extend_attention(q, k, v, cu, 4096, scale=128**-0.5, q_head_start=8, q_per_kv=16, kv_head_start=0)``
+    """
+    device = q.device if isinstance(q, torch.Tensor) else None
+    check_tensor("q", q, ndim=3, device=device)
+    check_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=device)
+    check_tensor("v", v, ndim=3, dtypes=(q.dtype,), device=device)
+    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    num_tokens, num_q_heads, head_dim = q.shape
+    check_shape("k", k, (num_tokens, None, head_dim))
+    check_shape("v", v, tuple(k.shape))
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim {head_dim} of q is not supported; supported: {SUPPORTED_HEAD_DIMS}")
+    if cu_seqlens.shape[0] < 1:
+        raise ValueError("cu_seqlens must hold B + 1 >= 1 offsets, got an empty tensor")
+    if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 0:
+        raise ValueError(f"max_seqlen must be a host int >= 0, got {max_seqlen!r}")
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not scale > 0:
+        raise ValueError(f"scale must be a positive float, got {scale!r}")
+    check_head_map(num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv,
+                   kv_head_start=kv_head_start, num_kv_heads=k.shape[1], kv_name="k")
+    cfg = _pick_config(head_dim, q.dtype, config)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    else:
+        check_out("out", out, tuple(q.shape), device)
+    if lse is None:
+        lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=device)
+    else:
+        check_out("lse", lse, (num_tokens, num_q_heads), device, dtypes=(torch.float32,))
+    if num_tokens == 0 or num_q_heads == 0:
+        return out, lse
+
+    grid = (max(1, triton.cdiv(max_seqlen, cfg.block_m)), num_q_heads, cu_seqlens.shape[0])
+    extend_attention_kernel[grid](
+        q, k, v, out, lse, cu_seqlens,
+        num_tokens, float(scale) * 1.4426950408889634, q_head_start, q_per_kv, kv_head_start,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
+        HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        # fp32 inputs: exact fp32 products (TF32 would cost ~1e-3 relative error).
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse

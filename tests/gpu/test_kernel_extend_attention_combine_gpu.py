@@ -1,0 +1,63 @@
+"""extend_attention and the combine kernels compiled for the GPU, at real sizes and in bf16, vs float64 references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcp_plugin.kernels import reference
+from dcp_plugin.kernels.combine import combine_partials, merge_states, rescale_partial
+from dcp_plugin.kernels.extend_attention import extend_attention
+from tests.kernel_checks import assert_matches, poisoned
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_extend_attention(head_dim, dtype):
+    lengths = [1, 700, 0, 333, 1500]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    t = sum(lengths)
+    # Local Q heads 8..15 of a 32 Q / 2 KV model; k holds both KV heads.
+    q = torch.randn(t, 8, head_dim, device="cuda").to(dtype)
+    k, v = (torch.randn(t, 2, head_dim, device="cuda").to(dtype) for _ in range(2))
+    out, lse = poisoned(q.shape, dtype, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
+    heads = dict(q_head_start=8, q_per_kv=16, kv_head_start=0)
+    extend_attention(q, k, v, cu, max(lengths), scale=head_dim**-0.5, out=out, lse=lse, **heads)
+    want_out, want_lse = reference.extend_attention(q.double(), k.double(), v.double(), cu, max(lengths),
+                                                    scale=head_dim**-0.5, **heads)
+    assert_matches(out, want_out, dtype, "out")
+    assert_matches(lse, want_lse, dtype, "lse")
+
+
+@pytest.mark.parametrize("num_parts", [2, 3, 8])
+def test_combine_partials_bf16_packed_with_extra(num_parts):
+    t, h, d = 3000, 5, 128
+    parts = torch.randn(num_parts, t, h, d + 1, device="cuda")
+    parts[..., d] *= 4
+    parts[0, ::7, :, d] = float("-inf")
+    parts[0, ::7, :, :d] = float("nan")
+    extra_out, extra_lse = torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16), torch.randn(t, h, device="cuda")
+    out, lse = poisoned((t, h, d), torch.bfloat16, "cuda"), poisoned((t, h), torch.float32, "cuda")
+    combine_partials(parts[..., :d], parts[..., d], out=out, lse=lse, extra_out=extra_out, extra_lse=extra_lse)
+    want_out, want_lse = reference.combine_partials(parts[..., :d].double(), parts[..., d].double(),
+                                                    extra_out=extra_out.double(), extra_lse=extra_lse.double())
+    assert_matches(out, want_out, torch.bfloat16, "out")
+    assert_matches(lse, want_lse, torch.float32, "lse")
+
+
+def test_merge_states_and_rescale_bf16():
+    t, h, d = 4096, 32, 128
+    out_a, out_b = torch.randn(t, h, d, device="cuda"), torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16)
+    lse_a, lse_b = torch.randn(t, h, device="cuda") * 4, torch.randn(t, h, device="cuda") * 4
+    lse_a[::5] = float("-inf")
+    out, lse = merge_states(out_a, lse_a, out_b, lse_b)
+    want_out, want_lse = reference.merge_states(out_a.double(), lse_a.double(), out_b.double(), lse_b.double())
+    assert_matches(out, want_out, torch.bfloat16, "out")
+    assert_matches(lse, want_lse, torch.float32, "lse")
+    lse_all = torch.stack([lse_a, lse_b])
+    scaled, lse = rescale_partial(out_b, lse_all, 1)
+    want_scaled, want_lse = reference.rescale_partial(out_b.double(), lse_all.double(), 1)
+    assert_matches(scaled, want_scaled, torch.bfloat16, "scaled")
+    assert_matches(lse, want_lse, torch.float32, "lse")

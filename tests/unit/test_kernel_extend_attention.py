@@ -1,0 +1,138 @@
+"""extend_attention (the DCP current chunk) under the Triton interpreter vs the float64 torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcp_plugin.kernels import reference
+from dcp_plugin.kernels.extend_attention import ExtendConfig, extend_attention
+from tests.kernel_checks import assert_matches, poisoned
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _check(lengths, *, num_q_heads, num_kv_heads, q_head_start, q_per_kv, kv_head_start, head_dim=64,
+           dtype=torch.float32, out_dtype=None, num_tokens=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = sum(lengths) if num_tokens is None else num_tokens
+    q = torch.randn(num_tokens, num_q_heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    cu = _cu(lengths)
+    heads = dict(q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start)
+    out = poisoned(q.shape, out_dtype or dtype)
+    lse = poisoned(q.shape[:2], torch.float32)
+    got_out, got_lse = extend_attention(q, k, v, cu, max(lengths, default=0), scale=head_dim**-0.5, out=out, lse=lse,
+                                        **heads)
+    assert got_out is out and got_lse is lse
+    want_out, want_lse = reference.extend_attention(q.double(), k.double(), v.double(), cu, max(lengths, default=0),
+                                                    scale=head_dim**-0.5, **heads)
+    assert_matches(out, want_out, dtype if out_dtype is None else min_precision(dtype, out_dtype), "out")
+    assert_matches(lse, want_lse, dtype, "lse")
+
+
+def min_precision(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    return a if torch.finfo(a).eps >= torch.finfo(b).eps else b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("lengths", [[1], [7], [63], [5, 0, 17, 1], [0, 40]],
+                         ids=["len1", "len7", "len63", "mixed_with_empty", "empty_first"])
+def test_lengths(lengths, dtype):
+    _check(lengths, num_q_heads=3, num_kv_heads=1, q_head_start=0, q_per_kv=3, kv_head_start=0, dtype=dtype)
+
+
+# (local Q heads, stored KV heads, q_head_start, q_per_kv, kv_head_start)
+HEAD_MAPS = {
+    "gqa1:1": (2, 2, 0, 1, 0),
+    "gqa3:1": (6, 2, 0, 3, 0),
+    "gqa5:1": (5, 1, 0, 5, 0),
+    "gqa8:1": (8, 2, 8, 8, 1),  # Q heads 8..15 of a 32 Q / 4 KV model, k holding KV heads 1..2
+    "mqa": (4, 1, 4, 16, 0),  # Q heads 4..7 of 16, one KV head
+    "dcp_rank1_32q_2kv": (8, 2, 8, 16, 0),  # local Q heads 8..15, k holds every KV head
+    "dcp_rank0_12q_3kv": (6, 3, 0, 4, 0),  # Q heads 0..5 need KV heads 0 AND 1
+    "dcp_rank1_12q_3kv_offset": (6, 2, 6, 4, 1),  # Q heads 6..11 need KV heads 1, 2; k holds 1..2
+}
+
+
+@pytest.mark.parametrize("head_map", HEAD_MAPS.values(), ids=HEAD_MAPS.keys())
+def test_head_maps(head_map):
+    hq, hk, q_start, ratio, kv_start = head_map
+    _check([3, 18], num_q_heads=hq, num_kv_heads=hk, q_head_start=q_start, q_per_kv=ratio, kv_head_start=kv_start)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+def test_head_dims(head_dim):
+    _check([3, 18], num_q_heads=2, num_kv_heads=1, q_head_start=0, q_per_kv=2, kv_head_start=0, head_dim=head_dim,
+           dtype=torch.float16)
+
+
+def test_padding_rows_past_last_sequence_get_zero_and_minus_inf():
+    _check([5, 12], num_q_heads=2, num_kv_heads=2, q_head_start=0, q_per_kv=1, kv_head_start=0, num_tokens=40)
+
+
+def test_larger_tiles_and_fp32_out_from_fp16():
+    _check([70, 33], num_q_heads=1, num_kv_heads=1, q_head_start=0, q_per_kv=1, kv_head_start=0,
+           dtype=torch.float16, out_dtype=torch.float32)
+
+
+def test_strided_views_of_packed_buffers():
+    num_tokens, hq, hk, d = 30, 4, 2, 80
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(num_tokens, hq + 2 * hk, d + 16, generator=gen)  # padded rows: no dim is contiguous
+    q, k, v = qkv[:, :hq, :d], qkv[:, hq:hq + hk, :d], qkv[:, hq + hk:, 8:8 + d]
+    out_buf = poisoned((hq, num_tokens, d), torch.float16)
+    lse_buf = poisoned((hq, 2 * num_tokens), torch.float32)
+    out, lse = out_buf.transpose(0, 1), lse_buf[:, ::2].t()
+    cu = _cu([11, 19])
+    extend_attention(q, k, v, cu, 19, scale=0.1, q_head_start=0, q_per_kv=2, kv_head_start=0, out=out, lse=lse)
+    want_out, want_lse = reference.extend_attention(q.double(), k.double(), v.double(), cu, 19, scale=0.1,
+                                                    q_head_start=0, q_per_kv=2, kv_head_start=0)
+    assert_matches(out, want_out, torch.float16, "out")
+    assert_matches(lse, want_lse, torch.float32, "lse")
+    assert torch.isnan(lse_buf[:, 1::2]).all(), "wrote outside the lse view"
+
+
+def test_config_override():
+    q = torch.randn(20, 1, 64)
+    cu = _cu([20])
+    out, lse = extend_attention(q, q, q, cu, 20, scale=0.125, q_head_start=0, q_per_kv=1, kv_head_start=0,
+                                config=ExtendConfig(block_m=32, block_n=16, num_warps=1, num_stages=1))
+    want_out, want_lse = reference.extend_attention(q.double(), q.double(), q.double(), cu, 20, scale=0.125,
+                                                    q_head_start=0, q_per_kv=1, kv_head_start=0)
+    assert_matches(out, want_out, torch.float32, "out")
+    assert_matches(lse, want_lse, torch.float32, "lse")
+
+
+def _args(**overrides):
+    args = dict(q=torch.randn(6, 4, 64), k=torch.randn(6, 2, 64), v=torch.randn(6, 2, 64), cu_seqlens=_cu([6]),
+                max_seqlen=6, scale=0.125, q_head_start=0, q_per_kv=2, kv_head_start=0)
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(q_head_start=2), "head mapping out of range"),
+    (dict(kv_head_start=1), "head mapping out of range"),
+    (dict(q_per_kv=0), "q_per_kv"),
+    (dict(k=torch.randn(6, 2, 80)), "k must have shape"),
+    (dict(v=torch.randn(5, 2, 64)), "v must have shape"),
+    (dict(k=torch.randn(6, 2, 64, dtype=torch.float16)), "k has dtype"),
+    (dict(q=torch.randn(6, 4, 48), k=torch.randn(6, 2, 48), v=torch.randn(6, 2, 48)), "head dim 48"),
+    (dict(cu_seqlens=torch.tensor([0.0, 6.0])), "cu_seqlens has dtype"),
+    (dict(max_seqlen=-1), "max_seqlen"),
+    (dict(max_seqlen=6.0), "max_seqlen"),
+    (dict(scale=0.0), "scale"),
+    (dict(lse=torch.empty(6, 4, dtype=torch.float16)), "lse has dtype"),
+    (dict(out=torch.empty(6, 3, 64)), "out must have shape"),
+    (dict(config=ExtendConfig(block_m=16, block_n=32, num_warps=1, num_stages=1)), "block_m is a multiple"),
+], ids=["q_head_start", "kv_head_start", "q_per_kv", "k_dim", "v_tokens", "k_dtype", "head_dim", "cu_dtype",
+        "max_seqlen_negative", "max_seqlen_float", "scale", "lse_dtype", "out_shape", "config"])
+def test_bad_input_raises(overrides, match):
+    args = _args(**overrides)
+    with pytest.raises(ValueError, match=match):
+        extend_attention(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("cu_seqlens"), args.pop("max_seqlen"),
+                         **args)
