@@ -1,0 +1,210 @@
+"""DCP attention for one layer: steps 1-5 of DESIGN.md section 1 over a DcpGroup and a kernel namespace."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from types import ModuleType, SimpleNamespace
+from typing import Literal
+
+import torch
+
+from dcp_plugin.batch import DcpBatch
+from dcp_plugin.group import DcpGroup
+from dcp_plugin.layout import HeadLayout, TokenLayout
+
+CommMode = Literal["ag_rs", "a2a"]
+_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_COMMON_OPS = ("write_kv_cache", "extend_attention", "paged_attention", "merge_states")
+_COMBINE_OPS = {"ag_rs": ("rescale_partial",), "a2a": ("combine_partials",)}
+
+
+class DcpAttention:
+    """Attention of one layer on one rank of a DCP group (the rank's KV cache holds its shard of every request).
+
+    Args:
+        heads: this rank's ``HeadLayout``; tokens: its ``TokenLayout`` (the batch must be built with the same).
+        group: the DCP group (``world_size == heads.dcp_size``); ``None`` only when ``dcp_size == 1``.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+        comm: cross-rank combine, ``"ag_rs"`` (all-gather LSE, rescale, reduce-scatter O in float32) or ``"a2a"``
+            (one all-to-all of packed float32 (O, LSE) and one combine kernel that also merges the current chunk).
+        ops: kernel namespace with the signatures of ``dcp_plugin.kernels.reference``; default
+            ``dcp_plugin.kernels`` (Triton). ``dcp_plugin.kernels.reference`` runs the torch path.
+
+    Example::
+
+        attn = DcpAttention(heads=heads, tokens=tokens, group=TorchDcpGroup(), scale=64 ** -0.5)
+        out = attn.forward(q, k, v, key_cache, value_cache, batch)   # [T, heads.num_q_heads, D]
+    """
+
+    def __init__(
+        self,
+        *,
+        heads: HeadLayout,
+        tokens: TokenLayout,
+        group: DcpGroup | None,
+        scale: float,
+        comm: CommMode = "ag_rs",
+        ops: ModuleType | SimpleNamespace | None = None,
+    ) -> None:
+        if not isinstance(heads, HeadLayout):
+            raise ValueError(f"heads must be a HeadLayout, got {type(heads).__name__}")
+        if not isinstance(tokens, TokenLayout):
+            raise ValueError(f"tokens must be a TokenLayout, got {type(tokens).__name__}")
+        if (tokens.dcp_size, tokens.dcp_rank) != (heads.dcp_size, heads.dcp_rank):
+            raise ValueError(
+                f"tokens (dcp_size={tokens.dcp_size}, dcp_rank={tokens.dcp_rank}) and heads (dcp_size="
+                f"{heads.dcp_size}, dcp_rank={heads.dcp_rank}) describe different DCP positions"
+            )
+        if group is None:
+            if heads.dcp_size != 1:
+                raise ValueError(f"group is None but dcp_size={heads.dcp_size}; pass a DcpGroup of that size")
+        elif (group.world_size, group.rank_in_group) != (heads.dcp_size, heads.dcp_rank):
+            raise ValueError(
+                f"group has world_size={group.world_size}, rank_in_group={group.rank_in_group}, but the layouts "
+                f"say dcp_size={heads.dcp_size}, dcp_rank={heads.dcp_rank}"
+            )
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale must be a finite float > 0 (usually head_dim ** -0.5), got {scale!r}")
+        if comm not in _COMBINE_OPS:
+            raise ValueError(f"comm must be 'ag_rs' or 'a2a', got {comm!r}")
+        if ops is None:
+            from dcp_plugin import kernels as ops
+        needed = _COMMON_OPS + (_COMBINE_OPS[comm] if heads.dcp_size > 1 else ())
+        missing = [name for name in needed if not callable(getattr(ops, name, None))]
+        if missing:
+            raise ValueError(
+                f"ops={getattr(ops, '__name__', ops)!r} lacks {', '.join(missing)}; pass a namespace with the "
+                "signatures of dcp_plugin.kernels.reference (ops=dcp_plugin.kernels.reference runs the torch path)"
+            )
+        self.heads, self.tokens, self.group, self.scale, self.comm, self.ops = heads, tokens, group, scale, comm, ops
+        # Optional keyword arguments some kernel namespaces take (the Triton launchers) and others lack.
+        self._paged_takes_max_query_len = _accepts(ops.paged_attention, "max_query_len")
+        self._combine_takes_extra = comm == "a2a" and _accepts(getattr(ops, "combine_partials", None), "extra_out")
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        batch: DcpBatch,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write this step's owned K/V into the local cache and return the attention output of the local Q heads.
+
+        ``q``: ``[num_tokens, heads.num_q_heads, D]``; ``k``, ``v``: ``[num_tokens, heads.num_kv_heads, D]``
+        (all the step's new tokens, whichever rank owns them); ``key_cache``/``value_cache``:
+        ``[num_blocks, block_size, heads.num_kv_heads, D]`` (strided views allowed), updated in place;
+        one dtype (fp16/bf16/fp32) and one device for all. ``out`` (default: new) is ``q``-shaped, ``q.dtype``.
+        No host synchronisation; every rank of the group must call it with the same batch shape.
+        """
+        self._check_inputs(q, k, v, key_cache, value_cache, batch, out)
+        heads, ops = self.heads, self.ops
+        if out is None:
+            out = torch.empty_like(q)
+        head_map = dict(scale=self.scale, q_per_kv=heads.q_per_kv, kv_head_start=heads.kv_head_start)
+
+        ops.write_kv_cache(k, v, key_cache, value_cache, batch.slot_mapping)
+        # The current chunk: local Q heads against the step's own K/V, no communication, no K/V slicing.
+        cur_args = (q, k, v, batch.query_start_loc, batch.max_query_len)
+        if batch.max_context_len == 0:  # rank-invariant: no rank has a prefix, so no rank enters a collective
+            ops.extend_attention(*cur_args, q_head_start=heads.q_head_start, out=out, **head_map)
+            return out
+        cur_out, cur_lse = ops.extend_attention(*cur_args, q_head_start=heads.q_head_start, **head_map)
+
+        if heads.dcp_size == 1:
+            pre_out, pre_lse = self._prefix(q, key_cache, value_cache, batch, heads.q_head_start, head_map)
+            ops.merge_states(pre_out, pre_lse, cur_out, cur_lse, out=out)
+            return out
+        q_group = self.group.all_gather(q, dim=1)
+        if self.comm == "ag_rs":
+            self._prefix_ag_rs(q_group, key_cache, value_cache, batch, head_map, cur_out, cur_lse, out)
+        else:
+            self._prefix_a2a(q_group, key_cache, value_cache, batch, head_map, cur_out, cur_lse, out)
+        return out
+
+    def _prefix(self, q, key_cache, value_cache, batch, q_head_start, head_map, *, out=None, lse=None):
+        """Non-causal attention of ``q`` to this rank's shard of every request's context: float32 partials."""
+        if out is None:
+            out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        extra = {"max_query_len": batch.max_query_len} if self._paged_takes_max_query_len else {}
+        return self.ops.paged_attention(
+            q, key_cache, value_cache, batch.block_table, batch.local_context_lens, batch.query_start_loc,
+            q_head_start=q_head_start, max_context_len=batch.max_local_context_len, out=out, lse=lse,
+            **head_map, **extra,
+        )
+
+    def _prefix_ag_rs(self, q_group, key_cache, value_cache, batch, head_map, cur_out, cur_lse, out) -> None:
+        group, heads, ops = self.group, self.heads, self.ops
+        pre_out, pre_lse = self._prefix(q_group, key_cache, value_cache, batch, heads.group_q_head_start, head_map)
+        lse_all = group.all_gather(pre_lse.unsqueeze(0), dim=0)  # [N, T, H_group]
+        scaled, lse_total = ops.rescale_partial(pre_out, lse_all, group.rank_in_group)
+        mine = group.reduce_scatter(scaled, dim=1)  # [T, H_local, D] float32: the combined prefix of my heads
+        first = group.rank_in_group * heads.num_q_heads
+        ops.merge_states(mine, lse_total[:, first:first + heads.num_q_heads], cur_out, cur_lse, out=out)
+
+    def _prefix_a2a(self, q_group, key_cache, value_cache, batch, head_map, cur_out, cur_lse, out) -> None:
+        group, heads, ops = self.group, self.heads, self.ops
+        num_tokens, _, head_dim = q_group.shape
+        n, h_local = group.world_size, heads.num_q_heads
+        # Packed (O, LSE) per (token, destination rank, head): the kernel writes straight into it.
+        packed = torch.empty(num_tokens, n, h_local, head_dim + 1, dtype=torch.float32, device=q_group.device)
+        self._prefix(
+            q_group, key_cache, value_cache, batch, heads.group_q_head_start, head_map,
+            out=packed[..., :head_dim].view(num_tokens, n * h_local, head_dim),
+            lse=packed[..., head_dim].view(num_tokens, n * h_local),
+        )
+        received = group.all_to_all(packed.transpose(0, 1))  # [N source ranks, T, H_local, D + 1]
+        parts_out, parts_lse = received[..., :head_dim], received[..., head_dim]
+        if self._combine_takes_extra:
+            ops.combine_partials(parts_out, parts_lse, extra_out=cur_out, extra_lse=cur_lse, out=out)
+        else:
+            pre_out, pre_lse = ops.combine_partials(parts_out, parts_lse)
+            ops.merge_states(pre_out, pre_lse, cur_out, cur_lse, out=out)
+
+    def _check_inputs(self, q, k, v, key_cache, value_cache, batch, out) -> None:
+        heads = self.heads
+        for name, t, ndim in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("key_cache", key_cache, 4),
+                              ("value_cache", value_cache, 4)):
+            if not isinstance(t, torch.Tensor) or t.dim() != ndim:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must be a {ndim}-D tensor, got {shape}")
+        if not isinstance(batch, DcpBatch):
+            raise ValueError(f"batch must be a DcpBatch (DcpBatch.build), got {type(batch).__name__}")
+        if batch.tokens != self.tokens:
+            raise ValueError(f"batch was built for {batch.tokens}, but this layer uses {self.tokens}")
+        if q.dtype not in _INPUT_DTYPES:
+            raise ValueError(f"q has dtype {q.dtype}; supported: float16, bfloat16, float32")
+        num_tokens, head_dim = batch.num_tokens, q.shape[-1]
+        expected = {
+            "q": (q, (num_tokens, heads.num_q_heads, head_dim)),
+            "k": (k, (num_tokens, heads.num_kv_heads, head_dim)),
+            "v": (v, (num_tokens, heads.num_kv_heads, head_dim)),
+            "key_cache": (key_cache, (key_cache.shape[0], self.tokens.block_size, heads.num_kv_heads, head_dim)),
+            "value_cache": (value_cache, tuple(key_cache.shape)),
+        }
+        if out is not None:
+            expected["out"] = (out, tuple(q.shape))
+        for name, (t, shape) in expected.items():
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if tuple(t.shape) != shape:
+                raise ValueError(
+                    f"{name} has shape {tuple(t.shape)}, expected {shape} (num_tokens={num_tokens} from the batch, "
+                    f"{heads.num_q_heads} local Q / {heads.num_kv_heads} stored KV heads, "
+                    f"block_size={self.tokens.block_size}, head_dim={head_dim} from q)"
+                )
+            if t.dtype != q.dtype:
+                raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}; all inputs must share one dtype")
+            if t.device != batch.device:
+                raise ValueError(f"{name} is on {t.device} but the batch tensors are on {batch.device}")
+
+
+def _accepts(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False

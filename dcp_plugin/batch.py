@@ -1,0 +1,175 @@
+"""One step's batch as DCP attention needs it: built once per step, read by every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dcp_plugin.layout import TokenLayout
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DcpBatch:
+    """Engine-agnostic description of one step's batch on one DCP rank.
+
+    Request ``b`` has ``query_lens[b]`` new tokens (rows ``query_start_loc[b]:query_start_loc[b + 1]`` of q/k/v)
+    and ``context_lens[b] = seq_lens[b] - query_lens[b]`` tokens cached before this step, of which this rank stores
+    ``local_context_lens[b]`` in the pages ``block_table[b]``. The derived device tensors are int32 ``[num_reqs]``.
+    The host ints are rank-invariant: ``max_context_len`` is the global maximum context (0 means no request has a
+    cached prefix, so DCP attention skips its collectives) and ``max_local_context_len`` bounds
+    ``local_context_lens`` on every rank of the group.
+    Build it with ``DcpBatch.build``.
+    """
+
+    tokens: TokenLayout
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_lens: torch.Tensor
+    context_lens: torch.Tensor
+    local_context_lens: torch.Tensor
+    num_reqs: int
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    max_context_len: int
+    max_local_context_len: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.query_start_loc.device
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        tokens: TokenLayout,
+        max_query_len: int | None = None,
+        max_seq_len: int | None = None,
+        max_context_len: int | None = None,
+    ) -> DcpBatch:
+        """Derive every per-step quantity once.
+
+        Args:
+            query_start_loc: ``[num_reqs + 1]`` int32, cumulative new-token counts (starts at 0).
+            seq_lens: ``[num_reqs]`` int32, global sequence lengths INCLUDING this step's tokens.
+            block_table: ``[>= num_reqs, max_pages]`` int32, this rank's local pages of each request.
+            slot_mapping: ``[num_tokens]`` int32/int64, local cache slot of each new token, -1 where another rank
+                owns it.
+            tokens: this rank's ``TokenLayout``.
+            max_query_len, max_seq_len, max_context_len: host ints (global maxima over the batch, identical on
+                every rank) when the engine knows them. Any that is missing is computed here with one device->host
+                copy, which also validates the tensors' values; when all three are given for device tensors,
+                nothing is synchronised and only shapes are checked.
+
+        Example::
+
+            batch = DcpBatch.build(query_start_loc=qsl, seq_lens=seq_lens, block_table=table,
+                                   slot_mapping=slots, tokens=TokenLayout(dcp_size=2, dcp_rank=0))
+        """
+        if not isinstance(tokens, TokenLayout):
+            raise ValueError(f"tokens must be a TokenLayout, got {type(tokens).__name__}")
+        _check_index("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,))
+        device = query_start_loc.device
+        if query_start_loc.shape[0] < 1:
+            raise ValueError("query_start_loc must have num_reqs + 1 >= 1 entries, got an empty tensor")
+        num_reqs = query_start_loc.shape[0] - 1
+        _check_index("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
+        if seq_lens.shape[0] != num_reqs:
+            raise ValueError(
+                f"seq_lens has {seq_lens.shape[0]} entries but query_start_loc describes {num_reqs} requests "
+                f"(it must have num_reqs + 1 = {seq_lens.shape[0] + 1} entries)"
+            )
+        _check_index("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device)
+        if block_table.shape[0] < num_reqs:
+            raise ValueError(f"block_table has {block_table.shape[0]} rows but the batch has {num_reqs} requests")
+        _check_index("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int32, torch.int64), device=device)
+        hints = {"max_query_len": max_query_len, "max_seq_len": max_seq_len, "max_context_len": max_context_len}
+        for name, value in hints.items():
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"{name} must be a host int >= 0 (or None to compute it), got {value!r}")
+
+        query_lens = query_start_loc[1:] - query_start_loc[:-1]
+        context_lens = seq_lens - query_lens
+        local_context_lens = tokens.local_len(context_lens).to(torch.int32)
+        num_tokens = slot_mapping.shape[0]
+
+        if device.type == "cpu" or any(value is None for value in hints.values()):
+            actual = _host_stats(query_start_loc, query_lens, seq_lens, context_lens, num_reqs)
+            _check_values(actual, num_tokens)
+            for name, value in hints.items():
+                if value is not None and value < actual[name]:
+                    raise ValueError(f"{name}={value} is smaller than the batch's actual {name}={actual[name]}")
+                hints[name] = actual[name] if value is None else value
+
+        max_local_context_len = tokens.max_local_len(hints["max_context_len"])
+        pages_needed = -(-max_local_context_len // tokens.block_size)
+        if block_table.shape[1] < pages_needed:
+            raise ValueError(
+                f"block_table has {block_table.shape[1]} columns, but a local context of up to "
+                f"{max_local_context_len} tokens needs {pages_needed} pages of block_size={tokens.block_size}"
+            )
+        return cls(
+            tokens=tokens,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            query_lens=query_lens,
+            context_lens=context_lens,
+            local_context_lens=local_context_lens,
+            num_reqs=num_reqs,
+            num_tokens=num_tokens,
+            max_query_len=hints["max_query_len"],
+            max_seq_len=hints["max_seq_len"],
+            max_context_len=hints["max_context_len"],
+            max_local_context_len=max_local_context_len,
+        )
+
+
+def _check_index(name: str, t, *, ndim: int, dtypes: tuple, device: torch.device | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dim{'s' if ndim > 1 else ''}, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {t.dtype}; it must be {' or '.join(str(d) for d in dtypes)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but query_start_loc is on {device}")
+
+
+def _host_stats(query_start_loc, query_lens, seq_lens, context_lens, num_reqs: int) -> dict[str, int]:
+    """Every statistic build needs, in one device->host copy."""
+    if num_reqs == 0:
+        (first,) = query_start_loc.tolist()
+        return dict(first=first, last=first, min_query_len=0, min_context_len=0,
+                    max_query_len=0, max_seq_len=0, max_context_len=0)
+    stats = torch.stack([
+        query_start_loc[0], query_start_loc[-1], query_lens.min(), context_lens.min(),
+        query_lens.max(), seq_lens.max(), context_lens.max(),
+    ]).tolist()
+    names = ("first", "last", "min_query_len", "min_context_len", "max_query_len", "max_seq_len", "max_context_len")
+    return dict(zip(names, stats))
+
+
+def _check_values(actual: dict[str, int], num_tokens: int) -> None:
+    if actual["first"] != 0:
+        raise ValueError(f"query_start_loc must start at 0, got {actual['first']}")
+    if actual["min_query_len"] < 0:
+        raise ValueError("query_start_loc must be non-decreasing (a request has a negative query length)")
+    if actual["min_context_len"] < 0:
+        raise ValueError(
+            "seq_lens must be >= the query lengths (seq_lens include this step's tokens); "
+            f"some request has seq_len - query_len = {actual['min_context_len']}"
+        )
+    if actual["last"] != num_tokens:
+        raise ValueError(
+            f"slot_mapping has {num_tokens} entries but query_start_loc[-1] = {actual['last']} new tokens; "
+            "it needs one slot (or -1) per new token"
+        )

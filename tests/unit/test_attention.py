@@ -1,0 +1,164 @@
+"""DcpAttention on one rank (no collectives), its input checks, and a forward that never reads device values."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dcp_plugin import DcpAttention, DcpBatch, TokenLayout, TorchDcpGroup
+from dcp_plugin.kernels import reference
+from tests.dcp_harness import Case, RankState, World, run_case, triton_ops_available
+
+SINGLE = dict(q_heads=6, kv_heads=2, requests=((0, 5), (9, 1), (14, 4), (1, 2)), block_size=4)
+
+
+@pytest.mark.parametrize("decode_steps", [0, 5])
+@pytest.mark.parametrize("interleave", [1, 2])
+def test_single_rank_without_group(decode_steps, interleave):
+    case = Case(name="single", interleave=interleave, decode_steps=decode_steps, seed=7, **SINGLE)
+    assert run_case(case, 1, 0, None, lambda out: out) == decode_steps + 1
+
+
+@pytest.mark.skipif(not triton_ops_available(), reason="the Triton kernels are not exported from dcp_plugin.kernels")
+def test_single_rank_triton():
+    case = Case(name="single-triton", ops="triton", head_dim=64, seed=8, **SINGLE)
+    run_case(case, 1, 0, None, lambda out: out)
+
+
+def test_single_rank_torch_group_of_one(tmp_path, monkeypatch):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        group = TorchDcpGroup()
+        for name in ("all_gather", "reduce_scatter", "all_to_all"):  # DCP size 1 issues no collective at all
+            monkeypatch.setattr(group, name, None)
+        for comm in ("ag_rs", "a2a"):
+            run_case(Case(name=f"single-group-{comm}", comm=comm, seed=9, **SINGLE), 1, 0, group, lambda out: out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _setup(n: int = 2, rank: int = 0, **case_fields):
+    case = Case(name="checks", q_heads=8, kv_heads=2, requests=((3, 2), (0, 1)), seed=3, **case_fields)
+    state = RankState.create(case, World(case), n, rank)
+    q, k, v, batch, _ = state.step([2, 1])
+    return state, dict(q=q, k=k, v=v, key_cache=state.key_cache, value_cache=state.value_cache, batch=batch)
+
+
+class _ShapeGroup:
+    """Shape-only collectives for meta tensors (values do not exist, so nothing can be read)."""
+
+    def __init__(self, n: int, rank: int) -> None:
+        self.world_size, self.rank_in_group = n, rank
+
+    def all_gather(self, t, dim):
+        return torch.cat([t] * self.world_size, dim=dim)
+
+    def reduce_scatter(self, t, dim):
+        return t.chunk(self.world_size, dim=dim)[self.rank_in_group]
+
+    def all_to_all(self, t):
+        return t.contiguous()
+
+
+def _shape_ops():
+    def attention(q, *args, out=None, lse=None, **kwargs):
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if lse is None else lse
+        return out, lse
+
+    def rescale_partial(part_out, lse_all, rank, *, out=None, lse=None):
+        return torch.empty_like(part_out), torch.empty_like(lse_all[0])
+
+    def merge(*args, out=None, lse=None, **kwargs):
+        return out, lse
+
+    return SimpleNamespace(write_kv_cache=lambda *args: None, extend_attention=attention, paged_attention=attention,
+                           merge_states=merge, rescale_partial=rescale_partial, combine_partials=merge)
+
+
+@pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
+def test_forward_never_syncs(comm):
+    # Every tensor on the meta device: an .item()/.tolist()/.cpu() in forward would raise.
+    state, inputs = _setup(n=4, rank=2)
+    meta = {name: t.to("meta") for name, t in inputs.items() if name != "batch"}
+    host = inputs["batch"]
+    batch = DcpBatch.build(
+        **{name: getattr(host, name).to("meta") for name in
+           ("query_start_loc", "seq_lens", "block_table", "slot_mapping")},
+        tokens=state.tokens, max_query_len=host.max_query_len, max_seq_len=host.max_seq_len,
+        max_context_len=host.max_context_len,
+    )
+    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=_ShapeGroup(4, 2), scale=0.25, comm=comm,
+                        ops=_shape_ops())
+    out = attn.forward(**meta, batch=batch)
+    assert out.device.type == "meta" and out.shape == meta["q"].shape
+
+
+def _make(state, **overrides):
+    args = dict(heads=state.heads, tokens=state.tokens, group=_ShapeGroup(2, 0), scale=0.25, ops=reference)
+    args.update(overrides)
+    return DcpAttention(**args)
+
+
+_CONSTRUCTION = {
+    "heads type": (dict(heads="heads"), "heads must be a HeadLayout"),
+    "tokens type": (dict(tokens=None), "tokens must be a TokenLayout"),
+    "tokens other rank": (dict(tokens=TokenLayout(dcp_size=2, dcp_rank=1, block_size=4)), "different DCP"),
+    "group missing": (dict(group=None), "group is None but dcp_size=2"),
+    "group size": (dict(group=_ShapeGroup(4, 0)), "group has world_size=4"),
+    "group rank": (dict(group=_ShapeGroup(2, 1)), "rank_in_group=1"),
+    "scale zero": (dict(scale=0.0), "scale must be a finite float > 0"),
+    "scale nan": (dict(scale=float("nan")), "scale must be a finite float > 0"),
+    "scale bool": (dict(scale=True), "scale must be a finite float > 0"),
+    "comm": (dict(comm="allreduce"), "comm must be 'ag_rs' or 'a2a'"),
+    "ops missing": (dict(ops=SimpleNamespace(write_kv_cache=print)), "lacks extend_attention, paged_attention"),
+}
+
+
+@pytest.mark.parametrize("overrides, message", list(_CONSTRUCTION.values()), ids=list(_CONSTRUCTION))
+def test_bad_construction_is_named(overrides, message):
+    state, _ = _setup()
+    with pytest.raises(ValueError, match=message):
+        _make(state, **overrides)
+
+
+def _other_batch(inputs):
+    b = inputs["batch"]
+    return DcpBatch.build(query_start_loc=b.query_start_loc, seq_lens=b.seq_lens, block_table=b.block_table,
+                          slot_mapping=b.slot_mapping, tokens=TokenLayout(dcp_size=2, dcp_rank=0, block_size=8))
+
+
+_FORWARD = {
+    "q heads": (lambda i: dict(q=i["q"][:, :3]), "q has shape"),
+    "q 2-D": (lambda i: dict(q=i["q"][:, 0]), "q must be a 3-D tensor"),
+    "q float64": (lambda i: dict(q=i["q"].double()), "q has dtype torch.float64"),
+    "k heads": (lambda i: dict(k=i["k"][:, :1]), "k has shape"),
+    "v head dim": (lambda i: dict(v=i["v"][..., :8]), "v has shape"),
+    "token count": (lambda i: dict(q=i["q"][:2], k=i["k"][:2], v=i["v"][:2]), r"num_tokens=3"),
+    "cache kv heads": (lambda i: dict(key_cache=i["key_cache"][:, :, :1]), "key_cache has shape"),
+    "cache block size": (lambda i: dict(key_cache=i["key_cache"][:, :2]), "key_cache has shape"),
+    "value cache shape": (lambda i: dict(value_cache=i["value_cache"][:1]), "value_cache has shape"),
+    "k dtype": (lambda i: dict(k=i["k"].half()), "k has dtype torch.float16 but q has"),
+    "cache dtype": (lambda i: dict(value_cache=i["value_cache"].half()), "value_cache has dtype"),
+    "cache device": (lambda i: dict(key_cache=i["key_cache"].to("meta")), "key_cache is on meta"),
+    "out shape": (lambda i: dict(out=torch.empty(3, 4, 8)), "out has shape"),
+    "out dtype": (lambda i: dict(out=torch.empty(3, 4, 16, dtype=torch.float16)), "out has dtype"),
+    "batch type": (lambda i: dict(batch="batch"), "batch must be a DcpBatch"),
+    "batch layout": (lambda i: dict(batch=_other_batch(i)), "batch was built for"),
+}
+
+
+@pytest.mark.parametrize("bad, message", list(_FORWARD.values()), ids=list(_FORWARD))
+def test_bad_forward_input_is_named_before_any_work(bad, message):
+    state, inputs = _setup()
+    attn = _make(state)
+    before = state.key_cache.clone(), state.value_cache.clone()
+    with pytest.raises(ValueError, match=message):
+        attn.forward(**{**inputs, **bad(inputs)})
+    # Nothing was written: the check runs before the cache write.
+    for cache, saved in zip((state.key_cache, state.value_cache), before):
+        assert torch.equal(cache.nan_to_num(7.0), saved.nan_to_num(7.0))
+

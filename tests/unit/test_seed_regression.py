@@ -1,0 +1,187 @@
+"""Regression for the seeds' bug class (SGLang #34161, GSM8K 0.95 -> 0.77): the current chunk must use the KV
+heads its local Q heads map to, with no communication and no K/V slicing. Kept forever.
+
+TP4/DCP4 with 32 Q / 2 KV heads in the group layout: every rank stores KV heads 0 and 1, rank r holds Q heads
+8r..8r+7, so ranks 0-1 read KV head 0 only and ranks 2-3 KV head 1 only in the current chunk. The four ranks run
+as threads of this process; the group below counts collectives and moves real tensors between them.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import pytest
+import torch
+
+from dcp_plugin import DcpAttention
+from tests.dcp_harness import Case, RankState, World, causal_attention_f64, resolve_ops, triton_ops_available
+from tests.kernel_checks import assert_matches
+
+N = 4
+FRESH = ((0, 5), (0, 1), (0, 3))  # no cached prefix anywhere: the current chunk is the whole answer
+MIXED = ((0, 5), (9, 1), (14, 4), (2, 2))  # fresh prompt, decode, chunked prefill on a prefix, context < N
+_COLLECTIVE_NAMES = ("all_gather", "reduce_scatter", "all_to_all")
+COLLECTIVES = {"ag_rs": ["all_gather", "all_gather", "reduce_scatter"], "a2a": ["all_gather", "all_to_all"]}
+_KERNEL_LOCK = threading.Lock()  # the Triton interpreter is not thread-safe: one kernel call at a time
+
+
+class _Exchange:
+    """Every rank deposits a tensor, waits for the others, and reads all of them."""
+
+    def __init__(self, n: int) -> None:
+        self.slots: list[torch.Tensor | None] = [None] * n
+        self.barrier = threading.Barrier(n, timeout=120)
+
+    def swap(self, rank: int, t: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[rank] = t.clone()
+        self.barrier.wait()
+        parts = list(self.slots)
+        self.barrier.wait()  # nobody deposits the next tensor before everyone has read this one
+        return parts
+
+
+class CountingGroup:
+    """A DcpGroup test double: computes real collectives across the threads and logs each call."""
+
+    def __init__(self, exchange: _Exchange, rank: int, log: list) -> None:
+        self.exchange, self.rank, self.log = exchange, rank, log
+
+    @property
+    def world_size(self) -> int:
+        return len(self.exchange.slots)
+
+    @property
+    def rank_in_group(self) -> int:
+        return self.rank
+
+    def all_gather(self, t, dim):
+        self.log.append("all_gather")
+        return torch.cat(self.exchange.swap(self.rank, t), dim=dim)
+
+    def reduce_scatter(self, t, dim):
+        self.log.append("reduce_scatter")
+        return torch.stack(self.exchange.swap(self.rank, t)).sum(0).chunk(self.world_size, dim=dim)[self.rank]
+
+    def all_to_all(self, t):
+        self.log.append("all_to_all")
+        return torch.cat([part.chunk(self.world_size)[self.rank] for part in self.exchange.swap(self.rank, t)])
+
+
+class RecordingOps:
+    """Delegates to a kernel namespace and logs every call (name, args, kwargs) in order."""
+
+    def __init__(self, ops, log: list) -> None:
+        self._ops, self._log = ops, log
+
+    def __getattr__(self, name):
+        fn = getattr(self._ops, name)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            self._log.append((name, args, kwargs))
+            with _KERNEL_LOCK:
+                return fn(*args, **kwargs)
+
+        return call
+
+
+def _run_ranks(fn) -> list:
+    """``fn(rank, exchange)`` on N threads; re-raises the first failure."""
+    exchange, results, errors = _Exchange(N), [None] * N, []
+
+    def target(rank):
+        try:
+            results[rank] = fn(rank, exchange)
+        except BaseException as exc:  # noqa: BLE001 - reported below, with the other ranks released
+            errors.append(exc)
+            exchange.barrier.abort()
+
+    threads = [threading.Thread(target=target, args=(rank,)) for rank in range(N)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not any(thread.is_alive() for thread in threads), "a rank thread hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _seed_case(requests, comm: str, ops: str) -> Case:
+    return Case(name="seed", q_heads=32, kv_heads=2, kv_replication="group", tp=4, block_size=4, head_dim=64,
+                requests=requests, comm=comm, ops=ops, seed=34161)
+
+
+def _forward(case: Case, poison_kv_head: dict[int, int] | None = None):
+    """Run one step on the four ranks; returns per rank (log, k, v, heads, out, want) with the step's k/v poisoned
+    with NaN in KV head ``poison_kv_head[rank]``."""
+    world = World(case)
+
+    def rank_fn(rank, exchange):
+        state = RankState.create(case, world, N, rank)
+        log = []
+        group = CountingGroup(exchange, rank, log)
+        attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=group, scale=world.scale,
+                            comm=case.comm, ops=RecordingOps(resolve_ops(case.ops), log))
+        q, k, v, batch, positions = state.step([new for _, new in case.requests])
+        if poison_kv_head and rank in poison_kv_head:
+            k[:, poison_kv_head[rank]] = float("nan")
+            v[:, poison_kv_head[rank]] = float("nan")
+        out = attn.forward(q, k, v, state.key_cache, state.value_cache, batch,
+                           out=torch.full(q.shape, float("nan"), dtype=q.dtype))
+        local = range(state.heads.q_head_start, state.heads.q_head_start + state.heads.num_q_heads)
+        want = torch.cat([causal_attention_f64(world, b, p, local) for b, p in enumerate(positions)])
+        return log, k, v, state.heads, out, want
+
+    return _run_ranks(rank_fn)
+
+
+def _ops_params():
+    triton = pytest.param("triton", marks=pytest.mark.skipif(
+        not triton_ops_available(), reason="the Triton kernels are not exported from dcp_plugin.kernels yet"))
+    return ["reference", triton]
+
+
+@pytest.mark.parametrize("ops", _ops_params())
+@pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
+def test_fresh_prompts_issue_no_collective(comm, ops):
+    for rank, (log, _, _, _, out, want) in enumerate(_forward(_seed_case(FRESH, comm, ops))):
+        assert [e for e in log if isinstance(e, str)] == [], f"rank {rank} communicated: {log}"
+        assert_matches(out, want, torch.float32, f"rank {rank}")
+
+
+@pytest.mark.parametrize("ops", _ops_params())
+@pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
+def test_current_chunk_takes_full_kv_and_global_head_map(comm, ops):
+    for rank, (log, k, v, heads, out, want) in enumerate(_forward(_seed_case(MIXED, comm, ops))):
+        names = [e if isinstance(e, str) else e[0] for e in log]
+        chunk = names.index("extend_attention")
+        assert "all_gather" not in names[:chunk], f"rank {rank}: a collective before the current chunk: {names}"
+        assert [n for n in names if n in _COLLECTIVE_NAMES] == COLLECTIVES[comm], f"rank {rank}: {names}"
+        _, args, kwargs = log[chunk]
+        assert args[1] is k and args[2] is v, f"rank {rank}: the current chunk got sliced or copied K/V"
+        assert (kwargs["q_head_start"], kwargs["q_per_kv"], kwargs["kv_head_start"]) == (8 * rank, 16, 0)
+        assert heads.current_chunk_kv == ((0, 1) if rank < 2 else (1, 2))
+        assert_matches(out, want, torch.float32, f"rank {rank}")
+
+
+@pytest.mark.parametrize("requests", [FRESH, MIXED], ids=["fresh", "mixed"])
+@pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
+def test_current_chunk_never_reads_the_other_kv_head(requests, comm):
+    # Ranks 0-1 read KV head 0 only, ranks 2-3 KV head 1 only: NaN in the head a rank must not read changes nothing.
+    results = _forward(_seed_case(requests, comm, "reference"), poison_kv_head={0: 1, 1: 1, 2: 0, 3: 0})
+    for rank, (_, _, _, _, out, want) in enumerate(results):
+        assert_matches(out, want, torch.float32, f"rank {rank} with its unused KV head poisoned")
+
+
+@pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
+def test_poisoning_the_head_a_rank_reads_is_detected(comm):
+    # The converse, so the test above can fail: rank 1 reads KV head 0, rank 2 reads KV head 1.
+    results = _forward(_seed_case(MIXED, comm, "reference"), poison_kv_head={1: 0, 2: 1})
+    for rank in (1, 2):
+        out, want = results[rank][4].double(), results[rank][5]
+        # NaN scores make the chunk's LSE NaN, which the merge counts as empty: wrong numbers, not NaN.
+        assert not torch.allclose(out, want, atol=1e-2), f"rank {rank} ignored its own KV head"
+    for rank in (0, 3):
+        assert_matches(results[rank][4], results[rank][5], torch.float32, f"rank {rank}")
