@@ -1,0 +1,64 @@
+"""``DcpTritonBackend``: the class vLLM resolves for ``--attention-backend dcp-triton``."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import AttentionBackend, MultipleOf
+
+from dcp_plugin.adapters.vllm import compat, support
+
+
+class DcpTritonBackend(AttentionBackend):
+    """Decode-context-parallel attention with Triton kernels (``dcp_plugin``), for decoder self-attention.
+
+    vLLM writes the cache through ``impl.do_kv_cache_update`` before ``forward``. Any ``KVCacheLayout`` works:
+    the impl takes K and V as strided views of the layer's logical ``[blocks, heads, block_size, 2 * head]`` cache.
+    """
+
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = list(support.SUPPORTED_DTYPES)
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(support.SUPPORTED_KV_CACHE_DTYPES)
+
+    @staticmethod
+    def get_name() -> str:
+        return "DCP_TRITON"  # the AttentionBackendEnum key vLLM looks the layer's backend up by
+
+    @staticmethod
+    def get_impl_cls():
+        from dcp_plugin.adapters.vllm.impl import DcpTritonImpl
+
+        return DcpTritonImpl
+
+    @staticmethod
+    def get_builder_cls():
+        from dcp_plugin.adapters.vllm.builder import DcpTritonMetadataBuilder
+
+        return DcpTritonMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(support.supported_head_sizes())
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        return None  # every layout keeps K||V innermost; the kernels take the resulting strides
+
+    @classmethod
+    def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
+                             use_mm_prefix, device_capability) -> str | None:
+        """vLLM's selector lists terse reasons ("head_size not supported"); this one says what is supported."""
+        from vllm.v1.attention.backend import AttentionType
+
+        problems = support.layer_problems(
+            head_size=head_size, alibi_slopes=None, sliding_window=None, kv_cache_dtype=kv_cache_dtype or "auto",
+            logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
+            extra_impl_args={"sinks": True if has_sink else None}, model_dtype=dtype,
+        )
+        version = compat.unsupported_vllm_reason()
+        return "; ".join(([version] if version else []) + problems) or None

@@ -1,0 +1,72 @@
+"""Per-step metadata: vLLM's ``CommonAttentionMetadata`` -> one ``DcpBatch`` that every layer of the group reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.distributed.parallel_state import get_dcp_world_size_and_rank
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder, CommonAttentionMetadata
+
+from dcp_plugin.batch import DcpBatch
+from dcp_plugin.layout import TokenLayout
+
+
+@dataclass(frozen=True, slots=True)
+class DcpTritonMetadata:
+    """``batch``: the step as DCP attention sees it; ``num_actual_tokens``: rows of ``output`` vLLM reads (the
+    batch's ``num_tokens`` plus any padding rows, which forward zeroes)."""
+
+    batch: DcpBatch
+    num_actual_tokens: int
+
+
+class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
+    """Builds the ``DcpBatch`` once per step on the host; forward does no host work.
+
+    The token layout follows the KV-cache group: a group vLLM does not shard over DCP (``dcp_sharded=False``,
+    e.g. a replicated draft model) gets DCP size 1 inside a DCP target's process group.
+    """
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        dcp_size, dcp_rank = get_dcp_world_size_and_rank(kv_cache_spec.dcp_sharded)
+        self.tokens = TokenLayout(
+            dcp_size=dcp_size, dcp_rank=dcp_rank,
+            interleave=vllm_config.parallel_config.cp_kv_cache_interleave_size,
+            block_size=kv_cache_spec.block_size,
+        )
+        # Decode rows first (MRV1 runners reorder only when asked): the kernels take any mix, so DCP needs no
+        # forced threshold of 1, and spec-decode verify rows count as decodes.
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True, supports_dcp_with_varlen=True)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> DcpTritonMetadata:
+        cm = common_attn_metadata
+        if cm.causal is not True:
+            raise ValueError(
+                f"causal={cm.causal!r}: the dcp-triton backend runs causal decoder attention only; supported: True"
+            )
+        num_reqs = cm.num_reqs
+        query_start_loc_cpu = cm.query_start_loc_cpu[: num_reqs + 1]
+        num_tokens = int(query_start_loc_cpu[-1])  # host tensor: real tokens, without padding rows
+        max_context_len = None
+        if cm.seq_lens_cpu_upper_bound is not None and num_reqs > 0:
+            # Host data, identical on every rank: a rank-invariant bound for the skip-the-prefix decision.
+            query_lens_cpu = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
+            max_context_len = int((cm.seq_lens_cpu_upper_bound[:num_reqs] - query_lens_cpu).max().clamp_min(0))
+        batch = DcpBatch.build(
+            query_start_loc=cm.query_start_loc[: num_reqs + 1],
+            seq_lens=cm.seq_lens[:num_reqs],
+            block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping[:num_tokens],
+            tokens=self.tokens,
+            max_query_len=cm.max_query_len,
+            max_seq_len=cm.max_seq_len,
+            max_context_len=max_context_len,
+        )
+        return DcpTritonMetadata(batch=batch, num_actual_tokens=cm.num_actual_tokens)

@@ -1,0 +1,155 @@
+"""The attention impl vLLM calls per layer: cache write in ``do_kv_cache_update``, DCP attention in ``forward``."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import AttentionImpl, AttentionType
+
+from dcp_plugin.adapters.vllm import compat, registration, support, topology
+from dcp_plugin.adapters.vllm.builder import DcpTritonMetadata
+from dcp_plugin.attention import DcpAttention
+from dcp_plugin.layout import TokenLayout
+
+logger = logging.getLogger("vllm.dcp_triton")
+_logged_startup: set[tuple] = set()
+
+
+class _CacheWrittenOps:
+    """The kernel namespace DcpAttention runs, minus its cache write: vLLM already wrote the cache for this layer
+    in ``do_kv_cache_update`` (with the same namespace's ``write_kv_cache``), so the cache is written once."""
+
+    def __init__(self, ops) -> None:
+        self._ops = ops
+        self.__name__ = getattr(ops, "__name__", type(ops).__name__)
+
+    def __getattr__(self, name: str):
+        return getattr(self._ops, name)
+
+    @staticmethod
+    def write_kv_cache(k, v, key_cache, value_cache, slot_mapping) -> None:
+        return None
+
+
+def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's layer cache, a logical ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` strided view (K then
+    V on the last dim, any ``KVCacheLayout``), as two ``[num_blocks, block_size, num_kv_heads, head_size]`` views."""
+    kv = kv_cache.transpose(1, 2)
+    return kv[..., :head_size], kv[..., head_size:]
+
+
+class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
+    """Decode-context-parallel attention over vLLM's paged KV cache.
+
+    Everything is decided here at model construction (topology, kernel path, option checks); ``forward`` reads
+    only its arguments and what ``__init__`` stored.
+    """
+
+    supports_dcp = True
+    can_return_lse_for_decode = True  # vLLM asserts it for DCP > 1; the LSE never leaves DcpAttention
+    lse_base_on_e = True
+    # The current-chunk / cached-prefix split is exact for multi-token queries at any interleave.
+    supports_mtp_with_cp_non_trivial_interleave_size = True
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **extra_impl_args,
+    ) -> None:
+        compat.check_supported_vllm()
+        vllm_config = get_current_vllm_config()
+        model_dtype = vllm_config.model_config.dtype if vllm_config.model_config is not None else None
+        support.check_layer(
+            head_size=head_size, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
+            kv_cache_dtype=kv_cache_dtype, logits_soft_cap=logits_soft_cap, attn_type=attn_type,
+            kv_sharing_target_layer_name=kv_sharing_target_layer_name, extra_impl_args=extra_impl_args,
+            model_dtype=model_dtype,
+        )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kernel_path, ops = support.select_kernels()
+        support.check_kernel_dtype(self.kernel_path, ops, model_dtype)
+        self.topology = topology.from_vllm(
+            num_heads=num_heads, num_kv_heads=self.num_kv_heads, dcp_size=self.dcp_world_size,
+            dcp_rank=self.dcp_rank, vllm_config=vllm_config,
+        )
+        self._write_kv_cache = ops.write_kv_cache
+        self._ops = _CacheWrittenOps(ops)
+        self._attention: dict[TokenLayout, DcpAttention] = {}
+        self._log_startup()
+
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        """Store the new K/V rows this rank owns; ``slot_mapping`` may be shorter than ``key`` (padding rows) and
+        holds -1 for tokens another DCP rank owns."""
+        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
+        self._write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: DcpTritonMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise ValueError("dcp-triton does not fuse output quantization (output_scale / output_block_scale)")
+        if attn_metadata is None:  # profiling / dummy run
+            return output.fill_(0)
+        batch = attn_metadata.batch
+        attention = self._attention.get(batch.tokens) or self._bind(batch.tokens, kv_cache)
+        n = batch.num_tokens
+        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
+        attention.forward(query[:n], key[:n], value[:n], key_cache, value_cache, batch, out=output[:n])
+        if attn_metadata.num_actual_tokens > n:
+            output[n:attn_metadata.num_actual_tokens].zero_()
+        return output
+
+    def _bind(self, tokens: TokenLayout, kv_cache: torch.Tensor) -> DcpAttention:
+        """First step with this token layout (the KV-cache block size is known only then): build DcpAttention."""
+        heads = self.topology.heads
+        if (tokens.dcp_size, tokens.dcp_rank) != (heads.dcp_size, heads.dcp_rank):
+            raise ValueError(
+                f"the KV-cache group is sharded over DCP size {tokens.dcp_size} (rank {tokens.dcp_rank}) but this "
+                f"layer's model runs at DCP size {heads.dcp_size} (rank {heads.dcp_rank}); a draft model must use "
+                "the target's decode_context_parallel_size or a replicated (unsharded) KV cache"
+            )
+        if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * self.head_size:
+            raise ValueError(
+                f"KV cache view of shape {tuple(kv_cache.shape)}: dcp-triton needs [num_blocks, num_kv_heads, "
+                f"block_size, 2 * head_size={2 * self.head_size}] (K and V of equal head size)"
+            )
+        attention = DcpAttention(
+            heads=heads, tokens=tokens, group=self.topology.group, scale=self.scale, comm=self.topology.comm,
+            ops=self._ops,
+        )
+        self._attention[tokens] = attention
+        return attention
+
+    def _log_startup(self) -> None:
+        t = self.topology
+        line = (
+            "dcp-triton attention: backend=DCP_TRITON dcp_size=%d dcp_rank=%d tp_rank=%d/%d local_q_heads=%d "
+            "(global %d..%d) stored_kv_heads=%d (global %d..%d) interleave=%d comm=%s kernels=%s cpu_attn_routed=%s"
+        )
+        args = (
+            t.ps.attn_dcp_size, t.ps.attn_dcp_rank, t.ps.tp_rank, t.ps.tp_size, t.heads.num_q_heads,
+            t.heads.q_head_start, t.heads.q_head_start + t.heads.num_q_heads - 1, t.heads.num_kv_heads,
+            t.heads.kv_head_start, t.heads.kv_head_start + t.heads.num_kv_heads - 1, t.interleave, t.comm,
+            self.kernel_path, registration.cpu_route_reason or "no",
+        )
+        if args not in _logged_startup:  # once per worker (and once more for a draft with another topology)
+            _logged_startup.add(args)
+            logger.info(line, *args)

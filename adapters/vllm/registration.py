@@ -1,0 +1,76 @@
+"""Make ``--attention-backend dcp-triton`` select the DCP-Triton backend in every vLLM process.
+
+Three things, all re-entrant:
+1. the enum member ``AttentionBackendEnum.DCP_TRITON`` (value: the backend's class path) and the key
+   ``"DCP-TRITON"``, because vLLM parses the flag as ``AttentionBackendEnum[value.upper()]``;
+2. pickling: the member pickles as a call to ``selected_backend()``, so a spawned engine-core or worker process,
+   which unpickles the engine config before it loads plugins, registers the backend while unpickling;
+3. CPU routing: vLLM's CPU platform always returns ``CPU_ATTN``; a process that unpickles a config selecting
+   dcp-triton (or that runs with ``DCP_TRITON_CPU=1``) routes ``CPU_ATTN`` to this backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from dcp_plugin.adapters.vllm import compat
+
+BACKEND_NAME = "DCP_TRITON"
+BACKEND_ALIAS = "DCP-TRITON"
+BACKEND_PATH = "dcp_plugin.adapters.vllm.backend.DcpTritonBackend"
+CPU_OPT_IN_ENV = "DCP_TRITON_CPU"
+
+# Under vLLM's logger, so its handler, format and VLLM_LOGGING_LEVEL apply.
+logger = logging.getLogger("vllm.dcp_triton")
+# Why CPU_ATTN resolves to this backend in this process (None: it does not). Routing can happen while a spawned
+# process unpickles its config, before vLLM configures logging there, so the impl's startup line repeats it.
+cpu_route_reason: str | None = None
+
+
+def register() -> None:
+    """Register the backend with vLLM (any number of times, in any process). Imports vLLM."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    member = AttentionBackendEnum._member_map_.get(BACKEND_NAME)
+    if member is None:
+        # Always with the class path: a member registered with the value "" would take over TORCH_SDPA's value.
+        register_backend(BACKEND_NAME, BACKEND_PATH)
+        member = AttentionBackendEnum._member_map_[BACKEND_NAME]
+    if compat.BACKEND_ALIAS_NEEDED:
+        AttentionBackendEnum._member_map_.setdefault(BACKEND_ALIAS, member)
+    if compat.SPAWN_UNPICKLES_CONFIG_BEFORE_PLUGINS:
+        # Instance attribute: only this member pickles differently; every built-in member keeps vLLM's pickling.
+        member.__reduce_ex__ = _reduce_member
+    if os.environ.get(CPU_OPT_IN_ENV, "0") == "1":
+        route_cpu_attn(reason=f"{CPU_OPT_IN_ENV}=1")
+
+
+def selected_backend():
+    """Unpickling hook of ``AttentionBackendEnum.DCP_TRITON``: register, route CPU_ATTN on CPU, return the member.
+
+    Unpickling the member means this process received an engine config in which the user selected dcp-triton.
+    """
+    register()
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if compat.CPU_PLATFORM_IGNORES_SELECTED_BACKEND and current_platform.is_cpu():
+        route_cpu_attn(reason="the engine config selects dcp-triton")
+    return AttentionBackendEnum[BACKEND_NAME]
+
+
+def route_cpu_attn(*, reason: str) -> None:
+    """Make vLLM's ``CPU_ATTN`` (the only backend its CPU platform returns) resolve to this backend here."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    global cpu_route_reason
+    if AttentionBackendEnum.CPU_ATTN.get_path() == BACKEND_PATH:
+        return
+    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+    cpu_route_reason = reason
+    logger.info("dcp-triton: CPU_ATTN now resolves to %s in process %d (%s)", BACKEND_PATH, os.getpid(), reason)
+
+
+def _reduce_member(protocol: int):
+    return selected_backend, ()

@@ -1,0 +1,110 @@
+"""What the DCP-Triton backend runs, and the startup checks that refuse everything else with a clear message."""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The kernels read the cache in the model's dtype: "auto", or the model dtype spelled out.
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+KERNELS_ENV = "DCP_TRITON_KERNELS"
+KERNEL_CHOICES = ("triton", "reference")
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def supported_head_sizes() -> tuple[int, ...]:
+    from dcp_plugin.kernels.extend_attention import SUPPORTED_HEAD_DIMS
+
+    return tuple(SUPPORTED_HEAD_DIMS)
+
+
+def layer_problems(
+    *,
+    head_size: int,
+    alibi_slopes,
+    sliding_window,
+    kv_cache_dtype: str,
+    logits_soft_cap,
+    attn_type: str,
+    kv_sharing_target_layer_name,
+    extra_impl_args: dict,
+    model_dtype: torch.dtype | None,
+) -> list[str]:
+    """Each unsupported option of one attention layer, as ``"<option>=<value>: <why>; supported: <what>"``."""
+    from vllm.v1.attention.backend import AttentionType
+
+    problems = []
+    heads = supported_head_sizes()
+    if head_size not in heads:
+        problems.append(f"head_size={head_size}: supported head sizes are {list(heads)}")
+    if model_dtype is not None and model_dtype not in SUPPORTED_DTYPES:
+        problems.append(f"dtype={model_dtype}: supported dtypes are float16, bfloat16, float32")
+    if kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+        problems.append(
+            f"kv_cache_dtype={kv_cache_dtype!r}: quantized KV caches are not supported; supported: 'auto' "
+            "(the model dtype)"
+        )
+    elif kv_cache_dtype != "auto" and model_dtype is not None and kv_cache_dtype != _DTYPE_NAMES.get(model_dtype):
+        problems.append(
+            f"kv_cache_dtype={kv_cache_dtype!r} with dtype={model_dtype}: the cache must hold the model dtype; "
+            "supported: 'auto'"
+        )
+    if sliding_window is not None:
+        problems.append(f"sliding_window={sliding_window}: sliding-window attention is not supported; supported: None")
+    if alibi_slopes is not None:
+        problems.append("alibi_slopes: ALiBi is not supported; supported: rotary/no position bias")
+    if logits_soft_cap not in (None, 0, 0.0):
+        problems.append(f"logits_soft_cap={logits_soft_cap}: soft-capped logits are not supported; supported: None")
+    if attn_type != AttentionType.DECODER:
+        problems.append(f"attn_type={attn_type!r}: only decoder self-attention is supported ('decoder')")
+    if kv_sharing_target_layer_name is not None:
+        problems.append(
+            f"kv_sharing_target_layer_name={kv_sharing_target_layer_name!r}: cross-layer KV sharing is not "
+            "supported; supported: None"
+        )
+    if extra_impl_args.get("sinks") is not None:
+        problems.append("sinks: attention sinks are not supported; supported: None")
+    for name, value in extra_impl_args.items():
+        if name != "sinks" and value not in (None, False):
+            problems.append(f"{name}={value!r}: not supported by dcp-triton; supported: unset")
+    return problems
+
+
+def check_layer(**options) -> None:
+    """Raise ``ValueError`` listing every unsupported option (see ``layer_problems``)."""
+    problems = layer_problems(**options)
+    if problems:
+        raise ValueError("The dcp-triton attention backend cannot run this layer: " + "; ".join(problems))
+
+
+def select_kernels() -> tuple[str, ModuleType]:
+    """``(description, ops)``: the kernel namespace chosen by ``DCP_TRITON_KERNELS`` (default ``triton``).
+
+    ``reference`` runs the torch references (``dcp_plugin.kernels.reference``): on CPU they are far faster than
+    Triton kernels under the interpreter.
+    """
+    choice = os.environ.get(KERNELS_ENV, "triton").strip().lower()
+    if choice == "reference":
+        from dcp_plugin.kernels import reference
+
+        return "reference (torch, dcp_plugin.kernels.reference)", reference
+    if choice != "triton":
+        raise ValueError(f"{KERNELS_ENV}={choice!r} is not a kernel path; use one of {list(KERNEL_CHOICES)}")
+    from dcp_plugin import kernels
+
+    if kernels.INTERPRET:
+        return "triton (interpreter, TRITON_INTERPRET=1)", kernels
+    return "triton", kernels
+
+
+def check_kernel_dtype(description: str, ops: ModuleType, dtype: torch.dtype | None) -> None:
+    """The Triton interpreter computes bf16 matrix products wrongly: refuse that combination instead of erring."""
+    interpreted = getattr(ops, "INTERPRET", False) and description.startswith("triton")
+    if interpreted and dtype == torch.bfloat16:
+        raise ValueError(
+            "dtype=bfloat16 with the Triton interpreter (no GPU): the interpreter computes bf16 matrix products "
+            f"wrongly; use dtype='float32' or 'float16', or {KERNELS_ENV}=reference"
+        )

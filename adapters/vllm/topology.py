@@ -1,0 +1,78 @@
+"""The worker's DCP topology from vLLM's process groups, built once per layer at model construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dcp_plugin.group import TorchDcpGroup
+from dcp_plugin.layout import HeadLayout
+from dcp_plugin.parallel_state import ParallelState
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Topology:
+    """What one attention layer of this worker needs: ranks, heads, the DCP group, the combine mode."""
+
+    ps: ParallelState
+    heads: HeadLayout
+    interleave: int
+    comm: str
+    group: TorchDcpGroup | None
+
+
+def head_layout(*, num_heads: int, num_kv_heads: int, total_kv_heads: int, ps: ParallelState) -> HeadLayout:
+    """vLLM's head layout ("tp": each rank keeps the KV heads TP gives it), checked against the layer's counts.
+
+    ``num_heads`` / ``num_kv_heads`` are the layer's per-TP-rank counts (what vLLM passes the impl).
+    """
+    try:
+        heads = HeadLayout.create(
+            num_q_heads=num_heads * ps.tp_size, num_kv_heads=total_kv_heads, ps=ps, kv_replication="tp"
+        )
+    except ValueError as err:
+        raise ValueError(
+            f"dcp-triton cannot place the heads of this model (tensor_parallel_size={ps.tp_size}, "
+            f"decode_context_parallel_size={ps.attn_dcp_size}, {num_heads * ps.tp_size} Q heads, {total_kv_heads} "
+            f"KV heads): {err}"
+        ) from err
+    if heads.num_kv_heads != num_kv_heads:
+        raise ValueError(
+            f"the attention layer holds {num_kv_heads} KV heads per rank, but vLLM's tensor-parallel split of "
+            f"{total_kv_heads} KV heads over {ps.tp_size} ranks gives {heads.num_kv_heads}"
+        )
+    return heads
+
+
+def from_vllm(*, num_heads: int, num_kv_heads: int, dcp_size: int, dcp_rank: int, vllm_config) -> Topology:
+    """Read vLLM's TP/DCP groups and the current config once (startup), never again.
+
+    ``dcp_size``/``dcp_rank`` are the impl's (``AttentionImplBase.__new__`` sets them from the config of the
+    model being built, so a replicated draft gets 1/0 inside a DCP target's process group).
+    """
+    from vllm.distributed.parallel_state import get_dcp_group, get_tp_group
+
+    parallel = vllm_config.parallel_config
+    if parallel.prefill_context_parallel_size > 1:
+        raise ValueError(
+            f"prefill_context_parallel_size={parallel.prefill_context_parallel_size}: dcp-triton supports "
+            "decode context parallelism only; supported: 1"
+        )
+    tp = get_tp_group()
+    ps = ParallelState.from_tp(tp_rank=tp.rank_in_group, tp_size=tp.world_size, dcp_size=dcp_size)
+    if ps.attn_dcp_rank != dcp_rank:
+        raise ValueError(
+            f"vLLM's DCP rank {dcp_rank} is not tp_rank % decode_context_parallel_size = {ps.attn_dcp_rank}: "
+            "dcp-triton needs DCP groups of consecutive TP ranks"
+        )
+    heads = head_layout(
+        num_heads=num_heads, num_kv_heads=num_kv_heads,
+        total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(), ps=ps,
+    )
+    group = None
+    if dcp_size > 1:
+        dcp = get_dcp_group()
+        group = TorchDcpGroup(dcp.device_group)
+    return Topology(
+        ps=ps, heads=heads, interleave=parallel.cp_kv_cache_interleave_size,
+        comm=parallel.dcp_comm_backend or "ag_rs", group=group,
+    )

@@ -1,0 +1,152 @@
+"""The metadata builder on real vLLM ``CommonAttentionMetadata``: decode, prefill, mixed, padded, DCP-sharded.
+
+Expected values come from the test's own request description and from vLLM's ``get_dcp_local_seq_lens``, never
+from dcp_plugin's layout code.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.config import VllmConfig  # noqa: E402
+from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
+from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+
+from dcp_plugin.adapters.vllm import builder as builder_module  # noqa: E402
+from dcp_plugin.adapters.vllm.builder import DcpTritonMetadataBuilder  # noqa: E402
+
+BLOCK_SIZE = 16
+
+# (query_lens, context_lens): decode-only, prefill-only, and a mixed batch (decodes first, as vLLM orders them,
+# then a chunk continuing a cached prefix, then a fresh prompt).
+BATCHES = {
+    "decode": ([1, 1, 1, 1], [1, 16, 37, 200]),
+    "prefill": ([5, 63, 17], [0, 0, 0]),
+    "mixed": ([1, 1, 24, 40], [9, 130, 33, 0]),
+}
+# (dcp_size, dcp_rank, interleave)
+TOPOLOGIES = [(1, 0, 1), (2, 1, 1), (4, 3, 1), (4, 0, 8), (2, 1, 16)]
+
+
+def vllm_slot(pos: int, table_row: list[int], *, dcp: int, rank: int, interleave: int) -> int:
+    """vLLM's slot mapping of global position ``pos`` on ``rank`` (v1/worker/block_table.py), -1 if not owned."""
+    virtual_block, v = divmod(pos, BLOCK_SIZE * dcp)
+    if (v // interleave) % dcp != rank:
+        return -1
+    return table_row[virtual_block] * BLOCK_SIZE + (v // (dcp * interleave)) * interleave + v % interleave
+
+
+def common_metadata(query_lens, context_lens, *, dcp, rank, interleave, pad_tokens=0, pad_reqs=0, seed=0):
+    """A CommonAttentionMetadata as vLLM's V1 runner fills it, with shuffled local pages and optional padding."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+    width = max(1, -(-max(seq_lens) // (BLOCK_SIZE * dcp)))
+    num_reqs = len(query_lens) + pad_reqs
+    pages = torch.randperm(num_reqs * width, generator=gen).to(torch.int32).view(num_reqs, width)
+    slots = []
+    for req, (q, c) in enumerate(zip(query_lens, context_lens)):
+        row = pages[req].tolist()
+        slots += [vllm_slot(p, row, dcp=dcp, rank=rank, interleave=interleave) for p in range(c, c + q)]
+    num_tokens = len(slots)
+    qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist() + [num_tokens] * pad_reqs, dtype=torch.int32)
+    seq = torch.tensor(seq_lens + [0] * pad_reqs, dtype=torch.int32)
+    local = get_dcp_local_seq_lens(seq, dcp, rank, interleave) if dcp > 1 else None
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq, num_reqs=num_reqs,
+        num_actual_tokens=num_tokens + pad_tokens, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        block_table_tensor=pages, slot_mapping=torch.tensor(slots + [-1] * pad_tokens, dtype=torch.int64),
+        seq_lens_cpu_upper_bound=seq.clone(), dcp_local_seq_lens=local,
+        dcp_local_seq_lens_cpu_upper_bound=None if local is None else local.clone(),
+    )
+
+
+def make_builder(monkeypatch, *, dcp, rank, interleave, dcp_sharded=True):
+    # vLLM's DCP group needs dcp_size processes; the builder asks vLLM for (size, rank) through this one call.
+    def dcp_world_size_and_rank(enabled: bool = True):
+        return (dcp, rank) if enabled else (1, 0)
+
+    monkeypatch.setattr(builder_module, "get_dcp_world_size_and_rank", dcp_world_size_and_rank)
+    config = VllmConfig()
+    config.parallel_config.cp_kv_cache_interleave_size = interleave
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float16,
+                             dcp_sharded=dcp_sharded)
+    return DcpTritonMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], config, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=lambda t: f"dcp{t[0]}-rank{t[1]}-il{t[2]}")
+@pytest.mark.parametrize("kind", list(BATCHES))
+def test_batch_matches_the_requests(monkeypatch, kind, topology):
+    dcp, rank, interleave = topology
+    query_lens, context_lens = BATCHES[kind]
+    cm = common_metadata(query_lens, context_lens, dcp=dcp, rank=rank, interleave=interleave)
+    meta = make_builder(monkeypatch, dcp=dcp, rank=rank, interleave=interleave).build(0, cm)
+    batch = meta.batch
+
+    assert (batch.tokens.dcp_size, batch.tokens.dcp_rank) == (dcp, rank)
+    assert (batch.tokens.interleave, batch.tokens.block_size) == (interleave, BLOCK_SIZE)
+    assert batch.num_reqs == len(query_lens) and batch.num_tokens == sum(query_lens)
+    assert meta.num_actual_tokens == sum(query_lens)
+    assert batch.query_lens.tolist() == query_lens
+    assert batch.context_lens.tolist() == context_lens
+    assert batch.seq_lens.tolist() == [q + c for q, c in zip(query_lens, context_lens)]
+    expected_local = get_dcp_local_seq_lens(torch.tensor(context_lens), dcp, rank, interleave) if dcp > 1 \
+        else torch.tensor(context_lens)
+    assert batch.local_context_lens.tolist() == expected_local.tolist()
+    assert torch.equal(batch.slot_mapping, cm.slot_mapping)
+    assert torch.equal(batch.block_table, cm.block_table_tensor)
+    # Rank-invariant host bounds: the global maximum context decides whether collectives run at all.
+    assert batch.max_context_len == max(context_lens)
+    assert batch.max_query_len == max(query_lens)
+    assert batch.max_local_context_len >= int(expected_local.max())
+    if dcp > 1:
+        # Internal consistency of this test's slot mapping with vLLM's own local lengths of the full sequences.
+        owned_new = [sum(s >= 0 for s in cm.slot_mapping[a:b].tolist())
+                     for a, b in zip(cm.query_start_loc_cpu[:-1].tolist(), cm.query_start_loc_cpu[1:].tolist())]
+        assert (expected_local + torch.tensor(owned_new)).tolist() == cm.dcp_local_seq_lens.tolist()
+
+
+def test_prefill_without_cached_prefix_skips_the_prefix_pass(monkeypatch):
+    cm = common_metadata([7, 30], [0, 0], dcp=2, rank=0, interleave=1)
+    batch = make_builder(monkeypatch, dcp=2, rank=0, interleave=1).build(0, cm).batch
+    assert batch.max_context_len == 0  # same on every rank: no rank enters a collective
+
+
+def test_padding_rows_and_requests_are_cut(monkeypatch):
+    cm = common_metadata([1, 1, 12], [20, 5, 40], dcp=2, rank=1, interleave=1, pad_tokens=6, pad_reqs=2)
+    meta = make_builder(monkeypatch, dcp=2, rank=1, interleave=1).build(0, cm)
+    assert meta.num_actual_tokens == 14 + 6
+    assert meta.batch.num_tokens == 14
+    assert meta.batch.num_reqs == 5  # padding requests stay, with no tokens and no context
+    assert meta.batch.query_lens.tolist() == [1, 1, 12, 0, 0]
+    assert meta.batch.context_lens.tolist() == [20, 5, 40, 0, 0]
+    assert torch.equal(meta.batch.slot_mapping, cm.slot_mapping[:14])
+
+
+def test_unsharded_kv_group_runs_at_dcp_1(monkeypatch):
+    """A replicated draft's KV-cache group (dcp_sharded=False) inside a DCP=2 process group."""
+    cm = common_metadata([1, 3], [50, 9], dcp=1, rank=0, interleave=1)
+    builder = make_builder(monkeypatch, dcp=2, rank=1, interleave=1, dcp_sharded=False)
+    batch = builder.build(0, cm).batch
+    assert (batch.tokens.dcp_size, batch.tokens.dcp_rank) == (1, 0)
+    assert batch.local_context_lens.tolist() == [50, 9]
+
+
+def test_decode_first_reordering_is_requested(monkeypatch):
+    builder = make_builder(monkeypatch, dcp=1, rank=0, interleave=1)
+    assert builder.reorder_batch_threshold == 1
+
+
+def test_non_causal_metadata_is_refused(monkeypatch):
+    cm = common_metadata([3], [0], dcp=1, rank=0, interleave=1)
+    cm.causal = False
+    with pytest.raises(ValueError, match="causal=False.*causal decoder attention only"):
+        make_builder(monkeypatch, dcp=1, rank=0, interleave=1).build(0, cm)
+
+
+def test_interleave_must_divide_the_block(monkeypatch):
+    with pytest.raises(ValueError, match="interleave=3 must divide block_size=16"):
+        make_builder(monkeypatch, dcp=2, rank=0, interleave=3)

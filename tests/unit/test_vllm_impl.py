@@ -1,0 +1,159 @@
+"""The impl on vLLM's own KV-cache views (every KVCacheLayout): cache write, forward vs float64 attention, padding.
+
+One vLLM worker's state in this process: a real VllmConfig for a tiny Llama config and vLLM's TP/DCP groups of
+one rank. The step has decodes, a fresh prompt and a chunk continuing a cached prefix; earlier steps' K/V reach
+the cache through ``do_kv_cache_update`` too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.config import set_current_vllm_config  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec, KVCacheLayout, KVCacheTensor, compute_layout_strides, create_kv_cache_views,
+)
+
+from dcp_plugin.adapters.vllm.builder import DcpTritonMetadataBuilder  # noqa: E402
+from dcp_plugin.adapters.vllm.impl import DcpTritonImpl  # noqa: E402
+from tests.kernel_checks import assert_matches  # noqa: E402
+from tests.vllm_checks import single_process_vllm_groups, write_llama_config  # noqa: E402
+
+H_Q, H_KV, D, BLOCK, NUM_BLOCKS = 4, 2, 64, 16, 24
+REQUESTS = [(37, 1), (0, 20), (130, 5), (16, 1)]  # (cached context, new tokens)
+PAD_TOKENS = 3  # rows past the batch's tokens, as a padded vLLM step has them
+CASES = [("reference", layout, dtype) for layout in KVCacheLayout for dtype in (torch.float32, torch.float16)]
+CASES += [("triton", layout, torch.float32) for layout in (KVCacheLayout.LBNHC, KVCacheLayout.LHBNC)]
+CASE_IDS = [f"{k}-{layout.name}-{str(dt).removeprefix('torch.')}" for k, layout, dt in CASES]
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm_impl")
+    model = write_llama_config(tmp / "tiny", num_attention_heads=H_Q, num_key_value_heads=H_KV, head_dim=D)
+    config = EngineArgs(model=str(model), dtype="float32", skip_tokenizer_init=True, block_size=BLOCK,
+                        attention_backend="dcp-triton").create_engine_config()
+    with set_current_vllm_config(config), single_process_vllm_groups(tmp):
+        yield config
+
+
+def layer_kv_cache(layout: KVCacheLayout, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 1 of a two-layer allocation, viewed exactly as vLLM's allocate_kv_cache views it; also layer 0."""
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=H_KV, head_size=D, dtype=dtype)
+    strides = compute_layout_strides(spec, NUM_BLOCKS, 2, layout)
+    size = 2 * NUM_BLOCKS * spec.page_size_bytes
+    tensor = KVCacheTensor(size=size, layers=["l0", "l1"], layer_stride=strides[0], block_stride=strides[1])
+    layer0, layer1 = create_kv_cache_views(torch.zeros(size, dtype=torch.int8), spec, NUM_BLOCKS, layout, tensor)
+    return layer1, layer0
+
+
+def make_impl(monkeypatch, kernels: str) -> DcpTritonImpl:
+    monkeypatch.setenv("DCP_TRITON_KERNELS", kernels)
+    return DcpTritonImpl(H_Q, D, D**-0.5, H_KV)
+
+
+def naive_attention(q, k_ctx, v_ctx, k_new, v_new) -> torch.Tensor:
+    """float64 causal attention of one request's new queries over context + new keys, Q head h -> KV h // q_per_kv."""
+    keys = torch.cat([k_ctx, k_new]).double().repeat_interleave(H_Q // H_KV, dim=1)
+    values = torch.cat([v_ctx, v_new]).double().repeat_interleave(H_Q // H_KV, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * D**-0.5
+    context = k_ctx.shape[0]
+    visible = torch.arange(keys.shape[0])[None, :] <= context + torch.arange(q.shape[0])[:, None]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, values)
+
+
+@pytest.mark.parametrize(("kernels", "layout", "dtype"), CASES, ids=CASE_IDS)
+def test_cache_write_and_forward_match_attention_over_whole_sequences(worker, monkeypatch, kernels, layout, dtype):
+    gen = torch.Generator().manual_seed(7)
+    kv_cache, other_layer = layer_kv_cache(layout, dtype)
+    impl = make_impl(monkeypatch, kernels)
+    pages = torch.randperm(NUM_BLOCKS, generator=gen).to(torch.int32)
+    width = -(-max(c + q for c, q in REQUESTS) // BLOCK)
+    table = torch.full((len(REQUESTS), width), -1, dtype=torch.int32)
+    used = 0
+    for r, (c, q) in enumerate(REQUESTS):
+        need = -(-(c + q) // BLOCK)
+        table[r, :need] = pages[used:used + need]
+        used += need
+
+    def slots(r: int, start: int, stop: int) -> list[int]:
+        return [int(table[r, p // BLOCK]) * BLOCK + p % BLOCK for p in range(start, stop)]
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    k_ctx = [rand(c, H_KV, D) for c, _ in REQUESTS]
+    v_ctx = [rand(c, H_KV, D) for c, _ in REQUESTS]
+    # Earlier steps: the cached contexts, written through the same path as this step's tokens.
+    ctx_slots = torch.tensor(sum((slots(r, 0, c) for r, (c, _) in enumerate(REQUESTS)), []), dtype=torch.int64)
+    impl.do_kv_cache_update(None, torch.cat(k_ctx), torch.cat(v_ctx), kv_cache, ctx_slots)
+
+    num_tokens = sum(q for _, q in REQUESTS)
+    q_all, k_all, v_all = rand(num_tokens + PAD_TOKENS, H_Q, D), rand(num_tokens + PAD_TOKENS, H_KV, D), \
+        rand(num_tokens + PAD_TOKENS, H_KV, D)
+    step_slots = torch.tensor(sum((slots(r, c, c + q) for r, (c, q) in enumerate(REQUESTS)), []), dtype=torch.int64)
+    impl.do_kv_cache_update(None, k_all, v_all, kv_cache, step_slots)  # slot mapping shorter than key: padding
+
+    # The cache through vLLM's logical [block, kv_head, row, K||V] view: every written token where its slot says,
+    # nothing anywhere else, the other layer untouched.
+    written = torch.zeros(NUM_BLOCKS, BLOCK, dtype=torch.bool)
+    for slot_list, k_rows, v_rows in ((ctx_slots, torch.cat(k_ctx), torch.cat(v_ctx)), (step_slots, k_all, v_all)):
+        page, row = slot_list // BLOCK, slot_list % BLOCK
+        assert torch.equal(kv_cache[page, :, row, :D], k_rows[: len(slot_list)])
+        assert torch.equal(kv_cache[page, :, row, D:], v_rows[: len(slot_list)])
+        written[page, row] = True
+    assert not kv_cache.transpose(1, 2)[~written].any(), "K/V written to a slot nobody owns (padding rows?)"
+    assert not other_layer.any()
+
+    query_lens = [q for _, q in REQUESTS]
+    seq_lens = torch.tensor([c + q for c, q in REQUESTS], dtype=torch.int32)
+    qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+    cm = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens, num_reqs=len(REQUESTS),
+        num_actual_tokens=num_tokens + PAD_TOKENS, max_query_len=max(query_lens), max_seq_len=int(seq_lens.max()),
+        block_table_tensor=table, slot_mapping=torch.cat([step_slots, torch.full((PAD_TOKENS,), -1)]),
+        seq_lens_cpu_upper_bound=seq_lens.clone(),
+    )
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=H_KV, head_size=D, dtype=dtype)
+    metadata = DcpTritonMetadataBuilder(spec, ["l1"], worker, torch.device("cpu")).build(0, cm)
+    output = torch.full((num_tokens + PAD_TOKENS, H_Q, D), float("nan"), dtype=dtype)
+    returned = impl.forward(None, q_all, k_all, v_all, kv_cache, metadata, output)
+
+    assert returned is output
+    expected = torch.cat([
+        naive_attention(q_all[a:b], k_ctx[r], v_ctx[r], k_all[a:b], v_all[a:b])
+        for r, (a, b) in enumerate(zip(qsl[:-1].tolist(), qsl[1:].tolist()))
+    ])
+    assert_matches(output[:num_tokens], expected, dtype, f"{kernels}/{layout.name}/{dtype}")
+    assert torch.equal(output[num_tokens:], torch.zeros(PAD_TOKENS, H_Q, D, dtype=dtype)), "padding rows not zeroed"
+
+
+def test_profiling_run_fills_zeros(worker, monkeypatch):
+    impl = make_impl(monkeypatch, "reference")
+    output = torch.full((5, H_Q, D), float("nan"))
+    kv_cache, _ = layer_kv_cache(KVCacheLayout.LBNHC, torch.float32)
+    impl.forward(None, torch.randn(5, H_Q, D), torch.randn(5, H_KV, D), torch.randn(5, H_KV, D), kv_cache, None,
+                 output)
+    assert torch.equal(output, torch.zeros_like(output))
+
+
+def test_fused_output_quantization_is_refused(worker, monkeypatch):
+    impl = make_impl(monkeypatch, "reference")
+    output = torch.zeros(1, H_Q, D)
+    with pytest.raises(ValueError, match="output_scale"):
+        impl.forward(None, output, output, output, output, None, output, output_scale=torch.ones(1))
+
+
+def test_topology_comes_from_vllm_groups(worker, monkeypatch):
+    impl = make_impl(monkeypatch, "reference")
+    t = impl.topology
+    assert (t.ps.tp_size, t.ps.tp_rank, t.ps.attn_dcp_size, t.ps.attn_dcp_rank) == (1, 0, 1, 0)
+    assert (t.heads.num_q_heads, t.heads.num_kv_heads, t.heads.q_per_kv) == (H_Q, H_KV, H_Q // H_KV)
+    assert (t.interleave, t.comm, t.group) == (1, "ag_rs", None)
+    assert impl.kernel_path.startswith("reference")
