@@ -78,9 +78,8 @@ class DcpAttention:
                 "signatures of dcp_plugin.kernels.reference (ops=dcp_plugin.kernels.reference runs the torch path)"
             )
         self.heads, self.tokens, self.group, self.scale, self.comm, self.ops = heads, tokens, group, scale, comm, ops
-        # Optional keyword arguments some kernel namespaces take (the Triton launchers) and others lack.
+        # A launch hint the Triton launcher takes and the torch reference does not.
         self._paged_takes_max_query_len = _accepts(ops.paged_attention, "max_query_len")
-        self._combine_takes_extra = comm == "a2a" and _accepts(getattr(ops, "combine_partials", None), "extra_out")
 
     def forward(
         self,
@@ -141,7 +140,10 @@ class DcpAttention:
         group, heads, ops = self.group, self.heads, self.ops
         pre_out, pre_lse = self._prefix(q_group, key_cache, value_cache, batch, heads.group_q_head_start, head_map)
         lse_all = group.all_gather(pre_lse.unsqueeze(0), dim=0)  # [N, T, H_group]
-        scaled, lse_total = ops.rescale_partial(pre_out, lse_all, group.rank_in_group)
+        # [T, H_group, D] stored head-major, so the reduce-scatter along heads needs no transposing copy.
+        num_tokens, num_heads, head_dim = pre_out.shape
+        scaled = torch.empty(num_heads, num_tokens, head_dim, dtype=torch.float32, device=pre_out.device)
+        scaled, lse_total = ops.rescale_partial(pre_out, lse_all, group.rank_in_group, out=scaled.transpose(0, 1))
         mine = group.reduce_scatter(scaled, dim=1)  # [T, H_local, D] float32: the combined prefix of my heads
         first = group.rank_in_group * heads.num_q_heads
         ops.merge_states(mine, lse_total[:, first:first + heads.num_q_heads], cur_out, cur_lse, out=out)
@@ -158,12 +160,9 @@ class DcpAttention:
             lse=packed[..., head_dim].view(num_tokens, n * h_local),
         )
         received = group.all_to_all(packed.transpose(0, 1))  # [N source ranks, T, H_local, D + 1]
-        parts_out, parts_lse = received[..., :head_dim], received[..., head_dim]
-        if self._combine_takes_extra:
-            ops.combine_partials(parts_out, parts_lse, extra_out=cur_out, extra_lse=cur_lse, out=out)
-        else:
-            pre_out, pre_lse = ops.combine_partials(parts_out, parts_lse)
-            ops.merge_states(pre_out, pre_lse, cur_out, cur_lse, out=out)
+        # One kernel: the N prefix partials and the current chunk, straight into out.
+        ops.combine_partials(received[..., :head_dim], received[..., head_dim], extra_out=cur_out, extra_lse=cur_lse,
+                             out=out)
 
     def _check_inputs(self, q, k, v, key_cache, value_cache, batch, out) -> None:
         heads = self.heads
