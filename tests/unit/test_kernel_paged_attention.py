@@ -11,7 +11,7 @@ import triton.language as tl
 
 from dcp_plugin.kernels import reference
 from dcp_plugin.kernels.paged_attention import (
-    PagedConfig, group_head_tile, head_tiling, paged_attention, pick_num_splits,
+    PROGRAMS_PER_SM, PagedConfig, group_head_tile, head_tiling, paged_attention, pick_num_splits,
 )
 from tests.kernel_checks import assert_matches, poisoned
 
@@ -201,12 +201,12 @@ def test_head_tiles_cover_each_q_head_once_with_its_kv_head(block_h):
         assert torch.equal(kv_of_head[row], want), HEAD_MAPS[row]
 
 
-@pytest.mark.parametrize("programs", [1, 8, 32, 100, 264, 1000])
+@pytest.mark.parametrize("programs", [1, 8, 32, 100, 528, 1000])
 def test_auto_splits_fill_the_gpu(programs):
     sms, block_n = 132, 64
     splits = pick_num_splits(programs=programs, max_context_len=128 * 1024, block_n=block_n, sms=sms)
     assert 1 <= splits <= 32
-    assert programs * splits >= min(2 * sms, 32 * programs), (programs, splits)
+    assert programs * splits >= min(PROGRAMS_PER_SM * sms, 32 * programs), (programs, splits)
     short = pick_num_splits(programs=programs, max_context_len=3 * block_n, block_n=block_n, sms=sms)
     assert short == 1, "contexts under 4 tiles are not split"
 
