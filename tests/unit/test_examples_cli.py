@@ -1,0 +1,71 @@
+"""The example scripts' command lines: documented flags, refusals before any engine is built, the plan table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+FLAGS = {
+    "offline_generate.py": ["--model", "--prompt", "--max-tokens", "--tp", "--dcp", "--interleave", "--kernels"],
+    "dcp_generate.py": ["--model", "--kv-heads", "--prompt", "--max-tokens", "--tp", "--dcp", "--interleave",
+                        "--kernels", "--plan-only"],
+}
+
+
+def run_example(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+def write_config(path: Path, *, q_heads: int, kv_heads: int) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_attention_heads": q_heads,
+              "num_key_value_heads": kv_heads, "head_dim": 128, "hidden_size": 1024, "num_hidden_layers": 4}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("script", sorted(FLAGS))
+def test_help_lists_every_documented_flag(script):
+    result = run_example(script, "--help")
+    assert result.returncode == 0, result.stderr
+    missing = [flag for flag in FLAGS[script] if flag not in result.stdout]
+    assert not missing, result.stdout
+
+
+@pytest.mark.parametrize("script", sorted(FLAGS))
+@pytest.mark.parametrize("flag", ["--tp", "--dcp", "--max-tokens", "--interleave"])
+def test_non_positive_sizes_are_refused_by_name(script, flag):
+    result = run_example(script, flag, "0")
+    assert result.returncode == 2
+    assert f"{flag} must be >= 1" in result.stderr
+
+
+def test_dcp_generate_refuses_more_gpus_than_the_machine_has(tmp_path):
+    model = write_config(tmp_path / "model", q_heads=64, kv_heads=1)
+    result = run_example("dcp_generate.py", "--tp", "64", "--dcp", "2", "--model", str(model))
+    assert result.returncode == 2
+    assert "--tp 64 needs 64 CUDA GPUs" in result.stderr
+    assert result.stdout == ""  # refused before the plan, the model or an engine
+
+
+def test_dcp_generate_plan_only_prints_the_plan_table(tmp_path):
+    model = write_config(tmp_path / "model", q_heads=16, kv_heads=2)
+    result = run_example("dcp_generate.py", "--tp", "4", "--dcp", "2", "--plan-only", "--model", str(model))
+    assert result.returncode == 0, result.stderr
+    assert "topology: tp=4 dcp=2 interleave=1 layout=tp" in result.stdout
+    assert "stored KV heads" in result.stdout
+    assert "KV capacity gain over dcp_size=1: 2x." in result.stdout  # 2 KV heads on 4 ranks: TP duplicates 2x
+
+
+def test_dcp_generate_explains_a_topology_the_model_cannot_run(tmp_path):
+    model = write_config(tmp_path / "smollm2-like", q_heads=9, kv_heads=3)
+    result = run_example("dcp_generate.py", "--tp", "4", "--dcp", "2", "--plan-only", "--model", str(model))
+    assert result.returncode == 2
+    assert "num_q_heads=9 is not divisible by tp_size=4" in result.stderr
