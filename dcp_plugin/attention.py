@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import math
 from types import ModuleType, SimpleNamespace
 from typing import Literal
@@ -78,8 +77,7 @@ class DcpAttention:
                 "signatures of dcp_plugin.kernels.reference (ops=dcp_plugin.kernels.reference runs the torch path)"
             )
         self.heads, self.tokens, self.group, self.scale, self.comm, self.ops = heads, tokens, group, scale, comm, ops
-        # A launch hint the Triton launcher takes and the torch reference does not.
-        self._paged_takes_max_query_len = _accepts(ops.paged_attention, "max_query_len")
+        self._head_map = dict(scale=scale, q_per_kv=heads.q_per_kv, kv_head_start=heads.kv_head_start)
 
     def forward(
         self,
@@ -104,65 +102,78 @@ class DcpAttention:
         heads, ops = self.heads, self.ops
         if out is None:
             out = torch.empty_like(q)
-        head_map = dict(scale=self.scale, q_per_kv=heads.q_per_kv, kv_head_start=heads.kv_head_start)
-
         ops.write_kv_cache(k, v, key_cache, value_cache, batch.slot_mapping)
+        if batch.max_query_len == 1:
+            # Decode: each new token is already in its owner's shard, so attending non-causally to every rank's
+            # whole shard IS causal attention: no current-chunk pass, no merge. Steps with more query tokens (spec
+            # decode, prefill) take the split below, which needs no position-aware mask over the sharded cache.
+            self._shards(q, key_cache, value_cache, batch, batch.local_seq_lens, batch.max_local_seq_len, None, out)
+            return out
         # The current chunk: local Q heads against the step's own K/V, no communication, no K/V slicing.
         cur_args = (q, k, v, batch.query_start_loc, batch.max_query_len)
         if batch.max_context_len == 0:  # rank-invariant: no rank has a prefix, so no rank enters a collective
-            ops.extend_attention(*cur_args, q_head_start=heads.q_head_start, out=out, **head_map)
+            ops.extend_attention(*cur_args, q_head_start=heads.q_head_start, out=out, **self._head_map)
             return out
-        cur_out, cur_lse = ops.extend_attention(*cur_args, q_head_start=heads.q_head_start, **head_map)
-
-        if heads.dcp_size == 1:
-            pre_out, pre_lse = self._prefix(q, key_cache, value_cache, batch, heads.q_head_start, head_map)
-            ops.merge_states(pre_out, pre_lse, cur_out, cur_lse, out=out)
-            return out
-        q_group = self.group.all_gather(q, dim=1)
-        if self.comm == "ag_rs":
-            self._prefix_ag_rs(q_group, key_cache, value_cache, batch, head_map, cur_out, cur_lse, out)
-        else:
-            self._prefix_a2a(q_group, key_cache, value_cache, batch, head_map, cur_out, cur_lse, out)
+        current = ops.extend_attention(*cur_args, q_head_start=heads.q_head_start, **self._head_map)
+        self._shards(q, key_cache, value_cache, batch, batch.local_context_lens, batch.max_local_context_len,
+                     current, out)
         return out
 
-    def _prefix(self, q, key_cache, value_cache, batch, q_head_start, head_map, *, out=None, lse=None):
-        """Non-causal attention of ``q`` to this rank's shard of every request's context: float32 partials."""
+    def _shards(self, q, key_cache, value_cache, batch, lens, max_len, current, out) -> None:
+        """Attention of the local Q heads to every rank's shard (``lens`` cached tokens per request here, at most
+        ``max_len`` on any rank), combined across the group by LSE and merged with the ``current`` (out, lse)
+        partial when there is one, into ``out``."""
+        heads, ops = self.heads, self.ops
+        if heads.dcp_size == 1:
+            if current is None:
+                self._paged(q, key_cache, value_cache, batch, lens, max_len, heads.q_head_start, out=out)
+            else:
+                prefix = self._paged(q, key_cache, value_cache, batch, lens, max_len, heads.q_head_start)
+                ops.merge_states(*prefix, *current, out=out)
+            return
+        q_group = self.group.all_gather(q, dim=1)
+        combine = self._combine_ag_rs if self.comm == "ag_rs" else self._combine_a2a
+        combine(q_group, key_cache, value_cache, batch, lens, max_len, current, out)
+
+    def _paged(self, q, key_cache, value_cache, batch, lens, max_len, q_head_start, *, out=None, lse=None):
+        """Non-causal attention of ``q`` to this rank's shard: float32 partials unless ``out`` says otherwise."""
         if out is None:
             out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        extra = {"max_query_len": batch.max_query_len} if self._paged_takes_max_query_len else {}
         return self.ops.paged_attention(
-            q, key_cache, value_cache, batch.block_table, batch.local_context_lens, batch.query_start_loc,
-            q_head_start=q_head_start, max_context_len=batch.max_local_context_len, out=out, lse=lse,
-            **head_map, **extra,
+            q, key_cache, value_cache, batch.block_table, lens, batch.query_start_loc, q_head_start=q_head_start,
+            max_context_len=max_len, max_query_len=batch.max_query_len, out=out, lse=lse, **self._head_map,
         )
 
-    def _prefix_ag_rs(self, q_group, key_cache, value_cache, batch, head_map, cur_out, cur_lse, out) -> None:
+    def _combine_ag_rs(self, q_group, key_cache, value_cache, batch, lens, max_len, current, out) -> None:
         group, heads, ops = self.group, self.heads, self.ops
-        pre_out, pre_lse = self._prefix(q_group, key_cache, value_cache, batch, heads.group_q_head_start, head_map)
-        lse_all = group.all_gather(pre_lse.unsqueeze(0), dim=0)  # [N, T, H_group]
+        part_out, part_lse = self._paged(q_group, key_cache, value_cache, batch, lens, max_len,
+                                         heads.group_q_head_start)
+        lse_all = group.all_gather(part_lse.unsqueeze(0), dim=0)  # [N, T, H_group]
         # [T, H_group, D] stored head-major, so the reduce-scatter along heads needs no transposing copy.
-        num_tokens, num_heads, head_dim = pre_out.shape
-        scaled = torch.empty(num_heads, num_tokens, head_dim, dtype=torch.float32, device=pre_out.device)
-        scaled, lse_total = ops.rescale_partial(pre_out, lse_all, group.rank_in_group, out=scaled.transpose(0, 1))
-        mine = group.reduce_scatter(scaled, dim=1)  # [T, H_local, D] float32: the combined prefix of my heads
+        num_tokens, num_heads, head_dim = part_out.shape
+        scaled = torch.empty(num_heads, num_tokens, head_dim, dtype=torch.float32, device=part_out.device)
+        scaled, lse_total = ops.rescale_partial(part_out, lse_all, group.rank_in_group, out=scaled.transpose(0, 1))
+        mine = group.reduce_scatter(scaled, dim=1)  # [T, H_local, D] float32: the combined shards of my heads
+        if current is None:
+            out.copy_(mine)
+            return
         first = group.rank_in_group * heads.num_q_heads
-        ops.merge_states(mine, lse_total[:, first:first + heads.num_q_heads], cur_out, cur_lse, out=out)
+        ops.merge_states(mine, lse_total[:, first:first + heads.num_q_heads], *current, out=out)
 
-    def _prefix_a2a(self, q_group, key_cache, value_cache, batch, head_map, cur_out, cur_lse, out) -> None:
+    def _combine_a2a(self, q_group, key_cache, value_cache, batch, lens, max_len, current, out) -> None:
         group, heads, ops = self.group, self.heads, self.ops
         num_tokens, _, head_dim = q_group.shape
         n, h_local = group.world_size, heads.num_q_heads
         # Packed (O, LSE) per (token, destination rank, head): the kernel writes straight into it.
         packed = torch.empty(num_tokens, n, h_local, head_dim + 1, dtype=torch.float32, device=q_group.device)
-        self._prefix(
-            q_group, key_cache, value_cache, batch, heads.group_q_head_start, head_map,
-            out=packed[..., :head_dim].view(num_tokens, n * h_local, head_dim),
-            lse=packed[..., head_dim].view(num_tokens, n * h_local),
-        )
+        self._paged(q_group, key_cache, value_cache, batch, lens, max_len, heads.group_q_head_start,
+                    out=packed[..., :head_dim].view(num_tokens, n * h_local, head_dim),
+                    lse=packed[..., head_dim].view(num_tokens, n * h_local))
         received = group.all_to_all(packed.transpose(0, 1))  # [N source ranks, T, H_local, D + 1]
-        # One kernel: the N prefix partials and the current chunk, straight into out.
-        ops.combine_partials(received[..., :head_dim], received[..., head_dim], extra_out=cur_out, extra_lse=cur_lse,
-                             out=out)
+        # One kernel: the N partials (and the current chunk, if any), straight into out.
+        extra_out, extra_lse = current if current is not None else (None, None)
+        ops.combine_partials(received[..., :head_dim], received[..., head_dim], extra_out=extra_out,
+                             extra_lse=extra_lse, out=out)
 
     def _check_inputs(self, q, k, v, key_cache, value_cache, batch, out) -> None:
         heads = self.heads
@@ -201,9 +212,3 @@ class DcpAttention:
             if t.device != batch.device:
                 raise ValueError(f"{name} is on {t.device} but the batch tensors are on {batch.device}")
 
-
-def _accepts(fn, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False

@@ -15,10 +15,11 @@ class DcpBatch:
 
     Request ``b`` has ``query_lens[b]`` new tokens (rows ``query_start_loc[b]:query_start_loc[b + 1]`` of q/k/v)
     and ``context_lens[b] = seq_lens[b] - query_lens[b]`` tokens cached before this step, of which this rank stores
-    ``local_context_lens[b]`` in the pages ``block_table[b]``. The derived device tensors are int32 ``[num_reqs]``.
+    ``local_context_lens[b]`` in the pages ``block_table[b]`` (``local_seq_lens[b]`` once this step's tokens are
+    written). The derived device tensors are int32 ``[num_reqs]``.
     The host ints are rank-invariant: ``max_context_len`` is the global maximum context (0 means no request has a
     cached prefix, so DCP attention skips its collectives) and ``max_local_context_len`` bounds
-    ``local_context_lens`` on every rank of the group.
+    ``local_context_lens`` (``max_local_seq_len`` bounds ``local_seq_lens``) on every rank of the group.
     Build it with ``DcpBatch.build``.
     """
 
@@ -30,12 +31,14 @@ class DcpBatch:
     query_lens: torch.Tensor
     context_lens: torch.Tensor
     local_context_lens: torch.Tensor
+    local_seq_lens: torch.Tensor
     num_reqs: int
     num_tokens: int
     max_query_len: int
     max_seq_len: int
     max_context_len: int
     max_local_context_len: int
+    max_local_seq_len: int
 
     @property
     def device(self) -> torch.device:
@@ -98,6 +101,7 @@ class DcpBatch:
         query_lens = query_start_loc[1:] - query_start_loc[:-1]
         context_lens = seq_lens - query_lens
         local_context_lens = tokens.local_len(context_lens).to(torch.int32)
+        local_seq_lens = tokens.local_len(seq_lens).to(torch.int32)
         num_tokens = slot_mapping.shape[0]
 
         if device.type == "cpu" or any(value is None for value in hints.values()):
@@ -109,11 +113,12 @@ class DcpBatch:
                 hints[name] = actual[name] if value is None else value
 
         max_local_context_len = tokens.max_local_len(hints["max_context_len"])
-        pages_needed = -(-max_local_context_len // tokens.block_size)
+        max_local_seq_len = tokens.max_local_len(hints["max_seq_len"])
+        pages_needed = -(-max_local_seq_len // tokens.block_size)
         if block_table.shape[1] < pages_needed:
             raise ValueError(
-                f"block_table has {block_table.shape[1]} columns, but a local context of up to "
-                f"{max_local_context_len} tokens needs {pages_needed} pages of block_size={tokens.block_size}"
+                f"block_table has {block_table.shape[1]} columns, but a local shard of up to "
+                f"{max_local_seq_len} tokens needs {pages_needed} pages of block_size={tokens.block_size}"
             )
         return cls(
             tokens=tokens,
@@ -124,12 +129,14 @@ class DcpBatch:
             query_lens=query_lens,
             context_lens=context_lens,
             local_context_lens=local_context_lens,
+            local_seq_lens=local_seq_lens,
             num_reqs=num_reqs,
             num_tokens=num_tokens,
             max_query_len=hints["max_query_len"],
             max_seq_len=hints["max_seq_len"],
             max_context_len=hints["max_context_len"],
             max_local_context_len=max_local_context_len,
+            max_local_seq_len=max_local_seq_len,
         )
 
 

@@ -82,13 +82,14 @@ def extend_attention(q, k, v, cu_seqlens, max_seqlen, *, scale, q_head_start, q_
 
 
 def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, *, scale, q_head_start,
-                    q_per_kv, kv_head_start, max_context_len, out=None, lse=None, num_splits=None):
+                    q_per_kv, kv_head_start, max_context_len, max_query_len=None, num_splits=None, out=None,
+                    lse=None):
     """Every query row of request ``b`` attends, non-causally, to its cached tokens ``[0, context_lens[b])``.
 
     Cached token ``j`` of request ``b`` is ``key_cache[block_table[b, j // block_size], j % block_size]``.
     ``q [T, Hq, D]`` (request ``b`` is rows ``query_start_loc[b]:query_start_loc[b + 1]``), caches
-    ``[num_blocks, block_size, Hk, D]``. ``max_context_len`` bounds ``context_lens``; ``num_splits`` only tunes the
-    kernel. Returns ``(out [T, Hq, D], lse [T, Hq])``; a request with no cached tokens gets (0, -inf).
+    ``[num_blocks, block_size, Hk, D]``. ``max_context_len`` bounds ``context_lens`` and ``max_query_len`` the query
+    rows of a request; with ``num_splits`` they only tune the kernel. Returns ``(out [T, Hq, D], lse [T, Hq])``; a request with no cached tokens gets (0, -inf).
     """
     acc = _acc_dtype(q)
     block_size = key_cache.shape[1]
