@@ -49,12 +49,14 @@ GPU_CONFIGS = {
 }
 INTERPRET_CONFIG = PagedConfig(block_n=32, block_m=32, num_warps=1, num_stages=1)
 
-# Automatic split count: aim stage 1 at PROGRAMS_PER_SM programs per SM, never cut a request's context into
-# pieces shorter than MIN_TILES_PER_SPLIT tiles (stage 2 would cost more than the split saves). H200, bf16 D=128
-# decode at 32k context: 2 per SM left batch 32 at 0.198 ms where 16 splits gave 0.138 ms, hence 4.
-PROGRAMS_PER_SM = 4
+# Automatic split count: the most splits that keep stage 1 within PROGRAMS_PER_SM programs per SM (rounding down,
+# since a partial extra wave costs a whole one), never cutting a request's context into pieces shorter than
+# MIN_TILES_PER_SPLIT tiles. From an H200 sweep, bf16 D=128 decode (benchmarks/results/kernels_h200_tuning_sweep.json):
+# the best split counts put 512-1024 programs on its 132 SMs (batch 1/8/32/128 at 32K/32K/8K/8K context, 8 KV heads:
+# 64/8-16/4/1 splits), and rounding up to one more program per SM than fits lost up to 24% (batch 8: 9 vs 8 splits).
+PROGRAMS_PER_SM = 8
 MIN_TILES_PER_SPLIT = 4
-MAX_AUTO_SPLITS = 32
+MAX_AUTO_SPLITS = 64
 
 
 @triton.jit
@@ -256,7 +258,7 @@ def pick_config(head_dim: int, *, decode: bool, config: PagedConfig | None = Non
 
 def pick_num_splits(*, programs: int, max_context_len: int, block_n: int, sms: int) -> int:
     """Splits per request so that stage 1 fills ``sms`` SMs, from host ints only (CUDA-graph safe)."""
-    by_occupancy = triton.cdiv(PROGRAMS_PER_SM * sms, max(programs, 1))
+    by_occupancy = PROGRAMS_PER_SM * sms // max(programs, 1)
     by_length = max(1, triton.cdiv(max_context_len, block_n) // MIN_TILES_PER_SPLIT)
     return max(1, min(MAX_AUTO_SPLITS, by_occupancy, by_length))
 

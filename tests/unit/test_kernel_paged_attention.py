@@ -11,7 +11,7 @@ import triton.language as tl
 
 from dcp_plugin.kernels import reference
 from dcp_plugin.kernels.paged_attention import (
-    PROGRAMS_PER_SM, PagedConfig, group_head_tile, head_tiling, paged_attention, pick_num_splits,
+    MAX_AUTO_SPLITS, PROGRAMS_PER_SM, PagedConfig, group_head_tile, head_tiling, paged_attention, pick_num_splits,
 )
 from tests.kernel_checks import assert_matches, poisoned
 
@@ -201,12 +201,19 @@ def test_head_tiles_cover_each_q_head_once_with_its_kv_head(block_h):
         assert torch.equal(kv_of_head[row], want), HEAD_MAPS[row]
 
 
-@pytest.mark.parametrize("programs", [1, 8, 32, 100, 528, 1000])
-def test_auto_splits_fill_the_gpu(programs):
+@pytest.mark.parametrize("programs", [1, 8, 32, 64, 100, 256, 528, 1000, 1056, 5000])
+def test_auto_splits_fill_the_gpu_without_a_partial_wave(programs):
     sms, block_n = 132, 64
+    budget = PROGRAMS_PER_SM * sms
     splits = pick_num_splits(programs=programs, max_context_len=128 * 1024, block_n=block_n, sms=sms)
-    assert 1 <= splits <= 32
-    assert programs * splits >= min(PROGRAMS_PER_SM * sms, 32 * programs), (programs, splits)
+    assert 1 <= splits <= MAX_AUTO_SPLITS
+    if splits > 1:
+        assert programs * splits <= budget, "more programs than the per-wave budget"
+    # The most splits within the budget (or the cap): one more would overflow it.
+    assert splits == MAX_AUTO_SPLITS or programs * (splits + 1) > budget, (programs, splits)
+    # The H200 sweep's best picks (benchmarks/results/kernels_h200_tuning_sweep.json), 8 KV heads, 1 head tile.
+    assert [pick_num_splits(programs=8 * b, max_context_len=ctx, block_n=block_n, sms=sms)
+            for b, ctx in ((1, 32768), (8, 32768), (32, 8192), (128, 8192))] == [64, 16, 4, 1]
     short = pick_num_splits(programs=programs, max_context_len=3 * block_n, block_n=block_n, sms=sms)
     assert short == 1, "contexts under 4 tiles are not split"
 
