@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 
-from dcp_plugin.adapters.vllm import compat
+from dcp_plugin.adapters.vllm import compat, support
 
 BACKEND_NAME = "DCP_TRITON"
 BACKEND_ALIAS = "DCP-TRITON"
@@ -42,6 +42,7 @@ def register() -> None:
     if compat.SPAWN_UNPICKLES_CONFIG_BEFORE_PLUGINS:
         # Instance attribute: only this member pickles differently; every built-in member keeps vLLM's pickling.
         member.__reduce_ex__ = _reduce_member
+    support.prepare_interpreter_env()
     if os.environ.get(CPU_OPT_IN_ENV, "0") == "1":
         route_cpu_attn(reason=f"{CPU_OPT_IN_ENV}=1")
 

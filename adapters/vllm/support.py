@@ -95,9 +95,30 @@ def select_kernels() -> tuple[str, ModuleType]:
         raise ValueError(f"{KERNELS_ENV}={choice!r} is not a kernel path; use one of {list(KERNEL_CHOICES)}")
     from dcp_plugin import kernels
 
-    if kernels.INTERPRET:
-        return "triton (interpreter, TRITON_INTERPRET=1)", kernels
-    return "triton", kernels
+    if not kernels.INTERPRET:
+        return "triton", kernels
+    if not _triton_imported_interpreted():
+        raise ValueError(
+            "the Triton interpreter is needed (no GPU), but triton was imported in this process before "
+            "TRITON_INTERPRET=1 was set, so its own jit helpers cannot run interpreted. Export TRITON_INTERPRET=1 "
+            f"before starting vLLM, or set {KERNELS_ENV}=reference"
+        )
+    return "triton (interpreter, TRITON_INTERPRET=1)", kernels
+
+
+def prepare_interpreter_env() -> None:
+    """With no GPU, put ``TRITON_INTERPRET=1`` in this process's environment (the kernels package's own rule),
+    so the engine-core and worker processes vLLM spawns import triton in interpreter mode from the start: triton
+    fixes the mode of its jit helpers at import, and vLLM imports triton there before any plugin code runs."""
+    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _triton_imported_interpreted() -> bool:
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(standard.zeros, InterpretedFunction)
 
 
 def check_kernel_dtype(description: str, ops: ModuleType, dtype: torch.dtype | None) -> None:

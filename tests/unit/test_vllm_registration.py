@@ -49,6 +49,8 @@ else:
     import vllm.plugins
     vllm.plugins.load_general_plugins()
     out.update(path=E["DCP_TRITON"].get_path(), alias=E["DCP-TRITON"] is E["DCP_TRITON"], sdpa=E("").name)
+    import os, torch
+    out.update(interpret_env=os.environ.get("TRITON_INTERPRET"), gpu=torch.cuda.is_available())
     from vllm.engine.arg_utils import EngineArgs
     config = EngineArgs(model=sys.argv[2], skip_tokenizer_init=True, dtype="float32",
                         attention_backend="dcp-triton").create_engine_config()
@@ -58,7 +60,7 @@ print("RESULT " + json.dumps(out))
 
 
 def run_fresh(mode: str, arg: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != registration.CPU_OPT_IN_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in (registration.CPU_OPT_IN_ENV, "TRITON_INTERPRET")}
     done = subprocess.run([sys.executable, "-c", FRESH_PROCESS, mode, arg, registration.BACKEND_PATH],
                           capture_output=True, text=True, env=env, timeout=300)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -104,6 +106,12 @@ def test_load_general_plugins_registers_the_backend(fresh_load):
 def test_engine_config_resolves_dcp_triton(fresh_load):
     assert fresh_load["config_backend"] == "DCP_TRITON"
     assert fresh_load["cpu_attn"] == CPU_ATTN_DEFAULT  # the front-end does not route CPU_ATTN
+
+
+def test_without_gpu_register_exports_triton_interpret_for_spawned_processes(fresh_load):
+    """vLLM imports triton in its engine-core and worker processes before any plugin code runs there; triton fixes
+    its jit helpers' mode at import, so the interpreter must be on in the environment those processes inherit."""
+    assert fresh_load["interpret_env"] == (None if fresh_load["gpu"] else "1")
 
 
 @pytest.mark.parametrize("name", ["dcp-triton", "DCP-TRITON", "dcp_triton", "DCP_TRITON"])
@@ -202,6 +210,19 @@ def test_bf16_under_the_triton_interpreter_is_refused(vllm_config, monkeypatch):
     monkeypatch.setattr(vllm_config.model_config, "dtype", torch.bfloat16)
     monkeypatch.setenv("DCP_TRITON_KERNELS", "triton")
     with set_current_vllm_config(vllm_config), pytest.raises(ValueError, match="dtype=bfloat16 with the Triton interp"):
+        make_impl()
+
+
+def test_triton_imported_before_the_interpreter_was_set_is_refused(vllm_config, monkeypatch):
+    from dcp_plugin import kernels
+    from dcp_plugin.adapters.vllm import support
+
+    if not kernels.INTERPRET:
+        pytest.skip("compiled Triton kernels (GPU)")
+    assert support._triton_imported_interpreted()  # this process imported triton with TRITON_INTERPRET=1 set
+    monkeypatch.setattr(support, "_triton_imported_interpreted", lambda: False)
+    monkeypatch.setenv("DCP_TRITON_KERNELS", "triton")
+    with set_current_vllm_config(vllm_config), pytest.raises(ValueError, match="Export TRITON_INTERPRET=1 before"):
         make_impl()
 
 
