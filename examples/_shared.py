@@ -63,6 +63,15 @@ def engine_kwargs(model: Path, *, tp: int, dcp: int, interleave: int, gpu: bool,
     return kwargs
 
 
+def has_tokenizer(model: Path) -> bool:
+    return any((model / name).is_file() for name in ("tokenizer.json", "tokenizer.model"))
+
+
+def as_prompts(texts: list[str], *, tokenizer: bool) -> list:
+    """The texts, or for a model without a tokenizer, each text's UTF-8 bytes as token ids."""
+    return texts if tokenizer else [{"prompt_token_ids": list(text.encode())} for text in texts]
+
+
 def _layer_backends(worker) -> dict:
     """Runs inside each worker: backend, impl and kernel path of every attention layer its model runner built."""
     counts: dict[tuple, int] = {}

@@ -83,14 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     _shared.set_env_defaults(tp=args.tp, gpu=True, kernels=args.kernels)
     from vllm import LLM
 
-    has_tokenizer = (model / "tokenizer.json").is_file() or (model / "tokenizer.model").is_file()
+    tokenizer = _shared.has_tokenizer(model)
     llm = LLM(**_shared.engine_kwargs(model, tp=args.tp, dcp=args.dcp, interleave=args.interleave, gpu=True,
-                                      tokenizer=has_tokenizer))
+                                      tokenizer=tokenizer))
     backends = _shared.report_backends(llm)
-    prompts = args.prompts or PROMPTS
-    if not has_tokenizer:
-        prompts = [{"prompt_token_ids": list(text.encode())} for text in prompts]
-    _shared.generate(llm, prompts, args.max_tokens)
+    _shared.generate(llm, _shared.as_prompts(args.prompts or PROMPTS, tokenizer=tokenizer), args.max_tokens)
     if backends != {"DCP_TRITON"}:
         print(f"error: asked for dcp-triton, but the attention layers ran {sorted(backends)}", file=sys.stderr)
         return 1

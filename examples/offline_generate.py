@@ -26,7 +26,8 @@ GPU_MAX_TOKENS = 64
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory (default: the embedded SmolLM2)")
+    p.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory (default: the embedded SmolLM2); "
+                   "without a tokenizer, prompts go in as UTF-8 bytes and completions print as token ids")
     p.add_argument("--prompt", action="append", dest="prompts", metavar="TEXT",
                    help=f"a prompt; repeat for several (default: {PROMPTS})")
     p.add_argument("--max-tokens", type=int,
@@ -55,9 +56,12 @@ def main(argv: list[str] | None = None) -> int:
         args.model = smollm2_checkpoint()
     from vllm import LLM
 
-    llm = LLM(**_shared.engine_kwargs(args.model, tp=args.tp, dcp=args.dcp, interleave=args.interleave, gpu=gpu))
+    tokenizer = _shared.has_tokenizer(args.model)
+    llm = LLM(**_shared.engine_kwargs(args.model, tp=args.tp, dcp=args.dcp, interleave=args.interleave, gpu=gpu,
+                                      tokenizer=tokenizer))
     backends = _shared.report_backends(llm)
-    _shared.generate(llm, args.prompts or PROMPTS, args.max_tokens or (GPU_MAX_TOKENS if gpu else CPU_MAX_TOKENS))
+    max_tokens = args.max_tokens or (GPU_MAX_TOKENS if gpu else CPU_MAX_TOKENS)
+    _shared.generate(llm, _shared.as_prompts(args.prompts or PROMPTS, tokenizer=tokenizer), max_tokens)
     if backends != {"DCP_TRITON"}:
         print(f"error: asked for dcp-triton, but the attention layers ran {sorted(backends)}", file=sys.stderr)
         return 1
