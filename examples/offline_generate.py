@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        p.error(f"--model {args.model}: no config.json there; give a Hugging Face checkpoint directory")
     return args
 
 

@@ -69,3 +69,10 @@ def test_dcp_generate_explains_a_topology_the_model_cannot_run(tmp_path):
     result = run_example("dcp_generate.py", "--tp", "4", "--dcp", "2", "--plan-only", "--model", str(model))
     assert result.returncode == 2
     assert "num_q_heads=9 is not divisible by tp_size=4" in result.stderr
+
+
+@pytest.mark.parametrize("script", sorted(FLAGS))
+def test_a_model_directory_without_config_is_refused(script, tmp_path):
+    result = run_example(script, "--model", str(tmp_path))
+    assert result.returncode == 2
+    assert "no config.json there" in result.stderr
