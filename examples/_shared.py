@@ -25,12 +25,8 @@ def set_env_defaults(*, tp: int, gpu: bool, kernels: str | None) -> None:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     if kernels is not None:
         os.environ[KERNEL_ENV] = kernels
-    if not gpu:
-        # Triton decides interpreted-or-compiled when a kernel is defined; vLLM imports Triton before the plugin
-        # loads, so the interpreter must be on before the process starts.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        if tp > 1:  # vLLM's "auto" binding wants one NUMA node per rank
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind_lists(tp))
+    if not gpu and tp > 1:  # vLLM's "auto" binding wants one NUMA node per rank
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind_lists(tp))
 
 
 def cpu_bind_lists(tp: int) -> str:
