@@ -22,10 +22,14 @@ pytest.importorskip("vllm")
 from tests.vllm_checks import write_llama_config  # noqa: E402
 
 N, Q_HEADS, D, BLOCK = 2, 4, 64, 16  # MQA: vLLM allows DCP=2 only when tp > kv heads and tp/kv % dcp == 0
-REQUESTS = ((45, 1), (0, 9), (70, 6), (3, 1))  # (cached context, new tokens)
-CASES = [  # (comm, interleave, kernels)
-    ("ag_rs", 1, "reference"), ("a2a", 1, "reference"), ("ag_rs", 16, "reference"), ("a2a", 4, "reference"),
-    ("ag_rs", 1, "triton"),
+BATCHES = {  # (cached context, new tokens) per request
+    "mixed": ((45, 1), (0, 9), (70, 6), (3, 1)),
+    "decode": ((45, 1), (70, 1), (0, 1), (3, 1)),  # one query token each: the core's whole-shard decode path
+}
+CASES = [  # (comm, interleave, kernels, batch)
+    ("ag_rs", 1, "reference", "mixed"), ("a2a", 1, "reference", "mixed"), ("ag_rs", 16, "reference", "mixed"),
+    ("a2a", 4, "reference", "mixed"), ("ag_rs", 1, "reference", "decode"), ("a2a", 4, "reference", "decode"),
+    ("ag_rs", 1, "triton", "mixed"), ("a2a", 1, "triton", "decode"),
 ]
 
 
@@ -37,7 +41,7 @@ def vllm_slot(pos: int, pages: list[int], *, rank: int, interleave: int) -> int:
     return pages[virtual_block] * BLOCK + (v // (N * interleave)) * interleave + v % interleave
 
 
-def run_case(rank: int, config, comm: str, interleave: int, kernels: str) -> None:
+def run_case(rank: int, config, comm: str, interleave: int, kernels: str, batch: str) -> None:
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -45,6 +49,7 @@ def run_case(rank: int, config, comm: str, interleave: int, kernels: str) -> Non
     from dcp_plugin.adapters.vllm.impl import DcpTritonImpl
     from tests.kernel_checks import assert_matches
 
+    requests = BATCHES[batch]
     config.parallel_config.dcp_comm_backend = comm
     config.parallel_config.cp_kv_cache_interleave_size = interleave
     os.environ["DCP_TRITON_KERNELS"] = kernels
@@ -55,33 +60,33 @@ def run_case(rank: int, config, comm: str, interleave: int, kernels: str) -> Non
 
     gen = torch.Generator().manual_seed(11)  # the same global data on every rank
     seqs = [(torch.randn(c + q, 1, D, generator=gen), torch.randn(c + q, 1, D, generator=gen),
-             torch.randn(q, Q_HEADS, D, generator=gen)) for c, q in REQUESTS]
+             torch.randn(q, Q_HEADS, D, generator=gen)) for c, q in requests]
     local = torch.Generator().manual_seed(100 + rank)  # each rank allocates its own local pages
     num_blocks = 32
-    width = max(-(-(c + q) // (BLOCK * N)) for c, q in REQUESTS)
-    table = torch.randperm(num_blocks, generator=local)[: len(REQUESTS) * width].view(len(REQUESTS), width)
+    width = max(-(-(c + q) // (BLOCK * N)) for c, q in requests)
+    table = torch.randperm(num_blocks, generator=local)[: len(requests) * width].view(len(requests), width)
     table = table.to(torch.int32)
     kv_cache = torch.zeros(num_blocks, 1, BLOCK, 2 * D)  # vLLM's logical [blocks, kv heads, rows, K||V] view
 
     def slots(r: int, start: int, stop: int) -> list[int]:
         return [vllm_slot(p, table[r].tolist(), rank=rank, interleave=interleave) for p in range(start, stop)]
 
-    ctx_slots = torch.tensor(sum((slots(r, 0, c) for r, (c, _) in enumerate(REQUESTS)), []), dtype=torch.int64)
-    k_ctx = torch.cat([k[:c] for (k, _, _), (c, _) in zip(seqs, REQUESTS)])
-    v_ctx = torch.cat([v[:c] for (_, v, _), (c, _) in zip(seqs, REQUESTS)])
+    ctx_slots = torch.tensor(sum((slots(r, 0, c) for r, (c, _) in enumerate(requests)), []), dtype=torch.int64)
+    k_ctx = torch.cat([k[:c] for (k, _, _), (c, _) in zip(seqs, requests)])
+    v_ctx = torch.cat([v[:c] for (_, v, _), (c, _) in zip(seqs, requests)])
     impl.do_kv_cache_update(None, k_ctx, v_ctx, kv_cache, ctx_slots)
 
-    step_slots = torch.tensor(sum((slots(r, c, c + q) for r, (c, q) in enumerate(REQUESTS)), []), dtype=torch.int64)
-    k_new = torch.cat([k[c:] for (k, _, _), (c, _) in zip(seqs, REQUESTS)])
-    v_new = torch.cat([v[c:] for (_, v, _), (c, _) in zip(seqs, REQUESTS)])
+    step_slots = torch.tensor(sum((slots(r, c, c + q) for r, (c, q) in enumerate(requests)), []), dtype=torch.int64)
+    k_new = torch.cat([k[c:] for (k, _, _), (c, _) in zip(seqs, requests)])
+    v_new = torch.cat([v[c:] for (_, v, _), (c, _) in zip(seqs, requests)])
     q_all = torch.cat([q for _, _, q in seqs])[:, rank * (Q_HEADS // N):(rank + 1) * (Q_HEADS // N)]
     impl.do_kv_cache_update(None, k_new, v_new, kv_cache, step_slots)
 
-    query_lens = [q for _, q in REQUESTS]
+    query_lens = [q for _, q in requests]
     qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
-    seq_lens = torch.tensor([c + q for c, q in REQUESTS], dtype=torch.int32)
+    seq_lens = torch.tensor([c + q for c, q in requests], dtype=torch.int32)
     cm = CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens, num_reqs=len(REQUESTS),
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens, num_reqs=len(requests),
         num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens), max_seq_len=int(seq_lens.max()),
         block_table_tensor=table, slot_mapping=step_slots, seq_lens_cpu_upper_bound=seq_lens.clone(),
     )
@@ -89,13 +94,13 @@ def run_case(rank: int, config, comm: str, interleave: int, kernels: str) -> Non
     impl.forward(None, q_all, k_new, v_new, kv_cache, builder.build(0, cm), output)
 
     expected = []
-    for (k, v, q), (c, n) in zip(seqs, REQUESTS):
+    for (k, v, q), (c, n) in zip(seqs, requests):
         mine = q[:, rank * (Q_HEADS // N):(rank + 1) * (Q_HEADS // N)].double()
         scores = torch.einsum("qhd,kd->hqk", mine, k[:, 0].double()) * D**-0.5
         visible = torch.arange(c + n)[None, :] <= c + torch.arange(n)[:, None]
         expected.append(torch.einsum("hqk,kd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1),
                                      v[:, 0].double()))
-    assert_matches(output, torch.cat(expected), torch.float32, f"rank {rank} {comm} interleave={interleave}")
+    assert_matches(output, torch.cat(expected), torch.float32, f"rank {rank} {comm} interleave={interleave} {batch}")
 
 
 def rank_main(rank: int, workdir: str, model: str) -> None:

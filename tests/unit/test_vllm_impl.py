@@ -25,7 +25,10 @@ from tests.kernel_checks import assert_matches  # noqa: E402
 from tests.vllm_checks import single_process_vllm_groups, write_llama_config  # noqa: E402
 
 H_Q, H_KV, D, BLOCK, NUM_BLOCKS = 4, 2, 64, 16, 24
-REQUESTS = [(37, 1), (0, 20), (130, 5), (16, 1)]  # (cached context, new tokens)
+BATCHES = {  # (cached context, new tokens) per request
+    "mixed": [(37, 1), (0, 20), (130, 5), (16, 1)],
+    "decode": [(37, 1), (130, 1), (0, 1), (16, 1)],  # one query token each: the core's whole-shard decode path
+}
 PAD_TOKENS = 3  # rows past the batch's tokens, as a padded vLLM step has them
 CASES = [("reference", layout, dtype) for layout in KVCacheLayout for dtype in (torch.float32, torch.float16)]
 CASES += [("triton", layout, torch.float32) for layout in (KVCacheLayout.LBNHC, KVCacheLayout.LHBNC)]
@@ -68,16 +71,19 @@ def naive_attention(q, k_ctx, v_ctx, k_new, v_new) -> torch.Tensor:
     return torch.einsum("hqk,khd->qhd", probs, values)
 
 
+@pytest.mark.parametrize("batch_kind", list(BATCHES))
 @pytest.mark.parametrize(("kernels", "layout", "dtype"), CASES, ids=CASE_IDS)
-def test_cache_write_and_forward_match_attention_over_whole_sequences(worker, monkeypatch, kernels, layout, dtype):
+def test_cache_write_and_forward_match_attention_over_whole_sequences(worker, monkeypatch, kernels, layout, dtype,
+                                                                     batch_kind):
+    requests = BATCHES[batch_kind]
     gen = torch.Generator().manual_seed(7)
     kv_cache, other_layer = layer_kv_cache(layout, dtype)
     impl = make_impl(monkeypatch, kernels)
     pages = torch.randperm(NUM_BLOCKS, generator=gen).to(torch.int32)
-    width = -(-max(c + q for c, q in REQUESTS) // BLOCK)
-    table = torch.full((len(REQUESTS), width), -1, dtype=torch.int32)
+    width = -(-max(c + q for c, q in requests) // BLOCK)
+    table = torch.full((len(requests), width), -1, dtype=torch.int32)
     used = 0
-    for r, (c, q) in enumerate(REQUESTS):
+    for r, (c, q) in enumerate(requests):
         need = -(-(c + q) // BLOCK)
         table[r, :need] = pages[used:used + need]
         used += need
@@ -88,16 +94,16 @@ def test_cache_write_and_forward_match_attention_over_whole_sequences(worker, mo
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(dtype)
 
-    k_ctx = [rand(c, H_KV, D) for c, _ in REQUESTS]
-    v_ctx = [rand(c, H_KV, D) for c, _ in REQUESTS]
+    k_ctx = [rand(c, H_KV, D) for c, _ in requests]
+    v_ctx = [rand(c, H_KV, D) for c, _ in requests]
     # Earlier steps: the cached contexts, written through the same path as this step's tokens.
-    ctx_slots = torch.tensor(sum((slots(r, 0, c) for r, (c, _) in enumerate(REQUESTS)), []), dtype=torch.int64)
+    ctx_slots = torch.tensor(sum((slots(r, 0, c) for r, (c, _) in enumerate(requests)), []), dtype=torch.int64)
     impl.do_kv_cache_update(None, torch.cat(k_ctx), torch.cat(v_ctx), kv_cache, ctx_slots)
 
-    num_tokens = sum(q for _, q in REQUESTS)
+    num_tokens = sum(q for _, q in requests)
     q_all, k_all, v_all = rand(num_tokens + PAD_TOKENS, H_Q, D), rand(num_tokens + PAD_TOKENS, H_KV, D), \
         rand(num_tokens + PAD_TOKENS, H_KV, D)
-    step_slots = torch.tensor(sum((slots(r, c, c + q) for r, (c, q) in enumerate(REQUESTS)), []), dtype=torch.int64)
+    step_slots = torch.tensor(sum((slots(r, c, c + q) for r, (c, q) in enumerate(requests)), []), dtype=torch.int64)
     impl.do_kv_cache_update(None, k_all, v_all, kv_cache, step_slots)  # slot mapping shorter than key: padding
 
     # The cache through vLLM's logical [block, kv_head, row, K||V] view: every written token where its slot says,
@@ -111,11 +117,11 @@ def test_cache_write_and_forward_match_attention_over_whole_sequences(worker, mo
     assert not kv_cache.transpose(1, 2)[~written].any(), "K/V written to a slot nobody owns (padding rows?)"
     assert not other_layer.any()
 
-    query_lens = [q for _, q in REQUESTS]
-    seq_lens = torch.tensor([c + q for c, q in REQUESTS], dtype=torch.int32)
+    query_lens = [q for _, q in requests]
+    seq_lens = torch.tensor([c + q for c, q in requests], dtype=torch.int32)
     qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
     cm = CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens, num_reqs=len(REQUESTS),
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens, num_reqs=len(requests),
         num_actual_tokens=num_tokens + PAD_TOKENS, max_query_len=max(query_lens), max_seq_len=int(seq_lens.max()),
         block_table_tensor=table, slot_mapping=torch.cat([step_slots, torch.full((PAD_TOKENS,), -1)]),
         seq_lens_cpu_upper_bound=seq_lens.clone(),
