@@ -107,10 +107,14 @@ def select_kernels() -> tuple[str, ModuleType]:
 
 
 def prepare_interpreter_env() -> None:
-    """With no GPU, put ``TRITON_INTERPRET=1`` in this process's environment (the kernels package's own rule),
-    so the engine-core and worker processes vLLM spawns import triton in interpreter mode from the start: triton
-    fixes the mode of its jit helpers at import, and vLLM imports triton there before any plugin code runs."""
-    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    """On vLLM's CPU platform, put ``TRITON_INTERPRET=1`` in this process's environment (the kernels package's rule
+    for a machine without GPU), so the engine-core and worker processes vLLM spawns import triton in interpreter
+    mode from the start: triton fixes the mode of its jit helpers at import, and vLLM imports triton there before
+    any plugin code runs. (vLLM's platform check, not ``torch.cuda.is_available()``: that would initialise the CUDA
+    driver in a process vLLM may later fork.)"""
+    from vllm.platforms import current_platform
+
+    if "TRITON_INTERPRET" not in os.environ and current_platform.is_cpu():
         os.environ["TRITON_INTERPRET"] = "1"
 
 

@@ -49,8 +49,9 @@ else:
     import vllm.plugins
     vllm.plugins.load_general_plugins()
     out.update(path=E["DCP_TRITON"].get_path(), alias=E["DCP-TRITON"] is E["DCP_TRITON"], sdpa=E("").name)
-    import os, torch
-    out.update(interpret_env=os.environ.get("TRITON_INTERPRET"), gpu=torch.cuda.is_available())
+    import os
+    from vllm.platforms import current_platform
+    out.update(interpret_env=os.environ.get("TRITON_INTERPRET"), cpu_platform=current_platform.is_cpu())
     from vllm.engine.arg_utils import EngineArgs
     config = EngineArgs(model=sys.argv[2], skip_tokenizer_init=True, dtype="float32",
                         attention_backend="dcp-triton").create_engine_config()
@@ -108,10 +109,10 @@ def test_engine_config_resolves_dcp_triton(fresh_load):
     assert fresh_load["cpu_attn"] == CPU_ATTN_DEFAULT  # the front-end does not route CPU_ATTN
 
 
-def test_without_gpu_register_exports_triton_interpret_for_spawned_processes(fresh_load):
+def test_on_cpu_register_exports_triton_interpret_for_spawned_processes(fresh_load):
     """vLLM imports triton in its engine-core and worker processes before any plugin code runs there; triton fixes
     its jit helpers' mode at import, so the interpreter must be on in the environment those processes inherit."""
-    assert fresh_load["interpret_env"] == (None if fresh_load["gpu"] else "1")
+    assert fresh_load["interpret_env"] == ("1" if fresh_load["cpu_platform"] else None)
 
 
 @pytest.mark.parametrize("name", ["dcp-triton", "DCP-TRITON", "dcp_triton", "DCP_TRITON"])
