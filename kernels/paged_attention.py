@@ -49,13 +49,13 @@ GPU_CONFIGS = {
 }
 INTERPRET_CONFIG = PagedConfig(block_n=32, block_m=32, num_warps=1, num_stages=1)
 
-# Automatic split count: the most splits that keep stage 1 within PROGRAMS_PER_SM programs per SM (rounding down,
-# since a partial extra wave costs a whole one), never cutting a request's context into pieces shorter than
-# MIN_TILES_PER_SPLIT tiles. From an H200 sweep, bf16 D=128 decode (benchmarks/results/kernels_h200_tuning_sweep.json):
-# the best split counts put 512-1024 programs on its 132 SMs (batch 1/8/32/128 at 32K/32K/8K/8K context, 8 KV heads:
-# 64/8-16/4/1 splits), and rounding up to one more program per SM than fits lost up to 24% (batch 8: 9 vs 8 splits).
-PROGRAMS_PER_SM = 8
-MIN_TILES_PER_SPLIT = 4
+# Automatic split count: the most splits that keep stage 1 within PROGRAMS_PER_SM programs per SM (rounding down:
+# a partial extra wave costs a whole one), down to one tile per split. From two H200 sweeps, bf16 D=128 decode
+# (benchmarks/results/kernels_h200_tuning_sweep*.json): the best split count put ~512 programs on the 132 SMs at
+# every batch (1-128) and context (1K-32K) measured, e.g. batch 1 x 1K: 16 splits of one tile (40% faster than 4
+# splits of 4 tiles); batch 8 x 8K: 8 splits (6% faster than 16); batch 32 x 1K: 2 splits (7% faster than 4).
+PROGRAMS_PER_SM = 4
+MIN_TILES_PER_SPLIT = 1
 MAX_AUTO_SPLITS = 64
 
 

@@ -211,11 +211,13 @@ def test_auto_splits_fill_the_gpu_without_a_partial_wave(programs):
         assert programs * splits <= budget, "more programs than the per-wave budget"
     # The most splits within the budget (or the cap): one more would overflow it.
     assert splits == MAX_AUTO_SPLITS or programs * (splits + 1) > budget, (programs, splits)
-    # The H200 sweep's best picks (benchmarks/results/kernels_h200_tuning_sweep.json), 8 KV heads, 1 head tile.
+    # The H200 sweeps' best picks (benchmarks/results/kernels_h200_tuning_sweep*.json), 8 KV heads, 1 head tile.
     assert [pick_num_splits(programs=8 * b, max_context_len=ctx, block_n=block_n, sms=sms)
-            for b, ctx in ((1, 32768), (8, 32768), (32, 8192), (128, 8192))] == [64, 16, 4, 1]
+            for b, ctx in ((1, 1024), (1, 8192), (1, 32768), (8, 1024), (8, 8192), (32, 1024), (128, 8192))] \
+        == [16, 64, 64, 8, 8, 2, 1]
     short = pick_num_splits(programs=programs, max_context_len=3 * block_n, block_n=block_n, sms=sms)
-    assert short == 1, "contexts under 4 tiles are not split"
+    assert short <= 3, "a split never gets less than one tile"
+    assert pick_num_splits(programs=programs, max_context_len=0, block_n=block_n, sms=sms) == 1
 
 
 def _good() -> dict:
