@@ -40,7 +40,8 @@ class ModelShape:
             raise ValueError(f"{path}: config has no {missing.args[0]!r}; pass --q-heads/--layers instead") from None
         kv_heads = cfg.get("num_key_value_heads") or q_heads
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // q_heads
-        dtype = dtype or {"float16": "float16", "float32": "float32"}.get(cfg.get("torch_dtype", ""), "bfloat16")
+        saved = cfg.get("torch_dtype") or cfg.get("dtype") or ""  # transformers 5 writes "dtype"
+        dtype = dtype or {"float16": "float16", "float32": "float32"}.get(saved, "bfloat16")
         return cls(num_q_heads=q_heads, num_kv_heads=kv_heads, head_dim=head_dim, num_layers=layers, dtype=dtype)
 
 

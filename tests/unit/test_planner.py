@@ -68,6 +68,15 @@ def test_plan_errors_are_clear(argv, match, capsys):
     assert re.search(match, err), err
 
 
+def test_config_dtype_from_either_key(tmp_path):
+    config = tmp_path / "config.json"
+    shape = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 2}
+    config.write_text(json.dumps({**shape, "dtype": "float32"}))  # transformers 5 spelling
+    assert ModelShape.from_hf_config(config).dtype == "float32"
+    config.write_text(json.dumps({**shape, "torch_dtype": "float16"}))
+    assert ModelShape.from_hf_config(config).dtype == "float16"
+
+
 def test_config_without_heads_is_refused(tmp_path):
     config = tmp_path / "config.json"
     config.write_text("{}")
