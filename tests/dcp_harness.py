@@ -16,10 +16,6 @@ from dcp_plugin import DcpAttention, DcpBatch, HeadLayout, ParallelState, TokenL
 from dcp_plugin.kernels import reference
 from tests.kernel_checks import assert_matches
 
-KERNEL_NAMES = ("write_kv_cache", "extend_attention", "paged_attention", "merge_states", "rescale_partial",
-                "combine_partials")
-
-
 @dataclass(frozen=True)
 class Case:
     """One DCP configuration; ``requests`` are ``(cached context, new tokens)`` of the first step, then
@@ -47,12 +43,6 @@ class Case:
         heads = HeadLayout.create(num_q_heads=self.q_heads, num_kv_heads=self.kv_heads, ps=ps,
                                   kv_replication=self.kv_replication)
         return heads, TokenLayout(dcp_size=n, dcp_rank=rank, interleave=self.interleave, block_size=self.block_size)
-
-
-def triton_ops_available() -> bool:
-    from dcp_plugin import kernels
-
-    return all(callable(getattr(kernels, name, None)) for name in KERNEL_NAMES)
 
 
 def resolve_ops(name: str):

@@ -14,11 +14,12 @@ import random
 import pytest
 
 from tests.dcp_harness import Case, random_case
-from tests.integration.dcp_procs import COLLECTIVES_KEY, GROUP_KEY, OK, SKIP_PREFIX, run_group
+from tests.integration.dcp_procs import COLLECTIVES_KEY, GROUP_KEY, OK, run_group
 
 GROUP_SIZES = (2, 3, 4)
 SWEEP_SIZE = {2: 70, 3: 65, 4: 70}  # 205 random configurations per run
-SWEEP_SEED = int(os.environ.get("DCP_SWEEP_SEED", "20240607"))
+# A fresh sweep every run (new configurations and data); a failure message names the seed to replay it with.
+SWEEP_SEED = int(os.environ.get("DCP_SWEEP_SEED", str(random.SystemRandom().randrange(1 << 31))))
 GROUP_TIMEOUT_S = 420
 
 # (cached context, new tokens): fresh prompt, decode, chunked prefill continuing a prefix, contexts shorter than N
@@ -105,8 +106,6 @@ def _verdict(results: dict[str, str], name: str) -> str:
 )
 def test_matches_single_rank_attention(group_results, n, name):
     verdict = _verdict(group_results(n), name)
-    if verdict.startswith(SKIP_PREFIX):
-        pytest.skip(verdict[len(SKIP_PREFIX):])
     assert verdict == OK, verdict
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from dcp_plugin import DcpAttention, DcpBatch, TokenLayout, TorchDcpGroup
 from dcp_plugin.kernels import reference
-from tests.dcp_harness import Case, RankState, World, run_case, triton_ops_available
+from tests.dcp_harness import Case, RankState, World, run_case
 
 SINGLE = dict(q_heads=6, kv_heads=2, requests=((0, 5), (9, 1), (14, 4), (1, 2)), block_size=4)
 
@@ -22,7 +22,6 @@ def test_single_rank_without_group(decode_steps, interleave):
     assert run_case(case, 1, 0, None, lambda out: out) == decode_steps + 1
 
 
-@pytest.mark.skipif(not triton_ops_available(), reason="the Triton kernels are not exported from dcp_plugin.kernels")
 def test_single_rank_triton():
     case = Case(name="single-triton", ops="triton", head_dim=64, seed=8, **SINGLE)
     run_case(case, 1, 0, None, lambda out: out)

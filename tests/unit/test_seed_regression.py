@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dcp_plugin import DcpAttention
-from tests.dcp_harness import Case, RankState, World, causal_attention_f64, resolve_ops, triton_ops_available
+from tests.dcp_harness import Case, RankState, World, causal_attention_f64, resolve_ops
 from tests.kernel_checks import assert_matches
 
 N = 4
@@ -137,13 +137,7 @@ def _forward(case: Case, poison_kv_head: dict[int, int] | None = None):
     return _run_ranks(rank_fn)
 
 
-def _ops_params():
-    triton = pytest.param("triton", marks=pytest.mark.skipif(
-        not triton_ops_available(), reason="the Triton kernels are not exported from dcp_plugin.kernels yet"))
-    return ["reference", triton]
-
-
-@pytest.mark.parametrize("ops", _ops_params())
+@pytest.mark.parametrize("ops", ["reference", "triton"])
 @pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
 def test_fresh_prompts_issue_no_collective(comm, ops):
     for rank, (log, _, _, _, out, want) in enumerate(_forward(_seed_case(FRESH, comm, ops))):
@@ -151,7 +145,7 @@ def test_fresh_prompts_issue_no_collective(comm, ops):
         assert_matches(out, want, torch.float32, f"rank {rank}")
 
 
-@pytest.mark.parametrize("ops", _ops_params())
+@pytest.mark.parametrize("ops", ["reference", "triton"])
 @pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
 def test_current_chunk_takes_full_kv_and_global_head_map(comm, ops):
     for rank, (log, k, v, heads, out, want) in enumerate(_forward(_seed_case(MIXED, comm, ops))):
