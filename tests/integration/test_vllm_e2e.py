@@ -2,9 +2,9 @@
 
 Two models, each run by ``vllm_generate.py`` in its own process (vLLM spawns the engine core and the worker from
 it, so the backend must survive spawn): the embedded SmolLM2-135M (30 layers, 9 Q / 3 KV heads) with the torch
-reference kernels (``DCP_TRITON_KERNELS=reference``), and a 2-layer random-weight Llama (GQA 2:1) with the Triton
-kernels under the interpreter. Each engine runs a mixed prefill/decode batch, a chunked prefill and a prefix-cache
-hit. The two processes run concurrently (about 3 minutes on 2 cores).
+reference kernels (``DCP_TRITON_KERNELS=reference``), and a 2-layer random-weight Llama with the same head
+structure with the Triton kernels under the interpreter. Each engine runs a mixed prefill/decode batch, a chunked prefill and a prefix-cache
+hit. The two processes run concurrently (3 to 5 minutes on 2 shared cores).
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm_e2e")
     plans = {
         "smollm2-reference": (smollm2_checkpoint(progress=False), "reference", None),  # CPU default block 128
-        "tiny-triton": (write_random_llama(tmp / "tiny"), "triton", 32),
+        # SmolLM2's head structure (9 Q / 3 KV heads, head_dim 64) in 2 layers: the interpreter runs it in ~2 min.
+        "tiny-triton": (write_random_llama(tmp / "tiny", num_attention_heads=9, num_key_value_heads=3,
+                                           hidden_size=144), "triton", 32),
     }
     procs = {name: start(model, tmp / f"{name}.json", kernels=kernels, block_size=block)
              for name, (model, kernels, block) in plans.items()}
