@@ -156,6 +156,18 @@ def test_without_a_choice_cpu_attn_stays_vllms(cpu_attn_restored):
     assert AttentionBackendEnum.CPU_ATTN.get_path() == CPU_ATTN_DEFAULT
 
 
+def test_cli_flag_selects_dcp_triton(model_dir):
+    """What ``vllm serve MODEL --attention-backend dcp-triton`` parses (the server adds the same engine args)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", str(model_dir), "--attention-backend", "dcp-triton",
+                              "--skip-tokenizer-init", "--dtype", "float32"])
+    config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
+    assert config.attention_config.backend is AttentionBackendEnum.DCP_TRITON
+
+
 def test_misspelled_backend_lists_the_valid_names(model_dir):
     registration.register()
     with pytest.raises(ValueError, match=r"Unknown attention backend: 'DCP-TRTION'.*DCP-TRITON"):
