@@ -89,6 +89,7 @@ class DcpAttention:
         batch: DcpBatch,
         *,
         out: torch.Tensor | None = None,
+        write_kv: bool = True,
     ) -> torch.Tensor:
         """Write this step's owned K/V into the local cache and return the attention output of the local Q heads.
 
@@ -96,13 +97,16 @@ class DcpAttention:
         (all the step's new tokens, whichever rank owns them); ``key_cache``/``value_cache``:
         ``[num_blocks, block_size, heads.num_kv_heads, D]`` (strided views allowed), updated in place;
         one dtype (fp16/bf16/fp32) and one device for all. ``out`` (default: new) is ``q``-shaped, ``q.dtype``.
+        ``write_kv=False`` when the host already stored this step's K/V through ``batch.slot_mapping`` (vLLM's
+        ``do_kv_cache_update``), so the cache is written once.
         No host synchronisation; every rank of the group must call it with the same batch shape.
         """
         self._check_inputs(q, k, v, key_cache, value_cache, batch, out)
         heads, ops = self.heads, self.ops
         if out is None:
             out = torch.empty_like(q)
-        ops.write_kv_cache(k, v, key_cache, value_cache, batch.slot_mapping)
+        if write_kv:
+            ops.write_kv_cache(k, v, key_cache, value_cache, batch.slot_mapping)
         if batch.max_query_len == 1:
             # Decode: each new token is already in its owner's shard, so attending non-causally to every rank's
             # whole shard IS causal attention: no current-chunk pass, no merge. Steps with more query tokens (spec

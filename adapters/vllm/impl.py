@@ -17,22 +17,6 @@ logger = logging.getLogger("vllm.dcp_triton")
 _logged_startup: set[tuple] = set()
 
 
-class _CacheWrittenOps:
-    """The kernel namespace DcpAttention runs, minus its cache write: vLLM already wrote the cache for this layer
-    in ``do_kv_cache_update`` (with the same namespace's ``write_kv_cache``), so the cache is written once."""
-
-    def __init__(self, ops) -> None:
-        self._ops = ops
-        self.__name__ = getattr(ops, "__name__", type(ops).__name__)
-
-    def __getattr__(self, name: str):
-        return getattr(self._ops, name)
-
-    @staticmethod
-    def write_kv_cache(k, v, key_cache, value_cache, slot_mapping) -> None:
-        return None
-
-
 def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's layer cache, a logical ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` strided view (K then
     V on the last dim, any ``KVCacheLayout``), as two ``[num_blocks, block_size, num_kv_heads, head_size]`` views."""
@@ -88,8 +72,7 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
             num_heads=num_heads, num_kv_heads=self.num_kv_heads, dcp_size=self.dcp_world_size,
             dcp_rank=self.dcp_rank, vllm_config=vllm_config,
         )
-        self._write_kv_cache = ops.write_kv_cache
-        self._ops = _CacheWrittenOps(ops)
+        self._ops = ops
         self._attention: dict[TokenLayout, DcpAttention] = {}
         self._log_startup()
 
@@ -98,7 +81,7 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         """Store the new K/V rows this rank owns; ``slot_mapping`` may be shorter than ``key`` (padding rows) and
         holds -1 for tokens another DCP rank owns."""
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
-        self._write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        self._ops.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: DcpTritonMetadata | None, output: torch.Tensor,
@@ -112,7 +95,9 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         attention = self._attention.get(batch.tokens) or self._bind(batch.tokens, kv_cache)
         n = batch.num_tokens
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
-        attention.forward(query[:n], key[:n], value[:n], key_cache, value_cache, batch, out=output[:n])
+        # vLLM ran do_kv_cache_update for this layer already: the cache is written once.
+        attention.forward(query[:n], key[:n], value[:n], key_cache, value_cache, batch, out=output[:n],
+                          write_kv=False)
         if attn_metadata.num_actual_tokens > n:
             output[n:attn_metadata.num_actual_tokens].zero_()
         return output

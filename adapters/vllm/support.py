@@ -16,7 +16,7 @@ _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.floa
 
 
 def supported_head_sizes() -> tuple[int, ...]:
-    from dcp_plugin.kernels.extend_attention import SUPPORTED_HEAD_DIMS
+    from dcp_plugin.kernels import SUPPORTED_HEAD_DIMS
 
     return tuple(SUPPORTED_HEAD_DIMS)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dcp_plugin import DcpAttention, DcpBatch, TokenLayout, TorchDcpGroup
+from dcp_plugin import DcpAttention, DcpBatch, HeadLayout, ParallelState, TokenLayout, TorchDcpGroup
 from dcp_plugin.kernels import reference
 from tests.dcp_harness import Case, RankState, World, run_case
 
@@ -161,3 +161,23 @@ def test_bad_forward_input_is_named_before_any_work(bad, message):
     for cache, saved in zip((state.key_cache, state.value_cache), before):
         assert torch.equal(cache.nan_to_num(7.0), saved.nan_to_num(7.0))
 
+
+
+@pytest.mark.parametrize("write_kv", [True, False])
+def test_write_kv_false_leaves_the_cache_to_the_host(write_kv):
+    """vLLM writes the cache in do_kv_cache_update; forward(write_kv=False) must not write it a second time."""
+    heads = HeadLayout.create(num_q_heads=4, num_kv_heads=2, ps=ParallelState.trivial())
+    tokens = TokenLayout(block_size=16)
+    q, k, v = (torch.randn(3, h, 64) for h in (4, 2, 2))
+    key_cache, value_cache = (torch.full((2, 16, 2, 64), float("nan")) for _ in range(2))
+    batch = DcpBatch.build(query_start_loc=torch.tensor([0, 3], dtype=torch.int32),
+                           seq_lens=torch.tensor([3], dtype=torch.int32),
+                           block_table=torch.tensor([[1]], dtype=torch.int32),
+                           slot_mapping=torch.tensor([16, 17, 18]), tokens=tokens)
+    attn = DcpAttention(heads=heads, tokens=tokens, group=None, scale=0.125, ops=reference)
+    out = attn.forward(q, k, v, key_cache, value_cache, batch, write_kv=write_kv)
+    assert torch.isfinite(out).all()  # a fresh prompt reads only its own K/V
+    if write_kv:
+        assert torch.equal(key_cache[1, :3], k) and torch.equal(value_cache[1, :3], v)
+    else:
+        assert torch.isnan(key_cache).all() and torch.isnan(value_cache).all()
