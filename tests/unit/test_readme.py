@@ -49,6 +49,16 @@ def test_vllm_serve_flags_parse_with_vllm():
         assert (args.tensor_parallel_size, args.decode_context_parallel_size) == (8, 4)
 
 
+def test_api_server_flags_parse_with_vllm():
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    for cmd in commands("python -m vllm.entrypoints.openai.api_server"):
+        args = parser.parse_args(cmd[3:])
+        assert (args.model, args.attention_backend) == ("MODEL", "dcp-triton")
+
+
 def test_dcp_triton_plan_runs(tmp_path, capsys):
     from dcp_plugin.cli import main
 
