@@ -32,8 +32,11 @@ PAGE = 16
 L2_BYTES = 60 << 20
 
 
-def _paged_setup(batch: int, ctx: int, hq: int, hk: int, copies: int, gen: torch.Generator):
-    """``copies`` disjoint KV sets (block tables over disjoint pages of one pool) for L2-cold graph replays."""
+def _paged_setup(batch: int, ctx: int, hq: int, hk: int, gen: torch.Generator):
+    """Decode inputs with enough disjoint KV sets (block tables over disjoint pages of one pool) that graph
+    replays cycling through them run L2-cold: ``(kv_bytes, copies, q, key_cache, value_cache, tables, lens, qsl)``."""
+    kv_bytes = batch * ctx * hk * HEAD_DIM * 2 * DTYPE.itemsize
+    copies = max(1, min(32, math.ceil(4 * L2_BYTES / kv_bytes)))
     pages_per_req = math.ceil(ctx / PAGE)
     num_pages = pages_per_req * batch * copies
     kv = torch.randn(num_pages, PAGE, hk, 2 * HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
@@ -43,16 +46,14 @@ def _paged_setup(batch: int, ctx: int, hq: int, hk: int, copies: int, gen: torch
     q = torch.randn(batch, hq, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    return q, key_cache, value_cache, tables, lens, qsl
+    return kv_bytes, copies, q, key_cache, value_cache, tables, lens, qsl
 
 
 def bench_decode(shapes, copy_gbs: float, with_vllm: bool) -> list[dict]:
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for batch, ctx, hq, hk in shapes:
-        kv_bytes = batch * ctx * hk * HEAD_DIM * 2 * DTYPE.itemsize
-        copies = max(1, min(32, math.ceil(4 * L2_BYTES / kv_bytes)))
-        q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, copies, gen)
+        kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen)
         out = torch.empty_like(q)
         scale = HEAD_DIM ** -0.5
 
@@ -136,9 +137,7 @@ def sweep_decode(shapes, splits_list, configs) -> list[dict]:
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(3)
     for batch, ctx, hq, hk in shapes:
-        kv_bytes = batch * ctx * hk * HEAD_DIM * 2 * DTYPE.itemsize
-        copies = max(1, min(32, math.ceil(4 * L2_BYTES / kv_bytes)))
-        q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, copies, gen)
+        kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen)
         out = torch.empty_like(q)
         auto_cfg = pick_config(HEAD_DIM, decode=True)
         variants = [(s, None) for s in [None, *splits_list]]

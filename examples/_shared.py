@@ -111,3 +111,20 @@ def generate(llm, prompts: list, max_tokens: int) -> None:
     tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
     print(f"generated {tokens} tokens for {len(prompts)} prompts in {elapsed:.1f} s: {tokens / elapsed:.2f} tokens/s "
           "(prefill included)")
+
+
+def run(model: Path, args, *, prompts: list[str], max_tokens: int, gpu: bool) -> int:
+    """Build the engine, report the backend every attention layer runs, generate; 1 if any layer is not ours."""
+    import sys
+
+    from vllm import LLM
+
+    tokenizer = has_tokenizer(model)
+    llm = LLM(**engine_kwargs(model, tp=args.tp, dcp=args.dcp, interleave=args.interleave, gpu=gpu,
+                              tokenizer=tokenizer))
+    backends = report_backends(llm)
+    generate(llm, as_prompts(prompts, tokenizer=tokenizer), max_tokens)
+    if backends != {"DCP_TRITON"}:
+        print(f"error: asked for dcp-triton, but the attention layers ran {sorted(backends)}", file=sys.stderr)
+        return 1
+    return 0

@@ -83,17 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     _shared.set_env_defaults(tp=args.tp, gpu=True, kernels=args.kernels)
-    from vllm import LLM
-
-    tokenizer = _shared.has_tokenizer(model)
-    llm = LLM(**_shared.engine_kwargs(model, tp=args.tp, dcp=args.dcp, interleave=args.interleave, gpu=True,
-                                      tokenizer=tokenizer))
-    backends = _shared.report_backends(llm)
-    _shared.generate(llm, _shared.as_prompts(args.prompts or PROMPTS, tokenizer=tokenizer), args.max_tokens)
-    if backends != {"DCP_TRITON"}:
-        print(f"error: asked for dcp-triton, but the attention layers ran {sorted(backends)}", file=sys.stderr)
-        return 1
-    return 0
+    return _shared.run(model, args, prompts=args.prompts or PROMPTS, max_tokens=args.max_tokens, gpu=True)
 
 
 if __name__ == "__main__":

@@ -56,18 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         from dcp_plugin.embedded_model import smollm2_checkpoint
 
         args.model = smollm2_checkpoint()
-    from vllm import LLM
-
-    tokenizer = _shared.has_tokenizer(args.model)
-    llm = LLM(**_shared.engine_kwargs(args.model, tp=args.tp, dcp=args.dcp, interleave=args.interleave, gpu=gpu,
-                                      tokenizer=tokenizer))
-    backends = _shared.report_backends(llm)
     max_tokens = args.max_tokens or (GPU_MAX_TOKENS if gpu else CPU_MAX_TOKENS)
-    _shared.generate(llm, _shared.as_prompts(args.prompts or PROMPTS, tokenizer=tokenizer), max_tokens)
-    if backends != {"DCP_TRITON"}:
-        print(f"error: asked for dcp-triton, but the attention layers ran {sorted(backends)}", file=sys.stderr)
-        return 1
-    return 0
+    return _shared.run(args.model, args, prompts=args.prompts or PROMPTS, max_tokens=max_tokens, gpu=gpu)
 
 
 if __name__ == "__main__":
