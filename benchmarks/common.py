@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +29,11 @@ def graph_ms(fns: list, *, replays: int = 20, repeats: int = 5) -> float:
 
     Give several calls over disjoint data whose total exceeds the L2 so replays do not run from cache.
     """
+    return replay_ms(capture_graph(fns), len(fns), replays=replays, repeats=repeats)
+
+
+def capture_graph(fns: list) -> torch.cuda.CUDAGraph:
+    """``fns`` warmed up on a side stream (compilation, lazy communicator set-up), then captured in one graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -39,6 +45,11 @@ def graph_ms(fns: list, *, replays: int = 20, repeats: int = 5) -> float:
     with torch.cuda.graph(graph):
         for fn in fns:
             fn()
+    return graph
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, calls: int, *, replays: int = 20, repeats: int = 5) -> float:
+    """Median time per call of a captured ``graph`` holding ``calls`` calls (one warm replay first)."""
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -49,7 +60,33 @@ def graph_ms(fns: list, *, replays: int = 20, repeats: int = 5) -> float:
             graph.replay()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / (replays * len(fns)))
+        times.append(start.elapsed_time(end) / (replays * calls))
+    return statistics.median(times)
+
+
+def events_ms(fn, *, iters: int = 10, repeats: int = 5, before=None) -> float:
+    """Median time per call of ``fn`` run ``iters`` times back to back, host launch overhead included: CUDA events
+    on a GPU, the wall clock on CPU. ``before()`` (e.g. a barrier) runs before each repeat, outside the timing."""
+    cuda = torch.cuda.is_initialized()
+    fn()  # warm-up: compilation, lazy communicator set-up
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / iters)
+        else:
+            began = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            times.append((time.perf_counter() - began) * 1e3 / iters)
     return statistics.median(times)
 
 
@@ -61,8 +98,8 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-def save(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def save(name: str, payload: dict, *, results_dir: Path = RESULTS) -> Path:
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path
