@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth_gbs, gpu_name, graph_ms, median_ms, save  # noqa: E402
+from common import cold_copies, copy_bandwidth_gbs, gpu_name, graph_ms, median_ms, save  # noqa: E402
 
 from dcp_plugin.kernels import extend_attention, merge_states, paged_attention  # noqa: E402
 from dcp_plugin.kernels import reference  # noqa: E402
@@ -29,14 +29,13 @@ from dcp_plugin.kernels import reference  # noqa: E402
 DTYPE = torch.bfloat16
 HEAD_DIM = 128
 PAGE = 16
-L2_BYTES = 60 << 20
 
 
 def _paged_setup(batch: int, ctx: int, hq: int, hk: int, gen: torch.Generator):
     """Decode inputs with enough disjoint KV sets (block tables over disjoint pages of one pool) that graph
     replays cycling through them run L2-cold: ``(kv_bytes, copies, q, key_cache, value_cache, tables, lens, qsl)``."""
     kv_bytes = batch * ctx * hk * HEAD_DIM * 2 * DTYPE.itemsize
-    copies = max(1, min(32, math.ceil(4 * L2_BYTES / kv_bytes)))
+    copies = cold_copies(kv_bytes)
     pages_per_req = math.ceil(ctx / PAGE)
     num_pages = pages_per_req * batch * copies
     kv = torch.randn(num_pages, PAGE, hk, 2 * HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)

@@ -11,6 +11,13 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+COLD_BYTES = 256 << 20  # disjoint data per timed graph until this many bytes (> 4x an H200's 60 MB L2)
+MAX_COPIES = 32
+
+
+def cold_copies(nbytes: int) -> int:
+    """How many disjoint copies of ``nbytes`` of inputs a timed graph cycles through so replays miss the L2."""
+    return max(1, min(MAX_COPIES, -(-COLD_BYTES // max(nbytes, 1))))
 
 
 def gpu_name() -> str:

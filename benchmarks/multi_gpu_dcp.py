@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, capture_graph, events_ms, gpu_name, replay_ms, save  # noqa: E402
+from common import RESULTS, capture_graph, cold_copies, events_ms, gpu_name, replay_ms, save  # noqa: E402
 from multi_gpu_checks import COMMS, CPU_SIZES, GPU_SIZES, all_cases, dcp_splits, run_case  # noqa: E402
 
 import dcp_plugin as dp  # noqa: E402
@@ -48,8 +48,6 @@ GRID = {
     ("cpu", False): ((16, 64, 256), (1, 4)),
     ("cpu", True): ((16, 64), (1, 2)),
 }
-COLD_BYTES = 256 << 20  # KV copies per timed graph until this many bytes, so replays do not run from the L2
-MAX_COPIES = 32
 
 
 class Run:
@@ -152,7 +150,7 @@ def decode_step(run: Run, dcp: int, comm: str, ctx: int, batch: int) -> list:
     k = torch.randn(batch, 1, dim, dtype=run.dtype, device=device, generator=run.gen)
     v, out = torch.randn_like(k), torch.empty_like(q)
     kv_bytes = batch * pages * block * 2 * dim * q.element_size()
-    copies = min(MAX_COPIES, math.ceil(COLD_BYTES / kv_bytes)) if run.cuda else 1
+    copies = cold_copies(kv_bytes) if run.cuda else 1
     fns = []
     for _ in range(copies):
         kv = torch.randn(batch * pages, block, 1, 2 * dim, dtype=run.dtype, device=device, generator=run.gen)
