@@ -13,8 +13,9 @@ from dcp_plugin.adapters.vllm import compat, support
 class DcpTritonBackend(AttentionBackend):
     """Decode-context-parallel attention with Triton kernels (``dcp_plugin``), for decoder self-attention.
 
-    vLLM writes the cache through ``impl.do_kv_cache_update`` before ``forward``. Any ``KVCacheLayout`` works:
-    the impl takes K and V as strided views of the layer's logical ``[blocks, heads, block_size, 2 * head]`` cache.
+    vLLM writes the cache through ``impl.do_kv_cache_update`` before ``forward``. Any ``KVCacheLayout`` (0.32+), or
+    either NHD/HND stride order (0.26), works: the impl takes K and V as strided views of the layer's logical
+    ``[blocks, heads, block_size, 2 * head]`` cache.
     """
 
     forward_includes_kv_cache_update: bool = False
@@ -48,6 +49,17 @@ class DcpTritonBackend(AttentionBackend):
     @classmethod
     def supported_kv_cache_layouts(cls):
         return None  # every layout keeps K||V innermost; the kernels take the resulting strides
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        """vLLM 0.26's allocation contract (0.32+ never call it): the same logical view 0.32+ hand over."""
+        return compat.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        """vLLM 0.26's physical order of ``get_kv_cache_shape`` (0.32+ never call it)."""
+        return compat.kv_cache_stride_order(include_num_layers_dimension=include_num_layers_dimension)
 
     @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,

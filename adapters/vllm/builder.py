@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from vllm.distributed.parallel_state import get_dcp_world_size_and_rank
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder, CommonAttentionMetadata
 
+from dcp_plugin.adapters.vllm import compat
 from dcp_plugin.batch import DcpBatch
 from dcp_plugin.layout import TokenLayout
 
@@ -33,7 +33,7 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        dcp_size, dcp_rank = get_dcp_world_size_and_rank(kv_cache_spec.dcp_sharded)
+        dcp_size, dcp_rank = compat.dcp_world_size_and_rank(kv_cache_spec)
         self.tokens = TokenLayout(
             dcp_size=dcp_size, dcp_rank=dcp_rank,
             interleave=vllm_config.parallel_config.cp_kv_cache_interleave_size,

@@ -19,7 +19,8 @@ _logged_startup: set[tuple] = set()
 
 def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's layer cache, a logical ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` strided view (K then
-    V on the last dim, any ``KVCacheLayout``), as two ``[num_blocks, block_size, num_kv_heads, head_size]`` views."""
+    V on the last dim; any ``KVCacheLayout`` in 0.32+, the backend's ``get_kv_cache_shape`` permuted by its
+    ``get_kv_cache_stride_order`` in 0.26), as two ``[num_blocks, block_size, num_kv_heads, head_size]`` views."""
     kv = kv_cache.transpose(1, 2)
     return kv[..., :head_size], kv[..., head_size:]
 

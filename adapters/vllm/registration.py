@@ -2,7 +2,8 @@
 
 Three things, all re-entrant:
 1. the enum member ``AttentionBackendEnum.DCP_TRITON`` (value: the backend's class path) and the key
-   ``"DCP-TRITON"``, because vLLM parses the flag as ``AttentionBackendEnum[value.upper()]``;
+   ``"DCP-TRITON"``, because vLLM parses the flag as ``AttentionBackendEnum[value.upper()]``; on a vLLM without
+   dynamic members (0.26) the member is vLLM's ``CUSTOM`` slot, reachable under both keys;
 2. pickling: the member pickles as a call to ``selected_backend()``, so a spawned engine-core or worker process,
    which unpickles the engine config before it loads plugins, registers the backend while unpickling;
 3. CPU routing: vLLM's CPU platform always returns ``CPU_ATTN``; a process that unpickles a config selecting
@@ -33,7 +34,9 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     member = AttentionBackendEnum._member_map_.get(BACKEND_NAME)
-    if member is None:
+    if not compat.has_dynamic_backend_members(AttentionBackendEnum):
+        member = _claim_custom_slot(AttentionBackendEnum, register_backend)
+    elif member is None:
         # Always with the class path: a member registered with the value "" would take over TORCH_SDPA's value.
         register_backend(BACKEND_NAME, BACKEND_PATH)
         member = AttentionBackendEnum._member_map_[BACKEND_NAME]
@@ -71,6 +74,21 @@ def route_cpu_attn(*, reason: str) -> None:
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
     cpu_route_reason = reason
     logger.info("dcp-triton: CPU_ATTN now resolves to %s in process %d (%s)", BACKEND_PATH, os.getpid(), reason)
+
+
+def _claim_custom_slot(enum_cls, register_backend):
+    """vLLM without dynamic enum members (0.26): route its one ``CUSTOM`` slot here, key it ``DCP_TRITON`` too (what
+    ``get_name()`` returns and ``Attention.__init__`` looks up), unless another plugin holds the slot."""
+    custom = enum_cls._member_map_["CUSTOM"]
+    if custom.is_overridden() and custom.get_path() != BACKEND_PATH:
+        raise ValueError(
+            f"vLLM's CUSTOM attention backend slot already resolves to {custom.get_path()}; this vLLM has only that "
+            "one slot for out-of-tree backends, so dcp-triton cannot register. Load one backend plugin, or use "
+            "vLLM 0.33 (one enum member per plugin)"
+        )
+    register_backend(custom, BACKEND_PATH)
+    enum_cls._member_map_.setdefault(BACKEND_NAME, custom)
+    return custom
 
 
 def _reduce_member(protocol: int):

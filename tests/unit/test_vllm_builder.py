@@ -12,11 +12,11 @@ import torch
 pytest.importorskip("vllm")
 
 from vllm.config import VllmConfig  # noqa: E402
+from vllm.distributed import parallel_state  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
-from dcp_plugin.adapters.vllm import builder as builder_module  # noqa: E402
 from dcp_plugin.adapters.vllm.builder import DcpTritonMetadataBuilder  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -69,7 +69,7 @@ def make_builder(monkeypatch, *, dcp, rank, interleave, dcp_sharded=True):
     def dcp_world_size_and_rank(enabled: bool = True):
         return (dcp, rank) if enabled else (1, 0)
 
-    monkeypatch.setattr(builder_module, "get_dcp_world_size_and_rank", dcp_world_size_and_rank)
+    monkeypatch.setattr(parallel_state, "get_dcp_world_size_and_rank", dcp_world_size_and_rank)
     config = VllmConfig()
     config.parallel_config.cp_kv_cache_interleave_size = interleave
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float16,

