@@ -36,6 +36,7 @@ class Case:
     ops: str = "reference"
     decode_steps: int = 0
     seed: int = 0
+    device: str = "cpu"  # where the sequences, caches and batches live ("cuda" on the GPU tier)
 
     def layouts(self, n: int, rank: int) -> tuple[HeadLayout, TokenLayout]:
         tp = self.tp or n
@@ -57,12 +58,13 @@ class World:
     """The full sequences of a case (every rank derives the same ones from the seed), in float64."""
 
     def __init__(self, case: Case) -> None:
-        gen = torch.Generator().manual_seed(case.seed)
+        device = torch.device(case.device)
+        gen = torch.Generator(device=device).manual_seed(case.seed)
         dtype = getattr(torch, case.dtype)
         self.total_lens = [ctx + new + case.decode_steps for ctx, new in case.requests]
 
         def rand(*shape):  # values exactly representable in the case dtype, so the reference sees the inputs
-            return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).to(torch.float64)
+            return torch.randn(*shape, generator=gen, dtype=torch.float64, device=device).to(dtype).to(torch.float64)
 
         self.keys = [rand(length, case.kv_heads, case.head_dim) for length in self.total_lens]
         self.values = [rand(length, case.kv_heads, case.head_dim) for length in self.total_lens]
@@ -74,12 +76,13 @@ class World:
 def causal_attention_f64(world: World, request: int, positions: torch.Tensor, q_heads: range) -> torch.Tensor:
     """Single-rank attention of the queries at ``positions`` (global Q heads ``q_heads``) to keys ``0..pos``."""
     q = world.queries[request][positions][:, q_heads.start:q_heads.stop]  # [T, H, D]
-    kv = torch.arange(q_heads.start, q_heads.stop) // world.q_per_kv
+    device = q.device
+    kv = torch.arange(q_heads.start, q_heads.stop, device=device) // world.q_per_kv
     last = int(positions.max()) + 1
     k = world.keys[request][:last][:, kv]  # [L, H, D]
     v = world.values[request][:last][:, kv]
     scores = torch.einsum("thd,lhd->htl", q, k) * world.scale
-    visible = torch.arange(last)[None, :] <= positions[:, None]  # [T, L]
+    visible = torch.arange(last, device=device)[None, :] <= positions.to(device)[:, None]  # [T, L]
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
     return torch.einsum("htl,lhd->thd", probs, v)
 
@@ -113,8 +116,9 @@ class RankState:
             start += count
         # K and V as strided halves of one buffer, like engines that pack them.
         dtype = getattr(torch, case.dtype)
-        packed = torch.full((num_pages, block, heads.num_kv_heads, 2 * case.head_dim), float("nan"), dtype=dtype)
-        state = cls(case, world, heads, tokens, block_table, packed[..., :case.head_dim],
+        packed = torch.full((num_pages, block, heads.num_kv_heads, 2 * case.head_dim), float("nan"), dtype=dtype,
+                            device=case.device)
+        state = cls(case, world, heads, tokens, block_table.to(case.device), packed[..., :case.head_dim],
                     packed[..., case.head_dim:], [ctx for ctx, _ in case.requests])
         for b, (ctx, _) in enumerate(case.requests):
             positions = torch.arange(ctx)
@@ -125,7 +129,7 @@ class RankState:
         return slice(self.heads.kv_head_start, self.heads.kv_head_start + self.heads.num_kv_heads)
 
     def _local_slots(self, request: int, positions: torch.Tensor) -> torch.Tensor:
-        index = self.tokens.local_index(positions)
+        index = self.tokens.local_index(positions.to(self.block_table.device))
         return self.block_table[request, index // self.case.block_size].long() * self.case.block_size \
             + index % self.case.block_size
 
@@ -145,16 +149,18 @@ class RankState:
         q = torch.cat([self.world.queries[b][p][:, q_heads] for b, p in enumerate(positions)]).to(dtype)
         k = torch.cat([self.world.keys[b][p][:, kv] for b, p in enumerate(positions)]).to(dtype)
         v = torch.cat([self.world.values[b][p][:, kv] for b, p in enumerate(positions)]).to(dtype)
+        device = self.block_table.device
         slots = []
         for b, p in enumerate(positions):
             mine = self.tokens.owner(p) == self.tokens.dcp_rank
-            request_slots = torch.full(p.shape, -1, dtype=torch.int64)
-            request_slots[mine] = self._local_slots(b, p[mine])
+            request_slots = torch.full(p.shape, -1, dtype=torch.int64, device=device)
+            request_slots[mine.to(device)] = self._local_slots(b, p[mine])
             slots.append(request_slots)
         self.lens = [length + t for length, t in zip(self.lens, new_tokens)]
         batch = DcpBatch.build(
-            query_start_loc=torch.tensor([0, *torch.tensor(new_tokens).cumsum(0).tolist()], dtype=torch.int32),
-            seq_lens=torch.tensor(self.lens, dtype=torch.int32),
+            query_start_loc=torch.tensor([0, *torch.tensor(new_tokens).cumsum(0).tolist()], dtype=torch.int32,
+                                         device=device),
+            seq_lens=torch.tensor(self.lens, dtype=torch.int32, device=device),
             block_table=self.block_table,
             slot_mapping=torch.cat(slots),
             tokens=self.tokens,
@@ -187,7 +193,7 @@ def run_case(case: Case, n: int, rank: int, group, gather_heads: Callable[[torch
     schedule = [[new for _, new in case.requests]] + [[1] * len(case.requests)] * case.decode_steps
     for step, new_tokens in enumerate(schedule):
         q, k, v, batch, positions = state.step(new_tokens)
-        out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
         result = attn.forward(q, k, v, state.key_cache, state.value_cache, batch, out=out)
         assert result is out, "forward must return the out buffer it was given"
         got = gather_heads(out)  # [T, group Q heads, D], rank order
