@@ -1,0 +1,160 @@
+"""One job of ``vllm_gpu_e2e.py`` in its own process: build a random Llama checkpoint, or run one vLLM engine.
+
+    python benchmarks/vllm_e2e_engine.py SPEC.json
+
+``SPEC["kind"]``: ``build`` (``LlamaForCausalLM(config)`` with transformers' default init, saved in float32) or
+``engine`` (one ``vllm.LLM`` with ``SPEC["engine"]`` as its arguments, then ``SPEC["tasks"]`` in order). The result
+(gzipped JSON at ``SPEC["out"]``) is rewritten after every task, so a job cut short keeps what it finished.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vllm_e2e_report as report  # noqa: E402
+
+
+def build(spec: dict) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    target = Path(spec["model_dir"])
+    if (target / "config.json").exists():
+        return
+    torch.manual_seed(spec.get("seed", 0))
+    model = LlamaForCausalLM(LlamaConfig(**spec["config"])).to(torch.float32)
+    partial = target.with_name(target.name + ".partial")
+    model.save_pretrained(partial)
+    partial.rename(target)  # atomic: a killed build leaves no half checkpoint under the final name
+
+
+def run_engine(spec: dict) -> None:
+    from vllm import LLM
+
+    started = time.perf_counter()
+    llm = LLM(**spec["engine"])
+    result = {"init_s": round(time.perf_counter() - started, 1), "tasks": {}, "complete": False}
+    result.update(_versions())
+    save(spec["out"], result)
+    for task in spec["tasks"]:
+        began = time.perf_counter()
+        data = TASKS[task["type"]](llm, task, spec["vocab"])
+        if task["type"] == "throughput":
+            result.setdefault("throughput", []).extend(data)
+        else:
+            result["tasks"][task["name"]] = {**data, "elapsed_s": round(time.perf_counter() - began, 2)}
+        save(spec["out"], result)
+    result["complete"] = True
+    save(spec["out"], result)
+    llm.llm_engine.engine_core.shutdown()
+
+
+def logprobs_task(llm, task: dict, vocab: int) -> dict:
+    """Teacher-forced: the logprob of every prompt token after the first, and the top-1 token there."""
+    from vllm import SamplingParams
+
+    prompts = report.make_prompts(vocab=vocab, **task["prompts"])
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    token_lp, top1_ids, top1_lp = [], [], []
+    for prompt, out in zip(prompts, outs):
+        positions = out.prompt_logprobs[1:]  # [0] is None: nothing predicts the first token
+        token_lp.append([pos[tok].logprob for tok, pos in zip(prompt[1:], positions)])
+        best = [_ranked(pos, 1) for pos in positions]
+        top1_ids.append([b[0] for b in best])
+        top1_lp.append([b[1] for b in best])
+    return {"prompt_lens": [len(p) for p in prompts], "token_logprobs": token_lp, "top1_ids": top1_ids,
+            "top1_logprobs": top1_lp}
+
+
+def greedy_task(llm, task: dict, vocab: int) -> dict:
+    """Greedy tokens with the top-2 logprobs of every step (to tell near ties from real disagreements)."""
+    prompts = report.make_prompts(vocab=vocab, **task["prompts"])
+    return {"prompt_lens": [len(p) for p in prompts], **_greedy(llm, prompts, task["max_tokens"], 2)}
+
+
+def prefix_task(llm, task: dict, vocab: int) -> dict:
+    """One prompt alone (fills the prefix cache), then prompts sharing its prefix in one batch (read it)."""
+    prompts = report.make_prefix_prompts(vocab=vocab, **task["prompts"])
+    first = _greedy(llm, prompts[:1], task["max_tokens"], 5)
+    rest = _greedy(llm, prompts[1:], task["max_tokens"], 5)
+    return {"prompt_lens": [len(p) for p in prompts], **{k: first[k] + rest[k] for k in first}}
+
+
+def throughput_task(llm, task: dict, vocab: int) -> list[dict]:
+    """Output tokens per second of each workload (after a scaled-down warm-up of the same shapes)."""
+    from vllm import SamplingParams
+
+    rows = []
+    for w in task["workloads"]:
+        prompts = report.make_prompts(count=w["requests"], min_len=w["prompt_len"], max_len=w["prompt_len"],
+                                      vocab=vocab, seed=11)
+        warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False)
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], warm, use_tqdm=False)
+        params = SamplingParams(max_tokens=w["output_len"], temperature=0.0, ignore_eos=True, detokenize=False)
+        began = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        elapsed = time.perf_counter() - began
+        generated = sum(len(o.outputs[0].token_ids) for o in outs)
+        rows.append({**w, "elapsed_s": elapsed, "output_tokens": generated, "output_tok_s": generated / elapsed,
+                     "total_tok_s": (generated + w["requests"] * w["prompt_len"]) / elapsed})
+    return rows
+
+
+TASKS = {"logprobs": logprobs_task, "greedy": greedy_task, "prefix": prefix_task, "throughput": throughput_task}
+
+
+def _greedy(llm, prompts: list[list[int]], max_tokens: int, top: int) -> dict:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=top, detokenize=False, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tokens, top2_ids, top2_lp, first_topk = [], [], [], []
+    for out in outs:
+        steps = out.outputs[0].logprobs
+        tokens.append(list(out.outputs[0].token_ids))
+        ranked = [[_ranked(step, r) for r in (1, 2)] for step in steps]
+        top2_ids.append([[t for t, _ in pair] for pair in ranked])
+        top2_lp.append([[lp for _, lp in pair] for pair in ranked])
+        first_topk.append({str(t): lp.logprob for t, lp in steps[0].items()})
+    return {"tokens": tokens, "top2_ids": top2_ids, "top2_logprobs": top2_lp, "first_topk": first_topk,
+            "cached_tokens": [o.num_cached_tokens or 0 for o in outs]}
+
+
+def _ranked(position: dict, rank: int) -> tuple[int, float]:
+    for token, lp in position.items():
+        if lp.rank == rank:
+            return token, lp.logprob
+    raise ValueError(f"no rank-{rank} entry among {len(position)} logprobs")
+
+
+def _versions() -> dict:
+    import torch
+    import vllm
+
+    return {"vllm": vllm.__version__, "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+
+
+def save(path: str, result: dict) -> None:
+    tmp = Path(path + ".tmp")
+    with gzip.open(tmp, "wt") as f:
+        json.dump(result, f)
+    tmp.replace(path)
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    for key, value in spec.get("env", {}).items():
+        os.environ[key] = value  # before vLLM is imported: its engine core and workers inherit them
+    (build if spec["kind"] == "build" else run_engine)(spec)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""Pure-Python half of ``vllm_gpu_e2e.py``: prompts, backend-vs-backend agreement, the summary (JSON, markdown, PNG).
+
+No torch, no vLLM: the CPU unit test drives everything here with fake job results.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import random
+from pathlib import Path
+
+FP32_LOGPROB_TOL = 1e-3  # max |logprob(dcp-triton) - logprob(TRITON_ATTN)| in float32
+# A float32 greedy divergence is explained when both backends see a top-2 gap this small there: two logprobs that
+# each move by <= FP32_LOGPROB_TOL can swap order only if they were within 2 * FP32_LOGPROB_TOL.
+FP32_TIE_GAP = 2 * FP32_LOGPROB_TOL
+OURS = "dcp-triton"
+
+
+def make_prompts(*, count: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of random token ids in ``[3, vocab)`` (0-2: special ids), lengths spread geometrically from
+    ``min_len`` to ``max_len`` inclusive (both ends present); the same arguments give the same prompts anywhere."""
+    if count < 1 or not 1 <= min_len <= max_len or vocab <= 3:
+        raise ValueError(f"prompt set needs count >= 1, 1 <= min_len <= max_len and vocab > 3; got count={count}, "
+                         f"min_len={min_len}, max_len={max_len}, vocab={vocab}")
+    rng = random.Random(seed)
+    ratio = max_len / min_len
+    lengths = [round(min_len * ratio ** (i / max(count - 1, 1))) for i in range(count)]
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def make_prefix_prompts(*, prefix_len: int, suffix_lens: list[int], vocab: int, seed: int) -> list[list[int]]:
+    """Prompts sharing one ``prefix_len``-token prefix, each with its own random suffix."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(3, vocab) for _ in range(n)] for n in suffix_lens]
+
+
+def compare_logprobs(ours: dict, ref: dict) -> dict:
+    """Teacher-forced agreement of two ``logprobs`` task results (per prompt: the logprob of every prompt token
+    after the first, and the top-1 token there)."""
+    _same_prompts(ours, ref)
+    worst, total, count, same_top1 = None, 0.0, 0, 0
+    for i, (a, b) in enumerate(zip(ours["token_logprobs"], ref["token_logprobs"])):
+        for pos, (x, y) in enumerate(zip(a, b)):
+            diff = abs(x - y) if math.isfinite(x) and math.isfinite(y) else math.inf
+            total, count = total + diff, count + 1
+            if worst is None or diff > worst["abs_diff"]:
+                worst = {"prompt": i, "position": pos + 1, "ours": x, "ref": y, "abs_diff": diff}
+        same_top1 += sum(p == q for p, q in zip(ours["top1_ids"][i], ref["top1_ids"][i]))
+    return {
+        "prompts": len(ours["token_logprobs"]), "positions": count,
+        "max_abs_diff": worst["abs_diff"] if worst else 0.0, "mean_abs_diff": total / max(count, 1),
+        "top1_agreement": same_top1 / max(count, 1), "worst": worst,
+    }
+
+
+def compare_greedy(ours: dict, ref: dict, *, tie_gap: float) -> dict:
+    """Greedy agreement of two ``greedy`` task results: tokens up to the first divergence per prompt, and each
+    divergence's top-2 logprob gap in both runs (a near tie when both gaps are <= ``tie_gap``)."""
+    _same_prompts(ours, ref)
+    divergences, agreed, generated = [], 0, 0
+    for i, (a, b) in enumerate(zip(ours["tokens"], ref["tokens"])):
+        common = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        agreed, generated = agreed + common, generated + max(len(a), len(b))
+        if common < min(len(a), len(b)):
+            gap_ours, gap_ref = _top2_gap(ours, i, common), _top2_gap(ref, i, common)
+            divergences.append({
+                "prompt": i, "position": common, "ours_token": a[common], "ref_token": b[common],
+                "gap_ours": gap_ours, "gap_ref": gap_ref, "near_tie": max(gap_ours, gap_ref) <= tie_gap,
+            })
+    return {
+        "prompts": len(ours["tokens"]), "exact_sequences": sum(a == b for a, b in zip(ours["tokens"], ref["tokens"]))
+        / max(len(ours["tokens"]), 1),
+        "token_agreement": agreed / max(generated, 1), "divergences": divergences,
+        "all_divergences_near_ties": all(d["near_tie"] for d in divergences), "tie_gap": tie_gap,
+    }
+
+
+def compare_prefix(ours: dict, ref: dict, *, tie_gap: float) -> dict:
+    """Prefix-cache case: first generated token's top-k logprobs (computed over a cached prefix), greedy tokens,
+    and the cache hits each run saw."""
+    first_diff = 0.0
+    for a, b in zip(ours["first_topk"], ref["first_topk"]):
+        common = set(a) & set(b)
+        first_diff = max([first_diff, *(abs(a[t] - b[t]) for t in common)])
+    return {
+        "first_token_max_abs_diff": first_diff,
+        "cached_tokens_ours": ours["cached_tokens"], "cached_tokens_ref": ref["cached_tokens"],
+        "greedy": compare_greedy(ours, ref, tie_gap=tie_gap),
+    }
+
+
+def analyse(jobs: dict[str, dict]) -> dict:
+    """Every comparison and check the finished jobs allow. ``jobs``: name -> {"spec": ..., "status": ...,
+    "result": raw worker result or None}; missing or failed jobs only drop the rows that need them."""
+    done = {name: job for name, job in jobs.items() if job.get("result") and job["spec"]["kind"] == "engine"}
+    groups: dict[tuple, dict[str, dict]] = {}
+    for job in done.values():
+        spec = job["spec"]
+        groups.setdefault((spec["model"], spec["dtype"], spec["case"]), {})[spec["backend"]] = job["result"]
+    rows, checks = [], []
+    for (model, dtype, case), by_backend in sorted(groups.items()):
+        pairs = [(OURS, ref) for ref in sorted(by_backend) if ref != OURS and OURS in by_backend]
+        if dtype != "float32" and "TRITON_ATTN" in by_backend and "FLASH_ATTN" in by_backend:
+            pairs.append(("TRITON_ATTN", "FLASH_ATTN"))  # vLLM vs vLLM: the bf16 noise floor, for context
+        for a, b in pairs:
+            tasks_a, tasks_b = by_backend[a]["tasks"], by_backend[b]["tasks"]
+            for task in sorted(set(tasks_a) & set(tasks_b)):
+                row = _compare_task(task, tasks_a[task], tasks_b[task], dtype)
+                rows.append({"model": model, "dtype": dtype, "case": case, "task": task, "ours": a, "ref": b,
+                             **row})
+                if a == OURS and dtype == "float32" and b == "TRITON_ATTN":
+                    checks.append(_check(model, case, task, row))
+    for name, job in sorted(done.items()):
+        if job["spec"]["backend"] == OURS:  # the run really used our kernels, compiled (not a fallback)
+            line = job.get("backend_line") or ""
+            ok = "backend=DCP_TRITON" in line and "kernels=triton" in line and "interpreter" not in line
+            checks.append({"name": f"{name}: worker built dcp-triton", "pass": ok,
+                           "detail": line[line.find("backend="):][:160] or "no dcp-triton startup line in the log"})
+    throughput = [{"model": job["spec"]["model"], "backend": job["spec"]["backend"], "mode": job["spec"]["mode"],
+                   **w} for job in done.values() for w in job["result"].get("throughput", [])]
+    return {"agreement": rows, "checks": checks, "throughput": throughput,
+            "jobs": {n: {k: j.get(k) for k in ("status", "elapsed_s", "log", "backend_line")} for n, j in
+                     sorted(jobs.items())}}
+
+
+def write_summary(summary: dict, meta: dict, out_dir: Path, name: str) -> list[Path]:
+    """``<name>.json`` (everything), ``<name>.md`` (tables) and ``<name>.png`` (when matplotlib is present)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
+    _atomic_write(paths[0], json.dumps({"meta": meta, **summary}, indent=1))
+    _atomic_write(paths[1], markdown(summary, meta))
+    if importlib.util.find_spec("matplotlib") is None:
+        return paths
+    if summary["agreement"] or summary["throughput"]:
+        paths.append(out_dir / f"{name}.png")
+        plot(summary, meta, paths[-1])
+    return paths
+
+
+def markdown(summary: dict, meta: dict) -> str:
+    lines = [f"# vLLM end to end on {meta.get('gpu', '?')}: dcp-triton vs vLLM's attention backends", "",
+             f"vLLM {meta.get('vllm', '?')}, torch {meta.get('torch', '?')}. Random-initialised Llama checkpoints "
+             "(transformers default init), greedy, `ignore_eos`. float32 runs set `TRITON_F32_DEFAULT=ieee` (vLLM's "
+             "Triton kernels would otherwise round float32 dot inputs to TF32).", ""]
+    if summary["checks"]:
+        lines += ["## Checks", "", "| check | result | detail |", "|---|---|---|"]
+        lines += [f"| {c['name']} | {'PASS' if c['pass'] else 'FAIL'} | {c['detail']} |" for c in summary["checks"]]
+        lines.append("")
+    if summary["agreement"]:
+        lines += ["## Agreement", "", "| model | dtype | case | task | ours | ref | result |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['dtype']} | {r['case']} | {r['task']} | {r['ours']} | {r['ref']} | "
+                  f"{r['text']} |" for r in summary["agreement"]]
+        lines.append("")
+    if summary["throughput"]:
+        lines += ["## Offline throughput", "", "| model | workload | backend | mode | requests | prompt | output | "
+                  "s | output tok/s |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {t['model']} | {t['workload']} | {t['backend']} | {t['mode']} | {t['requests']} | "
+                  f"{t['prompt_len']} | {t['output_len']} | {t['elapsed_s']:.2f} | {t['output_tok_s']:.0f} |"
+                  for t in summary["throughput"]]
+        lines.append("")
+    lines += ["## Jobs", "", "| job | status | s |", "|---|---|---|"]
+    lines += [f"| {n} | {j['status']} | {j['elapsed_s'] if j['elapsed_s'] is not None else ''} |"
+              for n, j in summary["jobs"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, meta: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    logprob_rows = [r for r in summary["agreement"] if "max_abs_diff" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    ax = axes[0]
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    labels = [f"{r['model']} {short.get(r['dtype'], r['dtype'])} {r['case']} {r['task']}\n{r['ours']} vs {r['ref']}"
+              for r in logprob_rows]
+    values = [max(r["max_abs_diff"], 1e-8) for r in logprob_rows]  # log axis: an exact 0 shows at the floor
+    ax.barh(range(len(labels)), values, color=["tab:blue" if r["dtype"] == "float32" else "tab:orange"
+                                               for r in logprob_rows])
+    for i, r in enumerate(logprob_rows):
+        ax.text(values[i], i, f" {r['max_abs_diff']:.2g}", va="center", fontsize=7)
+    ax.axvline(FP32_LOGPROB_TOL, color="red", linestyle="--", label=f"float32 bound {FP32_LOGPROB_TOL:g}")
+    ax.set(xscale="log", yticks=range(len(labels)), xlabel="max abs logprob difference (teacher-forced)")
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    rows = summary["throughput"]
+    names = [f"{t['workload']}\n{t['backend']} {t['mode']}" for t in rows]
+    ax.barh(range(len(rows)), [t["output_tok_s"] for t in rows],
+            color=["tab:green" if t["backend"] == OURS else "tab:gray" for t in rows])
+    ax.set(yticks=range(len(rows)), xlabel="output tokens / s (offline, one GPU)")
+    ax.set_yticklabels(names, fontsize=7)
+    fig.suptitle(f"dcp-triton in vLLM {meta.get('vllm', '?')} on {meta.get('gpu', '?')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _compare_task(task: str, a: dict, b: dict, dtype: str) -> dict:
+    tie = FP32_TIE_GAP if dtype == "float32" else math.inf  # bf16: divergences are reported, not judged
+    if task.startswith("logprobs"):
+        row = compare_logprobs(a, b)
+        return {**row, "text": f"max abs dlogprob {row['max_abs_diff']:.3g}, mean {row['mean_abs_diff']:.2g}, top-1 "
+                               f"agree {row['top1_agreement']:.2%} over {row['positions']} positions"}
+    if task.startswith("greedy"):
+        row = compare_greedy(a, b, tie_gap=tie)
+        return {**row, "text": _greedy_text(row)}
+    if task.startswith("prefix"):
+        row = compare_prefix(a, b, tie_gap=tie)
+        return {**row, "text": f"first-token max abs dlogprob {row['first_token_max_abs_diff']:.3g}, cached "
+                               f"{row['cached_tokens_ours']} / {row['cached_tokens_ref']}; "
+                               f"{_greedy_text(row['greedy'])}"}
+    raise ValueError(f"unknown task {task!r}: expected logprobs*, greedy* or prefix*")
+
+
+def _greedy_text(row: dict) -> str:
+    gaps = ", ".join(f"{d['gap_ref']:.2g}" for d in row["divergences"][:6])
+    return (f"{row['exact_sequences']:.0%} identical, {row['token_agreement']:.1%} tokens before divergence; "
+            f"{len(row['divergences'])} divergences" + (f" (top-2 gaps {gaps})" if gaps else ""))
+
+
+def _check(model: str, case: str, task: str, row: dict) -> dict:
+    name = f"{model} {case} {task}"
+    if task.startswith("logprobs"):
+        ok = row["max_abs_diff"] <= FP32_LOGPROB_TOL
+        worst = row["worst"] or {}
+        return {"name": name, "pass": ok, "detail": f"max abs dlogprob {row['max_abs_diff']:.3g} (bound "
+                f"{FP32_LOGPROB_TOL:g}) at prompt {worst.get('prompt')} position {worst.get('position')}"}
+    if task.startswith("greedy"):
+        return {"name": name, "pass": row["all_divergences_near_ties"],
+                "detail": f"{len(row['divergences'])} divergences; max top-2 gap there "
+                f"{max([0.0, *(max(d['gap_ours'], d['gap_ref']) for d in row['divergences'])]):.3g} (bound "
+                f"{FP32_TIE_GAP:g})"}
+    later_hits = row["cached_tokens_ours"][1:]
+    ok = row["first_token_max_abs_diff"] <= FP32_LOGPROB_TOL and all(h > 0 for h in later_hits) and \
+        row["greedy"]["all_divergences_near_ties"]
+    return {"name": name, "pass": ok, "detail": f"first-token max abs dlogprob {row['first_token_max_abs_diff']:.3g}, "
+                                                f"cache hits {later_hits}, divergences at near ties"}
+
+
+def _same_prompts(a: dict, b: dict) -> None:
+    if a["prompt_lens"] != b["prompt_lens"]:
+        raise ValueError(f"the two runs saw different prompts: lengths {a['prompt_lens'][:4]}... vs "
+                         f"{b['prompt_lens'][:4]}...")
+
+
+def _top2_gap(run: dict, prompt: int, step: int) -> float:
+    top2 = run["top2_logprobs"][prompt][step]
+    return top2[0] - top2[1] if len(top2) == 2 else math.inf
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
