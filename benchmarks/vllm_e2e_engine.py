@@ -28,7 +28,7 @@ def build(spec: dict) -> None:
     if (target / "config.json").exists():
         return
     torch.manual_seed(spec.get("seed", 0))
-    model = LlamaForCausalLM(LlamaConfig(**spec["config"])).to(torch.float32)
+    model = LlamaForCausalLM(LlamaConfig(**spec["config"])).to(torch.float32)  # saved with dtype float32
     partial = target.with_name(target.name + ".partial")
     model.save_pretrained(partial)
     partial.rename(target)  # atomic: a killed build leaves no half checkpoint under the final name

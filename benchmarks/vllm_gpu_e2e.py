@@ -71,8 +71,8 @@ class Job:
 
 def catalogue(work: Path, raw: Path) -> list[Job]:
     """Every job the script knows, builds first, in the order they should run."""
-    jobs = [Job(f"build-{m}", {"kind": "build", "model_dir": str(work / "models" / m), "seed": 0,
-                               "config": {**cfg, "torch_dtype": "float32"}}, 240) for m, cfg in MODELS.items()]
+    jobs = [Job(f"build-{m}", {"kind": "build", "model_dir": str(work / "models" / m), "seed": 0, "config": cfg}, 240)
+            for m, cfg in MODELS.items()]
 
     def engine(name, model, backend, dtype, case, tasks, timeout, *, mode="eager", exclusive=False, **overrides):
         engine_kwargs = dict(

@@ -32,7 +32,7 @@ pytestmark = [
 
 MODEL = dict(hidden_size=640, intermediate_size=1280, num_attention_heads=10, num_key_value_heads=2, head_dim=128,
              num_hidden_layers=2, vocab_size=2048, max_position_embeddings=4096, rms_norm_eps=1e-5,
-             rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+             rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 PROMPTS = dict(count=6, min_len=16, max_len=900, seed=5)
 # TRITON_F32_DEFAULT: vLLM's Triton kernels would round float32 dot inputs to TF32 (Triton's default on this GPU).
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0",
