@@ -139,7 +139,8 @@ def _versions() -> dict:
     import vllm
 
     return {"vllm": vllm.__version__, "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "triton_f32_default": os.environ.get("TRITON_F32_DEFAULT")}
 
 
 def save(path: str, result: dict) -> None:

@@ -143,8 +143,9 @@ def write_summary(summary: dict, meta: dict, out_dir: Path, name: str) -> list[P
 def markdown(summary: dict, meta: dict) -> str:
     lines = [f"# vLLM end to end on {meta.get('gpu', '?')}: dcp-triton vs vLLM's attention backends", "",
              f"vLLM {meta.get('vllm', '?')}, torch {meta.get('torch', '?')}. Random-initialised Llama checkpoints "
-             "(transformers default init), greedy, `ignore_eos`. float32 runs set `TRITON_F32_DEFAULT=ieee` (vLLM's "
-             "Triton kernels would otherwise round float32 dot inputs to TF32).", ""]
+             "(transformers default init), greedy, `ignore_eos`. float32 runs: `TRITON_F32_DEFAULT="
+             f"{meta.get('triton_f32', 'ieee')}` (with Triton's default, vLLM's Triton kernels round float32 dot "
+             "inputs to TF32).", ""]
     if summary["checks"]:
         lines += ["## Checks", "", "| check | result | detail |", "|---|---|---|"]
         lines += [f"| {c['name']} | {'PASS' if c['pass'] else 'FAIL'} | {c['detail']} |" for c in summary["checks"]]

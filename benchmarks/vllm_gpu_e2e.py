@@ -173,7 +173,7 @@ class Runner:
         return True
 
     def _start(self, job: Job):
-        spec = dict(job.spec, env=job_env(job, spawn=self.args.spawn))
+        spec = dict(job.spec, env=job_env(job, spawn=self.args.spawn, triton_f32=self.args.triton_f32))
         spec_path = self.paths["work"] / "specs" / f"{job.name}.json"
         spec_path.parent.mkdir(parents=True, exist_ok=True)
         spec_path.write_text(json.dumps(spec, indent=1))
@@ -229,7 +229,7 @@ class Runner:
         summary = report.analyse(jobs)
         meta = next(({k: r["result"].get(k) for k in ("gpu", "vllm", "torch")} for r in jobs.values() if r["result"]),
                     {})
-        meta["models"] = MODELS
+        meta.update(models=MODELS, triton_f32=self.args.triton_f32)
         written = report.write_summary(summary, meta, self.paths["results"], self.args.name)
         if job is not None and job.spec["kind"] == "engine":
             written += [Path(job.spec["out"]), self.paths["logs"] / f"{job.name}.log"]
@@ -245,14 +245,14 @@ class Runner:
         return None if self.deadline is None else self.deadline - time.monotonic()
 
 
-def job_env(job: Job, *, spawn: bool) -> dict[str, str]:
+def job_env(job: Job, *, spawn: bool, triton_f32: str = "ieee") -> dict[str, str]:
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),  # no FlashInfer there
            "DCP_TRITON_KERNELS": "triton"}
-    if job.spec.get("dtype") == "float32":
+    if job.spec.get("dtype") == "float32" and triton_f32 != "default":
         # vLLM's Triton kernels leave tl.dot's float32 precision at Triton's default, TF32 on this GPU: make the
         # float32 reference float32 (dcp-triton's kernels ask for IEEE float32 explicitly; a cache-keyed knob).
-        env["TRITON_F32_DEFAULT"] = "ieee"
+        env["TRITON_F32_DEFAULT"] = triton_f32
     if spawn:  # the path where engine-core and worker processes unpickle the config before loading plugins
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     return env
@@ -298,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every job's timeout")
     parser.add_argument("--force", action="store_true", help="rerun jobs whose results exist")
     parser.add_argument("--spawn", action="store_true", help="VLLM_WORKER_MULTIPROC_METHOD=spawn in every job")
+    parser.add_argument("--triton-f32", choices=("ieee", "tf32", "default"), default="ieee",
+                        help="TRITON_F32_DEFAULT of float32 jobs (default: ieee; 'default' leaves Triton's TF32)")
     parser.add_argument("--name", default="vllm_e2e", help="summary file name (default: vllm_e2e)")
     parser.add_argument("--results-dir", type=Path, default=HERE / "results")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/dcp_vllm_e2e"), help="models and job specs")
