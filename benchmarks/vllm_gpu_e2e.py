@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import gzip
+import importlib.util
 import json
 import os
 import shutil
@@ -56,6 +57,7 @@ PREFIX_PROMPTS = dict(prefix_len=1040, suffix_lens=[7, 19, 33, 48], seed=4)
 WORKLOADS = [dict(workload="prefill-8k", requests=64, prompt_len=8192, output_len=256),
              dict(workload="decode-heavy", requests=256, prompt_len=256, output_len=1024)]
 DCP_STARTUP = "dcp-triton attention: backend=DCP_TRITON"
+REQUIRED_MODULES = ("vllm", "transformers")  # what the job processes import
 STAGGER_S = 2.0  # between job starts: engines pick ports and fill compile caches at start-up
 MIN_START_S = 40  # a job needs at least this much budget left to be worth starting (engine init ~20 s)
 
@@ -318,6 +320,10 @@ def main(argv: list[str] | None = None) -> None:
         for job in jobs:
             print(f"{job.name:48s} timeout {job.timeout_s:4.0f} s" + ("  exclusive" if job.exclusive else ""))
         return
+    missing = [m for m in REQUIRED_MODULES if importlib.util.find_spec(m) is None]
+    if missing:  # fail in a second, not after every job's engine start
+        raise SystemExit(f"{', '.join(missing)} not importable here; on the H200 source the vLLM bundle's setup.sh "
+                         "first (run_h200.sh's bench stage does when /tmp/vs/vllm was unpacked by its tests stage)")
     for key in ("logs", "raw", "work"):
         paths[key].mkdir(parents=True, exist_ok=True)
     started = time.monotonic()

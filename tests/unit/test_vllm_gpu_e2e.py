@@ -176,6 +176,7 @@ def test_runner_runs_times_out_resumes_and_mirrors(tmp_path, monkeypatch, capsys
     script.write_text(textwrap.dedent(FAKE_ENGINE.format(bench=str(BENCH), flag=str(flag))))
     monkeypatch.setattr(e2e, "ENGINE_SCRIPT", script)
     monkeypatch.setattr(e2e, "STAGGER_S", 0.0)
+    monkeypatch.setattr(e2e, "REQUIRED_MODULES", ())  # the stand-in engine needs neither vLLM nor transformers
     results, out = tmp_path / "results", tmp_path / "out"
     args = ["--quick", "--results-dir", str(results), "--work-dir", str(tmp_path / "work"), "--mirror", str(out),
             "--timeout-scale", "0.03", "--name", "e2e"]  # 200 s job timeouts become 6 s
@@ -202,6 +203,14 @@ def test_runner_runs_times_out_resumes_and_mirrors(tmp_path, monkeypatch, capsys
     assert printed.count("cached: ") == 5 and "ok: quick-gqa5-bf16-FLASH_ATTN" in printed
     summary = json.loads((results / "e2e.json").read_text())
     assert ("bfloat16", "FLASH_ATTN") in {(r["dtype"], r["ref"]) for r in summary["agreement"]}
+
+
+def test_missing_vllm_stops_before_any_job(tmp_path, monkeypatch):
+    real = e2e.importlib.util.find_spec
+    monkeypatch.setattr(e2e.importlib.util, "find_spec", lambda name: None if name == "vllm" else real(name))
+    with pytest.raises(SystemExit, match="vllm not importable here"):
+        e2e.main(["--quick", "--results-dir", str(tmp_path / "r"), "--work-dir", str(tmp_path / "w")])
+    assert not (tmp_path / "w").exists()
 
 
 def test_only_selects_jobs_and_their_builds(capsys):
