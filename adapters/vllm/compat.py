@@ -94,7 +94,7 @@ def has_dynamic_backend_members(enum_cls) -> bool:
 
 # Shim (0.26): the builder reads the DCP size of its KV-cache group with get_dcp_world_size_and_rank(dcp_sharded)
 # in 0.32+; 0.26 has neither that function nor KVCacheSpec.dcp_sharded and shards every group over the whole DCP
-# group (0.26 distributed/parallel_state.py:1376, v1/worker/cp_utils.py:57). Detected by the missing function.
+# group (0.26 distributed/parallel_state.py:1376, v1/worker/cp_utils.py:55). Detected by the missing function.
 def dcp_world_size_and_rank(kv_cache_spec) -> tuple[int, int]:
     """``(dcp_size, dcp_rank)`` of the KV-cache group ``kv_cache_spec`` describes, in this worker."""
     from vllm.distributed import parallel_state
@@ -108,7 +108,7 @@ def dcp_world_size_and_rank(kv_cache_spec) -> tuple[int, int]:
     return group.world_size, group.rank_in_group
 
 
-# Shim (0.26): the backend still declares its KV-cache tensor (0.26 v1/attention/backend.py:89-98 abstract
+# Shim (0.26): the backend still declares its KV-cache tensor (0.26 v1/attention/backend.py:90 abstract
 # get_kv_cache_shape, :120 get_kv_cache_stride_order); 0.32+ allocate from a KVCacheLayout and never call these.
 # The shape is the logical view 0.32+ hand over, so the impl splits K and V the same way. Goes with 0.26.
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
