@@ -7,6 +7,7 @@ A case is plain data (picklable) so spawned processes can rebuild everything fro
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -242,3 +243,44 @@ def random_case(rng: random.Random, n: int, index: int) -> Case:
         )
         if _valid(case, n):
             return case
+
+
+class Exchange:
+    """Threads of one process as ranks: every rank deposits a tensor, waits for the others, and reads all of them
+    (on a GPU all ranks share one stream, so the tensors are ready in order)."""
+
+    def __init__(self, n: int, *, timeout_s: float = 120) -> None:
+        self.slots: list[torch.Tensor | None] = [None] * n
+        self.barrier = threading.Barrier(n, timeout=timeout_s)
+
+    def swap(self, rank: int, t: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[rank] = t.clone()
+        self.barrier.wait()
+        parts = list(self.slots)
+        self.barrier.wait()  # nobody deposits the next tensor before everyone has read this one
+        return parts
+
+
+class ThreadGroup:
+    """A ``DcpGroup`` over the threads of an ``Exchange``, with ``TorchDcpGroup``'s collective semantics; the name of
+    each collective is appended to ``log`` when one is given."""
+
+    def __init__(self, exchange: Exchange, rank: int, *, log: list | None = None) -> None:
+        self.exchange, self.rank_in_group, self.world_size = exchange, rank, len(exchange.slots)
+        self.log = log
+
+    def _swap(self, op: str, t: torch.Tensor) -> list[torch.Tensor]:
+        if self.log is not None:
+            self.log.append(op)
+        return self.exchange.swap(self.rank_in_group, t)
+
+    def all_gather(self, t, dim):
+        return torch.cat(self._swap("all_gather", t), dim=dim)
+
+    def reduce_scatter(self, t, dim):
+        summed = torch.stack(self._swap("reduce_scatter", t)).sum(0)
+        return summed.chunk(self.world_size, dim=dim)[self.rank_in_group]
+
+    def all_to_all(self, t):
+        parts = self._swap("all_to_all", t)
+        return torch.cat([part.chunk(self.world_size)[self.rank_in_group] for part in parts])

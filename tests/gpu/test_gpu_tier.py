@@ -23,7 +23,7 @@ import torch
 
 from dcp_plugin import kernels
 from dcp_plugin.kernels import reference
-from tests.dcp_harness import Case, run_case
+from tests.dcp_harness import Case, Exchange, ThreadGroup, run_case
 from tests.kernel_checks import assert_matches, poisoned
 
 if not torch.cuda.is_available():
@@ -246,39 +246,6 @@ def test_repeated_runs_are_bitwise_identical(name):
     check_repeatable(name, "cuda", torch.bfloat16)
 
 
-class _Exchange:
-    """Every rank deposits a tensor, waits for the others, and reads all of them (same CUDA stream: in order)."""
-
-    def __init__(self, n: int) -> None:
-        self.slots: list[torch.Tensor | None] = [None] * n
-        self.barrier = threading.Barrier(n, timeout=300)
-
-    def swap(self, rank: int, t: torch.Tensor) -> list[torch.Tensor]:
-        self.slots[rank] = t.clone()
-        self.barrier.wait()
-        parts = list(self.slots)
-        self.barrier.wait()  # nobody deposits the next tensor before everyone has read this one
-        return parts
-
-
-class ThreadGroup:
-    """A ``DcpGroup`` over the threads of this process: the collectives' semantics of ``TorchDcpGroup``."""
-
-    def __init__(self, exchange: _Exchange, rank: int) -> None:
-        self.exchange, self.rank_in_group, self.world_size = exchange, rank, len(exchange.slots)
-
-    def all_gather(self, t, dim):
-        return torch.cat(self.exchange.swap(self.rank_in_group, t), dim=dim)
-
-    def reduce_scatter(self, t, dim):
-        summed = torch.stack(self.exchange.swap(self.rank_in_group, t)).sum(0)
-        return summed.chunk(self.world_size, dim=dim)[self.rank_in_group]
-
-    def all_to_all(self, t):
-        parts = self.exchange.swap(self.rank_in_group, t)
-        return torch.cat([part.chunk(self.world_size)[self.rank_in_group] for part in parts])
-
-
 class _OneKernelAtATime:
     """The kernel namespace, one launch at a time: Triton's JIT cache (and the CPU interpreter) are not meant to be
     entered by several threads at once. Launches are asynchronous, so this serialises little on the GPU."""
@@ -298,7 +265,7 @@ class _OneKernelAtATime:
 def run_dcp_threads(case: Case, n: int) -> list[int]:
     """Every rank of ``case`` on its own thread (``tests.dcp_harness.run_case``: each step's output, gathered over
     the group, vs float64 causal attention; then the caches bit for bit). Returns each rank's checked steps."""
-    exchange, results, errors = _Exchange(n), [0] * n, []
+    exchange, results, errors = Exchange(n, timeout_s=300), [0] * n, []
 
     def rank_main(rank):
         try:

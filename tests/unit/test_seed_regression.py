@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dcp_plugin import DcpAttention
-from tests.dcp_harness import Case, RankState, World, causal_attention_f64, resolve_ops
+from tests.dcp_harness import Case, Exchange, RankState, ThreadGroup, World, causal_attention_f64, resolve_ops
 from tests.kernel_checks import assert_matches
 
 N = 4
@@ -24,48 +24,6 @@ MIXED = ((0, 5), (9, 1), (14, 4), (2, 2))  # fresh prompt, decode, chunked prefi
 _COLLECTIVE_NAMES = ("all_gather", "reduce_scatter", "all_to_all")
 COLLECTIVES = {"ag_rs": ["all_gather", "all_gather", "reduce_scatter"], "a2a": ["all_gather", "all_to_all"]}
 _KERNEL_LOCK = threading.Lock()  # the Triton interpreter is not thread-safe: one kernel call at a time
-
-
-class _Exchange:
-    """Every rank deposits a tensor, waits for the others, and reads all of them."""
-
-    def __init__(self, n: int) -> None:
-        self.slots: list[torch.Tensor | None] = [None] * n
-        self.barrier = threading.Barrier(n, timeout=120)
-
-    def swap(self, rank: int, t: torch.Tensor) -> list[torch.Tensor]:
-        self.slots[rank] = t.clone()
-        self.barrier.wait()
-        parts = list(self.slots)
-        self.barrier.wait()  # nobody deposits the next tensor before everyone has read this one
-        return parts
-
-
-class CountingGroup:
-    """A DcpGroup test double: computes real collectives across the threads and logs each call."""
-
-    def __init__(self, exchange: _Exchange, rank: int, log: list) -> None:
-        self.exchange, self.rank, self.log = exchange, rank, log
-
-    @property
-    def world_size(self) -> int:
-        return len(self.exchange.slots)
-
-    @property
-    def rank_in_group(self) -> int:
-        return self.rank
-
-    def all_gather(self, t, dim):
-        self.log.append("all_gather")
-        return torch.cat(self.exchange.swap(self.rank, t), dim=dim)
-
-    def reduce_scatter(self, t, dim):
-        self.log.append("reduce_scatter")
-        return torch.stack(self.exchange.swap(self.rank, t)).sum(0).chunk(self.world_size, dim=dim)[self.rank]
-
-    def all_to_all(self, t):
-        self.log.append("all_to_all")
-        return torch.cat([part.chunk(self.world_size)[self.rank] for part in self.exchange.swap(self.rank, t)])
 
 
 class RecordingOps:
@@ -88,7 +46,7 @@ class RecordingOps:
 
 def _run_ranks(fn) -> list:
     """``fn(rank, exchange)`` on N threads; re-raises the first failure."""
-    exchange, results, errors = _Exchange(N), [None] * N, []
+    exchange, results, errors = Exchange(N), [None] * N, []
 
     def target(rank):
         try:
@@ -121,7 +79,7 @@ def _forward(case: Case, poison_kv_head: dict[int, int] | None = None):
     def rank_fn(rank, exchange):
         state = RankState.create(case, world, N, rank)
         log = []
-        group = CountingGroup(exchange, rank, log)
+        group = ThreadGroup(exchange, rank, log=log)
         attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=group, scale=world.scale,
                             comm=case.comm, ops=RecordingOps(resolve_ops(case.ops), log))
         q, k, v, batch, positions = state.step([new for _, new in case.requests])
