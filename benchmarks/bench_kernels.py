@@ -82,7 +82,6 @@ def bench_decode(shapes, copy_gbs: float, with_vllm: bool) -> list[dict]:
               + (f" | vllm unified {row.get('vllm_unified_graph_pct_copy', float('nan')):5.1f}% "
                  f"split-kv {row.get('vllm_decode_graph_pct_copy', float('nan')):5.1f}% (graph)" if with_vllm else "")
               + f" err {err:.1e}", flush=True)
-        del kc, vc, q, tables
         torch.cuda.empty_cache()
     return rows
 
@@ -162,7 +161,6 @@ def sweep_decode(shapes, splits_list, configs) -> list[dict]:
         print(f"sweep b={batch} ctx={ctx} {hq}/{hk}: auto {auto.get('gbs', 0):.0f} GB/s, best "
               f"{best and best['gbs']:.0f} GB/s at splits={best and best['splits']} config={best and best['config']}",
               flush=True)
-        del kc, vc, q, tables
         torch.cuda.empty_cache()
     return rows
 

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from dcp_plugin.kernels import INTERPRET
-from dcp_plugin.kernels._launch import FLOAT_DTYPES, check_out, check_shape, check_tensor, next_pow2
+from dcp_plugin.kernels._launch import check_out, check_shape, check_tensor, next_pow2
 
 LSE_DTYPES = (torch.float32,)
 
