@@ -2,7 +2,8 @@
 # One lease on the H200 (device tool), in two back-to-back calls because the vLLM bundle travels in two parts:
 #   stage "tests": carry .gpu-bundle/core -> unpack vLLM 0.26 into /tmp/vs, install dcp-triton, run `pytest -m gpu`
 #                  (extra arguments: test files relative to the repo, or pytest options)
-#   stage "bench": carry .gpu-bundle/extra -> vLLM's deps, then each benchmark script given (with its arguments)
+#   stage "bench": carry .gpu-bundle/extra -> vLLM's deps, then each benchmark script given (with its arguments);
+#                  an argument naming tests/... runs those tests with pytest (the ones that need vLLM importable)
 # Everything runs from /tmp: in the repository root, its dcp_plugin/ folder (without the kernels/ and adapters/
 # packages that the install maps into it) would shadow the installed package for any child Python process.
 # Logs and JSON/PNG land in $OUT; copy them into benchmarks/results/ afterwards.
@@ -36,6 +37,11 @@ case "$stage" in
     export PYTHONPATH=/tmp/dcp${PYTHONPATH:+:$PYTHONPATH}
     cd /tmp
     for script in "$@"; do
+      if [[ $script == tests/* ]]; then
+        PYTHONPATH=$PYTHONPATH:$repo python3 -m pytest -q -m gpu -p no:cacheprovider "$repo/$script" 2>&1 \
+          | tee -a "$OUT/gpu_tests_vllm.log"
+        continue
+      fi
       # shellcheck disable=SC2086  # "name.py --flag value": word splitting is wanted
       python3 "$repo"/benchmarks/$script 2>&1 | tee -a "$OUT/bench.log"
     done

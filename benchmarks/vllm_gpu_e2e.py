@@ -12,8 +12,9 @@ is saved at once and reused by later invocations (resumable), and the summary is
 Full set: float32 teacher-forced prompt logprobs (32 prompts of 64-2000 tokens), greedy 64 tokens, a prefix-cache
 case (dcp-triton vs TRITON_ATTN: max |logprob difference| <= 1e-3; every greedy divergence at a near tie), a
 chunked-prefill case (max_num_batched_tokens=256), the same in bf16 against TRITON_ATTN and FLASH_ATTN (reported),
-and offline throughput (64 x 8K-token prompts / 256 output tokens; a decode-heavy batch) for the three backends,
-eager, plus CUDA graphs for TRITON_ATTN and FLASH_ATTN. ``--quick``: float32 prompt-logprob agreement (gqa5, 32
+a float32 case with CUDA graphs (vLLM's default FULL_AND_PIECEWISE: decode steps replay full graphs), and offline
+throughput (64 x 8K-token prompts / 256 output tokens; a decode-heavy batch) for the three backends, eager and with
+CUDA graphs. ``--quick``: float32 prompt-logprob agreement (gqa5, 32
 prompts up to 2000 tokens) and bf16 greedy agreement against both on 8 prompts, five engines at once. float32
 jobs run with TRITON_F32_DEFAULT=ieee, so vLLM's Triton kernels compute float32 dots in float32, not TF32.
 
@@ -56,6 +57,7 @@ LONG_PROMPTS = dict(count=6, min_len=1200, max_len=2000, seed=2)
 PREFIX_PROMPTS = dict(prefix_len=1040, suffix_lens=[7, 19, 33, 48], seed=4)
 WORKLOADS = [dict(workload="prefill-8k", requests=64, prompt_len=8192, output_len=256),
              dict(workload="decode-heavy", requests=256, prompt_len=256, output_len=1024)]
+GRAPH_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
 DCP_STARTUP = "dcp-triton attention: backend=DCP_TRITON"
 REQUIRED_MODULES = ("vllm", "transformers")  # what the job processes import
 STAGGER_S = 2.0  # between job starts: engines pick ports and fill compile caches at start-up
@@ -81,6 +83,8 @@ def catalogue(work: Path, raw: Path) -> list[Job]:
             model=str(work / "models" / model), skip_tokenizer_init=True, dtype=dtype, seed=0,
             enforce_eager=mode == "eager", max_model_len=2304, kv_cache_memory_bytes=4 << 30,
             gpu_memory_utilization=0.12, attention_backend=backend, enable_prefix_caching=True, max_num_seqs=64)
+        if mode == "graphs":  # vLLM's default FULL_AND_PIECEWISE, over fewer capture sizes (start-up time)
+            engine_kwargs["compilation_config"] = {"cudagraph_capture_sizes": GRAPH_SIZES}
         engine_kwargs.update(overrides)
         spec = {"kind": "engine", "model": model, "backend": backend, "dtype": dtype, "case": case, "mode": mode,
                 "vocab": MODELS[model]["vocab_size"], "engine": engine_kwargs, "tasks": tasks,
@@ -108,9 +112,11 @@ def catalogue(work: Path, raw: Path) -> list[Job]:
         for backend in ("dcp-triton", "TRITON_ATTN", "FLASH_ATTN"):  # FLASH_ATTN has no float32
             jobs.append(engine(f"agree-{short}-bf16-main-{backend}", model, backend, "bfloat16", "main",
                                [logprobs, greedy, prefix], 300))
+        for backend in ("dcp-triton", "TRITON_ATTN"):  # greedy decode steps replay full CUDA graphs
+            jobs.append(engine(f"agree-{short}-fp32-graphs-{backend}", model, backend, "float32", "graphs",
+                               [logprobs, greedy], 400, mode="graphs"))
     throughput = [{"name": "throughput", "type": "throughput", "workloads": WORKLOADS}]
-    for backend, mode in [("dcp-triton", "eager"), ("TRITON_ATTN", "eager"), ("FLASH_ATTN", "eager"),
-                          ("TRITON_ATTN", "graphs"), ("FLASH_ATTN", "graphs")]:
+    for backend, mode in [(b, m) for m in ("eager", "graphs") for b in ("dcp-triton", "TRITON_ATTN", "FLASH_ATTN")]:
         jobs.append(engine(f"tput-llama-bf16-{backend}-{mode}", "llama-d128", backend, "bfloat16", "throughput",
                            throughput, 480 if mode == "eager" else 600, mode=mode, exclusive=True,
                            max_model_len=8192 + 256 + 64, kv_cache_memory_bytes=24 << 30,

@@ -5,7 +5,7 @@ Importing this package never imports vLLM and never initialises CUDA.
 """
 
 from dcp_plugin.attention import DcpAttention
-from dcp_plugin.batch import DcpBatch
+from dcp_plugin.batch import DcpBatch, DcpBatchWorkspace
 from dcp_plugin.group import DcpGroup, TorchDcpGroup
 from dcp_plugin.layout import HeadLayout, TokenLayout
 from dcp_plugin.parallel_state import ParallelState
@@ -13,6 +13,7 @@ from dcp_plugin.parallel_state import ParallelState
 __all__ = [
     "DcpAttention",
     "DcpBatch",
+    "DcpBatchWorkspace",
     "DcpGroup",
     "HeadLayout",
     "ParallelState",

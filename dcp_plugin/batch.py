@@ -56,6 +56,7 @@ class DcpBatch:
         max_query_len: int | None = None,
         max_seq_len: int | None = None,
         max_context_len: int | None = None,
+        workspace: DcpBatchWorkspace | None = None,
     ) -> DcpBatch:
         """Derive every per-step quantity once.
 
@@ -70,6 +71,8 @@ class DcpBatch:
                 every rank) when the engine knows them. Any that is missing is computed here with one device->host
                 copy, which also validates the tensors' values; when all three are given for device tensors,
                 nothing is synchronised and only shapes are checked.
+            workspace: persistent buffers for the derived tensors (``DcpBatchWorkspace``): every batch built with
+                it keeps the same device addresses, so a CUDA graph captured over one step replays on the next.
 
         Example::
 
@@ -98,10 +101,15 @@ class DcpBatch:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise ValueError(f"{name} must be a host int >= 0 (or None to compute it), got {value!r}")
 
+        if workspace is not None:
+            workspace.check(num_reqs, device)
         query_lens = query_start_loc[1:] - query_start_loc[:-1]
         context_lens = seq_lens - query_lens
-        local_context_lens = tokens.local_len(context_lens).to(torch.int32)
-        local_seq_lens = tokens.local_len(seq_lens).to(torch.int32)
+        derived = dict(query_lens=query_lens, context_lens=context_lens,
+                       local_context_lens=tokens.local_len(context_lens).to(torch.int32),
+                       local_seq_lens=tokens.local_len(seq_lens).to(torch.int32))
+        if workspace is not None:
+            derived = {name: workspace.buffers[name][:num_reqs].copy_(t) for name, t in derived.items()}
         num_tokens = slot_mapping.shape[0]
 
         if device.type == "cpu" or any(value is None for value in hints.values()):
@@ -126,10 +134,7 @@ class DcpBatch:
             seq_lens=seq_lens,
             block_table=block_table,
             slot_mapping=slot_mapping,
-            query_lens=query_lens,
-            context_lens=context_lens,
-            local_context_lens=local_context_lens,
-            local_seq_lens=local_seq_lens,
+            **derived,
             num_reqs=num_reqs,
             num_tokens=num_tokens,
             max_query_len=hints["max_query_len"],
@@ -138,6 +143,37 @@ class DcpBatch:
             max_local_context_len=max_local_context_len,
             max_local_seq_len=max_local_seq_len,
         )
+
+
+class DcpBatchWorkspace:
+    """Persistent int32 buffers for the per-request tensors ``DcpBatch.build`` derives (``query_lens``,
+    ``context_lens``, ``local_context_lens``, ``local_seq_lens``), for batches of up to ``max_num_reqs`` requests.
+
+    A batch built with a workspace reads and writes only these buffers and the tensors it was given, so when the
+    engine also keeps those in persistent buffers (vLLM does), a CUDA graph captured over one step's attention
+    replays correctly on any later step: each build refreshes the values in place. One workspace per engine
+    metadata builder; a batch is valid until the next build with the same workspace.
+    """
+
+    NAMES = ("query_lens", "context_lens", "local_context_lens", "local_seq_lens")
+
+    def __init__(self, max_num_reqs: int, device: torch.device | str) -> None:
+        if not isinstance(max_num_reqs, int) or isinstance(max_num_reqs, bool) or max_num_reqs < 1:
+            raise ValueError(f"max_num_reqs must be an int >= 1 (the engine's most requests per step), got "
+                             f"{max_num_reqs!r}")
+        self.max_num_reqs = max_num_reqs
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())  # batch tensors carry an index
+        self.buffers = {name: torch.zeros(max_num_reqs, dtype=torch.int32, device=self.device)
+                        for name in self.NAMES}
+
+    def check(self, num_reqs: int, device: torch.device) -> None:
+        if num_reqs > self.max_num_reqs:
+            raise ValueError(f"the batch has {num_reqs} requests but the workspace holds max_num_reqs="
+                             f"{self.max_num_reqs}; size it for the engine's most requests per step")
+        if device != self.device:
+            raise ValueError(f"the batch tensors are on {device} but the workspace is on {self.device}")
 
 
 def _check_index(name: str, t, *, ndim: int, dtypes: tuple, device: torch.device | None = None) -> None:

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from vllm.config import CUDAGraphMode
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder, CommonAttentionMetadata
 
 from dcp_plugin.adapters.vllm import compat
-from dcp_plugin.batch import DcpBatch
+from dcp_plugin.batch import DcpBatch, DcpBatchWorkspace
 from dcp_plugin.layout import TokenLayout
 
 
@@ -27,9 +28,21 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
 
     The token layout follows the KV-cache group: a group vLLM does not shard over DCP (``dcp_sharded=False``,
     e.g. a replicated draft model) gets DCP size 1 inside a DCP target's process group.
+
+    CUDA graphs: single-token decode steps replay as full graphs at DCP size 1. Every tensor the decode pass reads
+    is one of vLLM's persistent inputs or lives in this builder's ``DcpBatchWorkspace``, and the split-KV count,
+    which a graph freezes, is sized for the block table's capacity (``max_model_len`` in whole pages) on every
+    decode step once full graphs are on (a short context leaves the extra splits empty). DCP > 1 stays piecewise
+    (attention eager): its collectives have not run under graph capture on a multi-GPU machine.
     """
 
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        if vllm_config.parallel_config.decode_context_parallel_size > 1:
+            return AttentionCGSupport.NEVER
+        return cls._cudagraph_support
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -42,6 +55,12 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
         # Decode rows first (MRV1 runners reorder only when asked): the kernels take any mix, so DCP needs no
         # forced threshold of 1, and spec-decode verify rows count as decodes.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True, supports_dcp_with_varlen=True)
+        self.workspace = DcpBatchWorkspace(vllm_config.scheduler_config.max_num_seqs, device)
+
+    def _full_decode_graphs(self) -> bool:
+        # Read per step: vLLM settles the mode (e.g. down to piecewise) after the builders exist.
+        mode = self.vllm_config.compilation_config.cudagraph_mode
+        return mode is not None and mode.decode_mode() == CUDAGraphMode.FULL
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -59,6 +78,12 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
             # Host data, identical on every rank: a rank-invariant bound for the skip-the-prefix decision.
             query_lens_cpu = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
             max_context_len = int((cm.seq_lens_cpu_upper_bound[:num_reqs] - query_lens_cpu).max().clamp_min(0))
+        max_seq_len = cm.max_seq_len
+        if cm.max_query_len == 1 and self._full_decode_graphs():
+            # The split count a captured decode graph replays with, the same for capture, warm-up and every step:
+            # sized for the longest sequence the block table addresses (max_model_len rounded up to whole pages).
+            capacity = cm.block_table_tensor.shape[1] * self.tokens.block_size * self.tokens.dcp_size
+            max_seq_len = max(max_seq_len, capacity)
         batch = DcpBatch.build(
             query_start_loc=cm.query_start_loc[: num_reqs + 1],
             seq_lens=cm.seq_lens[:num_reqs],
@@ -66,7 +91,8 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
             slot_mapping=cm.slot_mapping[:num_tokens],
             tokens=self.tokens,
             max_query_len=cm.max_query_len,
-            max_seq_len=cm.max_seq_len,
+            max_seq_len=max_seq_len,
             max_context_len=max_context_len,
+            workspace=self.workspace,
         )
         return DcpTritonMetadata(batch=batch, num_actual_tokens=cm.num_actual_tokens)

@@ -11,9 +11,9 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm.config import VllmConfig  # noqa: E402
+from vllm.config import CUDAGraphMode, VllmConfig  # noqa: E402
 from vllm.distributed import parallel_state  # noqa: E402
-from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
+from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata  # noqa: E402
 from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
@@ -150,3 +150,38 @@ def test_non_causal_metadata_is_refused(monkeypatch):
 def test_interleave_must_divide_the_block(monkeypatch):
     with pytest.raises(ValueError, match="interleave=3 must divide block_size=16"):
         make_builder(monkeypatch, dcp=2, rank=0, interleave=3)
+
+
+def test_cudagraph_support_is_single_token_decode_at_dcp_1_only():
+    config = VllmConfig()
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float16)
+    support = DcpTritonMetadataBuilder.get_cudagraph_support
+    assert support(config, spec) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    config.parallel_config.decode_context_parallel_size = 2
+    assert support(config, spec) == AttentionCGSupport.NEVER
+
+
+def test_consecutive_steps_reuse_the_workspace(monkeypatch):
+    """What a replayed decode graph reads must sit at the captured addresses with the new step's values."""
+    builder = make_builder(monkeypatch, dcp=1, rank=0, interleave=1)
+    first = builder.build(0, common_metadata([1, 1, 1], [4, 90, 17], dcp=1, rank=0, interleave=1)).batch
+    pointer = first.local_seq_lens.data_ptr()
+    second = builder.build(0, common_metadata([1, 1, 1], [5, 91, 18], dcp=1, rank=0, interleave=1, seed=1)).batch
+    assert second.local_seq_lens.data_ptr() == pointer
+    assert second.local_seq_lens.tolist() == [6, 92, 19]
+
+
+@pytest.mark.parametrize("mode, kind, sized_for_capacity", [
+    ("FULL_AND_PIECEWISE", "decode", True), ("FULL_DECODE_ONLY", "decode", True),
+    ("FULL_AND_PIECEWISE", "mixed", False), ("PIECEWISE", "decode", False), ("NONE", "decode", False)])
+def test_decode_split_count_is_fixed_under_full_graphs(monkeypatch, mode, kind, sized_for_capacity):
+    # A captured graph freezes the split count: with full decode graphs every decode step sizes it for the block
+    # table's capacity (not for the capture's dummy length of 1); other steps keep the batch's own maximum.
+    builder = make_builder(monkeypatch, dcp=1, rank=0, interleave=1)
+    builder.vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode[mode]
+    query_lens, context_lens = BATCHES[kind]
+    cm = common_metadata(query_lens, context_lens, dcp=1, rank=0, interleave=1)
+    batch = builder.build(0, cm).batch
+    capacity = cm.block_table_tensor.shape[1] * BLOCK_SIZE
+    assert capacity > cm.max_seq_len
+    assert batch.max_seq_len == (capacity if sized_for_capacity else cm.max_seq_len)
