@@ -43,7 +43,7 @@ def _sanitized_lse(lse_ptrs, mask):
     return tl.where((lse != lse) | (lse == float("inf")), float("-inf"), lse)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("stride_pon", "stride_pln"))  # part strides scale with the step's token count
 def combine_kernel(
     parts_out_ptr, parts_lse_ptr, extra_out_ptr, extra_lse_ptr, out_ptr, lse_out_ptr,
     num_heads, num_parts, o_part_start, num_o_parts,

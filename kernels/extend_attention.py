@@ -73,7 +73,7 @@ def _attend_key_block(acc, l_i, m_i, q, k_base, v_base, n_start, seq_len, offs_m
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_tokens",))  # one compiled variant for every step's token count
 def extend_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_ptr,
     num_tokens, qk_scale, q_head_start, q_per_kv, kv_head_start,

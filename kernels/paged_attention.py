@@ -59,6 +59,12 @@ MIN_TILES_PER_SPLIT = 1
 MAX_AUTO_SPLITS = 64
 
 
+# Arguments that change from step to step: Triton would otherwise compile a variant per value class (== 1,
+# divisible by 16, other) of each, stalling a serving engine on new batch sizes mid-run.
+STEP_VARYING_ARGS = ("num_tokens", "num_reqs", "num_q_programs", "q_blocks_per_req", "num_splits", "stride_lse_t",
+                     "stride_lse_h")
+
+
 @triton.jit
 def _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q: tl.constexpr):
     """Last request b whose query blocks start at or before ``q_block``; request b's blocks start at
@@ -96,7 +102,7 @@ def head_tiling(*, num_q_heads: int, q_head_start: int, q_per_kv: int, kv_head_s
     return first_kv_head, last_kv_head - first_kv_head + 1, triton.cdiv(min(q_per_kv, num_q_heads), block_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_VARYING_ARGS)
 def paged_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr,
     out_ptr, lse_ptr,
@@ -200,7 +206,7 @@ def paged_attention_kernel(
     tl.store(lse_ptr + token * stride_lse_t + head * stride_lse_h + split_off * stride_lse_s, lse, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_splits", "stride_pl_t", "stride_pl_h"))
 def paged_attention_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
     num_q_heads, num_splits, head_dim,
