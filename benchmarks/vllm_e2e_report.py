@@ -58,12 +58,17 @@ def compare_logprobs(ours: dict, ref: dict) -> dict:
 
 def compare_greedy(ours: dict, ref: dict, *, tie_gap: float) -> dict:
     """Greedy agreement of two ``greedy`` task results: tokens up to the first divergence per prompt, and each
-    divergence's top-2 logprob gap in both runs (a near tie when both gaps are <= ``tie_gap``)."""
+    divergence's top-2 logprob gap in both runs (a near tie when both gaps are <= ``tie_gap``). Before a prompt's
+    first divergence both runs saw the same context and chose the same token, so the chosen token's logprob there
+    is a teacher-forced comparison too (``shared_max_abs_dlogprob`` over ``shared_steps``)."""
     _same_prompts(ours, ref)
-    divergences, agreed, generated = [], 0, 0
+    divergences, agreed, generated, shared_worst = [], 0, 0, 0.0
     for i, (a, b) in enumerate(zip(ours["tokens"], ref["tokens"])):
         common = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         agreed, generated = agreed + common, generated + max(len(a), len(b))
+        for k in range(common):
+            x, y = ours["top2_logprobs"][i][k][0], ref["top2_logprobs"][i][k][0]
+            shared_worst = max(shared_worst, abs(x - y) if math.isfinite(x) and math.isfinite(y) else math.inf)
         if common < min(len(a), len(b)):
             gap_ours, gap_ref = _top2_gap(ours, i, common), _top2_gap(ref, i, common)
             divergences.append({
@@ -75,6 +80,7 @@ def compare_greedy(ours: dict, ref: dict, *, tie_gap: float) -> dict:
         / max(len(ours["tokens"]), 1),
         "token_agreement": agreed / max(generated, 1), "divergences": divergences,
         "all_divergences_near_ties": all(d["near_tie"] for d in divergences), "tie_gap": tie_gap,
+        "shared_steps": agreed, "shared_max_abs_dlogprob": shared_worst,
     }
 
 
@@ -223,7 +229,9 @@ def _compare_task(task: str, a: dict, b: dict, dtype: str) -> dict:
 def _greedy_text(row: dict) -> str:
     gaps = ", ".join(f"{d['gap_ref']:.2g}" for d in row["divergences"][:6])
     return (f"{row['exact_sequences']:.0%} identical, {row['token_agreement']:.1%} tokens before divergence; "
-            f"{len(row['divergences'])} divergences" + (f" (top-2 gaps {gaps})" if gaps else ""))
+            f"{len(row['divergences'])} divergences" + (f" (top-2 gaps {gaps})" if gaps else "") +
+            f"; chosen-token logprob max abs diff {row['shared_max_abs_dlogprob']:.2g} over {row['shared_steps']} "
+            "shared steps")
 
 
 def _check(model: str, case: str, task: str, row: dict) -> dict:

@@ -80,6 +80,19 @@ def test_greedy_divergences_are_judged_by_both_top2_gaps():
     assert not row["all_divergences_near_ties"]
 
 
+def test_greedy_compares_logprobs_on_the_shared_steps_only():
+    # Prompt 0 agrees on all 3 steps, prompt 1 diverges at step 1: the shared steps are 0-2 and 0.
+    ours = {"prompt_lens": [4, 4], "tokens": [[1, 2, 3], [5, 6, 7]],
+            "top2_logprobs": [[[-1.0, -2.0], [-0.5, -3.0], [-2.0, -2.5]], [[-0.25, -1.0], [-9.0, -9.5], [0.0, -1]]]}
+    ref = {"prompt_lens": [4, 4], "tokens": [[1, 2, 3], [5, 8, 7]],
+           "top2_logprobs": [[[-1.0, -2.0], [-0.53, -3.0], [-2.01, -2.5]], [[-0.2, -1.0], [-1.0, -9.5], [5.0, -1]]]}
+    row = report.compare_greedy(ours, ref, tie_gap=math.inf)
+    assert row["shared_steps"] == 4
+    assert row["shared_max_abs_dlogprob"] == pytest.approx(0.05)  # prompt 1, step 0; later steps are not shared
+    ours["top2_logprobs"][0][2][0] = math.nan
+    assert report.compare_greedy(ours, ref, tie_gap=math.inf)["shared_max_abs_dlogprob"] == math.inf
+
+
 def fake_jobs() -> dict:
     lp = logprob_run([[-2.0, -3.0, -4.0]] * 2, [[4, 5, 6]] * 2)
     lp_off = logprob_run([[-2.0, -3.01, -4.0]] * 2, [[4, 5, 6]] * 2)
