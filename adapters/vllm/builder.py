@@ -55,6 +55,7 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
         # Decode rows first (MRV1 runners reorder only when asked): the kernels take any mix, so DCP needs no
         # forced threshold of 1, and spec-decode verify rows count as decodes.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True, supports_dcp_with_varlen=True)
+        # One per builder, and vLLM makes one builder per micro-batch: no two live batches share it.
         self.workspace = DcpBatchWorkspace(vllm_config.scheduler_config.max_num_seqs, device)
 
     def _full_decode_graphs(self) -> bool:
