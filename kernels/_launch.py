@@ -61,6 +61,12 @@ def check_head_map(*, num_q_heads: int, q_head_start: int, q_per_kv: int, kv_hea
         )
 
 
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil division (``triton.cdiv`` goes through Triton's constexpr wrapper: microseconds per call on
+    the launch path)."""
+    return -(-a // b)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

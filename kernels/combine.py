@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from dcp_plugin.kernels import INTERPRET
-from dcp_plugin.kernels._launch import check_out, check_shape, check_tensor, next_pow2
+from dcp_plugin.kernels._launch import cdiv, check_out, check_shape, check_tensor, next_pow2
 
 LSE_DTYPES = (torch.float32,)
 
@@ -127,7 +127,7 @@ def _launch_combine(parts_out, parts_lse, extra_out, extra_lse, out, lse, *, o_p
     has_extra = extra_out is not None
     if not has_extra:  # never read; any valid pointer with matching strides will do
         extra_out, extra_lse = out, lse
-    grid = (num_tokens, triton.cdiv(num_heads, block_h))
+    grid = (num_tokens, cdiv(num_heads, block_h))
     combine_kernel[grid](
         parts_out, parts_lse, extra_out, extra_lse, out, lse,
         num_heads, num_parts, o_part_start, num_o_parts,

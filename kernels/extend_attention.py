@@ -17,7 +17,7 @@ import triton.language as tl
 
 from dcp_plugin.kernels import INTERPRET
 from dcp_plugin.kernels._launch import (
-    INDEX_DTYPES, check_head_map, check_out, check_shape, check_tensor, next_pow2,
+    INDEX_DTYPES, cdiv, check_head_map, check_out, check_shape, check_tensor, next_pow2,
 )
 
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -208,7 +208,7 @@ def extend_attention(q, k, v, cu_seqlens, max_seqlen, *, scale, q_head_start, q_
     if num_tokens == 0 or num_q_heads == 0:
         return out, lse
 
-    grid = (max(1, triton.cdiv(max_seqlen, cfg.block_m)), num_q_heads, cu_seqlens.shape[0])
+    grid = (max(1, cdiv(max_seqlen, cfg.block_m)), num_q_heads, cu_seqlens.shape[0])
     extend_attention_kernel[grid](
         q, k, v, out, lse, cu_seqlens,
         num_tokens, float(scale) * 1.4426950408889634, q_head_start, q_per_kv, kv_head_start,

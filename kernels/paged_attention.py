@@ -19,8 +19,8 @@ import triton.language as tl
 
 from dcp_plugin.kernels import INTERPRET
 from dcp_plugin.kernels._launch import (
-    FLOAT_DTYPES, INDEX_DTYPES, check_head_map, check_out, check_shape, check_tensor, device_index, next_pow2,
-    num_sms,
+    FLOAT_DTYPES, INDEX_DTYPES, cdiv, check_head_map, check_out, check_shape, check_tensor, device_index,
+    next_pow2, num_sms,
 )
 
 LOG2E = 1.4426950408889634
@@ -99,7 +99,7 @@ def head_tiling(*, num_q_heads: int, q_head_start: int, q_per_kv: int, kv_head_s
     """Host side of ``group_head_tile``: (first stored KV head touched, KV groups touched, tiles per group)."""
     first_kv_head = q_head_start // q_per_kv - kv_head_start
     last_kv_head = (q_head_start + num_q_heads - 1) // q_per_kv - kv_head_start
-    return first_kv_head, last_kv_head - first_kv_head + 1, triton.cdiv(min(q_per_kv, num_q_heads), block_h)
+    return first_kv_head, last_kv_head - first_kv_head + 1, cdiv(min(q_per_kv, num_q_heads), block_h)
 
 
 @triton.jit(do_not_specialize=STEP_VARYING_ARGS)
@@ -265,7 +265,7 @@ def pick_config(head_dim: int, *, decode: bool, config: PagedConfig | None = Non
 def pick_num_splits(*, programs: int, max_context_len: int, block_n: int, sms: int) -> int:
     """Splits per request so that stage 1 fills ``sms`` SMs, from host ints only (CUDA-graph safe)."""
     by_occupancy = PROGRAMS_PER_SM * sms // max(programs, 1)
-    by_length = max(1, triton.cdiv(max_context_len, block_n) // MIN_TILES_PER_SPLIT)
+    by_length = max(1, cdiv(max_context_len, block_n) // MIN_TILES_PER_SPLIT)
     return max(1, min(MAX_AUTO_SPLITS, by_occupancy, by_length))
 
 
@@ -355,8 +355,8 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
         block_h=block_h)
 
     if max_query_len is not None:
-        q_blocks_per_req = max(1, triton.cdiv(max_query_len, block_q))
-        num_q_programs = num_reqs * triton.cdiv(max_query_len, block_q)
+        q_blocks_per_req = max(1, cdiv(max_query_len, block_q))
+        num_q_programs = num_reqs * cdiv(max_query_len, block_q)
     else:
         q_blocks_per_req = 1  # unused: programs find their request by binary search
         num_q_programs = num_tokens // block_q + num_reqs if num_reqs else 0
@@ -374,7 +374,7 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
         stage1_out = torch.empty(num_tokens, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
         stage1_lse = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=device)
         out_strides, lse_strides = stage1_out.stride(), stage1_lse.stride()
-    grid = (num_q_programs + triton.cdiv(num_tokens, block_q), head_programs, num_splits)
+    grid = (num_q_programs + cdiv(num_tokens, block_q), head_programs, num_splits)
     paged_attention_kernel[grid](
         q, key_cache, value_cache, block_table, context_lens, query_start_loc,
         stage1_out, stage1_lse,
@@ -394,7 +394,7 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
         # every program costs Python time).
         max_elements = 1 << 16 if INTERPRET else 4096
         reduce_heads = min(next_pow2(num_q_heads), max(1, max_elements // (block_s * block_d)))
-        paged_attention_reduce_kernel[(num_tokens, triton.cdiv(num_q_heads, reduce_heads))](
+        paged_attention_reduce_kernel[(num_tokens, cdiv(num_q_heads, reduce_heads))](
             stage1_out, stage1_lse, out, lse,
             num_q_heads, num_splits, head_dim,
             *stage1_out.stride(), *stage1_lse.stride(), *out.stride(), *lse.stride(),

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_plugin.kernels._launch import INDEX_DTYPES, check_shape, check_tensor, next_pow2
+from dcp_plugin.kernels._launch import INDEX_DTYPES, cdiv, check_shape, check_tensor, next_pow2
 
 _MAX_TILE_ELEMENTS = 4096  # heads x head-dim elements one program moves; bounds registers per program
 
@@ -81,7 +81,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, va
 
     block_d = next_pow2(head_dim)
     block_h = min(next_pow2(num_heads), max(1, _MAX_TILE_ELEMENTS // block_d))
-    grid = (num_slots, triton.cdiv(num_heads, block_h))
+    grid = (num_slots, cdiv(num_heads, block_h))
     write_kv_cache_kernel[grid](
         k, v, key_cache, value_cache, slot_mapping,
         num_heads, head_dim,
