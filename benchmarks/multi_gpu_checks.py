@@ -5,6 +5,11 @@ stores the tokens its ``TokenLayout`` gives it in its own paged cache (shuffled 
 written), and runs ``DcpAttention`` over its DCP subgroup. The outputs of all ranks are gathered with plain
 ``torch.distributed`` (every rank holds different Q heads, so together they hold all of them) and rank 0 compares
 them with float64 causal attention over the full, unsharded sequences, written here in plain torch.
+
+Kind ``decode-graph`` runs decode the way vLLM's full CUDA graphs would at DCP > 1: one step captured (collectives
+included) after an eager warm-up, then later steps replayed after their inputs were copied into the captured
+buffers and the batch rebuilt into a ``DcpBatchWorkspace``. On CPU (gloo) the capture is emulated by calling the
+same closure again, which reads the same buffers and the same frozen host values, as a replay does.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ TOLERANCES = _tolerances()
 
 COMMS = ("ag_rs", "a2a")
 LAYOUTS = ("tp", "group")
-KINDS = ("decode", "prefill")
+KINDS = ("decode", "prefill", "decode-graph")
+GRAPH_STEPS = 3  # decode-graph: the eager warm-up step, then two replays
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,6 +175,49 @@ class Shard:
         return k, v, positions, batch
 
 
+class GraphStep:
+    """One decode step of ``attn`` captured once and replayed on later steps (see the module docstring)."""
+
+    def __init__(self, attn: dp.DcpAttention, shard: Shard) -> None:
+        self.attn, self.shard, self.replay = attn, shard, None
+
+    def run(self, q, k, v, batch: dp.DcpBatch) -> torch.Tensor:
+        if self.replay is None:  # first step: persistent buffers, eager warm-up, capture
+            self.inputs = {name: t.clone() for name, t in dict(
+                q=q, k=k, v=v, query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
+                slot_mapping=batch.slot_mapping, block_table=batch.block_table).items()}
+            self.workspace = dp.DcpBatchWorkspace(batch.num_reqs, q.device)
+            self.out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+            captured = self._build()
+            step = lambda: self.attn.forward(self.inputs["q"], self.inputs["k"], self.inputs["v"],  # noqa: E731
+                                             self.shard.key_cache, self.shard.value_cache, captured, out=self.out)
+            step()  # the eager warm-up computes this step (compiles kernels, initialises the communicators)
+            self.replay = step
+            if q.device.type == "cuda":
+                torch.cuda.synchronize()
+                cuda_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(cuda_graph):
+                    step()
+                self.replay = cuda_graph.replay
+            return self.out.clone()
+        for name, t in dict(q=q, k=k, v=v, query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
+                            slot_mapping=batch.slot_mapping).items():
+            self.inputs[name].copy_(t)
+        self._build()  # the engine's per-step build, outside the graph: refreshes the workspace in place
+        self.out.fill_(float("nan"))
+        self.replay()
+        return self.out.clone()
+
+    def _build(self) -> dp.DcpBatch:
+        # Host bounds at the block table's capacity, as the vLLM builder passes them under full graphs.
+        tokens, table = self.shard.tokens, self.inputs["block_table"]
+        capacity = table.shape[1] * tokens.block_size * tokens.dcp_size
+        return dp.DcpBatch.build(
+            query_start_loc=self.inputs["query_start_loc"], seq_lens=self.inputs["seq_lens"], block_table=table,
+            slot_mapping=self.inputs["slot_mapping"], tokens=tokens, max_query_len=1, max_seq_len=capacity,
+            max_context_len=capacity - 1, workspace=self.workspace)
+
+
 def causal_reference(seqs: Sequences, request: int, positions: torch.Tensor, q: torch.Tensor,
                      device: torch.device) -> torch.Tensor:
     """Float64 attention of ``q [T, Q, D]`` at ``positions`` to keys ``0..pos`` of the full sequence."""
@@ -212,8 +261,11 @@ def run_case(case: Case, *, sizes: Sizes, groups: dict, rank: int, world: int, d
     q_heads, kv_heads = model_heads(case.layout, world, case.dcp, sizes.local_q_heads)
     heads = dp.HeadLayout.create(num_q_heads=q_heads, num_kv_heads=kv_heads, ps=ps, kv_replication=case.layout)
     tokens = dp.TokenLayout(dcp_size=case.dcp, dcp_rank=ps.attn_dcp_rank, block_size=sizes.block_size)
-    requests = sizes.decode if case.kind == "decode" else sizes.prefill
-    steps = [[new for _, new in requests]] + ([[1] * len(requests)] if case.kind == "prefill" else [])
+    requests = sizes.prefill if case.kind == "prefill" else sizes.decode
+    if case.kind == "decode-graph":
+        steps = [[1] * len(requests)] * GRAPH_STEPS
+    else:
+        steps = [[new for _, new in requests]] + ([[1] * len(requests)] if case.kind == "prefill" else [])
     contexts = [ctx for ctx, _ in requests]
     total_lens = [ctx + sum(step[b] for step in steps) for b, ctx in enumerate(contexts)]
     seqs = Sequences(case.seed, total_lens, q_heads, kv_heads, sizes.head_dim, dtype)
@@ -221,13 +273,17 @@ def run_case(case: Case, *, sizes: Sizes, groups: dict, rank: int, world: int, d
     attn = dp.DcpAttention(heads=heads, tokens=tokens, group=groups[case.dcp], scale=sizes.head_dim**-0.5,
                            comm=case.comm, ops=ops)
     mine = slice(heads.q_head_start, heads.q_head_start + heads.num_q_heads)
+    graph = GraphStep(attn, shard) if case.kind == "decode-graph" else None
     result = None
     for new_tokens in steps:
         queries = seqs.queries(new_tokens)
         k, v, positions, batch = shard.step(new_tokens)
         q = torch.cat(queries)[:, mine].to(dtype).to(device)
-        out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)
-        attn.forward(q, k, v, shard.key_cache, shard.value_cache, batch, out=out)
+        if graph is not None:
+            out = graph.run(q, k, v, batch)
+        else:
+            out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)
+            attn.forward(q, k, v, shard.key_cache, shard.value_cache, batch, out=out)
         parts = [torch.empty_like(out) for _ in range(world)]
         dist.all_gather(parts, out)  # TP rank r holds Q heads [r * local_q, (r + 1) * local_q)
         if rank == 0:

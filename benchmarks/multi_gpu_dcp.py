@@ -4,8 +4,9 @@
     torchrun --nproc-per-node 2 benchmarks/multi_gpu_dcp.py --backend gloo --kernels reference --quick   # CPU
 
 Correctness: DCP = N and, when N >= 4, every TP x DCP split (DCP groups of consecutive ranks, TP = N), both head
-layouts, both comm modes, a decode step and a chunked-prefill step over a cached prefix (then a decode step);
-the gathered outputs must match float64 attention over the full sequences within the dtype's tolerance, or the
+layouts, both comm modes, a decode step, a chunked-prefill step over a cached prefix (then a decode step), and
+decode steps replayed from a CUDA graph captured with its collectives (``decode-graph``: what must pass before the
+vLLM builder may declare full graphs at DCP > 1); the gathered outputs must match float64 attention over the full sequences within the dtype's tolerance, or the
 script exits 1 (see multi_gpu_checks.py). Timing: one decode step of one layer (one query token per request),
 ``DcpAttention.forward`` including its collectives, vs DCP = 1 (every rank alone with the full context), and the
 collectives alone with the same shapes; CUDA-graph replay when the step captures, else CUDA events. Rank 0 writes

@@ -61,14 +61,14 @@ def test_two_gloo_ranks_pass_every_case_and_write_the_json(tmp_path, checks):
     assert report["passed"] is True
 
     expected = {case.name(2) for case in checks.all_cases(2)}
-    assert len(expected) == 8  # DCP 2 x {tp, group} x {ag_rs, a2a} x {decode, prefill}
+    assert len(expected) == 12  # DCP 2 x {tp, group} x {ag_rs, a2a} x {decode, prefill, decode-graph}
     got = {entry["case"]: entry for entry in report["correctness"]}
     assert set(got) == expected
     for name, entry in got.items():
         assert entry["passed"] and entry["nan_count"] == 0, entry
         assert 0 < entry["max_rel_err"] and entry["max_abs_err"] < 2e-5, entry  # float32 tolerance, not exact 0
         assert entry["tol_ratio"] <= 1.0, entry
-        assert entry["steps"] == (2 if entry["kind"] == "prefill" else 1), entry
+        assert entry["steps"] == {"prefill": 2, "decode": 1, "decode-graph": checks.GRAPH_STEPS}[entry["kind"]], entry
 
     rows = report["timing"]["rows"]
     configs = {(1, "none"), (2, "ag_rs"), (2, "a2a")}
@@ -91,7 +91,7 @@ def test_wrong_attention_output_exits_nonzero(tmp_path, checks):
     assert "CORRECTNESS FAILED" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "faulty.json").read_text())
     assert report["passed"] is False
-    assert len(report["correctness"]) == 8 and not any(entry["passed"] for entry in report["correctness"])
+    assert len(report["correctness"]) == 12 and not any(entry["passed"] for entry in report["correctness"])
     assert report["timing"]["rows"] == [] and report["timing"]["skipped"] == "correctness failed"
 
 
@@ -113,6 +113,6 @@ def test_dcp_splits_and_heads(checks):
     assert checks.dcp_splits(2) == [2]
     assert checks.dcp_splits(4) == [4, 2]
     assert checks.dcp_splits(8) == [8, 4, 2]
-    assert len(checks.all_cases(8)) == 3 * 8
+    assert len(checks.all_cases(8)) == 3 * 12  # DCP splits x layouts x comms x kinds
     assert checks.model_heads("tp", 8, 2, 8) == (64, 4)  # one KV head per DCP group of 2
     assert checks.model_heads("group", 8, 4, 8) == (64, 2)
