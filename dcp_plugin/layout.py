@@ -196,6 +196,8 @@ class TokenLayout:
 
     def local_len(self, seq_len: IntOrTensor, rank: int | None = None) -> IntOrTensor:
         """How many of positions ``[0, seq_len)`` rank ``rank`` (default: this rank) stores."""
+        if self.dcp_size == 1:  # one rank stores everything: no per-step device arithmetic at DCP 1
+            return seq_len
         r = self.dcp_rank if rank is None else rank
         full = seq_len // self._span
         rest = seq_len - full * self._span - r * self.interleave
