@@ -22,8 +22,11 @@ DTYPE = torch.bfloat16
 
 
 def compiled(kernel) -> int:
-    """How many variants of ``kernel`` Triton has compiled for this GPU (its per-device kernel cache)."""
-    return len(kernel.device_caches[torch.cuda.current_device()][0])
+    """How many variants of ``kernel`` Triton has compiled for this GPU (its per-device kernel cache); at least one
+    once it has run, or the lookup is reading the wrong cache and every comparison below would be vacuous."""
+    count = len(kernel.device_caches[torch.cuda.current_device()][0])
+    assert count >= 1, f"no compiled variant of {kernel.__name__} found: Triton's kernel cache layout changed"
+    return count
 
 
 def paged_step(num_reqs: int, query_len: int, seed: int) -> None:
