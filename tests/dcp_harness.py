@@ -284,3 +284,26 @@ class ThreadGroup:
     def all_to_all(self, t):
         parts = self._swap("all_to_all", t)
         return torch.cat([part.chunk(self.world_size)[self.rank_in_group] for part in parts])
+
+
+def run_threads(n: int, fn: Callable[[int, Exchange], object], *, timeout_s: float = 120) -> list:
+    """``fn(rank, exchange)`` for ranks ``0..n-1``, each on its own thread over one ``Exchange``; returns the
+    results in rank order. A failing rank releases the others (their barrier breaks) and its error is re-raised."""
+    exchange, results, errors = Exchange(n, timeout_s=timeout_s), [None] * n, []
+
+    def target(rank):
+        try:
+            results[rank] = fn(rank, exchange)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the other ranks are released
+            errors.append(exc)
+            exchange.barrier.abort()
+
+    threads = [threading.Thread(target=target, args=(rank,)) for rank in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=2 * timeout_s)
+    assert not any(thread.is_alive() for thread in threads), "a rank thread hung"
+    if errors:  # the root cause, not the broken barriers it left the other ranks with
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    return results

@@ -23,7 +23,7 @@ import torch
 
 from dcp_plugin import kernels
 from dcp_plugin.kernels import reference
-from tests.dcp_harness import Case, Exchange, ThreadGroup, run_case
+from tests.dcp_harness import Case, ThreadGroup, run_case, run_threads
 from tests.kernel_checks import assert_matches, poisoned
 
 if not torch.cuda.is_available():
@@ -265,26 +265,12 @@ class _OneKernelAtATime:
 def run_dcp_threads(case: Case, n: int) -> list[int]:
     """Every rank of ``case`` on its own thread (``tests.dcp_harness.run_case``: each step's output, gathered over
     the group, vs float64 causal attention; then the caches bit for bit). Returns each rank's checked steps."""
-    exchange, results, errors = Exchange(n, timeout_s=300), [0] * n, []
 
-    def rank_main(rank):
-        try:
-            group = ThreadGroup(exchange, rank)
-            results[rank] = run_case(case, n, rank, group, lambda out: group.all_gather(out, dim=1),
-                                     ops=_OneKernelAtATime())
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the other ranks are released
-            errors.append(exc)
-            exchange.barrier.abort()
+    def rank_main(rank, exchange):
+        group = ThreadGroup(exchange, rank)
+        return run_case(case, n, rank, group, lambda out: group.all_gather(out, dim=1), ops=_OneKernelAtATime())
 
-    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(n)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=600)
-    assert not any(thread.is_alive() for thread in threads), "a rank thread hung"
-    if errors:
-        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
-    return results
+    return run_threads(n, rank_main, timeout_s=300)
 
 
 # (cached context, new tokens): long decodes, a chunked prefill on a cached prefix, a fresh prompt, a one-token

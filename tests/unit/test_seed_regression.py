@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dcp_plugin import DcpAttention
-from tests.dcp_harness import Case, Exchange, RankState, ThreadGroup, World, causal_attention_f64, resolve_ops
+from tests.dcp_harness import Case, RankState, ThreadGroup, World, causal_attention_f64, resolve_ops, run_threads
 from tests.kernel_checks import assert_matches
 
 N = 4
@@ -44,28 +44,6 @@ class RecordingOps:
         return call
 
 
-def _run_ranks(fn) -> list:
-    """``fn(rank, exchange)`` on N threads; re-raises the first failure."""
-    exchange, results, errors = Exchange(N), [None] * N, []
-
-    def target(rank):
-        try:
-            results[rank] = fn(rank, exchange)
-        except BaseException as exc:  # noqa: BLE001 - reported below, with the other ranks released
-            errors.append(exc)
-            exchange.barrier.abort()
-
-    threads = [threading.Thread(target=target, args=(rank,)) for rank in range(N)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
-    assert not any(thread.is_alive() for thread in threads), "a rank thread hung"
-    if errors:
-        raise errors[0]
-    return results
-
-
 def _seed_case(requests, comm: str, ops: str) -> Case:
     return Case(name="seed", q_heads=32, kv_heads=2, kv_replication="group", tp=4, block_size=4, head_dim=64,
                 requests=requests, comm=comm, ops=ops, seed=34161)
@@ -92,7 +70,7 @@ def _forward(case: Case, poison_kv_head: dict[int, int] | None = None):
         want = torch.cat([causal_attention_f64(world, b, p, local) for b, p in enumerate(positions)])
         return log, k, v, state.heads, out, want
 
-    return _run_ranks(rank_fn)
+    return run_threads(N, rank_fn)
 
 
 @pytest.mark.parametrize("ops", ["reference", "triton"])
