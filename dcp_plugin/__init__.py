@@ -9,12 +9,14 @@ from dcp_plugin.batch import DcpBatch, DcpBatchWorkspace
 from dcp_plugin.group import DcpGroup, TorchDcpGroup
 from dcp_plugin.layout import HeadLayout, TokenLayout
 from dcp_plugin.parallel_state import ParallelState
+from dcp_plugin.workspace import DcpWorkspace
 
 __all__ = [
     "DcpAttention",
     "DcpBatch",
     "DcpBatchWorkspace",
     "DcpGroup",
+    "DcpWorkspace",
     "HeadLayout",
     "ParallelState",
     "TokenLayout",

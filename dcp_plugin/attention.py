@@ -1,7 +1,8 @@
-"""DCP attention for one layer: steps 1-5 of DESIGN.md section 1 over a DcpGroup and a kernel namespace."""
+"""DCP attention for one layer: steps 1-5 of the algorithm (docs/design.md) over a DcpGroup and a kernel namespace."""
 
 from __future__ import annotations
 
+import logging
 import math
 from types import ModuleType, SimpleNamespace
 from typing import Literal
@@ -9,13 +10,16 @@ from typing import Literal
 import torch
 
 from dcp_plugin.batch import DcpBatch
-from dcp_plugin.group import DcpGroup
+from dcp_plugin.group import DcpGroup, buffered
 from dcp_plugin.layout import HeadLayout, TokenLayout
+from dcp_plugin.step_plan import StepPlan, build_plan
+from dcp_plugin.workspace import DcpWorkspace
 
 CommMode = Literal["ag_rs", "a2a"]
 _INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_COMMON_OPS = ("write_kv_cache", "extend_attention", "paged_attention", "merge_states")
-_COMBINE_OPS = {"ag_rs": ("rescale_partial",), "a2a": ("combine_partials",)}
+_OPS = ("plan_write_kv", "plan_extend", "plan_paged", "plan_combine", "split_capacity")
+logger = logging.getLogger("dcp_plugin")
+_PLAN_KEYS: dict[tuple, int] = {}
 
 
 class DcpAttention:
@@ -25,10 +29,16 @@ class DcpAttention:
         heads: this rank's ``HeadLayout``; tokens: its ``TokenLayout`` (the batch must be built with the same).
         group: the DCP group (``world_size == heads.dcp_size``); ``None`` only when ``dcp_size == 1``.
         scale: softmax scale, usually ``head_dim ** -0.5``.
-        comm: cross-rank combine, ``"ag_rs"`` (all-gather LSE, rescale, reduce-scatter O in float32) or ``"a2a"``
-            (one all-to-all of packed float32 (O, LSE) and one combine kernel that also merges the current chunk).
-        ops: kernel namespace with the signatures of ``dcp_plugin.kernels.reference``; default
+        comm: cross-rank combine, ``"ag_rs"`` (all-gather LSE, rescale, reduce-scatter O) or ``"a2a"`` (one
+            all-to-all of packed (O, LSE) and one combine kernel that also merges the current chunk). Partial
+            outputs cross ranks in the model dtype, LSEs in float32.
+        ops: kernel namespace with the signatures of ``dcp_plugin.kernels`` (its ``plan_*`` functions); default
             ``dcp_plugin.kernels`` (Triton). ``dcp_plugin.kernels.reference`` runs the torch path.
+        workspace: a ``DcpWorkspace`` shared with the other layers of this rank (default: one of this layer's own,
+            grown to the largest step seen).
+
+    A step's launches are prepared once (``StepPlan``, cached on the batch) and replayed by every layer with the
+    same tensor shapes; inputs are checked when a plan is made, so the per-layer cost is the launches alone.
 
     Example::
 
@@ -45,6 +55,7 @@ class DcpAttention:
         scale: float,
         comm: CommMode = "ag_rs",
         ops: ModuleType | SimpleNamespace | None = None,
+        workspace: DcpWorkspace | None = None,
     ) -> None:
         if not isinstance(heads, HeadLayout):
             raise ValueError(f"heads must be a HeadLayout, got {type(heads).__name__}")
@@ -65,19 +76,30 @@ class DcpAttention:
             )
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"scale must be a finite float > 0 (usually head_dim ** -0.5), got {scale!r}")
-        if comm not in _COMBINE_OPS:
+        if comm not in ("ag_rs", "a2a"):
             raise ValueError(f"comm must be 'ag_rs' or 'a2a', got {comm!r}")
         if ops is None:
             from dcp_plugin import kernels as ops
-        needed = _COMMON_OPS + (_COMBINE_OPS[comm] if heads.dcp_size > 1 else ())
-        missing = [name for name in needed if not callable(getattr(ops, name, None))]
+        missing = [name for name in _OPS if not callable(getattr(ops, name, None))]
         if missing:
             raise ValueError(
                 f"ops={getattr(ops, '__name__', ops)!r} lacks {', '.join(missing)}; pass a namespace with the "
-                "signatures of dcp_plugin.kernels.reference (ops=dcp_plugin.kernels.reference runs the torch path)"
+                "signatures of dcp_plugin.kernels (ops=dcp_plugin.kernels.reference runs the torch path)"
             )
-        self.heads, self.tokens, self.group, self.scale, self.comm, self.ops = heads, tokens, group, scale, comm, ops
-        self._head_map = dict(scale=scale, q_per_kv=heads.q_per_kv, kv_head_start=heads.kv_head_start)
+        if workspace is not None and not isinstance(workspace, DcpWorkspace):
+            raise ValueError(f"workspace must be a DcpWorkspace, got {type(workspace).__name__}")
+        if workspace is not None and (workspace.heads != heads or workspace.comm != comm):
+            raise ValueError(f"workspace was made for {workspace.heads} with comm={workspace.comm!r}, but this "
+                             f"layer has {heads} with comm={comm!r}")
+        self.heads, self.tokens, self.scale, self.comm, self.ops = heads, tokens, float(scale), comm, ops
+        self.group = group
+        self._collectives = buffered(group) if group is not None and heads.dcp_size > 1 else None
+        self.workspace = workspace
+        self._own_workspace = workspace is None
+        # Everything a step plan depends on besides the tensors, as a small int: layers with equal settings (and
+        # one shared workspace) share plans.
+        settings = (heads, tokens, self.scale, comm, id(ops), id(workspace) if workspace else id(self))
+        self._plan_key = _PLAN_KEYS.setdefault(settings, len(_PLAN_KEYS))
 
     def forward(
         self,
@@ -101,83 +123,39 @@ class DcpAttention:
         ``do_kv_cache_update``), so the cache is written once.
         No host synchronisation; every rank of the group must call it with the same batch shape.
         """
-        self._check_inputs(q, k, v, key_cache, value_cache, batch, out)
-        heads, ops = self.heads, self.ops
         if out is None:
             out = torch.empty_like(q)
-        if write_kv:
-            ops.write_kv_cache(k, v, key_cache, value_cache, batch.slot_mapping)
-        if batch.max_query_len == 1:
-            # Decode: each new token is already in its owner's shard, so attending non-causally to every rank's
-            # whole shard IS causal attention: no current-chunk pass, no merge. Steps with more query tokens (spec
-            # decode, prefill) take the split below, which needs no position-aware mask over the sharded cache.
-            self._shards(q, key_cache, value_cache, batch, batch.local_seq_lens, batch.max_local_seq_len, None, out)
-            return out
-        # The current chunk: local Q heads against the step's own K/V, no communication, no K/V slicing.
-        cur_args = (q, k, v, batch.query_start_loc, batch.max_query_len)
-        if batch.max_context_len == 0:  # rank-invariant: no rank has a prefix, so no rank enters a collective
-            ops.extend_attention(*cur_args, q_head_start=heads.q_head_start, out=out, **self._head_map)
-            return out
-        current = ops.extend_attention(*cur_args, q_head_start=heads.q_head_start, **self._head_map)
-        self._shards(q, key_cache, value_cache, batch, batch.local_context_lens, batch.max_local_context_len,
-                     current, out)
+        key = (self._plan_key, write_kv, q.shape, q.stride(), k.stride(), v.stride(), key_cache.shape,
+               key_cache.stride(), value_cache.stride(), out.stride(), q.dtype, out.dtype)
+        plan = batch.plans.get(key) if isinstance(batch, DcpBatch) else None
+        if plan is None:
+            plan = self._plan(q, k, v, key_cache, value_cache, batch, out, write_kv)
+            batch.plans[key] = plan
+        plan.run(q, k, v, key_cache, value_cache, out)
         return out
 
-    def _shards(self, q, key_cache, value_cache, batch, lens, max_len, current, out) -> None:
-        """Attention of the local Q heads to every rank's shard (``lens`` cached tokens per request here, at most
-        ``max_len`` on any rank), combined across the group by LSE and merged with the ``current`` (out, lse)
-        partial when there is one, into ``out``."""
-        heads, ops = self.heads, self.ops
-        if heads.dcp_size == 1:
-            if current is None:
-                self._paged(q, key_cache, value_cache, batch, lens, max_len, heads.q_head_start, out=out)
-            else:
-                prefix = self._paged(q, key_cache, value_cache, batch, lens, max_len, heads.q_head_start)
-                ops.merge_states(*prefix, *current, out=out)
-            return
-        q_group = self.group.all_gather(q, dim=1)
-        combine = self._combine_ag_rs if self.comm == "ag_rs" else self._combine_a2a
-        combine(q_group, key_cache, value_cache, batch, lens, max_len, current, out)
+    def _plan(self, q, k, v, key_cache, value_cache, batch, out, write_kv: bool) -> StepPlan:
+        """Check this layer's inputs and prepare the step's launches (first layer of a step with these shapes)."""
+        self._check_inputs(q, k, v, key_cache, value_cache, batch, out)
+        workspace = self._workspace_for(batch.num_tokens, q)
+        return build_plan(attn=self, q=q, k=k, v=v, key_cache=key_cache, value_cache=value_cache, batch=batch,
+                          out=out, write_kv=write_kv, ws=workspace.views(batch.num_tokens))
 
-    def _paged(self, q, key_cache, value_cache, batch, lens, max_len, q_head_start, *, out=None, lse=None):
-        """Non-causal attention of ``q`` to this rank's shard: float32 partials unless ``out`` says otherwise."""
-        if out is None:
-            out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        return self.ops.paged_attention(
-            q, key_cache, value_cache, batch.block_table, lens, batch.query_start_loc, q_head_start=q_head_start,
-            max_context_len=max_len, max_query_len=batch.max_query_len, out=out, lse=lse, **self._head_map,
-        )
-
-    def _combine_ag_rs(self, q_group, key_cache, value_cache, batch, lens, max_len, current, out) -> None:
-        group, heads, ops = self.group, self.heads, self.ops
-        part_out, part_lse = self._paged(q_group, key_cache, value_cache, batch, lens, max_len,
-                                         heads.group_q_head_start)
-        lse_all = group.all_gather(part_lse.unsqueeze(0), dim=0)  # [N, T, H_group]
-        # [T, H_group, D] stored head-major, so the reduce-scatter along heads needs no transposing copy.
-        num_tokens, num_heads, head_dim = part_out.shape
-        scaled = torch.empty(num_heads, num_tokens, head_dim, dtype=torch.float32, device=part_out.device)
-        scaled, lse_total = ops.rescale_partial(part_out, lse_all, group.rank_in_group, out=scaled.transpose(0, 1))
-        mine = group.reduce_scatter(scaled, dim=1)  # [T, H_local, D] float32: the combined shards of my heads
-        if current is None:
-            out.copy_(mine)
-            return
-        first = group.rank_in_group * heads.num_q_heads
-        ops.merge_states(mine, lse_total[:, first:first + heads.num_q_heads], *current, out=out)
-
-    def _combine_a2a(self, q_group, key_cache, value_cache, batch, lens, max_len, current, out) -> None:
-        group, heads, ops = self.group, self.heads, self.ops
-        num_tokens, _, head_dim = q_group.shape
-        n, h_local = group.world_size, heads.num_q_heads
-        # Packed (O, LSE) per (token, destination rank, head): the kernel writes straight into it.
-        packed = torch.empty(num_tokens, n, h_local, head_dim + 1, dtype=torch.float32, device=q_group.device)
-        self._paged(q_group, key_cache, value_cache, batch, lens, max_len, heads.group_q_head_start,
-                    out=packed[..., :head_dim].view(num_tokens, n * h_local, head_dim),
-                    lse=packed[..., head_dim].view(num_tokens, n * h_local))
-        received = group.all_to_all(packed.transpose(0, 1))  # [N source ranks, T, H_local, D + 1]
-        # One kernel: the N partials (and the current chunk, if any), straight into out.
-        extra_out, extra_lse = current if current is not None else (None, None)
-        ops.combine_partials(received[..., :head_dim], received[..., head_dim], extra_out=extra_out,
-                             extra_lse=extra_lse, out=out)
+    def _workspace_for(self, num_tokens: int, q: torch.Tensor) -> DcpWorkspace:
+        ws = self.workspace
+        if ws is not None and ws.fits(num_tokens) and ws.dtype == q.dtype and ws.head_dim == q.shape[-1] \
+                and ws.device == q.device:
+            return ws
+        made = DcpWorkspace(heads=self.heads, head_dim=q.shape[-1], dtype=q.dtype, device=q.device,
+                            max_num_tokens=max(num_tokens, 1), comm=self.comm,
+                            split_elements=self.ops.split_capacity(q.shape[-1], q.device))
+        if self._own_workspace:
+            self.workspace = made
+        else:  # correct, but outside the memory the engine planned for: say so once
+            logger.warning("dcp-triton: a step of %d tokens (%s, head size %d) does not fit the shared workspace "
+                           "(%d tokens, %s, head size %d); using a temporary one", num_tokens, q.dtype, q.shape[-1],
+                           ws.max_num_tokens, ws.dtype, ws.head_dim)
+        return made
 
     def _check_inputs(self, q, k, v, key_cache, value_cache, batch, out) -> None:
         heads = self.heads
@@ -199,9 +177,8 @@ class DcpAttention:
             "v": (v, (num_tokens, heads.num_kv_heads, head_dim)),
             "key_cache": (key_cache, (key_cache.shape[0], self.tokens.block_size, heads.num_kv_heads, head_dim)),
             "value_cache": (value_cache, tuple(key_cache.shape)),
+            "out": (out, tuple(q.shape)),
         }
-        if out is not None:
-            expected["out"] = (out, tuple(q.shape))
         for name, (t, shape) in expected.items():
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -215,4 +192,3 @@ class DcpAttention:
                 raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}; all inputs must share one dtype")
             if t.device != batch.device:
                 raise ValueError(f"{name} is on {t.device} but the batch tensors are on {batch.device}")
-

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,8 @@ class DcpBatch:
     max_context_len: int
     max_local_context_len: int
     max_local_seq_len: int
+    # Prepared launches of this step (DcpAttention.forward), shared by the layers with equal settings and shapes.
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def device(self) -> torch.device:

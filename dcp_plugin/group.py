@@ -18,6 +18,14 @@ class DcpGroup(Protocol):
     ``all_to_all(t)`` splits ``t`` into ``world_size`` equal slices along dim 0, sends slice ``i`` to rank ``i``
     and returns the received slices concatenated in rank order (same shape as ``t``).
     A group of one rank returns its input unchanged and communicates nothing.
+
+    A group may also offer the same three collectives into caller-provided contiguous buffers, with no allocation
+    (what ``DcpAttention`` uses when present, so that a step allocates nothing and can be captured in a CUDA graph):
+    ``all_gather_into(out, t)``: ``out`` holds ``world_size`` times ``t``'s elements, rank ``r``'s ``t`` in its
+    ``r``-th contiguous slice; ``reduce_scatter_into(out, t)``: ``t`` holds ``world_size`` slices of ``out``'s size,
+    this rank receives the sum of slice ``rank_in_group``; ``all_to_all_into(out, t)``: equal shapes, slice ``i``
+    of ``t`` (dim 0) goes to rank ``i``, slice ``j`` of ``out`` comes from rank ``j``.
+    ``BufferedGroup`` adds them to a group that lacks them (at the cost of a copy).
     """
 
     @property
@@ -108,6 +116,40 @@ class TorchDcpGroup:
         recv = torch.empty_like(send)
         self._dist.all_to_all_single(recv, send, group=self._group)
         return recv
+
+    # Into caller buffers (contiguous, along dim 0; DcpAttention checks the shapes once per step).
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        self._all_gather_dim0(out.view(-1), t.view(-1), group=self._group)
+
+    def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        self._reduce_scatter_dim0(out.view(-1), t.view(-1), group=self._group)
+
+    def all_to_all_into(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        self._dist.all_to_all_single(out.view(-1), t.view(-1), group=self._group)
+
+
+class BufferedGroup:
+    """The ``*_into`` collectives over any ``DcpGroup`` that has only the allocating three (each copies its result
+    into the caller's buffer)."""
+
+    def __init__(self, group: DcpGroup) -> None:
+        self.group = group
+        self.world_size, self.rank_in_group = group.world_size, group.rank_in_group
+
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        out.view(-1).copy_(self.group.all_gather(t.reshape(-1), dim=0))
+
+    def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        out.view(-1).copy_(self.group.reduce_scatter(t.reshape(-1), dim=0))
+
+    def all_to_all_into(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        out.copy_(self.group.all_to_all(t))
+
+
+def buffered(group: DcpGroup):
+    """``group`` itself when it has the ``*_into`` collectives, else a ``BufferedGroup`` over it."""
+    into = ("all_gather_into", "reduce_scatter_into", "all_to_all_into")
+    return group if all(callable(getattr(group, name, None)) for name in into) else BufferedGroup(group)
 
 
 def _check_dim(op: str, t: torch.Tensor, dim: int) -> int:

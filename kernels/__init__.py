@@ -1,22 +1,18 @@
 """Triton kernels of DCP attention; ``dcp_plugin.kernels.reference`` holds torch versions with the same signatures.
 
-With no CUDA GPU present, ``TRITON_INTERPRET=1`` is set here (before any kernel is defined) so the kernels run on
-CPU tensors through the Triton interpreter. Set ``TRITON_INTERPRET`` yourself to override that choice.
+With no CUDA GPU present, ``TRITON_INTERPRET=1`` is set (``_mode``, imported first, before any kernel is defined)
+so the kernels run on CPU tensors through the Triton interpreter. Set ``TRITON_INTERPRET`` yourself to override.
+
+Each public function checks its inputs and launches. Each also has a ``plan_*`` twin that checks nothing and
+returns a prepared launch (``Launch``) for tensors shaped like the ones given: the DCP core prepares its launches
+once per step and replays them for every layer.
 """
 
-import os
-
-import torch
-
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-# The launchers, imported only now: the interpreter decision above must precede every @triton.jit definition.
-from dcp_plugin.kernels.combine import combine_partials, merge_states, rescale_partial  # noqa: E402
-from dcp_plugin.kernels.extend_attention import SUPPORTED_HEAD_DIMS, extend_attention  # noqa: E402
-from dcp_plugin.kernels.paged_attention import paged_attention  # noqa: E402
-from dcp_plugin.kernels.write_kv_cache import write_kv_cache  # noqa: E402
+from dcp_plugin.kernels._mode import INTERPRET  # first: decides the interpreter before triton is imported
+from dcp_plugin.kernels.combine import combine_partials, merge_states, plan_combine, rescale_partial
+from dcp_plugin.kernels.extend_attention import SUPPORTED_HEAD_DIMS, extend_attention, plan_extend
+from dcp_plugin.kernels.paged_attention import paged_attention, plan_paged, split_capacity
+from dcp_plugin.kernels.write_kv_cache import plan_write_kv, write_kv_cache
 
 __all__ = [
     "INTERPRET",
@@ -25,6 +21,11 @@ __all__ = [
     "extend_attention",
     "merge_states",
     "paged_attention",
+    "plan_combine",
+    "plan_extend",
+    "plan_paged",
+    "plan_write_kv",
     "rescale_partial",
+    "split_capacity",
     "write_kv_cache",
 ]

@@ -1,15 +1,30 @@
-"""Checks and helpers every launcher shares: inputs are validated here, once, before any launch."""
+"""What every launcher shares: input checks (run once, at the public entry points), small integer helpers, and
+``Launch``, which replays a prepared kernel launch cheaply.
+
+A launcher is split in two. Its public function checks every input, then builds a ``Launch`` from the tensors'
+metadata (grid, strides, tile sizes: everything host-side that does not depend on data pointers) and runs it. The
+DCP core builds each ``Launch`` once per step and replays it for every layer, so a layer pays only the launch.
+"""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
+import triton
 
-from dcp_plugin.kernels import INTERPRET
+from dcp_plugin.kernels._mode import INTERPRET
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+LOG2E = 1.4426950408889634
+
+# Replaying the compiled kernel of a prepared launch directly (the launcher Triton's own dispatch ends in) skips
+# re-deriving its specialization on every call: about half of a launch's host time. Set DCP_TRITON_FAST_LAUNCH=0
+# to send every launch through Triton's dispatch. The call convention below is the one of these Triton releases.
+FAST_LAUNCH_ENV = "DCP_TRITON_FAST_LAUNCH"
+_FAST_LAUNCH_TRITON = ("3.4", "3.5", "3.6")
 
 
 def check_tensor(name: str, t, *, ndim: int, dtypes=FLOAT_DTYPES, device: torch.device | None = None) -> None:
@@ -43,14 +58,20 @@ def check_out(name: str, out, shape: tuple, device: torch.device, dtypes=FLOAT_D
     check_shape(name, out, shape)
 
 
+def check_int(name: str, value, *, low: int, high: int | None = None) -> None:
+    """``value`` must be a (non-bool) int in ``[low, high]``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+
+
 def check_head_map(*, num_q_heads: int, q_head_start: int, q_per_kv: int, kv_head_start: int,
                    num_kv_heads: int, kv_name: str) -> None:
     """Every local Q head ``i`` must read a stored KV head: ``0 <= (q_head_start + i) // q_per_kv - kv_head_start
     < num_kv_heads``."""
     for name, value, low in (("q_head_start", q_head_start, 0), ("q_per_kv", q_per_kv, 1),
                              ("kv_head_start", kv_head_start, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        check_int(name, value, low=low)
     first = q_head_start // q_per_kv - kv_head_start
     last = (q_head_start + num_q_heads - 1) // q_per_kv - kv_head_start
     if first < 0 or last >= num_kv_heads:
@@ -59,6 +80,28 @@ def check_head_map(*, num_q_heads: int, q_head_start: int, q_per_kv: int, kv_hea
             f"q_per_kv={q_per_kv} read global KV heads {first + kv_head_start}..{last + kv_head_start}, but "
             f"{kv_name} holds {num_kv_heads} heads starting at global KV head kv_head_start={kv_head_start}"
         )
+
+
+def check_heads_out(name: str, t, shape: tuple, device: torch.device, dtypes=FLOAT_DTYPES) -> None:
+    """Check an output that is either ``shape`` (``[T, H, ...]``) or its rank-major split ``[R, T, H / R, ...]``
+    (global head ``h`` stored at ``[h // (H / R), t, h % (H / R)]``, the layout a collective along dim 0 needs)."""
+    rank_major = isinstance(t, torch.Tensor) and t.dim() == len(shape) + 1
+    check_tensor(name, t, ndim=len(shape) + rank_major, dtypes=dtypes, device=device)
+    if not rank_major:
+        check_shape(name, t, shape)
+        return
+    ranks = t.shape[0]
+    if ranks < 1 or shape[1] % ranks or tuple(t.shape) != (ranks, shape[0], shape[1] // ranks, *shape[2:]):
+        raise ValueError(f"{name} must have shape {shape} or its rank-major split [R, {shape[0]}, {shape[1]} / R"
+                         f"{', ' * (len(shape) > 2)}{', '.join(map(str, shape[2:]))}], got {tuple(t.shape)}")
+
+
+def head_strides(t: torch.Tensor, plain_ndim: int) -> tuple:
+    """``(heads_per_rank, rank_stride, token_stride, head_stride, *rest)`` of a ``[T, H, ...]`` tensor
+    (``plain_ndim`` dims; one rank holding every head) or of its rank-major ``[R, T, H / R, ...]`` form."""
+    if t.dim() == plain_ndim:
+        return (t.shape[1], 0, *t.stride())
+    return (t.shape[2], *t.stride())
 
 
 def cdiv(a: int, b: int) -> int:
@@ -81,3 +124,61 @@ def num_sms(device_index: int) -> int:
 
 def device_index(t: torch.Tensor) -> int:
     return t.device.index if t.device.type == "cuda" and t.device.index is not None else 0
+
+
+def _fast_launch_supported() -> bool:
+    if INTERPRET or os.environ.get(FAST_LAUNCH_ENV, "1") == "0":
+        return False
+    return triton.__version__.startswith(_FAST_LAUNCH_TRITON)
+
+
+FAST_LAUNCH = _fast_launch_supported()
+
+
+class Launch:
+    """One prepared launch of a ``@triton.jit`` kernel: ``launch(*tensors)`` runs
+    ``kernel[grid](*tensors, *scalars, **constexprs)``.
+
+    ``scalars`` (ints and floats) and ``constexprs`` are fixed when the launch is prepared; only the leading tensor
+    arguments change between calls, and the caller guarantees they keep the dtypes, shapes and strides the launch
+    was prepared for. The first call goes through Triton's dispatch (compiling if needed) and keeps the compiled
+    kernel; later calls whose tensors have the same 16-byte alignment pattern replay it directly (``FAST_LAUNCH``),
+    which is the kernel Triton's dispatch would pick for them: every other specialization input is fixed here.
+    """
+
+    __slots__ = ("kernel", "grid", "scalars", "constexprs", "options", "_compiled", "_aligned", "_tail", "_device")
+
+    def __init__(self, kernel, grid: tuple, scalars: tuple, constexprs: dict, *, num_warps: int,
+                 num_stages: int = 1) -> None:
+        self.kernel, self.grid, self.scalars, self.constexprs = kernel, tuple(grid) + (1,) * (3 - len(grid)), \
+            scalars, constexprs
+        self.options = {"num_warps": num_warps, "num_stages": num_stages}
+        self._compiled = None
+        self._aligned = None
+        self._tail = scalars + tuple(constexprs.values())  # the compiled launcher takes every parameter, in order
+        self._device = None
+
+    def __call__(self, *tensors) -> None:
+        if self._compiled is not None and _alignment(tensors) == self._aligned \
+                and triton.knobs.runtime.launch_enter_hook is None:
+            c = self._compiled
+            c.run(*self.grid, _current_stream(self._device), c.function, c.packed_metadata, None, None, None,
+                  *tensors, *self._tail)
+            return
+        compiled = self.kernel[self.grid](*tensors, *self.scalars, **self.constexprs, **self.options)
+        if FAST_LAUNCH and self._compiled is None and hasattr(compiled, "packed_metadata"):
+            self._compiled, self._aligned = compiled, _alignment(tensors)
+            self._device = tensors[0].device.index
+
+
+def _alignment(tensors) -> int:
+    """Bit i set when tensor argument i is 16-byte aligned (what Triton specializes pointers on)."""
+    bits = 0
+    for i, t in enumerate(tensors):
+        if t.data_ptr() % 16 == 0:
+            bits |= 1 << i
+    return bits
+
+
+def _current_stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)

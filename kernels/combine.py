@@ -14,8 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_plugin.kernels import INTERPRET
-from dcp_plugin.kernels._launch import cdiv, check_out, check_shape, check_tensor, next_pow2
+from dcp_plugin.kernels._launch import (
+    Launch, cdiv, check_heads_out, check_out, check_shape, check_tensor, head_strides, next_pow2,
+)
+from dcp_plugin.kernels._mode import INTERPRET
 
 LSE_DTYPES = (torch.float32,)
 
@@ -43,7 +45,7 @@ def _sanitized_lse(lse_ptrs, mask):
     return tl.where((lse != lse) | (lse == float("inf")), float("-inf"), lse)
 
 
-@triton.jit(do_not_specialize=("stride_pon", "stride_pln"))  # part strides scale with the step's token count
+@triton.jit(do_not_specialize=("stride_pln",))  # LSE strides scale with the token count (LSE loads are scalar)
 def combine_kernel(
     parts_out_ptr, parts_lse_ptr, extra_out_ptr, extra_lse_ptr, out_ptr, lse_out_ptr,
     num_heads, num_parts, o_part_start, num_o_parts,
@@ -51,14 +53,15 @@ def combine_kernel(
     stride_pln, stride_plt, stride_plh,
     stride_eot, stride_eoh, stride_eod,
     stride_elt, stride_elh,
-    stride_ot, stride_oh, stride_od,
+    out_heads_per_rank, stride_or, stride_ot, stride_oh, stride_od,
     stride_lt, stride_lh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
 ):
     """out[t, h] = sum_i w_i O_i over parts [o_part_start, o_part_start + num_o_parts) (+ the extra partial),
     w_i = exp(lse_i - lse_total); lse_out = lse_total over all num_parts parts (+ extra). parts_out is indexed by
-    the same part index as parts_lse (stride_pon may be 0)."""
+    the same part index as parts_lse (stride_pon may be 0). Head h of out lives at rank slot h // out_heads_per_rank
+    (stride_or), head h % out_heads_per_rank there."""
     LOG2E: tl.constexpr = 1.4426950408889634
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -105,42 +108,54 @@ def combine_kernel(
         )
         acc += extra_o.to(tl.float32) * scale[:, None]
 
-    tl.store(
-        out_ptr + token * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od,
-        acc.to(out_ptr.dtype.element_ty), mask=hd_mask,
-    )
+    out_rows = (offs_h // out_heads_per_rank).to(tl.int64) * stride_or + (offs_h % out_heads_per_rank) * stride_oh
+    tl.store(out_ptr + token * stride_ot + out_rows[:, None] + offs_d[None, :] * stride_od,
+             acc.to(out_ptr.dtype.element_ty), mask=hd_mask)
     lse_total = tl.where(is_empty, float("-inf"), lse_max + tl.log(tl.where(is_empty, 1.0, weight_sum)))
     tl.store(lse_out_ptr + token * stride_lt + offs_h * stride_lh, lse_total, mask=h_mask)
 
 
-def _launch_combine(parts_out, parts_lse, extra_out, extra_lse, out, lse, *, o_part_start: int,
-                    num_o_parts: int) -> None:
-    """Launch over already-validated tensors: ``parts_out [N, T, H, D]`` (only parts ``o_part_start ..
-    o_part_start + num_o_parts - 1`` are read; stride 0 allowed), ``parts_lse [N, T, H]``, ``extra_*`` or ``None``."""
+def plan_combine(parts_out, parts_lse, extra_out, extra_lse, out, lse, *, o_part_start: int = 0,
+                 num_o_parts: int | None = None) -> Launch:
+    """The combine kernel prepared for tensors shaped like these (no checks): ``parts_out [N, T, H, D]`` (only parts
+    ``o_part_start .. o_part_start + num_o_parts - 1`` are read, default all; stride 0 allowed), ``parts_lse
+    [N, T, H]``, ``extra_*`` or ``None``, ``out [T, H, D]`` or rank-major ``[R, T, H / R, D]``, ``lse [T, H]``.
+    Call it with the same six arguments (``None`` where ``extra_*`` was ``None``)."""
     num_parts, num_tokens, num_heads = parts_lse.shape
     head_dim = out.shape[-1]
-    if num_tokens == 0 or num_heads == 0:
-        return
     config = INTERPRET_CONFIG if INTERPRET else GPU_CONFIG
     block_d = next_pow2(head_dim)
     block_h = min(next_pow2(num_heads), max(1, config.block_elems // block_d))
     has_extra = extra_out is not None
-    if not has_extra:  # never read; any valid pointer with matching strides will do
-        extra_out, extra_lse = out, lse
-    grid = (num_tokens, cdiv(num_heads, block_h))
-    combine_kernel[grid](
-        parts_out, parts_lse, extra_out, extra_lse, out, lse,
-        num_heads, num_parts, o_part_start, num_o_parts,
-        *parts_out.stride(), *parts_lse.stride(), *extra_out.stride(), *extra_lse.stride(),
-        *out.stride(), *lse.stride(),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_P=next_pow2(num_parts), HAS_EXTRA=has_extra,
-        num_warps=config.num_warps,
-    )
+    # Without an extra partial its pointers are stand-ins (never read) and its strides zeros.
+    extra_strides = (*extra_out.stride(), *extra_lse.stride()) if has_extra else (0,) * 5
+    grid = (num_tokens, cdiv(num_heads, block_h)) if num_tokens and num_heads else (0,)
+    scalars = (num_heads, num_parts, o_part_start, num_parts if num_o_parts is None else num_o_parts,
+               *parts_out.stride(), *parts_lse.stride(), *extra_strides, *head_strides(out, 3), *lse.stride())
+    launch = Launch(combine_kernel, grid, scalars,
+                    dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_P=next_pow2(num_parts),
+                         HAS_EXTRA=has_extra),
+                    num_warps=config.num_warps)
+    return launch if has_extra else _NoExtra(launch)
 
 
-def _outputs(out, lse, shape: tuple, out_dtype: torch.dtype, device: torch.device):
+class _NoExtra:
+    """A combine launch without an extra partial: its two extra pointers are stand-ins (``out``, ``lse``)."""
+
+    __slots__ = ("launch",)
+
+    def __init__(self, launch: Launch) -> None:
+        self.launch = launch
+
+    def __call__(self, parts_out, parts_lse, extra_out, extra_lse, out, lse) -> None:
+        self.launch(parts_out, parts_lse, out, lse, out, lse)
+
+
+def _outputs(out, lse, shape: tuple, out_dtype: torch.dtype, device: torch.device, *, rank_major_out=False):
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=device)
+    elif rank_major_out:
+        check_heads_out("out", out, shape, device)
     else:
         check_out("out", out, shape, device)
     if lse is None:
@@ -171,7 +186,8 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
     check_shape("out_b", out_b, tuple(out_a.shape))
     _check_partial("out_b", out_b, "lse_b", lse_b, device)
     out, lse = _outputs(out, lse, tuple(out_b.shape), out_b.dtype, device)
-    _launch_combine(out_a.unsqueeze(0), lse_a.unsqueeze(0), out_b, lse_b, out, lse, o_part_start=0, num_o_parts=1)
+    parts = (out_a.unsqueeze(0), lse_a.unsqueeze(0), out_b, lse_b, out, lse)
+    plan_combine(*parts)(*parts)
     return out, lse
 
 
@@ -198,8 +214,8 @@ def combine_partials(parts_out, parts_lse, *, out=None, lse=None, extra_out=None
         _check_partial("extra_out", extra_out, "extra_lse", extra_lse, device)
         check_shape("extra_out", extra_out, shape)
     out, lse = _outputs(out, lse, shape, parts_out.dtype, device)
-    _launch_combine(parts_out, parts_lse, extra_out, extra_lse, out, lse, o_part_start=0,
-                    num_o_parts=parts_out.shape[0])
+    parts = (parts_out, parts_lse, extra_out, extra_lse, out, lse)
+    plan_combine(*parts)(*parts)
     return out, lse
 
 
@@ -207,6 +223,8 @@ def rescale_partial(part_out, lse_all, rank, *, out=None, lse=None):
     """The ``ag_rs`` combine's local step: scale rank ``rank``'s partial by its share of the global softmax mass.
 
     ``part_out``: ``[T, H, D]`` fp16/bf16/fp32; ``lse_all``: ``[N, T, H]`` float32, every rank's LSE (all-gathered).
+    ``out`` may be ``[T, H, D]`` or rank-major ``[R, T, H / R, D]`` (head ``h`` at ``[h // (H / R), t, h % (H / R)]``:
+    what a reduce-scatter along dim 0 gives each rank its heads from), any float dtype.
     Returns ``(scaled [T, H, D] float32 by default, lse [T, H] float32)`` with
     ``scaled = part_out * exp(lse_all[rank] - logsumexp(lse_all, 0))`` (exactly 0 where this rank is empty);
     summing ``scaled`` over ranks (the reduce-scatter) gives the combined output, ``lse`` is the combined LSE.
@@ -220,8 +238,8 @@ def rescale_partial(part_out, lse_all, rank, *, out=None, lse=None):
     num_ranks = lse_all.shape[0]
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < num_ranks:
         raise ValueError(f"rank must be an int in [0, {num_ranks}) (lse_all holds {num_ranks} ranks), got {rank!r}")
-    out, lse = _outputs(out, lse, tuple(part_out.shape), torch.float32, device)
+    out, lse = _outputs(out, lse, tuple(part_out.shape), torch.float32, device, rank_major_out=True)
     # Stride 0 over ranks: slot `rank` of this view is part_out, and only that slot is read.
-    parts_out = part_out.unsqueeze(0).expand(num_ranks, *part_out.shape)
-    _launch_combine(parts_out, lse_all, None, None, out, lse, o_part_start=rank, num_o_parts=1)
+    parts = (part_out.unsqueeze(0).expand(num_ranks, *part_out.shape), lse_all, None, None, out, lse)
+    plan_combine(*parts, o_part_start=rank, num_o_parts=1)(*parts)
     return out, lse

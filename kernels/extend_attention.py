@@ -1,6 +1,8 @@
 """The DCP current chunk: causal varlen attention of each sequence's queries to that sequence's own new K/V.
 
-Flash-attention forward, one program per (query block, local Q head, sequence). Key blocks strictly below the
+Flash-attention forward, one program per (query block, local Q head); query blocks are numbered over the whole
+varlen batch (``_schedule``), so a step of many one-token rows and one long chunk launches about one program per
+row plus the chunk's blocks. Key blocks strictly below the
 query block's first row need no mask (the off-diagonal part); the keys inside the query block's own rows form the
 diagonal part, masked causally. Softmax runs in base 2 with ``scale * log2(e)`` folded into one multiplier; the
 LSE is converted to natural log once, at the end.
@@ -15,10 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_plugin.kernels import INTERPRET
 from dcp_plugin.kernels._launch import (
-    INDEX_DTYPES, cdiv, check_head_map, check_out, check_shape, check_tensor, next_pow2,
+    INDEX_DTYPES, LOG2E, Launch, cdiv, check_head_map, check_int, check_out, check_shape, check_tensor, next_pow2,
 )
+from dcp_plugin.kernels._mode import INTERPRET
+from dcp_plugin.kernels._schedule import find_block, flat_programs
 
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 
@@ -73,10 +76,11 @@ def _attend_key_block(acc, l_i, m_i, q, k_base, v_base, n_start, seq_len, offs_m
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=("num_tokens",))  # one compiled variant for every step's token count
+# Per-step sizes are not specialized on: one compiled variant serves every step.
+@triton.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs"))
 def extend_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_ptr,
-    num_tokens, qk_scale, q_head_start, q_per_kv, kv_head_start,
+    num_tokens, num_reqs, num_q_programs, qk_scale, q_head_start, q_per_kv, kv_head_start,
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
@@ -85,14 +89,12 @@ def extend_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid (query blocks of max_seqlen, local Q heads, sequences + 1); the programs of the extra last sequence
-    index write (0, -inf) to the padding rows past cu_seqlens[-1]."""
+    """Grid (num_q_programs + tail programs, local Q heads); tail programs write (0, -inf) to the padding rows past
+    cu_seqlens[num_reqs]."""
     LN2: tl.constexpr = 0.6931471805599453
-    num_m_blocks = tl.num_programs(0)
-    # Longest-running query blocks (the last ones of each sequence) start first.
-    m_block = num_m_blocks - 1 - tl.program_id(0)
+    # Reversed: the tail (cheap) and each sequence's last query blocks (the most keys) start first.
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
-    seq = tl.program_id(2)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -100,17 +102,16 @@ def extend_attention_kernel(
     out_head = out_ptr + head.to(tl.int64) * stride_oh
     lse_head = lse_ptr + head.to(tl.int64) * stride_lh
 
-    if seq == tl.num_programs(2) - 1:
-        pad_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
-        for row0 in range(pad_start + m_block * BLOCK_M, num_tokens, num_m_blocks * BLOCK_M):
-            rows = row0 + offs_m
-            row_mask = rows < num_tokens
-            tl.store(out_head + rows[:, None] * stride_ot + offs_d[None, :] * stride_od,
-                     tl.zeros([BLOCK_M, BLOCK_D], dtype=out_ptr.dtype.element_ty),
-                     mask=row_mask[:, None] & d_mask[None, :])
-            tl.store(lse_head + rows * stride_lt, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_mask)
+    if pid >= num_q_programs:
+        rows = tl.load(cu_seqlens_ptr + num_reqs).to(tl.int64) + (pid - num_q_programs) * BLOCK_M + offs_m
+        row_mask = rows < num_tokens
+        tl.store(out_head + rows[:, None] * stride_ot + offs_d[None, :] * stride_od,
+                 tl.zeros([BLOCK_M, BLOCK_D], dtype=out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & d_mask[None, :])
+        tl.store(lse_head + rows * stride_lt, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_mask)
         return
 
+    seq, m_block = find_block(cu_seqlens_ptr, num_reqs, pid, BLOCK_M)
     seq_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
     seq_len = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64) - seq_start
     m_start = m_block.to(tl.int64) * BLOCK_M
@@ -169,7 +170,7 @@ def extend_attention(q, k, v, cu_seqlens, max_seqlen, *, scale, q_head_start, q_
     ``q``: ``[T, Hq, D]`` (this rank's local Q heads), ``k``/``v``: ``[T, Hk, D]`` (the stored KV heads), all one
     dtype of fp16/bf16/fp32, any strides. ``cu_seqlens``: ``[B + 1]`` int32/int64 on q's device; sequence ``b`` is
     rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` and query row ``i`` of it sees its key rows ``0..i``. ``max_seqlen``:
-    host int bounding every sequence length (it sizes the grid; no device sync). Local Q head ``i`` reads KV head
+    host int bounding every sequence length (checked, not needed: the grid covers any mix of lengths). Local Q head ``i`` reads KV head
     ``(q_head_start + i) // q_per_kv - kv_head_start``. D in 64/80/96/128/256.
     Returns ``(out [T, Hq, D], lse [T, Hq] float32, natural log)``; ``out`` (any float dtype, defaults to q's) and
     ``lse`` are written in place when given. Rows past ``cu_seqlens[B]`` get (0, -inf). ``config`` overrides the
@@ -190,13 +191,11 @@ def extend_attention(q, k, v, cu_seqlens, max_seqlen, *, scale, q_head_start, q_
         raise ValueError(f"head dim {head_dim} of q is not supported; supported: {SUPPORTED_HEAD_DIMS}")
     if cu_seqlens.shape[0] < 1:
         raise ValueError("cu_seqlens must hold B + 1 >= 1 offsets, got an empty tensor")
-    if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 0:
-        raise ValueError(f"max_seqlen must be a host int >= 0, got {max_seqlen!r}")
+    check_int("max_seqlen", max_seqlen, low=0)
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not scale > 0:
         raise ValueError(f"scale must be a positive float, got {scale!r}")
     check_head_map(num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv,
                    kv_head_start=kv_head_start, num_kv_heads=k.shape[1], kv_name="k")
-    cfg = _pick_config(head_dim, q.dtype, config)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
     else:
@@ -205,17 +204,25 @@ def extend_attention(q, k, v, cu_seqlens, max_seqlen, *, scale, q_head_start, q_
         lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=device)
     else:
         check_out("lse", lse, (num_tokens, num_q_heads), device, dtypes=(torch.float32,))
-    if num_tokens == 0 or num_q_heads == 0:
-        return out, lse
-
-    grid = (max(1, cdiv(max_seqlen, cfg.block_m)), num_q_heads, cu_seqlens.shape[0])
-    extend_attention_kernel[grid](
-        q, k, v, out, lse, cu_seqlens,
-        num_tokens, float(scale) * 1.4426950408889634, q_head_start, q_per_kv, kv_head_start,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-        HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        # fp32 inputs: exact fp32 products (TF32 would cost ~1e-3 relative error).
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    plan_extend(q, k, v, out, lse, cu_seqlens, max_seqlen, scale=scale, q_head_start=q_head_start,
+                q_per_kv=q_per_kv, kv_head_start=kv_head_start, config=_pick_config(head_dim, q.dtype, config))(
+        q, k, v, out, lse, cu_seqlens)
     return out, lse
+
+
+def plan_extend(q, k, v, out, lse, cu_seqlens, max_seqlen, *, scale, q_head_start, q_per_kv, kv_head_start,
+                config: ExtendConfig | None = None) -> Launch:
+    """``extend_attention`` prepared for tensors shaped like these (no checks): call it with ``(q, k, v, out, lse,
+    cu_seqlens)``. ``max_seqlen`` is unused: the grid covers any mix of sequence lengths."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    cfg = config or _pick_config(head_dim, q.dtype, None)
+    num_reqs = cu_seqlens.shape[0] - 1
+    num_q_programs = flat_programs(num_tokens, num_reqs, cfg.block_m)
+    grid = (num_q_programs + cdiv(num_tokens, cfg.block_m), num_q_heads) if num_tokens and num_q_heads else (0,)
+    scalars = (num_tokens, num_reqs, num_q_programs, float(scale) * LOG2E, q_head_start, q_per_kv, kv_head_start,
+               *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride())
+    # fp32 inputs: exact fp32 products (TF32 would cost ~1e-3 relative error).
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    return Launch(extend_attention_kernel, grid, scalars, constexprs, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)

@@ -6,6 +6,11 @@ and a tile never mixes two KV heads whatever the group size or the offset of the
 tokens are cut into ``num_splits`` ranges of whole ``BLOCK_N`` tiles; with one split stage 1 writes ``out``/``lse``
 directly, otherwise it writes fp32 partials that stage 2 merges by LSE. Softmax runs in base 2 with
 ``scale * log2(e)`` folded into one multiplier; LSE is stored in natural log.
+
+Three compiled variants serve every step of a serving engine: decode (one query row per request, one program per
+request), short queries (speculative-decoding verify rows) and long ones (prefill chunks); the last two number
+their query blocks over the whole batch (``_schedule``), so a mixed step never launches ``requests x longest
+query`` programs. ``out``/``lse`` may be rank-major (``[R, T, H / R, D]``): the layout the DCP collectives send.
 """
 
 from __future__ import annotations
@@ -17,16 +22,21 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_plugin.kernels import INTERPRET
 from dcp_plugin.kernels._launch import (
-    FLOAT_DTYPES, INDEX_DTYPES, cdiv, check_head_map, check_out, check_shape, check_tensor, device_index,
-    next_pow2, num_sms,
+    FLOAT_DTYPES, INDEX_DTYPES, LOG2E, Launch, cdiv, check_head_map, check_heads_out, check_int, check_shape,
+    check_tensor, device_index, head_strides, next_pow2, num_sms,
 )
+from dcp_plugin.kernels._mode import INTERPRET
+from dcp_plugin.kernels._schedule import find_block, flat_programs
+from dcp_plugin.kernels.split_kv import head_offsets, paged_attention_reduce_kernel, plan_split_reduce, split_views
 
-LOG2E = 1.4426950408889634
+__all__ = ["PagedConfig", "paged_attention", "paged_attention_kernel", "paged_attention_reduce_kernel", "plan_paged",
+           "split_capacity"]
+
 _LOG2E = tl.constexpr(LOG2E)  # the kernels' copy (jit functions read only constexpr globals)
 MAX_HEAD_DIM = 256
-MAX_SPLITS = 256  # explicit num_splits upper bound (stage 2 holds all splits of a row in one tile)
+MAX_SPLITS = 256  # explicit num_splits upper bound
+SHORT_QUERY = 8  # at most this many query rows per request: the short-query variant (speculative verify steps)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,28 +69,6 @@ MIN_TILES_PER_SPLIT = 1
 MAX_AUTO_SPLITS = 64
 
 
-# Arguments that change from step to step: Triton would otherwise compile a variant per value class (== 1,
-# divisible by 16, other) of each, stalling a serving engine on new batch sizes mid-run.
-STEP_VARYING_ARGS = ("num_tokens", "num_reqs", "num_q_programs", "q_blocks_per_req", "num_splits", "stride_lse_t",
-                     "stride_lse_h")
-
-
-@triton.jit
-def _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q: tl.constexpr):
-    """Last request b whose query blocks start at or before ``q_block``; request b's blocks start at
-    ``query_start_loc[b] // BLOCK_Q + b`` (an upper bound that needs no host sync)."""
-    lo: tl.int32 = 0
-    hi = num_reqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if first_block <= q_block:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
-
-
 @triton.jit
 def group_head_tile(pid_h, first_kv_head, head_tiles_per_group, q_head_start, q_per_kv, kv_head_start, num_q_heads,
                     block_h):
@@ -102,24 +90,28 @@ def head_tiling(*, num_q_heads: int, q_head_start: int, q_per_kv: int, kv_head_s
     return first_kv_head, last_kv_head - first_kv_head + 1, cdiv(min(q_per_kv, num_q_heads), block_h)
 
 
-@triton.jit(do_not_specialize=STEP_VARYING_ARGS)
+# Per-step sizes (and the LSE strides, which scale with them) are not specialized on: every step of an engine runs
+# one of the three compiled variants. Output strides stay specialized: vectorized stores need them, and the DCP
+# core's buffers keep them multiples of 16 at every token count, so their specialization never changes.
+@triton.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs", "num_splits", "stride_lse_r",
+                               "stride_lse_t", "stride_lse_h", "stride_lse_s"))
 def paged_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr,
     out_ptr, lse_ptr,
-    num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs, q_blocks_per_req,
+    num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs,
     qk_scale, q_head_start, q_per_kv, kv_head_start, first_kv_head, head_tiles_per_group, num_splits,
     stride_q_t, stride_q_h, stride_q_d,
     stride_kc_blk, stride_kc_tok, stride_kc_h, stride_kc_d,
     stride_vc_blk, stride_vc_tok, stride_vc_h, stride_vc_d,
     stride_bt_req, stride_bt_blk,
-    stride_o_t, stride_o_h, stride_o_s, stride_o_d,
-    stride_lse_t, stride_lse_h, stride_lse_s,
+    out_heads_per_rank, stride_o_r, stride_o_t, stride_o_h, stride_o_s, stride_o_d,
+    stride_lse_r, stride_lse_t, stride_lse_h, stride_lse_s,
     PAGE_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    USE_Q_BLOCK_SEARCH: tl.constexpr,
+    DECODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
@@ -130,12 +122,11 @@ def paged_attention_kernel(
     # Programs past num_q_programs cover rows after query_start_loc[-1] (CUDA-graph padding) as a request with
     # no cached tokens, so every row of out/lse is written, with (0, -inf) there.
     is_tail = pid_q >= num_q_programs
-    if USE_Q_BLOCK_SEARCH:
-        req = tl.maximum(_find_request(query_start_loc_ptr, num_reqs, pid_q, BLOCK_Q), 0)
-        q_block = pid_q - (tl.load(query_start_loc_ptr + req) // BLOCK_Q + req)
+    if DECODE:  # one row per request: program b is request b
+        req = pid_q
+        q_block = pid_q * 0
     else:
-        req = pid_q // q_blocks_per_req
-        q_block = pid_q % q_blocks_per_req
+        req, q_block = find_block(query_start_loc_ptr, num_reqs, pid_q, BLOCK_Q)
     req = tl.where(is_tail, num_reqs, req)
     q_block = tl.where(is_tail, pid_q - num_q_programs, q_block)
     q_start = tl.load(query_start_loc_ptr + req).to(tl.int64)
@@ -152,12 +143,12 @@ def paged_attention_kernel(
 
     rows = tl.arange(0, BLOCK_M)
     token = q_start + q_block * BLOCK_Q + rows // BLOCK_H  # [BLOCK_M]
-    head = (tile_lo + rows % BLOCK_H).to(tl.int64)  # [BLOCK_M]
+    head = tile_lo + rows % BLOCK_H  # [BLOCK_M]
     row_mask = (token < q_end) & (head < head_hi)
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < head_dim
-    q = tl.load(q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :] * stride_q_d,
-                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q = tl.load(q_ptr + token[:, None] * stride_q_t + head.to(tl.int64)[:, None] * stride_q_h
+                + dims[None, :] * stride_q_d, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
 
     # This split's whole tiles of the request's cached tokens.
     num_tiles = (context_len + BLOCK_N - 1) // BLOCK_N
@@ -200,48 +191,12 @@ def paged_attention_kernel(
     out = acc / l_safe[:, None]
     lse = (m_i + tl.log2(l_safe)) / _LOG2E
     split_off = split.to(tl.int64)
-    out_rows = out_ptr + token * stride_o_t + head * stride_o_h + split_off * stride_o_s
+    out_rows = out_ptr + token * stride_o_t + head_offsets(head, out_heads_per_rank, stride_o_r, stride_o_h) \
+        + split_off * stride_o_s
     tl.store(out_rows[:, None] + dims[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty),
              mask=row_mask[:, None] & dim_mask[None, :])
-    tl.store(lse_ptr + token * stride_lse_t + head * stride_lse_h + split_off * stride_lse_s, lse, mask=row_mask)
-
-
-@triton.jit(do_not_specialize=("num_splits", "stride_pl_t", "stride_pl_h"))
-def paged_attention_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
-    num_q_heads, num_splits, head_dim,
-    stride_po_t, stride_po_h, stride_po_s, stride_po_d,
-    stride_pl_t, stride_pl_h, stride_pl_s,
-    stride_o_t, stride_o_h, stride_o_d,
-    stride_lse_t, stride_lse_h,
-    BLOCK_H: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
-    splits = tl.arange(0, BLOCK_S)
-    dims = tl.arange(0, BLOCK_D)
-    lse_mask = (heads[:, None] < num_q_heads) & (splits[None, :] < num_splits)  # [BLOCK_H, BLOCK_S]
-
-    part_lse = tl.load(part_lse_ptr + token * stride_pl_t + heads[:, None] * stride_pl_h
-                       + splits[None, :] * stride_pl_s, mask=lse_mask, other=float("-inf"))  # [BLOCK_H, BLOCK_S]
-    lse_max = tl.max(part_lse, 1)
-    lse_max_safe = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weight = tl.exp2((part_lse - lse_max_safe[:, None]) * _LOG2E)  # exactly 0 for empty splits
-    total = tl.sum(weight, 1)
-    total_safe = tl.where(total > 0.0, total, 1.0)
-
-    part_ptrs = (part_out_ptr + token * stride_po_t + heads[:, None, None] * stride_po_h
-                 + splits[None, :, None] * stride_po_s + dims[None, None, :] * stride_po_d)
-    part_mask = lse_mask[:, :, None] & (dims[None, None, :] < head_dim)
-    parts = tl.load(part_ptrs, mask=part_mask, other=0.0)  # [BLOCK_H, BLOCK_S, BLOCK_D]
-    out = tl.sum(parts * weight[:, :, None], 1) / total_safe[:, None]  # [BLOCK_H, BLOCK_D]
-    lse = tl.where(total > 0.0, lse_max + tl.log(total_safe), float("-inf"))
-    out_mask = (heads[:, None] < num_q_heads) & (dims[None, :] < head_dim)
-    tl.store(out_ptr + token * stride_o_t + heads[:, None] * stride_o_h + dims[None, :] * stride_o_d,
-             out.to(out_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(lse_ptr + token * stride_lse_t + heads * stride_lse_h, lse, mask=heads < num_q_heads)
+    lse_rows = lse_ptr + token * stride_lse_t + head_offsets(head, out_heads_per_rank, stride_lse_r, stride_lse_h)
+    tl.store(lse_rows + split_off * stride_lse_s, lse, mask=row_mask)
 
 
 def pick_config(head_dim: int, *, decode: bool, config: PagedConfig | None = None) -> PagedConfig:
@@ -269,13 +224,6 @@ def pick_num_splits(*, programs: int, max_context_len: int, block_n: int, sms: i
     return max(1, min(MAX_AUTO_SPLITS, by_occupancy, by_length))
 
 
-def _check_int(name: str, value, *, low: int, high: int | None = None) -> None:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low or \
-            (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
-
-
 def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, *, scale, q_head_start,
                     q_per_kv, kv_head_start, max_context_len, max_query_len=None, num_splits=None, out=None,
                     lse=None, config: PagedConfig | None = None):
@@ -290,11 +238,14 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
         block_table: ``[>= B, max_blocks]`` int32/int64. context_lens: ``[B]`` int. query_start_loc: ``[B + 1]``
             int, ``query_start_loc[0] == 0``.
         scale: softmax scale. q_head_start, q_per_kv, kv_head_start: local Q head ``i`` reads stored KV head
-            ``(q_head_start + i) // q_per_kv - kv_head_start`` (DESIGN.md section 2).
+            ``(q_head_start + i) // q_per_kv - kv_head_start``.
         max_context_len: host int >= every ``context_lens[b]``; only tunes the split count.
-        max_query_len: host int >= every request's query rows, or None (unknown). 1 selects the decode path.
+        max_query_len: host int >= every request's query rows, or None (unknown). 1 selects the decode variant,
+            ``<= 8`` the short-query one.
         num_splits: KV splits per request (None: chosen to fill the GPU; 1 on CPU).
-        out: ``[T, Hq, D]`` any float dtype (default: q's dtype). lse: ``[T, Hq]`` float32. Written in place.
+        out: ``[T, Hq, D]`` or rank-major ``[R, T, Hq / R, D]`` (head ``h`` at ``[h // (Hq / R), t, h % (Hq / R)]``),
+            any float dtype (default: ``[T, Hq, D]`` in q's dtype). lse: ``[T, Hq]`` float32, rank-major
+            ``[R, T, Hq / R]`` with a rank-major ``out``. Written in place.
         config: a ``PagedConfig`` overriding the tuning table (benchmarks).
 
     Returns:
@@ -312,7 +263,7 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
     check_tensor("value_cache", value_cache, ndim=4, dtypes=(q.dtype,), device=device)
     check_shape("key_cache", key_cache, (None, None, None, head_dim))
     check_shape("value_cache", value_cache, tuple(key_cache.shape))
-    num_blocks, page_size, num_kv_heads, _ = key_cache.shape
+    _, page_size, num_kv_heads, _ = key_cache.shape
     check_tensor("context_lens", context_lens, ndim=1, dtypes=INDEX_DTYPES, device=device)
     num_reqs = context_lens.shape[0]
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=device)
@@ -328,77 +279,116 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
         raise ValueError(f"scale must be a float, got {scale!r}")
     check_head_map(num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv,
                    kv_head_start=kv_head_start, num_kv_heads=num_kv_heads, kv_name="key_cache")
-    _check_int("max_context_len", max_context_len, low=0, high=block_table.shape[1] * page_size)
+    check_int("max_context_len", max_context_len, low=0, high=block_table.shape[1] * page_size)
     if max_query_len is not None:
-        _check_int("max_query_len", max_query_len, low=0)
+        check_int("max_query_len", max_query_len, low=0)
     if num_splits is not None:
-        _check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
+        check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
     if out is None:
         out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=device)
-    check_out("out", out, (num_tokens, num_q_heads, head_dim), device, dtypes=FLOAT_DTYPES)
+    check_heads_out("out", out, (num_tokens, num_q_heads, head_dim), device)
     if lse is None:
         lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=device)
-    check_out("lse", lse, (num_tokens, num_q_heads), device, dtypes=(torch.float32,))
+        if out.dim() == 4:
+            lse = lse.view(num_tokens, out.shape[0], -1).transpose(0, 1)
+    check_heads_out("lse", lse, (num_tokens, num_q_heads), device, dtypes=(torch.float32,))
+    if (out.dim() == 4) != (lse.dim() == 3) or out.dim() == 4 and out.shape[0] != lse.shape[0]:
+        raise ValueError(f"out {tuple(out.shape)} and lse {tuple(lse.shape)} must both be plain ([T, Hq, ...]) or "
+                         "both rank-major over the same number of ranks")
     cfg = pick_config(head_dim, decode=max_query_len == 1, config=config)
-    if num_tokens == 0:
-        return out, lse
+    launch = plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, scale=scale,
+                        q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
+                        max_context_len=max_context_len, max_query_len=max_query_len, num_splits=num_splits,
+                        config=cfg)
+    launch(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse)
+    return out, lse
 
+
+def split_capacity(head_dim: int, device: torch.device) -> int:
+    """float32 elements that hold the split partials of any automatic split count on ``device`` (``plan_paged``'s
+    ``split_buffer``): the split count keeps stage 1 within ``PROGRAMS_PER_SM`` programs per SM of at most
+    ``block_m`` rows each, and a row's partial is ``head_dim + 1`` floats."""
+    sms = num_sms(torch.cuda.current_device() if device.type == "cuda" and device.index is None else device.index or 0)
+    block_m = max(c.block_m for c in (INTERPRET_CONFIG, *GPU_CONFIGS.values()))
+    return PROGRAMS_PER_SM * sms * block_m * (head_dim + 1)
+
+
+class PagedLaunch:
+    """``paged_attention`` prepared for one step's tensor shapes; call it with ``(q, key_cache, value_cache,
+    block_table, context_lens, query_start_loc, out, lse)``. With several splits, stage 1 writes the partials into
+    buffers the plan holds and stage 2 merges them into ``out``/``lse``."""
+
+    __slots__ = ("stage1", "reduce", "part_out", "part_lse", "num_splits")
+
+    def __init__(self, stage1: Launch, reduce: Launch | None, part_out, part_lse, num_splits: int) -> None:
+        self.stage1, self.reduce, self.part_out, self.part_lse = stage1, reduce, part_out, part_lse
+        self.num_splits = num_splits
+
+    def __call__(self, q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse) -> None:
+        if self.reduce is None:
+            self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse)
+            return
+        self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc, self.part_out,
+                    self.part_lse)
+        self.reduce(self.part_out, self.part_lse, out, lse)
+
+
+def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, *, scale,
+               q_head_start, q_per_kv, kv_head_start, max_context_len, max_query_len=None, num_splits=None,
+               split_buffer: torch.Tensor | None = None, config: PagedConfig | None = None) -> PagedLaunch:
+    """``paged_attention`` prepared for tensors shaped like these (no checks). ``split_buffer``: float32 scratch of
+    ``split_capacity`` elements for the split partials (default: allocated here); an automatic split count is
+    lowered until the partials fit in it."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    page_size = key_cache.shape[1]
+    num_reqs = context_lens.shape[0]
+    decode = max_query_len == 1
+    cfg = config or pick_config(head_dim, decode=decode)
     # Tile rows: BLOCK_Q query tokens x BLOCK_H Q heads of one KV group; at least 16 rows for tl.dot.
-    group_size = min(q_per_kv, num_q_heads)
-    block_h = min(next_pow2(group_size), cfg.block_m)
+    block_h = min(next_pow2(min(q_per_kv, num_q_heads)), cfg.block_m)
     block_q = max(1, cfg.block_m // block_h)
-    if max_query_len is not None:
-        block_q = min(block_q, next_pow2(max(max_query_len, 1)))
+    if decode:
+        block_q = 1
+    elif max_query_len is not None and max_query_len <= SHORT_QUERY:
+        block_q = min(block_q, SHORT_QUERY)
     block_h = max(block_h, 16 // block_q)
     first_kv_head, num_groups, head_tiles_per_group = head_tiling(
         num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
         block_h=block_h)
-
-    if max_query_len is not None:
-        q_blocks_per_req = max(1, cdiv(max_query_len, block_q))
-        num_q_programs = num_reqs * cdiv(max_query_len, block_q)
-    else:
-        q_blocks_per_req = 1  # unused: programs find their request by binary search
-        num_q_programs = num_tokens // block_q + num_reqs if num_reqs else 0
+    num_q_programs = num_reqs if decode else flat_programs(num_tokens, num_reqs, block_q)
     head_programs = num_groups * head_tiles_per_group
+    row_floats = num_tokens * num_q_heads * (head_dim + 1)
     if num_splits is None:
         num_splits = 1 if INTERPRET else pick_num_splits(
             programs=num_q_programs * head_programs, max_context_len=max_context_len, block_n=cfg.block_n,
             sms=num_sms(device_index(q)))
-
-    block_d = max(16, next_pow2(head_dim))
+        if split_buffer is not None:
+            num_splits = max(1, min(num_splits, split_buffer.numel() // max(row_floats, 1)))
     if num_splits == 1:
+        part_out = part_lse = None
         stage1_out, stage1_lse = out, lse
-        out_strides, lse_strides = (*out.stride()[:2], 0, out.stride(2)), (*lse.stride(), 0)
+        out_strides = _with_split_stride(head_strides(out, 3), 0)
+        lse_strides = (*head_strides(lse, 2)[1:], 0)
     else:
-        stage1_out = torch.empty(num_tokens, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
-        stage1_lse = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=device)
-        out_strides, lse_strides = stage1_out.stride(), stage1_lse.stride()
-    grid = (num_q_programs + cdiv(num_tokens, block_q), head_programs, num_splits)
-    paged_attention_kernel[grid](
-        q, key_cache, value_cache, block_table, context_lens, query_start_loc,
-        stage1_out, stage1_lse,
-        num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs, q_blocks_per_req,
-        float(scale) * LOG2E, q_head_start, q_per_kv, kv_head_start, first_kv_head, head_tiles_per_group,
-        num_splits,
-        *q.stride(), *key_cache.stride(), *value_cache.stride(), *block_table.stride(),
-        *out_strides, *lse_strides,
-        PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        USE_Q_BLOCK_SEARCH=max_query_len is None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if num_splits > 1:
-        block_s = next_pow2(num_splits)
-        # One program merges the splits of a few heads of one token (all heads under the interpreter, where
-        # every program costs Python time).
-        max_elements = 1 << 16 if INTERPRET else 4096
-        reduce_heads = min(next_pow2(num_q_heads), max(1, max_elements // (block_s * block_d)))
-        paged_attention_reduce_kernel[(num_tokens, cdiv(num_q_heads, reduce_heads))](
-            stage1_out, stage1_lse, out, lse,
-            num_q_heads, num_splits, head_dim,
-            *stage1_out.stride(), *stage1_lse.stride(), *out.stride(), *lse.stride(),
-            BLOCK_H=reduce_heads, BLOCK_S=block_s, BLOCK_D=block_d,
-            num_warps=4,
-        )
-    return out, lse
+        part_out, part_lse = split_views(split_buffer, num_tokens, num_q_heads, num_splits, head_dim, q.device)
+        stage1_out, stage1_lse = part_out, part_lse
+        out_strides = (num_q_heads, 0, *part_out.stride())
+        lse_strides = (0, *part_lse.stride())
+    grid = (num_q_programs + cdiv(num_tokens, block_q), head_programs, num_splits) if num_tokens else (0,)
+    block_d = max(16, next_pow2(head_dim))
+    stage1 = Launch(
+        paged_attention_kernel, grid,
+        (num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs, float(scale) * LOG2E, q_head_start, q_per_kv,
+         kv_head_start, first_kv_head, head_tiles_per_group, num_splits, *q.stride(), *key_cache.stride(),
+         *value_cache.stride(), *block_table.stride(), *out_strides, *lse_strides),
+        dict(PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+             DECODE=decode, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32"),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    reduce = plan_split_reduce(part_out, part_lse, out, lse) if num_splits > 1 else None
+    return PagedLaunch(stage1, reduce, part_out, part_lse, num_splits)
+
+
+def _with_split_stride(strides: tuple, split_stride: int) -> tuple:
+    """(heads_per_rank, stride_r, stride_t, stride_h, stride_d) -> the kernel's order with the split stride."""
+    heads_per_rank, stride_r, stride_t, stride_h, stride_d = strides
+    return heads_per_rank, stride_r, stride_t, stride_h, split_stride, stride_d

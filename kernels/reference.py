@@ -11,6 +11,8 @@ fallback only.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -39,9 +41,19 @@ def _finish(out_acc, lse_acc, q, out, lse):
         out = torch.empty(q.shape[0], q.shape[1], out_acc.shape[-1], dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(q.shape[0], q.shape[1], dtype=_acc_dtype(q), device=q.device)
-    out.copy_(out_acc)
-    lse.copy_(lse_acc)
+    _store_heads(out, out_acc)
+    _store_heads(lse, lse_acc)
     return out, lse
+
+
+def _store_heads(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[...] = src`` for a ``[T, H, ...]`` ``src``; ``dst`` is either that shape or its rank-major split
+    ``[R, T, H / R, ...]`` (head ``h`` at ``[h // (H / R), t, h % (H / R)]``)."""
+    if dst.dim() == src.dim():
+        dst.copy_(src)
+        return
+    ranks = dst.shape[0]
+    dst.copy_(src.reshape(src.shape[0], ranks, src.shape[1] // ranks, *src.shape[2:]).transpose(0, 1))
 
 
 def write_kv_cache(k, v, key_cache, value_cache, slot_mapping) -> None:
@@ -167,6 +179,53 @@ def rescale_partial(part_out, lse_all, rank, *, out=None, lse=None):
                           device=part_out.device)
     if lse is None:
         lse = torch.empty(total.shape, dtype=acc, device=total.device)
-    out.copy_(scaled)
+    _store_heads(out, scaled)
     lse.copy_(total)
     return out, lse
+
+
+# The prepared-launch twins of the kernels (``dcp_plugin.kernels.plan_*``): here they only bind the keyword
+# arguments; the tensors of each call are passed as the kernels' plans take them.
+
+def plan_write_kv(k, v, key_cache, value_cache, slot_mapping):
+    return write_kv_cache
+
+
+def plan_extend(q, k, v, out, lse, cu_seqlens, max_seqlen, *, scale, q_head_start, q_per_kv, kv_head_start,
+                config=None):
+    def launch(q, k, v, out, lse, cu_seqlens):
+        extend_attention(q, k, v, cu_seqlens, max_seqlen, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
+                         kv_head_start=kv_head_start, out=out, lse=lse)
+    return launch
+
+
+def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, *, scale,
+               q_head_start, q_per_kv, kv_head_start, max_context_len, max_query_len=None, num_splits=None,
+               split_buffer=None, config=None):
+    return functools.partial(_paged_launch, dict(scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
+                                                 kv_head_start=kv_head_start, max_context_len=max_context_len,
+                                                 max_query_len=max_query_len))
+
+
+def _paged_launch(kwargs, q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse):
+    paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out=out, lse=lse, **kwargs)
+
+
+def plan_combine(parts_out, parts_lse, extra_out, extra_lse, out, lse, *, o_part_start=0, num_o_parts=None):
+    if num_o_parts is not None and (o_part_start, num_o_parts) != (0, parts_out.shape[0]):
+        if num_o_parts != 1:
+            raise ValueError("the reference combine reads one partial's O (rescale) or all of them")
+        return functools.partial(_rescale_launch, o_part_start)
+    return _combine_launch
+
+
+def _combine_launch(parts_out, parts_lse, extra_out, extra_lse, out, lse):
+    combine_partials(parts_out, parts_lse, extra_out=extra_out, extra_lse=extra_lse, out=out, lse=lse)
+
+
+def _rescale_launch(rank, parts_out, parts_lse, extra_out, extra_lse, out, lse):
+    rescale_partial(parts_out[rank], parts_lse, rank, out=out, lse=lse)
+
+
+def split_capacity(head_dim: int, device) -> int:
+    return 0

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_plugin.kernels._launch import INDEX_DTYPES, cdiv, check_shape, check_tensor, next_pow2
+from dcp_plugin.kernels._launch import INDEX_DTYPES, Launch, cdiv, check_shape, check_tensor, next_pow2
 
 _MAX_TILE_ELEMENTS = 4096  # heads x head-dim elements one program moves; bounds registers per program
 
@@ -72,19 +72,19 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, va
     check_shape("value_cache", value_cache, tuple(key_cache.shape))
     if key_cache.shape[1] < 1:
         raise ValueError(f"key_cache block size (dim 1) must be >= 1, got {key_cache.shape[1]}")
-    num_slots = slot_mapping.shape[0]
-    if num_slots > num_tokens:
-        raise ValueError(f"slot_mapping has {num_slots} entries but k/v hold only {num_tokens} rows; "
+    if slot_mapping.shape[0] > num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries but k/v hold only {num_tokens} rows; "
                          "it must have at most one slot per row")
-    if num_slots == 0 or num_heads == 0 or head_dim == 0:
-        return
+    plan_write_kv(k, v, key_cache, value_cache, slot_mapping)(k, v, key_cache, value_cache, slot_mapping)
 
+
+def plan_write_kv(k, v, key_cache, value_cache, slot_mapping) -> Launch:
+    """``write_kv_cache`` prepared for tensors shaped like these (no checks): call it with ``(k, v, key_cache,
+    value_cache, slot_mapping)``."""
+    num_heads, head_dim = k.shape[1:]
     block_d = next_pow2(head_dim)
     block_h = min(next_pow2(num_heads), max(1, _MAX_TILE_ELEMENTS // block_d))
-    grid = (num_slots, cdiv(num_heads, block_h))
-    write_kv_cache_kernel[grid](
-        k, v, key_cache, value_cache, slot_mapping,
-        num_heads, head_dim,
-        *k.stride(), *v.stride(), *key_cache.stride(), *value_cache.stride(),
-        PAGE_SIZE=key_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
-    )
+    grid = (slot_mapping.shape[0], cdiv(num_heads, block_h)) if num_heads and head_dim else (0,)
+    scalars = (num_heads, head_dim, *k.stride(), *v.stride(), *key_cache.stride(), *value_cache.stride())
+    return Launch(write_kv_cache_kernel, grid, scalars,
+                  dict(PAGE_SIZE=key_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d), num_warps=4)

@@ -189,7 +189,7 @@ def run_case(case: Case, n: int, rank: int, group, gather_heads: Callable[[torch
     state = RankState.create(case, world, n, rank)
     heads = state.heads
     attn = DcpAttention(heads=heads, tokens=state.tokens, group=group, scale=world.scale, comm=case.comm,
-                        ops=ops if ops is not None else resolve_ops(case.ops))
+                        ops=ops if ops is not None else SerialOps(resolve_ops(case.ops)))
     group_heads = range(heads.group_q_head_start, heads.group_q_head_start + heads.num_group_q_heads)
     schedule = [[new for _, new in case.requests]] + [[1] * len(case.requests)] * case.decode_steps
     for step, new_tokens in enumerate(schedule):
@@ -243,6 +243,40 @@ def random_case(rng: random.Random, n: int, index: int) -> Case:
         )
         if _valid(case, n):
             return case
+
+
+KERNEL_NAMES = {"plan_write_kv": "write_kv_cache", "plan_extend": "extend_attention",
+                "plan_paged": "paged_attention", "plan_combine": "combine"}
+_KERNEL_LOCK = threading.Lock()
+
+
+class SerialOps:
+    """A kernel namespace whose launches run one at a time across threads (the Triton interpreter, and Triton's
+    JIT cache, are not meant to be entered by several threads at once; on a GPU launches are asynchronous, so this
+    serialises little). With ``log``, every launch appends ``(kernel name, its tensors, its plan's keywords)`` when
+    it runs, in execution order."""
+
+    def __init__(self, ops, log: list | None = None) -> None:
+        self._ops, self._log = ops, log
+
+    def __getattr__(self, name):
+        fn = getattr(self._ops, name)
+        if name not in KERNEL_NAMES:
+            return fn
+
+        def plan(*args, **kwargs):
+            with _KERNEL_LOCK:
+                launch = fn(*args, **kwargs)
+
+            def run(*tensors):
+                if self._log is not None:
+                    self._log.append((KERNEL_NAMES[name], tensors, kwargs))
+                with _KERNEL_LOCK:
+                    launch(*tensors)
+
+            return run
+
+        return plan
 
 
 class Exchange:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import math
 import random
-import threading
 import zlib
 
 import pytest
@@ -23,7 +22,7 @@ import torch
 
 from dcp_plugin import kernels
 from dcp_plugin.kernels import reference
-from tests.dcp_harness import Case, ThreadGroup, run_case, run_threads
+from tests.dcp_harness import Case, SerialOps, ThreadGroup, run_case, run_threads
 from tests.kernel_checks import assert_matches, poisoned
 
 if not torch.cuda.is_available():
@@ -246,29 +245,13 @@ def test_repeated_runs_are_bitwise_identical(name):
     check_repeatable(name, "cuda", torch.bfloat16)
 
 
-class _OneKernelAtATime:
-    """The kernel namespace, one launch at a time: Triton's JIT cache (and the CPU interpreter) are not meant to be
-    entered by several threads at once. Launches are asynchronous, so this serialises little on the GPU."""
-
-    _lock = threading.Lock()
-
-    def __getattr__(self, name):
-        fn = getattr(kernels, name)
-
-        def call(*args, **kwargs):
-            with self._lock:
-                return fn(*args, **kwargs)
-
-        return call
-
-
 def run_dcp_threads(case: Case, n: int) -> list[int]:
     """Every rank of ``case`` on its own thread (``tests.dcp_harness.run_case``: each step's output, gathered over
     the group, vs float64 causal attention; then the caches bit for bit). Returns each rank's checked steps."""
 
     def rank_main(rank, exchange):
         group = ThreadGroup(exchange, rank)
-        return run_case(case, n, rank, group, lambda out: group.all_gather(out, dim=1), ops=_OneKernelAtATime())
+        return run_case(case, n, rank, group, lambda out: group.all_gather(out, dim=1), ops=SerialOps(kernels))
 
     return run_threads(n, rank_main, timeout_s=300)
 

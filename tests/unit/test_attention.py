@@ -62,20 +62,16 @@ class _ShapeGroup:
         return t.contiguous()
 
 
-def _shape_ops():
-    def attention(q, *args, out=None, lse=None, **kwargs):
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if lse is None else lse
-        return out, lse
+def _shape_ops(log: list):
+    """Kernel plans that launch nothing: each records its name and the shapes it was prepared for."""
+    def planner(name):
+        def plan(*tensors, **kwargs):
+            shapes = tuple(tuple(t.shape) for t in tensors if isinstance(t, torch.Tensor))
+            return lambda *args: log.append((name, shapes))
+        return plan
 
-    def rescale_partial(part_out, lse_all, rank, *, out=None, lse=None):
-        return torch.empty_like(part_out), torch.empty_like(lse_all[0])
-
-    def merge(*args, out=None, lse=None, **kwargs):
-        return out, lse
-
-    return SimpleNamespace(write_kv_cache=lambda *args: None, extend_attention=attention, paged_attention=attention,
-                           merge_states=merge, rescale_partial=rescale_partial, combine_partials=merge)
+    return SimpleNamespace(**{f"plan_{name}": planner(name) for name in ("write_kv", "extend", "paged", "combine")},
+                           split_capacity=lambda head_dim, device: 0)
 
 
 @pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
@@ -90,10 +86,17 @@ def test_forward_never_syncs(comm):
         tokens=state.tokens, max_query_len=host.max_query_len, max_seq_len=host.max_seq_len,
         max_context_len=host.max_context_len,
     )
+    log = []
     attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=_ShapeGroup(4, 2), scale=0.25, comm=comm,
-                        ops=_shape_ops())
+                        ops=_shape_ops(log))
     out = attn.forward(**meta, batch=batch)
     assert out.device.type == "meta" and out.shape == meta["q"].shape
+    launched = [name for name, _ in log]
+    # The step has a cached prefix: current chunk, prefix pass, then the combine (two kernels for ag_rs).
+    assert launched == ["write_kv", "extend", "paged"] + ["combine"] * (2 if comm == "ag_rs" else 1), launched
+    log.clear()
+    attn.forward(**meta, batch=batch)  # the next layer replays the step's plan: the same launches
+    assert [name for name, _ in log] == launched
 
 
 def _make(state, **overrides):
@@ -113,7 +116,7 @@ _CONSTRUCTION = {
     "scale nan": (dict(scale=float("nan")), "scale must be a finite float > 0"),
     "scale bool": (dict(scale=True), "scale must be a finite float > 0"),
     "comm": (dict(comm="allreduce"), "comm must be 'ag_rs' or 'a2a'"),
-    "ops missing": (dict(ops=SimpleNamespace(write_kv_cache=print)), "lacks extend_attention, paged_attention"),
+    "ops missing": (dict(ops=SimpleNamespace(plan_write_kv=print)), "lacks plan_extend, plan_paged"),
 }
 
 

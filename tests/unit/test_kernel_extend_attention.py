@@ -136,3 +136,19 @@ def test_bad_input_raises(overrides, match):
     with pytest.raises(ValueError, match=match):
         extend_attention(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("cu_seqlens"), args.pop("max_seqlen"),
                          **args)
+
+
+def test_mixed_step_grid_is_about_one_program_per_row():
+    """Sixty one-token rows and one 70-token chunk: about one program per row plus the chunk's blocks (not
+    sequences x blocks of the longest), and every row exact."""
+    from dcp_plugin.kernels.extend_attention import plan_extend
+
+    lengths = [1] * 60 + [70]
+    _check(lengths, num_q_heads=4, num_kv_heads=2, q_head_start=0, q_per_kv=2, kv_head_start=0, seed=5)
+    q = torch.zeros(sum(lengths), 4, 64)
+    kv = torch.zeros(sum(lengths), 2, 64)
+    plan = plan_extend(q, kv, kv, q, torch.zeros(q.shape[:2]), _cu(lengths), 70, scale=0.1, q_head_start=0,
+                       q_per_kv=2, kv_head_start=0)
+    block_m, num_tokens = plan.constexprs["BLOCK_M"], sum(lengths)
+    assert plan.grid[0] == num_tokens // block_m + len(lengths) + -(-num_tokens // block_m)
+    assert plan.grid[0] * 3 < len(lengths) * -(-70 // block_m)

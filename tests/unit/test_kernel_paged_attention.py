@@ -12,6 +12,7 @@ import triton.language as tl
 from dcp_plugin.kernels import reference
 from dcp_plugin.kernels.paged_attention import (
     MAX_AUTO_SPLITS, PROGRAMS_PER_SM, PagedConfig, group_head_tile, head_tiling, paged_attention, pick_num_splits,
+    plan_paged,
 )
 from tests.kernel_checks import assert_matches, poisoned
 
@@ -247,3 +248,40 @@ def _good() -> dict:
 def test_rejects_bad_inputs(change, match):
     with pytest.raises(ValueError, match=match):
         paged_attention(**{**_good(), **change})
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_rank_major_outputs(splits):
+    """out [R, T, H / R, D] / lse [R, T, H / R]: head h lands at [h // (H / R), t, h % (H / R)] (what DCP sends)."""
+    case = Case([1, 4, 1], [30, 12, 0], 8, 2, 4, num_splits=splits)
+    q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case, seed=3)
+    ranks, num_tokens = 2, q.shape[0]
+    out = poisoned((ranks, num_tokens, 4, case.head_dim), torch.float16)
+    lse = poisoned((ranks, num_tokens, 4), torch.float32)
+    paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, scale=0.2, **_heads(case),
+                    max_context_len=30, max_query_len=4, num_splits=splits, out=out, lse=lse)
+    want_out, want_lse = reference.paged_attention(
+        q.double(), key_cache.double(), value_cache.double(), block_table, context_lens, query_start_loc, scale=0.2,
+        **_heads(case), max_context_len=30)
+    assert_matches(out.transpose(0, 1).reshape(num_tokens, 8, -1), want_out, torch.float16, "rank-major out")
+    assert_matches(lse.transpose(0, 1).reshape(num_tokens, 8), want_lse, torch.float16, "rank-major lse")
+
+
+def test_mixed_step_grid_is_about_one_program_per_row():
+    """Many one-row decodes and one long chunk: the grid covers the step's rows, not requests x longest query."""
+    q_lens, ctx_lens = [1] * 100 + [70], [9] * 100 + [33]
+    case = Case(q_lens, ctx_lens, 4, 2, 2)
+    q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case, seed=4)
+    out, lse = poisoned(q.shape, q.dtype), poisoned(q.shape[:2], torch.float32)
+    plan = plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, scale=0.2,
+                      **_heads(case), max_context_len=33, max_query_len=70)
+    block_q = plan.stage1.constexprs["BLOCK_Q"]
+    num_tokens, num_reqs = q.shape[0], len(q_lens)
+    assert plan.stage1.grid[0] == num_tokens // block_q + num_reqs + -(-num_tokens // block_q)
+    assert plan.stage1.grid[0] * 3 < num_reqs * -(-70 // block_q), "the grid still scales with requests x longest"
+    plan(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse)
+    want_out, want_lse = reference.paged_attention(
+        q.double(), key_cache.double(), value_cache.double(), block_table, context_lens, query_start_loc, scale=0.2,
+        **_heads(case), max_context_len=33)
+    assert_matches(out, want_out, q.dtype, "mixed out")
+    assert_matches(lse, want_lse, q.dtype, "mixed lse")

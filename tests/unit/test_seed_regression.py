@@ -8,14 +8,13 @@ as threads of this process; the group below counts collectives and moves real te
 
 from __future__ import annotations
 
-import functools
-import threading
-
 import pytest
 import torch
 
 from dcp_plugin import DcpAttention
-from tests.dcp_harness import Case, RankState, ThreadGroup, World, causal_attention_f64, resolve_ops, run_threads
+from tests.dcp_harness import (
+    Case, RankState, SerialOps, ThreadGroup, World, causal_attention_f64, resolve_ops, run_threads,
+)
 from tests.kernel_checks import assert_matches
 
 N = 4
@@ -23,27 +22,6 @@ FRESH = ((0, 5), (0, 1), (0, 3))  # no cached prefix anywhere: the current chunk
 MIXED = ((0, 5), (9, 1), (14, 4), (2, 2))  # fresh prompt, decode, chunked prefill on a prefix, context < N
 _COLLECTIVE_NAMES = ("all_gather", "reduce_scatter", "all_to_all")
 COLLECTIVES = {"ag_rs": ["all_gather", "all_gather", "reduce_scatter"], "a2a": ["all_gather", "all_to_all"]}
-_KERNEL_LOCK = threading.Lock()  # the Triton interpreter is not thread-safe: one kernel call at a time
-
-
-class RecordingOps:
-    """Delegates to a kernel namespace and logs every call (name, args, kwargs) in order."""
-
-    def __init__(self, ops, log: list) -> None:
-        self._ops, self._log = ops, log
-
-    def __getattr__(self, name):
-        fn = getattr(self._ops, name)
-
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            self._log.append((name, args, kwargs))
-            with _KERNEL_LOCK:
-                return fn(*args, **kwargs)
-
-        return call
-
-
 def _seed_case(requests, comm: str, ops: str) -> Case:
     return Case(name="seed", q_heads=32, kv_heads=2, kv_replication="group", tp=4, block_size=4, head_dim=64,
                 requests=requests, comm=comm, ops=ops, seed=34161)
@@ -59,7 +37,7 @@ def _forward(case: Case, poison_kv_head: dict[int, int] | None = None):
         log = []
         group = ThreadGroup(exchange, rank, log=log)
         attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=group, scale=world.scale,
-                            comm=case.comm, ops=RecordingOps(resolve_ops(case.ops), log))
+                            comm=case.comm, ops=SerialOps(resolve_ops(case.ops), log))
         q, k, v, batch, positions = state.step([new for _, new in case.requests])
         if poison_kv_head and rank in poison_kv_head:
             k[:, poison_kv_head[rank]] = float("nan")
@@ -89,8 +67,8 @@ def test_current_chunk_takes_full_kv_and_global_head_map(comm, ops):
         chunk = names.index("extend_attention")
         assert "all_gather" not in names[:chunk], f"rank {rank}: a collective before the current chunk: {names}"
         assert [n for n in names if n in _COLLECTIVE_NAMES] == COLLECTIVES[comm], f"rank {rank}: {names}"
-        _, args, kwargs = log[chunk]
-        assert args[1] is k and args[2] is v, f"rank {rank}: the current chunk got sliced or copied K/V"
+        _, tensors, kwargs = log[chunk]
+        assert tensors[1] is k and tensors[2] is v, f"rank {rank}: the current chunk got sliced or copied K/V"
         assert (kwargs["q_head_start"], kwargs["q_per_kv"], kwargs["kv_head_start"]) == (8 * rank, 16, 0)
         assert heads.current_chunk_kv == ((0, 1) if rank < 2 else (1, 2))
         assert_matches(out, want, torch.float32, f"rank {rank}")

@@ -1,0 +1,128 @@
+"""One step of DCP attention, prepared: which kernels run, on which buffers, with which collectives in between.
+
+``build_plan`` runs once per step (per layer configuration and tensor shapes); ``StepPlan.run`` is what every layer
+pays: the launches and collectives, nothing else. The flows (``T`` new tokens, ``H`` local Q heads, ``N`` ranks):
+
+- decode (one new token per request): the token is already in its owner's shard, so non-causal attention of the
+  queries to every rank's whole shard is the causal result; no current-chunk pass and no merge;
+- a step with no cached prefix anywhere (rank-invariant ``max_context_len == 0``): the current chunk only, no
+  collectives;
+- otherwise: the current chunk (local Q heads against the step's own K/V), then the prefix (all-gathered Q against
+  the local shard), combined across ranks and merged with the chunk by LSE.
+
+At DCP > 1 the queries are all-gathered head-major (``[N * H, T, D]``). ``ag_rs``: the prefix partial in the model
+dtype, an all-gather of its float32 LSEs, one kernel rescaling it into rank-major ``[N, T, H, D]``, and a
+reduce-scatter that hands each rank the sum for its own heads (straight into ``out`` for decode). ``a2a``: the
+prefix pass writes its partial and LSE straight into the packed ``[N, T, W]`` send buffer, one all-to-all, and one
+kernel combining the N received partials and the current chunk into ``out``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+
+class StepPlan:
+    """The prepared launches of one step; ``run`` replays them for one layer's tensors."""
+
+    __slots__ = ("write", "extend", "paged", "combine", "comm", "mode", "decode", "ws", "batch", "group",
+                 "rs_into_out", "paged_args", "combine_args")
+
+    def __init__(self, **fields) -> None:
+        for name in self.__slots__:
+            setattr(self, name, fields.get(name))
+
+    def run(self, q, k, v, key_cache, value_cache, out) -> None:
+        batch, ws = self.batch, self.ws
+        if self.write is not None:
+            self.write(k, v, key_cache, value_cache, batch.slot_mapping)
+        mode = self.mode
+        if mode == "chunk":  # no cached prefix on any rank: the current chunk is the answer
+            self.extend(q, k, v, out, ws.lse, batch.query_start_loc)
+            return
+        if self.extend is not None:
+            self.extend(q, k, v, ws.cur_out, ws.cur_lse, batch.query_start_loc)
+        if mode == "local":  # DCP = 1
+            if self.combine is None:
+                self.paged(q, key_cache, value_cache, *self.paged_args, out, ws.lse)
+            else:
+                self.paged(q, key_cache, value_cache, *self.paged_args, ws.pre_out, ws.pre_lse)
+                self.combine(*self.combine_args, out, ws.lse)
+            return
+        group = self.group
+        ws.q_send.copy_(q.transpose(0, 1))
+        group.all_gather_into(ws.q_all, ws.q_send)
+        q_group = self.paged_args[0]
+        if self.comm == "a2a":
+            self.paged(q_group, key_cache, value_cache, *self.paged_args[1:], ws.send_out, ws.send_lse)
+            group.all_to_all_into(ws.recv, ws.send)
+            self.combine(*self.combine_args, out, ws.lse)
+            return
+        self.paged(q_group, key_cache, value_cache, *self.paged_args[1:], ws.part, ws.part_lse)
+        group.all_gather_into(ws.lse_all, ws.part_lse)
+        rescale, merge = self.combine
+        rescale(*self.combine_args[0])  # into rank-major [N, T, H, D]: rank r's slice holds rank r's heads
+        if self.rs_into_out:  # decode into a contiguous out: the reduce-scatter writes the answer
+            group.reduce_scatter_into(out, ws.scaled)
+            return
+        group.reduce_scatter_into(ws.mine, ws.scaled)
+        if self.decode:
+            out.copy_(ws.mine)
+        else:
+            merge(*self.combine_args[1], out, ws.lse)
+
+
+def build_plan(*, attn, q, k, v, key_cache, value_cache, batch, out, write_kv: bool, ws: SimpleNamespace) -> StepPlan:
+    """Prepare one step for tensors shaped like these (checked by the caller)."""
+    ops, heads = attn.ops, attn.heads
+    head_map = dict(scale=attn.scale, q_per_kv=heads.q_per_kv, kv_head_start=heads.kv_head_start)
+    write = ops.plan_write_kv(k, v, key_cache, value_cache, batch.slot_mapping) if write_kv else None
+    decode = batch.max_query_len == 1
+    plan = StepPlan(write=write, ws=ws, batch=batch, comm=attn.comm, group=attn._collectives, decode=decode)
+    if not decode:
+        chunk_only = batch.max_context_len == 0  # rank-invariant: no rank enters a collective
+        cur_out, cur_lse = (out, ws.lse) if chunk_only else (ws.cur_out, ws.cur_lse)
+        plan.extend = ops.plan_extend(q, k, v, cur_out, cur_lse, batch.query_start_loc, batch.max_query_len,
+                                      q_head_start=heads.q_head_start, **head_map)
+        if chunk_only:
+            plan.mode = "chunk"
+            return plan
+    lens, max_len = (batch.local_seq_lens, batch.max_local_seq_len) if decode else \
+        (batch.local_context_lens, batch.max_local_context_len)
+    tables = (batch.block_table, lens, batch.query_start_loc)
+
+    def paged(q_, out_, lse_, q_head_start):
+        return ops.plan_paged(q_, key_cache, value_cache, *tables, out_, lse_, q_head_start=q_head_start,
+                              max_context_len=max_len, max_query_len=batch.max_query_len, split_buffer=ws.splits,
+                              **head_map)
+
+    if heads.dcp_size == 1:
+        plan.mode, plan.paged_args = "local", tables
+        if decode:
+            plan.paged = paged(q, out, ws.lse, heads.q_head_start)
+        else:
+            plan.paged = paged(q, ws.pre_out, ws.pre_lse, heads.q_head_start)
+            plan.combine_args = (ws.pre_out.unsqueeze(0), ws.pre_lse.unsqueeze(0), ws.cur_out, ws.cur_lse)
+            plan.combine = ops.plan_combine(*plan.combine_args, out, ws.lse)
+        return plan
+
+    plan.mode = "group"
+    q_group = ws.q_all.transpose(0, 1)  # [T, N * H, D]
+    plan.paged_args = (q_group, *tables)
+    current = (ws.cur_out, ws.cur_lse) if not decode else (None, None)
+    if attn.comm == "a2a":
+        plan.paged = paged(q_group, ws.send_out, ws.send_lse, heads.group_q_head_start)
+        plan.combine_args = (ws.recv_out, ws.recv_lse, *current)
+        plan.combine = ops.plan_combine(*plan.combine_args, out, ws.lse)
+        return plan
+    plan.paged = paged(q_group, ws.part, ws.part_lse, heads.group_q_head_start)
+    n = heads.dcp_size
+    rescale_args = (ws.part.unsqueeze(0).expand(n, *ws.part.shape), ws.lse_all, None, None, ws.scaled, ws.lse_total)
+    rescale = ops.plan_combine(*rescale_args, o_part_start=attn._collectives.rank_in_group, num_o_parts=1)
+    first = attn._collectives.rank_in_group * heads.num_q_heads
+    merge_args = (ws.mine.unsqueeze(0), ws.lse_total[:, first:first + heads.num_q_heads].unsqueeze(0), *current)
+    plan.combine = (rescale, ops.plan_combine(*merge_args, out, ws.lse) if not decode else None)
+    plan.combine_args = (rescale_args, merge_args)
+    plan.rs_into_out = decode and out.is_contiguous()
+    return plan
+

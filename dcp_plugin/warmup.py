@@ -1,0 +1,70 @@
+"""Compile every kernel variant a serving engine can need before it serves: one dummy step of each kind.
+
+A step's kernels differ by kind (decode, short queries, long queries, no cached prefix), by whether the KV cache
+is read in one split or several, and by nothing else that changes between steps (the kernels do not specialize on
+per-step sizes). ``warm_up`` runs one step of each combination through ``DcpAttention.forward`` itself, on the
+layer's real KV cache and on scratch inputs with the real inputs' strides, so Triton compiles exactly the variants
+later steps run. It writes nothing to the cache (every slot is -1) and reads only page 0. At DCP > 1 it runs the
+collectives too: every rank of the group must call it at the same point.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dcp_plugin.batch import DcpBatch
+
+# (query rows, cached context) per request of each dummy step. A 4096-token context puts several KV splits on any
+# GPU (the split count fills the SMs only while the tiles last); tiny contexts keep one split.
+STEPS = (
+    ((1, 1), (1, 2)),  # decode, one split
+    ((1, 4096),),  # decode, several splits
+    ((2, 1), (5, 3)),  # short queries (speculative verify), one split
+    ((4, 4096),),  # short queries, several splits
+    ((16, 1), (1, 0), (9, 2)),  # long queries mixed with a decode, one split
+    ((12, 4096),),  # long queries, several splits
+    ((16, 0), (3, 0)),  # no cached prefix anywhere: the current chunk only
+)
+
+
+def warm_up(attention, *, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+            value_cache: torch.Tensor, output: torch.Tensor) -> int:
+    """Run one dummy step of each kind in ``STEPS`` with ``attention``; returns the number of steps run.
+
+    ``query``/``key``/``value``/``output``: tensors shaped and strided like the layer's real ones (any number of
+    rows; only their strides, dtype and device are used); ``key_cache``/``value_cache``: the layer's cache views.
+    """
+    tokens, device = attention.tokens, query.device
+    steps = 0
+    for requests in STEPS:
+        num_tokens = sum(rows for rows, _ in requests)
+        seq_lens = [rows + context for rows, context in requests]
+        width = max(1, -(-tokens.max_local_len(max(seq_lens)) // tokens.block_size))
+        batch = DcpBatch.build(
+            query_start_loc=torch.tensor([0, *_cumsum(rows for rows, _ in requests)], dtype=torch.int32,
+                                         device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_table=torch.zeros(len(requests), width, dtype=torch.int32, device=device),
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+            tokens=tokens,
+        )
+        q, k, v, out = (_like(t, num_tokens) for t in (query, key, value, output))
+        attention.forward(q, k, v, key_cache, value_cache, batch, out=out, write_kv=True)
+        steps += 1
+    return steps
+
+
+def _like(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """Zeros of ``rows`` rows with ``t``'s row layout (strides), dtype and device."""
+    stride = t.stride()
+    size = (rows, *t.shape[1:])
+    storage = (rows - 1) * stride[0] + sum((n - 1) * s for n, s in zip(size[1:], stride[1:])) + 1
+    return torch.zeros(storage, dtype=t.dtype, device=t.device).as_strided(size, stride)
+
+
+def _cumsum(values) -> list[int]:
+    total, out = 0, []
+    for value in values:
+        total += value
+        out.append(total)
+    return out

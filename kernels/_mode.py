@@ -1,0 +1,14 @@
+"""Whether the kernels run compiled on a GPU or under the Triton interpreter on CPU tensors.
+
+Decided once, when ``dcp_plugin.kernels`` is first imported and before any ``@triton.jit`` function is defined
+(Python runs a package's ``__init__`` before any of its modules, and ``__init__`` imports this module first): with
+no CUDA GPU present ``TRITON_INTERPRET=1`` is set, unless the variable is set already.
+"""
+
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -1,0 +1,152 @@
+"""Compile, without a GPU, every kernel variant a serving engine runs, for an H100/H200 (sm_90), and report each
+one's registers and spills.
+
+The variants are the ones ``dcp_plugin.warmup`` compiles: the dummy steps run through ``DcpAttention`` on CPU
+tensors with kernel plans that record their launches instead of running them (at DCP = 1 and DCP = 2, both comm
+modes). Each recorded launch is compiled ahead of time with Triton's own compiler for ``cuda:90``, specialized the
+way Triton's dispatch specializes it (integer arguments equal to 1 become constants, multiples of 16 and pointers
+are marked 16-divisible). A kernel that does not compile for the GPU fails here, on any machine with Triton.
+
+    TRITON_INTERPRET=0 python scripts/compile_for_hopper.py [--dtype bfloat16] [--head-dim 128] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+if os.environ.get("TRITON_INTERPRET", "0") != "0":
+    sys.exit("run with TRITON_INTERPRET=0: the kernels must be defined for the compiler, not the interpreter")
+os.environ["TRITON_INTERPRET"] = "0"  # before dcp_plugin.kernels decides (no GPU would pick the interpreter)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import dcp_plugin as dp  # noqa: E402
+from dcp_plugin import kernels  # noqa: E402
+from dcp_plugin.kernels import _launch  # noqa: E402
+from dcp_plugin.warmup import warm_up  # noqa: E402
+
+H100_SMS = 132
+_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+          torch.int64: "*i64"}
+
+
+class NoCollectives:
+    """One rank of a group whose collectives do nothing (only the launches between them are recorded)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size, self.rank_in_group = world_size, 0
+
+    def all_gather_into(self, out, t):
+        pass
+
+    reduce_scatter_into = all_to_all_into = all_gather_into
+
+
+def record_launches(record: dict) -> None:
+    """Make every ``Launch`` record its variant (keyed by what Triton specializes on) instead of running."""
+
+    def call(launch, *tensors):
+        key = _variant(launch, tensors)
+        record.setdefault((key[0], key[1], key[2]), (launch, key))
+
+    _launch.Launch.__call__ = call
+
+
+def _variant(launch, tensors) -> tuple:
+    """What Triton's dispatch would specialize a launch on: pointer dtypes, scalars (1 / 16-divisible), constants."""
+    fn = launch.kernel
+    names = list(fn.arg_names)
+    dns = {names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
+    dtypes = [t.dtype for t in tensors]
+    signature, constants, attrs = {}, dict(launch.constexprs), {}
+    values = [None] * len(dtypes) + list(launch.scalars)
+    for i, name in enumerate(names[:len(values)]):
+        value = values[i]
+        if i < len(dtypes):
+            signature[name] = _TYPES[dtypes[i]]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        elif name not in dns and value == 1:
+            signature[name], constants[name] = "constexpr", 1
+        else:
+            signature[name] = "i64" if abs(value) >= 2 ** 31 else "i32"
+            if name not in dns and value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    for name in launch.constexprs:
+        signature[name] = "constexpr"
+    frozen = tuple(sorted((k, str(v)) for k, v in constants.items()))
+    return (fn.__name__, tuple(signature.items()), frozen, constants, attrs, dict(launch.options))
+
+
+def collect(dtype: torch.dtype, head_dim: int) -> dict:
+    """Every launch the warm-up steps prepare at DCP = 1 and 2 (8 local Q heads, 1 stored KV head)."""
+    record: dict = {}
+    record_launches(record)
+    for n in (1, 2):
+        for comm in ("ag_rs", "a2a"):
+            ps = dp.ParallelState.from_tp(tp_rank=0, tp_size=2, dcp_size=n)
+            heads = dp.HeadLayout.create(num_q_heads=16, num_kv_heads=1, ps=ps, kv_replication="tp")
+            tokens = dp.TokenLayout(dcp_size=n, dcp_rank=0, block_size=16)
+            attn = dp.DcpAttention(heads=heads, tokens=tokens, group=NoCollectives(n) if n > 1 else None,
+                                   scale=head_dim ** -0.5, comm=comm, ops=kernels)
+            qkv = torch.zeros(4, heads.num_q_heads + 2, head_dim, dtype=dtype)
+            kv = torch.zeros(8, 16, 1, 2 * head_dim, dtype=dtype)
+            warm_up(attn, query=qkv[:, :-2], key=qkv[:, -2:-1], value=qkv[:, -1:], key_cache=kv[..., :head_dim],
+                    value_cache=kv[..., head_dim:], output=torch.zeros(4, heads.num_q_heads, head_dim, dtype=dtype))
+    return record
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """Registers and local-memory bytes (spills) per thread, from the cubin (Triton's bundled cuobjdump)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                                  timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            return {}
+    found = re.search(r"REG:(\d+).*?LOCAL:(\d+)", text)
+    return {"registers": int(found[1]), "local_bytes": int(found[2])} if found else {}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--json", help="write the per-variant report here")
+    args = parser.parse_args()
+    kernels.paged_attention.__globals__["num_sms"] = lambda device_index: H100_SMS  # no GPU to ask
+    record = collect(getattr(torch, args.dtype), args.head_dim)
+    target = GPUTarget("cuda", 90, 32)
+    rows = []
+    for launch, (name, signature, _, constants, attrs, options) in record.values():
+        began = time.perf_counter()
+        src = ASTSource(fn=launch.kernel, signature=dict(signature), constexprs=constants, attrs=attrs)
+        compiled = triton.compile(src, target=target, options=options)
+        usage = resource_usage(compiled.asm["cubin"])
+        rows.append(dict(kernel=name, constants={k: str(v) for k, v in constants.items()}, **options, **usage,
+                         shared=compiled.metadata.shared, seconds=round(time.perf_counter() - began, 1)))
+        print(f"{name:30s} regs {usage.get('registers', '?'):>3} local {usage.get('local_bytes', '?'):>4} "
+              f"smem {compiled.metadata.shared:6d} {options} { {k: v for k, v in constants.items() if k.isupper()} }",
+              flush=True)
+    print(f"{len(rows)} variants compiled for sm_90")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
