@@ -13,12 +13,12 @@ from dcp_plugin.adapters.vllm import compat, support
 class DcpTritonBackend(AttentionBackend):
     """Decode-context-parallel attention with Triton kernels (``dcp_plugin``), for decoder self-attention.
 
-    vLLM writes the cache through ``impl.do_kv_cache_update`` before ``forward``. Any ``KVCacheLayout`` (0.32+), or
-    either NHD/HND stride order (0.26), works: the impl takes K and V as strided views of the layer's logical
-    ``[blocks, heads, block_size, 2 * head]`` cache.
+    ``forward`` writes this step's K/V into the cache itself (one op per layer instead of two). Any
+    ``KVCacheLayout`` (0.32+), or either NHD/HND stride order (0.26), works: the impl takes K and V as strided
+    views of the layer's logical ``[blocks, heads, block_size, 2 * head]`` cache.
     """
 
-    forward_includes_kv_cache_update: bool = False
+    forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = list(support.SUPPORTED_DTYPES)
     supported_kv_cache_dtypes: ClassVar[list[str]] = list(support.SUPPORTED_KV_CACHE_DTYPES)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -12,6 +13,18 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuild
 from dcp_plugin.adapters.vllm import compat
 from dcp_plugin.batch import DcpBatch, DcpBatchWorkspace
 from dcp_plugin.layout import TokenLayout
+
+
+FULL_GRAPHS_ENV = "DCP_TRITON_DCP_FULL_GRAPHS"
+
+
+def full_graphs_at_dcp() -> bool:
+    """Whether single-token decode steps at DCP > 1 replay full CUDA graphs (``DCP_TRITON_DCP_FULL_GRAPHS``, 0/1)."""
+    value = os.environ.get(FULL_GRAPHS_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{FULL_GRAPHS_ENV}={value!r}: use 1 (full CUDA graphs for decode at DCP > 1) or 0 "
+                         "(piecewise graphs, attention eager)")
+    return value == "1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,18 +42,19 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
     The token layout follows the KV-cache group: a group vLLM does not shard over DCP (``dcp_sharded=False``,
     e.g. a replicated draft model) gets DCP size 1 inside a DCP target's process group.
 
-    CUDA graphs: single-token decode steps replay as full graphs at DCP size 1. Every tensor the decode pass reads
-    is one of vLLM's persistent inputs or lives in this builder's ``DcpBatchWorkspace``, and the split-KV count,
-    which a graph freezes, is sized for the block table's capacity (``max_model_len`` in whole pages) on every
-    decode step once full graphs are on (a short context leaves the extra splits empty). DCP > 1 stays piecewise
-    (attention eager): its collectives have not run under graph capture on a multi-GPU machine.
+    CUDA graphs: single-token decode steps replay as full graphs. Every tensor the decode pass reads is one of
+    vLLM's persistent inputs, lives in this builder's ``DcpBatchWorkspace`` or in the impl's ``DcpWorkspace``, and
+    the split-KV count, which a graph freezes, is sized for the block table's capacity (``max_model_len`` in whole
+    pages) on every decode step once full graphs are on (a short context leaves the extra splits empty). At DCP > 1
+    the collectives go through vLLM's NCCL communicator, which a graph captures; full graphs there are switched on
+    with ``DCP_TRITON_DCP_FULL_GRAPHS=1`` (default 0: piecewise, attention eager).
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        if vllm_config.parallel_config.decode_context_parallel_size > 1:
+        if vllm_config.parallel_config.decode_context_parallel_size > 1 and not full_graphs_at_dcp():
             return AttentionCGSupport.NEVER
         return cls._cudagraph_support
 

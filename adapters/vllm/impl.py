@@ -1,4 +1,4 @@
-"""The attention impl vLLM calls per layer: cache write in ``do_kv_cache_update``, DCP attention in ``forward``."""
+"""The attention impl vLLM calls per layer: the cache write and DCP attention, both in ``forward``."""
 
 from __future__ import annotations
 
@@ -12,9 +12,14 @@ from dcp_plugin.adapters.vllm import compat, registration, support, topology
 from dcp_plugin.adapters.vllm.builder import DcpTritonMetadata
 from dcp_plugin.attention import DcpAttention
 from dcp_plugin.layout import TokenLayout
+from dcp_plugin.warmup import warm_up
+from dcp_plugin.workspace import DcpWorkspace
 
 logger = logging.getLogger("vllm.dcp_triton")
 _logged_startup: set[tuple] = set()
+# One scratch workspace per worker and layer kind (layers run one after another), and the kinds warmed up.
+_workspaces: dict[tuple, DcpWorkspace] = {}
+_warmed: set[tuple] = set()
 
 
 def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,8 +33,11 @@ def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor
 class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
     """Decode-context-parallel attention over vLLM's paged KV cache.
 
-    Everything is decided here at model construction (topology, kernel path, option checks); ``forward`` reads
-    only its arguments and what ``__init__`` stored.
+    Everything is decided here at model construction (topology, kernel path, option checks, the scratch workspace,
+    allocated now so vLLM's memory profiling counts it); ``forward`` reads only its arguments and what ``__init__``
+    stored. The backend declares ``forward_includes_kv_cache_update``: ``forward`` writes this step's K/V itself,
+    which saves vLLM a separate op (and a graph break) per layer. The first ``forward`` that sees the real KV cache
+    (vLLM's warm-up, before serving) compiles every kernel variant serving can need (``dcp_plugin.warmup``).
     """
 
     supports_dcp = True
@@ -75,12 +83,15 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         )
         self._ops = ops
         self._attention: dict[TokenLayout, DcpAttention] = {}
+        self._kv_views: tuple | None = None  # (kv_cache, key view, value view) of the last cache seen
+        self.workspace = _shared_workspace(self.topology, head_size, model_dtype, ops, vllm_config)
         self._log_startup()
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
         """Store the new K/V rows this rank owns; ``slot_mapping`` may be shorter than ``key`` (padding rows) and
-        holds -1 for tokens another DCP rank owns."""
+        holds -1 for tokens another DCP rank owns. (``forward`` writes the step's K/V itself; this is for hosts
+        that write the cache separately.)"""
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         self._ops.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
@@ -90,18 +101,45 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise ValueError("dcp-triton does not fuse output quantization (output_scale / output_block_scale)")
+        if kv_cache.numel() and self.kernel_path == "triton" and not torch.cuda.is_current_stream_capturing():
+            self._warm_up_once(query, key, value, kv_cache, output, attn_metadata)
         if attn_metadata is None:  # profiling / dummy run
             return output.fill_(0)
         batch = attn_metadata.batch
         attention = self._attention.get(batch.tokens) or self._bind(batch.tokens, kv_cache)
+        key_cache, value_cache = self._split(kv_cache)
         n = batch.num_tokens
-        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
-        # vLLM ran do_kv_cache_update for this layer already: the cache is written once.
-        attention.forward(query[:n], key[:n], value[:n], key_cache, value_cache, batch, out=output[:n],
-                          write_kv=False)
+        if n == query.shape[0]:
+            attention.forward(query, key, value, key_cache, value_cache, batch, out=output)
+            return output
+        attention.forward(query[:n], key[:n], value[:n], key_cache, value_cache, batch, out=output[:n])
         if attn_metadata.num_actual_tokens > n:
             output[n:attn_metadata.num_actual_tokens].zero_()
         return output
+
+    def _split(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V views of the layer's cache (the same tensor every step: made once)."""
+        views = self._kv_views
+        if views is None or views[0] is not kv_cache:
+            views = self._kv_views = (kv_cache, *split_kv_cache(kv_cache, self.head_size))
+        return views[1], views[2]
+
+    def _warm_up_once(self, query, key, value, kv_cache, output, attn_metadata) -> None:
+        """Compile every kernel variant now (once per worker and layer kind), not on a user's request. Every rank
+        of a DCP group reaches this at the same layer of the same step, so the dummy steps' collectives pair up."""
+        key_cache, value_cache = self._split(kv_cache)
+        signature = (self.topology.heads, self.topology.interleave, self.topology.comm, query.dtype, query.stride(),
+                     key.stride(), output.stride(), key_cache.shape[1:], key_cache.stride(), value_cache.stride())
+        if signature in _warmed:
+            return
+        _warmed.add(signature)
+        tokens = TokenLayout(dcp_size=self.topology.heads.dcp_size, dcp_rank=self.topology.heads.dcp_rank,
+                             interleave=self.topology.interleave, block_size=key_cache.shape[1])
+        attention = self._attention.get(tokens) or self._bind(tokens, kv_cache)
+        steps = warm_up(attention, query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                        output=output.view(output.shape[0], self.num_heads, -1))
+        logger.info("dcp-triton: compiled the kernels of %d step kinds before serving (dcp_size=%d, %s)", steps,
+                    tokens.dcp_size, query.dtype)
 
     def _bind(self, tokens: TokenLayout, kv_cache: torch.Tensor) -> DcpAttention:
         """First step with this token layout (the KV-cache block size is known only then): build DcpAttention."""
@@ -119,7 +157,7 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
             )
         attention = DcpAttention(
             heads=heads, tokens=tokens, group=self.topology.group, scale=self.scale, comm=self.topology.comm,
-            ops=self._ops,
+            ops=self._ops, workspace=self.workspace if self.workspace.heads == heads else None,
         )
         self._attention[tokens] = attention
         return attention
@@ -139,3 +177,21 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         if args not in _logged_startup:  # once per worker (and once more for a draft with another topology)
             _logged_startup.add(args)
             logger.info(line, *args)
+
+
+def _shared_workspace(topology, head_size: int, dtype, ops, vllm_config) -> DcpWorkspace:
+    """The worker's workspace for layers like this one, sized for vLLM's largest step (max_num_batched_tokens)."""
+    device = torch.device(vllm_config.device_config.device) if vllm_config.device_config is not None else \
+        torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    dtype = dtype or torch.get_default_dtype()
+    max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    key = (topology.heads, head_size, dtype, device, topology.comm, max_tokens)
+    if key not in _workspaces:
+        _workspaces[key] = DcpWorkspace(heads=topology.heads, head_dim=head_size, dtype=dtype, device=device,
+                                        max_num_tokens=max_tokens, comm=topology.comm,
+                                        split_elements=ops.split_capacity(head_size, device))
+        logger.info("dcp-triton: %.1f MiB of attention workspace for steps of up to %d tokens",
+                    _workspaces[key].nbytes / 2**20, max_tokens)
+    return _workspaces[key]

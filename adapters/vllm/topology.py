@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from dcp_plugin.group import TorchDcpGroup
 from dcp_plugin.layout import HeadLayout
 from dcp_plugin.parallel_state import ParallelState
@@ -17,7 +19,58 @@ class Topology:
     heads: HeadLayout
     interleave: int
     comm: str
-    group: TorchDcpGroup | None
+    group: VllmDcpGroup | None
+
+
+class VllmDcpGroup:
+    """``DcpGroup`` over vLLM's DCP ``GroupCoordinator``.
+
+    The collectives into caller buffers go through the coordinator's NCCL communicator (vLLM's PyNccl: the current
+    stream, no allocation, capturable in a CUDA graph, as vLLM's own DCP backends use it), or through
+    ``torch.distributed`` on the coordinator's device group where vLLM has none (one process, CPU).
+    """
+
+    def __init__(self, coordinator) -> None:
+        self.world_size, self.rank_in_group = coordinator.world_size, coordinator.rank_in_group
+        self._torch = TorchDcpGroup(coordinator.device_group)
+        self._nccl = getattr(getattr(coordinator, "device_communicator", None), "pynccl_comm", None)
+
+    @property
+    def uses_nccl(self) -> bool:
+        return self._nccl is not None and not self._nccl.disabled
+
+    def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return self._torch.all_gather(t, dim)
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return self._torch.reduce_scatter(t, dim)
+
+    def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
+        return self._torch.all_to_all(t)
+
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        if self.uses_nccl:
+            self._nccl.all_gather(out, t)
+        else:
+            self._torch.all_gather_into(out, t)
+
+    def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        if self.uses_nccl:
+            self._nccl.reduce_scatter(out, t)
+        else:
+            self._torch.reduce_scatter_into(out, t)
+
+    def all_to_all_into(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        if not self.uses_nccl:
+            self._torch.all_to_all_into(out, t)
+            return
+        nccl = self._nccl
+        nccl.group_start()  # one grouped send/receive per peer (itself included): one NCCL launch
+        for peer, (send, recv) in enumerate(zip(t.unflatten(0, (self.world_size, -1)),
+                                                out.unflatten(0, (self.world_size, -1)))):
+            nccl.send(send, peer)
+            nccl.recv(recv, peer)
+        nccl.group_end()
 
 
 def head_layout(*, num_heads: int, num_kv_heads: int, total_kv_heads: int, ps: ParallelState) -> HeadLayout:
@@ -68,10 +121,14 @@ def from_vllm(*, num_heads: int, num_kv_heads: int, dcp_size: int, dcp_rank: int
         num_heads=num_heads, num_kv_heads=num_kv_heads,
         total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(), ps=ps,
     )
+    if getattr(parallel, "enable_dbo", False) or getattr(parallel, "ubatch_size", 1) > 1:
+        raise ValueError(
+            "enable_dbo / ubatch_size > 1 (micro-batching): dcp-triton shares one scratch workspace between the "
+            "layers of a worker, which two micro-batches in flight would overwrite; supported: enable_dbo=False"
+        )
     group = None
     if dcp_size > 1:
-        dcp = get_dcp_group()
-        group = TorchDcpGroup(dcp.device_group)
+        group = VllmDcpGroup(get_dcp_group())
     return Topology(
         ps=ps, heads=heads, interleave=parallel.cp_kv_cache_interleave_size,
         comm=parallel.dcp_comm_backend or "ag_rs", group=group,

@@ -152,13 +152,27 @@ def test_interleave_must_divide_the_block(monkeypatch):
         make_builder(monkeypatch, dcp=2, rank=0, interleave=3)
 
 
-def test_cudagraph_support_is_single_token_decode_at_dcp_1_only():
+@pytest.mark.parametrize("flag, at_dcp2", [(None, "NEVER"), ("0", "NEVER"), ("1", "UNIFORM_SINGLE_TOKEN_DECODE")])
+def test_cudagraph_support_is_single_token_decode_and_at_dcp_2_behind_its_flag(monkeypatch, flag, at_dcp2):
+    if flag is None:
+        monkeypatch.delenv("DCP_TRITON_DCP_FULL_GRAPHS", raising=False)
+    else:
+        monkeypatch.setenv("DCP_TRITON_DCP_FULL_GRAPHS", flag)
     config = VllmConfig()
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float16)
     support = DcpTritonMetadataBuilder.get_cudagraph_support
     assert support(config, spec) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     config.parallel_config.decode_context_parallel_size = 2
-    assert support(config, spec) == AttentionCGSupport.NEVER
+    assert support(config, spec) == getattr(AttentionCGSupport, at_dcp2)
+
+
+def test_a_bad_full_graphs_flag_is_named(monkeypatch):
+    monkeypatch.setenv("DCP_TRITON_DCP_FULL_GRAPHS", "yes")
+    config = VllmConfig()
+    config.parallel_config.decode_context_parallel_size = 2
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="DCP_TRITON_DCP_FULL_GRAPHS='yes'"):
+        DcpTritonMetadataBuilder.get_cudagraph_support(config, spec)
 
 
 def test_consecutive_steps_reuse_the_workspace(monkeypatch):

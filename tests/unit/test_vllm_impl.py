@@ -1,8 +1,9 @@
 """The impl on vLLM's own KV-cache views (every KVCacheLayout): cache write, forward vs float64 attention, padding.
 
 One vLLM worker's state in this process: a real VllmConfig for a tiny Llama config and vLLM's TP/DCP groups of
-one rank. The step has decodes, a fresh prompt and a chunk continuing a cached prefix; earlier steps' K/V reach
-the cache through ``do_kv_cache_update`` too.
+one rank. The step has decodes, a fresh prompt and a chunk continuing a cached prefix; ``forward`` writes the
+step's K/V (the backend declares ``forward_includes_kv_cache_update``), earlier steps' K/V reach the cache through
+``do_kv_cache_update``.
 """
 
 from __future__ import annotations
@@ -104,19 +105,6 @@ def test_cache_write_and_forward_match_attention_over_whole_sequences(worker, mo
     q_all, k_all, v_all = rand(num_tokens + PAD_TOKENS, H_Q, D), rand(num_tokens + PAD_TOKENS, H_KV, D), \
         rand(num_tokens + PAD_TOKENS, H_KV, D)
     step_slots = torch.tensor(sum((slots(r, c, c + q) for r, (c, q) in enumerate(requests)), []), dtype=torch.int64)
-    impl.do_kv_cache_update(None, k_all, v_all, kv_cache, step_slots)  # slot mapping shorter than key: padding
-
-    # The cache through vLLM's logical [block, kv_head, row, K||V] view: every written token where its slot says,
-    # nothing anywhere else, the other layer untouched.
-    written = torch.zeros(NUM_BLOCKS, BLOCK, dtype=torch.bool)
-    for slot_list, k_rows, v_rows in ((ctx_slots, torch.cat(k_ctx), torch.cat(v_ctx)), (step_slots, k_all, v_all)):
-        page, row = slot_list // BLOCK, slot_list % BLOCK
-        assert torch.equal(kv_cache[page, :, row, :D], k_rows[: len(slot_list)])
-        assert torch.equal(kv_cache[page, :, row, D:], v_rows[: len(slot_list)])
-        written[page, row] = True
-    assert not kv_cache.transpose(1, 2)[~written].any(), "K/V written to a slot nobody owns (padding rows?)"
-    assert not other_layer.any()
-
     query_lens = [q for _, q in requests]
     seq_lens = torch.tensor([c + q for c, q in requests], dtype=torch.int32)
     qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
@@ -129,9 +117,20 @@ def test_cache_write_and_forward_match_attention_over_whole_sequences(worker, mo
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=H_KV, head_size=D, dtype=dtype)
     metadata = DcpTritonMetadataBuilder(spec, ["l1"], worker, torch.device("cpu")).build(0, cm)
     output = torch.full((num_tokens + PAD_TOKENS, H_Q, D), float("nan"), dtype=dtype)
-    returned = impl.forward(None, q_all, k_all, v_all, kv_cache, metadata, output)
+    returned = impl.forward(None, q_all, k_all, v_all, kv_cache, metadata, output)  # padding rows: no slot
 
     assert returned is output
+    # The cache through vLLM's logical [block, kv_head, row, K||V] view: every written token where its slot says,
+    # nothing anywhere else, the other layer untouched.
+    written = torch.zeros(NUM_BLOCKS, BLOCK, dtype=torch.bool)
+    for slot_list, k_rows, v_rows in ((ctx_slots, torch.cat(k_ctx), torch.cat(v_ctx)), (step_slots, k_all, v_all)):
+        page, row = slot_list // BLOCK, slot_list % BLOCK
+        assert torch.equal(kv_cache[page, :, row, :D], k_rows[: len(slot_list)])
+        assert torch.equal(kv_cache[page, :, row, D:], v_rows[: len(slot_list)])
+        written[page, row] = True
+    assert not kv_cache.transpose(1, 2)[~written].any(), "K/V written to a slot nobody owns (padding rows?)"
+    assert not other_layer.any()
+
     expected = torch.cat([
         naive_attention(q_all[a:b], k_ctx[r], v_ctx[r], k_all[a:b], v_all[a:b])
         for r, (a, b) in enumerate(zip(qsl[:-1].tolist(), qsl[1:].tolist()))
@@ -163,3 +162,18 @@ def test_topology_comes_from_vllm_groups(worker, monkeypatch):
     assert (t.heads.num_q_heads, t.heads.num_kv_heads, t.heads.q_per_kv) == (H_Q, H_KV, H_Q // H_KV)
     assert (t.interleave, t.comm, t.group) == (1, "ag_rs", None)
     assert impl.kernel_path.startswith("reference")
+
+
+def test_micro_batching_is_refused_at_startup(worker, monkeypatch):
+    monkeypatch.setattr(worker.parallel_config, "enable_dbo", True)
+    with pytest.raises(ValueError, match="enable_dbo"):
+        make_impl(monkeypatch, "reference")
+
+
+def test_forward_writes_the_cache_and_layers_share_one_workspace(worker, monkeypatch):
+    from dcp_plugin.adapters.vllm.backend import DcpTritonBackend
+
+    assert DcpTritonBackend.forward_includes_kv_cache_update  # vLLM then never calls do_kv_cache_update
+    first, second = make_impl(monkeypatch, "reference"), make_impl(monkeypatch, "reference")
+    assert first.workspace is second.workspace
+    assert first.workspace.max_num_tokens == worker.scheduler_config.max_num_batched_tokens
