@@ -1,0 +1,78 @@
+"""After ``warm_up``, no step a serving engine sends compiles a kernel: decodes of any batch and context, speculative
+verify steps, chunked prefills over a cached prefix, fresh prompts, mixed steps, at DCP = 1 and DCP = 2 (two
+ranks as threads on one GPU), both comm modes; every step is also checked against float64 attention."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dcp_plugin import DcpAttention, DcpWorkspace, kernels
+from dcp_plugin.kernels.combine import combine_kernel
+from dcp_plugin.kernels.extend_attention import extend_attention_kernel
+from dcp_plugin.kernels.paged_attention import paged_attention_kernel, paged_attention_reduce_kernel
+from dcp_plugin.kernels.write_kv_cache import write_kv_cache_kernel
+from dcp_plugin.warmup import warm_up
+from tests.dcp_harness import Case, RankState, SerialOps, ThreadGroup, World, causal_attention_f64, run_threads
+from tests.kernel_checks import assert_matches
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+KERNELS = (write_kv_cache_kernel, extend_attention_kernel, paged_attention_kernel, paged_attention_reduce_kernel,
+           combine_kernel)
+# (cached context, new tokens) of the first step: long decodes, speculative verify rows, a chunk over a prefix, a
+# fresh prompt, a one-token prompt, contexts shorter than the group; then single-token decode steps.
+REQUESTS = ((3000, 1), (1, 1), (1900, 5), (700, 3), (2048, 200), (0, 150), (0, 1), (2, 2), (5000, 1))
+
+
+def compiled_counts() -> list[int]:
+    return [len(k.device_caches[torch.cuda.current_device()][0]) for k in KERNELS]
+
+
+def steps(seed: int) -> list[list[int]]:
+    """The new tokens per request of each step after the first: mixes of decodes, verify rows, chunks."""
+    rng = random.Random(seed)
+    shapes = [[1] * len(REQUESTS), [rng.choice([2, 3, 5]) for _ in REQUESTS], [1] * len(REQUESTS)]
+    shapes.append([rng.choice([1, 1, 4, 33]) for _ in REQUESTS])  # a mixed step
+    return shapes
+
+
+@pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_no_kernel_compiles_after_warm_up(n, comm):
+    case = Case(name=f"warm-{n}-{comm}", q_heads=32, kv_heads=8, kv_replication="group", tp=4 * n if n > 1 else 1,
+                head_dim=128, block_size=16, requests=REQUESTS, comm=comm, dtype="bfloat16", ops="triton", seed=5,
+                decode_steps=40,  # room in every sequence for the steps below (at most 40 more tokens each)
+                device="cuda")
+    world = World(case)
+
+    def rank_fn(rank, exchange):
+        state = RankState.create(case, world, n, rank)
+        group = ThreadGroup(exchange, rank) if n > 1 else None
+        ws = DcpWorkspace(heads=state.heads, head_dim=128, dtype=torch.bfloat16, device="cuda", max_num_tokens=512,
+                          comm=comm, split_elements=kernels.split_capacity(128, torch.device("cuda")))
+        attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=group, scale=world.scale, comm=comm,
+                            ops=SerialOps(kernels), workspace=ws)
+        like = torch.zeros(4, state.heads.num_q_heads, 128, dtype=torch.bfloat16, device="cuda")
+        kv_like = torch.zeros(4, state.heads.num_kv_heads, 128, dtype=torch.bfloat16, device="cuda")
+        warm_up(attn, query=like, key=kv_like, value=kv_like, key_cache=state.key_cache,
+                value_cache=state.value_cache, output=like)
+        exchange.barrier.wait()
+        before = compiled_counts()
+        group_heads = range(state.heads.group_q_head_start,
+                            state.heads.group_q_head_start + state.heads.num_group_q_heads)
+        for step, new_tokens in enumerate([[new for _, new in REQUESTS]] + steps(7)):
+            q, k, v, batch, positions = state.step(new_tokens)
+            out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+            attn.forward(q, k, v, state.key_cache, state.value_cache, batch, out=out)
+            got = group.all_gather(out, dim=1) if group else out
+            want = torch.cat([causal_attention_f64(world, b, p, group_heads) for b, p in enumerate(positions)])
+            assert_matches(got, want, torch.bfloat16, f"N={n} {comm} step {step}")
+        state.check_cache()
+        return before, compiled_counts()
+
+    for before, after in run_threads(n, rank_fn, timeout_s=600):
+        assert min(before) >= 1, f"a kernel never compiled during warm-up: {before}"
+        assert after == before, f"serving steps compiled new variants: {before} -> {after}"
