@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dcp-triton-installed
 
-.PHONY: demo test
+.PHONY: demo test test-vllm-matrix check-wheel
 
 $(STAMP): pyproject.toml Makefile scripts/fix_env.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,3 +20,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The adapter's version-independent tests against the Python packages of these CUDA builds of vLLM, on this CPU
+# machine (each in its own venv beside .venv, reused once installed).
+VLLM_MATRIX := 0.26.0 0.33.0
+
+test-vllm-matrix: $(STAMP)
+	bash scripts/test_vllm_matrix.sh $(VLLM_MATRIX)
+
+# The built wheel, installed into a fresh venv: its entry point and the `dcp-triton` command.
+check-wheel: $(STAMP)
+	bash scripts/check_wheel.sh

