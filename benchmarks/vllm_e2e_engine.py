@@ -1,10 +1,13 @@
-"""One job of ``vllm_gpu_e2e.py`` in its own process: build a random Llama checkpoint, or run one vLLM engine.
+"""One job of ``vllm_gpu_e2e.py`` / ``vllm_dcp_e2e.py`` in its own process: build a random Llama checkpoint, or run
+one vLLM engine.
 
     python benchmarks/vllm_e2e_engine.py SPEC.json
 
 ``SPEC["kind"]``: ``build`` (``LlamaForCausalLM(config)`` with transformers' default init, saved in float32) or
 ``engine`` (one ``vllm.LLM`` with ``SPEC["engine"]`` as its arguments, then ``SPEC["tasks"]`` in order). The result
 (gzipped JSON at ``SPEC["out"]``) is rewritten after every task, so a job cut short keeps what it finished.
+``SPEC["log"]`` (the runner sets it) is this job's own log, which the engine's workers write too: the KV-cache
+capacity vLLM logs at start-up and the JIT compiles its monitor reports are read back from it.
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import e2e_runner as runner  # noqa: E402
 import vllm_e2e_report as report  # noqa: E402
 
 
@@ -41,10 +46,12 @@ def run_engine(spec: dict) -> None:
     llm = LLM(**spec["engine"])
     result = {"init_s": round(time.perf_counter() - started, 1), "tasks": {}, "complete": False}
     result.update(_versions())
+    if spec.get("log"):
+        result["kv_cache_tokens"] = runner.kv_cache_tokens(_read_from(spec["log"], 0)[0])
     save(spec["out"], result)
     for task in spec["tasks"]:
         began = time.perf_counter()
-        data = TASKS[task["type"]](llm, task, spec["vocab"])
+        data = TASKS[task["type"]](llm, {**task, "log": spec.get("log")}, spec["vocab"])
         if task["type"] == "throughput":
             result.setdefault("throughput", []).extend(data)
         else:
@@ -88,29 +95,75 @@ def prefix_task(llm, task: dict, vocab: int) -> dict:
 
 
 def throughput_task(llm, task: dict, vocab: int) -> list[dict]:
-    """Output tokens per second of each workload, in steady state: first a warm-up with the same batch shapes
-    (every request, other prompts of the same length, so the prefix cache holds nothing the timed run can reuse;
-    8 output tokens) compiles whatever each backend compiles per shape, then the timed run."""
+    """Output tokens per second of each workload, after a warm-up with other prompts of the same shapes (so the
+    prefix cache holds nothing the timed run can reuse). Warm-up ``all`` (default): every request, 8 output tokens,
+    which compiles whatever each backend compiles per shape (steady state). ``quarter``: a quarter of the requests
+    with the full output length, so compiles at larger batches fall inside the timed run (serving as it starts);
+    the warm-up's own time is recorded either way. TTFT / TPOT medians when vLLM attached request metrics."""
     from vllm import SamplingParams
 
+    quarter = task.get("warmup", "all") == "quarter"
     rows = []
     for w in task["workloads"]:
-        prompts, warm_prompts = (
-            report.make_prompts(count=w["requests"], min_len=w["prompt_len"], max_len=w["prompt_len"], vocab=vocab,
-                                seed=seed) for seed in (11, 12))
-        warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False)
+        shape = dict(min_len=w["prompt_len"], max_len=w["prompt_len"], vocab=vocab)
+        prompts = report.make_prompts(count=w["requests"], seed=11, **shape)
+        warm_prompts = report.make_prompts(count=max(1, w["requests"] // 4) if quarter else w["requests"], seed=12,
+                                           **shape)
+        warm = SamplingParams(max_tokens=w["output_len"] if quarter else 8, temperature=0.0, ignore_eos=True,
+                              detokenize=False)
+        began = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in warm_prompts], warm, use_tqdm=False)
+        warmup_s = time.perf_counter() - began
         params = SamplingParams(max_tokens=w["output_len"], temperature=0.0, ignore_eos=True, detokenize=False)
         began = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         elapsed = time.perf_counter() - began
         generated = sum(len(o.outputs[0].token_ids) for o in outs)
         rows.append({**w, "elapsed_s": elapsed, "output_tokens": generated, "output_tok_s": generated / elapsed,
-                     "total_tok_s": (generated + w["requests"] * w["prompt_len"]) / elapsed})
+                     "total_tok_s": (generated + w["requests"] * w["prompt_len"]) / elapsed,
+                     "warmup_s": warmup_s, "warmup_requests": len(warm_prompts), **request_timing(outs)})
     return rows
 
 
-TASKS = {"logprobs": logprobs_task, "greedy": greedy_task, "prefix": prefix_task, "throughput": throughput_task}
+def request_timing(outs) -> dict:
+    """Medians of time to first token and time per output token after the first, from ``RequestOutput.metrics``
+    (vLLM's RequestStateStats; present only when the engine runs with ``disable_log_stats=False``). Offline, every
+    request arrives at once, so TTFT includes the queueing behind earlier requests."""
+    stats = [o.metrics for o in outs if getattr(o, "metrics", None) is not None]
+    if not stats:
+        return {"ttft_median_s": None, "tpot_median_s": None, "request_metrics": False}
+    ttft = [m.first_token_latency for m in stats]
+    tpot = [(m.last_token_ts - m.first_token_ts) / (m.num_generation_tokens - 1) for m in stats
+            if m.num_generation_tokens > 1]
+    return {"ttft_median_s": statistics.median(ttft), "tpot_median_s": statistics.median(tpot) if tpot else None,
+            "request_metrics": True}
+
+
+def compile_check_task(llm, task: dict, vocab: int) -> dict:
+    """Batches in order (``task["batches"]``: name, prompts, max_tokens); after each, the JIT compiles that vLLM's
+    JIT monitor logged meanwhile (kernel names, read from this job's log, which the workers write too)."""
+    from vllm import SamplingParams
+
+    log = task.get("log")
+    offset = Path(log).stat().st_size if log and Path(log).exists() else 0
+    batches = []
+    for batch in task["batches"]:
+        prompts = report.make_prompts(vocab=vocab, **batch["prompts"])
+        params = SamplingParams(max_tokens=batch["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
+        began = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        elapsed = time.perf_counter() - began
+        time.sleep(task.get("settle_s", 1.0))  # workers log before generate() returns; a margin all the same
+        text, offset = _read_from(log, offset) if log else ("", 0)
+        batches.append({"name": batch["name"], "prompt_lens": [len(p) for p in prompts],
+                        "max_tokens": batch["max_tokens"], "elapsed_s": round(elapsed, 2),
+                        "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
+                        "jit_compiles": runner.jit_compiles(text)})
+    return {"batches": batches, "log_read": bool(log)}
+
+
+TASKS = {"logprobs": logprobs_task, "greedy": greedy_task, "prefix": prefix_task, "throughput": throughput_task,
+         "compile_check": compile_check_task}
 
 
 def _greedy(llm, prompts: list[list[int]], max_tokens: int, top: int) -> dict:
@@ -144,6 +197,14 @@ def _versions() -> dict:
     return {"vllm": vllm.__version__, "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "triton_f32_default": os.environ.get("TRITON_F32_DEFAULT")}
+
+
+def _read_from(path: str, offset: int) -> tuple[str, int]:
+    """The log's text from ``offset`` on, and the offset after it."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    return data.decode(errors="replace"), offset + len(data)
 
 
 def save(path: str, result: dict) -> None:

@@ -132,17 +132,18 @@ def analyse(jobs: dict[str, dict]) -> dict:
                      sorted(jobs.items())}}
 
 
-def write_summary(summary: dict, meta: dict, out_dir: Path, name: str) -> list[Path]:
-    """``<name>.json`` (everything), ``<name>.md`` (tables) and ``<name>.png`` (when matplotlib is present)."""
+def write_summary(summary: dict, meta: dict, out_dir: Path, name: str, *, render=None, draw=None) -> list[Path]:
+    """``<name>.json`` (everything), ``<name>.md`` (tables) and ``<name>.png`` (when matplotlib is present), with
+    ``render(summary, meta)`` / ``draw(summary, meta, path)`` (default: this module's ``markdown`` and ``plot``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
-    _atomic_write(paths[0], json.dumps({"meta": meta, **summary}, indent=1))
-    _atomic_write(paths[1], markdown(summary, meta))
+    atomic_write(paths[0], json.dumps({"meta": meta, **summary}, indent=1))
+    atomic_write(paths[1], (render or markdown)(summary, meta))
     if importlib.util.find_spec("matplotlib") is None:
         return paths
-    if summary["agreement"] or summary["throughput"]:
+    if summary.get("agreement") or summary.get("throughput"):
         paths.append(out_dir / f"{name}.png")
-        plot(summary, meta, paths[-1])
+        (draw or plot)(summary, meta, paths[-1])
     return paths
 
 
@@ -264,7 +265,7 @@ def _top2_gap(run: dict, prompt: int, step: int) -> float:
     return top2[0] - top2[1] if len(top2) == 2 else math.inf
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     tmp.replace(path)

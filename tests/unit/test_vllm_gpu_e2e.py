@@ -15,6 +15,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
+import e2e_runner as runner  # noqa: E402
 import vllm_e2e_report as report  # noqa: E402
 import vllm_gpu_e2e as e2e  # noqa: E402
 
@@ -188,7 +189,7 @@ def test_runner_runs_times_out_resumes_and_mirrors(tmp_path, monkeypatch, capsys
     script = tmp_path / "fake_engine.py"
     script.write_text(textwrap.dedent(FAKE_ENGINE.format(bench=str(BENCH), flag=str(flag))))
     monkeypatch.setattr(e2e, "ENGINE_SCRIPT", script)
-    monkeypatch.setattr(e2e, "STAGGER_S", 0.0)
+    monkeypatch.setattr(runner, "STAGGER_S", 0.0)
     monkeypatch.setattr(e2e, "REQUIRED_MODULES", ())  # the stand-in engine needs neither vLLM nor transformers
     results, out = tmp_path / "results", tmp_path / "out"
     args = ["--quick", "--results-dir", str(results), "--work-dir", str(tmp_path / "work"), "--mirror", str(out),
@@ -219,8 +220,8 @@ def test_runner_runs_times_out_resumes_and_mirrors(tmp_path, monkeypatch, capsys
 
 
 def test_missing_vllm_stops_before_any_job(tmp_path, monkeypatch):
-    real = e2e.importlib.util.find_spec
-    monkeypatch.setattr(e2e.importlib.util, "find_spec", lambda name: None if name == "vllm" else real(name))
+    real = runner.importlib.util.find_spec
+    monkeypatch.setattr(runner.importlib.util, "find_spec", lambda name: None if name == "vllm" else real(name))
     with pytest.raises(SystemExit, match="vllm not importable here"):
         e2e.main(["--quick", "--results-dir", str(tmp_path / "r"), "--work-dir", str(tmp_path / "w")])
     assert not (tmp_path / "w").exists()
