@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One lease on a machine with two H200s (device kind nvidia-h200-x2), in back-to-back calls; each call's output
+# lands in $OUT (at most 8 files come back: logs are packed into one tarball).
+#   check: carry .gpu-bundle/core. Unpack vLLM 0.26 into /tmp/vs (for later calls), install dcp-triton into
+#          /tmp/dcp, then, each under its own time limit: the GPU tests (tests/gpu, most telling first), the
+#          two-GPU NCCL check and timing (multi_gpu_dcp.py: every case vs float64, decode replayed from a
+#          captured graph), and the host-overhead benchmark.
+#   e2e:   carry .gpu-bundle/extra. vLLM's dependencies, then benchmarks/vllm_dcp_e2e.py with the arguments given
+#          (resumable: a later call continues where the last stopped while the machine is warm).
+# Everything runs from /tmp: in the repository root, its dcp_plugin/ folder (without the kernels/ and adapters/
+# packages that the install maps into it) would shadow the installed package for child processes.
+set -uo pipefail
+stage=${1:?usage: run_2xh200.sh check|e2e [arguments...]}
+shift
+repo=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+  NVSHMEM_DISABLE_NVLS=1
+mkdir -p "$OUT" /tmp/logs
+install_dcp() {  # fresh each call: a warm machine may hold an older install
+  rm -rf /tmp/dcp
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/dcp "$repo" \
+    >/tmp/logs/install.log 2>&1 || { cat /tmp/logs/install.log; return 1; }
+}
+limit() {  # limit SECONDS NAME COMMAND...: run with a time limit, log to /tmp/logs/NAME.log, print its tail
+  local seconds=$1 name=$2
+  shift 2
+  echo "=== $name (limit ${seconds}s) $(date +%T)"
+  timeout "$seconds" "$@" >"/tmp/logs/$name.log" 2>&1
+  echo "=== $name exit $? $(date +%T)"
+  tail -n 25 "/tmp/logs/$name.log"
+}
+case "$stage" in
+  check)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    if test -f "$repo/.gpu-bundle/core/vllm026.tar.xz"; then
+      mkdir -p /tmp/vs && tar xJf "$repo/.gpu-bundle/core/vllm026.tar.xz" -C /tmp/vs &
+    fi
+    install_dcp || exit 1
+    export PYTHONPATH=/tmp/dcp:$repo
+    cd /tmp
+    tests=(tests/gpu/test_launch_gpu.py tests/gpu/test_warmup_gpu.py tests/gpu/test_kernel_paged_attention_gpu.py
+           tests/gpu/test_kernel_extend_attention_combine_gpu.py tests/gpu/test_decode_graph_gpu.py
+           tests/gpu/test_jit_variants_gpu.py tests/gpu/test_gpu_tier.py)
+    limit "${GPU_TESTS_S:-260}" gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider -x "${tests[@]/#/$repo/}"
+    limit "${MULTI_GPU_S:-170}" multi_gpu torchrun --standalone --nproc-per-node 2 \
+      "$repo/benchmarks/multi_gpu_dcp.py" --quick --results-dir "$OUT"
+    limit "${HOST_S:-100}" host_overhead python3 "$repo/benchmarks/bench_host_overhead.py" --quick \
+      --out "$OUT/host_overhead_h200.json"
+    wait
+    ;;
+  e2e)
+    install_dcp || exit 1
+    test -d /tmp/vs/vllm || { echo "vLLM is not unpacked in /tmp/vs: run the check stage first" >&2; exit 1; }
+    source "$repo/.gpu-bundle/extra/setup.sh"
+    export PYTHONPATH=/tmp/dcp:$PYTHONPATH
+    cd /tmp
+    python3 "$repo/benchmarks/vllm_dcp_e2e.py" --mirror "$OUT" "$@" 2>&1 | tee /tmp/logs/e2e.log | tail -n 60
+    ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
+tar czf "$OUT/logs_$stage.tar.gz" -C /tmp logs
