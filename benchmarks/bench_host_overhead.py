@@ -92,7 +92,8 @@ def make_step(batch: int, ctx: int, query_len: int, gen, *, n: int = N, comm: st
     slots = torch.full((num_tokens,), -1, dtype=torch.int64, device="cuda")  # no writes: the shard stays valid
     batch_obj = dp.DcpBatch.build(query_start_loc=qsl, seq_lens=seq, block_table=table, slot_mapping=slots,
                                   tokens=tokens, max_query_len=max(q for q, _ in reqs), max_seq_len=int(seq.max()),
-                                  max_context_len=max(c for _, c in reqs))
+                                  max_context_len=max(c for _, c in reqs),
+                                  num_decodes=batch if query_len == 1 else 0)
     group = TimedCopyGroup(n, 0) if n > 1 else None
     ws = dp.DcpWorkspace(heads=heads, head_dim=HEAD_DIM, dtype=DTYPE, device="cuda", max_num_tokens=num_tokens,
                          comm=comm, split_elements=kernels.split_capacity(HEAD_DIM, torch.device("cuda")))

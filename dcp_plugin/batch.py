@@ -20,7 +20,8 @@ class DcpBatch:
     The host ints are rank-invariant: ``max_context_len`` is the global maximum context (0 means no request has a
     cached prefix, so DCP attention skips its collectives) and ``max_local_context_len`` bounds
     ``local_context_lens`` (``max_local_seq_len`` bounds ``local_seq_lens``) on every rank of the group.
-    Build it with ``DcpBatch.build``.
+    ``num_decodes``: how many leading requests have exactly one new token (0 when unknown); a mixed step runs their
+    prefix pass apart, with the decode kernel. Build it with ``DcpBatch.build``.
     """
 
     tokens: TokenLayout
@@ -39,6 +40,7 @@ class DcpBatch:
     max_context_len: int
     max_local_context_len: int
     max_local_seq_len: int
+    num_decodes: int = 0
     # Prepared launches of this step (DcpAttention.forward), shared by the layers with equal settings and shapes.
     plans: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -58,6 +60,7 @@ class DcpBatch:
         max_query_len: int | None = None,
         max_seq_len: int | None = None,
         max_context_len: int | None = None,
+        num_decodes: int | None = None,
         workspace: DcpBatchWorkspace | None = None,
     ) -> DcpBatch:
         """Derive every per-step quantity once.
@@ -73,6 +76,8 @@ class DcpBatch:
                 every rank) when the engine knows them. Any that is missing is computed here with one device->host
                 copy, which also validates the tensors' values; when all three are given for device tensors,
                 nothing is synchronised and only shapes are checked.
+            num_decodes: host int, how many leading requests have exactly one new token (the engine orders decodes
+                first); computed here when the tensors are read anyway, else 0 (the step then runs as one pass).
             workspace: persistent buffers for the derived tensors (``DcpBatchWorkspace``): every batch built with
                 it keeps the same device addresses, so a CUDA graph captured over one step replays on the next.
 
@@ -99,9 +104,11 @@ class DcpBatch:
             raise ValueError(f"block_table has {block_table.shape[0]} rows but the batch has {num_reqs} requests")
         _check_index("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int32, torch.int64), device=device)
         hints = {"max_query_len": max_query_len, "max_seq_len": max_seq_len, "max_context_len": max_context_len}
-        for name, value in hints.items():
+        for name, value in {**hints, "num_decodes": num_decodes}.items():
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise ValueError(f"{name} must be a host int >= 0 (or None to compute it), got {value!r}")
+        if num_decodes is not None and num_decodes > num_reqs:
+            raise ValueError(f"num_decodes={num_decodes} is more than the batch's {num_reqs} requests")
 
         if workspace is not None:
             workspace.check(num_reqs, device)
@@ -121,6 +128,11 @@ class DcpBatch:
                 if value is not None and value < actual[name]:
                     raise ValueError(f"{name}={value} is smaller than the batch's actual {name}={actual[name]}")
                 hints[name] = actual[name] if value is None else value
+            if num_decodes is None:
+                num_decodes = leading_decodes(query_start_loc.cpu())
+            elif num_decodes > leading_decodes(query_start_loc.cpu()):
+                raise ValueError(f"num_decodes={num_decodes}, but the batch starts with only "
+                                 f"{leading_decodes(query_start_loc.cpu())} single-token requests")
 
         max_local_context_len = tokens.max_local_len(hints["max_context_len"])
         max_local_seq_len = tokens.max_local_len(hints["max_seq_len"])
@@ -144,6 +156,7 @@ class DcpBatch:
             max_context_len=hints["max_context_len"],
             max_local_context_len=max_local_context_len,
             max_local_seq_len=max_local_seq_len,
+            num_decodes=num_decodes or 0,
         )
 
 
@@ -187,6 +200,13 @@ def _check_index(name: str, t, *, ndim: int, dtypes: tuple, device: torch.device
         raise ValueError(f"{name} has dtype {t.dtype}; it must be {' or '.join(str(d) for d in dtypes)}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but query_start_loc is on {device}")
+
+
+def leading_decodes(query_start_loc_cpu: torch.Tensor) -> int:
+    """How many leading requests have exactly one new token (host tensor ``[num_reqs + 1]``)."""
+    lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
+    others = torch.nonzero(lens != 1)
+    return int(others[0]) if others.numel() else int(lens.numel())
 
 
 def _host_stats(query_start_loc, query_lens, seq_lens, context_lens, num_reqs: int) -> dict[str, int]:

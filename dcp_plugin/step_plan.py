@@ -8,7 +8,9 @@ pays: the launches and collectives, nothing else. The flows (``T`` new tokens, `
 - a step with no cached prefix anywhere (rank-invariant ``max_context_len == 0``): the current chunk only, no
   collectives;
 - otherwise: the current chunk (local Q heads against the step's own K/V), then the prefix (all-gathered Q against
-  the local shard), combined across ranks and merged with the chunk by LSE.
+  the local shard), combined across ranks and merged with the chunk by LSE. In a mixed step the prefix pass of
+  the leading single-token requests runs apart, in the decode kernel (``DecodesFirst``), so their long contexts
+  get split-KV parallelism instead of one program each.
 
 At DCP > 1 the queries are all-gathered head-major (``[N * H, T, D]``). ``ag_rs``: the prefix partial in the model
 dtype, an all-gather of its float32 LSEs, one kernel rescaling it into rank-major ``[N, T, H, D]``, and a
@@ -72,6 +74,25 @@ class StepPlan:
             merge(*self.combine_args[1], out, ws.lse)
 
 
+class DecodesFirst:
+    """A mixed step's prefix pass as two launches: the leading single-token requests (decode variant, split-KV
+    sized for them alone), then the other requests (their own tables; rows of the decodes untouched). Called like
+    one paged launch."""
+
+    __slots__ = ("decodes", "rest", "num_decodes", "decode_tables", "rest_tables", "rank_major")
+
+    def __init__(self, decodes, rest, num_decodes: int, decode_tables: tuple, rest_tables: tuple,
+                 rank_major: bool) -> None:
+        self.decodes, self.rest, self.num_decodes = decodes, rest, num_decodes
+        self.decode_tables, self.rest_tables, self.rank_major = decode_tables, rest_tables, rank_major
+
+    def __call__(self, q, key_cache, value_cache, block_table, lens, query_start_loc, out, lse) -> None:
+        nd = self.num_decodes
+        first = (out[:, :nd], lse[:, :nd]) if self.rank_major else (out[:nd], lse[:nd])
+        self.decodes(q[:nd], key_cache, value_cache, *self.decode_tables, *first)
+        self.rest(q, key_cache, value_cache, *self.rest_tables, out, lse)
+
+
 def build_plan(*, attn, q, k, v, key_cache, value_cache, batch, out, write_kv: bool, ws: SimpleNamespace) -> StepPlan:
     """Prepare one step for tensors shaped like these (checked by the caller)."""
     ops, heads = attn.ops, attn.heads
@@ -92,9 +113,23 @@ def build_plan(*, attn, q, k, v, key_cache, value_cache, batch, out, write_kv: b
     tables = (batch.block_table, lens, batch.query_start_loc)
 
     def paged(q_, out_, lse_, q_head_start):
-        return ops.plan_paged(q_, key_cache, value_cache, *tables, out_, lse_, q_head_start=q_head_start,
-                              max_context_len=max_len, max_query_len=batch.max_query_len, split_buffer=ws.splits,
-                              **head_map)
+        def plan(q__, tables_, out__, lse__, max_query_len):
+            return ops.plan_paged(q__, key_cache, value_cache, *tables_, out__, lse__, q_head_start=q_head_start,
+                                  max_context_len=max_len, max_query_len=max_query_len, split_buffer=ws.splits,
+                                  **head_map)
+
+        nd = batch.num_decodes
+        if decode or not 0 < nd < batch.num_reqs:
+            return plan(q_, tables, out_, lse_, batch.max_query_len)
+        # A mixed step: its leading single-token requests in the decode kernel (split for their long contexts),
+        # then the rest; each writes its own rows.
+        decodes = (batch.block_table[:nd], lens[:nd], batch.query_start_loc[:nd + 1])
+        rest = (batch.block_table[nd:], lens[nd:], batch.query_start_loc[nd:])
+        rank_major = out_.dim() == 4
+        first_out, first_lse = (out_[:, :nd], lse_[:, :nd]) if rank_major else (out_[:nd], lse_[:nd])
+        return DecodesFirst(plan(q_[:nd], decodes, first_out, first_lse, 1), plan(q_, rest, out_, lse_,
+                                                                                 batch.max_query_len),
+                            nd, decodes, rest, rank_major)
 
     if heads.dcp_size == 1:
         plan.mode, plan.paged_args = "local", tables

@@ -1,7 +1,8 @@
 """Compile every kernel variant a serving engine can need before it serves: one dummy step of each kind.
 
-A step's kernels differ by kind (decode, short queries, long queries, no cached prefix), by whether the KV cache
-is read in one split or several, and by nothing else that changes between steps (the kernels do not specialize on
+A step's kernels differ by kind (decode, short queries, long queries, no cached prefix, a mixed step whose leading
+decodes run apart), by whether the KV cache is read in one split or several, and by nothing else that changes
+between steps (the kernels do not specialize on
 per-step sizes). ``warm_up`` runs one step of each combination through ``DcpAttention.forward`` itself, on the
 layer's real KV cache and on scratch inputs with the real inputs' strides, so Triton compiles exactly the variants
 later steps run. It writes nothing to the cache (every slot is -1) and reads only page 0. At DCP > 1 it runs the
@@ -24,6 +25,8 @@ STEPS = (
     ((16, 1), (1, 0), (9, 2)),  # long queries mixed with a decode, one split
     ((12, 4096),),  # long queries, several splits
     ((16, 0), (3, 0)),  # no cached prefix anywhere: the current chunk only
+    ((1, 1), (1, 2), (12, 3)),  # a mixed step, decodes first: their own decode launch (one split), then the rest
+    ((1, 4096), (1, 4096), (4, 3)),  # the same with the decodes' contexts in several splits
 )
 
 

@@ -41,6 +41,8 @@ class DcpWorkspace:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         self.heads, self.head_dim, self.dtype, self.comm = heads, head_dim, dtype, comm
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # tensors report their index: compare equal
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_num_tokens = max_num_tokens
         t, h, d, n = max_num_tokens, heads.num_q_heads, head_dim, heads.dcp_size
         sizes = {"cur_out": (t * h * d, dtype), "lse": (t * h, torch.float32), "cur_lse": (t * h, torch.float32),

@@ -159,8 +159,7 @@ class Launch:
         self._device = None
 
     def __call__(self, *tensors) -> None:
-        if self._compiled is not None and _alignment(tensors) == self._aligned \
-                and triton.knobs.runtime.launch_enter_hook is None:
+        if self._compiled is not None and _alignment(tensors) == self._aligned and not _launch_hooks():
             c = self._compiled
             c.run(*self.grid, _current_stream(self._device), c.function, c.packed_metadata, None, None, None,
                   *tensors, *self._tail)
@@ -169,6 +168,13 @@ class Launch:
         if FAST_LAUNCH and self._compiled is None and hasattr(compiled, "packed_metadata"):
             self._compiled, self._aligned = compiled, _alignment(tensors)
             self._device = tensors[0].device.index
+
+
+def _launch_hooks() -> bool:
+    """Whether a launch-enter hook (a profiler) wants launch metadata: replays go through Triton's dispatch then.
+    Triton 3.6 keeps the hooks in a chain that is empty by default; older releases keep None or a function."""
+    hook = triton.knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _alignment(tensors) -> int:

@@ -91,10 +91,14 @@ def head_tiling(*, num_q_heads: int, q_head_start: int, q_per_kv: int, kv_head_s
 
 
 # Per-step sizes (and the LSE strides, which scale with them) are not specialized on: every step of an engine runs
-# one of the three compiled variants. Output strides stay specialized: vectorized stores need them, and the DCP
-# core's buffers keep them multiples of 16 at every token count, so their specialization never changes.
-@triton.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs", "num_splits", "stride_lse_r",
-                               "stride_lse_t", "stride_lse_h", "stride_lse_s"))
+# one of the three compiled variants. Nor is the block table's row stride (the engine's table width, which the
+# warm-up cannot know; only a row's start depends on it). Output strides stay specialized: vectorized stores need
+# them, and the DCP core's buffers keep them multiples of 16 at every token count, so their specialization never
+# changes.
+@triton.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs", "num_splits", "stride_bt_req",
+                               "stride_lse_r", "stride_lse_t", "stride_lse_h", "stride_lse_s"),
+            # the batch tables may start mid-tensor (a mixed step's requests after its decodes); scalar loads anyway
+            do_not_specialize_on_alignment=("block_table_ptr", "context_lens_ptr", "query_start_loc_ptr"))
 def paged_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr,
     out_ptr, lse_ptr,

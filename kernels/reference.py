@@ -118,6 +118,12 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
         keys = key_cache[pages, pos % block_size][:, kv].to(acc)
         values = value_cache[pages, pos % block_size][:, kv].to(acc)
         out_acc[start:end], lse_acc[start:end] = _attend(q[start:end].to(acc), keys, values, scale, None)
+    first = bounds[0]  # rows before the first request (tables that start mid-batch) are not this call's
+    if first and out is not None and lse is not None:
+        rank_major = out.dim() == 4
+        _finish(out_acc[first:], lse_acc[first:], q[first:], out[:, first:] if rank_major else out[first:],
+                lse[:, first:] if rank_major else lse[first:])
+        return out, lse
     return _finish(out_acc, lse_acc, q, out, lse)
 
 

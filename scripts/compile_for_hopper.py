@@ -67,6 +67,7 @@ def _variant(launch, tensors) -> tuple:
     fn = launch.kernel
     names = list(fn.arg_names)
     dns = {names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
+    unaligned = {names[i] if isinstance(i, int) else i for i in fn.do_not_specialize_on_alignment}
     dtypes = [t.dtype for t in tensors]
     signature, constants, attrs = {}, dict(launch.constexprs), {}
     values = [None] * len(dtypes) + list(launch.scalars)
@@ -74,7 +75,8 @@ def _variant(launch, tensors) -> tuple:
         value = values[i]
         if i < len(dtypes):
             signature[name] = _TYPES[dtypes[i]]
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            if name not in unaligned:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
             signature[name] = "fp32"
         elif name not in dns and value == 1:

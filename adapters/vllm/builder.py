@@ -11,7 +11,7 @@ from vllm.config import CUDAGraphMode
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder, CommonAttentionMetadata
 
 from dcp_plugin.adapters.vllm import compat
-from dcp_plugin.batch import DcpBatch, DcpBatchWorkspace
+from dcp_plugin.batch import DcpBatch, DcpBatchWorkspace, leading_decodes
 from dcp_plugin.layout import TokenLayout
 
 
@@ -100,6 +100,7 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
             capacity = cm.block_table_tensor.shape[1] * self.tokens.block_size * self.tokens.dcp_size
             max_seq_len = max(max_seq_len, capacity)
         batch = DcpBatch.build(
+            num_decodes=leading_decodes(query_start_loc_cpu) if cm.max_query_len > 1 else 0,
             query_start_loc=cm.query_start_loc[: num_reqs + 1],
             seq_lens=cm.seq_lens[:num_reqs],
             block_table=cm.block_table_tensor,

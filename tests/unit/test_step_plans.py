@@ -13,7 +13,9 @@ from dcp_plugin import DcpAttention, DcpWorkspace
 from dcp_plugin.kernels import reference
 from dcp_plugin.warmup import STEPS, warm_up
 from dcp_plugin.workspace import packed_width, unpack
-from tests.dcp_harness import Case, RankState, ThreadGroup, World, causal_attention_f64, run_threads
+from tests.dcp_harness import (
+    Case, RankState, SerialOps, ThreadGroup, World, causal_attention_f64, resolve_ops, run_threads,
+)
 from tests.kernel_checks import assert_matches
 
 MIXED = ((0, 5), (9, 1), (14, 4), (2, 2), (30, 1))
@@ -123,8 +125,11 @@ def test_warm_up_covers_every_kind():
         rows = [r for r, _ in requests]
         contexts = [c for _, c in requests]
         kind = "decode" if max(rows) == 1 else "short" if max(rows) <= 8 else "long"
+        if rows[0] == 1 and max(rows) > 1:
+            kind = "decodes first"
         kinds.add("chunk" if max(contexts) == 0 else (kind, "splits" if max(contexts) >= 4096 else "one split"))
-    assert kinds == {"chunk"} | {(k, s) for k in ("decode", "short", "long") for s in ("splits", "one split")}
+    assert kinds == {"chunk"} | {(k, s) for k in ("decode", "short", "long", "decodes first")
+                                 for s in ("splits", "one split")}
 
 
 @pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
@@ -155,3 +160,33 @@ def test_model_dtype_partials_cost_at_most_two_roundings(comm, n):
     assert sharded_err.max() <= single_err.max() + two_roundings, (float(sharded_err.max()), float(single_err.max()))
     assert sharded_err.mean() <= 2 * single_err.mean(), (float(sharded_err.mean()), float(single_err.mean()))
     assert (sharded != ref_out).any(), "no rounding difference at all: the fp16 partials were not exercised"
+
+
+@pytest.mark.parametrize("ops", ["reference", "triton"])
+@pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_mixed_steps_leading_decodes_get_their_own_decode_launch(n, comm, ops):
+    """Decodes first (as the engine orders them), then a chunk over a prefix and a fresh prompt: the prefix pass
+    runs as two launches (the decodes' own, then the rest's), and every row is exact."""
+    requests = ((30, 1), (45, 1), (20, 5), (0, 7))
+    case = Case(name="decodes-first", q_heads=4, kv_heads=2, requests=requests, comm=comm, head_dim=16, seed=12,
+                ops=ops, tp=n if n > 1 else 1)
+    world = World(case)
+
+    def rank_fn(rank, exchange):
+        state = RankState.create(case, world, n, rank)
+        log = []
+        attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=ThreadGroup(exchange, rank) if n > 1 else
+                            None, scale=world.scale, comm=comm, ops=SerialOps(resolve_ops(ops), log))
+        q, k, v, batch, positions = state.step([new for _, new in requests])
+        assert batch.num_decodes == 2
+        out = torch.full(q.shape, float("nan"))
+        attn.forward(q, k, v, state.key_cache, state.value_cache, batch, out=out)
+        got = attn.group.all_gather(out, dim=1) if n > 1 else out
+        heads = range(state.heads.group_q_head_start,
+                      state.heads.group_q_head_start + state.heads.num_group_q_heads)
+        want = torch.cat([causal_attention_f64(world, b, p, heads) for b, p in enumerate(positions)])
+        assert_matches(got, want, torch.float32, f"N={n} {comm} {ops}")
+        return [name for name, *_ in log].count("paged_attention")
+
+    assert run_threads(n, rank_fn) == [2] * n
