@@ -75,9 +75,8 @@ class StepPlan:
 
 
 class DecodesFirst:
-    """A mixed step's prefix pass as two launches: the leading single-token requests (decode variant, split-KV
-    sized for them alone), then the other requests (their own tables; rows of the decodes untouched). Called like
-    one paged launch."""
+    """A mixed step's prefix pass as two launches: the other requests (their own tables), then the leading
+    single-token requests (decode variant, split-KV sized for them alone). Called like one paged launch."""
 
     __slots__ = ("decodes", "rest", "num_decodes", "decode_tables", "rest_tables", "rank_major")
 
@@ -88,9 +87,11 @@ class DecodesFirst:
 
     def __call__(self, q, key_cache, value_cache, block_table, lens, query_start_loc, out, lse) -> None:
         nd = self.num_decodes
+        # The rest first: with several splits its merge runs over every row and leaves the decodes' rows
+        # undefined, which the decodes' own launch then writes.
+        self.rest(q, key_cache, value_cache, *self.rest_tables, out, lse)
         first = (out[:, :nd], lse[:, :nd]) if self.rank_major else (out[:nd], lse[:nd])
         self.decodes(q[:nd], key_cache, value_cache, *self.decode_tables, *first)
-        self.rest(q, key_cache, value_cache, *self.rest_tables, out, lse)
 
 
 def build_plan(*, attn, q, k, v, key_cache, value_cache, batch, out, write_kv: bool, ws: SimpleNamespace) -> StepPlan:

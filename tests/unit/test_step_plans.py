@@ -190,3 +190,34 @@ def test_a_mixed_steps_leading_decodes_get_their_own_decode_launch(n, comm, ops)
         return [name for name, *_ in log].count("paged_attention")
 
     assert run_threads(n, rank_fn) == [2] * n
+
+
+def test_decodes_first_keeps_the_decode_rows_when_both_launches_split():
+    """With several KV splits the rest's merge runs over every row; the decodes' launch must come after it."""
+    from dcp_plugin import kernels
+    from dcp_plugin.step_plan import DecodesFirst
+
+    case = Case(name="split-order", q_heads=4, kv_heads=2, requests=((40, 1), (33, 1), (25, 6)), head_dim=16,
+                seed=13, tp=1)
+    world = World(case)
+    state = RankState.create(case, world, 1, 0)
+    q, k, v, batch, positions = state.step([new for _, new in case.requests])
+    kernels.write_kv_cache(k, v, state.key_cache, state.value_cache, batch.slot_mapping)
+    lens, nd = batch.local_seq_lens - batch.query_lens, batch.num_decodes  # cached before this step
+    out, lse = torch.full(q.shape, float("nan")), torch.full(q.shape[:2], float("nan"))
+    head_map = dict(scale=world.scale, q_head_start=0, q_per_kv=2, kv_head_start=0, max_context_len=40,
+                    split_buffer=torch.empty(1 << 16), num_splits=3)
+    tables = (batch.block_table, lens, batch.query_start_loc)
+    decodes = tuple(t[:nd + (i == 2)] for i, t in enumerate(tables))
+    rest = tuple(t[nd:] for t in tables)
+    plan = DecodesFirst(
+        kernels.plan_paged(q[:nd], state.key_cache, state.value_cache, *decodes, out[:nd], lse[:nd],
+                           max_query_len=1, **head_map),
+        kernels.plan_paged(q, state.key_cache, state.value_cache, *rest, out, lse, max_query_len=6, **head_map),
+        nd, decodes, rest, False)
+    plan(q, state.key_cache, state.value_cache, *tables, out, lse)
+    want_out, want_lse = kernels.reference.paged_attention(
+        q.double(), state.key_cache.double(), state.value_cache.double(), *tables, scale=world.scale,
+        q_head_start=0, q_per_kv=2, kv_head_start=0, max_context_len=40)
+    assert_matches(out, want_out, torch.float32, "decodes-first out")
+    assert_matches(lse, want_lse, torch.float32, "decodes-first lse")
