@@ -152,8 +152,9 @@ def test_interleave_must_divide_the_block(monkeypatch):
         make_builder(monkeypatch, dcp=2, rank=0, interleave=3)
 
 
-@pytest.mark.parametrize("flag, at_dcp2", [(None, "NEVER"), ("0", "NEVER"), ("1", "UNIFORM_SINGLE_TOKEN_DECODE")])
-def test_cudagraph_support_is_single_token_decode_and_at_dcp_2_behind_its_flag(monkeypatch, flag, at_dcp2):
+@pytest.mark.parametrize("flag, at_dcp2", [(None, "UNIFORM_SINGLE_TOKEN_DECODE"), ("0", "NEVER"),
+                                           ("1", "UNIFORM_SINGLE_TOKEN_DECODE")])
+def test_cudagraph_support_is_single_token_decode_at_every_dcp_unless_switched_off(monkeypatch, flag, at_dcp2):
     if flag is None:
         monkeypatch.delenv("DCP_TRITON_DCP_FULL_GRAPHS", raising=False)
     else:
