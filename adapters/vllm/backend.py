@@ -70,7 +70,7 @@ class DcpTritonBackend(AttentionBackend):
         problems = support.layer_problems(
             head_size=head_size, alibi_slopes=None, sliding_window=None, kv_cache_dtype=kv_cache_dtype or "auto",
             logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
-            extra_impl_args={"sinks": True if has_sink else None}, model_dtype=dtype,
+            extra_impl_args={"sinks": True if has_sink else None}, model_dtype=dtype, use_mla=use_mla,
         )
         version = compat.unsupported_vllm_reason()
         return "; ".join(([version] if version else []) + problems) or None

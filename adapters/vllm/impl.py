@@ -11,7 +11,7 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionType
 from dcp_plugin.adapters.vllm import compat, registration, support, topology
 from dcp_plugin.adapters.vllm.builder import DcpTritonMetadata
 from dcp_plugin.attention import DcpAttention
-from dcp_plugin.layout import TokenLayout
+from dcp_plugin.layout import TokenLayout, check_same_position
 from dcp_plugin.warmup import warm_up
 from dcp_plugin.workspace import DcpWorkspace
 
@@ -62,12 +62,13 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
     ) -> None:
         compat.check_supported_vllm()
         vllm_config = get_current_vllm_config()
-        model_dtype = vllm_config.model_config.dtype if vllm_config.model_config is not None else None
+        model_config = vllm_config.model_config
+        model_dtype = model_config.dtype if model_config is not None else None
         support.check_layer(
             head_size=head_size, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
             kv_cache_dtype=kv_cache_dtype, logits_soft_cap=logits_soft_cap, attn_type=attn_type,
             kv_sharing_target_layer_name=kv_sharing_target_layer_name, extra_impl_args=extra_impl_args,
-            model_dtype=model_dtype,
+            model_dtype=model_dtype, attention_chunk_size=getattr(model_config, "attention_chunk_size", None),
         )
         self.num_heads = num_heads
         self.head_size = head_size
@@ -144,12 +145,9 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
     def _bind(self, tokens: TokenLayout, kv_cache: torch.Tensor) -> DcpAttention:
         """First step with this token layout (the KV-cache block size is known only then): build DcpAttention."""
         heads = self.topology.heads
-        if (tokens.dcp_size, tokens.dcp_rank) != (heads.dcp_size, heads.dcp_rank):
-            raise ValueError(
-                f"the KV-cache group is sharded over DCP size {tokens.dcp_size} (rank {tokens.dcp_rank}) but this "
-                f"layer's model runs at DCP size {heads.dcp_size} (rank {heads.dcp_rank}); a draft model must use "
-                "the target's decode_context_parallel_size or a replicated (unsharded) KV cache"
-            )
+        check_same_position(heads, tokens, hint=(
+            " (the KV-cache group's sharding against this layer's model); a draft model must use the target's "
+            "decode_context_parallel_size or a replicated (unsharded) KV cache"))
         if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * self.head_size:
             raise ValueError(
                 f"KV cache view of shape {tuple(kv_cache.shape)}: dcp-triton needs [num_blocks, num_kv_heads, "
@@ -172,7 +170,7 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
             t.ps.attn_dcp_size, t.ps.attn_dcp_rank, t.ps.tp_rank, t.ps.tp_size, t.heads.num_q_heads,
             t.heads.q_head_start, t.heads.q_head_start + t.heads.num_q_heads - 1, t.heads.num_kv_heads,
             t.heads.kv_head_start, t.heads.kv_head_start + t.heads.num_kv_heads - 1, t.interleave, t.comm,
-            self.kernel_path, registration.cpu_route_reason or "no",
+            self.kernel_path, registration.cpu_route() or "no",
         )
         if args not in _logged_startup:  # once per worker (and once more for a draft with another topology)
             _logged_startup.add(args)

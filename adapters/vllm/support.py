@@ -32,11 +32,28 @@ def layer_problems(
     kv_sharing_target_layer_name,
     extra_impl_args: dict,
     model_dtype: torch.dtype | None,
+    attention_chunk_size: int | None = None,
+    use_mla: bool = False,
 ) -> list[str]:
-    """Each unsupported option of one attention layer, as ``"<option>=<value>: <why>; supported: <what>"``."""
+    """Each unsupported option of one attention layer, as ``"<option>=<value>: <why>; supported: <what>"``.
+
+    ``attention_chunk_size`` is vLLM's ``ModelConfig.attention_chunk_size``: a model that sets it (Llama 4) gets
+    chunked local attention layers, which no argument of a layer's impl reveals, and whose metadata-builder wrapper
+    writes to the step's metadata, which dcp-triton freezes. ``use_mla`` is the backend selector's flag.
+    """
     from vllm.v1.attention.backend import AttentionType
 
     problems = []
+    if use_mla:
+        problems.append(
+            "use_mla=True: multi-head latent attention (MLA, DeepSeek-style models) is not supported; supported: "
+            "decoder self-attention with separate K/V heads (use_mla=False)"
+        )
+    if attention_chunk_size is not None:
+        problems.append(
+            f"attention_chunk_size={attention_chunk_size}: chunked local attention is not supported; supported: "
+            "full-context decoder attention (attention_chunk_size unset)"
+        )
     heads = supported_head_sizes()
     if head_size not in heads:
         problems.append(f"head_size={head_size}: supported head sizes are {list(heads)}")
@@ -59,7 +76,8 @@ def layer_problems(
     if logits_soft_cap not in (None, 0, 0.0):
         problems.append(f"logits_soft_cap={logits_soft_cap}: soft-capped logits are not supported; supported: None")
     if attn_type != AttentionType.DECODER:
-        problems.append(f"attn_type={attn_type!r}: only decoder self-attention is supported ('decoder')")
+        name = getattr(attn_type, "value", attn_type)  # vLLM's layers pass AttentionType members
+        problems.append(f"attn_type={name!r}: only decoder self-attention is supported ('decoder')")
     if kv_sharing_target_layer_name is not None:
         problems.append(
             f"kv_sharing_target_layer_name={kv_sharing_target_layer_name!r}: cross-layer KV sharing is not "
