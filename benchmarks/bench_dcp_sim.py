@@ -51,7 +51,7 @@ class LocalCopyGroup:
 
 def time_rank(n: int, batch: int, ctx: int, comm: str, gen: torch.Generator) -> float:
     ps = dp.ParallelState.from_tp(tp_rank=0, tp_size=TP, dcp_size=n)
-    heads = dp.HeadLayout.create(num_q_heads=TOTAL_Q_HEADS, num_kv_heads=TOTAL_KV_HEADS, ps=ps, kv_replication="tp")
+    heads = dp.HeadLayout.create(total_q_heads=TOTAL_Q_HEADS, total_kv_heads=TOTAL_KV_HEADS, ps=ps, kv_replication="tp")
     tokens = dp.TokenLayout(dcp_size=n, dcp_rank=0, interleave=1, block_size=PAGE)
     local_pages = math.ceil((tokens.max_local_len(ctx) + 1) / PAGE)
     kv = torch.randn(batch * local_pages, PAGE, heads.num_kv_heads, 2 * HEAD_DIM, dtype=DTYPE, device="cuda",

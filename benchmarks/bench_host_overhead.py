@@ -78,7 +78,7 @@ def make_step(batch: int, ctx: int, query_len: int, gen, *, n: int = N, comm: st
     """One rank's inputs for ``batch`` requests of ``query_len`` new tokens over ``ctx`` cached tokens (plus
     ``extra`` = (requests, query_len, ctx) more), a DcpAttention with a shared workspace."""
     ps = dp.ParallelState.from_tp(tp_rank=0, tp_size=TP, dcp_size=n)
-    heads = dp.HeadLayout.create(num_q_heads=TOTAL_Q, num_kv_heads=TOTAL_KV, ps=ps, kv_replication="tp")
+    heads = dp.HeadLayout.create(total_q_heads=TOTAL_Q, total_kv_heads=TOTAL_KV, ps=ps, kv_replication="tp")
     tokens = dp.TokenLayout(dcp_size=n, dcp_rank=0, interleave=1, block_size=PAGE)
     reqs = [(query_len, ctx)] * batch + ([(extra[1], extra[2])] * extra[0] if extra else [])
     pages = [math.ceil(tokens.max_local_len(q + c) / PAGE) for q, c in reqs]
@@ -240,7 +240,7 @@ def public_launch_costs(gen) -> dict:
     calls = {
         "paged_attention": lambda: kernels.paged_attention(
             q, kc, vc, step.block_table, step.local_seq_lens, step.query_start_loc, scale=0.1, q_head_start=0,
-            q_per_kv=q.shape[1], kv_head_start=0, max_context_len=step.max_local_seq_len, max_query_len=1),
+            q_per_kv=q.shape[1], kv_head_start=0, max_kv_len=step.max_local_seq_len, max_query_len=1),
         "extend_attention": lambda: kernels.extend_attention(q, k, v, step.query_start_loc, 1, scale=0.1,
                                                              q_head_start=0, q_per_kv=q.shape[1], kv_head_start=0),
     }

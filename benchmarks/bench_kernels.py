@@ -4,7 +4,8 @@ Decode (``paged_attention``, one query token per request) in GB/s of KV read aga
 timed with ``triton.testing.do_bench`` (L2 flushed, median) and with CUDA-graph replay; current-chunk prefill
 (``extend_attention``) in TFLOP/s against SDPA and compiled flex attention; ``merge_states`` in GB/s.
 vLLM's Triton kernels (unified attention, split-KV decode, merge_attn_states) are measured too when ``vllm``
-imports (carry the offline bundle, ../shared/offline-vllm/README.md).
+imports (on a machine without vLLM, unpack its wheel's Python files and compiled extensions beside this repository
+and put them on PYTHONPATH, as benchmarks/run_h200.sh does).
 
     python benchmarks/bench_kernels.py [--quick] [--out DIR]
 """
@@ -58,7 +59,7 @@ def bench_decode(shapes, copy_gbs: float, with_vllm: bool) -> list[dict]:
 
         def ours(i=0):
             paged_attention(q, kc, vc, tables[i], lens, qsl, scale=scale, q_head_start=0, q_per_kv=hq // hk,
-                            kv_head_start=0, max_context_len=ctx, max_query_len=1, out=out)
+                            kv_head_start=0, max_kv_len=ctx, max_query_len=1, out=out)
 
         # Correct first: a slice of the batch against the float64 reference.
         n = min(batch, 2)
@@ -66,7 +67,7 @@ def bench_decode(shapes, copy_gbs: float, with_vllm: bool) -> list[dict]:
         sub_table = torch.arange(pages.numel(), dtype=torch.int32, device="cuda").view(n, -1)
         ref, _ = reference.paged_attention(q[:n].double(), kc[pages].double(), vc[pages].double(), sub_table,
                                            lens[:n], qsl[: n + 1], scale=scale, q_head_start=0, q_per_kv=hq // hk,
-                                           kv_head_start=0, max_context_len=ctx)
+                                           kv_head_start=0, max_kv_len=ctx)
         ours()
         err = ((out[:n].double() - ref).norm() / ref.norm()).item()
         row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, kv_bytes=kv_bytes, rel_err=err)
@@ -144,7 +145,7 @@ def sweep_decode(shapes, splits_list, configs) -> list[dict]:
         for splits, cfg in variants:
             def call(i, splits=splits, cfg=cfg):
                 paged_attention(q, kc, vc, tables[i], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
-                                q_per_kv=hq // hk, kv_head_start=0, max_context_len=ctx, max_query_len=1,
+                                q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=1,
                                 num_splits=splits, out=out, config=cfg)
             try:
                 ms = graph_ms([lambda i=i: call(i) for i in range(copies)])

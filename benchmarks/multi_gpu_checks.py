@@ -259,7 +259,7 @@ def run_case(case: Case, *, sizes: Sizes, groups: dict, rank: int, world: int, d
     """Run every step of ``case`` on this rank; rank 0 returns the worst errors over the steps, others None."""
     ps = dp.ParallelState.from_tp(tp_rank=rank, tp_size=world, dcp_size=case.dcp)
     q_heads, kv_heads = model_heads(case.layout, world, case.dcp, sizes.local_q_heads)
-    heads = dp.HeadLayout.create(num_q_heads=q_heads, num_kv_heads=kv_heads, ps=ps, kv_replication=case.layout)
+    heads = dp.HeadLayout.create(total_q_heads=q_heads, total_kv_heads=kv_heads, ps=ps, kv_replication=case.layout)
     tokens = dp.TokenLayout(dcp_size=case.dcp, dcp_rank=ps.attn_dcp_rank, block_size=sizes.block_size)
     requests = sizes.prefill if case.kind == "prefill" else sizes.decode
     if case.kind == "decode-graph":

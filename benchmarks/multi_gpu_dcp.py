@@ -132,7 +132,7 @@ def decode_step(run: Run, dcp: int, comm: str, ctx: int, batch: int) -> list:
     sizes, device = run.sizes, run.device
     dim, block = sizes.head_dim, sizes.block_size
     ps = dp.ParallelState.from_tp(tp_rank=run.rank, tp_size=run.world, dcp_size=dcp)
-    heads = dp.HeadLayout.create(num_q_heads=sizes.local_q_heads * run.world, num_kv_heads=1, ps=ps,
+    heads = dp.HeadLayout.create(total_q_heads=sizes.local_q_heads * run.world, total_kv_heads=1, ps=ps,
                                  kv_replication="tp")
     tokens = dp.TokenLayout(dcp_size=dcp, dcp_rank=ps.attn_dcp_rank, block_size=block)
     pages = -(-tokens.max_local_len(ctx + 1) // block)

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import logging
-import math
 from types import ModuleType, SimpleNamespace
 from typing import Literal
 
 import torch
 
 from dcp_plugin.batch import DcpBatch
+from dcp_plugin.checks import FLOAT_DTYPES, check_scale
 from dcp_plugin.group import DcpGroup, buffered
-from dcp_plugin.layout import HeadLayout, TokenLayout
+from dcp_plugin.layout import HeadLayout, TokenLayout, check_same_position
 from dcp_plugin.step_plan import StepPlan, build_plan
 from dcp_plugin.workspace import DcpWorkspace
 
 CommMode = Literal["ag_rs", "a2a"]
-_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _OPS = ("plan_write_kv", "plan_extend", "plan_paged", "plan_combine", "split_capacity")
 logger = logging.getLogger("dcp_plugin")
 _PLAN_KEYS: dict[tuple, int] = {}
@@ -61,11 +60,7 @@ class DcpAttention:
             raise ValueError(f"heads must be a HeadLayout, got {type(heads).__name__}")
         if not isinstance(tokens, TokenLayout):
             raise ValueError(f"tokens must be a TokenLayout, got {type(tokens).__name__}")
-        if (tokens.dcp_size, tokens.dcp_rank) != (heads.dcp_size, heads.dcp_rank):
-            raise ValueError(
-                f"tokens (dcp_size={tokens.dcp_size}, dcp_rank={tokens.dcp_rank}) and heads (dcp_size="
-                f"{heads.dcp_size}, dcp_rank={heads.dcp_rank}) describe different DCP positions"
-            )
+        check_same_position(heads, tokens)
         if group is None:
             if heads.dcp_size != 1:
                 raise ValueError(f"group is None but dcp_size={heads.dcp_size}; pass a DcpGroup of that size")
@@ -74,8 +69,7 @@ class DcpAttention:
                 f"group has world_size={group.world_size}, rank_in_group={group.rank_in_group}, but the layouts "
                 f"say dcp_size={heads.dcp_size}, dcp_rank={heads.dcp_rank}"
             )
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"scale must be a finite float > 0 (usually head_dim ** -0.5), got {scale!r}")
+        check_scale("scale", scale)
         if comm not in ("ag_rs", "a2a"):
             raise ValueError(f"comm must be 'ag_rs' or 'a2a', got {comm!r}")
         if ops is None:
@@ -168,7 +162,7 @@ class DcpAttention:
             raise ValueError(f"batch must be a DcpBatch (DcpBatch.build), got {type(batch).__name__}")
         if batch.tokens != self.tokens:
             raise ValueError(f"batch was built for {batch.tokens}, but this layer uses {self.tokens}")
-        if q.dtype not in _INPUT_DTYPES:
+        if q.dtype not in FLOAT_DTYPES:
             raise ValueError(f"q has dtype {q.dtype}; supported: float16, bfloat16, float32")
         num_tokens, head_dim = batch.num_tokens, q.shape[-1]
         expected = {

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dcp_plugin.checks import check_int, check_tensor
 from dcp_plugin.layout import TokenLayout
 
 
@@ -88,25 +89,25 @@ class DcpBatch:
         """
         if not isinstance(tokens, TokenLayout):
             raise ValueError(f"tokens must be a TokenLayout, got {type(tokens).__name__}")
-        _check_index("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,))
+        check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,))
         device = query_start_loc.device
         if query_start_loc.shape[0] < 1:
             raise ValueError("query_start_loc must have num_reqs + 1 >= 1 entries, got an empty tensor")
         num_reqs = query_start_loc.shape[0] - 1
-        _check_index("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
+        check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
         if seq_lens.shape[0] != num_reqs:
             raise ValueError(
                 f"seq_lens has {seq_lens.shape[0]} entries but query_start_loc describes {num_reqs} requests "
                 f"(it must have num_reqs + 1 = {seq_lens.shape[0] + 1} entries)"
             )
-        _check_index("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device)
+        check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device)
         if block_table.shape[0] < num_reqs:
             raise ValueError(f"block_table has {block_table.shape[0]} rows but the batch has {num_reqs} requests")
-        _check_index("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int32, torch.int64), device=device)
+        check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int32, torch.int64), device=device)
         hints = {"max_query_len": max_query_len, "max_seq_len": max_seq_len, "max_context_len": max_context_len}
         for name, value in {**hints, "num_decodes": num_decodes}.items():
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise ValueError(f"{name} must be a host int >= 0 (or None to compute it), got {value!r}")
+            if value is not None:
+                check_int(name, value, low=0, kind="a host int", note=" (or None to compute it)")
         if num_decodes is not None and num_decodes > num_reqs:
             raise ValueError(f"num_decodes={num_decodes} is more than the batch's {num_reqs} requests")
 
@@ -173,9 +174,7 @@ class DcpBatchWorkspace:
     NAMES = ("query_lens", "context_lens", "local_context_lens", "local_seq_lens")
 
     def __init__(self, max_num_reqs: int, device: torch.device | str) -> None:
-        if not isinstance(max_num_reqs, int) or isinstance(max_num_reqs, bool) or max_num_reqs < 1:
-            raise ValueError(f"max_num_reqs must be an int >= 1 (the engine's most requests per step), got "
-                             f"{max_num_reqs!r}")
+        check_int("max_num_reqs", max_num_reqs, low=1, note=" (the engine's most requests per step)")
         self.max_num_reqs = max_num_reqs
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -189,17 +188,6 @@ class DcpBatchWorkspace:
                              f"{self.max_num_reqs}; size it for the engine's most requests per step")
         if device != self.device:
             raise ValueError(f"the batch tensors are on {device} but the workspace is on {self.device}")
-
-
-def _check_index(name: str, t, *, ndim: int, dtypes: tuple, device: torch.device | None = None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dim{'s' if ndim > 1 else ''}, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} has dtype {t.dtype}; it must be {' or '.join(str(d) for d in dtypes)}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device} but query_start_loc is on {device}")
 
 
 def leading_decodes(query_start_loc_cpu: torch.Tensor) -> int:

@@ -1,4 +1,4 @@
-"""Where heads and tokens live under DCP: pure integer math, conventions of DESIGN.md section 2."""
+"""Where heads and tokens live under DCP: pure integer math, conventions of docs/design.md section 2."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Literal, TypeVar
 
 import torch
 
+from dcp_plugin.checks import check_int, renamed
 from dcp_plugin.parallel_state import ParallelState
 
 KvReplication = Literal["tp", "group"]
@@ -18,14 +19,14 @@ class HeadLayout:
     """Which Q and KV heads one rank holds, for both head layouts.
 
     ``kv_replication="tp"`` is vLLM's layout: each rank stores the KV heads tensor parallelism gives it, so a DCP
-    group must share them (``tp >= num_kv_heads`` and ``(tp / num_kv_heads) % dcp == 0``).
+    group must share them (``tp >= total_kv_heads`` and ``(tp / total_kv_heads) % dcp == 0``).
     ``kv_replication="group"`` is SGLang's: every rank of a DCP group stores the KV heads of all the group's Q heads.
     Q heads are sharded by TP in both. Global Q head ``g`` reads global KV head ``g // q_per_kv``.
 
     Example (the seeds' topology)::
 
         ps = ParallelState.from_tp(tp_rank=1, tp_size=4, dcp_size=4)
-        heads = HeadLayout.create(num_q_heads=32, num_kv_heads=2, ps=ps, kv_replication="group")
+        heads = HeadLayout.create(total_q_heads=32, total_kv_heads=2, ps=ps, kv_replication="group")
         heads.q_head_start, heads.num_q_heads      # (8, 8)
         heads.kv_head_start, heads.num_kv_heads    # (0, 2): the group's 32 Q heads need KV heads 0 and 1
         heads.current_chunk_kv                     # (0, 1): local Q heads 8..15 need KV head 0 only
@@ -46,39 +47,43 @@ class HeadLayout:
 
     @classmethod
     def create(
-        cls, *, num_q_heads: int, num_kv_heads: int, ps: ParallelState, kv_replication: KvReplication = "tp"
+        cls, *, total_q_heads: int | None = None, total_kv_heads: int | None = None, ps: ParallelState,
+        kv_replication: KvReplication = "tp", num_q_heads: int | None = None, num_kv_heads: int | None = None,
     ) -> HeadLayout:
-        """Layout of rank ``ps`` for a model with ``num_q_heads`` / ``num_kv_heads`` heads in total."""
-        for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        """Layout of rank ``ps`` for a model with ``total_q_heads`` / ``total_kv_heads`` heads in all (the fields of
+        the same names). ``num_q_heads`` / ``num_kv_heads`` are their deprecated names: the layout's own
+        ``num_q_heads`` / ``num_kv_heads`` are this rank's counts."""
+        total_q = renamed("total_q_heads", total_q_heads, "num_q_heads", num_q_heads)
+        total_kv = renamed("total_kv_heads", total_kv_heads, "num_kv_heads", num_kv_heads)
+        for name, value in (("total_q_heads", total_q), ("total_kv_heads", total_kv)):
+            check_int(name, value, low=1)
         if kv_replication not in ("tp", "group"):
             raise ValueError(f"kv_replication must be 'tp' or 'group', got {kv_replication!r}")
-        if num_q_heads % num_kv_heads:
+        if total_q % total_kv:
             raise ValueError(
-                f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}: "
+                f"total_q_heads={total_q} is not a multiple of total_kv_heads={total_kv}: "
                 "every KV head must serve the same number of Q heads"
             )
         tp, n = ps.tp_size, ps.attn_dcp_size
-        if num_q_heads % tp:
+        if total_q % tp:
             raise ValueError(
-                f"num_q_heads={num_q_heads} is not divisible by tp_size={tp}; use a tp_size that divides it: "
-                f"{[d for d in range(1, num_q_heads + 1) if num_q_heads % d == 0]}"
+                f"total_q_heads={total_q} is not divisible by tp_size={tp}; use a tp_size that divides it: "
+                f"{[d for d in range(1, total_q + 1) if total_q % d == 0]}"
             )
-        q_per_kv = num_q_heads // num_kv_heads
-        local_q = num_q_heads // tp
+        q_per_kv = total_q // total_kv
+        local_q = total_q // tp
         q_start = ps.tp_rank * local_q
         group_q_start = ps.dcp_group_first_tp_rank * local_q
         group_q = local_q * n
 
         if kv_replication == "tp":
-            kv_start, kv_count = _tp_kv_heads(num_kv_heads, tp, ps.tp_rank)
-            if n > 1 and (tp < num_kv_heads or (tp // num_kv_heads) % n):
-                good = [d for d in range(1, tp + 1) if tp % d == 0 and (tp // num_kv_heads) % d == 0]
+            kv_start, kv_count = _tp_kv_heads(total_kv, tp, ps.tp_rank)
+            if n > 1 and (tp < total_kv or (tp // total_kv) % n):
+                good = [d for d in range(1, tp + 1) if tp % d == 0 and (tp // total_kv) % d == 0]
                 raise ValueError(
-                    f"kv_replication='tp' with dcp_size={n}, tp_size={tp}, num_kv_heads={num_kv_heads}: the ranks "
-                    f"of a DCP group would hold different KV heads. It needs tp_size > num_kv_heads and "
-                    f"(tp_size / num_kv_heads) % dcp_size == 0 (dcp_size in {good or [1]} here), "
+                    f"kv_replication='tp' with dcp_size={n}, tp_size={tp}, total_kv_heads={total_kv}: the ranks "
+                    f"of a DCP group would hold different KV heads. It needs tp_size > total_kv_heads and "
+                    f"(tp_size / total_kv_heads) % dcp_size == 0 (dcp_size in {good or [1]} here), "
                     "or kv_replication='group'"
                 )
         else:
@@ -86,8 +91,8 @@ class HeadLayout:
             kv_count = (group_q_start + group_q - 1) // q_per_kv + 1 - kv_start
 
         return cls(
-            total_q_heads=num_q_heads,
-            total_kv_heads=num_kv_heads,
+            total_q_heads=total_q,
+            total_kv_heads=total_kv,
             q_per_kv=q_per_kv,
             kv_replication=kv_replication,
             dcp_size=n,
@@ -118,20 +123,20 @@ class HeadLayout:
         return first, last + 1
 
 
-def _tp_kv_heads(num_kv_heads: int, tp: int, tp_rank: int) -> tuple[int, int]:
+def _tp_kv_heads(total_kv_heads: int, tp: int, tp_rank: int) -> tuple[int, int]:
     """KV heads of TP rank ``tp_rank`` as vLLM's QKVParallelLinear assigns them: ``(start, count)``."""
-    if tp >= num_kv_heads:
-        if tp % num_kv_heads:
+    if tp >= total_kv_heads:
+        if tp % total_kv_heads:
             raise ValueError(
-                f"kv_replication='tp': tp_size={tp} must be a multiple of num_kv_heads={num_kv_heads} when it is "
-                "larger (each KV head is replicated over tp_size / num_kv_heads ranks)"
+                f"kv_replication='tp': tp_size={tp} must be a multiple of total_kv_heads={total_kv_heads} when it is "
+                "larger (each KV head is replicated over tp_size / total_kv_heads ranks)"
             )
-        return tp_rank // (tp // num_kv_heads), 1
-    if num_kv_heads % tp:
+        return tp_rank // (tp // total_kv_heads), 1
+    if total_kv_heads % tp:
         raise ValueError(
-            f"kv_replication='tp': num_kv_heads={num_kv_heads} must be divisible by tp_size={tp} when it is larger"
+            f"kv_replication='tp': total_kv_heads={total_kv_heads} must be divisible by tp_size={tp} when it is larger"
         )
-    per_rank = num_kv_heads // tp
+    per_rank = total_kv_heads // tp
     return tp_rank * per_rank, per_rank
 
 
@@ -145,7 +150,7 @@ class TokenLayout:
 
     Example::
 
-        tokens = TokenLayout(dcp_size=4, dcp_rank=1, interleave=1, block_size=16)
+        tokens = TokenLayout.create(ps=ParallelState.from_tp(tp_rank=1, tp_size=4, dcp_size=4), block_size=16)
         tokens.owner(5), tokens.local_len(10)      # (1, 3): rank 1 stores positions 1, 5, 9
     """
 
@@ -154,11 +159,14 @@ class TokenLayout:
     interleave: int = 1
     block_size: int = 16
 
+    @classmethod
+    def create(cls, *, ps: ParallelState, interleave: int = 1, block_size: int = 16) -> TokenLayout:
+        """The token layout of rank ``ps``: its DCP size and rank come from ``ps``, as ``HeadLayout.create``'s do."""
+        return cls(dcp_size=ps.attn_dcp_size, dcp_rank=ps.attn_dcp_rank, interleave=interleave, block_size=block_size)
+
     def __post_init__(self) -> None:
         for name in ("dcp_size", "interleave", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"TokenLayout.{name} must be an int >= 1, got {value!r}")
+            check_int(f"TokenLayout.{name}", getattr(self, name), low=1)
         if not isinstance(self.dcp_rank, int) or not 0 <= self.dcp_rank < self.dcp_size:
             raise ValueError(f"TokenLayout.dcp_rank must be in [0, {self.dcp_size - 1}], got {self.dcp_rank!r}")
         if self.block_size % self.interleave:
@@ -210,3 +218,12 @@ class TokenLayout:
     def max_local_len(self, seq_len: int) -> int:
         """Upper bound of ``local_len(seq_len, r)`` over all ranks (rank-invariant)."""
         return -(-seq_len // self._span) * self.interleave
+
+
+def check_same_position(heads: HeadLayout, tokens: TokenLayout, *, hint: str = "") -> None:
+    """The one agreement check between a layer's head and token layouts: the same DCP size and rank."""
+    if (tokens.dcp_size, tokens.dcp_rank) != (heads.dcp_size, heads.dcp_rank):
+        raise ValueError(
+            f"the token layout is sharded over DCP size {tokens.dcp_size} (rank {tokens.dcp_rank}) but the head "
+            f"layout runs at DCP size {heads.dcp_size} (rank {heads.dcp_rank}){hint}"
+        )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from dcp_plugin.checks import check_int
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelState:
@@ -36,13 +38,8 @@ class ParallelState:
             ("dp_size", "dp_rank"),
         ):
             size, rank = getattr(self, size_field), getattr(self, rank_field)
-            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                raise ValueError(f"ParallelState.{size_field} must be an int >= 1, got {size!r}")
-            if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
-                raise ValueError(
-                    f"ParallelState.{rank_field} must be an int in [0, {size - 1}] "
-                    f"({size_field}={size}), got {rank!r}"
-                )
+            check_int(f"ParallelState.{size_field}", size, low=1)
+            check_int(f"ParallelState.{rank_field}", rank, low=0, high=size - 1, note=f" ({size_field}={size})")
         if self.tp_size % self.attn_dcp_size:
             divisors = [d for d in range(1, self.tp_size + 1) if self.tp_size % d == 0]
             raise ValueError(

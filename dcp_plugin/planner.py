@@ -93,7 +93,7 @@ def make_plan(
     for tp_rank in range(tp_size):
         ps = ParallelState.from_tp(tp_rank=tp_rank, tp_size=tp_size, dcp_size=dcp_size)
         heads = HeadLayout.create(
-            num_q_heads=model.num_q_heads, num_kv_heads=model.num_kv_heads, ps=ps, kv_replication=layout
+            total_q_heads=model.num_q_heads, total_kv_heads=model.num_kv_heads, ps=ps, kv_replication=layout
         )
         stored = heads.num_kv_heads * per_head_token
         per_context = stored / dcp_size

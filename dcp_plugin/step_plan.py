@@ -116,7 +116,7 @@ def build_plan(*, attn, q, k, v, key_cache, value_cache, batch, out, write_kv: b
     def paged(q_, out_, lse_, q_head_start):
         def plan(q__, tables_, out__, lse__, max_query_len):
             return ops.plan_paged(q__, key_cache, value_cache, *tables_, out__, lse__, q_head_start=q_head_start,
-                                  max_context_len=max_len, max_query_len=max_query_len, split_buffer=ws.splits,
+                                  max_kv_len=max_len, max_query_len=max_query_len, split_buffer=ws.splits,
                                   **head_map)
 
         nd = batch.num_decodes

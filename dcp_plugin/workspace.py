@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
+from dcp_plugin.checks import check_int
 from dcp_plugin.layout import HeadLayout
 
 _ALIGN = 16  # elements: every buffer starts, and every packed row is, a multiple of 16 elements
@@ -37,8 +38,7 @@ class DcpWorkspace:
                  max_num_tokens: int, comm: str, split_elements: int = 0) -> None:
         for name, value, low in (("head_dim", head_dim, 1), ("max_num_tokens", max_num_tokens, 1),
                                  ("split_elements", split_elements, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+            check_int(name, value, low=low)
         self.heads, self.head_dim, self.dtype, self.comm = heads, head_dim, dtype, comm
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # tensors report their index: compare equal

@@ -14,10 +14,10 @@ import os
 import torch
 import triton
 
+from dcp_plugin import checks
+from dcp_plugin.checks import FLOAT_DTYPES, INDEX_DTYPES, check_int  # noqa: F401 - the launchers' imports
 from dcp_plugin.kernels._mode import INTERPRET
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-INDEX_DTYPES = (torch.int32, torch.int64)
 LOG2E = 1.4426950408889634
 
 # Replaying the compiled kernel of a prepared launch directly (the launcher Triton's own dispatch ends in) skips
@@ -28,16 +28,8 @@ _FAST_LAUNCH_TRITON = ("3.4", "3.5", "3.6")
 
 
 def check_tensor(name: str, t, *, ndim: int, dtypes=FLOAT_DTYPES, device: torch.device | None = None) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``t`` is a tensor of ``ndim`` dims, an allowed dtype, on
-    ``device``, and (on CPU) the Triton interpreter is active."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if dtypes is not None and t.dtype not in dtypes:
-        raise ValueError(f"{name} has dtype {t.dtype}; supported: {', '.join(str(d) for d in dtypes)}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
+    """``dcp_plugin.checks.check_tensor``, and (on CPU) the Triton interpreter must be active."""
+    checks.check_tensor(name, t, ndim=ndim, dtypes=dtypes, device=device)
     if t.device.type == "cpu" and not INTERPRET:
         raise ValueError(
             f"{name} is a CPU tensor but the Triton interpreter is off; set TRITON_INTERPRET=1 before importing "
@@ -56,13 +48,6 @@ def check_out(name: str, out, shape: tuple, device: torch.device, dtypes=FLOAT_D
     """Validate a caller-provided output buffer."""
     check_tensor(name, out, ndim=len(shape), dtypes=dtypes, device=device)
     check_shape(name, out, shape)
-
-
-def check_int(name: str, value, *, low: int, high: int | None = None) -> None:
-    """``value`` must be a (non-bool) int in ``[low, high]``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
 
 
 def check_head_map(*, num_q_heads: int, q_head_start: int, q_per_kv: int, kv_head_start: int,

@@ -2,7 +2,7 @@
 
 One kernel serves the three. A partial is ``(O [T, H, D], LSE [T, H])`` over a disjoint key set; the kernel reads
 ``N`` LSEs per (token, head) (plus an optional extra partial), forms the global LSE and weights exactly as in
-DESIGN.md section 2 (NaN/+inf LSE count as empty; weight 0 contributes exactly 0, whatever its O holds), and
+docs/design.md section 2 (NaN/+inf LSE count as empty; weight 0 contributes exactly 0, whatever its O holds), and
 accumulates the O of a contiguous range of those partials.
 """
 

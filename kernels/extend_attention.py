@@ -20,6 +20,7 @@ import triton.language as tl
 from dcp_plugin.kernels._launch import (
     INDEX_DTYPES, LOG2E, Launch, cdiv, check_head_map, check_int, check_out, check_shape, check_tensor, next_pow2,
 )
+from dcp_plugin.checks import renamed
 from dcp_plugin.kernels._mode import INTERPRET
 from dcp_plugin.kernels._schedule import find_block, flat_programs
 
@@ -79,7 +80,7 @@ def _attend_key_block(acc, l_i, m_i, q, k_base, v_base, n_start, seq_len, offs_m
 # Per-step sizes are not specialized on: one compiled variant serves every step.
 @triton.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs"))
 def extend_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_ptr,
     num_tokens, num_reqs, num_q_programs, qk_scale, q_head_start, q_per_kv, kv_head_start,
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
@@ -90,7 +91,7 @@ def extend_attention_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid (num_q_programs + tail programs, local Q heads); tail programs write (0, -inf) to the padding rows past
-    cu_seqlens[num_reqs]."""
+    query_start_loc[num_reqs]."""
     LN2: tl.constexpr = 0.6931471805599453
     # Reversed: the tail (cheap) and each sequence's last query blocks (the most keys) start first.
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -103,7 +104,7 @@ def extend_attention_kernel(
     lse_head = lse_ptr + head.to(tl.int64) * stride_lh
 
     if pid >= num_q_programs:
-        rows = tl.load(cu_seqlens_ptr + num_reqs).to(tl.int64) + (pid - num_q_programs) * BLOCK_M + offs_m
+        rows = tl.load(query_start_loc_ptr + num_reqs).to(tl.int64) + (pid - num_q_programs) * BLOCK_M + offs_m
         row_mask = rows < num_tokens
         tl.store(out_head + rows[:, None] * stride_ot + offs_d[None, :] * stride_od,
                  tl.zeros([BLOCK_M, BLOCK_D], dtype=out_ptr.dtype.element_ty),
@@ -111,9 +112,9 @@ def extend_attention_kernel(
         tl.store(lse_head + rows * stride_lt, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_mask)
         return
 
-    seq, m_block = find_block(cu_seqlens_ptr, num_reqs, pid, BLOCK_M)
-    seq_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
-    seq_len = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64) - seq_start
+    seq, m_block = find_block(query_start_loc_ptr, num_reqs, pid, BLOCK_M)
+    seq_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    seq_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - seq_start
     m_start = m_block.to(tl.int64) * BLOCK_M
     if m_start >= seq_len:
         return
@@ -163,18 +164,20 @@ def _pick_config(head_dim: int, dtype: torch.dtype, config: ExtendConfig | None)
     return config
 
 
-def extend_attention(q, k, v, cu_seqlens, max_seqlen, *, scale, q_head_start, q_per_kv, kv_head_start,
-                     out=None, lse=None, config: ExtendConfig | None = None):
+def extend_attention(q, k, v, query_start_loc=None, max_query_len=None, *, scale, q_head_start, q_per_kv,
+                     kv_head_start, out=None, lse=None, config: ExtendConfig | None = None, cu_seqlens=None,
+                     max_seqlen=None):
     """Causal attention of each sequence's queries to that sequence's own new keys (the DCP current chunk).
 
     ``q``: ``[T, Hq, D]`` (this rank's local Q heads), ``k``/``v``: ``[T, Hk, D]`` (the stored KV heads), all one
-    dtype of fp16/bf16/fp32, any strides. ``cu_seqlens``: ``[B + 1]`` int32/int64 on q's device; sequence ``b`` is
-    rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` and query row ``i`` of it sees its key rows ``0..i``. ``max_seqlen``:
+    dtype of fp16/bf16/fp32, any strides. ``query_start_loc``: ``[B + 1]`` int32/int64 on q's device; sequence ``b``
+    is rows ``query_start_loc[b]:query_start_loc[b + 1]`` and query row ``i`` of it sees its key rows ``0..i``.
+    ``max_query_len``:
     host int bounding every sequence length (checked, not needed: the grid covers any mix of lengths). Local Q head ``i`` reads KV head
     ``(q_head_start + i) // q_per_kv - kv_head_start``. D in 64/80/96/128/256.
     Returns ``(out [T, Hq, D], lse [T, Hq] float32, natural log)``; ``out`` (any float dtype, defaults to q's) and
-    ``lse`` are written in place when given. Rows past ``cu_seqlens[B]`` get (0, -inf). ``config`` overrides the
-    tile table (benchmarks only).
+    ``lse`` are written in place when given. Rows past ``query_start_loc[B]`` get (0, -inf). ``config`` overrides the
+    tile table (benchmarks only). ``cu_seqlens`` and ``max_seqlen`` are the deprecated names of the two arguments.
 
     Example (rank with local Q heads 8..15 of a 32 Q / 2 KV model, k holding KV heads 0..1):
     ``o, l = extend_attention(q, k, v, cu, 4096, scale=128**-0.5, q_head_start=8, q_per_kv=16, kv_head_start=0)``
@@ -183,15 +186,17 @@ def extend_attention(q, k, v, cu_seqlens, max_seqlen, *, scale, q_head_start, q_
     check_tensor("q", q, ndim=3, device=device)
     check_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=device)
     check_tensor("v", v, ndim=3, dtypes=(q.dtype,), device=device)
-    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    query_start_loc = renamed("query_start_loc", query_start_loc, "cu_seqlens", cu_seqlens)
+    max_query_len = renamed("max_query_len", max_query_len, "max_seqlen", max_seqlen)
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=device)
     num_tokens, num_q_heads, head_dim = q.shape
     check_shape("k", k, (num_tokens, None, head_dim))
     check_shape("v", v, tuple(k.shape))
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim {head_dim} of q is not supported; supported: {SUPPORTED_HEAD_DIMS}")
-    if cu_seqlens.shape[0] < 1:
-        raise ValueError("cu_seqlens must hold B + 1 >= 1 offsets, got an empty tensor")
-    check_int("max_seqlen", max_seqlen, low=0)
+    if query_start_loc.shape[0] < 1:
+        raise ValueError("query_start_loc must hold B + 1 >= 1 offsets, got an empty tensor")
+    check_int("max_query_len", max_query_len, low=0)
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not scale > 0:
         raise ValueError(f"scale must be a positive float, got {scale!r}")
     check_head_map(num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv,
@@ -204,19 +209,19 @@ def extend_attention(q, k, v, cu_seqlens, max_seqlen, *, scale, q_head_start, q_
         lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=device)
     else:
         check_out("lse", lse, (num_tokens, num_q_heads), device, dtypes=(torch.float32,))
-    plan_extend(q, k, v, out, lse, cu_seqlens, max_seqlen, scale=scale, q_head_start=q_head_start,
+    plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, scale=scale, q_head_start=q_head_start,
                 q_per_kv=q_per_kv, kv_head_start=kv_head_start, config=_pick_config(head_dim, q.dtype, config))(
-        q, k, v, out, lse, cu_seqlens)
+        q, k, v, out, lse, query_start_loc)
     return out, lse
 
 
-def plan_extend(q, k, v, out, lse, cu_seqlens, max_seqlen, *, scale, q_head_start, q_per_kv, kv_head_start,
+def plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
                 config: ExtendConfig | None = None) -> Launch:
     """``extend_attention`` prepared for tensors shaped like these (no checks): call it with ``(q, k, v, out, lse,
-    cu_seqlens)``. ``max_seqlen`` is unused: the grid covers any mix of sequence lengths."""
+    query_start_loc)``. ``max_query_len`` is unused: the grid covers any mix of sequence lengths."""
     num_tokens, num_q_heads, head_dim = q.shape
     cfg = config or _pick_config(head_dim, q.dtype, None)
-    num_reqs = cu_seqlens.shape[0] - 1
+    num_reqs = query_start_loc.shape[0] - 1
     num_q_programs = flat_programs(num_tokens, num_reqs, cfg.block_m)
     grid = (num_q_programs + cdiv(num_tokens, cfg.block_m), num_q_heads) if num_tokens and num_q_heads else (0,)
     scalars = (num_tokens, num_reqs, num_q_programs, float(scale) * LOG2E, q_head_start, q_per_kv, kv_head_start,

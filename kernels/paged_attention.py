@@ -26,6 +26,7 @@ from dcp_plugin.kernels._launch import (
     FLOAT_DTYPES, INDEX_DTYPES, LOG2E, Launch, cdiv, check_head_map, check_heads_out, check_int, check_shape,
     check_tensor, device_index, head_strides, next_pow2, num_sms,
 )
+from dcp_plugin.checks import renamed
 from dcp_plugin.kernels._mode import INTERPRET
 from dcp_plugin.kernels._schedule import find_block, flat_programs
 from dcp_plugin.kernels.split_kv import head_offsets, paged_attention_reduce_kernel, plan_split_reduce, split_views
@@ -221,16 +222,16 @@ def pick_config(head_dim: int, *, decode: bool, config: PagedConfig | None = Non
     return config
 
 
-def pick_num_splits(*, programs: int, max_context_len: int, block_n: int, sms: int) -> int:
+def pick_num_splits(*, programs: int, max_kv_len: int, block_n: int, sms: int) -> int:
     """Splits per request so that stage 1 fills ``sms`` SMs, from host ints only (CUDA-graph safe)."""
     by_occupancy = PROGRAMS_PER_SM * sms // max(programs, 1)
-    by_length = max(1, cdiv(max_context_len, block_n) // MIN_TILES_PER_SPLIT)
+    by_length = max(1, cdiv(max_kv_len, block_n) // MIN_TILES_PER_SPLIT)
     return max(1, min(MAX_AUTO_SPLITS, by_occupancy, by_length))
 
 
 def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, *, scale, q_head_start,
-                    q_per_kv, kv_head_start, max_context_len, max_query_len=None, num_splits=None, out=None,
-                    lse=None, config: PagedConfig | None = None):
+                    q_per_kv, kv_head_start, max_kv_len=None, max_query_len=None, num_splits=None, out=None,
+                    lse=None, config: PagedConfig | None = None, max_context_len=None):
     """Every query row of request ``b`` attends, non-causally, to its cached tokens ``[0, context_lens[b])``.
 
     Args:
@@ -243,7 +244,8 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
             int, ``query_start_loc[0] == 0``.
         scale: softmax scale. q_head_start, q_per_kv, kv_head_start: local Q head ``i`` reads stored KV head
             ``(q_head_start + i) // q_per_kv - kv_head_start``.
-        max_context_len: host int >= every ``context_lens[b]``; only tunes the split count.
+        max_kv_len: host int >= every ``context_lens[b]`` (the most cached tokens a row attends to); only tunes
+            the split count. ``max_context_len``: its deprecated name.
         max_query_len: host int >= every request's query rows, or None (unknown). 1 selects the decode variant,
             ``<= 8`` the short-query one.
         num_splits: KV splits per request (None: chosen to fill the GPU; 1 on CPU).
@@ -257,7 +259,7 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
 
     Example:
         >>> out, lse = paged_attention(q, kc, vc, block_table, context_lens, query_start_loc, scale=D ** -0.5,
-        ...                            q_head_start=0, q_per_kv=4, kv_head_start=0, max_context_len=4096,
+        ...                            q_head_start=0, q_per_kv=4, kv_head_start=0, max_kv_len=4096,
         ...                            max_query_len=1)
     """
     check_tensor("q", q, ndim=3)
@@ -283,7 +285,8 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
         raise ValueError(f"scale must be a float, got {scale!r}")
     check_head_map(num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv,
                    kv_head_start=kv_head_start, num_kv_heads=num_kv_heads, kv_name="key_cache")
-    check_int("max_context_len", max_context_len, low=0, high=block_table.shape[1] * page_size)
+    max_kv_len = renamed("max_kv_len", max_kv_len, "max_context_len", max_context_len)
+    check_int("max_kv_len", max_kv_len, low=0, high=block_table.shape[1] * page_size)
     if max_query_len is not None:
         check_int("max_query_len", max_query_len, low=0)
     if num_splits is not None:
@@ -302,7 +305,7 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
     cfg = pick_config(head_dim, decode=max_query_len == 1, config=config)
     launch = plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, scale=scale,
                         q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
-                        max_context_len=max_context_len, max_query_len=max_query_len, num_splits=num_splits,
+                        max_kv_len=max_kv_len, max_query_len=max_query_len, num_splits=num_splits,
                         config=cfg)
     launch(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse)
     return out, lse
@@ -338,7 +341,7 @@ class PagedLaunch:
 
 
 def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, *, scale,
-               q_head_start, q_per_kv, kv_head_start, max_context_len, max_query_len=None, num_splits=None,
+               q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None,
                split_buffer: torch.Tensor | None = None, config: PagedConfig | None = None) -> PagedLaunch:
     """``paged_attention`` prepared for tensors shaped like these (no checks). ``split_buffer``: float32 scratch of
     ``split_capacity`` elements for the split partials (default: allocated here); an automatic split count is
@@ -364,7 +367,7 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     row_floats = num_tokens * num_q_heads * (head_dim + 1)
     if num_splits is None:
         num_splits = 1 if INTERPRET else pick_num_splits(
-            programs=num_q_programs * head_programs, max_context_len=max_context_len, block_n=cfg.block_n,
+            programs=num_q_programs * head_programs, max_kv_len=max_kv_len, block_n=cfg.block_n,
             sms=num_sms(device_index(q)))
         if split_buffer is not None:
             num_splits = max(1, min(num_splits, split_buffer.numel() // max(row_floats, 1)))

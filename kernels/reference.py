@@ -1,6 +1,6 @@
 """Slow, obviously correct torch versions of every kernel, with the kernels' signatures.
 
-Conventions (DESIGN.md section 2): LSE is the natural log of the sum of exp of the *scaled* scores, shape
+Conventions (docs/design.md section 2): LSE is the natural log of the sum of exp of the *scaled* scores, shape
 ``[tokens, heads]``; an empty key set gives O = 0 and LSE = -inf. Local Q head ``i`` of a tensor whose first head
 has global index ``q_head_start`` reads stored KV head ``(q_head_start + i) // q_per_kv - kv_head_start``.
 
@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from dcp_plugin.checks import renamed
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -70,19 +72,21 @@ def write_kv_cache(k, v, key_cache, value_cache, slot_mapping) -> None:
     value_cache[mine // block_size, mine % block_size] = v[tokens].to(value_cache.dtype)
 
 
-def extend_attention(q, k, v, cu_seqlens, max_seqlen, *, scale, q_head_start, q_per_kv, kv_head_start,
-                     out=None, lse=None):
+def extend_attention(q, k, v, query_start_loc=None, max_query_len=None, *, scale, q_head_start, q_per_kv,
+                     kv_head_start, out=None, lse=None, cu_seqlens=None, max_seqlen=None):
     """Causal attention of each sequence's queries to that sequence's own new keys.
 
-    ``q [T, Hq, D]``, ``k/v [T, Hk, D]``, ``cu_seqlens [B + 1]``: sequence ``b`` is rows
-    ``cu_seqlens[b]:cu_seqlens[b + 1]``; query row ``i`` of it sees key rows ``0..i`` of it.
+    ``q [T, Hq, D]``, ``k/v [T, Hk, D]``, ``query_start_loc [B + 1]`` (deprecated name: ``cu_seqlens``): sequence
+    ``b`` is rows ``query_start_loc[b]:query_start_loc[b + 1]``; query row ``i`` of it sees key rows ``0..i`` of it.
     Returns ``(out [T, Hq, D], lse [T, Hq])``.
     """
     acc = _acc_dtype(q)
     kv = _kv_index(q.shape[1], q_head_start, q_per_kv, kv_head_start, q.device)
     out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse_acc = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
-    bounds = cu_seqlens.tolist()
+    query_start_loc = renamed("query_start_loc", query_start_loc, "cu_seqlens", cu_seqlens)
+    renamed("max_query_len", max_query_len, "max_seqlen", max_seqlen)
+    bounds = query_start_loc.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:
             continue
@@ -94,15 +98,17 @@ def extend_attention(q, k, v, cu_seqlens, max_seqlen, *, scale, q_head_start, q_
 
 
 def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, *, scale, q_head_start,
-                    q_per_kv, kv_head_start, max_context_len, max_query_len=None, num_splits=None, out=None,
-                    lse=None):
+                    q_per_kv, kv_head_start, max_kv_len=None, max_query_len=None, num_splits=None, out=None,
+                    lse=None, max_context_len=None):
     """Every query row of request ``b`` attends, non-causally, to its cached tokens ``[0, context_lens[b])``.
 
     Cached token ``j`` of request ``b`` is ``key_cache[block_table[b, j // block_size], j % block_size]``.
     ``q [T, Hq, D]`` (request ``b`` is rows ``query_start_loc[b]:query_start_loc[b + 1]``), caches
-    ``[num_blocks, block_size, Hk, D]``. ``max_context_len`` bounds ``context_lens`` and ``max_query_len`` the query
-    rows of a request; with ``num_splits`` they only tune the kernel. Returns ``(out [T, Hq, D], lse [T, Hq])``; a request with no cached tokens gets (0, -inf).
+    ``[num_blocks, block_size, Hk, D]``. ``max_kv_len`` (deprecated name: ``max_context_len``) bounds
+    ``context_lens`` and ``max_query_len`` the query rows of a request; with ``num_splits`` they only tune the
+    kernel. Returns ``(out [T, Hq, D], lse [T, Hq])``; a request with no cached tokens gets (0, -inf).
     """
+    renamed("max_kv_len", max_kv_len, "max_context_len", max_context_len)
     acc = _acc_dtype(q)
     block_size = key_cache.shape[1]
     kv = _kv_index(q.shape[1], q_head_start, q_per_kv, kv_head_start, q.device)
@@ -197,19 +203,19 @@ def plan_write_kv(k, v, key_cache, value_cache, slot_mapping):
     return write_kv_cache
 
 
-def plan_extend(q, k, v, out, lse, cu_seqlens, max_seqlen, *, scale, q_head_start, q_per_kv, kv_head_start,
+def plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
                 config=None):
-    def launch(q, k, v, out, lse, cu_seqlens):
-        extend_attention(q, k, v, cu_seqlens, max_seqlen, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
+    def launch(q, k, v, out, lse, query_start_loc):
+        extend_attention(q, k, v, query_start_loc, max_query_len, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
                          kv_head_start=kv_head_start, out=out, lse=lse)
     return launch
 
 
 def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, *, scale,
-               q_head_start, q_per_kv, kv_head_start, max_context_len, max_query_len=None, num_splits=None,
+               q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None,
                split_buffer=None, config=None):
     return functools.partial(_paged_launch, dict(scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
-                                                 kv_head_start=kv_head_start, max_context_len=max_context_len,
+                                                 kv_head_start=kv_head_start, max_kv_len=max_kv_len,
                                                  max_query_len=max_query_len))
 
 

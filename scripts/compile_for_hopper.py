@@ -98,7 +98,7 @@ def collect(dtype: torch.dtype, head_dim: int) -> dict:
     for n in (1, 2):
         for comm in ("ag_rs", "a2a"):
             ps = dp.ParallelState.from_tp(tp_rank=0, tp_size=2, dcp_size=n)
-            heads = dp.HeadLayout.create(num_q_heads=16, num_kv_heads=1, ps=ps, kv_replication="tp")
+            heads = dp.HeadLayout.create(total_q_heads=16, total_kv_heads=1, ps=ps, kv_replication="tp")
             tokens = dp.TokenLayout(dcp_size=n, dcp_rank=0, block_size=16)
             attn = dp.DcpAttention(heads=heads, tokens=tokens, group=NoCollectives(n) if n > 1 else None,
                                    scale=head_dim ** -0.5, comm=comm, ops=kernels)

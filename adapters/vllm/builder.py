@@ -63,11 +63,16 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         dcp_size, dcp_rank = compat.dcp_world_size_and_rank(kv_cache_spec)
-        self.tokens = TokenLayout(
-            dcp_size=dcp_size, dcp_rank=dcp_rank,
-            interleave=vllm_config.parallel_config.cp_kv_cache_interleave_size,
-            block_size=kv_cache_spec.block_size,
-        )
+        interleave = vllm_config.parallel_config.cp_kv_cache_interleave_size
+        if not isinstance(interleave, int) or interleave < 1 or kv_cache_spec.block_size % interleave:
+            raise ValueError(
+                f"cp_kv_cache_interleave_size={interleave} must divide the KV-cache block size "
+                f"{kv_cache_spec.block_size}; supported: "
+                f"{[d for d in range(1, kv_cache_spec.block_size + 1) if kv_cache_spec.block_size % d == 0]}"
+            )
+        # The KV-cache group's own sharding (a draft vLLM does not shard gets DCP size 1 inside a DCP target).
+        self.tokens = TokenLayout(dcp_size=dcp_size, dcp_rank=dcp_rank, interleave=interleave,
+                                  block_size=kv_cache_spec.block_size)
         # Decode rows first (MRV1 runners reorder only when asked): the kernels take any mix, so DCP needs no
         # forced threshold of 1, and spec-decode verify rows count as decodes.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True, supports_dcp_with_varlen=True)

@@ -24,9 +24,15 @@ CPU_OPT_IN_ENV = "DCP_TRITON_CPU"
 
 # Under vLLM's logger, so its handler, format and VLLM_LOGGING_LEVEL apply.
 logger = logging.getLogger("vllm.dcp_triton")
-# Why CPU_ATTN resolves to this backend in this process (None: it does not). Routing can happen while a spawned
-# process unpickles its config, before vLLM configures logging there, so the impl's startup line repeats it.
-cpu_route_reason: str | None = None
+# Why CPU_ATTN resolves to this backend in this process (None: it does not); read it through cpu_route().
+_cpu_route: dict[str, str | None] = {"reason": None}
+
+
+def cpu_route() -> str | None:
+    """Why vLLM's ``CPU_ATTN`` resolves to this backend in this process, or ``None`` when it does not. Routing can
+    happen while a spawned process unpickles its config, before vLLM configures logging there, so the impl's
+    startup line repeats it."""
+    return _cpu_route["reason"]
 
 
 def register() -> None:
@@ -68,11 +74,10 @@ def route_cpu_attn(*, reason: str) -> None:
     """Make vLLM's ``CPU_ATTN`` (the only backend its CPU platform returns) resolve to this backend here."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    global cpu_route_reason
     if AttentionBackendEnum.CPU_ATTN.get_path() == BACKEND_PATH:
         return
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
-    cpu_route_reason = reason
+    _cpu_route["reason"] = reason
     logger.info("dcp-triton: CPU_ATTN now resolves to %s in process %d (%s)", BACKEND_PATH, os.getpid(), reason)
 
 

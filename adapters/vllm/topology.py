@@ -80,7 +80,7 @@ def head_layout(*, num_heads: int, num_kv_heads: int, total_kv_heads: int, ps: P
     """
     try:
         heads = HeadLayout.create(
-            num_q_heads=num_heads * ps.tp_size, num_kv_heads=total_kv_heads, ps=ps, kv_replication="tp"
+            total_q_heads=num_heads * ps.tp_size, total_kv_heads=total_kv_heads, ps=ps, kv_replication="tp"
         )
     except ValueError as err:
         raise ValueError(

@@ -62,14 +62,14 @@ class Step:
         out, _ = reference.paged_attention(
             self.q[:real].double(), cache[..., :HEAD_DIM], cache[..., HEAD_DIM:], self.table[:real],
             self.seq_lens[:real], self.qsl[:real + 1], scale=HEAD_DIM ** -0.5, q_head_start=0,
-            q_per_kv=Q_HEADS // KV_HEADS, kv_head_start=0, max_context_len=PAGES_PER_REQ * BLOCK_SIZE)
+            q_per_kv=Q_HEADS // KV_HEADS, kv_head_start=0, max_kv_len=PAGES_PER_REQ * BLOCK_SIZE)
         return out
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_decode_step_replays_as_a_cuda_graph(dtype):
     ps = ParallelState.from_tp(tp_rank=0, tp_size=1, dcp_size=1)
-    heads = HeadLayout.create(num_q_heads=Q_HEADS, num_kv_heads=KV_HEADS, ps=ps)
+    heads = HeadLayout.create(total_q_heads=Q_HEADS, total_kv_heads=KV_HEADS, ps=ps)
     tokens = TokenLayout(dcp_size=1, dcp_rank=0, interleave=1, block_size=BLOCK_SIZE)
     attention = DcpAttention(heads=heads, tokens=tokens, group=None, scale=HEAD_DIM ** -0.5)
     workspace = DcpBatchWorkspace(CAPTURED_REQS, "cuda")

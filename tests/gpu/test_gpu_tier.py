@@ -1,4 +1,4 @@
-"""The GPU tier at real sizes (DESIGN.md section 8, tier 4).
+"""The GPU tier at real sizes (docs/design.md section 7, tier 4).
 
 1. ``paged_attention`` on a batch of 128 requests with contexts spread up to 32K tokens (decode, and a mixed batch
    with chunked-prefill rows) and ``extend_attention`` on 2 x 4096 tokens: the kernel runs on the whole batch, a
@@ -86,7 +86,7 @@ def check_paged_sample(ctx_lens, q_lens, *, max_query_len, num_splits, dtype, de
     q, scale, q_per_kv = inputs["q"], head_dim**-0.5, heads[0] // heads[1]
     out, lse = poisoned(q.shape, dtype, device), poisoned(q.shape[:2], torch.float32, device)
     kernels.paged_attention(*inputs.values(), scale=scale, q_head_start=0, q_per_kv=q_per_kv, kv_head_start=0,
-                            max_context_len=max(ctx_lens), max_query_len=max_query_len, num_splits=num_splits,
+                            max_kv_len=max(ctx_lens), max_query_len=max_query_len, num_splits=num_splits,
                             out=out, lse=lse)
     _assert_written("paged_attention (whole batch)", out, lse)
 
@@ -102,7 +102,7 @@ def check_paged_sample(ctx_lens, q_lens, *, max_query_len, num_splits, dtype, de
         want_out, want_lse = reference.paged_attention(
             q[rows].double(), inputs["key_cache"][own].double(), inputs["value_cache"][own].double(), local_table,
             inputs["context_lens"][b:b + 1], _cu([q_lens[b]], device), scale=scale, q_head_start=0,
-            q_per_kv=q_per_kv, kv_head_start=0, max_context_len=ctx_lens[b])
+            q_per_kv=q_per_kv, kv_head_start=0, max_kv_len=ctx_lens[b])
         name = f"request {b} (context {ctx_lens[b]}, {q_lens[b]} rows)"
         assert_matches(out[rows], want_out, dtype, f"out of {name}")
         assert_matches(lse[rows], want_lse, dtype, f"lse of {name}")
@@ -172,7 +172,7 @@ def repeatable_runs(device, dtype, *, batch=32, max_ctx=8192, tokens=3000, heads
         def run():
             out, lse = poisoned(inputs["q"].shape, dtype, device), poisoned((sum(q_lens), hq), torch.float32, device)
             return kernels.paged_attention(*inputs.values(), scale=scale, q_head_start=0, q_per_kv=q_per_kv,
-                                           kv_head_start=0, max_context_len=max(ctx), max_query_len=max(q_lens),
+                                           kv_head_start=0, max_kv_len=max(ctx), max_query_len=max(q_lens),
                                            num_splits=num_splits, out=out, lse=lse)
         return run
 

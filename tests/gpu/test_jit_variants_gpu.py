@@ -41,10 +41,10 @@ def paged_step(num_reqs: int, query_len: int, seed: int) -> None:
     qsl = torch.arange(0, num_reqs * query_len + 1, query_len, dtype=torch.int32, device="cuda")
     args = (q, buf[..., :HEAD_DIM], buf[..., HEAD_DIM:], table, ctx, qsl)
     out, lse = poisoned(q.shape, DTYPE, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
-    paged_attention(*args, scale=HEAD_DIM ** -0.5, **HEADS, max_context_len=MAX_CONTEXT, max_query_len=query_len,
+    paged_attention(*args, scale=HEAD_DIM ** -0.5, **HEADS, max_kv_len=MAX_CONTEXT, max_query_len=query_len,
                     num_splits=4, out=out, lse=lse)
     want_out, want_lse = reference.paged_attention(*(a.double() if a.is_floating_point() else a for a in args),
-                                                   scale=HEAD_DIM ** -0.5, **HEADS, max_context_len=MAX_CONTEXT)
+                                                   scale=HEAD_DIM ** -0.5, **HEADS, max_kv_len=MAX_CONTEXT)
     assert_matches(out, want_out, DTYPE, f"paged out, {num_reqs} x {query_len}")
     assert_matches(lse, want_lse, DTYPE, f"paged lse, {num_reqs} x {query_len}")
 

@@ -35,10 +35,10 @@ def _paged(q_lens, ctx_lens, *, num_q_heads, num_kv_heads, head_dim, block_size,
 def _check(q, kc, vc, table, lens, qsl, *, heads, max_query_len, num_splits=None, dtype):
     out, lse = poisoned(q.shape, dtype, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
     max_ctx = int(lens.max())
-    paged_attention(q, kc, vc, table, lens, qsl, scale=q.shape[-1] ** -0.5, **heads, max_context_len=max_ctx,
+    paged_attention(q, kc, vc, table, lens, qsl, scale=q.shape[-1] ** -0.5, **heads, max_kv_len=max_ctx,
                     max_query_len=max_query_len, num_splits=num_splits, out=out, lse=lse)
     want_out, want_lse = reference.paged_attention(q.double(), kc.double(), vc.double(), table, lens, qsl,
-                                                   scale=q.shape[-1] ** -0.5, **heads, max_context_len=max_ctx)
+                                                   scale=q.shape[-1] ** -0.5, **heads, max_kv_len=max_ctx)
     assert_matches(out, want_out, dtype, "out")
     assert_matches(lse, want_lse, dtype, "lse")
 
@@ -81,7 +81,7 @@ def test_cuda_graph_replay():
     q, kc, vc, table, lens, qsl = args
     heads = dict(q_head_start=0, q_per_kv=8, kv_head_start=0)
     out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
-    call = lambda: paged_attention(q, kc, vc, table, lens, qsl, scale=0.1, **heads, max_context_len=5000,  # noqa: E731
+    call = lambda: paged_attention(q, kc, vc, table, lens, qsl, scale=0.1, **heads, max_kv_len=5000,  # noqa: E731
                                    max_query_len=1, out=out, lse=lse)
     call()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -93,7 +93,7 @@ def test_cuda_graph_replay():
     lse.fill_(float("nan"))
     graph.replay()
     want_out, want_lse = reference.paged_attention(q.double(), kc.double(), vc.double(), table, lens, qsl,
-                                                   scale=0.1, **heads, max_context_len=5000)
+                                                   scale=0.1, **heads, max_kv_len=5000)
     assert_matches(out, want_out, torch.bfloat16, "out")
     assert_matches(lse, want_lse, torch.bfloat16, "lse")
 

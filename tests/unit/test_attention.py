@@ -108,7 +108,8 @@ def _make(state, **overrides):
 _CONSTRUCTION = {
     "heads type": (dict(heads="heads"), "heads must be a HeadLayout"),
     "tokens type": (dict(tokens=None), "tokens must be a TokenLayout"),
-    "tokens other rank": (dict(tokens=TokenLayout(dcp_size=2, dcp_rank=1, block_size=4)), "different DCP"),
+    "tokens other rank": (dict(tokens=TokenLayout(dcp_size=2, dcp_rank=1, block_size=4)),
+                          r"DCP size 2 \(rank 1\) but the head layout runs at DCP size 2 \(rank 0\)"),
     "group missing": (dict(group=None), "group is None but dcp_size=2"),
     "group size": (dict(group=_ShapeGroup(4, 0)), "group has world_size=4"),
     "group rank": (dict(group=_ShapeGroup(2, 1)), "rank_in_group=1"),
@@ -169,7 +170,7 @@ def test_bad_forward_input_is_named_before_any_work(bad, message):
 @pytest.mark.parametrize("write_kv", [True, False])
 def test_write_kv_false_leaves_the_cache_to_the_host(write_kv):
     """vLLM writes the cache in do_kv_cache_update; forward(write_kv=False) must not write it a second time."""
-    heads = HeadLayout.create(num_q_heads=4, num_kv_heads=2, ps=ParallelState.trivial())
+    heads = HeadLayout.create(total_q_heads=4, total_kv_heads=2, ps=ParallelState.trivial())
     tokens = TokenLayout(block_size=16)
     q, k, v = (torch.randn(3, h, 64) for h in (4, 2, 2))
     key_cache, value_cache = (torch.full((2, 16, 2, 64), float("nan")) for _ in range(2))

@@ -108,8 +108,8 @@ def test_config_override():
 
 
 def _args(**overrides):
-    args = dict(q=torch.randn(6, 4, 64), k=torch.randn(6, 2, 64), v=torch.randn(6, 2, 64), cu_seqlens=_cu([6]),
-                max_seqlen=6, scale=0.125, q_head_start=0, q_per_kv=2, kv_head_start=0)
+    args = dict(q=torch.randn(6, 4, 64), k=torch.randn(6, 2, 64), v=torch.randn(6, 2, 64), query_start_loc=_cu([6]),
+                max_query_len=6, scale=0.125, q_head_start=0, q_per_kv=2, kv_head_start=0)
     args.update(overrides)
     return args
 
@@ -122,19 +122,20 @@ def _args(**overrides):
     (dict(v=torch.randn(5, 2, 64)), "v must have shape"),
     (dict(k=torch.randn(6, 2, 64, dtype=torch.float16)), "k has dtype"),
     (dict(q=torch.randn(6, 4, 48), k=torch.randn(6, 2, 48), v=torch.randn(6, 2, 48)), "head dim 48"),
-    (dict(cu_seqlens=torch.tensor([0.0, 6.0])), "cu_seqlens has dtype"),
-    (dict(max_seqlen=-1), "max_seqlen"),
-    (dict(max_seqlen=6.0), "max_seqlen"),
+    (dict(query_start_loc=torch.tensor([0.0, 6.0])), "query_start_loc has dtype"),
+    (dict(max_query_len=-1), "max_query_len"),
+    (dict(max_query_len=6.0), "max_query_len"),
     (dict(scale=0.0), "scale"),
     (dict(lse=torch.empty(6, 4, dtype=torch.float16)), "lse has dtype"),
     (dict(out=torch.empty(6, 3, 64)), "out must have shape"),
     (dict(config=ExtendConfig(block_m=16, block_n=32, num_warps=1, num_stages=1)), "block_m is a multiple"),
-], ids=["q_head_start", "kv_head_start", "q_per_kv", "k_dim", "v_tokens", "k_dtype", "head_dim", "cu_dtype",
-        "max_seqlen_negative", "max_seqlen_float", "scale", "lse_dtype", "out_shape", "config"])
+], ids=["q_head_start", "kv_head_start", "q_per_kv", "k_dim", "v_tokens", "k_dtype", "head_dim", "qsl_dtype",
+        "max_query_len_negative", "max_query_len_float", "scale", "lse_dtype", "out_shape", "config"])
 def test_bad_input_raises(overrides, match):
     args = _args(**overrides)
     with pytest.raises(ValueError, match=match):
-        extend_attention(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("cu_seqlens"), args.pop("max_seqlen"),
+        extend_attention(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("query_start_loc"),
+                         args.pop("max_query_len"),
                          **args)
 
 
@@ -152,3 +153,13 @@ def test_mixed_step_grid_is_about_one_program_per_row():
     block_m, num_tokens = plan.constexprs["BLOCK_M"], sum(lengths)
     assert plan.grid[0] == num_tokens // block_m + len(lengths) + -(-num_tokens // block_m)
     assert plan.grid[0] * 3 < len(lengths) * -(-70 // block_m)
+
+
+def test_deprecated_keyword_names_still_work_and_say_so():
+    args = _args()
+    args["cu_seqlens"], args["max_seqlen"] = args.pop("query_start_loc"), args.pop("max_query_len")
+    with pytest.warns(DeprecationWarning, match="cu_seqlens= is deprecated"):
+        out, _ = extend_attention(**args)
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="pass query_start_loc only"):
+        extend_attention(**{**_args(), "cu_seqlens": _cu([6])})

@@ -118,12 +118,12 @@ def test_matches_reference(name):
     lse = poisoned(q.shape[:2], torch.float32)
     got_out, got_lse = paged_attention(
         q, key_cache, value_cache, block_table, context_lens, query_start_loc, scale=scale, **_heads(case),
-        max_context_len=max(case.ctx_lens), max_query_len=max(case.q_lens) if case.max_query_len == "exact" else None,
+        max_kv_len=max(case.ctx_lens), max_query_len=max(case.q_lens) if case.max_query_len == "exact" else None,
         num_splits=case.num_splits, out=out, lse=lse, config=case.config)
     assert got_out is out and got_lse is lse
     want_out, want_lse = reference.paged_attention(
         q.double(), key_cache.double(), value_cache.double(), block_table, context_lens, query_start_loc,
-        scale=scale, **_heads(case), max_context_len=max(case.ctx_lens))
+        scale=scale, **_heads(case), max_kv_len=max(case.ctx_lens))
     assert_matches(out, want_out, case.dtype, "out")
     assert_matches(lse, want_lse, case.dtype, "lse")
 
@@ -133,11 +133,11 @@ def test_default_outputs_and_loose_max_context_len():
     q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case, seed=1)
     capacity = block_table.shape[1] * case.block_size  # a loose bound only tunes splits
     out, lse = paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, scale=0.3,
-                               **_heads(case), max_context_len=capacity)
+                               **_heads(case), max_kv_len=capacity)
     assert out.dtype == torch.float16 and lse.dtype == torch.float32
     want_out, want_lse = reference.paged_attention(
         q.double(), key_cache.double(), value_cache.double(), block_table, context_lens, query_start_loc,
-        scale=0.3, **_heads(case), max_context_len=capacity)
+        scale=0.3, **_heads(case), max_kv_len=capacity)
     assert_matches(out, want_out, torch.float16, "out")
     assert_matches(lse, want_lse, torch.float16, "lse")
 
@@ -149,10 +149,10 @@ def test_out_view_in_q_dtype():
     out = wide[..., q.shape[2]:]  # strided out, e.g. one half of a packed buffer
     lse_wide = poisoned((q.shape[1], q.shape[0]), torch.float32)
     paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, scale=0.125,
-                    **_heads(case), max_context_len=15, max_query_len=2, num_splits=2, out=out, lse=lse_wide.t())
+                    **_heads(case), max_kv_len=15, max_query_len=2, num_splits=2, out=out, lse=lse_wide.t())
     want_out, want_lse = reference.paged_attention(
         q.double(), key_cache.double(), value_cache.double(), block_table, context_lens, query_start_loc,
-        scale=0.125, **_heads(case), max_context_len=15)
+        scale=0.125, **_heads(case), max_kv_len=15)
     assert_matches(out, want_out, q.dtype, "out")
     assert_matches(lse_wide.t(), want_lse, q.dtype, "lse")
     assert torch.isnan(wide[..., :q.shape[2]]).all(), "wrote outside the out view"
@@ -206,19 +206,19 @@ def test_head_tiles_cover_each_q_head_once_with_its_kv_head(block_h):
 def test_auto_splits_fill_the_gpu_without_a_partial_wave(programs):
     sms, block_n = 132, 64
     budget = PROGRAMS_PER_SM * sms
-    splits = pick_num_splits(programs=programs, max_context_len=128 * 1024, block_n=block_n, sms=sms)
+    splits = pick_num_splits(programs=programs, max_kv_len=128 * 1024, block_n=block_n, sms=sms)
     assert 1 <= splits <= MAX_AUTO_SPLITS
     if splits > 1:
         assert programs * splits <= budget, "more programs than the per-wave budget"
     # The most splits within the budget (or the cap): one more would overflow it.
     assert splits == MAX_AUTO_SPLITS or programs * (splits + 1) > budget, (programs, splits)
     # The H200 sweeps' best picks (benchmarks/results/kernels_h200_tuning_sweep*.json), 8 KV heads, 1 head tile.
-    assert [pick_num_splits(programs=8 * b, max_context_len=ctx, block_n=block_n, sms=sms)
+    assert [pick_num_splits(programs=8 * b, max_kv_len=ctx, block_n=block_n, sms=sms)
             for b, ctx in ((1, 1024), (1, 8192), (1, 32768), (8, 1024), (8, 8192), (32, 1024), (128, 8192))] \
         == [16, 64, 64, 8, 8, 2, 1]
-    short = pick_num_splits(programs=programs, max_context_len=3 * block_n, block_n=block_n, sms=sms)
+    short = pick_num_splits(programs=programs, max_kv_len=3 * block_n, block_n=block_n, sms=sms)
     assert short <= 3, "a split never gets less than one tile"
-    assert pick_num_splits(programs=programs, max_context_len=0, block_n=block_n, sms=sms) == 1
+    assert pick_num_splits(programs=programs, max_kv_len=0, block_n=block_n, sms=sms) == 1
 
 
 def _good() -> dict:
@@ -226,7 +226,7 @@ def _good() -> dict:
     q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case)
     return dict(q=q, key_cache=key_cache, value_cache=value_cache, block_table=block_table,
                 context_lens=context_lens, query_start_loc=query_start_loc, scale=0.125, q_head_start=0,
-                q_per_kv=2, kv_head_start=0, max_context_len=9)
+                q_per_kv=2, kv_head_start=0, max_kv_len=9)
 
 
 @pytest.mark.parametrize(("change", "match"), [
@@ -237,7 +237,7 @@ def _good() -> dict:
     (dict(context_lens=torch.tensor([5, 9, 1], dtype=torch.int32)), "query_start_loc must have shape"),
     (dict(q_head_start=2), "head mapping out of range"),
     (dict(q_per_kv=0), "q_per_kv must be an int >= 1"),
-    (dict(max_context_len=10_000), "max_context_len must be an int"),
+    (dict(max_kv_len=10_000), "max_kv_len must be an int"),
     (dict(num_splits=0), "num_splits must be an int"),
     (dict(out=torch.empty(3, 4, 32)), "out must have shape"),
     (dict(lse=torch.empty(3, 4, dtype=torch.float16)), "lse has dtype"),
@@ -259,10 +259,10 @@ def test_rank_major_outputs(splits):
     out = poisoned((ranks, num_tokens, 4, case.head_dim), torch.float16)
     lse = poisoned((ranks, num_tokens, 4), torch.float32)
     paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, scale=0.2, **_heads(case),
-                    max_context_len=30, max_query_len=4, num_splits=splits, out=out, lse=lse)
+                    max_kv_len=30, max_query_len=4, num_splits=splits, out=out, lse=lse)
     want_out, want_lse = reference.paged_attention(
         q.double(), key_cache.double(), value_cache.double(), block_table, context_lens, query_start_loc, scale=0.2,
-        **_heads(case), max_context_len=30)
+        **_heads(case), max_kv_len=30)
     assert_matches(out.transpose(0, 1).reshape(num_tokens, 8, -1), want_out, torch.float16, "rank-major out")
     assert_matches(lse.transpose(0, 1).reshape(num_tokens, 8), want_lse, torch.float16, "rank-major lse")
 
@@ -274,7 +274,7 @@ def test_mixed_step_grid_is_about_one_program_per_row():
     q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case, seed=4)
     out, lse = poisoned(q.shape, q.dtype), poisoned(q.shape[:2], torch.float32)
     plan = plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, scale=0.2,
-                      **_heads(case), max_context_len=33, max_query_len=70)
+                      **_heads(case), max_kv_len=33, max_query_len=70)
     block_q = plan.stage1.constexprs["BLOCK_Q"]
     num_tokens, num_reqs = q.shape[0], len(q_lens)
     assert plan.stage1.grid[0] == num_tokens // block_q + num_reqs + -(-num_tokens // block_q)
@@ -282,6 +282,16 @@ def test_mixed_step_grid_is_about_one_program_per_row():
     plan(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse)
     want_out, want_lse = reference.paged_attention(
         q.double(), key_cache.double(), value_cache.double(), block_table, context_lens, query_start_loc, scale=0.2,
-        **_heads(case), max_context_len=33)
+        **_heads(case), max_kv_len=33)
     assert_matches(out, want_out, q.dtype, "mixed out")
     assert_matches(lse, want_lse, q.dtype, "mixed lse")
+
+
+def test_the_deprecated_max_context_len_still_works_and_says_so():
+    good = _good()
+    good["max_context_len"] = good.pop("max_kv_len")
+    with pytest.warns(DeprecationWarning, match="max_context_len= is deprecated"):
+        out, _ = paged_attention(**good)
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="pass max_kv_len only"):
+        paged_attention(**{**_good(), "max_context_len": 9})

@@ -205,7 +205,7 @@ def test_decodes_first_keeps_the_decode_rows_when_both_launches_split():
     kernels.write_kv_cache(k, v, state.key_cache, state.value_cache, batch.slot_mapping)
     lens, nd = batch.local_seq_lens - batch.query_lens, batch.num_decodes  # cached before this step
     out, lse = torch.full(q.shape, float("nan")), torch.full(q.shape[:2], float("nan"))
-    head_map = dict(scale=world.scale, q_head_start=0, q_per_kv=2, kv_head_start=0, max_context_len=40,
+    head_map = dict(scale=world.scale, q_head_start=0, q_per_kv=2, kv_head_start=0, max_kv_len=40,
                     split_buffer=torch.empty(1 << 16), num_splits=3)
     tables = (batch.block_table, lens, batch.query_start_loc)
     decodes = tuple(t[:nd + (i == 2)] for i, t in enumerate(tables))
@@ -218,6 +218,6 @@ def test_decodes_first_keeps_the_decode_rows_when_both_launches_split():
     plan(q, state.key_cache, state.value_cache, *tables, out, lse)
     want_out, want_lse = kernels.reference.paged_attention(
         q.double(), state.key_cache.double(), state.value_cache.double(), *tables, scale=world.scale,
-        q_head_start=0, q_per_kv=2, kv_head_start=0, max_context_len=40)
+        q_head_start=0, q_per_kv=2, kv_head_start=0, max_kv_len=40)
     assert_matches(out, want_out, torch.float32, "decodes-first out")
     assert_matches(lse, want_lse, torch.float32, "decodes-first lse")

@@ -148,7 +148,7 @@ def test_non_causal_metadata_is_refused(monkeypatch):
 
 
 def test_interleave_must_divide_the_block(monkeypatch):
-    with pytest.raises(ValueError, match="interleave=3 must divide block_size=16"):
+    with pytest.raises(ValueError, match="cp_kv_cache_interleave_size=3 must divide the KV-cache block size 16"):
         make_builder(monkeypatch, dcp=2, rank=0, interleave=3)
 
 

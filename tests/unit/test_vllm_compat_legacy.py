@@ -95,7 +95,7 @@ def fake_v026_registry() -> ModuleType:
 def v026_registry(monkeypatch):
     """Make ``registration`` import the fake 0.26 registry; hand out fresh ones to simulate new processes."""
     monkeypatch.delenv(registration.CPU_OPT_IN_ENV, raising=False)
-    monkeypatch.setattr(registration, "cpu_route_reason", registration.cpu_route_reason)
+    monkeypatch.setitem(registration._cpu_route, "reason", registration.cpu_route())
 
     def fresh() -> ModuleType:
         module = fake_v026_registry()

@@ -89,7 +89,7 @@ def vllm_config(model_dir):
 def cpu_attn_restored():
     yield
     AttentionBackendEnum.CPU_ATTN.clear_override()
-    registration.cpu_route_reason = None
+    registration._cpu_route["reason"] = None
 
 
 def test_entry_point_is_in_the_installed_metadata():
@@ -148,7 +148,7 @@ def test_cpu_opt_in_env_routes_cpu_attn(monkeypatch, cpu_attn_restored):
     monkeypatch.setenv(registration.CPU_OPT_IN_ENV, "1")
     registration.register()
     assert AttentionBackendEnum.CPU_ATTN.get_path() == registration.BACKEND_PATH
-    assert registration.cpu_route_reason == "DCP_TRITON_CPU=1"
+    assert registration.cpu_route() == "DCP_TRITON_CPU=1"
 
 
 def test_without_a_choice_cpu_attn_stays_vllms(cpu_attn_restored):

@@ -1,0 +1,54 @@
+"""Argument checks shared by the core and the kernels: each raises ``ValueError`` naming the argument, what it got
+and what would work. A leaf module (torch only), so both the core and the kernel launchers may import it.
+
+Public entry points check their arguments once; the per-step path (``DcpAttention`` replaying a prepared step)
+calls unchecked internals whose inputs were checked when the step was prepared.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_int(name: str, value, *, low: int, high: int | None = None, kind: str = "an int", note: str = "") -> None:
+    """``value`` must be a (non-bool) int in ``[low, high]``; ``note`` is appended to the message."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {kind} {bound}{note}, got {value!r}")
+
+
+def check_scale(name: str, value) -> None:
+    """A softmax scale: a finite float > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite float > 0 (usually head_dim ** -0.5), got {value!r}")
+
+
+def check_tensor(name: str, t, *, ndim: int, dtypes=FLOAT_DTYPES, device: torch.device | None = None) -> None:
+    """``t`` must be a tensor of ``ndim`` dims, one of ``dtypes`` (None: any), on ``device`` (None: any)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {t.dtype}; supported: {', '.join(str(d) for d in dtypes)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
+
+
+def renamed(new_name: str, new_value, old_name: str, old_value, *, required: bool = True):
+    """The value of a keyword renamed this release: ``new_name``, or ``old_name`` (deprecated, still accepted)."""
+    if old_value is None:
+        if new_value is None and required:
+            raise ValueError(f"{new_name} is required")
+        return new_value
+    if new_value is not None:
+        raise ValueError(f"pass {new_name} only ({old_name} is its deprecated name)")
+    warnings.warn(f"{old_name}= is deprecated and will be removed in the next release: use {new_name}=",
+                  DeprecationWarning, stacklevel=3)
+    return old_value
