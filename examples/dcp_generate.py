@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     model = args.model
     if model is None:
-        from dcp_plugin.embedded_model import random_llama_checkpoint
+        from dcp_plugin.models.embedded import random_llama_checkpoint
 
         model = random_llama_checkpoint(num_kv_heads=args.kv_heads or max(1, args.tp // args.dcp))
     try:

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = _shared.has_gpu()
     _shared.set_env_defaults(tp=args.tp, gpu=gpu, kernels=args.kernels)
     if args.model is None:
-        from dcp_plugin.embedded_model import smollm2_checkpoint
+        from dcp_plugin.models.embedded import smollm2_checkpoint
 
         args.model = smollm2_checkpoint()
     max_tokens = args.max_tokens or (GPU_MAX_TOKENS if gpu else CPU_MAX_TOKENS)

@@ -10,6 +10,6 @@ import pytest  # noqa: E402
 def smollm2_dir():
     """The embedded SmolLM2 checkpoint, converted once (~40 s) into the shared cache ($DCP_TRITON_CACHE, else
     ~/.cache/dcp-triton) and reused by every later session."""
-    from dcp_plugin.embedded_model import smollm2_checkpoint
+    from dcp_plugin.models.embedded import smollm2_checkpoint
 
     return smollm2_checkpoint(progress=False)

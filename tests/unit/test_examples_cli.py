@@ -68,7 +68,7 @@ def test_dcp_generate_explains_a_topology_the_model_cannot_run(tmp_path):
     model = write_config(tmp_path / "smollm2-like", q_heads=9, kv_heads=3)
     result = run_example("dcp_generate.py", "--tp", "4", "--dcp", "2", "--plan-only", "--model", str(model))
     assert result.returncode == 2
-    assert "num_q_heads=9 is not divisible by tp_size=4" in result.stderr
+    assert "total_q_heads=9 is not divisible by tp_size=4" in result.stderr
 
 
 @pytest.mark.parametrize("script", sorted(FLAGS))
