@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 
 from dcp_plugin.batch import DcpBatch
-from dcp_plugin.checks import FLOAT_DTYPES, check_scale
+from dcp_plugin.checks import FLOAT_DTYPES, FP8_DTYPES, check_kv_scales, check_scale
 from dcp_plugin.group import DcpGroup, buffered
 from dcp_plugin.layout import HeadLayout, TokenLayout, check_same_position
 from dcp_plugin.step_plan import StepPlan, build_plan
@@ -106,13 +106,18 @@ class DcpAttention:
         *,
         out: torch.Tensor | None = None,
         write_kv: bool = True,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write this step's owned K/V into the local cache and return the attention output of the local Q heads.
 
         ``q``: ``[num_tokens, heads.num_q_heads, D]``; ``k``, ``v``: ``[num_tokens, heads.num_kv_heads, D]``
         (all the step's new tokens, whichever rank owns them); ``key_cache``/``value_cache``:
         ``[num_blocks, block_size, heads.num_kv_heads, D]`` (strided views allowed), updated in place;
-        one dtype (fp16/bf16/fp32) and one device for all. ``out`` (default: new) is ``q``-shaped, ``q.dtype``.
+        one dtype (fp16/bf16/fp32) and one device for all, except that the caches may be fp8 (e4m3fn / e5m2) holding
+        value / scale, with ``k_scale``/``v_scale`` (one-element float32 tensors) then required: written values are
+        quantized, cached ones dequantized in registers; the current chunk stays in q's dtype.
+        ``out`` (default: new) is ``q``-shaped, ``q.dtype``.
         ``write_kv=False`` when the host already stored this step's K/V through ``batch.slot_mapping`` (vLLM's
         ``do_kv_cache_update``), so the cache is written once.
         No host synchronisation; every rank of the group must call it with the same batch shape.
@@ -120,17 +125,18 @@ class DcpAttention:
         if out is None:
             out = torch.empty_like(q)
         key = (self._plan_key, write_kv, q.shape, q.stride(), k.stride(), v.stride(), key_cache.shape,
-               key_cache.stride(), value_cache.stride(), out.stride(), q.dtype, out.dtype)
+               key_cache.stride(), value_cache.stride(), out.stride(), q.dtype, out.dtype, key_cache.dtype,
+               k_scale is None)
         plan = batch.plans.get(key) if isinstance(batch, DcpBatch) else None
         if plan is None:
+            self._check_inputs(q, k, v, key_cache, value_cache, batch, out, k_scale, v_scale)
             plan = self._plan(q, k, v, key_cache, value_cache, batch, out, write_kv)
             batch.plans[key] = plan
-        plan.run(q, k, v, key_cache, value_cache, out)
+        plan.run(q, k, v, key_cache, value_cache, out, k_scale, v_scale)
         return out
 
     def _plan(self, q, k, v, key_cache, value_cache, batch, out, write_kv: bool) -> StepPlan:
-        """Check this layer's inputs and prepare the step's launches (first layer of a step with these shapes)."""
-        self._check_inputs(q, k, v, key_cache, value_cache, batch, out)
+        """Prepare the step's launches (first layer of a step with these shapes, inputs checked)."""
         workspace = self._workspace_for(batch.num_tokens, q)
         return build_plan(attn=self, q=q, k=k, v=v, key_cache=key_cache, value_cache=value_cache, batch=batch,
                           out=out, write_kv=write_kv, ws=workspace.views(batch.num_tokens))
@@ -151,7 +157,7 @@ class DcpAttention:
                            ws.max_num_tokens, ws.dtype, ws.head_dim)
         return made
 
-    def _check_inputs(self, q, k, v, key_cache, value_cache, batch, out) -> None:
+    def _check_inputs(self, q, k, v, key_cache, value_cache, batch, out, k_scale, v_scale) -> None:
         heads = self.heads
         for name, t, ndim in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("key_cache", key_cache, 4),
                               ("value_cache", value_cache, 4)):
@@ -182,7 +188,10 @@ class DcpAttention:
                     f"{heads.num_q_heads} local Q / {heads.num_kv_heads} stored KV heads, "
                     f"block_size={self.tokens.block_size}, head_dim={head_dim} from q)"
                 )
-            if t.dtype != q.dtype:
-                raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}; all inputs must share one dtype")
+            cache = name.endswith("_cache") and t.dtype == key_cache.dtype and t.dtype in FP8_DTYPES
+            if t.dtype != q.dtype and not cache:
+                raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}; all inputs must share one dtype "
+                                 "(the KV caches may be fp8: float8_e4m3fn or float8_e5m2, with k_scale, v_scale)")
             if t.device != batch.device:
                 raise ValueError(f"{name} is on {t.device} but the batch tensors are on {batch.device}")
+        check_kv_scales(key_cache.dtype, k_scale, v_scale, batch.device)

@@ -14,6 +14,9 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# A quantized KV cache stores each K/V value divided by its tensor's scale (one float32 per K and per V).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
 
 def check_int(name: str, value, *, low: int, high: int | None = None, kind: str = "an int", note: str = "") -> None:
@@ -39,6 +42,25 @@ def check_tensor(name: str, t, *, ndim: int, dtypes=FLOAT_DTYPES, device: torch.
         raise ValueError(f"{name} has dtype {t.dtype}; supported: {', '.join(str(d) for d in dtypes)}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
+
+
+def check_kv_scales(cache_dtype: torch.dtype, k_scale, v_scale, device: torch.device) -> bool:
+    """An fp8 cache needs ``k_scale`` and ``v_scale`` (float32 tensors of one element on ``device``; the cache holds
+    value / scale); any other cache takes neither. Returns whether the cache is quantized."""
+    quantized = cache_dtype in FP8_DTYPES
+    if not quantized:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale / v_scale are for an fp8 KV cache; this cache is {cache_dtype}: pass neither")
+        return False
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
+            got = f"a {scale.dtype} tensor of shape {tuple(scale.shape)}" if isinstance(scale, torch.Tensor) else \
+                repr(scale)
+            raise ValueError(f"the KV cache is {cache_dtype}: {name} must be a one-element float32 tensor (the "
+                             f"cache holds value / {name}), got {got}")
+        if scale.device != device:
+            raise ValueError(f"{name} is on {scale.device} but the KV cache is on {device}")
+    return True
 
 
 def renamed(new_name: str, new_value, old_name: str, old_value, *, required: bool = True):

@@ -34,10 +34,10 @@ class StepPlan:
         for name in self.__slots__:
             setattr(self, name, fields.get(name))
 
-    def run(self, q, k, v, key_cache, value_cache, out) -> None:
+    def run(self, q, k, v, key_cache, value_cache, out, k_scale=None, v_scale=None) -> None:
         batch, ws = self.batch, self.ws
         if self.write is not None:
-            self.write(k, v, key_cache, value_cache, batch.slot_mapping)
+            self.write(k, v, key_cache, value_cache, batch.slot_mapping, k_scale, v_scale)
         mode = self.mode
         if mode == "chunk":  # no cached prefix on any rank: the current chunk is the answer
             self.extend(q, k, v, out, ws.lse, batch.query_start_loc)
@@ -46,9 +46,9 @@ class StepPlan:
             self.extend(q, k, v, ws.cur_out, ws.cur_lse, batch.query_start_loc)
         if mode == "local":  # DCP = 1
             if self.combine is None:
-                self.paged(q, key_cache, value_cache, *self.paged_args, out, ws.lse)
+                self.paged(q, key_cache, value_cache, *self.paged_args, out, ws.lse, k_scale, v_scale)
             else:
-                self.paged(q, key_cache, value_cache, *self.paged_args, ws.pre_out, ws.pre_lse)
+                self.paged(q, key_cache, value_cache, *self.paged_args, ws.pre_out, ws.pre_lse, k_scale, v_scale)
                 self.combine(*self.combine_args, out, ws.lse)
             return
         group = self.group
@@ -56,11 +56,12 @@ class StepPlan:
         group.all_gather_into(ws.q_all, ws.q_send)
         q_group = self.paged_args[0]
         if self.comm == "a2a":
-            self.paged(q_group, key_cache, value_cache, *self.paged_args[1:], ws.send_out, ws.send_lse)
+            self.paged(q_group, key_cache, value_cache, *self.paged_args[1:], ws.send_out, ws.send_lse, k_scale,
+                       v_scale)
             group.all_to_all_into(ws.recv, ws.send)
             self.combine(*self.combine_args, out, ws.lse)
             return
-        self.paged(q_group, key_cache, value_cache, *self.paged_args[1:], ws.part, ws.part_lse)
+        self.paged(q_group, key_cache, value_cache, *self.paged_args[1:], ws.part, ws.part_lse, k_scale, v_scale)
         group.all_gather_into(ws.lse_all, ws.part_lse)
         rescale, merge = self.combine
         rescale(*self.combine_args[0])  # into rank-major [N, T, H, D]: rank r's slice holds rank r's heads
@@ -85,13 +86,14 @@ class DecodesFirst:
         self.decodes, self.rest, self.num_decodes = decodes, rest, num_decodes
         self.decode_tables, self.rest_tables, self.rank_major = decode_tables, rest_tables, rank_major
 
-    def __call__(self, q, key_cache, value_cache, block_table, lens, query_start_loc, out, lse) -> None:
+    def __call__(self, q, key_cache, value_cache, block_table, lens, query_start_loc, out, lse, k_scale=None,
+                 v_scale=None) -> None:
         nd = self.num_decodes
         # The rest first: with several splits its merge runs over every row and leaves the decodes' rows
         # undefined, which the decodes' own launch then writes.
-        self.rest(q, key_cache, value_cache, *self.rest_tables, out, lse)
+        self.rest(q, key_cache, value_cache, *self.rest_tables, out, lse, k_scale, v_scale)
         first = (out[:, :nd], lse[:, :nd]) if self.rank_major else (out[:nd], lse[:nd])
-        self.decodes(q[:nd], key_cache, value_cache, *self.decode_tables, *first)
+        self.decodes(q[:nd], key_cache, value_cache, *self.decode_tables, *first, k_scale, v_scale)
 
 
 def build_plan(*, attn, q, k, v, key_cache, value_cache, batch, out, write_kv: bool, ws: SimpleNamespace) -> StepPlan:

@@ -31,11 +31,13 @@ STEPS = (
 
 
 def warm_up(attention, *, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-            value_cache: torch.Tensor, output: torch.Tensor) -> int:
+            value_cache: torch.Tensor, output: torch.Tensor, k_scale: torch.Tensor | None = None,
+            v_scale: torch.Tensor | None = None) -> int:
     """Run one dummy step of each kind in ``STEPS`` with ``attention``; returns the number of steps run.
 
     ``query``/``key``/``value``/``output``: tensors shaped and strided like the layer's real ones (any number of
-    rows; only their strides, dtype and device are used); ``key_cache``/``value_cache``: the layer's cache views.
+    rows; only their strides, dtype and device are used); ``key_cache``/``value_cache``: the layer's cache views;
+    ``k_scale``/``v_scale``: its scales when the cache is fp8.
     """
     tokens, device = attention.tokens, query.device
     steps = 0
@@ -52,7 +54,8 @@ def warm_up(attention, *, query: torch.Tensor, key: torch.Tensor, value: torch.T
             tokens=tokens,
         )
         q, k, v, out = (_like(t, num_tokens) for t in (query, key, value, output))
-        attention.forward(q, k, v, key_cache, value_cache, batch, out=out, write_kv=True)
+        attention.forward(q, k, v, key_cache, value_cache, batch, out=out, write_kv=True, k_scale=k_scale,
+                          v_scale=v_scale)
         steps += 1
     return steps
 

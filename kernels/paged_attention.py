@@ -26,9 +26,9 @@ from dcp_plugin.kernels._launch import (
     FLOAT_DTYPES, INDEX_DTYPES, LOG2E, Launch, cdiv, check_head_map, check_heads_out, check_int, check_shape,
     check_tensor, device_index, head_strides, next_pow2, num_sms,
 )
-from dcp_plugin.checks import renamed
+from dcp_plugin.checks import FP8_DTYPES, check_kv_scales, renamed
 from dcp_plugin.kernels._mode import INTERPRET
-from dcp_plugin.kernels._schedule import find_block, flat_programs
+from dcp_plugin.kernels._schedule import find_block, flat_programs, group_head_tile, head_tiling
 from dcp_plugin.kernels.split_kv import head_offsets, paged_attention_reduce_kernel, plan_split_reduce, split_views
 
 __all__ = ["PagedConfig", "paged_attention", "paged_attention_kernel", "paged_attention_reduce_kernel", "plan_paged",
@@ -70,27 +70,6 @@ MIN_TILES_PER_SPLIT = 1
 MAX_AUTO_SPLITS = 64
 
 
-@triton.jit
-def group_head_tile(pid_h, first_kv_head, head_tiles_per_group, q_head_start, q_per_kv, kv_head_start, num_q_heads,
-                    block_h):
-    """Head program ``pid_h`` -> (stored KV head, first local Q head of its tile, end of that KV group's local Q
-    heads). The local Q heads reading stored KV head ``kv`` are ``[max(0, g * q_per_kv - q_head_start),
-    min(Hq, (g + 1) * q_per_kv - q_head_start))`` with ``g = kv + kv_head_start``; a tile never passes the end."""
-    kv_head = first_kv_head + pid_h // head_tiles_per_group
-    group_lo = (kv_head + kv_head_start) * q_per_kv - q_head_start
-    head_hi = tl.minimum(group_lo + q_per_kv, num_q_heads)
-    tile_lo = tl.maximum(group_lo, 0) + (pid_h % head_tiles_per_group) * block_h
-    return kv_head, tile_lo, head_hi
-
-
-def head_tiling(*, num_q_heads: int, q_head_start: int, q_per_kv: int, kv_head_start: int,
-                block_h: int) -> tuple[int, int, int]:
-    """Host side of ``group_head_tile``: (first stored KV head touched, KV groups touched, tiles per group)."""
-    first_kv_head = q_head_start // q_per_kv - kv_head_start
-    last_kv_head = (q_head_start + num_q_heads - 1) // q_per_kv - kv_head_start
-    return first_kv_head, last_kv_head - first_kv_head + 1, cdiv(min(q_per_kv, num_q_heads), block_h)
-
-
 # Per-step sizes (and the LSE strides, which scale with them) are not specialized on: every step of an engine runs
 # one of the three compiled variants. Nor is the block table's row stride (the engine's table width, which the
 # warm-up cannot know; only a row's start depends on it). Output strides stay specialized: vectorized stores need
@@ -102,7 +81,7 @@ def head_tiling(*, num_q_heads: int, q_head_start: int, q_per_kv: int, kv_head_s
             do_not_specialize_on_alignment=("block_table_ptr", "context_lens_ptr", "query_start_loc_ptr"))
 def paged_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr,
-    out_ptr, lse_ptr,
+    out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr,
     num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs,
     qk_scale, q_head_start, q_per_kv, kv_head_start, first_kv_head, head_tiles_per_group, num_splits,
     stride_q_t, stride_q_h, stride_q_d,
@@ -118,6 +97,7 @@ def paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     DECODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the cache holds value / scale in fp8: scale the scores by k_scale, the output by v_scale
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     pid_q = tl.program_id(0)
@@ -155,6 +135,8 @@ def paged_attention_kernel(
     q = tl.load(q_ptr + token[:, None] * stride_q_t + head.to(tl.int64)[:, None] * stride_q_h
                 + dims[None, :] * stride_q_d, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
 
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     # This split's whole tiles of the request's cached tokens.
     num_tiles = (context_len + BLOCK_N - 1) // BLOCK_N
     tiles_per_split = (num_tiles + num_splits - 1) // num_splits
@@ -180,6 +162,9 @@ def paged_attention_kernel(
                     mask=dim_mask[:, None] & pos_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
         v = tl.load(v_head_ptr + v_tok[:, None] + dims[None, :] * stride_vc_d,
                     mask=pos_mask[:, None] & dim_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if KV_FP8:  # dequantize in registers (the scales are applied to scores and output)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
 
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], base-2 units
         scores = tl.where(pos_mask[None, :], scores, float("-inf"))
@@ -194,6 +179,8 @@ def paged_attention_kernel(
     # No cached tokens: acc = 0, l_i = 0, m_i = -inf -> (0, -inf).
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr)
     lse = (m_i + tl.log2(l_safe)) / _LOG2E
     split_off = split.to(tl.int64)
     out_rows = out_ptr + token * stride_o_t + head_offsets(head, out_heads_per_rank, stride_o_r, stride_o_h) \
@@ -231,15 +218,16 @@ def pick_num_splits(*, programs: int, max_kv_len: int, block_n: int, sms: int) -
 
 def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, *, scale, q_head_start,
                     q_per_kv, kv_head_start, max_kv_len=None, max_query_len=None, num_splits=None, out=None,
-                    lse=None, config: PagedConfig | None = None, max_context_len=None):
+                    lse=None, config: PagedConfig | None = None, k_scale=None, v_scale=None, max_context_len=None):
     """Every query row of request ``b`` attends, non-causally, to its cached tokens ``[0, context_lens[b])``.
 
     Args:
         q: ``[T, Hq, D]`` fp16/bf16/fp32, any strides; request ``b`` owns rows
             ``query_start_loc[b]:query_start_loc[b + 1]``; rows past ``query_start_loc[-1]`` get (0, -inf).
-        key_cache, value_cache: ``[num_blocks, block_size, Hk, D]``, q's dtype, any strides (vLLM's views of one
-            buffer are fine). Cached token ``j`` of request ``b`` is row ``j % block_size`` of page
-            ``block_table[b, j // block_size]``.
+        key_cache, value_cache: ``[num_blocks, block_size, Hk, D]``, q's dtype or fp8 (e4m3fn / e5m2, holding
+            value / scale: then ``k_scale``/``v_scale``, one-element float32 tensors, are required), any strides
+            (vLLM's views of one buffer are fine). Cached token ``j`` of request ``b`` is row
+            ``j % block_size`` of page ``block_table[b, j // block_size]``.
         block_table: ``[>= B, max_blocks]`` int32/int64. context_lens: ``[B]`` int. query_start_loc: ``[B + 1]``
             int, ``query_start_loc[0] == 0``.
         scale: softmax scale. q_head_start, q_per_kv, kv_head_start: local Q head ``i`` reads stored KV head
@@ -265,8 +253,9 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
     check_tensor("q", q, ndim=3)
     device = q.device
     num_tokens, num_q_heads, head_dim = q.shape
-    check_tensor("key_cache", key_cache, ndim=4, dtypes=(q.dtype,), device=device)
-    check_tensor("value_cache", value_cache, ndim=4, dtypes=(q.dtype,), device=device)
+    check_tensor("key_cache", key_cache, ndim=4, dtypes=(q.dtype, *FP8_DTYPES), device=device)
+    check_tensor("value_cache", value_cache, ndim=4, dtypes=(key_cache.dtype,), device=device)
+    check_kv_scales(key_cache.dtype, k_scale, v_scale, device)
     check_shape("key_cache", key_cache, (None, None, None, head_dim))
     check_shape("value_cache", value_cache, tuple(key_cache.shape))
     _, page_size, num_kv_heads, _ = key_cache.shape
@@ -307,7 +296,7 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
                         q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
                         max_kv_len=max_kv_len, max_query_len=max_query_len, num_splits=num_splits,
                         config=cfg)
-    launch(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse)
+    launch(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, k_scale, v_scale)
     return out, lse
 
 
@@ -322,8 +311,9 @@ def split_capacity(head_dim: int, device: torch.device) -> int:
 
 class PagedLaunch:
     """``paged_attention`` prepared for one step's tensor shapes; call it with ``(q, key_cache, value_cache,
-    block_table, context_lens, query_start_loc, out, lse)``. With several splits, stage 1 writes the partials into
-    buffers the plan holds and stage 2 merges them into ``out``/``lse``."""
+    block_table, context_lens, query_start_loc, out, lse)`` and, for an fp8 cache, ``k_scale, v_scale``. With
+    several splits, stage 1 writes the partials into buffers the plan holds and stage 2 merges them into
+    ``out``/``lse``."""
 
     __slots__ = ("stage1", "reduce", "part_out", "part_lse", "num_splits")
 
@@ -331,12 +321,14 @@ class PagedLaunch:
         self.stage1, self.reduce, self.part_out, self.part_lse = stage1, reduce, part_out, part_lse
         self.num_splits = num_splits
 
-    def __call__(self, q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse) -> None:
+    def __call__(self, q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse,
+                 k_scale=None, v_scale=None) -> None:
+        scales = (q if k_scale is None else k_scale, q if v_scale is None else v_scale)  # stand-ins: never read
         if self.reduce is None:
-            self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse)
+            self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, *scales)
             return
         self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc, self.part_out,
-                    self.part_lse)
+                    self.part_lse, *scales)
         self.reduce(self.part_out, self.part_lse, out, lse)
 
 
@@ -389,7 +381,8 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
          kv_head_start, first_kv_head, head_tiles_per_group, num_splits, *q.stride(), *key_cache.stride(),
          *value_cache.stride(), *block_table.stride(), *out_strides, *lse_strides),
         dict(PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-             DECODE=decode, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32"),
+             DECODE=decode, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+             KV_FP8=key_cache.dtype in FP8_DTYPES),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     reduce = plan_split_reduce(part_out, part_lse, out, lse) if num_splits > 1 else None
     return PagedLaunch(stage1, reduce, part_out, part_lse, num_splits)

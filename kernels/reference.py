@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from dcp_plugin.checks import renamed
+from dcp_plugin.checks import FP8_DTYPES, renamed
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -58,18 +58,31 @@ def _store_heads(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src.reshape(src.shape[0], ranks, src.shape[1] // ranks, *src.shape[2:]).transpose(0, 1))
 
 
-def write_kv_cache(k, v, key_cache, value_cache, slot_mapping) -> None:
+def write_kv_cache(k, v, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
     """Store ``k[t], v[t]`` at slot ``slot_mapping[t]`` (page ``slot // block_size``, row ``slot % block_size``).
 
     ``k``/``v``: ``[T, H, D]`` with ``T >= len(slot_mapping)`` (rows past it are padding); caches
-    ``[num_blocks, block_size, H, D]`` (any strides). Slots < 0 belong to another rank and are skipped.
+    ``[num_blocks, block_size, H, D]`` (any strides). Slots < 0 belong to another rank and are skipped. An fp8 cache
+    stores ``clamp(value / scale)`` to the format's finite range (``k_scale``, ``v_scale``: one-element tensors).
     """
     block_size = key_cache.shape[1]
     slots = slot_mapping.to(torch.int64)
     tokens = torch.nonzero(slots >= 0).flatten()
     mine = slots[tokens]
-    key_cache[mine // block_size, mine % block_size] = k[tokens].to(key_cache.dtype)
-    value_cache[mine // block_size, mine % block_size] = v[tokens].to(value_cache.dtype)
+    key_cache[mine // block_size, mine % block_size] = _to_cache(k[tokens], key_cache.dtype, k_scale)
+    value_cache[mine // block_size, mine % block_size] = _to_cache(v[tokens], value_cache.dtype, v_scale)
+
+
+def _to_cache(values: torch.Tensor, dtype: torch.dtype, scale) -> torch.Tensor:
+    if dtype not in FP8_DTYPES:
+        return values.to(dtype)
+    limit = torch.finfo(dtype).max
+    return (values.to(torch.float32) / scale.to(torch.float32)).clamp(-limit, limit).to(dtype)
+
+
+def _from_cache(values: torch.Tensor, acc: torch.dtype, scale) -> torch.Tensor:
+    """A cache's values in ``acc``, dequantized (times ``scale``) when the cache is fp8."""
+    return values.to(acc) * scale.to(acc) if values.dtype in FP8_DTYPES else values.to(acc)
 
 
 def extend_attention(q, k, v, query_start_loc=None, max_query_len=None, *, scale, q_head_start, q_per_kv,
@@ -99,14 +112,15 @@ def extend_attention(q, k, v, query_start_loc=None, max_query_len=None, *, scale
 
 def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, *, scale, q_head_start,
                     q_per_kv, kv_head_start, max_kv_len=None, max_query_len=None, num_splits=None, out=None,
-                    lse=None, max_context_len=None):
+                    lse=None, k_scale=None, v_scale=None, max_context_len=None):
     """Every query row of request ``b`` attends, non-causally, to its cached tokens ``[0, context_lens[b])``.
 
     Cached token ``j`` of request ``b`` is ``key_cache[block_table[b, j // block_size], j % block_size]``.
     ``q [T, Hq, D]`` (request ``b`` is rows ``query_start_loc[b]:query_start_loc[b + 1]``), caches
     ``[num_blocks, block_size, Hk, D]``. ``max_kv_len`` (deprecated name: ``max_context_len``) bounds
     ``context_lens`` and ``max_query_len`` the query rows of a request; with ``num_splits`` they only tune the
-    kernel. Returns ``(out [T, Hq, D], lse [T, Hq])``; a request with no cached tokens gets (0, -inf).
+    kernel. Returns ``(out [T, Hq, D], lse [T, Hq])``; a request with no cached tokens gets (0, -inf). An fp8 cache
+    is read as ``value * k_scale`` / ``value * v_scale``.
     """
     renamed("max_kv_len", max_kv_len, "max_context_len", max_context_len)
     acc = _acc_dtype(q)
@@ -121,8 +135,8 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
             continue
         pos = torch.arange(ctx, device=q.device)
         pages = block_table[b, pos // block_size].to(torch.int64)
-        keys = key_cache[pages, pos % block_size][:, kv].to(acc)
-        values = value_cache[pages, pos % block_size][:, kv].to(acc)
+        keys = _from_cache(key_cache[pages, pos % block_size][:, kv], acc, k_scale)
+        values = _from_cache(value_cache[pages, pos % block_size][:, kv], acc, v_scale)
         out_acc[start:end], lse_acc[start:end] = _attend(q[start:end].to(acc), keys, values, scale, None)
     first = bounds[0]  # rows before the first request (tables that start mid-batch) are not this call's
     if first and out is not None and lse is not None:
@@ -200,14 +214,18 @@ def rescale_partial(part_out, lse_all, rank, *, out=None, lse=None):
 # arguments; the tensors of each call are passed as the kernels' plans take them.
 
 def plan_write_kv(k, v, key_cache, value_cache, slot_mapping):
-    return write_kv_cache
+    return _write_launch
+
+
+def _write_launch(k, v, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None):
+    write_kv_cache(k, v, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
 def plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
                 config=None):
     def launch(q, k, v, out, lse, query_start_loc):
-        extend_attention(q, k, v, query_start_loc, max_query_len, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
-                         kv_head_start=kv_head_start, out=out, lse=lse)
+        extend_attention(q, k, v, query_start_loc, max_query_len, scale=scale, q_head_start=q_head_start,
+                         q_per_kv=q_per_kv, kv_head_start=kv_head_start, out=out, lse=lse)
     return launch
 
 
@@ -219,8 +237,10 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
                                                  max_query_len=max_query_len))
 
 
-def _paged_launch(kwargs, q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse):
-    paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out=out, lse=lse, **kwargs)
+def _paged_launch(kwargs, q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse,
+                  k_scale=None, v_scale=None):
+    paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out=out, lse=lse,
+                    k_scale=k_scale, v_scale=v_scale, **kwargs)
 
 
 def plan_combine(parts_out, parts_lse, extra_out, extra_lse, out, lse, *, o_part_start=0, num_o_parts=None):

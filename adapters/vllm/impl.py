@@ -77,7 +77,10 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kernel_path, ops = support.select_kernels()
-        support.check_kernel_dtype(self.kernel_path, ops, model_dtype)
+        support.check_kernel_dtype(self.kernel_path, ops, model_dtype, kv_cache_dtype)
+        # vLLM allocates an fp8 cache as uint8 bytes; the kernels read it as this fp8 dtype, scaled by the layer's
+        # per-tensor _k_scale / _v_scale.
+        self._fp8_dtype = support.FP8_KV_CACHE_DTYPES.get(kv_cache_dtype)
         self.topology = topology.from_vllm(
             num_heads=num_heads, num_kv_heads=self.num_kv_heads, dcp_size=self.dcp_world_size,
             dcp_rank=self.dcp_rank, vllm_config=vllm_config,
@@ -93,8 +96,8 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         """Store the new K/V rows this rank owns; ``slot_mapping`` may be shorter than ``key`` (padding rows) and
         holds -1 for tokens another DCP rank owns. (``forward`` writes the step's K/V itself; this is for hosts
         that write the cache separately.)"""
-        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
-        self._ops.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        key_cache, value_cache = self._split(kv_cache)
+        self._ops.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, **self._scales(layer))
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: DcpTritonMetadata | None, output: torch.Tensor,
@@ -103,17 +106,18 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         if output_scale is not None or output_block_scale is not None:
             raise ValueError("dcp-triton does not fuse output quantization (output_scale / output_block_scale)")
         if kv_cache.numel() and self.kernel_path == "triton" and not torch.cuda.is_current_stream_capturing():
-            self._warm_up_once(query, key, value, kv_cache, output, attn_metadata)
+            self._warm_up_once(layer, query, key, value, kv_cache, output)
         if attn_metadata is None:  # profiling / dummy run
             return output.fill_(0)
         batch = attn_metadata.batch
         attention = self._attention.get(batch.tokens) or self._bind(batch.tokens, kv_cache)
         key_cache, value_cache = self._split(kv_cache)
+        scales = self._scales(layer)
         n = batch.num_tokens
         if n == query.shape[0]:
-            attention.forward(query, key, value, key_cache, value_cache, batch, out=output)
+            attention.forward(query, key, value, key_cache, value_cache, batch, out=output, **scales)
             return output
-        attention.forward(query[:n], key[:n], value[:n], key_cache, value_cache, batch, out=output[:n])
+        attention.forward(query[:n], key[:n], value[:n], key_cache, value_cache, batch, out=output[:n], **scales)
         if attn_metadata.num_actual_tokens > n:
             output[n:attn_metadata.num_actual_tokens].zero_()
         return output
@@ -122,15 +126,23 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         """K and V views of the layer's cache (the same tensor every step: made once)."""
         views = self._kv_views
         if views is None or views[0] is not kv_cache:
-            views = self._kv_views = (kv_cache, *split_kv_cache(kv_cache, self.head_size))
+            typed = kv_cache if self._fp8_dtype is None else kv_cache.view(self._fp8_dtype)
+            views = self._kv_views = (kv_cache, *split_kv_cache(typed, self.head_size))
         return views[1], views[2]
 
-    def _warm_up_once(self, query, key, value, kv_cache, output, attn_metadata) -> None:
+    def _scales(self, layer) -> dict:
+        """The layer's per-tensor K/V scales (vLLM's float32 buffers, set at load or calculated) for an fp8 cache."""
+        if self._fp8_dtype is None:
+            return {}
+        return {"k_scale": layer._k_scale, "v_scale": layer._v_scale}
+
+    def _warm_up_once(self, layer, query, key, value, kv_cache, output) -> None:
         """Compile every kernel variant now (once per worker and layer kind), not on a user's request. Every rank
         of a DCP group reaches this at the same layer of the same step, so the dummy steps' collectives pair up."""
         key_cache, value_cache = self._split(kv_cache)
         signature = (self.topology.heads, self.topology.interleave, self.topology.comm, query.dtype, query.stride(),
-                     key.stride(), output.stride(), key_cache.shape[1:], key_cache.stride(), value_cache.stride())
+                     key.stride(), output.stride(), key_cache.dtype, key_cache.shape[1:], key_cache.stride(),
+                     value_cache.stride())
         if signature in _warmed:
             return
         _warmed.add(signature)
@@ -138,7 +150,7 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
                              interleave=self.topology.interleave, block_size=key_cache.shape[1])
         attention = self._attention.get(tokens) or self._bind(tokens, kv_cache)
         steps = warm_up(attention, query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-                        output=output.view(output.shape[0], self.num_heads, -1))
+                        output=output.view(output.shape[0], self.num_heads, -1), **self._scales(layer))
         logger.info("dcp-triton: compiled the kernels of %d step kinds before serving (dcp_size=%d, %s)", steps,
                     tokens.dcp_size, query.dtype)
 

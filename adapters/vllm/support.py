@@ -7,9 +7,13 @@ from types import ModuleType
 
 import torch
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# The kernels read the cache in the model's dtype: "auto", or the model dtype spelled out.
-SUPPORTED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+from dcp_plugin.checks import FLOAT_DTYPES as SUPPORTED_DTYPES
+
+# vLLM's fp8 KV-cache options: the cache holds value / scale (vLLM's per-tensor k_scale / v_scale, default or
+# calculated), quantized when written and dequantized in registers when read; "fp8" means e4m3 on NVIDIA GPUs.
+FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# Otherwise the kernels read the cache in the model's dtype: "auto", or the model dtype spelled out.
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", *FP8_KV_CACHE_DTYPES)
 KERNELS_ENV = "DCP_TRITON_KERNELS"
 KERNEL_CHOICES = ("triton", "reference")
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -61,9 +65,11 @@ def layer_problems(
         problems.append(f"dtype={model_dtype}: supported dtypes are float16, bfloat16, float32")
     if kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
         problems.append(
-            f"kv_cache_dtype={kv_cache_dtype!r}: quantized KV caches are not supported; supported: 'auto' "
-            "(the model dtype)"
+            f"kv_cache_dtype={kv_cache_dtype!r}: not a KV-cache format dcp-triton reads; supported: 'auto' (the "
+            "model dtype) and per-tensor-scaled 'fp8' / 'fp8_e4m3' / 'fp8_e5m2'"
         )
+    elif kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        pass  # any model dtype: the cache is quantized with vLLM's per-tensor scales
     elif kv_cache_dtype != "auto" and model_dtype is not None and kv_cache_dtype != _DTYPE_NAMES.get(model_dtype):
         problems.append(
             f"kv_cache_dtype={kv_cache_dtype!r} with dtype={model_dtype}: the cache must hold the model dtype; "
@@ -143,11 +149,18 @@ def _triton_imported_interpreted() -> bool:
     return isinstance(standard.zeros, InterpretedFunction)
 
 
-def check_kernel_dtype(description: str, ops: ModuleType, dtype: torch.dtype | None) -> None:
-    """The Triton interpreter computes bf16 matrix products wrongly: refuse that combination instead of erring."""
+def check_kernel_dtype(description: str, ops: ModuleType, dtype: torch.dtype | None,
+                       kv_cache_dtype: str = "auto") -> None:
+    """The Triton interpreter computes bf16 matrix products and float32-to-fp8 rounding wrongly: refuse those
+    combinations instead of erring."""
     interpreted = getattr(ops, "INTERPRET", False) and description.startswith("triton")
     if interpreted and dtype == torch.bfloat16:
         raise ValueError(
             "dtype=bfloat16 with the Triton interpreter (no GPU): the interpreter computes bf16 matrix products "
             f"wrongly; use dtype='float32' or 'float16', or {KERNELS_ENV}=reference"
+        )
+    if interpreted and kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} with the Triton interpreter (no GPU): the interpreter rounds float32 "
+            f"to fp8 wrongly; use kv_cache_dtype='auto', or {KERNELS_ENV}=reference"
         )

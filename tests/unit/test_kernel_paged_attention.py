@@ -10,9 +10,9 @@ import triton
 import triton.language as tl
 
 from dcp_plugin.kernels import reference
+from dcp_plugin.kernels._schedule import group_head_tile, head_tiling
 from dcp_plugin.kernels.paged_attention import (
-    MAX_AUTO_SPLITS, PROGRAMS_PER_SM, PagedConfig, group_head_tile, head_tiling, paged_attention, pick_num_splits,
-    plan_paged,
+    MAX_AUTO_SPLITS, PROGRAMS_PER_SM, PagedConfig, paged_attention, pick_num_splits, plan_paged,
 )
 from tests.kernel_checks import assert_matches, poisoned
 

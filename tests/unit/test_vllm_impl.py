@@ -8,6 +8,8 @@ step's K/V (the backend declares ``forward_includes_kv_cache_update``), earlier 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -31,9 +33,14 @@ BATCHES = {  # (cached context, new tokens) per request
     "decode": [(37, 1), (130, 1), (0, 1), (16, 1)],  # one query token each: the core's whole-shard decode path
 }
 PAD_TOKENS = 3  # rows past the batch's tokens, as a padded vLLM step has them
-CASES = [("reference", layout, dtype) for layout in KVCacheLayout for dtype in (torch.float32, torch.float16)]
-CASES += [("triton", layout, torch.float32) for layout in (KVCacheLayout.LBNHC, KVCacheLayout.LHBNC)]
-CASE_IDS = [f"{k}-{layout.name}-{str(dt).removeprefix('torch.')}" for k, layout, dt in CASES]
+CASES = [("reference", layout, dtype, "auto") for layout in KVCacheLayout for dtype in (torch.float32, torch.float16)]
+CASES += [("triton", layout, torch.float32, "auto") for layout in (KVCacheLayout.LBNHC, KVCacheLayout.LHBNC)]
+# vLLM allocates an fp8 cache as bytes; the impl views it as fp8 and scales by the layer's _k_scale / _v_scale.
+CASES += [("reference", KVCacheLayout.LBNHC, torch.float16, "fp8"), ("reference", KVCacheLayout.LHBNC, torch.float32,
+                                                                     "fp8_e5m2")]
+CASE_IDS = [f"{k}-{layout.name}-{str(dt).removeprefix('torch.')}-{c}" for k, layout, dt, c in CASES]
+FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+K_SCALE, V_SCALE = 0.5, 0.25  # powers of two: the test's K/V (fp8 values times these) are exact in every dtype
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +63,9 @@ def layer_kv_cache(layout: KVCacheLayout, dtype: torch.dtype) -> tuple[torch.Ten
     return layer1, layer0
 
 
-def make_impl(monkeypatch, kernels: str) -> DcpTritonImpl:
+def make_impl(monkeypatch, kernels: str, kv_cache_dtype: str = "auto") -> DcpTritonImpl:
     monkeypatch.setenv("DCP_TRITON_KERNELS", kernels)
-    return DcpTritonImpl(H_Q, D, D**-0.5, H_KV)
+    return DcpTritonImpl(H_Q, D, D**-0.5, H_KV, kv_cache_dtype=kv_cache_dtype)
 
 
 def naive_attention(q, k_ctx, v_ctx, k_new, v_new) -> torch.Tensor:
@@ -73,13 +80,15 @@ def naive_attention(q, k_ctx, v_ctx, k_new, v_new) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("batch_kind", list(BATCHES))
-@pytest.mark.parametrize(("kernels", "layout", "dtype"), CASES, ids=CASE_IDS)
+@pytest.mark.parametrize(("kernels", "layout", "dtype", "cache"), CASES, ids=CASE_IDS)
 def test_cache_write_and_forward_match_attention_over_whole_sequences(worker, monkeypatch, kernels, layout, dtype,
-                                                                     batch_kind):
+                                                                     cache, batch_kind):
     requests = BATCHES[batch_kind]
     gen = torch.Generator().manual_seed(7)
-    kv_cache, other_layer = layer_kv_cache(layout, dtype)
-    impl = make_impl(monkeypatch, kernels)
+    fp8 = FP8.get(cache)
+    kv_cache, other_layer = layer_kv_cache(layout, dtype if fp8 is None else torch.uint8)
+    impl = make_impl(monkeypatch, kernels, cache)
+    layer = SimpleNamespace(_k_scale=torch.tensor(K_SCALE), _v_scale=torch.tensor(V_SCALE))  # vLLM's buffers
     pages = torch.randperm(NUM_BLOCKS, generator=gen).to(torch.int32)
     width = -(-max(c + q for c, q in requests) // BLOCK)
     table = torch.full((len(requests), width), -1, dtype=torch.int32)
@@ -92,18 +101,21 @@ def test_cache_write_and_forward_match_attention_over_whole_sequences(worker, mo
     def slots(r: int, start: int, stop: int) -> list[int]:
         return [int(table[r, p // BLOCK]) * BLOCK + p % BLOCK for p in range(start, stop)]
 
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype)
+    def rand(*shape, scale=1.0):
+        """Model-dtype values; for an fp8 cache, ones it holds exactly (so the float64 oracle needs no rounding)."""
+        x = torch.randn(*shape, generator=gen)
+        return (x if fp8 is None else x.to(fp8).float() * scale).to(dtype)
 
-    k_ctx = [rand(c, H_KV, D) for c, _ in requests]
-    v_ctx = [rand(c, H_KV, D) for c, _ in requests]
+    k_ctx = [rand(c, H_KV, D, scale=K_SCALE) for c, _ in requests]
+    v_ctx = [rand(c, H_KV, D, scale=V_SCALE) for c, _ in requests]
     # Earlier steps: the cached contexts, written through the same path as this step's tokens.
     ctx_slots = torch.tensor(sum((slots(r, 0, c) for r, (c, _) in enumerate(requests)), []), dtype=torch.int64)
-    impl.do_kv_cache_update(None, torch.cat(k_ctx), torch.cat(v_ctx), kv_cache, ctx_slots)
+    impl.do_kv_cache_update(layer, torch.cat(k_ctx), torch.cat(v_ctx), kv_cache, ctx_slots)
 
     num_tokens = sum(q for _, q in requests)
-    q_all, k_all, v_all = rand(num_tokens + PAD_TOKENS, H_Q, D), rand(num_tokens + PAD_TOKENS, H_KV, D), \
-        rand(num_tokens + PAD_TOKENS, H_KV, D)
+    q_all = torch.randn(num_tokens + PAD_TOKENS, H_Q, D, generator=gen).to(dtype)
+    k_all, v_all = rand(num_tokens + PAD_TOKENS, H_KV, D, scale=K_SCALE), rand(num_tokens + PAD_TOKENS, H_KV, D,
+                                                                                scale=V_SCALE)
     step_slots = torch.tensor(sum((slots(r, c, c + q) for r, (c, q) in enumerate(requests)), []), dtype=torch.int64)
     query_lens = [q for _, q in requests]
     seq_lens = torch.tensor([c + q for c, q in requests], dtype=torch.int32)
@@ -114,19 +126,21 @@ def test_cache_write_and_forward_match_attention_over_whole_sequences(worker, mo
         block_table_tensor=table, slot_mapping=torch.cat([step_slots, torch.full((PAD_TOKENS,), -1)]),
         seq_lens_cpu_upper_bound=seq_lens.clone(),
     )
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=H_KV, head_size=D, dtype=dtype)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=H_KV, head_size=D, dtype=kv_cache.dtype)
     metadata = DcpTritonMetadataBuilder(spec, ["l1"], worker, torch.device("cpu")).build(0, cm)
     output = torch.full((num_tokens + PAD_TOKENS, H_Q, D), float("nan"), dtype=dtype)
-    returned = impl.forward(None, q_all, k_all, v_all, kv_cache, metadata, output)  # padding rows: no slot
+    returned = impl.forward(layer, q_all, k_all, v_all, kv_cache, metadata, output)  # padding rows: no slot
 
     assert returned is output
     # The cache through vLLM's logical [block, kv_head, row, K||V] view: every written token where its slot says,
     # nothing anywhere else, the other layer untouched.
     written = torch.zeros(NUM_BLOCKS, BLOCK, dtype=torch.bool)
+    stored = kv_cache if fp8 is None else kv_cache.view(fp8).to(dtype) * torch.tensor([K_SCALE] * D + [V_SCALE] * D,
+                                                                                     dtype=dtype)
     for slot_list, k_rows, v_rows in ((ctx_slots, torch.cat(k_ctx), torch.cat(v_ctx)), (step_slots, k_all, v_all)):
         page, row = slot_list // BLOCK, slot_list % BLOCK
-        assert torch.equal(kv_cache[page, :, row, :D], k_rows[: len(slot_list)])
-        assert torch.equal(kv_cache[page, :, row, D:], v_rows[: len(slot_list)])
+        assert torch.equal(stored[page, :, row, :D], k_rows[: len(slot_list)])
+        assert torch.equal(stored[page, :, row, D:], v_rows[: len(slot_list)])
         written[page, row] = True
     assert not kv_cache.transpose(1, 2)[~written].any(), "K/V written to a slot nobody owns (padding rows?)"
     assert not other_layer.any()
@@ -177,3 +191,8 @@ def test_forward_writes_the_cache_and_layers_share_one_workspace(worker, monkeyp
     first, second = make_impl(monkeypatch, "reference"), make_impl(monkeypatch, "reference")
     assert first.workspace is second.workspace
     assert first.workspace.max_num_tokens == worker.scheduler_config.max_num_batched_tokens
+
+
+def test_fp8_cache_with_the_triton_interpreter_is_refused_at_startup(worker, monkeypatch):
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' with the Triton interpreter"):
+        make_impl(monkeypatch, "triton", "fp8")

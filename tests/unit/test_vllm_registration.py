@@ -183,7 +183,8 @@ LAYER_REFUSALS = {
     "soft_cap": (dict(logits_soft_cap=30.0), r"logits_soft_cap=30.0: .*supported: None"),
     "sinks": (dict(sinks=torch.zeros(4)), r"sinks: attention sinks are not supported"),
     "encoder": (dict(attn_type="encoder_only"), r"attn_type='encoder_only': only decoder self-attention"),
-    "fp8_cache": (dict(kv_cache_dtype="fp8"), r"kv_cache_dtype='fp8': quantized KV caches .*supported: 'auto'"),
+    "int8_cache": (dict(kv_cache_dtype="int8_per_token_head"),
+                   r"kv_cache_dtype='int8_per_token_head': not a KV-cache format .*'auto' .*'fp8_e5m2'"),
     "bf16_cache_fp32_model": (dict(kv_cache_dtype="bfloat16"), r"kv_cache_dtype='bfloat16' with dtype=torch.float32"),
     "head_size": (dict(head_size=32), r"head_size=32: supported head sizes are \[64, 80, 96, 128, 256\]"),
     "kv_sharing": (dict(kv_sharing_target_layer_name="model.layers.0.self_attn.attn"), r"cross-layer KV sharing"),
@@ -264,12 +265,12 @@ def test_vllm_tp_head_layout_is_followed():
 def test_selector_validation_names_what_is_supported():
     """The CUDA platform's path: validate_configuration before the backend is used."""
     reasons = DcpTritonBackend.validate_configuration(
-        head_size=32, dtype=torch.float16, kv_cache_dtype="fp8", block_size=24, use_mla=False, has_sink=True,
+        head_size=32, dtype=torch.float16, kv_cache_dtype="int8_per_token_head", block_size=24, use_mla=False, has_sink=True,
         use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
         device_capability=DeviceCapability(9, 0), attn_type="decoder", has_sliding_window=True, use_dcp=True,
     )
     text = " | ".join(reasons)
-    for fragment in ("head_size=32: supported head sizes", "kv_cache_dtype='fp8'", "sinks", "sliding window",
+    for fragment in ("head_size=32: supported head sizes", "kv_cache_dtype='int8_per_token_head'", "sinks", "sliding window",
                      "block_size"):
         assert fragment in text, text
     assert "dcp" not in text.lower().replace("dcp-triton", "")  # DCP itself is supported

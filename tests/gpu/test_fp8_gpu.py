@@ -1,0 +1,71 @@
+"""An fp8 KV cache on the GPU: the Triton write stores exactly the reference's bytes (quantize, clamp), and paged
+attention over an fp8 cache (bf16/fp16 queries, automatic and forced splits) equals float64 attention over the
+dequantized cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcp_plugin.kernels import reference
+from dcp_plugin.kernels.paged_attention import paged_attention
+from dcp_plugin.kernels.write_kv_cache import write_kv_cache
+from tests.kernel_checks import assert_matches, poisoned
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+SCALES = (0.037, 0.011)  # not powers of two: the write's division rounds
+
+
+def _scales():
+    return tuple(torch.tensor([s], dtype=torch.float32, device="cuda") for s in SCALES)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("fp8", list(FP8))
+def test_the_triton_write_stores_the_reference_bytes(fp8, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    cache_dtype = FP8[fp8]
+    k, v = (torch.randn(300, 8, 128, device="cuda", generator=gen).to(dtype) * 4 for _ in range(2))
+    k[7, 1, 5], v[9, 0, 0] = 1e4, -1e4  # past the range at these scales: clamped to the format's max
+    slots = torch.randperm(64 * 16, device="cuda", generator=gen)[:300]
+    slots[::5] = -1  # another rank's tokens
+    k_scale, v_scale = _scales()
+    got = [torch.zeros(64, 16, 8, 256, dtype=cache_dtype, device="cuda") for _ in range(2)]
+    want = [torch.zeros_like(g) for g in got]
+    write_kv_cache(k, v, got[0][..., :128], got[0][..., 128:], slots, k_scale=k_scale, v_scale=v_scale)
+    reference.write_kv_cache(k, v, want[0][..., :128], want[0][..., 128:], slots, k_scale=k_scale, v_scale=v_scale)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.isfinite(got[0].float()).all()
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("fp8", list(FP8))
+def test_paged_attention_over_an_fp8_cache(fp8, dtype, head_dim, num_splits):
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    q_lens, ctx = [1, 1, 9, 1, 1], [4097, 0, 300, 1, 2000]
+    block_size, pages = 16, [-(-c // 16) for c in ctx]
+    k_scale, v_scale = _scales()
+    q = torch.randn(sum(q_lens), 16, head_dim, device="cuda", generator=gen).to(dtype)
+    raw = torch.randn(sum(pages) + 3, block_size, 2, 2 * head_dim, device="cuda", generator=gen)
+    scale_row = torch.cat([k_scale.expand(head_dim), v_scale.expand(head_dim)])
+    buf = (raw * 0.1 / scale_row).to(FP8[fp8])
+    kc, vc = buf[..., :head_dim], buf[..., head_dim:]
+    table = torch.zeros(len(ctx), max(pages) + 1, dtype=torch.int32, device="cuda")
+    order, used = torch.randperm(sum(pages), device="cuda", generator=gen) + 3, 0
+    for b, n in enumerate(pages):
+        table[b, :n] = order[used:used + n]
+        used += n
+    lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    heads = dict(scale=head_dim**-0.5, q_head_start=0, q_per_kv=8, kv_head_start=0, max_kv_len=max(ctx))
+    out, lse = poisoned(q.shape, dtype, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
+    paged_attention(q, kc, vc, table, lens, qsl, **heads, num_splits=num_splits, out=out, lse=lse, k_scale=k_scale,
+                    v_scale=v_scale)
+    want_out, want_lse = reference.paged_attention(q.double(), kc.double() * k_scale.double(),
+                                                   vc.double() * v_scale.double(), table, lens, qsl, **heads)
+    assert_matches(out, want_out, dtype, f"fp8 {fp8} paged out")
+    assert_matches(lse, want_lse, dtype, f"fp8 {fp8} paged lse")

@@ -1,0 +1,129 @@
+"""An fp8 KV cache (float8_e4m3fn / float8_e5m2 holding value / scale): the reference write quantizes and clamps as
+torch does, paged attention equals float64 attention over the dequantized cache, and DCP over fp8 shards equals
+attention over the same fp8 cache (both comm modes, N = 1, 2, 4), with the current chunk in the model dtype. The
+Triton write kernel refuses fp8 under the interpreter, which rounds float32 to fp8 wrongly; the GPU tier compares
+it bit for bit with the reference (tests/gpu/test_fp8_gpu.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dcp_plugin import DcpAttention, kernels
+from dcp_plugin.kernels import reference
+from tests.dcp_harness import Case, RankState, SerialOps, ThreadGroup, World, causal_attention_f64, run_threads
+from tests.kernel_checks import assert_matches, poisoned
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALES = {torch.float8_e4m3fn: (0.02, 0.03), torch.float8_e5m2: (0.5, 0.25)}
+
+
+def _scales(dtype):
+    return tuple(torch.tensor([s], dtype=torch.float32) for s in SCALES[dtype])
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
+def test_the_reference_write_quantizes_like_torch_and_clamps(dtype):
+    gen = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(6, 2, 64, generator=gen) * 3 for _ in range(2))
+    k[0, 0, 0] = 1e6  # far past the format's range: clamped, never inf or NaN
+    k_scale, v_scale = _scales(dtype)
+    slots = torch.tensor([3, -1, 17, 0, 30, 5])
+    kc, vc = (torch.zeros(4, 8, 2, 64, dtype=dtype) for _ in range(2))
+    reference.write_kv_cache(k, v, kc, vc, slots, k_scale=k_scale, v_scale=v_scale)
+    limit = torch.finfo(dtype).max
+    for cache, values, scale in ((kc, k, k_scale), (vc, v, v_scale)):
+        for token, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                want = (values[token] / scale).clamp(-limit, limit).to(dtype)
+                assert torch.equal(cache[slot // 8, slot % 8].view(torch.uint8), want.view(torch.uint8))
+    assert kc[0, 3, 0, 0].float() == limit and torch.isfinite(kc.float()).all()
+
+
+def test_the_triton_write_refuses_fp8_under_the_interpreter():
+    cache = torch.zeros(2, 8, 1, 64, dtype=FP8[0])
+    with pytest.raises(ValueError, match="cannot be written by the Triton interpreter"):
+        kernels.write_kv_cache(torch.randn(2, 1, 64), torch.randn(2, 1, 64), cache, cache, torch.tensor([0, 1]),
+                               k_scale=torch.ones(1), v_scale=torch.ones(1))
+
+
+def test_an_fp8_cache_needs_its_scales_and_a_plain_cache_refuses_them():
+    k = torch.randn(2, 1, 64)
+    fp8, plain = torch.zeros(2, 8, 1, 64, dtype=FP8[0]), torch.zeros(2, 8, 1, 64)
+    slots = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="k_scale must be a one-element float32 tensor"):
+        kernels.write_kv_cache(k, k, fp8, fp8, slots)
+    with pytest.raises(ValueError, match="k_scale / v_scale are for an fp8 KV cache"):
+        kernels.write_kv_cache(k, k, plain, plain, slots, k_scale=torch.ones(1), v_scale=torch.ones(1))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
+def test_paged_attention_reads_the_dequantized_cache(dtype, splits):
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(5, 8, 64, generator=gen)
+    k_scale, v_scale = _scales(dtype)
+    cache = (torch.randn(12, 16, 2, 128, generator=gen) / torch.cat([k_scale.expand(64), v_scale.expand(64)])).to(dtype)
+    kc, vc = cache[..., :64], cache[..., 64:]
+    table = torch.randperm(12, generator=gen).to(torch.int32).view(3, 4)
+    lens, qsl = torch.tensor([40, 0, 63], dtype=torch.int32), torch.tensor([0, 1, 2, 5], dtype=torch.int32)
+    out, lse = poisoned(q.shape, torch.float32), poisoned(q.shape[:2], torch.float32)
+    heads = dict(scale=0.125, q_head_start=0, q_per_kv=4, kv_head_start=0, max_kv_len=63)
+    kernels.paged_attention(q, kc, vc, table, lens, qsl, **heads, num_splits=splits, out=out, lse=lse,
+                            k_scale=k_scale, v_scale=v_scale)
+    want_out, want_lse = reference.paged_attention(q.double(), kc.double() * k_scale.double(),
+                                                   vc.double() * v_scale.double(), table, lens, qsl, **heads)
+    assert_matches(out, want_out, torch.float32, "fp8 paged out")
+    assert_matches(lse, want_lse, torch.float32, "fp8 paged lse")
+
+
+def _ops(name: str):
+    """The kernel namespace of a CPU run: the Triton kernels write fp8 only on a GPU, so the write is torch's."""
+    if name == "reference":
+        return reference
+    return SimpleNamespace(**{n: getattr(kernels, n) for n in ("plan_extend", "plan_paged", "plan_combine",
+                                                                "split_capacity")},
+                           plan_write_kv=reference.plan_write_kv)
+
+
+def _round_trip(world: World, dtype) -> None:
+    """Make the world's K/V exactly what an fp8 cache can hold, so the float64 reference sees what every path sees
+    (the cache dequantized, the current chunk in the model dtype)."""
+    k_scale, v_scale = (s.double() for s in _scales(dtype))
+    limit = torch.finfo(dtype).max
+    for tensors, scale in ((world.keys, k_scale), (world.values, v_scale)):
+        for i, t in enumerate(tensors):
+            tensors[i] = (t / scale).clamp(-limit, limit).to(dtype).double() * scale
+
+
+@pytest.mark.parametrize("ops", ["reference", "triton"])
+@pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_dcp_over_fp8_shards_equals_attention_over_the_fp8_cache(n, comm, ops):
+    dtype = FP8[0] if comm == "ag_rs" else FP8[1]
+    requests = ((30, 1), (25, 1), (19, 4), (0, 6)) if ops == "triton" else ((50, 1), (41, 1), (33, 7), (0, 9), (3, 2))
+    case = Case(name="fp8", q_heads=8, kv_heads=2, requests=requests, comm=comm, head_dim=32, seed=21, ops=ops,
+                decode_steps=1)
+    world = World(case)
+    _round_trip(world, dtype)
+    k_scale, v_scale = _scales(dtype)
+
+    def rank_fn(rank, exchange):
+        state = RankState.create(case, world, n, rank)
+        to_fp8 = [(c / s).to(dtype) for c, s in ((state.key_cache, k_scale), (state.value_cache, v_scale))]
+        attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=ThreadGroup(exchange, rank) if n > 1 else
+                            None, scale=world.scale, comm=comm, ops=SerialOps(_ops(ops)))
+        group_heads = range(state.heads.group_q_head_start,
+                            state.heads.group_q_head_start + state.heads.num_group_q_heads)
+        for step, new_tokens in enumerate([[new for _, new in requests], [1] * len(requests)]):
+            q, k, v, batch, positions = state.step(new_tokens)
+            out = torch.full(q.shape, float("nan"))
+            attn.forward(q, k, v, *to_fp8, batch, out=out, k_scale=k_scale, v_scale=v_scale)
+            got = attn.group.all_gather(out, dim=1) if n > 1 else out
+            want = torch.cat([causal_attention_f64(world, b, p, group_heads) for b, p in enumerate(positions)])
+            assert_matches(got, want, torch.float32, f"N={n} {comm} {ops} step {step}")
+        return True
+
+    assert all(run_threads(n, rank_fn))
