@@ -7,6 +7,7 @@
 #          captured graph), and the host-overhead benchmark.
 #   e2e:   carry .gpu-bundle/extra. vLLM's dependencies, then benchmarks/vllm_dcp_e2e.py with the arguments given
 #          (resumable: a later call continues where the last stopped while the machine is warm).
+#   spec:  like e2e (after it, on the same warm machine), for benchmarks/vllm_spec_dcp.py: speculative decoding.
 # Everything runs from /tmp: in the repository root, its dcp_plugin/ folder (without the kernels/ and adapters/
 # packages that the install maps into it) would shadow the installed package for child processes.
 set -uo pipefail
@@ -48,13 +49,15 @@ case "$stage" in
       --out "$OUT/host_overhead_h200.json"
     wait
     ;;
-  e2e)
+  e2e|spec)
     install_dcp || exit 1
     test -d /tmp/vs/vllm || { echo "vLLM is not unpacked in /tmp/vs: run the check stage first" >&2; exit 1; }
     source "$repo/.gpu-bundle/extra/setup.sh"
     export PYTHONPATH=/tmp/dcp:$PYTHONPATH
     cd /tmp
-    python3 "$repo/benchmarks/vllm_dcp_e2e.py" --mirror "$OUT" "$@" 2>&1 | tee /tmp/logs/e2e.log | tail -n 60
+    script=vllm_dcp_e2e.py
+    test "$stage" = spec && script=vllm_spec_dcp.py
+    python3 "$repo/benchmarks/$script" --mirror "$OUT" "$@" 2>&1 | tee "/tmp/logs/$stage.log" | tail -n 60
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -162,8 +162,34 @@ def compile_check_task(llm, task: dict, vocab: int) -> dict:
     return {"batches": batches, "log_read": bool(log)}
 
 
+def spec_decode_task(llm, task: dict, vocab: int) -> dict:
+    """Greedy tokens (with the top-2 logprobs of every step) of ``task["prompt_ids"]``, all at once, timed, and
+    vLLM's speculative-decoding counters over that run (empty without speculation). ``task["warmup_ids"]`` (other
+    prompts, same lengths) run first, outside the timing and the counters: compiles and CUDA graphs."""
+    from vllm import SamplingParams
+
+    warm = SamplingParams(max_tokens=task["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
+    llm.generate([{"prompt_token_ids": p} for p in task["warmup_ids"]], warm, use_tqdm=False)
+    before = _spec_counters(llm)
+    began = time.perf_counter()
+    data = _greedy(llm, task["prompt_ids"], task["max_tokens"], 2)
+    timed_s = time.perf_counter() - began
+    after = _spec_counters(llm)
+    delta = {name: [a - b for a, b in zip(value, before.get(name, [0] * len(value)))] if isinstance(value, list)
+             else value - before.get(name, 0) for name, value in after.items()}
+    generated = sum(len(tokens) for tokens in data["tokens"])
+    return {"prompt_lens": [len(p) for p in task["prompt_ids"]], **data, "timed_s": timed_s,
+            "output_tok_s": generated / timed_s, "spec_decode": delta}
+
+
+def _spec_counters(llm) -> dict:
+    """vLLM's ``vllm:spec_decode_*`` counters so far (a number each, a list per draft position for the vector)."""
+    return {m.name: list(m.values) if hasattr(m, "values") else m.value for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode")}
+
+
 TASKS = {"logprobs": logprobs_task, "greedy": greedy_task, "prefix": prefix_task, "throughput": throughput_task,
-         "compile_check": compile_check_task}
+         "compile_check": compile_check_task, "spec_decode": spec_decode_task}
 
 
 def _greedy(llm, prompts: list[list[int]], max_tokens: int, top: int) -> dict:

@@ -55,3 +55,34 @@ def single_process_vllm_groups(tmp_path: Path):
     finally:
         destroy_model_parallel()
         destroy_distributed_environment()
+
+
+def generate_speculative(tmp: Path, variants: dict[str, tuple[Path, dict | None]]) -> dict[str, tuple[dict, str]]:
+    """Run ``tests/integration/vllm_generate.py`` once per variant, all at once: the dcp-triton engine of a model
+    (reference kernels, the ``repeats`` scenario) with a ``speculative_config`` or none. Returns, per variant, the
+    engine's results and its log; a failed run fails the caller with the log's end."""
+    import os
+    import subprocess
+    import sys
+
+    runner = Path(__file__).parent / "integration" / "vllm_generate.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("DCP_TRITON_CPU", "DCP_TRITON_KERNELS")}
+    env.update(HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    procs = {}
+    for name, (model, spec) in variants.items():
+        extra = ["--speculative-config", json.dumps(spec)] if spec else []
+        with open(tmp / f"{name}.log", "w") as sink:
+            procs[name] = subprocess.Popen(
+                [sys.executable, str(runner), str(model), str(tmp / f"{name}.json"), "--backends", "dcp-triton",
+                 "--kernels", "reference", "--scenarios", "repeats", *extra],
+                stdout=sink, stderr=subprocess.STDOUT, env=env)
+    results = {}
+    for name, proc in procs.items():
+        try:
+            proc.wait(timeout=600)
+        finally:
+            proc.kill()
+        log = (tmp / f"{name}.log").read_text()
+        assert proc.returncode == 0, f"{name} failed:\n{log[-6000:]}"
+        results[name] = (json.loads((tmp / f"{name}.json").read_text())["dcp-triton"], log)
+    return results

@@ -10,7 +10,7 @@ import torch
 from vllm.config import CUDAGraphMode
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder, CommonAttentionMetadata
 
-from dcp_plugin.adapters.vllm import compat
+from dcp_plugin.adapters.vllm import compat, spec
 from dcp_plugin.batch import DcpBatch, DcpBatchWorkspace, leading_decodes
 from dcp_plugin.layout import TokenLayout
 
@@ -73,6 +73,7 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
         # The KV-cache group's own sharding (a draft vLLM does not shard gets DCP size 1 inside a DCP target).
         self.tokens = TokenLayout(dcp_size=dcp_size, dcp_rank=dcp_rank, interleave=interleave,
                                   block_size=kv_cache_spec.block_size)
+        spec.check_kv_cache_group(self.tokens, layer_names, vllm_config)  # start-up, not the first request
         # Decode rows first (MRV1 runners reorder only when asked): the kernels take any mix, so DCP needs no
         # forced threshold of 1, and spec-decode verify rows count as decodes.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True, supports_dcp_with_varlen=True)
@@ -97,9 +98,14 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
         num_tokens = int(query_start_loc_cpu[-1])  # host tensor: real tokens, without padding rows
         max_context_len = None
         if cm.seq_lens_cpu_upper_bound is not None and num_reqs > 0:
-            # Host data, identical on every rank: a rank-invariant bound for the skip-the-prefix decision.
+            # Host data, identical on every rank: a rank-invariant bound for the skip-the-prefix decision. A draft
+            # model's metadata can leave the bound short (vLLM's extend_all_queries_by_N adds N to seq_lens and
+            # max_seq_len only): the contexts are then bounded by max_seq_len alone.
             query_lens_cpu = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
-            max_context_len = int((cm.seq_lens_cpu_upper_bound[:num_reqs] - query_lens_cpu).max().clamp_min(0))
+            upper = cm.seq_lens_cpu_upper_bound[:num_reqs]
+            if int(upper.max()) < cm.max_seq_len:
+                upper = torch.full_like(upper, cm.max_seq_len)
+            max_context_len = int((upper - query_lens_cpu).max().clamp_min(0))
         max_seq_len = cm.max_seq_len
         if cm.max_query_len == 1 and self._full_decode_graphs():
             # The split count a captured decode graph replays with, the same for capture, warm-up and every step:

@@ -8,7 +8,7 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
-from dcp_plugin.adapters.vllm import compat, registration, support, topology
+from dcp_plugin.adapters.vllm import compat, registration, spec, support, topology
 from dcp_plugin.adapters.vllm.builder import DcpTritonMetadata
 from dcp_plugin.attention import DcpAttention
 from dcp_plugin.layout import TokenLayout, check_same_position
@@ -157,9 +157,8 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
     def _bind(self, tokens: TokenLayout, kv_cache: torch.Tensor) -> DcpAttention:
         """First step with this token layout (the KV-cache block size is known only then): build DcpAttention."""
         heads = self.topology.heads
-        check_same_position(heads, tokens, hint=(
-            " (the KV-cache group's sharding against this layer's model); a draft model must use the target's "
-            "decode_context_parallel_size or a replicated (unsharded) KV cache"))
+        check_same_position(heads, tokens,
+                            hint=" (the KV-cache group's sharding against this layer's model)" + spec.KV_SHARDING_HINT)
         if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * self.head_size:
             raise ValueError(
                 f"KV cache view of shape {tuple(kv_cache.shape)}: dcp-triton needs [num_blocks, num_kv_heads, "

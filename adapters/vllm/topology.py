@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dcp_plugin.adapters.vllm import spec
 from dcp_plugin.group import TorchDcpGroup
 from dcp_plugin.layout import HeadLayout
 from dcp_plugin.parallel_state import ParallelState
@@ -117,10 +118,13 @@ def from_vllm(*, num_heads: int, num_kv_heads: int, dcp_size: int, dcp_rank: int
             f"vLLM's DCP rank {dcp_rank} is not tp_rank % decode_context_parallel_size = {ps.attn_dcp_rank}: "
             "dcp-triton needs DCP groups of consecutive TP ranks"
         )
-    heads = head_layout(
-        num_heads=num_heads, num_kv_heads=num_kv_heads,
-        total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(), ps=ps,
-    )
+    try:
+        heads = head_layout(
+            num_heads=num_heads, num_kv_heads=num_kv_heads,
+            total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(), ps=ps,
+        )
+    except ValueError as err:  # vLLM checks only the target's heads against DCP: say when these are a draft's
+        raise ValueError(f"{err}{spec.draft_note(vllm_config) if dcp_size > 1 else ''}") from err
     if getattr(parallel, "enable_dbo", False) or getattr(parallel, "ubatch_size", 1) > 1:
         raise ValueError(
             "enable_dbo / ubatch_size > 1 (micro-batching): dcp-triton shares one scratch workspace between the "

@@ -24,11 +24,14 @@ GROUP_KEY = "__group__"  # a failure that is not any one case's (start-up, crash
 COLLECTIVES_KEY = "TorchDcpGroup-collectives"
 
 
-def run_group(n: int, cases: list[Case], workdir: Path, *, timeout_s: float) -> dict[str, str]:
-    """Verdict per case name (``OK`` or the failure text), plus ``GROUP_KEY`` on trouble."""
+def run_group(n: int, cases: list[Case], workdir: Path, *, timeout_s: float, runner=None) -> dict[str, str]:
+    """Verdict per case name (``OK`` or the failure text), plus ``GROUP_KEY`` on trouble.
+
+    ``runner(case, n, rank, group, gather_heads)`` runs one case on one rank (default ``tests.dcp_harness.run_case``);
+    it must be a module-level function, since the spawned ranks unpickle it."""
     context = multiprocessing.get_context("spawn")
     store = workdir / "store"
-    procs = [context.Process(target=_worker, args=(rank, n, str(store), cases, str(workdir)), daemon=True)
+    procs = [context.Process(target=_worker, args=(rank, n, str(store), cases, str(workdir), runner), daemon=True)
              for rank in range(n)]
     for proc in procs:
         proc.start()
@@ -60,7 +63,7 @@ def run_group(n: int, cases: list[Case], workdir: Path, *, timeout_s: float) -> 
     return merged
 
 
-def _worker(rank: int, n: int, store: str, cases: list[Case], workdir: str) -> None:
+def _worker(rank: int, n: int, store: str, cases: list[Case], workdir: str, runner=None) -> None:
     import torch.distributed as dist
 
     from dcp_plugin import TorchDcpGroup
@@ -93,7 +96,7 @@ def _worker(rank: int, n: int, store: str, cases: list[Case], workdir: str) -> N
 
         for case in cases:
             try:
-                run_case(case, n, rank, group, gather_heads)
+                (runner or run_case)(case, n, rank, group, gather_heads)
                 verdicts[case.name] = OK
             except Exception:  # noqa: BLE001 - the verdict carries the traceback to the parent
                 verdicts[case.name] = f"{case}\n{traceback.format_exc()}"
