@@ -1,10 +1,10 @@
 """Correctness part of multi_gpu_dcp.py: DCP attention over real process groups vs single-device attention.
 
-Every rank derives the same random sequences from a case's seed (one CPU generator, so identical on all ranks),
-stores the tokens its ``TokenLayout`` gives it in its own paged cache (shuffled pages, NaN where nothing was
-written), and runs ``DcpAttention`` over its DCP subgroup. The outputs of all ranks are gathered with plain
+The sequences, every rank's sharded paged cache (shuffled pages, NaN where nothing was written) and the float64
+causal reference are the test suite's own (``tests/dcp_harness.py``): every rank derives the same sequences from a
+case's seed and runs ``DcpAttention`` over its DCP subgroup. The outputs of all ranks are gathered with plain
 ``torch.distributed`` (every rank holds different Q heads, so together they hold all of them) and rank 0 compares
-them with float64 causal attention over the full, unsharded sequences, written here in plain torch.
+them with the reference; this module adds the cases of a multi-GPU run and its JSON report.
 
 Kind ``decode-graph`` runs decode the way vLLM's full CUDA graphs would at DCP > 1: one step captured (collectives
 included) after an eager warm-up, then later steps replayed after their inputs were copied into the captured
@@ -14,27 +14,18 @@ same closure again, which reads the same buffers and the same frozen host values
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import dcp_plugin as dp
+import dcp_plugin as dp  # first: the repository root below must not shadow the installed package
 
-
-def _tolerances() -> dict:
-    """The project's one tolerance table per dtype (tests/kernel_checks.py), loaded by path: the repository root
-    on sys.path would shadow the installed dcp_plugin with its source folder."""
-    path = Path(__file__).resolve().parents[1] / "tests" / "kernel_checks.py"
-    spec = importlib.util.spec_from_file_location("dcp_kernel_checks", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.TOLERANCES
-
-
-TOLERANCES = _tolerances()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests import dcp_harness as harness  # noqa: E402
+from tests.kernel_checks import TOLERANCES  # noqa: E402
 
 COMMS = ("ag_rs", "a2a")
 LAYOUTS = ("tp", "group")
@@ -96,89 +87,10 @@ def model_heads(layout: str, world: int, dcp: int, local_q: int) -> tuple[int, i
     return q_heads, 2 if q_heads % 2 == 0 else 1
 
 
-class Sequences:
-    """A case's full random sequences, float64 holding values exact in the run's dtype (so the reference sees
-    exactly the inputs), identical on every rank."""
-
-    def __init__(self, seed: int, total_lens: list[int], q_heads: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
-        self._gen = torch.Generator().manual_seed(seed)
-        self._dtype, self.q_heads, self.head_dim = dtype, q_heads, head_dim
-        self.keys = [self._rand(length, kv_heads, head_dim) for length in total_lens]
-        self.values = [self._rand(length, kv_heads, head_dim) for length in total_lens]
-
-    def _rand(self, *shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=self._gen, dtype=torch.float64).to(self._dtype).to(torch.float64)
-
-    def queries(self, new_tokens: list[int]) -> list[torch.Tensor]:
-        """All Q heads of one step's new tokens, ``[new_tokens[b], Q, D]`` per request (same call order on all
-        ranks, so the same values)."""
-        return [self._rand(t, self.q_heads, self.head_dim) for t in new_tokens]
-
-
-class Shard:
-    """This rank's paged cache of a case's sequences: shuffled pages, NaN wherever nothing was written."""
-
-    def __init__(self, seqs: Sequences, contexts: list[int], total_lens: list[int], heads: dp.HeadLayout,
-                 tokens: dp.TokenLayout, *, dtype: torch.dtype, device: torch.device, seed: int) -> None:
-        block, dim = tokens.block_size, seqs.head_dim
-        pages = [-(-int(tokens.local_len(length)) // block) for length in total_lens]
-        width = max(1, max(-(-tokens.max_local_len(length) // block) for length in total_lens))
-        perm = torch.randperm(sum(pages) + 1, generator=torch.Generator().manual_seed(seed))
-        self.table = torch.full((len(pages), width), int(perm[-1]), dtype=torch.int32)  # unused -> spare page
-        start = 0
-        for b, count in enumerate(pages):
-            self.table[b, :count] = perm[start:start + count]
-            start += count
-        # K and V as strided halves of one buffer, as engines that pack them do.
-        packed = torch.full((sum(pages) + 1, block, heads.num_kv_heads, 2 * dim), float("nan"), dtype=dtype,
-                            device=device)
-        self.key_cache, self.value_cache = packed[..., :dim], packed[..., dim:]
-        self.seqs, self.tokens, self.dtype, self.device = seqs, tokens, dtype, device
-        self.kv = slice(heads.kv_head_start, heads.kv_head_start + heads.num_kv_heads)
-        self.lens = list(contexts)
-        for b, ctx in enumerate(contexts):
-            positions = torch.arange(ctx)
-            mine = positions[tokens.owner(positions) == tokens.dcp_rank]
-            slots = self._slots(b, mine)
-            block_of, row = (slots // block).to(device), (slots % block).to(device)
-            self.key_cache[block_of, row] = self._kv(self.seqs.keys[b][mine])
-            self.value_cache[block_of, row] = self._kv(self.seqs.values[b][mine])
-
-    def _kv(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows[:, self.kv].to(self.dtype).to(self.device)
-
-    def _slots(self, request: int, positions: torch.Tensor) -> torch.Tensor:
-        index = self.tokens.local_index(positions)
-        block = self.tokens.block_size
-        return self.table[request, index // block].long() * block + index % block
-
-    def step(self, new_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], dp.DcpBatch]:
-        """(k, v, positions per request, batch) of a step adding ``new_tokens[b]`` tokens to request ``b``."""
-        positions = [torch.arange(self.lens[b], self.lens[b] + t) for b, t in enumerate(new_tokens)]
-        k = torch.cat([self._kv(self.seqs.keys[b][p]) for b, p in enumerate(positions)])
-        v = torch.cat([self._kv(self.seqs.values[b][p]) for b, p in enumerate(positions)])
-        slots = []
-        for b, p in enumerate(positions):
-            request_slots = torch.full(p.shape, -1, dtype=torch.int64)  # -1: another rank owns the token
-            mine = self.tokens.owner(p) == self.tokens.dcp_rank
-            request_slots[mine] = self._slots(b, p[mine])
-            slots.append(request_slots)
-        self.lens = [length + t for length, t in zip(self.lens, new_tokens)]
-        batch = dp.DcpBatch.build(
-            query_start_loc=torch.tensor([0, *torch.tensor(new_tokens).cumsum(0).tolist()], dtype=torch.int32,
-                                         device=self.device),
-            seq_lens=torch.tensor(self.lens, dtype=torch.int32, device=self.device),
-            block_table=self.table.to(self.device), slot_mapping=torch.cat(slots).to(self.device),
-            tokens=self.tokens,
-        )
-        return k, v, positions, batch
-
-
 class GraphStep:
     """One decode step of ``attn`` captured once and replayed on later steps (see the module docstring)."""
 
-    def __init__(self, attn: dp.DcpAttention, shard: Shard) -> None:
+    def __init__(self, attn: dp.DcpAttention, shard: harness.RankState) -> None:
         self.attn, self.shard, self.replay = attn, shard, None
 
     def run(self, q, k, v, batch: dp.DcpBatch) -> torch.Tensor:
@@ -218,21 +130,6 @@ class GraphStep:
             max_context_len=capacity - 1, workspace=self.workspace)
 
 
-def causal_reference(seqs: Sequences, request: int, positions: torch.Tensor, q: torch.Tensor,
-                     device: torch.device) -> torch.Tensor:
-    """Float64 attention of ``q [T, Q, D]`` at ``positions`` to keys ``0..pos`` of the full sequence."""
-    last = int(positions[-1]) + 1
-    keys = seqs.keys[request][:last].to(device)  # [L, KV, D]
-    values = seqs.values[request][:last].to(device)
-    num_tokens, q_heads, dim = q.shape
-    kv_heads = keys.shape[1]
-    grouped = q.to(device).view(num_tokens, kv_heads, q_heads // kv_heads, dim)  # Q head g reads KV g // q_per_kv
-    scores = torch.einsum("tkgd,lkd->kgtl", grouped, keys) * dim**-0.5
-    visible = torch.arange(last, device=device)[None, :] <= positions.to(device)[:, None]  # [T, L]
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    return torch.einsum("kgtl,lkd->tkgd", probs, values).reshape(num_tokens, q_heads, dim)
-
-
 def compare(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> dict:
     """Errors of ``got`` vs the float64 ``want``; passes when no NaN and every element is within the dtype's
     ``atol + rtol * |want|``. ``max_rel_err`` is the largest error relative to the largest reference value."""
@@ -257,28 +154,24 @@ def worst(a: dict | None, b: dict) -> dict:
 def run_case(case: Case, *, sizes: Sizes, groups: dict, rank: int, world: int, dtype: torch.dtype,
              device: torch.device, ops) -> dict | None:
     """Run every step of ``case`` on this rank; rank 0 returns the worst errors over the steps, others None."""
-    ps = dp.ParallelState.from_tp(tp_rank=rank, tp_size=world, dcp_size=case.dcp)
     q_heads, kv_heads = model_heads(case.layout, world, case.dcp, sizes.local_q_heads)
-    heads = dp.HeadLayout.create(total_q_heads=q_heads, total_kv_heads=kv_heads, ps=ps, kv_replication=case.layout)
-    tokens = dp.TokenLayout(dcp_size=case.dcp, dcp_rank=ps.attn_dcp_rank, block_size=sizes.block_size)
     requests = sizes.prefill if case.kind == "prefill" else sizes.decode
-    if case.kind == "decode-graph":
-        steps = [[1] * len(requests)] * GRAPH_STEPS
-    else:
-        steps = [[new for _, new in requests]] + ([[1] * len(requests)] if case.kind == "prefill" else [])
-    contexts = [ctx for ctx, _ in requests]
-    total_lens = [ctx + sum(step[b] for step in steps) for b, ctx in enumerate(contexts)]
-    seqs = Sequences(case.seed, total_lens, q_heads, kv_heads, sizes.head_dim, dtype)
-    shard = Shard(seqs, contexts, total_lens, heads, tokens, dtype=dtype, device=device, seed=case.seed + rank)
-    attn = dp.DcpAttention(heads=heads, tokens=tokens, group=groups[case.dcp], scale=sizes.head_dim**-0.5,
+    decode_steps = {"decode": 0, "prefill": 1, "decode-graph": GRAPH_STEPS - 1}[case.kind]  # after the first step
+    spec = harness.Case(
+        name=case.name(world), q_heads=q_heads, kv_heads=kv_heads, kv_replication=case.layout, tp=world,
+        group_index=rank // case.dcp, block_size=sizes.block_size, head_dim=sizes.head_dim, requests=requests,
+        comm=case.comm, dtype=str(dtype).removeprefix("torch."), decode_steps=decode_steps, seed=case.seed,
+        device=str(device),
+    )
+    sequences = harness.World(spec)
+    shard = harness.RankState.create(spec, sequences, case.dcp, rank % case.dcp)
+    attn = dp.DcpAttention(heads=shard.heads, tokens=shard.tokens, group=groups[case.dcp], scale=sequences.scale,
                            comm=case.comm, ops=ops)
-    mine = slice(heads.q_head_start, heads.q_head_start + heads.num_q_heads)
     graph = GraphStep(attn, shard) if case.kind == "decode-graph" else None
+    steps = [[new for _, new in requests]] + [[1] * len(requests)] * decode_steps
     result = None
     for new_tokens in steps:
-        queries = seqs.queries(new_tokens)
-        k, v, positions, batch = shard.step(new_tokens)
-        q = torch.cat(queries)[:, mine].to(dtype).to(device)
+        q, k, v, batch, positions = shard.step(new_tokens)
         if graph is not None:
             out = graph.run(q, k, v, batch)
         else:
@@ -287,8 +180,10 @@ def run_case(case: Case, *, sizes: Sizes, groups: dict, rank: int, world: int, d
         parts = [torch.empty_like(out) for _ in range(world)]
         dist.all_gather(parts, out)  # TP rank r holds Q heads [r * local_q, (r + 1) * local_q)
         if rank == 0:
-            want = torch.cat([causal_reference(seqs, b, p, queries[b], device) for b, p in enumerate(positions)])
+            want = torch.cat([harness.causal_attention_f64(sequences, b, p, range(q_heads))
+                              for b, p in enumerate(positions)])
             result = worst(result, compare(torch.cat(parts, dim=1), want, dtype))
+    shard.check_cache()  # every owned token at its slot, bit for bit (raises otherwise)
     if rank == 0:
         return dict(case=case.name(world), tp=world, dcp=case.dcp, layout=case.layout, comm=case.comm,
                     kind=case.kind, q_heads=q_heads, kv_heads=kv_heads, steps=len(steps), **result)

@@ -15,6 +15,7 @@ import torch
 
 from dcp_plugin import DcpAttention, DcpBatch, HeadLayout, ParallelState, TokenLayout
 from dcp_plugin.kernels import reference
+from tests import kernel_checks
 from tests.kernel_checks import assert_matches
 
 @dataclass(frozen=True)
@@ -77,15 +78,8 @@ class World:
 def causal_attention_f64(world: World, request: int, positions: torch.Tensor, q_heads: range) -> torch.Tensor:
     """Single-rank attention of the queries at ``positions`` (global Q heads ``q_heads``) to keys ``0..pos``."""
     q = world.queries[request][positions][:, q_heads.start:q_heads.stop]  # [T, H, D]
-    device = q.device
-    kv = torch.arange(q_heads.start, q_heads.stop, device=device) // world.q_per_kv
-    last = int(positions.max()) + 1
-    k = world.keys[request][:last][:, kv]  # [L, H, D]
-    v = world.values[request][:last][:, kv]
-    scores = torch.einsum("thd,lhd->htl", q, k) * world.scale
-    visible = torch.arange(last, device=device)[None, :] <= positions.to(device)[:, None]  # [T, L]
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    return torch.einsum("htl,lhd->thd", probs, v)
+    return kernel_checks.causal_attention_f64(q, world.keys[request], world.values[request], positions,
+                                              scale=world.scale, q_per_kv=world.q_per_kv, q_head_start=q_heads.start)
 
 
 @dataclass
@@ -107,14 +101,9 @@ class RankState:
         block = case.block_size
         pages = [-(-int(tokens.local_len(length)) // block) for length in world.total_lens]
         width = max(1, max(-(-tokens.max_local_len(length) // block) for length in world.total_lens))
-        num_pages = sum(pages) + 2
-        perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(case.seed * 131 + rank))
-        spare = int(perm[-1])  # never holds data; unused table entries point at it
-        block_table = torch.full((len(pages), width), spare, dtype=torch.int32)
-        start = 0
-        for b, count in enumerate(pages):
-            block_table[b, :count] = perm[start:start + count]
-            start += count
+        num_pages = sum(pages) + 2  # the first and the last never hold data; unused table entries point at the last
+        block_table = kernel_checks.shuffled_block_table(
+            pages, generator=torch.Generator().manual_seed(case.seed * 131 + rank), width=width, first_page=1)
         # K and V as strided halves of one buffer, like engines that pack them.
         dtype = getattr(torch, case.dtype)
         packed = torch.full((num_pages, block, heads.num_kv_heads, 2 * case.head_dim), float("nan"), dtype=dtype,

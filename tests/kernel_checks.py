@@ -35,3 +35,38 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dt
         f"{name}: {int(bad.sum())}/{bad.numel()} elements off by up to {err.max().item():.3g} "
         f"(atol {atol}, rtol {rtol}); first at {bad.nonzero()[0].tolist()}"
     )
+
+
+def causal_attention_f64(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, *,
+                         scale: float, q_per_kv: int, q_head_start: int = 0) -> torch.Tensor:
+    """The one float64 oracle of causal attention, from first principles.
+
+    ``q``: ``[T, H, D]``, the queries at sequence ``positions`` ``[T]`` of global Q heads ``q_head_start ..
+    q_head_start + H - 1``; ``keys``/``values``: ``[L, KV, D]``, the whole sequence (every KV head). Query ``t``
+    sees keys ``0 .. positions[t]``; global Q head ``g`` reads KV head ``g // q_per_kv``. Returns ``[T, H, D]``.
+    """
+    device = q.device
+    last = int(positions.max()) + 1
+    kv = torch.arange(q_head_start, q_head_start + q.shape[1], device=device) // q_per_kv
+    k, v = keys[:last][:, kv].double(), values[:last][:, kv].double()  # [L, H, D]
+    scores = torch.einsum("thd,lhd->htl", q.double(), k) * scale
+    visible = torch.arange(last, device=device)[None, :] <= positions.to(device)[:, None]  # [T, L]
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("htl,lhd->thd", probs, v)
+
+
+def shuffled_block_table(pages: list[int], *, generator: torch.Generator, width: int | None = None,
+                         first_page: int = 0, fill: int | None = None, device=None) -> torch.Tensor:
+    """An int32 block table ``[len(pages), width]`` (default width ``max(pages) + 1``) in which request ``b`` owns
+    ``pages[b]`` distinct pages of ``first_page .. first_page + sum(pages) - 1``, in a random order (so page order
+    and table order never agree by accident). Unused entries hold ``fill`` (default: the page after all of them,
+    a spare the caller allocates and never reads)."""
+    total = sum(pages)
+    order = torch.randperm(total, generator=generator, device=device or generator.device).to(torch.int32) + first_page
+    fill = first_page + total if fill is None else fill
+    table = torch.full((len(pages), width or max(pages, default=0) + 1), fill, dtype=torch.int32, device=order.device)
+    start = 0
+    for b, count in enumerate(pages):
+        table[b, :count] = order[start:start + count]
+        start += count
+    return table

@@ -13,6 +13,15 @@ TINY_LLAMA = dict(
 )
 
 
+def vllm_slot(pos: int, table_row: list[int], *, block_size: int, dcp: int, rank: int, interleave: int) -> int:
+    """vLLM's slot mapping (``v1/worker/block_table.py``) of global position ``pos`` on DCP rank ``rank``, written
+    out independently of dcp-triton's ``TokenLayout``; -1 where another rank owns the token."""
+    virtual_block, v = divmod(pos, block_size * dcp)
+    if (v // interleave) % dcp != rank:
+        return -1
+    return table_row[virtual_block] * block_size + (v // (dcp * interleave)) * interleave + v % interleave
+
+
 def write_llama_config(path: Path, **overrides) -> Path:
     """A model directory holding only ``config.json`` (enough for vLLM's config parsing)."""
     path.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ import torch
 from dcp_plugin.kernels import reference
 from dcp_plugin.kernels.paged_attention import paged_attention
 from dcp_plugin.kernels.write_kv_cache import write_kv_cache
-from tests.kernel_checks import assert_matches, poisoned
+from tests.kernel_checks import assert_matches, poisoned, shuffled_block_table
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -54,11 +54,7 @@ def test_paged_attention_over_an_fp8_cache(fp8, dtype, head_dim, num_splits):
     scale_row = torch.cat([k_scale.expand(head_dim), v_scale.expand(head_dim)])
     buf = (raw * 0.1 / scale_row).to(FP8[fp8])
     kc, vc = buf[..., :head_dim], buf[..., head_dim:]
-    table = torch.zeros(len(ctx), max(pages) + 1, dtype=torch.int32, device="cuda")
-    order, used = torch.randperm(sum(pages), device="cuda", generator=gen) + 3, 0
-    for b, n in enumerate(pages):
-        table[b, :n] = order[used:used + n]
-        used += n
+    table = shuffled_block_table(pages, generator=gen, first_page=3, fill=0)
     lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     heads = dict(scale=head_dim**-0.5, q_head_start=0, q_per_kv=8, kv_head_start=0, max_kv_len=max(ctx))

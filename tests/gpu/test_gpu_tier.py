@@ -23,7 +23,7 @@ import torch
 from dcp_plugin import kernels
 from dcp_plugin.kernels import reference
 from tests.dcp_harness import Case, SerialOps, ThreadGroup, run_case, run_threads
-from tests.kernel_checks import assert_matches, poisoned
+from tests.kernel_checks import assert_matches, poisoned, shuffled_block_table
 
 if not torch.cuda.is_available():
     pytest.skip("the GPU tier needs a CUDA GPU (run `pytest -m gpu tests/gpu` there)", allow_module_level=True)
@@ -67,10 +67,7 @@ def make_paged(ctx_lens, q_lens, *, heads, head_dim, block_size, dtype, device, 
     pages = [-(-c // block_size) for c in ctx_lens]
     num_pages = sum(pages) + 1  # the last page is never part of a context: unused table entries point at it
     buf = torch.randn(num_pages, block_size, heads[1], 2 * head_dim, generator=gen, dtype=dtype, device=device)
-    order = torch.randperm(num_pages - 1, generator=gen, device=device).to(torch.int32)
-    table = torch.full((len(ctx_lens), max(pages) + 1), num_pages - 1, dtype=torch.int32, device=device)
-    for b, (start, count) in enumerate(zip(itertools.accumulate([0, *pages]), pages)):
-        table[b, :count] = order[start:start + count]
+    table = shuffled_block_table(pages, generator=gen)
     q = torch.randn(sum(q_lens), heads[0], head_dim, generator=gen, dtype=dtype, device=device)
     lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
     return dict(q=q, key_cache=buf[..., :head_dim], value_cache=buf[..., head_dim:], block_table=table,

@@ -9,7 +9,7 @@ import torch
 from dcp_plugin.kernels import reference
 from dcp_plugin.kernels.paged_attention import paged_attention
 from dcp_plugin.kernels.write_kv_cache import write_kv_cache
-from tests.kernel_checks import assert_matches, poisoned
+from tests.kernel_checks import assert_matches, poisoned, shuffled_block_table
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -21,12 +21,7 @@ def _paged(q_lens, ctx_lens, *, num_q_heads, num_kv_heads, head_dim, block_size,
     num_blocks = sum(pages) + extra_blocks
     q = torch.randn(sum(q_lens), num_q_heads, head_dim, device="cuda", generator=gen).to(dtype)
     buf = torch.randn(num_blocks, block_size, num_kv_heads, 2 * head_dim, device="cuda", generator=gen).to(dtype)
-    order = torch.randperm(sum(pages), device="cuda", generator=gen) + extra_blocks  # use the highest pages
-    table = torch.zeros(len(ctx_lens), max(pages, default=0) + 1, dtype=torch.int32, device="cuda")
-    used = 0
-    for b, n in enumerate(pages):
-        table[b, :n] = order[used:used + n]
-        used += n
+    table = shuffled_block_table(pages, generator=gen, first_page=extra_blocks, fill=0)  # the highest pages
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     lens = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
     return q, buf[..., :head_dim], buf[..., head_dim:], table, lens, qsl

@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from tests.vllm_checks import write_llama_config  # noqa: E402
+from tests.vllm_checks import vllm_slot, write_llama_config  # noqa: E402
 
 N, Q_HEADS, D, BLOCK = 2, 4, 64, 16  # MQA: vLLM allows DCP=2 only when tp > kv heads and tp/kv % dcp == 0
 BATCHES = {  # (cached context, new tokens) per request
@@ -31,14 +31,6 @@ CASES = [  # (comm, interleave, kernels, batch)
     ("a2a", 4, "reference", "mixed"), ("ag_rs", 1, "reference", "decode"), ("a2a", 4, "reference", "decode"),
     ("ag_rs", 1, "triton", "mixed"), ("a2a", 1, "triton", "decode"),
 ]
-
-
-def vllm_slot(pos: int, pages: list[int], *, rank: int, interleave: int) -> int:
-    """vLLM's slot mapping (v1/worker/block_table.py) of global position ``pos`` on ``rank``, -1 if not owned."""
-    virtual_block, v = divmod(pos, BLOCK * N)
-    if (v // interleave) % N != rank:
-        return -1
-    return pages[virtual_block] * BLOCK + (v // (N * interleave)) * interleave + v % interleave
 
 
 def run_case(rank: int, config, comm: str, interleave: int, kernels: str, batch: str) -> None:
@@ -69,7 +61,8 @@ def run_case(rank: int, config, comm: str, interleave: int, kernels: str, batch:
     kv_cache = torch.zeros(num_blocks, 1, BLOCK, 2 * D)  # vLLM's logical [blocks, kv heads, rows, K||V] view
 
     def slots(r: int, start: int, stop: int) -> list[int]:
-        return [vllm_slot(p, table[r].tolist(), rank=rank, interleave=interleave) for p in range(start, stop)]
+        return [vllm_slot(p, table[r].tolist(), block_size=BLOCK, dcp=N, rank=rank, interleave=interleave)
+                for p in range(start, stop)]
 
     ctx_slots = torch.tensor(sum((slots(r, 0, c) for r, (c, _) in enumerate(requests)), []), dtype=torch.int64)
     k_ctx = torch.cat([k[:c] for (k, _, _), (c, _) in zip(seqs, requests)])

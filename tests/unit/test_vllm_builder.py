@@ -18,6 +18,7 @@ from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens  # noqa: E40
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
 from dcp_plugin.adapters.vllm.builder import DcpTritonMetadataBuilder  # noqa: E402
+from tests.vllm_checks import vllm_slot  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -32,14 +33,6 @@ BATCHES = {
 TOPOLOGIES = [(1, 0, 1), (2, 1, 1), (4, 3, 1), (4, 0, 8), (2, 1, 16)]
 
 
-def vllm_slot(pos: int, table_row: list[int], *, dcp: int, rank: int, interleave: int) -> int:
-    """vLLM's slot mapping of global position ``pos`` on ``rank`` (v1/worker/block_table.py), -1 if not owned."""
-    virtual_block, v = divmod(pos, BLOCK_SIZE * dcp)
-    if (v // interleave) % dcp != rank:
-        return -1
-    return table_row[virtual_block] * BLOCK_SIZE + (v // (dcp * interleave)) * interleave + v % interleave
-
-
 def common_metadata(query_lens, context_lens, *, dcp, rank, interleave, pad_tokens=0, pad_reqs=0, seed=0):
     """A CommonAttentionMetadata as vLLM's V1 runner fills it, with shuffled local pages and optional padding."""
     gen = torch.Generator().manual_seed(seed)
@@ -50,7 +43,8 @@ def common_metadata(query_lens, context_lens, *, dcp, rank, interleave, pad_toke
     slots = []
     for req, (q, c) in enumerate(zip(query_lens, context_lens)):
         row = pages[req].tolist()
-        slots += [vllm_slot(p, row, dcp=dcp, rank=rank, interleave=interleave) for p in range(c, c + q)]
+        slots += [vllm_slot(p, row, block_size=BLOCK_SIZE, dcp=dcp, rank=rank, interleave=interleave)
+                  for p in range(c, c + q)]
     num_tokens = len(slots)
     qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist() + [num_tokens] * pad_reqs, dtype=torch.int32)
     seq = torch.tensor(seq_lens + [0] * pad_reqs, dtype=torch.int32)

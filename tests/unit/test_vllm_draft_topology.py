@@ -24,9 +24,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from dcp_plugin.adapters.vllm import spec  # noqa: E402
 from dcp_plugin.adapters.vllm.builder import DcpTritonMetadataBuilder  # noqa: E402
 from dcp_plugin.adapters.vllm.impl import DcpTritonImpl  # noqa: E402
-from tests.kernel_checks import assert_matches  # noqa: E402
-from tests.unit.test_vllm_builder import BLOCK_SIZE, common_metadata, vllm_slot  # noqa: E402
-from tests.vllm_checks import single_process_vllm_groups, write_llama_config  # noqa: E402
+from tests.kernel_checks import assert_matches, causal_attention_f64  # noqa: E402
+from tests.unit.test_vllm_builder import BLOCK_SIZE, common_metadata  # noqa: E402
+from tests.vllm_checks import single_process_vllm_groups, vllm_slot, write_llama_config  # noqa: E402
 
 D = 64
 TARGET = dict(num_attention_heads=4, num_key_value_heads=1)  # per TP rank: 2 Q heads, KV head 0 (shared by DCP)
@@ -103,15 +103,6 @@ def test_draft_gets_its_own_parallel_state_at_dcp_1(worker):
     assert d.group is None and draft.workspace is not target.workspace
 
 
-def attention_f64(q, keys, values, context: int) -> torch.Tensor:
-    """Causal float64 attention of ``q`` (positions ``context..``) over ``keys``/``values`` (positions ``0..``)."""
-    group = q.shape[1] // keys.shape[1]
-    k, v = (t.double().repeat_interleave(group, dim=1) for t in (keys, values))
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * D**-0.5
-    visible = torch.arange(k.shape[0]) <= context + torch.arange(q.shape[0])[:, None]
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, -torch.inf).softmax(-1), v)
-
-
 def test_draft_attends_its_replicated_cache_exactly(worker):
     """A decode and a verify row (1 + 3 proposals) of the draft at DCP 1, on a cache vLLM does not shard."""
     impl = make_impl(worker.draft, DRAFT)
@@ -123,14 +114,17 @@ def test_draft_attends_its_replicated_cache_exactly(worker):
     queries = [torch.randn(n, 4, D, generator=gen) for n in query_lens]
     kv_cache = torch.zeros(int(cm.block_table_tensor.max()) + 1, 1, BLOCK_SIZE, 2 * D)
     for r, c in enumerate(contexts):  # earlier steps' K/V, where vLLM's slot mapping puts them
-        slots = torch.tensor([vllm_slot(p, cm.block_table_tensor[r].tolist(), dcp=1, rank=0, interleave=1)
+        slots = torch.tensor([vllm_slot(p, cm.block_table_tensor[r].tolist(), block_size=BLOCK_SIZE, dcp=1, rank=0,
+                                         interleave=1)
                               for p in range(c)])
         impl.do_kv_cache_update(None, seq[r][:c, 0], seq[r][:c, 1], kv_cache, slots)
     new = [s[c:] for s, c in zip(seq, contexts)]
     out = torch.full((sum(query_lens), 4, D), float("nan"))
     impl.forward(None, torch.cat(queries), torch.cat([s[:, 0] for s in new]), torch.cat([s[:, 1] for s in new]),
                  kv_cache, metadata, out)
-    want = torch.cat([attention_f64(q, s[:, 0], s[:, 1], c) for q, s, c in zip(queries, seq, contexts)])
+    want = torch.cat([causal_attention_f64(q, s[:, 0], s[:, 1], c + torch.arange(q.shape[0]), scale=D**-0.5,
+                                           q_per_kv=q.shape[1] // s.shape[2])
+                      for q, s, c in zip(queries, seq, contexts)])
     assert_matches(out, want, torch.float32, "draft at DCP 1")
 
 

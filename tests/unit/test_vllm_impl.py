@@ -24,7 +24,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from dcp_plugin.adapters.vllm.builder import DcpTritonMetadataBuilder  # noqa: E402
 from dcp_plugin.adapters.vllm.impl import DcpTritonImpl  # noqa: E402
-from tests.kernel_checks import assert_matches  # noqa: E402
+from tests.kernel_checks import assert_matches, causal_attention_f64, shuffled_block_table  # noqa: E402
 from tests.vllm_checks import single_process_vllm_groups, write_llama_config  # noqa: E402
 
 H_Q, H_KV, D, BLOCK, NUM_BLOCKS = 4, 2, 64, 16, 24
@@ -70,13 +70,9 @@ def make_impl(monkeypatch, kernels: str, kv_cache_dtype: str = "auto") -> DcpTri
 
 def naive_attention(q, k_ctx, v_ctx, k_new, v_new) -> torch.Tensor:
     """float64 causal attention of one request's new queries over context + new keys, Q head h -> KV h // q_per_kv."""
-    keys = torch.cat([k_ctx, k_new]).double().repeat_interleave(H_Q // H_KV, dim=1)
-    values = torch.cat([v_ctx, v_new]).double().repeat_interleave(H_Q // H_KV, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * D**-0.5
-    context = k_ctx.shape[0]
-    visible = torch.arange(keys.shape[0])[None, :] <= context + torch.arange(q.shape[0])[:, None]
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-    return torch.einsum("hqk,khd->qhd", probs, values)
+    positions = k_ctx.shape[0] + torch.arange(q.shape[0])
+    return causal_attention_f64(q, torch.cat([k_ctx, k_new]), torch.cat([v_ctx, v_new]), positions, scale=D**-0.5,
+                                q_per_kv=H_Q // H_KV)
 
 
 @pytest.mark.parametrize("batch_kind", list(BATCHES))
@@ -89,14 +85,8 @@ def test_cache_write_and_forward_match_attention_over_whole_sequences(worker, mo
     kv_cache, other_layer = layer_kv_cache(layout, dtype if fp8 is None else torch.uint8)
     impl = make_impl(monkeypatch, kernels, cache)
     layer = SimpleNamespace(_k_scale=torch.tensor(K_SCALE), _v_scale=torch.tensor(V_SCALE))  # vLLM's buffers
-    pages = torch.randperm(NUM_BLOCKS, generator=gen).to(torch.int32)
-    width = -(-max(c + q for c, q in requests) // BLOCK)
-    table = torch.full((len(requests), width), -1, dtype=torch.int32)
-    used = 0
-    for r, (c, q) in enumerate(requests):
-        need = -(-(c + q) // BLOCK)
-        table[r, :need] = pages[used:used + need]
-        used += need
+    pages = [-(-(c + q) // BLOCK) for c, q in requests]
+    table = shuffled_block_table(pages, generator=gen, width=max(pages), fill=-1)
 
     def slots(r: int, start: int, stop: int) -> list[int]:
         return [int(table[r, p // BLOCK]) * BLOCK + p % BLOCK for p in range(start, stop)]
