@@ -1,13 +1,18 @@
-"""Kernel benchmarks on one GPU, peers measured side by side in the same run.
+"""Kernel benchmarks on one GPU, peers measured side by side in the same run (benchmarks/kernel_peers.py).
 
-Decode (``paged_attention``, one query token per request) in GB/s of KV read against the device copy bandwidth,
-timed with ``triton.testing.do_bench`` (L2 flushed, median) and with CUDA-graph replay; current-chunk prefill
-(``extend_attention``) in TFLOP/s against SDPA and compiled flex attention; ``merge_states`` in GB/s.
-vLLM's Triton kernels (unified attention, split-KV decode, merge_attn_states) are measured too when ``vllm``
-imports (on a machine without vLLM, unpack its wheel's Python files and compiled extensions beside this repository
-and put them on PYTHONPATH, as benchmarks/run_h200.sh does).
+- decode: ``paged_attention``, one query token per request, in % of the device copy bandwidth (KV bytes read),
+  launch included (``triton.testing.do_bench``, L2 flushed, median) and under CUDA-graph replay (L2-cold copies),
+  against FlashAttention-3 and vLLM's Triton unified and split-KV kernels; ``decode_fp8``: the same over an fp8
+  cache; ``sweep``: split counts x launch configs (tuning runs, only when asked for).
+- prefix: the DCP prefix pass (many query rows against a long paged cache, non-causal) in TFLOP/s against FA3.
+- prefill: causal current-chunk ``extend_attention`` in TFLOP/s against FA3, SDPA and compiled flex attention.
+- merge: ``merge_states`` in % of copy bandwidth against vLLM's ``merge_attn_states``.
 
-    python benchmarks/bench_kernels.py [--quick] [--out DIR]
+Every dcp-triton output is first compared with float64 attention. Peers are measured when vLLM imports (on a
+machine without vLLM, unpack its wheel's Python files and compiled extensions and put them on PYTHONPATH, as
+benchmarks/run_h200.sh does).
+
+    python benchmarks/bench_kernels.py [--quick] [--only decode,sweep,...] [--name STEM]
 """
 
 from __future__ import annotations
@@ -25,144 +30,214 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cold_copies, copy_bandwidth_gbs, gpu_name, graph_ms, median_ms, save  # noqa: E402
 
 from dcp_plugin.kernels import extend_attention, merge_states, paged_attention  # noqa: E402
+from dcp_plugin.kernels.paged_attention import plan_paged  # noqa: E402
 from dcp_plugin.kernels import reference  # noqa: E402
+import kernel_peers  # noqa: E402
 
 DTYPE = torch.bfloat16
 HEAD_DIM = 128
 PAGE = 16
 
 
-def _paged_setup(batch: int, ctx: int, hq: int, hk: int, gen: torch.Generator):
-    """Decode inputs with enough disjoint KV sets (block tables over disjoint pages of one pool) that graph
-    replays cycling through them run L2-cold: ``(kv_bytes, copies, q, key_cache, value_cache, tables, lens, qsl)``."""
+def _paged_setup(batch: int, ctx: int, hq: int, hk: int, gen: torch.Generator, *, q_rows: int = 1):
+    """Paged inputs with enough disjoint KV sets (block tables over disjoint pages of one pool) that graph
+    replays cycling through them run L2-cold, in vLLM's FLASH_ATTN layout (K and V caches of ``[pages, PAGE, Hk,
+    D]``): ``(kv_bytes, copies, q, key_cache, value_cache, tables, lens, qsl)``; ``q_rows`` query rows per request."""
     kv_bytes = batch * ctx * hk * HEAD_DIM * 2 * DTYPE.itemsize
     copies = cold_copies(kv_bytes)
     pages_per_req = math.ceil(ctx / PAGE)
     num_pages = pages_per_req * batch * copies
-    kv = torch.randn(num_pages, PAGE, hk, 2 * HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
-    key_cache, value_cache = kv[..., :HEAD_DIM], kv[..., HEAD_DIM:]  # vLLM-style views of one buffer
+    key_cache, value_cache = torch.randn(2, num_pages, PAGE, hk, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
     perm = torch.randperm(num_pages, device="cuda", generator=gen).to(torch.int32)
     tables = perm.view(copies, batch, pages_per_req)
-    q = torch.randn(batch, hq, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
+    q = torch.randn(batch * q_rows, hq, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(0, batch * q_rows + 1, q_rows, dtype=torch.int32, device="cuda")
     return kv_bytes, copies, q, key_cache, value_cache, tables, lens, qsl
 
 
-def bench_decode(shapes, copy_gbs: float, with_vllm: bool) -> list[dict]:
+def _paged_error(out, q, kc, vc, tables, lens, qsl, *, rows: int, k_scale=None, v_scale=None,
+                 q_limit: int = 1 << 30) -> float:
+    """Relative error of ``out`` on the first ``rows`` requests (at most ``q_limit`` query rows) against float64
+    attention over their pages (dequantized when the cache is fp8); NaN in ``out`` gives NaN."""
+    n = min(lens.shape[0], rows)
+    pages = tables[0, :n].flatten().long()  # only the checked requests' pages, in float64
+    sub_table = torch.arange(pages.numel(), dtype=torch.int32, device="cuda").view(n, -1)
+    kd, vd = (cache.view(torch.uint8)[pages].view(cache.dtype).double() * (1.0 if s is None else s.item())
+              for cache, s in ((kc, k_scale), (vc, v_scale)))  # bytes gathered: fp8 tensors index poorly
+    end = min(int(qsl[n]), q_limit)
+    ref, _ = reference.paged_attention(q[:end].double(), kd, vd, sub_table, lens[:n], qsl[: n + 1].clamp(max=end),
+                                       scale=HEAD_DIM ** -0.5, q_head_start=0, q_per_kv=q.shape[1] // kc.shape[2],
+                                       kv_head_start=0, max_kv_len=int(lens.max()))
+    return ((out[:end].double() - ref).norm() / ref.norm()).item()
+
+
+def _time_peers(row: dict, fns: dict, copies: int, *, graph: bool = True) -> None:
+    """``row[name_ms]`` (launch included, L2 flushed) and ``row[name_graph_ms]`` (graph replay over the cold
+    copies) for each ``name: fn(i)``; a peer that fails records its error instead."""
+    for name, fn in fns.items():
+        try:
+            row[f"{name}_ms"] = median_ms(fn)
+            if graph:
+                row[f"{name}_graph_ms"] = graph_ms([lambda i=i, fn=fn: fn(i) for i in range(copies)])
+        except Exception as err:  # a peer failing must not lose our numbers
+            row[f"{name}_error"] = repr(err)[:300]
+
+
+def bench_decode(shapes, copy_gbs: float) -> list[dict]:
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for batch, ctx, hq, hk in shapes:
         kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen)
-        out = torch.empty_like(q)
-        scale = HEAD_DIM ** -0.5
+        out = torch.full_like(q, float("nan"))
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
+        kwargs = dict(scale=HEAD_DIM ** -0.5, q_head_start=0, q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx,
+                      max_query_len=1)
+        # "ours": as the DCP core runs it, planned once per step shape and launched by every layer of the step;
+        # "ours_api": the public function, which checks its arguments and plans on every call.
+        launch = plan_paged(q, kc, vc, tables[0], lens, qsl, out, lse, **kwargs)
 
         def ours(i=0):
-            paged_attention(q, kc, vc, tables[i], lens, qsl, scale=scale, q_head_start=0, q_per_kv=hq // hk,
-                            kv_head_start=0, max_kv_len=ctx, max_query_len=1, out=out)
+            launch(q, kc, vc, tables[i], lens, qsl, out, lse)
 
-        # Correct first: a slice of the batch against the float64 reference.
-        n = min(batch, 2)
-        pages = tables[0, :n].flatten().long()  # only the checked requests' pages, in float64
-        sub_table = torch.arange(pages.numel(), dtype=torch.int32, device="cuda").view(n, -1)
-        ref, _ = reference.paged_attention(q[:n].double(), kc[pages].double(), vc[pages].double(), sub_table,
-                                           lens[:n], qsl[: n + 1], scale=scale, q_head_start=0, q_per_kv=hq // hk,
-                                           kv_head_start=0, max_kv_len=ctx)
-        ours()
-        err = ((out[:n].double() - ref).norm() / ref.norm()).item()
-        row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, kv_bytes=kv_bytes, rel_err=err)
-        row["ours_ms"] = median_ms(ours)
-        row["ours_graph_ms"] = graph_ms([lambda i=i: ours(i) for i in range(copies)])
-        if with_vllm:
-            row.update(_vllm_decode(q, kc, vc, tables, lens, qsl, ctx, copies))
+        ours()  # correct first: a slice of the batch against the float64 reference
+        row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, kv_bytes=kv_bytes,
+                   rel_err=_paged_error(out, q, kc, vc, tables, lens, qsl, rows=2))
+        _time_peers(row, {"ours_api": lambda i=0: paged_attention(q, kc, vc, tables[i], lens, qsl, out=out,
+                                                                  lse=lse, **kwargs)}, copies, graph=False)
+        peers = {"ours": ours, **kernel_peers.vllm_triton_decode(q, kc, vc, tables, lens, qsl, ctx),
+                 **kernel_peers.fa3_paged(q, kc, vc, tables, lens, qsl, max_query_len=1, max_kv_len=ctx,
+                                          causal=True)}
+        _time_peers(row, peers, copies)
         for key in [k for k in row if k.endswith("_ms")]:
             row[key.replace("_ms", "_pct_copy")] = 100 * kv_bytes / row[key] / 1e6 / copy_gbs
         rows.append(row)
-        print(f"decode b={batch:4d} ctx={ctx:6d} {hq}/{hk}: ours {row['ours_pct_copy']:5.1f}% "
-              f"(graph {row['ours_graph_pct_copy']:5.1f}%)"
-              + (f" | vllm unified {row.get('vllm_unified_graph_pct_copy', float('nan')):5.1f}% "
-                 f"split-kv {row.get('vllm_decode_graph_pct_copy', float('nan')):5.1f}% (graph)" if with_vllm else "")
-              + f" err {err:.1e}", flush=True)
+        print(f"decode b={batch:4d} ctx={ctx:6d} {hq}/{hk}: % of copy, graph (launch included): "
+              + " ".join(f"{name} {row.get(f'{name}_graph_pct_copy', float('nan')):5.1f}"
+                         f" ({row.get(f'{name}_pct_copy', float('nan')):5.1f})" for name in peers)
+              + f" err {row['rel_err']:.1e}", flush=True)
         torch.cuda.empty_cache()
     return rows
 
 
-def _vllm_decode(q, kc, vc, tables, lens, qsl, ctx, copies) -> dict:
-    """vLLM's Triton unified attention (as its TRITON_ATTN backend launches it) and split-KV decode kernel."""
-    import triton
-    from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
-    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+def bench_decode_fp8(shapes, copy_gbs: float) -> list[dict]:
+    """Decode over an fp8 (e4m3) cache against the same shapes in bf16: GB/s of cache bytes read, and the time."""
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    for batch, ctx, hq, hk in shapes:
+        kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen)
+        k_scale = torch.full((1,), 0.5, dtype=torch.float32, device="cuda")
+        v_scale = torch.full((1,), 0.25, dtype=torch.float32, device="cuda")
+        kc8, vc8 = (kc / k_scale).to(torch.float8_e4m3fn), (vc / v_scale).to(torch.float8_e4m3fn)
+        out = torch.empty_like(q)
 
-    batch, hq, d = q.shape
-    hk = kc.shape[2]
-    scale = d ** -0.5
-    out = torch.empty_like(q)
-    threshold = 128 // hk  # TRITON_ATTN: MIN_LAUNCH_GRID_SIZE_2D // num_kv_heads
-    segs = 16
-    segm_out = torch.empty(threshold, hq, segs, triton.next_power_of_2(d), dtype=torch.float32, device="cuda")
-    segm_max = torch.empty(threshold, hq, segs, dtype=torch.float32, device="cuda")
-    segm_sum = torch.empty_like(segm_max)
+        def run(i=0, fp8=True):
+            paged_attention(q, kc8 if fp8 else kc, vc8 if fp8 else vc, tables[i], lens, qsl, scale=HEAD_DIM ** -0.5,
+                            q_head_start=0, q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=1,
+                            out=out, k_scale=k_scale if fp8 else None, v_scale=v_scale if fp8 else None)
 
-    def unified(i=0):
-        unified_attention(q, kc, vc, out, qsl, 1, lens, ctx, scale, True, (-1, -1), tables[i], 0, None, None, None,
-                          seq_threshold_3D=threshold, num_par_softmax_segments=segs, softmax_segm_output=segm_out,
-                          softmax_segm_max=segm_max, softmax_segm_expsum=segm_sum)
+        out.fill_(float("nan"))
+        run()
+        row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, fp8_bytes=kv_bytes // 2,
+                   rel_err=_paged_error(out, q, kc8, vc8, tables, lens, qsl, rows=2, k_scale=k_scale,
+                                        v_scale=v_scale))
+        _time_peers(row, {"fp8": run, "bf16": lambda i=0: run(i, fp8=False)}, copies)
+        row["fp8_graph_pct_copy"] = 100 * kv_bytes / 2 / row["fp8_graph_ms"] / 1e6 / copy_gbs
+        rows.append(row)
+        print(f"decode fp8 b={batch} ctx={ctx} {hq}/{hk}: {row['fp8_graph_ms'] * 1e3:.1f} us vs bf16 "
+              f"{row['bf16_graph_ms'] * 1e3:.1f} us (graph), {row['fp8_graph_pct_copy']:.0f}% of copy, "
+              f"err {row['rel_err']:.1e}", flush=True)
+        torch.cuda.empty_cache()
+    return rows
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = min(triton.next_power_of_2(max(1, ctx // 512)), 2 * sms)  # TritonMLA's choice
-    logits = torch.empty(batch, hq, splits, d + 1, dtype=torch.float32, device="cuda")
-    lse = torch.empty(batch, hq, dtype=torch.float32, device="cuda")
 
-    one = torch.ones((), dtype=torch.float32, device="cuda")  # its default scales are built per call, from the host
+def bench_prefix(shapes) -> list[dict]:
+    """The DCP prefix pass: many query rows per request against its long paged cache, non-causal, in TFLOP/s."""
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for batch, q_rows, ctx, hq, hk in shapes:
+        _, _, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen, q_rows=q_rows)
+        tables = tables[:1]
+        out = torch.empty_like(q)
+        flops = 4 * batch * q_rows * ctx * hq * HEAD_DIM
 
-    def split_kv(i=0):
-        decode_attention_fwd(q, kc, vc, out, lse, tables[i], lens, logits, splits, scale, page_size=PAGE,
-                             k_scale=one, v_scale=one)
+        def ours(i=0):
+            paged_attention(q, kc, vc, tables[i], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
+                            q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=q_rows, out=out)
 
-    res = {}
-    for name, fn in (("vllm_unified", unified), ("vllm_decode", split_kv)):
-        try:
-            res[f"{name}_ms"] = median_ms(fn)
-            res[f"{name}_graph_ms"] = graph_ms([lambda i=i, fn=fn: fn(i) for i in range(copies)])
-        except Exception as err:  # a peer failing must not lose our numbers
-            res[f"{name}_error"] = repr(err)[:300]
-    return res
+        out.fill_(float("nan"))
+        ours()
+        row = dict(batch=batch, q_rows=q_rows, ctx=ctx, q_heads=hq, kv_heads=hk, flops=flops,
+                   rel_err=_paged_error(out, q, kc, vc, tables, lens, qsl, rows=1, q_limit=256))
+        peers = {"ours": ours, **kernel_peers.fa3_paged(q, kc, vc, tables, lens, qsl, max_query_len=q_rows,
+                                                        max_kv_len=ctx, causal=False)}
+        _time_peers(row, peers, 1, graph=False)
+        for name in peers:
+            if f"{name}_ms" in row:
+                row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
+        rows.append(row)
+        print(f"prefix {batch}x{q_rows} rows over {ctx} cached, {hq}/{hk}: "
+              + " ".join(f"{name} {row.get(f'{name}_tflops', float('nan')):.0f}" for name in peers)
+              + f" TFLOP/s, err {row['rel_err']:.1e}", flush=True)
+        torch.cuda.empty_cache()
+    return rows
 
 
 def sweep_decode(shapes, splits_list, configs) -> list[dict]:
-    """Tuning data: graph-replay time of explicit split counts and launch configs (auto picks marked)."""
+    """Tuning data: graph-replay time of each launch config (None: the table's) crossed with each split count
+    (None: the automatic one); ``config`` is recorded as ``[block_n, num_warps, num_stages]``."""
     from dcp_plugin.kernels.paged_attention import PagedConfig, pick_config
 
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(3)
+    auto_cfg = pick_config(HEAD_DIM, decode=True)
+    cfgs = [None, *(PagedConfig(block_n=bn, block_m=auto_cfg.block_m, num_warps=w, num_stages=st)
+                    for bn, w, st in configs)]
     for batch, ctx, hq, hk in shapes:
         kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen)
         out = torch.empty_like(q)
-        auto_cfg = pick_config(HEAD_DIM, decode=True)
-        variants = [(s, None) for s in [None, *splits_list]]
-        variants += [(None, PagedConfig(block_n=bn, block_m=auto_cfg.block_m, num_warps=w, num_stages=st))
-                     for bn, w, st in configs]
-        for splits, cfg in variants:
-            def call(i, splits=splits, cfg=cfg):
-                paged_attention(q, kc, vc, tables[i], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
-                                q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=1,
-                                num_splits=splits, out=out, config=cfg)
-            try:
-                ms = graph_ms([lambda i=i: call(i) for i in range(copies)])
-            except Exception as err:
-                rows.append(dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, splits=splits,
-                                 config=None if cfg is None else vars(cfg) if hasattr(cfg, "__dict__") else repr(cfg),
-                                 error=repr(err)[:200]))
-                continue
-            rows.append(dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, splits=splits,
-                             config=None if cfg is None else [cfg.block_n, cfg.num_warps, cfg.num_stages],
-                             graph_ms=ms, gbs=kv_bytes / ms / 1e6))
-        best = max((r for r in rows[-len(variants):] if "gbs" in r), key=lambda r: r["gbs"], default=None)
-        auto = rows[-len(variants)]
-        print(f"sweep b={batch} ctx={ctx} {hq}/{hk}: auto {auto.get('gbs', 0):.0f} GB/s, best "
-              f"{best and best['gbs']:.0f} GB/s at splits={best and best['splits']} config={best and best['config']}",
-              flush=True)
+        first = len(rows)
+        for cfg in cfgs:
+            for splits in [None, *splits_list]:
+                def call(i, splits=splits, cfg=cfg):
+                    paged_attention(q, kc, vc, tables[i], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
+                                    q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=1,
+                                    num_splits=splits, out=out, config=cfg)
+                row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, splits=splits, config=None if cfg is None
+                           else [cfg.block_n, cfg.num_warps, cfg.num_stages])
+                try:
+                    row["graph_ms"] = graph_ms([lambda i=i: call(i) for i in range(copies)])
+                    row["gbs"] = kv_bytes / row["graph_ms"] / 1e6
+                except Exception as err:
+                    row["error"] = repr(err)[:200]
+                rows.append(row)
+        best = max((r for r in rows[first:] if "gbs" in r), key=lambda r: r["gbs"], default={})
+        print(f"sweep b={batch} ctx={ctx} {hq}/{hk}: auto {rows[first].get('gbs', 0):.0f} GB/s, best "
+              f"{best.get('gbs', 0):.0f} GB/s at splits={best.get('splits')} config={best.get('config')}", flush=True)
         torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_prefix(shape, configs) -> list[dict]:
+    """Tuning data for the prefix pass: TFLOP/s of each ``(block_n, block_m, num_warps, num_stages)``."""
+    from dcp_plugin.kernels.paged_attention import PagedConfig
+
+    batch, q_rows, ctx, hq, hk = shape
+    _, _, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, torch.Generator("cuda").manual_seed(6),
+                                                      q_rows=q_rows)
+    out, rows = torch.empty_like(q), []
+    for consts in [None, *configs]:
+        cfg = None if consts is None else PagedConfig(*consts)
+        row = dict(shape=list(shape), config=consts)
+        try:
+            row["ms"] = median_ms(lambda: paged_attention(
+                q, kc, vc, tables[0], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0, q_per_kv=hq // hk,
+                kv_head_start=0, max_kv_len=ctx, max_query_len=q_rows, out=out, config=cfg))
+            row["tflops"] = 4 * batch * q_rows * ctx * hq * HEAD_DIM / row["ms"] / 1e9
+        except Exception as err:
+            row["error"] = repr(err)[:200]
+        rows.append(row)
+        print(f"sweep prefix {shape} config={row['config']}: {row.get('tflops', 0):.0f} TFLOP/s", flush=True)
     return rows
 
 
@@ -197,22 +272,22 @@ def bench_prefill(seq_shapes, hq: int = 32, hk: int = 8) -> list[dict]:
         sdpa_out = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
         row["rel_err_vs_sdpa"] = ((out.view(num_seqs, seq_len, hq, HEAD_DIM).transpose(1, 2).float()
                                    - sdpa_out.float()).norm() / sdpa_out.float().norm()).item()
-        for name, fn in (("ours", ours),
-                         ("sdpa", lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True)),
-                         ("flex", lambda: flex(qb, kg, vg, block_mask=mask, enable_gqa=True))):
-            try:
-                row[f"{name}_ms"] = median_ms(fn)
+        peers = {"ours": lambda i=0: ours(),
+                 "sdpa": lambda i=0: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True),
+                 "flex": lambda i=0: flex(qb, kg, vg, block_mask=mask, enable_gqa=True),
+                 **kernel_peers.fa3_prefill(q, k, v, cu, seq_len)}
+        _time_peers(row, peers, 1, graph=False)
+        for name in peers:
+            if f"{name}_ms" in row:
                 row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
-            except Exception as err:
-                row[f"{name}_error"] = repr(err)[:300]
         rows.append(row)
-        print(f"prefill {num_seqs}x{seq_len}: ours {row.get('ours_tflops', 0):.0f} TFLOP/s, sdpa "
-              f"{row.get('sdpa_tflops', 0):.0f}, flex {row.get('flex_tflops', 0):.0f} "
-              f"(err vs sdpa {row['rel_err_vs_sdpa']:.1e})", flush=True)
+        print(f"prefill {num_seqs}x{seq_len}: " + " ".join(f"{name} {row.get(f'{name}_tflops', float('nan')):.0f}"
+                                                           for name in peers)
+              + f" TFLOP/s (err vs sdpa {row['rel_err_vs_sdpa']:.1e})", flush=True)
     return rows
 
 
-def bench_merge(copy_gbs: float, tokens: int = 8192, heads: int = 32, with_vllm: bool = False) -> dict:
+def bench_merge(copy_gbs: float, tokens: int = 8192, heads: int = 32) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(2)
     oa = torch.randn(tokens, heads, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
     ob = torch.randn_like(oa)
@@ -221,19 +296,13 @@ def bench_merge(copy_gbs: float, tokens: int = 8192, heads: int = 32, with_vllm:
     out, lse = torch.empty_like(oa), torch.empty_like(la)
     nbytes = 3 * oa.numel() * oa.element_size() + 3 * la.numel() * 4
     row = dict(tokens=tokens, heads=heads, bytes=nbytes)
-    row["ours_ms"] = median_ms(lambda: merge_states(oa, la, ob, lb, out=out, lse=lse))
-    if with_vllm:
-        try:
-            from vllm.v1.attention.ops.triton_merge_attn_states import merge_attn_states
-
-            la_t, lb_t, lo_t = la.t().contiguous(), lb.t().contiguous(), torch.empty_like(la.t().contiguous())
-            row["vllm_ms"] = median_ms(lambda: merge_attn_states(out, oa, la_t, ob, lb_t, lo_t))
-        except Exception as err:
-            row["vllm_error"] = repr(err)[:300]
+    peers = {"ours": lambda i=0: merge_states(oa, la, ob, lb, out=out, lse=lse),
+             **kernel_peers.vllm_merge(out, oa, la, ob, lb)}
+    _time_peers(row, peers, 1, graph=False)
     for key in [k for k in row if k.endswith("_ms")]:
         row[key.replace("_ms", "_pct_copy")] = 100 * nbytes / row[key] / 1e6 / copy_gbs
-    print(f"merge {tokens}x{heads}x{HEAD_DIM}: ours {row['ours_pct_copy']:.1f}% of copy"
-          + (f", vllm {row.get('vllm_pct_copy', float('nan')):.1f}%" if with_vllm else ""), flush=True)
+    print(f"merge {tokens}x{heads}x{HEAD_DIM}: % of copy " + " ".join(
+        f"{name} {row.get(f'{name}_pct_copy', float('nan')):.1f}" for name in peers), flush=True)
     return row
 
 
@@ -245,14 +314,15 @@ def plot(results: dict, path: Path) -> None:
 
     rows = [r for r in results.get("decode", []) if (r["q_heads"], r["kv_heads"]) == (32, 8)]
     labels = [f"b{r['batch']}\n{r['ctx'] // 1024}K" for r in rows]
-    series = [("ours_graph_pct_copy", "dcp-triton"), ("vllm_unified_graph_pct_copy", "vLLM unified (TRITON_ATTN)"),
+    series = [("ours_graph_pct_copy", "dcp-triton"), ("fa3_graph_pct_copy", "FlashAttention-3 (vLLM's build)"),
+              ("vllm_unified_graph_pct_copy", "vLLM unified (TRITON_ATTN)"),
               ("vllm_decode_graph_pct_copy", "vLLM split-KV decode")]
-    fig, ax = plt.subplots(figsize=(12, 4.5))
+    fig, ax = plt.subplots(figsize=(13, 4.5))
     width = 0.8 / len(series)
     for i, (key, name) in enumerate(series):
         ax.bar([x + i * width for x in range(len(rows))], [r.get(key, 0) for r in rows], width, label=name)
     ax.axhline(85, color="k", ls="--", lw=0.8)
-    ax.set_xticks([x + width for x in range(len(rows))], labels)
+    ax.set_xticks([x + 1.5 * width for x in range(len(rows))], labels)
     ax.set_ylabel("% of device copy bandwidth (graph replay)")
     ax.set_title(f"Decode, 32 Q / 8 KV heads, D=128, bf16, page 16 — {results['gpu']} "
                  f"(copy {results['copy_gbs']:.0f} GB/s)")
@@ -264,36 +334,41 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
-    parser.add_argument("--sweep", action="store_true", help="also sweep split counts and launch configs")
-    parser.add_argument("--sweep-only", action="store_true", help="only the sweep (tuning runs)")
-    parser.add_argument("--sweep-shapes", default="1x32768x32x8,1x32768x32x1,8x32768x32x8,32x8192x32x8,128x8192x32x8",
+    parser.add_argument("--only", help="comma-separated sections: decode, sweep (tuning runs: split counts x "
+                        "launch configs), sweep_prefix, decode_fp8, prefix, prefill, merge (default: all but the sweeps)")
+    parser.add_argument("--sweep-shapes", default="1x8192x32x8,1x32768x32x8,8x8192x32x8,32x32768x32x8,"
+                        "1x32768x32x1,8x32768x32x1,32x8192x32x1,128x8192x32x1",
                         help="batch x context x Q heads x KV heads, comma-separated")
     parser.add_argument("--name", default="kernels_h200", help="results file stem under benchmarks/results/")
     args = parser.parse_args()
-    try:
-        import vllm  # noqa: F401
-
-        with_vllm = True
-    except Exception:
-        with_vllm = False
-    args.sweep = args.sweep or args.sweep_only
+    fa3 = kernel_peers.fa3() is not None
     copy_gbs = copy_bandwidth_gbs()
-    print(f"{gpu_name()}: copy bandwidth {copy_gbs:.0f} GB/s (read + write); vllm peers: {with_vllm}", flush=True)
+    print(f"{gpu_name()}: copy bandwidth {copy_gbs:.0f} GB/s (read + write); FA3 peer: {fa3}", flush=True)
     decode_shapes = [(b, c, 32, 8) for b in (1, 8, 32, 128) for c in (1024, 8192, 32768)]
-    decode_shapes += [(b, c, hq, hk) for hq, hk in ((32, 1), (40, 8)) for b in (1, 32) for c in (8192, 32768)]
+    decode_shapes += [(b, c, hq, hk) for hq, hk in ((32, 1), (40, 8)) for b in (1, 8, 32, 128) for c in (8192, 32768)]
+    fp8_shapes = [(1, 32768, 32, 8), (8, 32768, 32, 8), (32, 8192, 32, 1), (128, 8192, 32, 8)]
+    prefix_shapes = [(2, 4096, 32768, 32, 8), (2, 4096, 32768, 32, 1)]
     if args.quick:
-        decode_shapes = [(1, 32768, 32, 8), (32, 8192, 32, 8), (128, 32768, 32, 8)]
-    results = dict(gpu=gpu_name(), copy_gbs=copy_gbs, torch=torch.__version__, vllm_peers=with_vllm)
+        decode_shapes = [(1, 32768, 32, 8), (32, 8192, 32, 1), (128, 32768, 32, 8)]
+        fp8_shapes, prefix_shapes = fp8_shapes[:1], prefix_shapes[:1]
+    results = dict(gpu=gpu_name(), copy_gbs=copy_gbs, torch=torch.__version__, fa3_peer=fa3)
     sweep_shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.sweep_shapes.split(",")]
-    sweep_configs = [(32, 4, 3), (64, 4, 4), (128, 4, 3), (64, 8, 3), (128, 8, 3), (32, 2, 4), (16, 4, 3)]
-    sections = (("decode", lambda: bench_decode(decode_shapes, copy_gbs, with_vllm)),
-                ("sweep", lambda: [] if not args.sweep else
-                 sweep_decode(sweep_shapes, [1, 2, 4, 8, 16, 32, 64, 128], sweep_configs)),
+    # (block_n, num_warps, num_stages); rows padded to 64 for Hopper's warpgroup MMA were slower (sweep3)
+    sweep_configs = [(64, 4, 3), (128, 4, 3), (128, 4, 2), (64, 4, 4), (32, 4, 4), (128, 8, 3)]
+    # (block_n, block_m, num_warps, num_stages)
+    prefix_configs = [(128, 128, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3),
+                      (32, 128, 4, 4), (64, 256, 8, 2), (64, 128, 8, 4)]
+    sections = (("decode", lambda: bench_decode(decode_shapes, copy_gbs)),
+                ("sweep", lambda: sweep_decode(sweep_shapes, [4, 8, 16, 32, 64, 128, 256], sweep_configs)),
+                ("sweep_prefix", lambda: sweep_prefix(prefix_shapes[0], prefix_configs)),
+                ("decode_fp8", lambda: bench_decode_fp8(fp8_shapes, copy_gbs)),
+                ("prefix", lambda: bench_prefix(prefix_shapes)),
                 ("prefill", lambda: bench_prefill([(2, 4096), (4, 2048)])),
-                ("merge", lambda: bench_merge(copy_gbs, with_vllm=with_vllm)))
-    if args.sweep_only:
-        sections = [s for s in sections if s[0] == "sweep"]
+                ("merge", lambda: bench_merge(copy_gbs)))
+    chosen = set(args.only.split(",")) if args.only else {"decode", "decode_fp8", "prefix", "prefill", "merge"}
     for name, fn in sections:
+        if name not in chosen:
+            continue
         try:
             results[name] = fn()
         except Exception:
