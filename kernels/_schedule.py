@@ -1,5 +1,5 @@
 """Which rows a program owns, decided without a host sync: a block of one request's queries, a tile of one KV
-group's Q heads.
+group's Q heads; and how many KV splits a request is cut into.
 
 Query blocks of a varlen batch: which request (and which block of it) a program owns.
 
@@ -57,3 +57,21 @@ def head_tiling(*, num_q_heads: int, q_head_start: int, q_per_kv: int, kv_head_s
     first_kv_head = q_head_start // q_per_kv - kv_head_start
     last_kv_head = (q_head_start + num_q_heads - 1) // q_per_kv - kv_head_start
     return first_kv_head, last_kv_head - first_kv_head + 1, cdiv(min(q_per_kv, num_q_heads), block_h)
+
+
+# Automatic split count: at most PROGRAMS_PER_SM programs per SM (a partial extra wave costs a whole one), and at
+# least MIN_TILES_PER_SPLIT tiles per split unless the grid would not cover the SMs once: then splits of down to
+# one tile. The sweep's best counts at 128-token tiles: 1 x 8K, 8 KV heads: 16 splits; 1 x 32K: 32; 32 x 8K, one
+# KV head: 8 (19% faster than 16); 128 x 8K, one KV head: 4; 8 x 32K, one KV head: 32 (47% faster than 64); measured
+# before the split merge became one step, which favours a few more splits at batch 1 (decode_stages_h200.json).
+PROGRAMS_PER_SM = 4
+MIN_TILES_PER_SPLIT = 8
+MAX_AUTO_SPLITS = 64
+
+
+def pick_num_splits(*, programs: int, max_kv_len: int, block_n: int, sms: int) -> int:
+    """Splits per request so that stage 1 fills ``sms`` SMs, from host ints only (CUDA-graph safe)."""
+    by_occupancy = PROGRAMS_PER_SM * sms // max(programs, 1)
+    tiles = cdiv(max_kv_len, block_n)
+    by_length = max(tiles // MIN_TILES_PER_SPLIT, min(tiles, sms // max(programs, 1)))
+    return max(1, min(MAX_AUTO_SPLITS, by_occupancy, by_length))

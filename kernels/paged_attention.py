@@ -23,12 +23,15 @@ import triton
 import triton.language as tl
 
 from dcp_plugin.kernels._launch import (
-    FLOAT_DTYPES, INDEX_DTYPES, LOG2E, Launch, cdiv, check_head_map, check_heads_out, check_int, check_shape,
+    INDEX_DTYPES, LOG2E, Launch, cdiv, check_head_map, check_heads_out, check_int, check_shape,
     check_tensor, device_index, head_strides, next_pow2, num_sms,
 )
 from dcp_plugin.checks import FP8_DTYPES, check_kv_scales, renamed
 from dcp_plugin.kernels._mode import INTERPRET
-from dcp_plugin.kernels._schedule import find_block, flat_programs, group_head_tile, head_tiling
+from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count constants are part of this module's API
+    MAX_AUTO_SPLITS, MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM, find_block, flat_programs, group_head_tile, head_tiling,
+    pick_num_splits,
+)
 from dcp_plugin.kernels.split_kv import head_offsets, paged_attention_reduce_kernel, plan_split_reduce, split_views
 
 __all__ = ["PagedConfig", "paged_attention", "paged_attention_kernel", "paged_attention_reduce_kernel", "plan_paged",
@@ -48,26 +51,23 @@ class PagedConfig:
     num_stages: int
 
 
-# (padded head dim, decode) -> Hopper starting points, tuned later on an H200; benchmarks sweep via ``config=``.
-# "decode" = the caller promised one query row per request (max_query_len=1).
+# (padded head dim, decode) -> launch constants for Hopper; benchmarks sweep others via ``config=``. "decode" = the
+# caller promised one query row per request (max_query_len=1). D=128 decode: 128-token tiles, from an H200 sweep
+# (benchmarks/results/kernels_h200_tuning_sweep3.json, bf16, separate K/V caches): 1.1-1.3x the GB/s of 64-token
+# tiles with one KV head per rank (e.g. 32 x 8K: 2631 against 2037) and at batch 1, within 3% elsewhere. Longer
+# queries (the prefix pass, 2 x 4K rows over 32K cached, kernels_h200_tuning_prefix.json): 295 TFLOP/s, not 239.
 GPU_CONFIGS = {
     (64, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=3),
     (64, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=3),
-    (128, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=3),
-    (128, False): PagedConfig(block_n=64, block_m=128, num_warps=8, num_stages=3),
+    (128, True): PagedConfig(block_n=128, block_m=64, num_warps=4, num_stages=3),
+    (128, False): PagedConfig(block_n=128, block_m=128, num_warps=8, num_stages=2),
     (256, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=2),
     (256, False): PagedConfig(block_n=64, block_m=64, num_warps=8, num_stages=2),
 }
+# float32 tiles take twice the shared memory: 128-token prefix tiles do not fit (256 KiB of 227).
+GPU_FP32_CONFIGS = {(128, False): PagedConfig(block_n=64, block_m=128, num_warps=8, num_stages=3)}
 INTERPRET_CONFIG = PagedConfig(block_n=32, block_m=32, num_warps=1, num_stages=1)
 
-# Automatic split count: the most splits that keep stage 1 within PROGRAMS_PER_SM programs per SM (rounding down:
-# a partial extra wave costs a whole one), down to one tile per split. From two H200 sweeps, bf16 D=128 decode
-# (benchmarks/results/kernels_h200_tuning_sweep*.json): the best split count put ~512 programs on the 132 SMs at
-# every batch (1-128) and context (1K-32K) measured, e.g. batch 1 x 1K: 16 splits of one tile (40% faster than 4
-# splits of 4 tiles); batch 8 x 8K: 8 splits (6% faster than 16); batch 32 x 1K: 2 splits (7% faster than 4).
-PROGRAMS_PER_SM = 4
-MIN_TILES_PER_SPLIT = 1
-MAX_AUTO_SPLITS = 64
 
 
 # Per-step sizes (and the LSE strides, which scale with them) are not specialized on: every step of an engine runs
@@ -98,6 +98,7 @@ def paged_attention_kernel(
     DECODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,  # the cache holds value / scale in fp8: scale the scores by k_scale, the output by v_scale
+    FP8_VIA_FP16: tl.constexpr,  # bf16 q over an fp8 cache: compute in fp16 (below)
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     pid_q = tl.program_id(0)
@@ -137,6 +138,14 @@ def paged_attention_kernel(
 
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
+    if FP8_VIA_FP16:
+        # fp8 widens to fp16 in one instruction per two values, to bf16 in several: enough to make decode compute-
+        # bound. So K, V and P go to fp16, and q too, first scaled by a power of two (exact) into |q| <= 2^15;
+        # the factor moves into the score scale. A NaN or inf in q still gives NaN.
+        q_f32 = q.to(tl.float32)
+        q_shift = tl.maximum(tl.ceil(tl.log2(tl.max(tl.abs(q_f32)))) - 15.0, 0.0)
+        q = (q_f32 * tl.exp2(-q_shift)).to(tl.float16)
+        qk_scale = qk_scale * tl.exp2(q_shift)
     # This split's whole tiles of the request's cached tokens.
     num_tiles = (context_len + BLOCK_N - 1) // BLOCK_N
     tiles_per_split = (num_tiles + num_splits - 1) // num_splits
@@ -191,13 +200,14 @@ def paged_attention_kernel(
     tl.store(lse_rows + split_off * stride_lse_s, lse, mask=row_mask)
 
 
-def pick_config(head_dim: int, *, decode: bool, config: PagedConfig | None = None) -> PagedConfig:
-    """The launch constants a call uses: ``config`` if given (validated), else the table entry."""
+def pick_config(head_dim: int, *, decode: bool, dtype: torch.dtype = torch.bfloat16,
+                config: PagedConfig | None = None) -> PagedConfig:
+    """The launch constants a call uses: ``config`` if given (validated), else the table entry for q's dtype."""
     if config is None:
         if INTERPRET:
             return INTERPRET_CONFIG
-        padded = min(d for d, _ in GPU_CONFIGS if d >= head_dim)
-        return GPU_CONFIGS[(padded, decode)]
+        key = (min(d for d, _ in GPU_CONFIGS if d >= head_dim), decode)
+        return GPU_FP32_CONFIGS.get(key, GPU_CONFIGS[key]) if dtype == torch.float32 else GPU_CONFIGS[key]
     if not isinstance(config, PagedConfig):
         raise ValueError(f"config must be a PagedConfig, got {type(config).__name__}")
     for name in ("block_n", "block_m"):
@@ -207,13 +217,6 @@ def pick_config(head_dim: int, *, decode: bool, config: PagedConfig | None = Non
     if config.num_warps < 1 or config.num_stages < 1:
         raise ValueError(f"config.num_warps and config.num_stages must be >= 1, got {config!r}")
     return config
-
-
-def pick_num_splits(*, programs: int, max_kv_len: int, block_n: int, sms: int) -> int:
-    """Splits per request so that stage 1 fills ``sms`` SMs, from host ints only (CUDA-graph safe)."""
-    by_occupancy = PROGRAMS_PER_SM * sms // max(programs, 1)
-    by_length = max(1, cdiv(max_kv_len, block_n) // MIN_TILES_PER_SPLIT)
-    return max(1, min(MAX_AUTO_SPLITS, by_occupancy, by_length))
 
 
 def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, *, scale, q_head_start,
@@ -291,7 +294,7 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
     if (out.dim() == 4) != (lse.dim() == 3) or out.dim() == 4 and out.shape[0] != lse.shape[0]:
         raise ValueError(f"out {tuple(out.shape)} and lse {tuple(lse.shape)} must both be plain ([T, Hq, ...]) or "
                          "both rank-major over the same number of ranks")
-    cfg = pick_config(head_dim, decode=max_query_len == 1, config=config)
+    cfg = pick_config(head_dim, decode=max_query_len == 1, dtype=q.dtype, config=config)
     launch = plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, scale=scale,
                         q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
                         max_kv_len=max_kv_len, max_query_len=max_query_len, num_splits=num_splits,
@@ -342,7 +345,7 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     page_size = key_cache.shape[1]
     num_reqs = context_lens.shape[0]
     decode = max_query_len == 1
-    cfg = config or pick_config(head_dim, decode=decode)
+    cfg = config or pick_config(head_dim, decode=decode, dtype=q.dtype)
     # Tile rows: BLOCK_Q query tokens x BLOCK_H Q heads of one KV group; at least 16 rows for tl.dot.
     block_h = min(next_pow2(min(q_per_kv, num_q_heads)), cfg.block_m)
     block_q = max(1, cfg.block_m // block_h)
@@ -365,12 +368,10 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
             num_splits = max(1, min(num_splits, split_buffer.numel() // max(row_floats, 1)))
     if num_splits == 1:
         part_out = part_lse = None
-        stage1_out, stage1_lse = out, lse
         out_strides = _with_split_stride(head_strides(out, 3), 0)
         lse_strides = (*head_strides(lse, 2)[1:], 0)
     else:
         part_out, part_lse = split_views(split_buffer, num_tokens, num_q_heads, num_splits, head_dim, q.device)
-        stage1_out, stage1_lse = part_out, part_lse
         out_strides = (num_q_heads, 0, *part_out.stride())
         lse_strides = (0, *part_lse.stride())
     grid = (num_q_programs + cdiv(num_tokens, block_q), head_programs, num_splits) if num_tokens else (0,)
@@ -382,7 +383,8 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
          *value_cache.stride(), *block_table.stride(), *out_strides, *lse_strides),
         dict(PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
              DECODE=decode, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-             KV_FP8=key_cache.dtype in FP8_DTYPES),
+             KV_FP8=key_cache.dtype in FP8_DTYPES,
+             FP8_VIA_FP16=key_cache.dtype in FP8_DTYPES and q.dtype == torch.bfloat16),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     reduce = plan_split_reduce(part_out, part_lse, out, lse) if num_splits > 1 else None
     return PagedLaunch(stage1, reduce, part_out, part_lse, num_splits)

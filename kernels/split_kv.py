@@ -13,8 +13,10 @@ import triton.language as tl
 
 from dcp_plugin.kernels._launch import LOG2E, Launch, cdiv, head_strides, next_pow2
 from dcp_plugin.kernels._mode import INTERPRET
+from dcp_plugin.kernels._schedule import MAX_AUTO_SPLITS
 
 _LOG2E = tl.constexpr(LOG2E)
+REDUCE_SPLITS = MAX_AUTO_SPLITS  # splits merged per step on a GPU: any automatic split count in one step
 
 
 @triton.jit
@@ -35,38 +37,45 @@ def paged_attention_reduce_kernel(
     stride_lse_r, stride_lse_t, stride_lse_h,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
-    """Merge the splits of BLOCK_H heads of one token by LSE: two passes over the splits (their maximum LSE, then
-    the weighted sum), so any split count runs the same compiled kernel."""
+    """Merge the splits of BLOCK_H heads of one token by LSE, BLOCK_S splits per step with a running maximum, so
+    any split count runs the same compiled kernel. A step's LSE and partial loads do not wait on each other (stage 1
+    writes every split, an empty one as (0, -inf)): a batch-1 decode's merge is one memory round trip."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
     head_mask = heads < num_q_heads
-    lse_ptrs = part_lse_ptr + token * stride_pl_t + heads.to(tl.int64) * stride_pl_h
+    dim_mask = dims < head_dim
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_base = part_lse_ptr + token * stride_pl_t + heads.to(tl.int64)[None, :] * stride_pl_h  # [1, H]
+    part_base = part_out_ptr + token * stride_po_t + heads.to(tl.int64)[None, :, None] * stride_po_h \
+        + dims[None, None, :] * stride_po_d  # [1, H, D]
     lse_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        lse_max = tl.maximum(lse_max, tl.load(lse_ptrs + s * stride_pl_s, mask=head_mask, other=float("-inf")))
-    lse_max_safe = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-
-    part_ptrs = part_out_ptr + token * stride_po_t + heads.to(tl.int64)[:, None] * stride_po_h \
-        + dims[None, :] * stride_po_d
-    hd_mask = head_mask[:, None] & (dims[None, :] < head_dim)
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s in range(num_splits):
-        weight = tl.exp2((tl.load(lse_ptrs + s * stride_pl_s, mask=head_mask, other=float("-inf"))
-                          - lse_max_safe) * _LOG2E)  # exactly 0 for an empty split, whose O is not read
-        part = tl.load(part_ptrs + s * stride_po_s, mask=hd_mask & (weight > 0.0)[:, None], other=0.0)
-        acc += part * weight[:, None]
-        total += weight
+    for s_start in range(0, num_splits, BLOCK_S):
+        split = s_start + offs_s
+        lse = tl.load(lse_base + split[:, None] * stride_pl_s,
+                      mask=(split < num_splits)[:, None] & head_mask[None, :], other=float("-inf"))  # [S, H]
+        new_max = tl.maximum(lse_max, tl.max(lse, 0))
+        max_safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+        alpha = tl.exp2((lse_max - max_safe) * _LOG2E)  # 0 while nothing was seen
+        weight = tl.exp2((lse - max_safe[None, :]) * _LOG2E)  # exactly 0 for an empty split (its O is 0)
+        part = tl.load(part_base + split[:, None, None] * stride_po_s,
+                       mask=(split < num_splits)[:, None, None] & head_mask[None, :, None] & dim_mask[None, None, :],
+                       other=0.0)  # [S, H, D]
+        acc = acc * alpha[:, None] + tl.sum(part * weight[:, :, None], 0)
+        total = total * alpha + tl.sum(weight, 0)
+        lse_max = new_max
     total_safe = tl.where(total > 0.0, total, 1.0)
     out = acc / total_safe[:, None]
     lse = tl.where(total > 0.0, lse_max + tl.log(total_safe), float("-inf"))
+    hd_mask = head_mask[:, None] & dim_mask[None, :]
     out_rows = out_ptr + token * stride_o_t + head_offsets(heads, out_heads_per_rank, stride_o_r, stride_o_h)
     tl.store(out_rows[:, None] + dims[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty), mask=hd_mask)
     lse_rows = lse_ptr + token * stride_lse_t + head_offsets(heads, out_heads_per_rank, stride_lse_r, stride_lse_h)
     tl.store(lse_rows, lse, mask=head_mask)
-
 
 
 def plan_split_reduce(part_out, part_lse, out, lse) -> Launch:
@@ -74,13 +83,13 @@ def plan_split_reduce(part_out, part_lse, out, lse) -> Launch:
     rank-major); call it with ``(part_out, part_lse, out, lse)``."""
     num_tokens, num_heads, _, head_dim = part_out.shape
     block_d = max(16, next_pow2(head_dim))
-    # One program merges the splits of a few heads of one token (all heads under the interpreter, where every
-    # program costs Python time).
-    heads = next_pow2(num_heads) if INTERPRET else min(next_pow2(num_heads), max(1, 2048 // block_d))
+    # On a GPU one program merges one (token, head): every automatic split count in one step. Under the
+    # interpreter, where every program costs Python time, one program takes all heads of a token, 8 splits a step.
+    heads, splits = (next_pow2(num_heads), 8) if INTERPRET else (1, REDUCE_SPLITS)
     return Launch(paged_attention_reduce_kernel, (num_tokens, cdiv(num_heads, heads)),
                   (num_heads, part_out.shape[2], head_dim, *part_out.stride(), *part_lse.stride(),
                    *head_strides(out, 3), *head_strides(lse, 2)[1:]),
-                  dict(BLOCK_H=heads, BLOCK_D=block_d), num_warps=4)
+                  dict(BLOCK_H=heads, BLOCK_D=block_d, BLOCK_S=splits), num_warps=4 if block_d <= 128 else 8)
 
 
 def split_views(buffer, num_tokens: int, num_heads: int, num_splits: int, head_dim: int, device):

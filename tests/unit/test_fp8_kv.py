@@ -79,6 +79,31 @@ def test_paged_attention_reads_the_dequantized_cache(dtype, splits):
     assert_matches(lse, want_lse, torch.float32, "fp8 paged lse")
 
 
+@pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
+def test_bf16_queries_over_an_fp8_cache_compute_in_fp16_without_overflow(dtype):
+    """bf16 q over an fp8 cache runs the fp16 path: q is scaled by a power of two into fp16's range first, so a
+    request whose q passes 65504 (fp16's largest value) still equals float64 attention; a NaN in q gives NaN out."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(4, 8, 64, generator=gen)
+    q[1] *= 2e5  # request 1: far past fp16's range
+    q[3, 2, 5] = float("nan")  # request 3, KV group 0
+    q = q.to(torch.bfloat16)
+    k_scale, v_scale = _scales(dtype)
+    cache = (torch.randn(12, 16, 2, 128, generator=gen) / torch.cat([k_scale.expand(64), v_scale.expand(64)])).to(dtype)
+    kc, vc = cache[..., :64], cache[..., 64:]
+    table = torch.randperm(12, generator=gen).to(torch.int32).view(4, 3)
+    lens, qsl = torch.tensor([40, 47, 1, 30], dtype=torch.int32), torch.arange(5, dtype=torch.int32)
+    out, lse = poisoned(q.shape, torch.float32), poisoned(q.shape[:2], torch.float32)
+    heads = dict(scale=0.125, q_head_start=0, q_per_kv=4, kv_head_start=0, max_kv_len=47, max_query_len=1)
+    kernels.paged_attention(q, kc, vc, table, lens, qsl, **heads, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale)
+    want_out, want_lse = reference.paged_attention(q[:3].double(), kc.double() * k_scale.double(),
+                                                   vc.double() * v_scale.double(), table[:3], lens[:3], qsl[:4],
+                                                   **heads)
+    assert_matches(out[:3], want_out, torch.bfloat16, "fp8 paged out, bf16 q")
+    assert_matches(lse[:3], want_lse, torch.bfloat16, "fp8 paged lse, bf16 q")
+    assert out[3].isnan().all(-1).tolist() == [h == 2 for h in range(8)], "the NaN must reach its head's row"
+
+
 def _ops(name: str):
     """The kernel namespace of a CPU run: the Triton kernels write fp8 only on a GPU, so the write is torch's."""
     if name == "reference":

@@ -12,7 +12,7 @@ import triton.language as tl
 from dcp_plugin.kernels import reference
 from dcp_plugin.kernels._schedule import group_head_tile, head_tiling
 from dcp_plugin.kernels.paged_attention import (
-    MAX_AUTO_SPLITS, PROGRAMS_PER_SM, PagedConfig, paged_attention, pick_num_splits, plan_paged,
+    MAX_AUTO_SPLITS, MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM, PagedConfig, paged_attention, pick_num_splits, plan_paged,
 )
 from tests.kernel_checks import assert_matches, poisoned
 
@@ -61,6 +61,8 @@ CASES = {
     "dcp-12q3kv-rank0-two-groups-2splits-fp16": Case([2, 1], [20, 45], 6, 3, 4, dtype=torch.float16,
                                                      num_splits=2),
     "all-empty-contexts-3splits": Case([1, 2], [0, 0], 4, 2, 2, num_splits=3),
+    # More splits than the reduce merges per step (8): three steps, the running maximum rescaled, empty splits.
+    "gqa4-decode-19splits-three-reduce-steps": Case([1, 1, 1], [700, 33, 0], 8, 2, 4, num_splits=19),
 }
 
 
@@ -204,21 +206,28 @@ def test_head_tiles_cover_each_q_head_once_with_its_kv_head(block_h):
 
 @pytest.mark.parametrize("programs", [1, 8, 32, 64, 100, 256, 528, 1000, 1056, 5000])
 def test_auto_splits_fill_the_gpu_without_a_partial_wave(programs):
-    sms, block_n = 132, 64
+    sms, block_n = 132, 128
     budget = PROGRAMS_PER_SM * sms
-    splits = pick_num_splits(programs=programs, max_kv_len=128 * 1024, block_n=block_n, sms=sms)
-    assert 1 <= splits <= MAX_AUTO_SPLITS
-    if splits > 1:
-        assert programs * splits <= budget, "more programs than the per-wave budget"
-    # The most splits within the budget (or the cap): one more would overflow it.
-    assert splits == MAX_AUTO_SPLITS or programs * (splits + 1) > budget, (programs, splits)
-    # The H200 sweeps' best picks (benchmarks/results/kernels_h200_tuning_sweep*.json), 8 KV heads, 1 head tile.
-    assert [pick_num_splits(programs=8 * b, max_kv_len=ctx, block_n=block_n, sms=sms)
-            for b, ctx in ((1, 1024), (1, 8192), (1, 32768), (8, 1024), (8, 8192), (32, 1024), (128, 8192))] \
-        == [16, 64, 64, 8, 8, 2, 1]
-    short = pick_num_splits(programs=programs, max_kv_len=3 * block_n, block_n=block_n, sms=sms)
-    assert short <= 3, "a split never gets less than one tile"
+    long = pick_num_splits(programs=programs, max_kv_len=128 * 1024, block_n=block_n, sms=sms)
+    assert 1 <= long <= MAX_AUTO_SPLITS
+    if long > 1:
+        assert programs * long <= budget, "more programs than the per-wave budget"
+    # A long context: the most splits within the budget (or the cap); one more would overflow it.
+    assert long == MAX_AUTO_SPLITS or programs * (long + 1) > budget, (programs, long)
+    for tiles in (1, 3, 2 * MIN_TILES_PER_SPLIT, 5 * MIN_TILES_PER_SPLIT):
+        splits = pick_num_splits(programs=programs, max_kv_len=tiles * block_n, block_n=block_n, sms=sms)
+        assert 1 <= splits <= tiles, "a split never gets less than one tile"
+        if tiles // splits < MIN_TILES_PER_SPLIT:  # short splits only while the grid does not cover the SMs
+            assert splits == 1 or programs * splits <= sms, (programs, tiles, splits)
     assert pick_num_splits(programs=programs, max_kv_len=0, block_n=block_n, sms=sms) == 1
+
+
+def test_auto_splits_match_the_h200_sweep():
+    """The best split counts of benchmarks/results/kernels_h200_tuning_sweep3.json (bf16, D = 128, 128-token
+    tiles); programs = requests x KV heads (one head tile per KV group)."""
+    picks = {(b, ctx, kv_heads): pick_num_splits(programs=b * kv_heads, max_kv_len=ctx, block_n=128, sms=132)
+             for b, ctx, kv_heads in ((1, 8192, 8), (1, 32768, 8), (32, 8192, 1), (128, 8192, 1), (8, 32768, 1))}
+    assert picks == {(1, 8192, 8): 16, (1, 32768, 8): 32, (32, 8192, 1): 8, (128, 8192, 1): 4, (8, 32768, 1): 32}
 
 
 def _good() -> dict:
