@@ -22,7 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, gpu_name, graph_ms, save  # noqa: E402
 
-import dcp_plugin as dp  # noqa: E402
+import dcp_plugin as dp  # noqa: E402  (first: the repository root below must not shadow the installed package)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.dcp_harness import ShapeOnlyGroup  # noqa: E402  (collectives as local copies of the right shapes)
 
 DTYPE = torch.bfloat16
 HEAD_DIM = 128
@@ -30,23 +33,6 @@ PAGE = 16
 # Per rank: 8 local Q heads and 1 stored KV head, the shape of any GQA model whose TP duplicates KV heads 8x
 # (64 Q / 1 KV at TP 8 here); DCP up to 8 then removes that duplication.
 TOTAL_Q_HEADS, TOTAL_KV_HEADS, TP = 64, 1, 8
-
-
-class LocalCopyGroup:
-    """Collectives of the right shapes done as local copies (timing stand-in, not a correct combine)."""
-
-    def __init__(self, world_size: int, rank: int) -> None:
-        self.world_size, self.rank_in_group = world_size, rank
-
-    def all_gather(self, t, dim):
-        return torch.cat([t] * self.world_size, dim=dim)
-
-    def reduce_scatter(self, t, dim):
-        chunk = t.shape[dim] // self.world_size
-        return t.narrow(dim, self.rank_in_group * chunk, chunk).clone()
-
-    def all_to_all(self, t):
-        return t.clone()
 
 
 def time_rank(n: int, batch: int, ctx: int, comm: str, gen: torch.Generator) -> float:
@@ -67,7 +53,7 @@ def time_rank(n: int, batch: int, ctx: int, comm: str, gen: torch.Generator) -> 
     slot_mapping = slots if owned else torch.full_like(slots, -1)
     step = dp.DcpBatch.build(query_start_loc=qsl, seq_lens=seq_lens, block_table=table, slot_mapping=slot_mapping,
                              tokens=tokens, max_query_len=1, max_seq_len=ctx + 1, max_context_len=ctx)
-    group = LocalCopyGroup(n, 0) if n > 1 else None
+    group = ShapeOnlyGroup(n, 0) if n > 1 else None
     attn = dp.DcpAttention(heads=heads, tokens=tokens, group=group, scale=HEAD_DIM ** -0.5, comm=comm)
     q = torch.randn(batch, heads.num_q_heads, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
     k = torch.randn(batch, heads.num_kv_heads, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)

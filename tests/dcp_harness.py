@@ -309,6 +309,23 @@ class ThreadGroup:
         return torch.cat([part.chunk(self.world_size)[self.rank_in_group] for part in parts])
 
 
+class ShapeOnlyGroup:
+    """Collectives with the right output shapes whose values mean nothing: rank ``rank`` of ``n`` alone, for meta
+    tensors (forward must not read a value) and for timing one rank's local work (each collective is one copy)."""
+
+    def __init__(self, n: int, rank: int) -> None:
+        self.world_size, self.rank_in_group = n, rank
+
+    def all_gather(self, t, dim):
+        return torch.cat([t] * self.world_size, dim=dim)
+
+    def reduce_scatter(self, t, dim):
+        return t.chunk(self.world_size, dim=dim)[self.rank_in_group].clone()
+
+    def all_to_all(self, t):
+        return t.clone()
+
+
 def run_threads(n: int, fn: Callable[[int, Exchange], object], *, timeout_s: float = 120) -> list:
     """``fn(rank, exchange)`` for ranks ``0..n-1``, each on its own thread over one ``Exchange``; returns the
     results in rank order. A failing rank releases the others (their barrier breaks) and its error is re-raised."""

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from dcp_plugin import DcpAttention, DcpBatch, HeadLayout, ParallelState, TokenLayout, TorchDcpGroup
 from dcp_plugin.kernels import reference
-from tests.dcp_harness import Case, RankState, World, run_case
+from tests.dcp_harness import Case, RankState, ShapeOnlyGroup, World, run_case
 
 SINGLE = dict(q_heads=6, kv_heads=2, requests=((0, 5), (9, 1), (14, 4), (1, 2)), block_size=4)
 
@@ -46,22 +46,6 @@ def _setup(n: int = 2, rank: int = 0, **case_fields):
     return state, dict(q=q, k=k, v=v, key_cache=state.key_cache, value_cache=state.value_cache, batch=batch)
 
 
-class _ShapeGroup:
-    """Shape-only collectives for meta tensors (values do not exist, so nothing can be read)."""
-
-    def __init__(self, n: int, rank: int) -> None:
-        self.world_size, self.rank_in_group = n, rank
-
-    def all_gather(self, t, dim):
-        return torch.cat([t] * self.world_size, dim=dim)
-
-    def reduce_scatter(self, t, dim):
-        return t.chunk(self.world_size, dim=dim)[self.rank_in_group]
-
-    def all_to_all(self, t):
-        return t.contiguous()
-
-
 def _shape_ops(log: list):
     """Kernel plans that launch nothing: each records its name and the shapes it was prepared for."""
     def planner(name):
@@ -87,7 +71,7 @@ def test_forward_never_syncs(comm):
         max_context_len=host.max_context_len,
     )
     log = []
-    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=_ShapeGroup(4, 2), scale=0.25, comm=comm,
+    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=ShapeOnlyGroup(4, 2), scale=0.25, comm=comm,
                         ops=_shape_ops(log))
     out = attn.forward(**meta, batch=batch)
     assert out.device.type == "meta" and out.shape == meta["q"].shape
@@ -100,7 +84,7 @@ def test_forward_never_syncs(comm):
 
 
 def _make(state, **overrides):
-    args = dict(heads=state.heads, tokens=state.tokens, group=_ShapeGroup(2, 0), scale=0.25, ops=reference)
+    args = dict(heads=state.heads, tokens=state.tokens, group=ShapeOnlyGroup(2, 0), scale=0.25, ops=reference)
     args.update(overrides)
     return DcpAttention(**args)
 
@@ -111,8 +95,8 @@ _CONSTRUCTION = {
     "tokens other rank": (dict(tokens=TokenLayout(dcp_size=2, dcp_rank=1, block_size=4)),
                           r"DCP size 2 \(rank 1\) but the head layout runs at DCP size 2 \(rank 0\)"),
     "group missing": (dict(group=None), "group is None but dcp_size=2"),
-    "group size": (dict(group=_ShapeGroup(4, 0)), "group has world_size=4"),
-    "group rank": (dict(group=_ShapeGroup(2, 1)), "rank_in_group=1"),
+    "group size": (dict(group=ShapeOnlyGroup(4, 0)), "group has world_size=4"),
+    "group rank": (dict(group=ShapeOnlyGroup(2, 1)), "rank_in_group=1"),
     "scale zero": (dict(scale=0.0), "scale must be a finite float > 0"),
     "scale nan": (dict(scale=float("nan")), "scale must be a finite float > 0"),
     "scale bool": (dict(scale=True), "scale must be a finite float > 0"),
