@@ -119,6 +119,13 @@ def analyse(jobs: dict[str, dict]) -> dict:
                              **row})
                 if a == OURS and dtype == "float32" and b == "TRITON_ATTN":
                     checks.append(_check(model, case, task, row))
+    for (model, dtype, case), by_backend in sorted(groups.items()):  # fp8 KV against each backend's own bf16 KV
+        for backend in sorted(by_backend) if case == "fp8" else ():
+            bf16 = groups.get((model, dtype, "main"), {}).get(backend)
+            for task in sorted(set(by_backend[backend]["tasks"]) & set(bf16["tasks"] if bf16 else ())):
+                row = _compare_task(task, by_backend[backend]["tasks"][task], bf16["tasks"][task], dtype)
+                rows.append({"model": model, "dtype": dtype, "case": "fp8 KV vs bf16 KV", "task": task,
+                             "ours": f"{backend} fp8", "ref": f"{backend} bf16", **row})
     for name, job in sorted(done.items()):
         if job["spec"]["backend"] == OURS:  # the run really used our kernels, compiled (not a fallback)
             line = job.get("backend_line") or ""
@@ -126,8 +133,12 @@ def analyse(jobs: dict[str, dict]) -> dict:
             checks.append({"name": f"{name}: worker built dcp-triton", "pass": ok,
                            "detail": line[line.find("backend="):][:160] or "no dcp-triton startup line in the log"})
     throughput = [{"model": job["spec"]["model"], "backend": job["spec"]["backend"], "mode": job["spec"]["mode"],
-                   **w} for job in done.values() for w in job["result"].get("throughput", [])]
-    return {"agreement": rows, "checks": checks, "throughput": throughput,
+                   "kv": _kv_dtype(job["spec"]), **w}
+                  for job in done.values() for w in job["result"].get("throughput", [])]
+    capacity = [{"job": name, "backend": job["spec"]["backend"], "kv": _kv_dtype(job["spec"]),
+                 "kv_cache_tokens": job["result"]["kv_cache_tokens"]} for name, job in sorted(done.items())
+                if job["spec"]["case"] in ("main", "fp8") and job["result"].get("kv_cache_tokens")]
+    return {"agreement": rows, "checks": checks, "throughput": throughput, "kv_capacity": capacity,
             "jobs": {n: {k: j.get(k) for k in ("status", "elapsed_s", "log", "backend_line")} for n, j in
                      sorted(jobs.items())}}
 
@@ -164,11 +175,17 @@ def markdown(summary: dict, meta: dict) -> str:
                   f"{r['text']} |" for r in summary["agreement"]]
         lines.append("")
     if summary["throughput"]:
-        lines += ["## Offline throughput", "", "| model | workload | backend | mode | requests | prompt | output | "
-                  "s | output tok/s |", "|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {t['model']} | {t['workload']} | {t['backend']} | {t['mode']} | {t['requests']} | "
-                  f"{t['prompt_len']} | {t['output_len']} | {t['elapsed_s']:.2f} | {t['output_tok_s']:.0f} |"
-                  for t in summary["throughput"]]
+        lines += ["## Offline throughput", "", "| model | workload | backend | mode | KV | requests | prompt | "
+                  "output | s | output tok/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {t['model']} | {t['workload']} | {t['backend']} | {t['mode']} | {t.get('kv', 'auto')} | "
+                  f"{t['requests']} | {t['prompt_len']} | {t['output_len']} | {t['elapsed_s']:.2f} | "
+                  f"{t['output_tok_s']:.0f} |" for t in summary["throughput"]]
+        lines.append("")
+    if summary.get("kv_capacity"):
+        lines += ["## KV cache capacity (vLLM's log, same KV memory)", "", "| job | backend | KV | tokens |",
+                  "|---|---|---|---|"]
+        lines += [f"| {c['job']} | {c['backend']} | {c['kv']} | {c['kv_cache_tokens']:,} |"
+                  for c in summary["kv_capacity"]]
         lines.append("")
     lines += ["## Jobs", "", "| job | status | s |", "|---|---|---|"]
     lines += [f"| {n} | {j['status']} | {j['elapsed_s'] if j['elapsed_s'] is not None else ''} |"
@@ -225,6 +242,10 @@ def _compare_task(task: str, a: dict, b: dict, dtype: str) -> dict:
                                f"{row['cached_tokens_ours']} / {row['cached_tokens_ref']}; "
                                f"{_greedy_text(row['greedy'])}"}
     raise ValueError(f"unknown task {task!r}: expected logprobs*, greedy* or prefix*")
+
+
+def _kv_dtype(spec: dict) -> str:
+    return spec.get("engine", {}).get("kv_cache_dtype", "auto")
 
 
 def _greedy_text(row: dict) -> str:

@@ -12,11 +12,13 @@ is saved at once and reused by later invocations (resumable), and the summary is
 Full set: float32 teacher-forced prompt logprobs (32 prompts of 64-2000 tokens), greedy 64 tokens, a prefix-cache
 case (dcp-triton vs TRITON_ATTN: max |logprob difference| <= 1e-3; every greedy divergence at a near tie), a
 chunked-prefill case (max_num_batched_tokens=256), the same in bf16 against TRITON_ATTN and FLASH_ATTN (reported),
-a float32 case with CUDA graphs (vLLM's default FULL_AND_PIECEWISE: decode steps replay full graphs), and offline
-throughput (64 x 8K-token prompts / 256 output tokens; a decode-heavy batch) for the three backends, eager and with
-CUDA graphs. ``--quick``: float32 prompt-logprob agreement (gqa5, 32
-prompts up to 2000 tokens) and bf16 greedy agreement against both on 8 prompts, five engines at once. float32
-jobs run with TRITON_F32_DEFAULT=ieee, so vLLM's Triton kernels compute float32 dots in float32, not TF32.
+a float32 case with CUDA graphs (vLLM's default FULL_AND_PIECEWISE: decode steps replay full graphs), an fp8 KV
+cache (bf16 model, ``kv_cache_dtype="fp8"``: dcp-triton against TRITON_ATTN's fp8 cache, and each against its own
+bf16 cache; KV capacity from vLLM's log), and offline throughput (64 x 8K-token prompts / 256 output tokens; a
+decode-heavy batch) for the three backends, eager and with CUDA graphs, and dcp-triton's fp8 cache with graphs.
+``--quick``: float32 prompt-logprob agreement (gqa5, 32 prompts up to 2000 tokens) and bf16 greedy agreement
+against both on 8 prompts, five engines at once. float32 jobs run with TRITON_F32_DEFAULT=ieee, so vLLM's Triton
+kernels compute float32 dots in float32, not TF32.
 
     python benchmarks/vllm_gpu_e2e.py --quick --budget-s 220
     python benchmarks/vllm_gpu_e2e.py --only 'agree-gqa5-*' --jobs 3
@@ -94,12 +96,17 @@ def catalogue(work: Path, raw: Path) -> list[Job]:
         for backend in ("dcp-triton", "TRITON_ATTN"):  # greedy decode steps replay full CUDA graphs
             jobs.append(engine(f"agree-{short}-fp32-graphs-{backend}", model, backend, "float32", "graphs",
                                [logprobs, greedy], 400, mode="graphs"))
+        for backend in ("dcp-triton", "TRITON_ATTN"):  # fp8 KV cache (vLLM's default scales), against bf16 KV
+            jobs.append(engine(f"fp8-{short}-bf16-{backend}", model, backend, "bfloat16", "fp8", [logprobs, greedy],
+                               300, kv_cache_dtype="fp8"))
     throughput = [{"name": "throughput", "type": "throughput", "workloads": WORKLOADS}]
+    tput = dict(mode="graphs", exclusive=True, max_model_len=8192 + 256 + 64, kv_cache_memory_bytes=24 << 30,
+                gpu_memory_utilization=0.5, max_num_seqs=256)
     for backend, mode in [(b, m) for m in ("eager", "graphs") for b in ("dcp-triton", "TRITON_ATTN", "FLASH_ATTN")]:
         jobs.append(engine(f"tput-llama-bf16-{backend}-{mode}", "llama-d128", backend, "bfloat16", "throughput",
-                           throughput, 480 if mode == "eager" else 600, mode=mode, exclusive=True,
-                           max_model_len=8192 + 256 + 64, kv_cache_memory_bytes=24 << 30,
-                           gpu_memory_utilization=0.5, max_num_seqs=256))
+                           throughput, 480 if mode == "eager" else 600, **{**tput, "mode": mode}))
+    jobs.append(engine("tput-llama-bf16-dcp-triton-graphs-fp8kv", "llama-d128", "dcp-triton", "bfloat16",
+                       "throughput", throughput, 600, kv_cache_dtype="fp8", **tput))
     return jobs
 
 

@@ -101,9 +101,10 @@ def fake_jobs() -> dict:
     greedy_fa = {**greedy_run([[1, 2, 4]], [[1, 1, 0.3]]), "first_topk": [{"1": -1.01}], "cached_tokens": [0]}
     ok_line = "INFO dcp-triton attention: backend=DCP_TRITON dcp_size=1 kernels=triton cpu_attn_routed=no"
 
-    def job(model, dtype, case, backend, tasks, mode="eager", throughput=None):
-        spec = {"kind": "engine", "model": model, "dtype": dtype, "case": case, "backend": backend, "mode": mode}
-        result = {"tasks": tasks, "complete": True, "vllm": "0.26.0", "gpu": "NVIDIA H200"}
+    def job(model, dtype, case, backend, tasks, mode="eager", throughput=None, kv="auto", tokens=None):
+        spec = {"kind": "engine", "model": model, "dtype": dtype, "case": case, "backend": backend, "mode": mode,
+                "engine": {} if kv == "auto" else {"kv_cache_dtype": kv}}
+        result = {"tasks": tasks, "complete": True, "vllm": "0.26.0", "gpu": "NVIDIA H200", "kv_cache_tokens": tokens}
         if throughput:
             result["throughput"] = throughput
         return {"spec": spec, "result": result, "status": "ok", "elapsed_s": 30.0, "log": "x.log",
@@ -120,6 +121,11 @@ def fake_jobs() -> dict:
         "f": job("m", "bfloat16", "quick", "TRITON_ATTN", {"greedy": greedy}),
         "g": job("m", "bfloat16", "quick", "FLASH_ATTN", {"greedy": greedy_fa}),
         "t": job("m", "bfloat16", "throughput", "dcp-triton", {}, throughput=tput),
+        "t8": job("m", "bfloat16", "throughput", "dcp-triton", {}, throughput=tput, kv="fp8"),
+        "m1": job("m", "bfloat16", "main", "dcp-triton", {"logprobs": lp}, tokens=1000),
+        "m2": job("m", "bfloat16", "main", "TRITON_ATTN", {"logprobs": lp}, tokens=1000),
+        "p1": job("m", "bfloat16", "fp8", "dcp-triton", {"logprobs": lp_off}, kv="fp8", tokens=2000),
+        "p2": job("m", "bfloat16", "fp8", "TRITON_ATTN", {"logprobs": lp}, kv="fp8", tokens=2000),
         "x": {"spec": {"kind": "engine", "backend": "FLASH_ATTN"}, "result": None, "status": "timeout after 9 s",
               "elapsed_s": 9.0, "log": "x.log", "backend_line": None},
     }
@@ -132,11 +138,20 @@ def test_summary_from_fake_results(tmp_path):
                      ("float32", "chunked", "logprobs-long", "dcp-triton", "TRITON_ATTN"),
                      ("bfloat16", "quick", "greedy", "dcp-triton", "TRITON_ATTN"),
                      ("bfloat16", "quick", "greedy", "dcp-triton", "FLASH_ATTN"),
-                     ("bfloat16", "quick", "greedy", "TRITON_ATTN", "FLASH_ATTN")}
+                     ("bfloat16", "quick", "greedy", "TRITON_ATTN", "FLASH_ATTN"),
+                     ("bfloat16", "main", "logprobs", "dcp-triton", "TRITON_ATTN"),
+                     ("bfloat16", "fp8", "logprobs", "dcp-triton", "TRITON_ATTN"),
+                     ("bfloat16", "fp8 KV vs bf16 KV", "logprobs", "dcp-triton fp8", "dcp-triton bf16"),
+                     ("bfloat16", "fp8 KV vs bf16 KV", "logprobs", "TRITON_ATTN fp8", "TRITON_ATTN bf16")}
+    fp8_rows = {r["ours"]: r["max_abs_diff"] for r in summary["agreement"] if r["case"] == "fp8 KV vs bf16 KV"}
+    assert fp8_rows == {"dcp-triton fp8": pytest.approx(0.01), "TRITON_ATTN fp8": 0.0}
+    assert [(c["job"], c["kv"], c["kv_cache_tokens"]) for c in summary["kv_capacity"]] == \
+        [("m1", "auto", 1000), ("m2", "auto", 1000), ("p1", "fp8", 2000), ("p2", "fp8", 2000)]
     checks = {c["name"]: c["pass"] for c in summary["checks"]}
     assert checks == {"m quick logprobs": True, "m chunked logprobs-long": False, "a: worker built dcp-triton": True,
                       "c: worker built dcp-triton": True, "e: worker built dcp-triton": True,
-                      "t: worker built dcp-triton": True}
+                      "t: worker built dcp-triton": True, "t8: worker built dcp-triton": True,
+                      "m1: worker built dcp-triton": True, "p1: worker built dcp-triton": True}
     fa = next(r for r in summary["agreement"] if r["ref"] == "FLASH_ATTN" and r["ours"] == "dcp-triton")
     assert fa["divergences"][0]["position"] == 2 and fa["exact_sequences"] == 0.0
     assert summary["throughput"][0]["output_tok_s"] == 1638.4 and summary["jobs"]["x"]["status"].startswith("timeout")
@@ -144,11 +159,13 @@ def test_summary_from_fake_results(tmp_path):
     meta = {"gpu": "NVIDIA H200", "vllm": "0.26.0", "torch": "2.11.0"}
     paths = report.write_summary(summary, meta, tmp_path, "e2e")
     saved = json.loads((tmp_path / "e2e.json").read_text())
-    assert saved["meta"] == meta and len(saved["agreement"]) == 5
+    assert saved["meta"] == meta and len(saved["agreement"]) == 9
     md = (tmp_path / "e2e.md").read_text()
     assert "| m chunked logprobs-long | FAIL | max abs dlogprob 0.01 (bound 0.001) at prompt 0 position 2 |" in md
     assert "| m quick logprobs | PASS |" in md and "| x | timeout after 9 s | 9.0 |" in md
-    assert "| m | prefill-8k | dcp-triton | eager | 64 | 8192 | 256 | 10.00 | 1638 |" in md
+    assert "| m | prefill-8k | dcp-triton | eager | auto | 64 | 8192 | 256 | 10.00 | 1638 |" in md
+    assert "| m | prefill-8k | dcp-triton | eager | fp8 | 64 | 8192 | 256 | 10.00 | 1638 |" in md
+    assert "| p1 | dcp-triton | fp8 | 2,000 |" in md
     pytest.importorskip("matplotlib")
     assert tmp_path / "e2e.png" in paths and (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
