@@ -183,9 +183,10 @@ def bench_prefix(shapes) -> list[dict]:
     return rows
 
 
-def sweep_decode(shapes, splits_list, configs) -> list[dict]:
+def sweep_decode(shapes, splits_list, configs, *, fp8: bool = False) -> list[dict]:
     """Tuning data: graph-replay time of each launch config (None: the table's) crossed with each split count
-    (None: the automatic one); ``config`` is recorded as ``[block_n, num_warps, num_stages]``."""
+    (None: the automatic one); ``config`` is recorded as ``[block_n, num_warps, num_stages]``. ``fp8``: over an
+    e4m3 cache (GB/s of its bytes)."""
     from dcp_plugin.kernels.paged_attention import PagedConfig, pick_config
 
     rows = []
@@ -195,6 +196,10 @@ def sweep_decode(shapes, splits_list, configs) -> list[dict]:
                     for bn, w, st in configs)]
     for batch, ctx, hq, hk in shapes:
         kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen)
+        scales = {}
+        if fp8:
+            scales = dict(k_scale=torch.ones(1, device="cuda"), v_scale=torch.ones(1, device="cuda"))
+            kc, vc, kv_bytes = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn), kv_bytes // 2
         out = torch.empty_like(q)
         first = len(rows)
         for cfg in cfgs:
@@ -202,9 +207,9 @@ def sweep_decode(shapes, splits_list, configs) -> list[dict]:
                 def call(i, splits=splits, cfg=cfg):
                     paged_attention(q, kc, vc, tables[i], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
                                     q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=1,
-                                    num_splits=splits, out=out, config=cfg)
-                row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, splits=splits, config=None if cfg is None
-                           else [cfg.block_n, cfg.num_warps, cfg.num_stages])
+                                    num_splits=splits, out=out, config=cfg, **scales)
+                row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, fp8=fp8, splits=splits,
+                           config=None if cfg is None else [cfg.block_n, cfg.num_warps, cfg.num_stages])
                 try:
                     row["graph_ms"] = graph_ms([lambda i=i: call(i) for i in range(copies)])
                     row["gbs"] = kv_bytes / row["graph_ms"] / 1e6
@@ -335,7 +340,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--only", help="comma-separated sections: decode, sweep (tuning runs: split counts x "
-                        "launch configs), sweep_prefix, decode_fp8, prefix, prefill, merge (default: all but the sweeps)")
+                        "launch configs), sweep_prefix, sweep_fp8, decode_fp8, prefix, prefill, merge (default: all "
+                        "but the sweeps)")
     parser.add_argument("--sweep-shapes", default="1x8192x32x8,1x32768x32x8,8x8192x32x8,32x32768x32x8,"
                         "1x32768x32x1,8x32768x32x1,32x8192x32x1,128x8192x32x1",
                         help="batch x context x Q heads x KV heads, comma-separated")
@@ -355,12 +361,15 @@ def main() -> None:
     sweep_shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.sweep_shapes.split(",")]
     # (block_n, num_warps, num_stages); rows padded to 64 for Hopper's warpgroup MMA were slower (sweep3)
     sweep_configs = [(64, 4, 3), (128, 4, 3), (128, 4, 2), (64, 4, 4), (32, 4, 4), (128, 8, 3)]
+    # fp8 decode holds 201-255 registers a thread at 128-token tiles (sm_90 compile): smaller tiles, more warps
+    fp8_configs = [(64, 4, 3), (64, 8, 3), (128, 8, 3), (32, 4, 3), (64, 4, 2)]
     # (block_n, block_m, num_warps, num_stages)
     prefix_configs = [(128, 128, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3),
                       (32, 128, 4, 4), (64, 256, 8, 2), (64, 128, 8, 4)]
     sections = (("decode", lambda: bench_decode(decode_shapes, copy_gbs)),
                 ("sweep", lambda: sweep_decode(sweep_shapes, [4, 8, 16, 32, 64, 128, 256], sweep_configs)),
                 ("sweep_prefix", lambda: sweep_prefix(prefix_shapes[0], prefix_configs)),
+                ("sweep_fp8", lambda: sweep_decode(fp8_shapes, [8, 16, 32, 64], fp8_configs, fp8=True)),
                 ("decode_fp8", lambda: bench_decode_fp8(fp8_shapes, copy_gbs)),
                 ("prefix", lambda: bench_prefix(prefix_shapes)),
                 ("prefill", lambda: bench_prefill([(2, 4096), (4, 2048)])),
