@@ -63,21 +63,24 @@ def run_engine(spec: dict) -> None:
 
 
 def logprobs_task(llm, task: dict, vocab: int) -> dict:
-    """Teacher-forced: the logprob of every prompt token after the first, and the top-1 token there."""
+    """Teacher-forced: the logprob of every prompt token after the first (or of the last ``task["last"]`` ones),
+    and the top-1 token there."""
     from vllm import SamplingParams
 
     prompts = report.make_prompts(vocab=vocab, **task["prompts"])
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    token_lp, top1_ids, top1_lp = [], [], []
+    token_lp, top1_ids, top1_lp, firsts = [], [], [], []
     for prompt, out in zip(prompts, outs):
-        positions = out.prompt_logprobs[1:]  # [0] is None: nothing predicts the first token
-        token_lp.append([pos[tok].logprob for tok, pos in zip(prompt[1:], positions)])
+        first = max(1, len(prompt) - task.get("last", len(prompt)))  # [0] is None: nothing predicts token 0
+        firsts.append(first)
+        positions = out.prompt_logprobs[first:]
+        token_lp.append([pos[tok].logprob for tok, pos in zip(prompt[first:], positions)])
         best = [_ranked(pos, 1) for pos in positions]
         top1_ids.append([b[0] for b in best])
         top1_lp.append([b[1] for b in best])
-    return {"prompt_lens": [len(p) for p in prompts], "token_logprobs": token_lp, "top1_ids": top1_ids,
-            "top1_logprobs": top1_lp}
+    return {"prompt_lens": [len(p) for p in prompts], "first_positions": firsts, "token_logprobs": token_lp,
+            "top1_ids": top1_ids, "top1_logprobs": top1_lp}
 
 
 def greedy_task(llm, task: dict, vocab: int) -> dict:

@@ -47,7 +47,8 @@ def compare_logprobs(ours: dict, ref: dict) -> dict:
             diff = abs(x - y) if math.isfinite(x) and math.isfinite(y) else math.inf
             total, count = total + diff, count + 1
             if worst is None or diff > worst["abs_diff"]:
-                worst = {"prompt": i, "position": pos + 1, "ours": x, "ref": y, "abs_diff": diff}
+                first = ours["first_positions"][i] if "first_positions" in ours else 1
+                worst = {"prompt": i, "position": pos + first, "ours": x, "ref": y, "abs_diff": diff}
         same_top1 += sum(p == q for p, q in zip(ours["top1_ids"][i], ref["top1_ids"][i]))
     return {
         "prompts": len(ours["token_logprobs"]), "positions": count,

@@ -16,6 +16,8 @@ a float32 case with CUDA graphs (vLLM's default FULL_AND_PIECEWISE: decode steps
 cache (bf16 model, ``kv_cache_dtype="fp8"``: dcp-triton against TRITON_ATTN's fp8 cache, and each against its own
 bf16 cache; KV capacity from vLLM's log), and offline throughput (64 x 8K-token prompts / 256 output tokens; a
 decode-heavy batch) for the three backends, eager and with CUDA graphs, and dcp-triton's fp8 cache with graphs.
+Long context (``long-*``): 4 x 128K-token prompts and 128 greedy tokens at ``gpu_memory_utilization=0.9`` against
+FLASH_ATTN (bf16), and 2 x 32K in float32 against TRITON_ATTN, prompt logprobs on the last 4K positions.
 ``--quick``: float32 prompt-logprob agreement (gqa5, 32 prompts up to 2000 tokens) and bf16 greedy agreement
 against both on 8 prompts, five engines at once. float32 jobs run with TRITON_F32_DEFAULT=ieee, so vLLM's Triton
 kernels compute float32 dots in float32, not TF32.
@@ -45,7 +47,10 @@ MODELS = {
     "llama-d128": dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=8,
                        head_dim=128, **LLAMA_COMMON),
 }
+MODELS["long-d128"] = {**MODELS["llama-d128"], "max_position_embeddings": 131072}
 MAIN_PROMPTS = dict(count=32, min_len=64, max_len=2000, seed=1)
+PROMPTS_128K = dict(count=4, min_len=131072 - 128, max_len=131072 - 128, seed=6)  # + 128 decode tokens
+PROMPTS_32K = dict(count=2, min_len=32768 - 64, max_len=32768 - 64, seed=7)
 LONG_PROMPTS = dict(count=6, min_len=1200, max_len=2000, seed=2)
 PREFIX_PROMPTS = dict(prefix_len=1040, suffix_lens=[7, 19, 33, 48], seed=4)
 WORKLOADS = [dict(workload="prefill-8k", requests=64, prompt_len=8192, output_len=256),
@@ -83,7 +88,7 @@ def catalogue(work: Path, raw: Path) -> list[Job]:
         jobs.append(engine(f"quick-gqa5-fp32-{backend}", "gqa5-d64", backend, "float32", "quick", [logprobs], 200))
     for backend in ("dcp-triton", "TRITON_ATTN", "FLASH_ATTN"):
         jobs.append(engine(f"quick-gqa5-bf16-{backend}", "gqa5-d64", backend, "bfloat16", "quick", [greedy8], 200))
-    for model in MODELS:
+    for model in ("gqa5-d64", "llama-d128"):
         short = model.split("-")[0]
         for backend in ("dcp-triton", "TRITON_ATTN"):
             jobs.append(engine(f"agree-{short}-fp32-main-{backend}", model, backend, "float32", "main",
@@ -100,6 +105,19 @@ def catalogue(work: Path, raw: Path) -> list[Job]:
             jobs.append(engine(f"fp8-{short}-bf16-{backend}", model, backend, "bfloat16", "fp8", [logprobs, greedy],
                                300, kv_cache_dtype="fp8"))
     throughput = [{"name": "throughput", "type": "throughput", "workloads": WORKLOADS}]
+    # Long context at DCP = 1 with vLLM's own memory sizing: 4 x 128K-token prompts then 128 greedy tokens at
+    # gpu_memory_utilization=0.9 (bf16, against FLASH_ATTN), and float32 at 32K against TRITON_ATTN (bound 1e-3);
+    # prompt logprobs compared on the last 4K positions.
+    whole_gpu = dict(exclusive=True, kv_cache_memory_bytes=None, gpu_memory_utilization=0.9, max_num_seqs=4)
+    for backend in ("dcp-triton", "FLASH_ATTN"):
+        jobs.append(engine(f"long-128k-bf16-{backend}", "long-d128", backend, "bfloat16", "128k",
+                           [{"name": "logprobs-last4k", "type": "logprobs", "prompts": PROMPTS_128K, "last": 4096},
+                            {"name": "greedy-128", "type": "greedy", "prompts": PROMPTS_128K, "max_tokens": 128}],
+                           540, max_model_len=131072, **whole_gpu))
+    for backend in ("dcp-triton", "TRITON_ATTN"):
+        jobs.append(engine(f"long-32k-fp32-{backend}", "long-d128", backend, "float32", "32k",
+                           [{"name": "logprobs-last4k", "type": "logprobs", "prompts": PROMPTS_32K, "last": 4096}],
+                           420, max_model_len=32768, **whole_gpu))
     tput = dict(mode="graphs", exclusive=True, max_model_len=8192 + 256 + 64, kv_cache_memory_bytes=24 << 30,
                 gpu_memory_utilization=0.5, max_num_seqs=256)
     for backend, mode in [(b, m) for m in ("eager", "graphs") for b in ("dcp-triton", "TRITON_ATTN", "FLASH_ATTN")]:

@@ -58,6 +58,8 @@ def test_logprob_agreement_finds_the_worst_position():
     assert row["max_abs_diff"] == pytest.approx(0.002) and row["worst"]["prompt"] == 1
     assert row["worst"]["position"] == 2  # 1-based prompt position: index 1 of the logprobs list
     assert row["mean_abs_diff"] == pytest.approx(0.0024 / 5)
+    tail = report.compare_logprobs({**ours, "first_positions": [7, 4000]}, ref)  # only the last positions kept
+    assert tail["worst"]["position"] == 4001
     nan = logprob_run([[-1.0, math.nan], [-3.0, -4.0, -5.0]], [[5, 6], [7, 8, 9]])
     assert report.compare_logprobs(nan, ref)["max_abs_diff"] == math.inf  # NaN never passes
     with pytest.raises(ValueError, match="different prompts"):
