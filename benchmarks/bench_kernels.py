@@ -359,10 +359,13 @@ def main() -> None:
         fp8_shapes, prefix_shapes = fp8_shapes[:1], prefix_shapes[:1]
     results = dict(gpu=gpu_name(), copy_gbs=copy_gbs, torch=torch.__version__, fa3_peer=fa3)
     sweep_shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.sweep_shapes.split(",")]
-    # (block_n, num_warps, num_stages); rows padded to 64 for Hopper's warpgroup MMA were slower (sweep3)
-    sweep_configs = [(64, 4, 3), (128, 4, 3), (128, 4, 2), (64, 4, 4), (32, 4, 4), (128, 8, 3)]
+    # (block_n, num_warps, num_stages); rows padded to 64 for Hopper's warpgroup MMA were slower (sweep3). Triton
+    # 3.6 (sm_90 compile) double-buffers the K/V tiles only from 5 stages on (the page lookup takes a stage): 1
+    # buffer at 2-4 stages, so a lone program has one tile in flight; 5 stages: 2 buffers, 72 KB of shared memory
+    # at 64-token tiles, 140 KB at 128.
+    sweep_configs = [(64, 4, 3), (128, 4, 3), (64, 4, 5), (128, 4, 5), (64, 8, 5), (32, 4, 5), (128, 8, 3)]
     # fp8 decode holds 201-255 registers a thread at 128-token tiles (sm_90 compile): smaller tiles, more warps
-    fp8_configs = [(64, 4, 3), (64, 8, 3), (128, 8, 3), (32, 4, 3), (64, 4, 2)]
+    fp8_configs = [(64, 4, 3), (64, 8, 3), (128, 8, 3), (32, 4, 3), (64, 4, 5), (128, 8, 5)]
     # (block_n, block_m, num_warps, num_stages)
     prefix_configs = [(128, 128, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3),
                       (32, 128, 4, 4), (64, 256, 8, 2), (64, 128, 8, 4)]
