@@ -14,6 +14,9 @@ greedy, 128 tokens each, all at once, timed after a warm-up on 4 other prompts. 
   base-dcp1 / selfdraft-dcp1         the same at DCP = 1: acceptance without a sharded draft cache
   base-dcp2-a2a / ngram-dcp2-a2a     dcp_comm_backend="a2a"
 
+``--tp 1`` runs the one-GPU set instead (tp = 1, DCP = 1: base-tp1, ngram-tp1, draft-tp1, selfdraft-tp1), the
+speculation of a single H200, into ``vllm_spec_h200``.
+
 Per speculative job the summary gives the greedy tokens against its reference (identical prompts, and the
 reference's top-2 logprob gap where a prompt first differs: float32 near ties), vLLM's acceptance counters over the
 timed run (``vllm:spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens``,
@@ -24,6 +27,7 @@ against the reference's (speed-up). Results:
     benchmarks/results/<name>_jobs.tar.gz         every job's log and raw result (also unpacked to resume)
 
     python benchmarks/vllm_spec_dcp.py --budget-s 540      # 2 GPUs: everything, in order (a rerun resumes)
+    python benchmarks/vllm_spec_dcp.py --tp 1 --budget-s 540   # 1 GPU: DCP = 1
     python benchmarks/vllm_spec_dcp.py --plan               # the order and estimated times; no torch, no vLLM
     python benchmarks/vllm_spec_dcp.py --summarise          # here, from the tarball that came back
 """
@@ -58,6 +62,8 @@ ENGINES = [("base-dcp2-ag_rs", None, 2, "ag_rs", None), ("ngram-dcp2-ag_rs", "ng
            ("selfdraft-dcp2-ag_rs", "self", 2, "ag_rs", "base-dcp2-ag_rs"), ("base-dcp1", None, 1, None, None),
            ("selfdraft-dcp1", "self", 1, None, "base-dcp1"), ("base-dcp2-a2a", None, 2, "a2a", None),
            ("ngram-dcp2-a2a", "ngram", 2, "a2a", "base-dcp2-a2a")]
+ENGINES_ONE_GPU = [("base-tp1", None, 1, None, None), ("ngram-tp1", "ngram", 1, None, "base-tp1"),
+                   ("draft-tp1", "draft", 1, None, "base-tp1"), ("selfdraft-tp1", "self", 1, None, "base-tp1")]
 ESTIMATE_S = {"build": 40, "graphs": 110, "eager": 80}  # engine start ~40-70 s at tp = 2, then the task
 COUNTER = "vllm:spec_decode_num_"
 
@@ -75,18 +81,18 @@ def repeat_prompts(*, count: int, min_len: int, max_len: int, seed: int, vocab: 
     return prompts
 
 
-def speculative_config(kind: str | None, work: Path) -> dict | None:
+def speculative_config(kind: str | None, work: Path, tp: int = 2) -> dict | None:
     if kind is None:
         return None
     if kind == "ngram":
         return dict(NGRAM)
     model = work / "models" / (DRAFT_MODEL if kind == "draft" else dcp_e2e.MODEL)
     return {"method": "draft_model", "model": str(model), "num_speculative_tokens": SPEC_TOKENS,
-            "draft_tensor_parallel_size": 2, "attention_backend": "dcp-triton"}
+            "draft_tensor_parallel_size": tp, "attention_backend": "dcp-triton"}
 
 
-def catalogue(work: Path, raw: Path, *, eager: bool = False) -> list[Job]:
-    """The two builds, then every engine job in run order."""
+def catalogue(work: Path, raw: Path, *, eager: bool = False, tp: int = 2) -> list[Job]:
+    """The two builds, then every engine job in run order (``tp``: 2, or 1 for the one-GPU set)."""
     builds = [Job(f"build-{name}", {"kind": "build", "model_dir": str(work / "models" / name), "seed": 0,
                                     "config": config}, 240, env=dict(dcp_e2e.NO_MULTICAST),
                   estimate_s=ESTIMATE_S["build"], group="build")
@@ -96,22 +102,22 @@ def catalogue(work: Path, raw: Path, *, eager: bool = False) -> list[Job]:
             "prompt_ids": repeat_prompts(vocab=vocab, **PROMPTS), "warmup_ids": repeat_prompts(vocab=vocab, **WARMUP)}
     mode = "eager" if eager else "graphs"
     jobs = list(builds)
-    for name, kind, dcp, comm, reference in ENGINES:
+    for name, kind, dcp, comm, reference in ENGINES if tp == 2 else ENGINES_ONE_GPU:
         kwargs = dict(model=str(work / "models" / dcp_e2e.MODEL), skip_tokenizer_init=True, dtype="float32", seed=0,
                       enforce_eager=eager, max_model_len=2048, kv_cache_memory_bytes=2 << 30,
                       gpu_memory_utilization=0.3, attention_backend="dcp-triton", max_num_seqs=64,
-                      tensor_parallel_size=2, decode_context_parallel_size=dcp, disable_log_stats=False)
+                      tensor_parallel_size=tp, decode_context_parallel_size=dcp, disable_log_stats=False)
         if comm is not None:
             kwargs["dcp_comm_backend"] = comm
         if not eager:  # vLLM's default FULL_AND_PIECEWISE, over fewer capture sizes (start-up time)
             kwargs["compilation_config"] = {"cudagraph_capture_sizes": GRAPH_SIZES}
         if kind is not None:
-            kwargs["speculative_config"] = speculative_config(kind, work)
+            kwargs["speculative_config"] = speculative_config(kind, work, tp)
         spec = {"kind": "engine", "model": dcp_e2e.MODEL, "backend": "dcp-triton", "dtype": "float32", "mode": mode,
                 "method": kind, "dcp": dcp, "comm": comm, "reference": reference, "vocab": vocab, "engine": kwargs,
                 "tasks": [task], "out": str(raw / f"{name}.json.gz")}
         env = {**dcp_e2e.NO_MULTICAST, "VLLM_USE_V2_MODEL_RUNNER": "0"}
-        jobs.append(Job(name, spec, 2 * ESTIMATE_S[mode], [b.name for b in builds], exclusive=True, gpus=2, env=env,
+        jobs.append(Job(name, spec, 2 * ESTIMATE_S[mode], [b.name for b in builds], exclusive=True, gpus=tp, env=env,
                         estimate_s=ESTIMATE_S[mode], group=f"{kind or 'base'} {mode}"))
     return jobs
 
@@ -164,7 +170,8 @@ def write_summary(summary: dict, meta: dict, results: Path, name: str) -> list[P
     results.mkdir(parents=True, exist_ok=True)
     json_path, md_path = results / f"{name}.json", results / f"{name}.md"
     json_path.write_text(json.dumps({"summary": summary, "meta": meta}, indent=1))
-    lines = [f"# Speculative decoding on dcp-triton, tp = 2 ({meta.get('vllm')}, {meta.get('gpu')})", "",
+    lines = [f"# Speculative decoding on dcp-triton, tp = {meta.get('tp', 2)} ({meta.get('vllm')}, "
+             f"{meta.get('gpu')})", "",
              "| job | method | DCP | comm | status | greedy = reference | acceptance | mean accepted length | "
              "output tok/s | speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
 
@@ -186,7 +193,7 @@ def summarise(args, paths: dict[str, Path], jobs: dict[str, dict]) -> list[Path]
     meta = next(({k: r["result"].get(k) for k in ("gpu", "vllm", "torch")} for r in jobs.values() if r["result"]),
                 {})
     meta.update(target=dcp_e2e.MODEL, target_config=dcp_e2e.CONFIG, draft=DRAFT_MODEL, draft_config=DRAFT_CONFIG,
-                prompts=PROMPTS, max_tokens=MAX_TOKENS, ngram=NGRAM, near_tie=NEAR_TIE)
+                prompts=PROMPTS, max_tokens=MAX_TOKENS, ngram=NGRAM, near_tie=NEAR_TIE, tp=args.tp)
     return write_summary(analyse(jobs), meta, paths["results"], args.name)
 
 
@@ -199,10 +206,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(flag, action="store_true", help=text)
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: CUDA_VISIBLE_DEVICES, else "
                         "nvidia-smi -L; --plan assumes 2 when neither says)")
+    parser.add_argument("--tp", type=int, choices=(1, 2), default=2, help="2: the DCP = 2 set on two GPUs (default); "
+                        "1: the one-GPU set at DCP = 1")
     args = parser.parse_args(argv)
+    if args.tp == 1 and args.name == "vllm_spec_dcp_2xh200":
+        args.name = "vllm_spec_h200"
     paths = runner.state_paths(args.results_dir, args.work_dir / "logs", args.work_dir / "raw", args.work_dir)
     pack = paths["results"] / f"{args.name}_jobs.tar.gz"
-    all_jobs = catalogue(paths["work"], paths["raw"], eager=args.eager)
+    all_jobs = catalogue(paths["work"], paths["raw"], eager=args.eager, tp=args.tp)
     chosen = runner.select_only(all_jobs, args.only) if args.only else [j for j in all_jobs
                                                                           if j.spec["kind"] == "engine"]
     if args.list:
@@ -224,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
                            budget_s=args.budget_s)
         return
     runner.require(REQUIRED_MODULES)
-    args.jobs = 1  # every engine job takes both GPUs
+    args.jobs = 1  # one engine job at a time (at tp = 2 each takes both GPUs)
     runner.run_jobs(job_runner(jobs, gpu_ids=gpu_ids), paths["results"] / f"{args.name}.md")
 
 

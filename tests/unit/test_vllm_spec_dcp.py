@@ -62,6 +62,21 @@ def test_engine_jobs_run_both_speculations_at_tp2_dcp2_against_a_plain_reference
     assert "compilation_config" not in bench.catalogue(tmp_path, tmp_path, eager=True)[2].spec["engine"]
 
 
+def test_the_one_gpu_set_runs_both_speculations_at_tp1_dcp1(tmp_path):
+    jobs = {j.name: j for j in bench.catalogue(tmp_path / "work", tmp_path / "raw", tp=1)}
+    engines = [name for name, job in jobs.items() if job.spec["kind"] == "engine"]
+    assert engines == ["base-tp1", "ngram-tp1", "draft-tp1", "selfdraft-tp1"]
+    for name in engines:
+        kw = jobs[name].spec["engine"]
+        assert (kw["tensor_parallel_size"], kw["decode_context_parallel_size"], jobs[name].gpus) == (1, 1, 1)
+        assert "dcp_comm_backend" not in kw and kw["dtype"] == "float32"
+    assert jobs["ngram-tp1"].spec["reference"] == "base-tp1"
+    assert jobs["ngram-tp1"].spec["engine"]["speculative_config"] == bench.NGRAM
+    draft = jobs["draft-tp1"].spec["engine"]["speculative_config"]
+    assert draft["draft_tensor_parallel_size"] == 1 and draft["model"].endswith("draft-d64")
+    assert jobs["base-tp1"].spec["tasks"] == jobs["draft-tp1"].spec["tasks"]
+
+
 def test_prompts_repeat_a_unit_and_are_reproducible():
     prompts = bench.repeat_prompts(count=8, min_len=100, max_len=300, seed=1, vocab=50)
     assert prompts == bench.repeat_prompts(count=8, min_len=100, max_len=300, seed=1, vocab=50)
