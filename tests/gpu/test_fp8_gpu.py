@@ -65,3 +65,33 @@ def test_paged_attention_over_an_fp8_cache(fp8, dtype, head_dim, num_splits):
                                                    vc.double() * v_scale.double(), table, lens, qsl, **heads)
     assert_matches(out, want_out, dtype, f"fp8 {fp8} paged out")
     assert_matches(lse, want_lse, dtype, f"fp8 {fp8} paged lse")
+
+
+@pytest.mark.parametrize("fp8", list(FP8))
+def test_bf16_queries_past_fp16_range_over_an_fp8_cache(fp8):
+    """bf16 q over an fp8 cache computes in fp16 after scaling q by a power of two into range: a request whose q
+    passes fp16's 65504 equals float64 attention, and a NaN in q reaches its head's output, not another group's."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    ctx = [300, 777, 1, 64]
+    pages = [-(-c // 16) for c in ctx]
+    k_scale, v_scale = _scales()
+    q = torch.randn(len(ctx), 16, 128, device="cuda", generator=gen)
+    q[1] *= 3e5
+    q[3, 9, 17] = float("nan")  # KV group 1 (q_per_kv 8)
+    q = q.to(torch.bfloat16)
+    raw = torch.randn(sum(pages) + 3, 16, 2, 256, device="cuda", generator=gen)
+    buf = (raw * 0.1 / torch.cat([k_scale.expand(128), v_scale.expand(128)])).to(FP8[fp8])
+    kc, vc = buf[..., :128], buf[..., 128:]
+    table = shuffled_block_table(pages, generator=gen, first_page=3, fill=0)
+    lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(len(ctx) + 1, dtype=torch.int32, device="cuda")
+    heads = dict(scale=128**-0.5, q_head_start=0, q_per_kv=8, kv_head_start=0, max_kv_len=max(ctx), max_query_len=1)
+    out, lse = poisoned(q.shape, torch.bfloat16, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
+    paged_attention(q, kc, vc, table, lens, qsl, **heads, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale)
+    want_out, want_lse = reference.paged_attention(q[:3].double(), kc.double() * k_scale.double(),
+                                                   vc.double() * v_scale.double(), table[:3], lens[:3], qsl[:4],
+                                                   **heads)
+    assert_matches(out[:3], want_out, torch.bfloat16, f"fp8 {fp8} out, q past fp16's range")
+    assert_matches(lse[:3], want_lse, torch.bfloat16, f"fp8 {fp8} lse, q past fp16's range")
+    assert out[3, 9].isnan().all(), "a NaN in q must reach its head's output"
+    assert torch.isfinite(out[3, :8]).all(), "the other KV group's heads must not see it"
