@@ -48,6 +48,17 @@ def write_random_llama(path: Path, *, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def cpu_platform_if_unspecified(monkeypatch) -> None:
+    """vLLM's CUDA build on a machine without GPU resolves no platform (and so no device type, which ``VllmConfig``
+    needs); vLLM's CPU platform stands in for it."""
+    import vllm.platforms
+
+    if vllm.platforms.current_platform.is_unspecified():
+        from vllm.platforms.cpu import CpuPlatform
+
+        monkeypatch.setattr(vllm.platforms, "_current_platform", CpuPlatform())
+
+
 @contextlib.contextmanager
 def single_process_vllm_groups(tmp_path: Path):
     """vLLM's world/TP/DCP groups for one process (gloo), as a worker has them; torn down afterwards."""

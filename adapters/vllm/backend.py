@@ -47,6 +47,16 @@ class DcpTritonBackend(AttentionBackend):
         return list(support.supported_head_sizes())
 
     @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        """No. The builder plans a step from the host's per-request query lengths (how many leading rows are
+        single-token decodes, and the context bound), so a batch whose device ``query_start_loc`` splits the tokens
+        otherwise would pair query rows with the wrong requests. vLLM 0.32+'s adaptive verification makes such
+        batches (``speculative_config.enable_adaptive_verification``: the V2 runner trims drafts on the device and
+        spreads the draft budget evenly on the host, ``v1/worker/gpu/spec_decode/adaptive_verification.py``
+        ``compact_batch``); vLLM's backend selector refuses dcp-triton for it with this reason."""
+        return False
+
+    @classmethod
     def supported_kv_cache_layouts(cls):
         return None  # every layout keeps K||V innermost; the kernels take the resulting strides
 

