@@ -4,7 +4,7 @@ Two models, each run by ``vllm_generate.py`` in its own process (vLLM spawns the
 it, so the backend must survive spawn): the embedded SmolLM2-135M (30 layers, 9 Q / 3 KV heads) with the torch
 reference kernels (``DCP_TRITON_KERNELS=reference``), and a 2-layer random-weight Llama with the same head
 structure with the Triton kernels under the interpreter. Each engine runs a mixed prefill/decode batch, a chunked prefill and a prefix-cache
-hit. The two processes run concurrently (3 to 5 minutes on 2 shared cores).
+hit. The two processes run concurrently, each on a CPU of its own (3 to 5 minutes on 2 shared cores).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.vllm_checks import write_random_llama  # noqa: E402
+from tests.vllm_checks import cpu_args, write_random_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
 RUNNER = Path(__file__).with_name("vllm_generate.py")
@@ -27,10 +27,10 @@ STARTUP_LINE = "dcp-triton attention: backend=DCP_TRITON"
 SCENARIOS = ("batch", "chunked", "prefix")
 
 
-def start(model: Path, out: Path, *, kernels: str, block_size: int | None) -> tuple[subprocess.Popen, Path]:
+def start(model: Path, out: Path, *, kernels: str, block_size: int | None, slot: int) -> tuple[subprocess.Popen, Path]:
     env = {k: v for k, v in os.environ.items() if k not in ("DCP_TRITON_CPU", "DCP_TRITON_KERNELS")}
     env.update(HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
-    args = [sys.executable, str(RUNNER), str(model), str(out), "--kernels", kernels]
+    args = [sys.executable, str(RUNNER), str(model), str(out), "--kernels", kernels, *cpu_args(slot)]
     if block_size is not None:
         args += ["--block-size", str(block_size)]
     log = out.with_suffix(".log")
@@ -49,8 +49,8 @@ def runs(tmp_path_factory):
         "tiny-triton": (write_random_llama(tmp / "tiny", num_attention_heads=9, num_key_value_heads=3,
                                            hidden_size=144), "triton", 32),
     }
-    procs = {name: start(model, tmp / f"{name}.json", kernels=kernels, block_size=block)
-             for name, (model, kernels, block) in plans.items()}
+    procs = {name: start(model, tmp / f"{name}.json", kernels=kernels, block_size=block, slot=i)
+             for i, (name, (model, kernels, block)) in enumerate(plans.items())}
     results = {}
     for name, (proc, log) in procs.items():
         try:

@@ -1,7 +1,7 @@
 """Greedy generation with vLLM on CPU, one engine per attention backend, results as JSON (used by test_vllm_e2e).
 
     python tests/integration/vllm_generate.py MODEL_DIR OUT.json --backends CPU_ATTN,dcp-triton [--kernels triton]
-        [--scenarios batch,chunked,prefix] [--speculative-config '{"method": "ngram", ...}']
+        [--scenarios batch,chunked,prefix] [--speculative-config '{"method": "ngram", ...}'] [--cpu N]
 
 Per backend, one engine (enforce_eager, float32, prefix caching on, max_num_batched_tokens=64) runs the scenarios
 in order (default the first three): ``batch`` (4 prompts of 5..130 tokens, 16 tokens each, prefill and decode
@@ -107,7 +107,11 @@ def main() -> None:
     parser.add_argument("--scenarios", default="batch,chunked,prefix", help="comma-separated, in run order; also: "
                         "repeats")
     parser.add_argument("--speculative-config", default=None, help="vLLM's speculative_config as JSON")
+    parser.add_argument("--cpu", type=int, default=None, help="run on this one CPU (the engine's processes inherit "
+                        "it): for engines run side by side, see tests.vllm_checks.cpu_args")
     args = parser.parse_args()
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
     os.environ["DCP_TRITON_KERNELS"] = args.kernels  # inherited by the spawned engine-core and worker processes
     results = {backend: run_backend(args, backend) for backend in args.backends.split(",")}
     with open(args.out, "w") as f:
