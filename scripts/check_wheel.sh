@@ -3,14 +3,19 @@
 # linked from .venv, every other one installed by pip), and check what an installed copy must provide: the
 # vllm.general_plugins entry point dcp_triton -> dcp_plugin.plugin:register (which, with no vLLM installed there,
 # logs one warning and registers nothing) and the `dcp-triton plan` command.
-# Run from the repository root after `make test` built .venv (its pip builds the wheel and installs into the venv).
+# Run from the repository root once .venv has torch (`make check-wheel`; its pip builds the wheel and installs into
+# the venv). The wheel is built from a copy of the checkout, so nothing here is written to (an editable install of
+# .venv may be building beside it, .ci/run does that) and no build folder of an earlier build leaks into the wheel.
 set -euo pipefail
 py=$PWD/.venv/bin/python
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
-rm -rf build  # setuptools' build folder keeps files of earlier builds, which would go into the wheel
-"$py" -m pip wheel . -q --no-deps -w "$tmp/dist"
+mkdir "$tmp/src"
+tar -cf - --exclude=./.git --exclude='./.venv*' --exclude=./.cache --exclude=./build --exclude=./dist \
+    --exclude='*.egg-info' --exclude=__pycache__ . |
+    tar -xf - -C "$tmp/src"
+"$py" -m pip wheel "$tmp/src" -q --no-deps -w "$tmp/dist"
 wheel=$(echo "$tmp"/dist/dcp_triton-*.whl)
 grep -qF "$(basename "$wheel")" README.md || { echo "check_wheel: README.md does not name $(basename "$wheel")"; exit 1; }
 "$py" -m venv --without-pip "$tmp/venv"

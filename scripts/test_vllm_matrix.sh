@@ -3,8 +3,15 @@
 # of vLLM's CUDA builds, on a machine without GPU. Each version gets its own venv holding only that vLLM, installed
 # without dependencies; every other package (the CPU torch, vLLM's dependencies, dcp-triton itself) comes from
 # .venv, so run it after `make test` built .venv. A venv already installed against this .venv is reused.
-# Usage, from the repository root: scripts/test_vllm_matrix.sh 0.26.0 0.33.0
+# --install-only installs the venvs and runs nothing: it needs only .venv's interpreter, so it can run while .venv
+# is still being installed (.ci/run does).
+# Usage, from the repository root: scripts/test_vllm_matrix.sh [--install-only] 0.26.0 0.33.0
 set -euo pipefail
+install_only=false
+if [ "${1:-}" = --install-only ]; then
+    install_only=true
+    shift
+fi
 py=.venv/bin/python
 purelib='import sysconfig; print(sysconfig.get_path("purelib"))'
 base=$("$py" -c "$purelib")
@@ -16,6 +23,9 @@ for version in "$@"; do
         echo "import site; site.addsitedir('$base')" > "$("$venv/bin/python" -c "$purelib")/dcp_triton_base.pth"
         "$py" -m pip --python "$venv/bin/python" install -q --no-deps "vllm==$version"
         echo "$base" > "$venv/.installed"
+    fi
+    if $install_only; then
+        continue
     fi
     echo "== vllm $version"
     DCP_TRITON_EXPECT_VLLM="vllm==$version" "$venv/bin/python" -m pytest -q \
