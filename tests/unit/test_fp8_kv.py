@@ -11,9 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dcp_plugin import DcpAttention, kernels
+from dcp_plugin import kernels
 from dcp_plugin.kernels import reference
-from tests.dcp_harness import Case, RankState, SerialOps, ThreadGroup, World, causal_attention_f64, run_threads
+from tests.dcp_harness import Case
+from tests.fp8_checks import run_fp8_dcp
 from tests.kernel_checks import assert_matches, poisoned
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -113,16 +114,6 @@ def _ops(name: str):
                            plan_write_kv=reference.plan_write_kv)
 
 
-def _round_trip(world: World, dtype) -> None:
-    """Make the world's K/V exactly what an fp8 cache can hold, so the float64 reference sees what every path sees
-    (the cache dequantized, the current chunk in the model dtype)."""
-    k_scale, v_scale = (s.double() for s in _scales(dtype))
-    limit = torch.finfo(dtype).max
-    for tensors, scale in ((world.keys, k_scale), (world.values, v_scale)):
-        for i, t in enumerate(tensors):
-            tensors[i] = (t / scale).clamp(-limit, limit).to(dtype).double() * scale
-
-
 @pytest.mark.parametrize("ops", ["reference", "triton"])
 @pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
 @pytest.mark.parametrize("n", [1, 2, 4])
@@ -131,24 +122,5 @@ def test_dcp_over_fp8_shards_equals_attention_over_the_fp8_cache(n, comm, ops):
     requests = ((30, 1), (25, 1), (19, 4), (0, 6)) if ops == "triton" else ((50, 1), (41, 1), (33, 7), (0, 9), (3, 2))
     case = Case(name="fp8", q_heads=8, kv_heads=2, requests=requests, comm=comm, head_dim=32, seed=21, ops=ops,
                 decode_steps=1)
-    world = World(case)
-    _round_trip(world, dtype)
     k_scale, v_scale = _scales(dtype)
-
-    def rank_fn(rank, exchange):
-        state = RankState.create(case, world, n, rank)
-        to_fp8 = [(c / s).to(dtype) for c, s in ((state.key_cache, k_scale), (state.value_cache, v_scale))]
-        attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=ThreadGroup(exchange, rank) if n > 1 else
-                            None, scale=world.scale, comm=comm, ops=SerialOps(_ops(ops)))
-        group_heads = range(state.heads.group_q_head_start,
-                            state.heads.group_q_head_start + state.heads.num_group_q_heads)
-        for step, new_tokens in enumerate([[new for _, new in requests], [1] * len(requests)]):
-            q, k, v, batch, positions = state.step(new_tokens)
-            out = torch.full(q.shape, float("nan"))
-            attn.forward(q, k, v, *to_fp8, batch, out=out, k_scale=k_scale, v_scale=v_scale)
-            got = attn.group.all_gather(out, dim=1) if n > 1 else out
-            want = torch.cat([causal_attention_f64(world, b, p, group_heads) for b, p in enumerate(positions)])
-            assert_matches(got, want, torch.float32, f"N={n} {comm} {ops} step {step}")
-        return True
-
-    assert all(run_threads(n, rank_fn))
+    assert run_fp8_dcp(case, n, dtype, k_scale, v_scale, _ops(ops), label=f"fp8 {comm} {ops}") == [2] * n
