@@ -222,6 +222,17 @@ def kv_cache_tokens(text: str) -> int | None:
     return int(found.group(1).replace(",", "")) if found else None
 
 
+DCP_KERNELS = {"paged_attention_kernel", "extend_attention_kernel", "combine_kernel", "write_kv_cache_kernel",
+               "paged_attention_reduce_kernel"}
+JIT_DEF = re.compile(r"@triton\.jit\b(?:\([^)]*\))?[^\n]*\n\s*def\s+(\w+)")
+
+
+def dcp_kernel_names(kernels_dir: Path = Path(__file__).resolve().parent.parent / "kernels") -> set[str]:
+    """dcp-triton's kernels: the named ones and every ``@triton.jit`` function defined under kernels/."""
+    found = {m.group(1) for path in sorted(kernels_dir.rglob("*.py")) for m in JIT_DEF.finditer(path.read_text())}
+    return DCP_KERNELS | found
+
+
 def jit_compiles(text: str) -> list[str]:
     """Kernel names of every JIT compile vLLM's JIT monitor warned about (after warm-up), in log order."""
     return [m.group(2) for m in JIT_EVENT.finditer(text)]

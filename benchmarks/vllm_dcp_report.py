@@ -10,13 +10,11 @@ prompt-logprob difference of every dcp-triton DCP=2 job against TRITON_ATTN DCP=
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import e2e_runner as runner
 import vllm_e2e_report as report
 
-HERE = Path(__file__).resolve().parent
 LOADS = {"decode-heavy": (256, 512, 512), "small-batch": (64, 512, 128), "prefill-heavy": (32, 8192, 64),
          "long-context": (16, 32768, 64)}  # requests, prompt tokens, output tokens
 LONG_LOAD = "long-context"
@@ -28,15 +26,7 @@ TP1_LOADS = ("decode-heavy", "small-batch")
 TP1_BACKENDS = ("dcp_triton", "flash_attn", "triton_attn")
 ROW_KEYS = ("requests", "prompt_len", "output_len", "elapsed_s", "output_tok_s", "total_tok_s", "warmup_s",
             "warmup_requests", "ttft_median_s", "tpot_median_s")
-DCP_KERNELS = {"paged_attention_kernel", "extend_attention_kernel", "combine_kernel", "write_kv_cache_kernel",
-               "paged_attention_reduce_kernel"}
-JIT_DEF = re.compile(r"@triton\.jit\b(?:\([^)]*\))?[^\n]*\n\s*def\s+(\w+)")
-
-
-def dcp_kernel_names(kernels_dir: Path = HERE.parent / "kernels") -> set[str]:
-    """dcp-triton's kernels: the named ones and every ``@triton.jit`` function defined under kernels/."""
-    found = {m.group(1) for path in sorted(kernels_dir.rglob("*.py")) for m in JIT_DEF.finditer(path.read_text())}
-    return DCP_KERNELS | found
+dcp_kernel_names = runner.dcp_kernel_names  # the report's name for it (tests)
 
 
 def analyse(jobs: dict[str, dict]) -> dict:

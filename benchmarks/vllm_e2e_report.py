@@ -11,11 +11,14 @@ import math
 import random
 from pathlib import Path
 
+import e2e_runner as runner
+
 FP32_LOGPROB_TOL = 1e-3  # max |logprob(dcp-triton) - logprob(TRITON_ATTN)| in float32
 # A float32 greedy divergence is explained when both backends see a top-2 gap this small there: two logprobs that
 # each move by <= FP32_LOGPROB_TOL can swap order only if they were within 2 * FP32_LOGPROB_TOL.
 FP32_TIE_GAP = 2 * FP32_LOGPROB_TOL
 OURS = "dcp-triton"
+WARMED_UP = "dcp-triton: compiled the kernels of"  # the start-up warm-up's log line (adapters/vllm/impl.py)
 
 
 def make_prompts(*, count: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -133,6 +136,12 @@ def analyse(jobs: dict[str, dict]) -> dict:
             ok = "backend=DCP_TRITON" in line and "kernels=triton" in line and "interpreter" not in line
             checks.append({"name": f"{name}: worker built dcp-triton", "pass": ok,
                            "detail": line[line.find("backend="):][:160] or "no dcp-triton startup line in the log"})
+            log = Path(job.get("log") or "")
+            text = log.read_text(errors="replace") if log.is_file() else ""
+            if WARMED_UP in text:  # runs of releases before the start-up warm-up are not held to it
+                compiled = sorted(set(runner.jit_compiles(text)) & runner.dcp_kernel_names())
+                checks.append({"name": f"{name}: no dcp-triton kernel compiled after start-up", "pass": not compiled,
+                               "detail": ", ".join(compiled) or "vLLM's JIT monitor named none of our kernels"})
     throughput = [{"model": job["spec"]["model"], "backend": job["spec"]["backend"], "mode": job["spec"]["mode"],
                    "kv": _kv_dtype(job["spec"]), **w}
                   for job in done.values() for w in job["result"].get("throughput", [])]
