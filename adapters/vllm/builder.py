@@ -43,10 +43,12 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
     The token layout follows the KV-cache group: a group vLLM does not shard over DCP (``dcp_sharded=False``,
     e.g. a replicated draft model) gets DCP size 1 inside a DCP target's process group.
 
-    CUDA graphs: single-token decode steps replay as full graphs. Every tensor the decode pass reads is one of
-    vLLM's persistent inputs, lives in this builder's ``DcpBatchWorkspace`` or in the impl's ``DcpWorkspace``, and
-    the split-KV count, which a graph freezes, is sized for the block table's capacity (``max_model_len`` in whole
-    pages) on every decode step once full graphs are on (a short context leaves the extra splits empty). At DCP > 1
+    CUDA graphs (``UNIFORM_BATCH``): decode steps replay as full graphs, single-token ones and, with speculative
+    decoding, verify steps of 1 + k rows per request (vLLM's ``uniform_decode_query_len``; without this support
+    vLLM falls back to piecewise graphs for every step of a speculative run). Every tensor those passes read is one
+    of vLLM's persistent inputs, lives in this builder's ``DcpBatchWorkspace`` or in the impl's ``DcpWorkspace``,
+    and the split-KV count, which a graph freezes, is sized for the block table's capacity (``max_model_len`` in
+    whole pages) on every such step once full graphs are on (a short context leaves the extra splits empty). At DCP > 1
     the collectives go through vLLM's NCCL communicator, which a graph captures (run on two H200s: float32
     agreement and throughput with full graphs at DCP = 2); ``DCP_TRITON_DCP_FULL_GRAPHS=0`` keeps DCP > 1
     piecewise (attention eager).
@@ -63,7 +65,7 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
     from ``TokenLayout`` over the device ``seq_lens``. (``tests/unit/test_vllm_v2_runner.py`` drives V2's code.)
     """
 
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -93,6 +95,9 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True, supports_dcp_with_varlen=True)
         # One per builder, and vLLM makes one builder per micro-batch: no two live batches share it.
         self.workspace = DcpBatchWorkspace(vllm_config.scheduler_config.max_num_seqs, device)
+        # The query rows of the steps a full decode graph replays: 1, or 1 + k proposals with speculative decoding.
+        speculative = vllm_config.speculative_config
+        self.uniform_query_len = 1 + ((speculative.num_speculative_tokens or 0) if speculative is not None else 0)
 
     def _full_decode_graphs(self) -> bool:
         # Read per step: vLLM settles the mode (e.g. down to piecewise) after the builders exist.
@@ -123,11 +128,13 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
                 upper = torch.full_like(upper, cm.max_seq_len)
             max_context_len = int((upper - query_lens_cpu).max().clamp_min(0))
         max_seq_len = cm.max_seq_len
-        if cm.max_query_len == 1 and self._full_decode_graphs():
+        if cm.max_query_len in (1, self.uniform_query_len) and self._full_decode_graphs():
             # The split count a captured decode graph replays with, the same for capture, warm-up and every step:
             # sized for the longest sequence the block table addresses (max_model_len rounded up to whole pages).
             capacity = cm.block_table_tensor.shape[1] * self.tokens.block_size * self.tokens.dcp_size
             max_seq_len = max(max_seq_len, capacity)
+            if cm.max_query_len > 1:  # a verify step's prefix pass, likewise (a bound: no host sync either)
+                max_context_len = max(max_context_len or 0, capacity - cm.max_query_len)
         batch = DcpBatch.build(
             num_decodes=leading_decodes(query_start_loc_cpu) if cm.max_query_len > 1 else 0,
             query_start_loc=cm.query_start_loc[: num_reqs + 1],

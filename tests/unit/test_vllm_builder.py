@@ -6,6 +6,8 @@ from dcp_plugin's layout code.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -28,6 +30,7 @@ BATCHES = {
     "decode": ([1, 1, 1, 1], [1, 16, 37, 200]),
     "prefill": ([5, 63, 17], [0, 0, 0]),
     "mixed": ([1, 1, 24, 40], [9, 130, 33, 0]),
+    "verify": ([5, 5, 5], [7, 64, 300]),  # speculative decoding, 4 proposals per request
 }
 # (dcp_size, dcp_rank, interleave)
 TOPOLOGIES = [(1, 0, 1), (2, 1, 1), (4, 3, 1), (4, 0, 8), (2, 1, 16)]
@@ -58,7 +61,7 @@ def common_metadata(query_lens, context_lens, *, dcp, rank, interleave, pad_toke
     )
 
 
-def make_builder(monkeypatch, *, dcp, rank, interleave, dcp_sharded=True):
+def make_builder(monkeypatch, *, dcp, rank, interleave, dcp_sharded=True, speculative_tokens=0):
     # vLLM's DCP group needs dcp_size processes; the builder asks vLLM for (size, rank) through this one call.
     def dcp_world_size_and_rank(enabled: bool = True):
         return (dcp, rank) if enabled else (1, 0)
@@ -66,6 +69,9 @@ def make_builder(monkeypatch, *, dcp, rank, interleave, dcp_sharded=True):
     monkeypatch.setattr(parallel_state, "get_dcp_world_size_and_rank", dcp_world_size_and_rank)
     config = VllmConfig()
     config.parallel_config.cp_kv_cache_interleave_size = interleave
+    if speculative_tokens:  # what the builder reads of a SpeculativeConfig (a real one needs a draft model)
+        object.__setattr__(config, "speculative_config", SimpleNamespace(num_speculative_tokens=speculative_tokens,
+                                                                         parallel_drafting=False))
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float16,
                              dcp_sharded=dcp_sharded)
     return DcpTritonMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], config, torch.device("cpu"))
@@ -146,9 +152,10 @@ def test_interleave_must_divide_the_block(monkeypatch):
         make_builder(monkeypatch, dcp=2, rank=0, interleave=3)
 
 
-@pytest.mark.parametrize("flag, at_dcp2", [(None, "UNIFORM_SINGLE_TOKEN_DECODE"), ("0", "NEVER"),
-                                           ("1", "UNIFORM_SINGLE_TOKEN_DECODE")])
-def test_cudagraph_support_is_single_token_decode_at_every_dcp_unless_switched_off(monkeypatch, flag, at_dcp2):
+@pytest.mark.parametrize("flag, at_dcp2", [(None, "UNIFORM_BATCH"), ("0", "NEVER"), ("1", "UNIFORM_BATCH")])
+def test_cudagraph_support_is_uniform_batches_at_every_dcp_unless_switched_off(monkeypatch, flag, at_dcp2):
+    # UNIFORM_BATCH: full graphs for single-token decodes and for speculative verify steps (1 + k rows each); a
+    # lower level makes vLLM drop to piecewise graphs for every step of a speculative run.
     if flag is None:
         monkeypatch.delenv("DCP_TRITON_DCP_FULL_GRAPHS", raising=False)
     else:
@@ -156,7 +163,7 @@ def test_cudagraph_support_is_single_token_decode_at_every_dcp_unless_switched_o
     config = VllmConfig()
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float16)
     support = DcpTritonMetadataBuilder.get_cudagraph_support
-    assert support(config, spec) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    assert support(config, spec) == AttentionCGSupport.UNIFORM_BATCH
     config.parallel_config.decode_context_parallel_size = 2
     assert support(config, spec) == getattr(AttentionCGSupport, at_dcp2)
 
@@ -180,13 +187,17 @@ def test_consecutive_steps_reuse_the_workspace(monkeypatch):
     assert second.local_seq_lens.tolist() == [6, 92, 19]
 
 
-@pytest.mark.parametrize("mode, kind, sized_for_capacity", [
-    ("FULL_AND_PIECEWISE", "decode", True), ("FULL_DECODE_ONLY", "decode", True),
-    ("FULL_AND_PIECEWISE", "mixed", False), ("PIECEWISE", "decode", False), ("NONE", "decode", False)])
-def test_decode_split_count_is_fixed_under_full_graphs(monkeypatch, mode, kind, sized_for_capacity):
-    # A captured graph freezes the split count: with full decode graphs every decode step sizes it for the block
-    # table's capacity (not for the capture's dummy length of 1); other steps keep the batch's own maximum.
-    builder = make_builder(monkeypatch, dcp=1, rank=0, interleave=1)
+@pytest.mark.parametrize("mode, kind, spec_tokens, sized_for_capacity", [
+    ("FULL_AND_PIECEWISE", "decode", 0, True), ("FULL_DECODE_ONLY", "decode", 0, True),
+    ("FULL_AND_PIECEWISE", "verify", 4, True), ("FULL_AND_PIECEWISE", "decode", 4, True),
+    ("FULL_AND_PIECEWISE", "verify", 0, False), ("FULL_AND_PIECEWISE", "verify", 2, False),
+    ("FULL_AND_PIECEWISE", "mixed", 0, False), ("PIECEWISE", "decode", 0, False), ("PIECEWISE", "verify", 4, False),
+    ("NONE", "decode", 0, False)])
+def test_decode_split_count_is_fixed_under_full_graphs(monkeypatch, mode, kind, spec_tokens, sized_for_capacity):
+    # A captured graph freezes the split count: with full decode graphs every step a graph may replay (single-token
+    # decodes, and verify steps of exactly 1 + k rows) sizes it for the block table's capacity (not for the
+    # capture's dummy lengths); other steps keep the batch's own maxima.
+    builder = make_builder(monkeypatch, dcp=1, rank=0, interleave=1, speculative_tokens=spec_tokens)
     builder.vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode[mode]
     query_lens, context_lens = BATCHES[kind]
     cm = common_metadata(query_lens, context_lens, dcp=1, rank=0, interleave=1)
@@ -194,3 +205,6 @@ def test_decode_split_count_is_fixed_under_full_graphs(monkeypatch, mode, kind, 
     capacity = cm.block_table_tensor.shape[1] * BLOCK_SIZE
     assert capacity > cm.max_seq_len
     assert batch.max_seq_len == (capacity if sized_for_capacity else cm.max_seq_len)
+    own_context = max(context_lens)
+    context = capacity - cm.max_query_len if sized_for_capacity and kind == "verify" else own_context
+    assert batch.max_context_len == context
