@@ -240,7 +240,7 @@ def jit_compiles(text: str) -> list[str]:
 
 def mirror(paths: list[Path], root: Path, target: str | None) -> None:
     """Copy what was just written to ``target`` (``$OUT`` on the GPU machine), so a run cut short keeps it."""
-    if not target:
+    if not target or Path(target).resolve() == root.resolve():  # the results are already there
         return
     for path in paths:
         if path.exists():

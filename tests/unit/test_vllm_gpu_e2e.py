@@ -271,3 +271,14 @@ def test_only_selects_jobs_and_their_builds(capsys):
                      "tput-llama-bf16-FLASH_ATTN-graphs"]
     with pytest.raises(SystemExit, match="matches no job"):
         e2e.main(["--only", "nothing-*", "--list"])
+
+
+def test_mirroring_into_the_results_folder_itself_is_a_no_op(tmp_path):
+    # $OUT given as both --results-dir and --mirror (a run on the GPU machine): the files are already there
+    written = tmp_path / "e2e.json"
+    written.write_text("{}")
+    runner.mirror([written], tmp_path, str(tmp_path))
+    assert written.read_text() == "{}"
+    other = tmp_path / "out"
+    runner.mirror([written], tmp_path, str(other))
+    assert (other / "e2e.json").read_text() == "{}"
