@@ -6,7 +6,7 @@
 #                  an argument naming tests/... runs those tests with pytest (the ones that need vLLM importable)
 # Everything runs from /tmp: in the repository root, its dcp_plugin/ folder (without the kernels/ and adapters/
 # packages that the install maps into it) would shadow the installed package for any child Python process.
-# Logs and JSON/PNG land in $OUT; copy them into benchmarks/results/ afterwards.
+# Logs land in $OUT, and every file the benchmarks wrote under benchmarks/results/ in $OUT/results_new.tar.gz.
 set -uo pipefail
 stage=${1:?usage: run_h200.sh tests|bench [arguments...]}
 shift
@@ -45,7 +45,10 @@ case "$stage" in
       # shellcheck disable=SC2086  # "name.py --flag value": word splitting is wanted
       python3 "$repo"/benchmarks/$script 2>&1 | tee -a "$OUT/bench.log"
     done
-    cp "$repo"/benchmarks/results/*.json "$repo"/benchmarks/results/*.png "$OUT"/ 2>/dev/null
+    # What the scripts wrote, as one archive (the device returns a limited number of files; copying every result
+    # file once lost a run's own): unpack it into benchmarks/results/ here.
+    (cd "$repo/benchmarks/results" && find . -type f -newer "$OUT/install.log" -print0 \
+      | tar czf "$OUT/results_new.tar.gz" --null -T -)
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
