@@ -15,7 +15,8 @@ greedy, 128 tokens each, all at once, timed after a warm-up on 4 other prompts. 
   base-dcp2-a2a / ngram-dcp2-a2a     dcp_comm_backend="a2a"
 
 ``--tp 1`` runs the one-GPU set instead (tp = 1, DCP = 1: base-tp1, ngram-tp1, draft-tp1, selfdraft-tp1), the
-speculation of a single H200, into ``vllm_spec_h200``.
+speculation of a single H200, into ``vllm_spec_h200``; then base and n-gram on vLLM's TRITON_ATTN (``*-TRITON_ATTN``),
+the speed-up speculation gives a vLLM backend on the same model.
 
 Per speculative job the summary gives the greedy tokens against its reference (identical prompts, and the
 reference's top-2 logprob gap where a prompt first differs: float32 near ties), vLLM's acceptance counters over the
@@ -63,7 +64,9 @@ ENGINES = [("base-dcp2-ag_rs", None, 2, "ag_rs", None), ("ngram-dcp2-ag_rs", "ng
            ("selfdraft-dcp1", "self", 1, None, "base-dcp1"), ("base-dcp2-a2a", None, 2, "a2a", None),
            ("ngram-dcp2-a2a", "ngram", 2, "a2a", "base-dcp2-a2a")]
 ENGINES_ONE_GPU = [("base-tp1", None, 1, None, None), ("ngram-tp1", "ngram", 1, None, "base-tp1"),
-                   ("draft-tp1", "draft", 1, None, "base-tp1"), ("selfdraft-tp1", "self", 1, None, "base-tp1")]
+                   ("draft-tp1", "draft", 1, None, "base-tp1"), ("selfdraft-tp1", "self", 1, None, "base-tp1"),
+                   ("base-tp1-TRITON_ATTN", None, 1, None, None),
+                   ("ngram-tp1-TRITON_ATTN", "ngram", 1, None, "base-tp1-TRITON_ATTN")]
 ESTIMATE_S = {"build": 40, "graphs": 110, "eager": 80}  # engine start ~40-70 s at tp = 2, then the task
 COUNTER = "vllm:spec_decode_num_"
 
@@ -91,6 +94,11 @@ def speculative_config(kind: str | None, work: Path, tp: int = 2) -> dict | None
             "draft_tensor_parallel_size": tp, "attention_backend": "dcp-triton"}
 
 
+def backend_of(job: str) -> str:
+    """The attention backend of an engine job: a vLLM backend named at the end of its name, else dcp-triton."""
+    return "TRITON_ATTN" if job.endswith("-TRITON_ATTN") else "dcp-triton"
+
+
 def catalogue(work: Path, raw: Path, *, eager: bool = False, tp: int = 2) -> list[Job]:
     """The two builds, then every engine job in run order (``tp``: 2, or 1 for the one-GPU set)."""
     builds = [Job(f"build-{name}", {"kind": "build", "model_dir": str(work / "models" / name), "seed": 0,
@@ -105,7 +113,7 @@ def catalogue(work: Path, raw: Path, *, eager: bool = False, tp: int = 2) -> lis
     for name, kind, dcp, comm, reference in ENGINES if tp == 2 else ENGINES_ONE_GPU:
         kwargs = dict(model=str(work / "models" / dcp_e2e.MODEL), skip_tokenizer_init=True, dtype="float32", seed=0,
                       enforce_eager=eager, max_model_len=2048, kv_cache_memory_bytes=2 << 30,
-                      gpu_memory_utilization=0.3, attention_backend="dcp-triton", max_num_seqs=64,
+                      gpu_memory_utilization=0.3, attention_backend=backend_of(name), max_num_seqs=64,
                       tensor_parallel_size=tp, decode_context_parallel_size=dcp, disable_log_stats=False)
         if comm is not None:
             kwargs["dcp_comm_backend"] = comm
@@ -113,7 +121,7 @@ def catalogue(work: Path, raw: Path, *, eager: bool = False, tp: int = 2) -> lis
             kwargs["compilation_config"] = {"cudagraph_capture_sizes": GRAPH_SIZES}
         if kind is not None:
             kwargs["speculative_config"] = speculative_config(kind, work, tp)
-        spec = {"kind": "engine", "model": dcp_e2e.MODEL, "backend": "dcp-triton", "dtype": "float32", "mode": mode,
+        spec = {"kind": "engine", "model": dcp_e2e.MODEL, "backend": backend_of(name), "dtype": "float32", "mode": mode,
                 "method": kind, "dcp": dcp, "comm": comm, "reference": reference, "vocab": vocab, "engine": kwargs,
                 "tasks": [task], "out": str(raw / f"{name}.json.gz")}
         env = {**dcp_e2e.NO_MULTICAST, "VLLM_USE_V2_MODEL_RUNNER": "0"}

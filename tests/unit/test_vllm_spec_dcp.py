@@ -65,7 +65,12 @@ def test_engine_jobs_run_both_speculations_at_tp2_dcp2_against_a_plain_reference
 def test_the_one_gpu_set_runs_both_speculations_at_tp1_dcp1(tmp_path):
     jobs = {j.name: j for j in bench.catalogue(tmp_path / "work", tmp_path / "raw", tp=1)}
     engines = [name for name, job in jobs.items() if job.spec["kind"] == "engine"]
-    assert engines == ["base-tp1", "ngram-tp1", "draft-tp1", "selfdraft-tp1"]
+    assert engines == ["base-tp1", "ngram-tp1", "draft-tp1", "selfdraft-tp1", "base-tp1-TRITON_ATTN",
+                       "ngram-tp1-TRITON_ATTN"]
+    backends = {name: (jobs[name].spec["backend"], jobs[name].spec["engine"]["attention_backend"]) for name in engines}
+    assert backends["ngram-tp1-TRITON_ATTN"] == ("TRITON_ATTN", "TRITON_ATTN")  # vLLM's speed-up, for comparison
+    assert backends["ngram-tp1"] == ("dcp-triton", "dcp-triton")
+    assert jobs["ngram-tp1-TRITON_ATTN"].spec["reference"] == "base-tp1-TRITON_ATTN"
     for name in engines:
         kw = jobs[name].spec["engine"]
         assert (kw["tensor_parallel_size"], kw["decode_context_parallel_size"], jobs[name].gpus) == (1, 1, 1)
