@@ -44,7 +44,8 @@ VERIFY += [(2, layout, comm, 16, mix) for layout in ("tp", "group") for comm in 
            for mix in ("decodes-first", "verify-only")]
 
 
-@pytest.mark.parametrize("n, layout, comm, interleave, mix", VERIFY, ids=["N{}-{}-{}-I{}-{}".format(*c) for c in VERIFY])
+@pytest.mark.parametrize("n, layout, comm, interleave, mix", VERIFY,
+                         ids=["N{}-{}-{}-I{}-{}".format(*c) for c in VERIFY])
 def test_verify_steps(n, layout, comm, interleave, mix):
     name = f"N{n}-{layout}-{comm}-I{interleave}-{mix}"
     case = verify_case(name, mix, seed=zlib.crc32(name.encode()), comm=comm, interleave=interleave, head_dim=128,
