@@ -10,18 +10,22 @@ k = torch.randn(32, 1, 128, device="cuda", dtype=torch.bfloat16)
 kv = torch.randn(64, 16, 1, 256, device="cuda", dtype=torch.bfloat16)
 slots = torch.full((32,), -1, device="cuda")
 args = (k, k, kv[..., :128], kv[..., 128:], slots)
-L = plan_write_kv(*args); L(*args)
+L = plan_write_kv(*args).launch  # the Launch inside the write's plan
+args = (*args, slots, slots)  # the scale arguments' stand-ins, as WriteLaunch passes them
+L(*args)
 c = L._compiled
 print("triton", triton.__version__, "FAST", _launch.FAST_LAUNCH, "compiled kept", c is not None)
 print("Launch call", t(lambda: L(*args)))
-print("alignment", t(lambda: _launch._alignment(args)))
+print("alignment", t(lambda: _launch._alignment([a.data_ptr() for a in args])))
 print("knobs hook", t(lambda: triton.knobs.runtime.launch_enter_hook))
 print("stream", t(lambda: _launch._current_stream(0)))
 if c is not None:
     s = _launch._current_stream(0)
     print("c.run direct", t(lambda: c.run(*L.grid, s, c.function, c.packed_metadata, None, None, None, *args, *L._tail)))
+    ptrs = [a.data_ptr() for a in args]
+    print("c.run ints", t(lambda: c.run(*L.grid, s, c.function, c.packed_metadata, None, None, None, *ptrs, *L._tail)))
     print("c.run attr", t(lambda: c.run))
 print("jit dispatch", t(lambda: L.kernel[L.grid](*args, *L.scalars, **L.constexprs, **L.options)))
 print("torch add", t(lambda: k.add_(0)))
-print("hook", triton.knobs.runtime.launch_enter_hook, "aligned", L._aligned, _launch._alignment(args), "dev", L._device)
+print("hook", triton.knobs.runtime.launch_enter_hook, "aligned", L._aligned, _launch._alignment([a.data_ptr() for a in args]), "dev", L._device)
 import inspect; print(inspect.getsource(type(L).__call__)[:900])

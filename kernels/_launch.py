@@ -129,6 +129,9 @@ class Launch:
     was prepared for. The first call goes through Triton's dispatch (compiling if needed) and keeps the compiled
     kernel; later calls whose tensors have the same 16-byte alignment pattern replay it directly (``FAST_LAUNCH``),
     which is the kernel Triton's dispatch would pick for them: every other specialization input is fixed here.
+    A replay hands the compiled launcher the tensors' addresses as ints: given a tensor it would call ``data_ptr()``
+    again and ask the CUDA driver whether the address is device memory, a driver call per tensor and launch, which
+    the first launch of these tensors has already answered.
     """
 
     __slots__ = ("kernel", "grid", "scalars", "constexprs", "options", "_compiled", "_aligned", "_tail", "_device")
@@ -144,14 +147,16 @@ class Launch:
         self._device = None
 
     def __call__(self, *tensors) -> None:
-        if self._compiled is not None and _alignment(tensors) == self._aligned and not _launch_hooks():
-            c = self._compiled
-            c.run(*self.grid, _current_stream(self._device), c.function, c.packed_metadata, None, None, None,
-                  *tensors, *self._tail)
-            return
+        if self._compiled is not None and not _launch_hooks():
+            pointers = [t.data_ptr() for t in tensors]
+            if _alignment(pointers) == self._aligned:
+                c = self._compiled
+                c.run(*self.grid, _current_stream(self._device), c.function, c.packed_metadata, None, None, None,
+                      *pointers, *self._tail)
+                return
         compiled = self.kernel[self.grid](*tensors, *self.scalars, **self.constexprs, **self.options)
         if FAST_LAUNCH and self._compiled is None and hasattr(compiled, "packed_metadata"):
-            self._compiled, self._aligned = compiled, _alignment(tensors)
+            self._compiled, self._aligned = compiled, _alignment([t.data_ptr() for t in tensors])
             self._device = tensors[0].device.index
 
 
@@ -162,11 +167,11 @@ def _launch_hooks() -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _alignment(tensors) -> int:
-    """Bit i set when tensor argument i is 16-byte aligned (what Triton specializes pointers on)."""
+def _alignment(pointers: list[int]) -> int:
+    """Bit i set when address i is 16-byte aligned (what Triton specializes pointer arguments on)."""
     bits = 0
-    for i, t in enumerate(tensors):
-        if t.data_ptr() % 16 == 0:
+    for i, pointer in enumerate(pointers):
+        if not pointer & 15:
             bits |= 1 << i
     return bits
 
