@@ -149,8 +149,33 @@ def analyse(jobs: dict[str, dict]) -> dict:
                  "kv_cache_tokens": job["result"]["kv_cache_tokens"]} for name, job in sorted(done.items())
                 if job["spec"]["case"] in ("main", "fp8") and job["result"].get("kv_cache_tokens")]
     return {"agreement": rows, "checks": checks, "throughput": throughput, "kv_capacity": capacity,
+            "repeatability": repeatability(done),
             "jobs": {n: {k: j.get(k) for k in ("status", "elapsed_s", "log", "backend_line")} for n, j in
                      sorted(jobs.items())}}
+
+
+def repeatability(done: dict[str, dict]) -> list[dict]:
+    """The same batch on two fresh engines (jobs whose spec has ``repeat``: {"set", "run"}): per set, backend and
+    greedy task, run 2 against run 1 (``compare_greedy``; divergences reported, not judged). A set without both runs
+    gives no row."""
+    runs: dict[tuple[str, str], dict[int, dict]] = {}
+    for job in done.values():
+        if rep := job["spec"].get("repeat"):
+            runs.setdefault((rep["set"], job["spec"]["backend"]), {})[rep["run"]] = job["result"]["tasks"]
+    rows = []
+    for (name, backend), by_run in sorted(runs.items()):
+        first, second = by_run.get(1), by_run.get(2)
+        for task in sorted(set(first or ()) & set(second or ())):
+            row = compare_greedy(second[task], first[task], tie_gap=math.inf)
+            pairs = list(zip(second[task]["tokens"], first[task]["tokens"]))
+            identical, tokens = sum(a == b for a, b in pairs), sum(max(len(a), len(b)) for a, b in pairs)
+            earliest = min((d["position"] for d in row["divergences"]), default=None)
+            rows.append({"set": name, "backend": backend, "task": task, "prompts": row["prompts"],
+                         "identical": identical, "tokens": tokens, "shared_steps": row["shared_steps"],
+                         "earliest_divergence": earliest, "max_abs_dlogprob": row["shared_max_abs_dlogprob"],
+                         "bitwise": identical == row["prompts"] and row["shared_max_abs_dlogprob"] == 0.0,
+                         "divergences": row["divergences"]})
+    return rows
 
 
 def write_summary(summary: dict, meta: dict, out_dir: Path, name: str, *, render=None, draw=None) -> list[Path]:
@@ -190,6 +215,16 @@ def markdown(summary: dict, meta: dict) -> str:
         lines += [f"| {t['model']} | {t['workload']} | {t['backend']} | {t['mode']} | {t.get('kv', 'auto')} | "
                   f"{t['requests']} | {t['prompt_len']} | {t['output_len']} | {t['elapsed_s']:.2f} | "
                   f"{t['output_tok_s']:.0f} |" for t in summary["throughput"]]
+        lines.append("")
+    if summary.get("repeatability"):
+        lines += ["## Repeatability (fresh engine, same batch)", "", "Run 2 against run 1 of the same greedy batch, "
+                  "each on a newly started engine.", "", "| set | backend | task | identical sequences | tokens "
+                  "before first divergence | earliest divergence (step) | max abs chosen-token dlogprob (shared "
+                  "steps) |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['set']} | {r['backend']} | {r['task']} | {r['identical']}/{r['prompts']} | "
+                  f"{r['shared_steps']}/{r['tokens']} | "
+                  f"{'none' if r['earliest_divergence'] is None else r['earliest_divergence']} | "
+                  f"{r['max_abs_dlogprob']:.3g} |" for r in summary["repeatability"]]
         lines.append("")
     if summary.get("kv_capacity"):
         lines += ["## KV cache capacity (vLLM's log, same KV memory)", "", "| job | backend | KV | tokens |",

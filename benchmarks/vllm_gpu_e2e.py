@@ -16,7 +16,8 @@ a float32 case with CUDA graphs (vLLM's default FULL_AND_PIECEWISE: decode steps
 cache (bf16 model, ``kv_cache_dtype="fp8"``: dcp-triton against TRITON_ATTN's fp8 cache, and each against its own
 bf16 cache; KV capacity from vLLM's log), and offline throughput (64 x 8K-token prompts / 256 output tokens; a
 decode-heavy batch) for the three backends, eager and with CUDA graphs, and dcp-triton's fp8 cache with graphs.
-Long context (``long-*``): 4 x 128K-token prompts and 128 greedy tokens at ``gpu_memory_utilization=0.9`` against
+Repeatability (``repeat-*``): the bf16 greedy batch (32 prompts x 64 tokens, llama-d128, CUDA graphs) on two fresh
+engines each for dcp-triton and FLASH_ATTN, run 2 against run 1. Long context (``long-*``): 4 x 128K-token prompts and 128 greedy tokens at ``gpu_memory_utilization=0.9`` against
 FLASH_ATTN (bf16), and 2 x 32K in float32 against TRITON_ATTN, prompt logprobs on the last 4K positions.
 ``--quick``: float32 prompt-logprob agreement (gqa5, 32 prompts up to 2000 tokens) and bf16 greedy agreement
 against both on 8 prompts, five engines at once. float32 jobs run with TRITON_F32_DEFAULT=ieee, so vLLM's Triton
@@ -24,6 +25,7 @@ kernels compute float32 dots in float32, not TF32.
 
     python benchmarks/vllm_gpu_e2e.py --quick --budget-s 220
     python benchmarks/vllm_gpu_e2e.py --only 'agree-gqa5-*' --jobs 3
+    python benchmarks/vllm_gpu_e2e.py --only 'repeat-*' --jobs 2 --name vllm_e2e_repeat_h200
     python benchmarks/vllm_gpu_e2e.py --list
 """
 
@@ -104,6 +106,15 @@ def catalogue(work: Path, raw: Path) -> list[Job]:
         for backend in ("dcp-triton", "TRITON_ATTN"):  # fp8 KV cache (vLLM's default scales), against bf16 KV
             jobs.append(engine(f"fp8-{short}-bf16-{backend}", model, backend, "bfloat16", "fp8", [logprobs, greedy],
                                300, kv_cache_dtype="fp8"))
+    # Repeatability: the same bf16 greedy batch on a fresh engine, twice per backend, under vLLM's default CUDA
+    # graphs (what users run); run 2 against run 1 in the report's "Repeatability" section. Runs 1 come first in
+    # the catalogue, so with --jobs 2 each run 2 starts on the compile cache its run 1 left, like a restart.
+    for run in (1, 2):
+        for backend in ("dcp-triton", "FLASH_ATTN"):
+            job = engine(f"repeat-llama-bf16-{backend}-run{run}", "llama-d128", backend, "bfloat16",
+                         f"repeat-run{run}", [greedy], 360, mode="graphs")
+            job.spec["repeat"] = {"set": "llama-d128 bf16 graphs", "run": run}
+            jobs.append(job)
     throughput = [{"name": "throughput", "type": "throughput", "workloads": WORKLOADS}]
     # Long context at DCP = 1 with vLLM's own memory sizing: 4 x 128K-token prompts then 128 greedy tokens at
     # gpu_memory_utilization=0.9 (bf16, against FLASH_ATTN), and float32 at 32K against TRITON_ATTN (bound 1e-3);

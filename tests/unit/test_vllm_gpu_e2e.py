@@ -172,6 +172,51 @@ def test_summary_from_fake_results(tmp_path):
     assert tmp_path / "e2e.png" in paths and (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_repeatability_compares_run_2_with_run_1_per_backend(tmp_path):
+    def job(backend, run, tokens, top1):
+        greedy = {"prompt_lens": [10] * len(tokens), "tokens": tokens,
+                  "top2_logprobs": [[[lp, lp - 1.0] for lp in row] for row in top1]}
+        spec = {"kind": "engine", "model": "m", "dtype": "bfloat16", "case": f"repeat-run{run}", "backend": backend,
+                "mode": "graphs", "engine": {}, "repeat": {"set": "m bf16 graphs", "run": run}}
+        return {"spec": spec, "result": {"tasks": {"greedy": greedy}}, "status": "ok", "elapsed_s": 60.0,
+                "log": "x.log", "backend_line": None}
+
+    same = ([[1, 2, 3], [4, 5, 6]], [[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
+    jobs = {"d1": job("dcp-triton", 1, *same), "d2": job("dcp-triton", 2, *same),
+            "f1": job("FLASH_ATTN", 1, *same),  # prompt 1: step 1's logprob moves by 0.25, step 2 another token
+            "f2": job("FLASH_ATTN", 2, [[1, 2, 3], [4, 5, 7]], [[-1.0, -2.0, -3.0], [-1.0, -1.25, -1.0]]),
+            "t1": job("TRITON_ATTN", 1, *same)}  # no run 2: no row
+    rows = {r["backend"]: r for r in report.analyse(jobs)["repeatability"]}
+    assert set(rows) == {"dcp-triton", "FLASH_ATTN"}
+    ours, fa = rows["dcp-triton"], rows["FLASH_ATTN"]
+    assert (ours["identical"], ours["prompts"], ours["shared_steps"], ours["tokens"]) == (2, 2, 6, 6)
+    assert ours["earliest_divergence"] is None and ours["max_abs_dlogprob"] == 0.0 and ours["bitwise"]
+    assert (fa["identical"], fa["shared_steps"], fa["tokens"], fa["earliest_divergence"]) == (1, 5, 6, 2)
+    assert fa["max_abs_dlogprob"] == pytest.approx(0.25) and not fa["bitwise"]
+    assert (fa["divergences"][0]["ours_token"], fa["divergences"][0]["ref_token"]) == (7, 6)  # run 2 vs run 1
+    md = report.markdown(report.analyse(jobs), {})
+    assert "## Repeatability (fresh engine, same batch)" in md
+    assert "| m bf16 graphs | FLASH_ATTN | greedy | 1/2 | 5/6 | 2 | 0.25 |" in md
+    assert "| m bf16 graphs | dcp-triton | greedy | 2/2 | 6/6 | none | 0 |" in md
+    assert "Repeatability" not in report.markdown(report.analyse(fake_jobs()), {})  # no repeat jobs, no section
+
+
+def test_repeat_jobs_run_the_same_batch_on_fresh_engines(capsys):
+    e2e.main(["--only", "repeat-*", "--list"])
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert names == ["build-llama-d128"] + [f"repeat-llama-bf16-{b}-run{n}" for n in (1, 2)
+                                            for b in ("dcp-triton", "FLASH_ATTN")]
+    specs = {j.name: j.spec for j in e2e.catalogue(Path("/w"), Path("/r")) if j.name.startswith("repeat-")}
+    assert {(s["backend"], s["repeat"]["run"]) for s in specs.values()} == {
+        (b, n) for b in ("dcp-triton", "FLASH_ATTN") for n in (1, 2)}
+    for spec in specs.values():  # one batch, one engine configuration: vLLM's default CUDA graphs, bf16
+        assert spec["tasks"] == specs["repeat-llama-bf16-dcp-triton-run1"]["tasks"]
+        assert spec["dtype"] == "bfloat16" and spec["mode"] == "graphs" and not spec["engine"]["enforce_eager"]
+        assert {k: v for k, v in spec["engine"].items() if k != "attention_backend"} == {
+            k: v for k, v in specs["repeat-llama-bf16-dcp-triton-run1"]["engine"].items() if k != "attention_backend"}
+    assert specs["repeat-llama-bf16-FLASH_ATTN-run2"]["tasks"][0]["max_tokens"] == 64
+
+
 def test_jit_compiles_of_our_kernels_after_start_up_fail_the_run(tmp_path):
     jobs = {}
     logs = {"clean": "INFO dcp-triton: compiled the kernels of 9 step kinds before serving\n"
