@@ -17,8 +17,9 @@ cache (bf16 model, ``kv_cache_dtype="fp8"``: dcp-triton against TRITON_ATTN's fp
 bf16 cache; KV capacity from vLLM's log), and offline throughput (64 x 8K-token prompts / 256 output tokens; a
 decode-heavy batch) for the three backends, eager and with CUDA graphs, and dcp-triton's fp8 cache with graphs.
 Repeatability (``repeat-*``): the bf16 greedy batch (32 prompts x 64 tokens, llama-d128, CUDA graphs) on two fresh
-engines each for dcp-triton and FLASH_ATTN, run 2 against run 1. Long context (``long-*``): 4 x 128K-token prompts and 128 greedy tokens at ``gpu_memory_utilization=0.9`` against
-FLASH_ATTN (bf16), and 2 x 32K in float32 against TRITON_ATTN, prompt logprobs on the last 4K positions.
+engines each for dcp-triton and FLASH_ATTN, run 2 against run 1. Long context (``long-*``): 4 x 128K-token prompts
+and 128 greedy tokens at ``gpu_memory_utilization=0.9`` against FLASH_ATTN (bf16), and 2 x 32K in float32 against
+TRITON_ATTN, prompt logprobs on the last 4K positions.
 ``--quick``: float32 prompt-logprob agreement (gqa5, 32 prompts up to 2000 tokens) and bf16 greedy agreement
 against both on 8 prompts, five engines at once. float32 jobs run with TRITON_F32_DEFAULT=ieee, so vLLM's Triton
 kernels compute float32 dots in float32, not TF32.
