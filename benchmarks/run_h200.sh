@@ -2,13 +2,18 @@
 # One lease on the H200 (device tool), in two back-to-back calls because the vLLM bundle travels in two parts:
 #   stage "tests": carry .gpu-bundle/core -> unpack vLLM 0.26 into /tmp/vs, install dcp-triton, run `pytest -m gpu`
 #                  (extra arguments: test files relative to the repo, or pytest options)
+#   stage "unpack": carry .gpu-bundle/core -> unpack vLLM 0.26 into /tmp/vs and nothing else (~40 s: a first call
+#                  before a bench call that runs no GPU tests)
 #   stage "bench": carry .gpu-bundle/extra -> vLLM's deps, then each benchmark script given (with its arguments);
-#                  an argument naming tests/... runs those tests with pytest (the ones that need vLLM importable)
+#                  an argument naming tests/... runs those tests with pytest (the ones that need vLLM importable).
+#                  Also carry .gpu-bundle/server (the OpenAI server's wheels: uvicorn, watchfiles, ...) for
+#                  server_aborts.py; BENCH_TIMEOUT_S=N stops each script with SIGINT after N s (SIGKILL 75 s later:
+#                  server_aborts.py stops its server first), so what it wrote comes back inside the 10-minute limit.
 # Everything runs from /tmp: in the repository root, its dcp_plugin/ folder (without the kernels/ and adapters/
 # packages that the install maps into it) would shadow the installed package for any child Python process.
 # Logs land in $OUT, and every file the benchmarks wrote under benchmarks/results/ in $OUT/results_new.tar.gz.
 set -uo pipefail
-stage=${1:?usage: run_h200.sh tests|bench [arguments...]}
+stage=${1:?usage: run_h200.sh tests|unpack|bench [arguments...]}
 shift
 repo=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
@@ -18,12 +23,20 @@ install_dcp() {  # fresh each call: a warm machine may hold an older install
   python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/dcp "$repo" \
     >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; return 1; }
 }
+unpack_core() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
+  if test -f "$repo/.gpu-bundle/core/vllm026.tar.xz"; then
+    mkdir -p /tmp/vs && tar xJf "$repo/.gpu-bundle/core/vllm026.tar.xz" -C /tmp/vs
+  fi
+}
 case "$stage" in
+  unpack)
+    unpack_core
+    test -d /tmp/vs/vllm || { echo "no /tmp/vs/vllm: carry .gpu-bundle/core" >&2; exit 1; }
+    echo "vLLM unpacked into /tmp/vs: the next call (within the machine's 30 s warm time) can be a bench call"
+    ;;
   tests)
-    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
-    if test -f "$repo/.gpu-bundle/core/vllm026.tar.xz"; then
-      mkdir -p /tmp/vs && tar xJf "$repo/.gpu-bundle/core/vllm026.tar.xz" -C /tmp/vs
-    fi
+    unpack_core
     install_dcp || exit 1
     targets=()
     for arg in "$@"; do [[ $arg == tests/* ]] && targets+=("$repo/$arg") || targets+=("$arg"); done
@@ -34,6 +47,12 @@ case "$stage" in
   bench)
     install_dcp || exit 1
     if test -f "$repo/.gpu-bundle/extra/setup.sh" && test -d /tmp/vs/vllm; then source "$repo/.gpu-bundle/extra/setup.sh"; fi
+    rm -rf /tmp/site-server
+    if compgen -G "$repo/.gpu-bundle/server/*.whl" >/dev/null; then  # the OpenAI server's wheels, when carried
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-server \
+        "$repo"/.gpu-bundle/server/*.whl >"$OUT/install_server.log" 2>&1 || { cat "$OUT/install_server.log"; exit 1; }
+      export PYTHONPATH=/tmp/site-server${PYTHONPATH:+:$PYTHONPATH}
+    fi
     export PYTHONPATH=/tmp/dcp${PYTHONPATH:+:$PYTHONPATH}
     cd /tmp
     for script in "$@"; do
@@ -43,7 +62,7 @@ case "$stage" in
         continue
       fi
       # shellcheck disable=SC2086  # "name.py --flag value": word splitting is wanted
-      python3 "$repo"/benchmarks/$script 2>&1 | tee -a "$OUT/bench.log"
+      timeout -s INT -k 75 "${BENCH_TIMEOUT_S:-0}" python3 "$repo"/benchmarks/$script 2>&1 | tee -a "$OUT/bench.log"
     done
     # What the scripts wrote, as one archive (the device returns a limited number of files; copying every result
     # file once lost a run's own): unpack it into benchmarks/results/ here.
