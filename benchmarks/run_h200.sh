@@ -3,7 +3,9 @@
 #   stage "tests": carry .gpu-bundle/core -> unpack vLLM 0.26 into /tmp/vs, install dcp-triton, run `pytest -m gpu`
 #                  (extra arguments: test files relative to the repo, or pytest options)
 #   stage "unpack": carry .gpu-bundle/core -> unpack vLLM 0.26 into /tmp/vs and nothing else (~40 s: a first call
-#                  before a bench call that runs no GPU tests)
+#                  before a bench call that runs no GPU tests). The repository (~12 MiB) no longer fits beside core's
+#                  58 MiB: carry .gpu-bundle/core-part instead (scripts/split_bundle026.sh), whose part stays in /tmp
+#                  until the bench call, which then also carries .gpu-bundle/core-rest, joins and unpacks it.
 #   stage "bench": carry .gpu-bundle/extra -> vLLM's deps, then each benchmark script given (with its arguments);
 #                  an argument naming tests/... runs those tests with pytest (the ones that need vLLM importable).
 #                  Also carry .gpu-bundle/server (the OpenAI server's wheels: uvicorn, watchfiles, ...) for
@@ -27,13 +29,26 @@ unpack_core() {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
   if test -f "$repo/.gpu-bundle/core/vllm026.tar.xz"; then
     mkdir -p /tmp/vs && tar xJf "$repo/.gpu-bundle/core/vllm026.tar.xz" -C /tmp/vs
+  elif test -f "$repo/.gpu-bundle/core-part/vllm026.tar.xz.00"; then  # split archive: the bench call joins it
+    cp "$repo/.gpu-bundle/core-part/vllm026.tar.xz.00" /tmp/
   fi
+}
+join_core() {  # the split archive's rest, carried in core-rest, joined to the part an unpack call left in /tmp
+  local rest=$repo/.gpu-bundle/core-rest
+  if test -d /tmp/vs/vllm || ! test -f "$rest/vllm026.tar.xz.01"; then return 0; fi
+  test -f /tmp/vllm026.tar.xz.00 || { echo "no /tmp/vllm026.tar.xz.00: first an unpack call carrying" \
+    ".gpu-bundle/core-part (the machine must still be warm)" >&2; return 1; }
+  cat /tmp/vllm026.tar.xz.00 "$rest/vllm026.tar.xz.01" >/tmp/vllm026.tar.xz
+  (cd /tmp && sha256sum -c --quiet "$rest/SHA256SUMS") || return 1
+  mkdir -p /tmp/vs && tar xJf /tmp/vllm026.tar.xz -C /tmp/vs && rm -f /tmp/vllm026.tar.xz /tmp/vllm026.tar.xz.00
 }
 case "$stage" in
   unpack)
     unpack_core
-    test -d /tmp/vs/vllm || { echo "no /tmp/vs/vllm: carry .gpu-bundle/core" >&2; exit 1; }
-    echo "vLLM unpacked into /tmp/vs: the next call (within the machine's 30 s warm time) can be a bench call"
+    if test -d /tmp/vs/vllm; then echo "vLLM unpacked into /tmp/vs"
+    elif test -f /tmp/vllm026.tar.xz.00; then echo "first part of vLLM's archive kept in /tmp (bench joins it)"
+    else echo "neither .gpu-bundle/core nor .gpu-bundle/core-part was carried" >&2; exit 1; fi
+    echo "next: a bench call within the machine's 30 s warm time"
     ;;
   tests)
     unpack_core
@@ -46,6 +61,7 @@ case "$stage" in
     ;;
   bench)
     install_dcp || exit 1
+    join_core || exit 1
     if test -f "$repo/.gpu-bundle/extra/setup.sh" && test -d /tmp/vs/vllm; then source "$repo/.gpu-bundle/extra/setup.sh"; fi
     rm -rf /tmp/site-server
     if compgen -G "$repo/.gpu-bundle/server/*.whl" >/dev/null; then  # the OpenAI server's wheels, when carried
