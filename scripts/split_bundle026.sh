@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Splits the vLLM 0.26 bundle's core archive (.gpu-bundle/core/vllm026.tar.xz, 58 MiB; ../shared/offline-vllm/
-# make_bundle.sh makes it) in two, because the repository no longer fits beside it in one device call (64 MiB with the
+# Splits the vLLM 0.26 bundle's core archive (.gpu-bundle/core/vllm026.tar.xz, 58 MiB: vLLM's Python files and its
+# stable-ABI extension, from the 0.26 wheel; the workplace's offline-vLLM bundle script makes it) in two, because the repository no longer fits beside it in one device call (64 MiB with the
 # working tree, which is ~12 MiB now):
 #   .gpu-bundle/core-part/vllm026.tar.xz.00   the first PART_MIB MiB (default 44): run_h200.sh's `unpack` call keeps
 #                                             it in /tmp
@@ -11,7 +11,7 @@ set -euo pipefail
 dir=${1:-$(cd "$(dirname "$0")/.." && pwd)/.gpu-bundle}
 src=$dir/core/vllm026.tar.xz
 part=$((${PART_MIB:-44} << 20))
-test -f "$src" || { echo "no $src: run ../shared/offline-vllm/make_bundle.sh $dir first" >&2; exit 1; }
+test -f "$src" || { echo "no $src: build the vLLM 0.26 bundle into $dir first" >&2; exit 1; }
 mkdir -p "$dir/core-part" "$dir/core-rest"
 head -c "$part" "$src" >"$dir/core-part/vllm026.tar.xz.00"
 tail -c +$((part + 1)) "$src" >"$dir/core-rest/vllm026.tar.xz.01"
