@@ -5,7 +5,7 @@ Each subcommand is one process (a crash in one probe stops only that step) and e
     probe-c          load vllm._C_stable_libtorch (stable ABI, built against torch 2.14) and count its ops
     probe-fa3        load FlashAttention-3's extension alone, then what vLLM's wrapper concluded
     imports          the modules a dense-Llama engine start imports, and dcp-triton's plugin registration
-    build DIR        a random-initialised small Llama checkpoint (transformers' default init, saved bf16)
+    build DIR        a random-initialised small Llama checkpoint (vllm_e2e_engine.py's builder, saved float32)
     generate DIR BACKEND DTYPE   greedy tokens of 4 prompts (7..1200 tokens), eager
     summary LOGDIR OUT.json      the steps' statuses and exact errors (read from LOGDIR/<step>.log/.rc), and the
                                  checks of the vllm_gpu_e2e.py runs found under LOGDIR/e2e-*/
@@ -88,16 +88,14 @@ def imports() -> None:
 
 
 def build(path: str) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The e2e engine's random-initialised Llama builder (transformers' default init), on a small GQA config."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import vllm_e2e_engine
 
-    if not os.path.exists(os.path.join(path, "config.json")):
-        cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,
-                          head_dim=64, num_hidden_layers=4, vocab_size=4096, max_position_embeddings=4096,
-                          rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1,
-                          eos_token_id=2)
-        torch.manual_seed(0)
-        LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    config = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                  num_hidden_layers=4, vocab_size=4096, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    vllm_e2e_engine.build({"model_dir": path, "seed": 0, "config": config})
     result(path=path)
 
 

@@ -229,6 +229,8 @@ def test_jit_compiles_of_our_kernels_after_start_up_fail_the_run(tmp_path):
         job = fake_jobs()["a"]
         jobs[name] = {**job, "log": str(tmp_path / f"{name}.log")}
     checks = {c["name"]: (c["pass"], c["detail"]) for c in report.analyse(jobs)["checks"] if "compiled" in c["name"]}
+    # the line the check keys on is the one the adapter logs after its warm-up
+    assert report.WARMED_UP in (Path(__file__).resolve().parents[2] / "adapters/vllm/impl.py").read_text()
     # vLLM's own kernels do not count; a log from before the start-up warm-up existed is not held to it
     assert checks == {"clean: no dcp-triton kernel compiled after start-up":
                       (True, "vLLM's JIT monitor named none of our kernels"),
