@@ -6,7 +6,8 @@ prompts, greedy, ``logprobs=2``). In each round the client aborts a quarter of t
 mid-decode. The mid-prefill targets have long prompts and are sent first; their prefills share each step
 (``--long-prefill-token-threshold``), and the time that takes, measured before the rounds, is their window: once
 the engine holds them the other requests follow, and each target's stream is closed at 0.1..0.6 of the window,
-before any token. Mid-decode aborts close the stream after 1..max_tokens/4 tokens. The ``checks`` of the result:
+before any token. Mid-decode aborts close the stream after 1..max_tokens/4 tokens. Targets ask for every token
+the model length allows, so none can finish in the engine before the close reaches it. The ``checks``:
 
 - the server lives, every request ends within its timeout, and after each round the engine is idle (no running
   or waiting request, KV cache usage 0: aborted requests gave their blocks back);
@@ -212,7 +213,10 @@ async def run_round(client, args, r: int, rng: random.Random, vocab: int, window
             held = await engine_added(args.log, log_start, [q["id"] for q in reqs[:n]])
             start.set()
         abort = abort_later(start, delay) if delay is not None else None
-        tasks.append(asyncio.ensure_future(send(client, body(req["id"], req["prompt"], args.max_tokens),
+        # a target asks for every token the model length allows, so the engine cannot finish it before the
+        # client's close reaches the server (on a busy CPU that can take several steps): its end is an abort
+        n_tokens = args.max_tokens if kind == "complete" else args.max_model_len - length
+        tasks.append(asyncio.ensure_future(send(client, body(req["id"], req["prompt"], n_tokens),
                                                 args.timeout_s, stop, abort)))
     for req, rec in zip(reqs, await asyncio.gather(*tasks)):
         req["load"] = rec
