@@ -191,8 +191,31 @@ def _spec_counters(llm) -> dict:
             if m.name.startswith("vllm:spec_decode")}
 
 
+def burst_task(llm, task: dict, vocab: int) -> dict:
+    """The OOM test: every prompt at once (the scheduler packs their prefills into steps of max_num_batched_tokens),
+    greedy, then the peak of torch's caching allocator over the burst and the device's memory. The peak is the
+    engine's only when the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); else None."""
+    import torch
+    from vllm import SamplingParams
+
+    prompts = report.make_prompts(vocab=vocab, **task["prompts"])
+    params = SamplingParams(max_tokens=task["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
+    in_process = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if in_process:
+        torch.cuda.reset_peak_memory_stats()
+    began = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - began
+    free, total = torch.cuda.mem_get_info() if torch.cuda.is_available() else (None, None)
+    return {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "timed_s": round(elapsed, 2),
+            "completed": sum(len(o.outputs[0].token_ids) == task["max_tokens"] for o in outs),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved() if in_process else None,
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated() if in_process else None,
+            "device_used_bytes": total and total - free, "device_total_bytes": total}
+
+
 TASKS = {"logprobs": logprobs_task, "greedy": greedy_task, "prefix": prefix_task, "throughput": throughput_task,
-         "compile_check": compile_check_task, "spec_decode": spec_decode_task}
+         "compile_check": compile_check_task, "spec_decode": spec_decode_task, "burst": burst_task}
 
 
 def _greedy(llm, prompts: list[list[int]], max_tokens: int, top: int) -> dict:

@@ -19,7 +19,9 @@ decode-heavy batch) for the three backends, eager and with CUDA graphs, and dcp-
 Repeatability (``repeat-*``): the bf16 greedy batch (32 prompts x 64 tokens, llama-d128, CUDA graphs) on two fresh
 engines each for dcp-triton and FLASH_ATTN, run 2 against run 1. Long context (``long-*``): 4 x 128K-token prompts
 and 128 greedy tokens at ``gpu_memory_utilization=0.9`` against FLASH_ATTN (bf16), and 2 x 32K in float32 against
-TRITON_ATTN, prompt logprobs on the last 4K positions.
+TRITON_ATTN, prompt logprobs on the last 4K positions. The OOM test (``oom-burst-*``): 16 prompts of 24-32K
+tokens at once, ``gpu_memory_utilization=0.95``, ``max_num_batched_tokens=32768``, against FLASH_ATTN; torch's
+peak memory over the burst against vLLM's budget (utilization x device memory).
 ``--quick``: float32 prompt-logprob agreement (gqa5, 32 prompts up to 2000 tokens) and bf16 greedy agreement
 against both on 8 prompts, five engines at once. float32 jobs run with TRITON_F32_DEFAULT=ieee, so vLLM's Triton
 kernels compute float32 dots in float32, not TF32.
@@ -54,6 +56,7 @@ MODELS["long-d128"] = {**MODELS["llama-d128"], "max_position_embeddings": 131072
 MAIN_PROMPTS = dict(count=32, min_len=64, max_len=2000, seed=1)
 PROMPTS_128K = dict(count=4, min_len=131072 - 128, max_len=131072 - 128, seed=6)  # + 128 decode tokens
 PROMPTS_32K = dict(count=2, min_len=32768 - 64, max_len=32768 - 64, seed=7)
+PROMPTS_BURST = dict(count=16, min_len=24576, max_len=32768 - 16, seed=8)  # + 16 greedy tokens
 LONG_PROMPTS = dict(count=6, min_len=1200, max_len=2000, seed=2)
 PREFIX_PROMPTS = dict(prefix_len=1040, suffix_lens=[7, 19, 33, 48], seed=4)
 WORKLOADS = [dict(workload="prefill-8k", requests=64, prompt_len=8192, output_len=256),
@@ -130,6 +133,15 @@ def catalogue(work: Path, raw: Path) -> list[Job]:
         jobs.append(engine(f"long-32k-fp32-{backend}", "long-d128", backend, "float32", "32k",
                            [{"name": "logprobs-last4k", "type": "logprobs", "prompts": PROMPTS_32K, "last": 4096}],
                            420, max_model_len=32768, **whole_gpu))
+    # The OOM test: a burst of 16 prompts of 24-32K tokens at gpu_memory_utilization=0.95 with 32K-token steps,
+    # vLLM's default CUDA graphs. The engine runs in the job's process, which reads torch's peak over the burst.
+    burst = dict(mode="graphs", exclusive=True, kv_cache_memory_bytes=None, gpu_memory_utilization=0.95,
+                 max_model_len=32768, max_num_batched_tokens=32768, max_num_seqs=16)
+    for backend in ("dcp-triton", "FLASH_ATTN"):
+        job = engine(f"oom-burst-bf16-{backend}", "long-d128", backend, "bfloat16", "burst",
+                     [{"name": "burst", "type": "burst", "prompts": PROMPTS_BURST, "max_tokens": 16}], 420, **burst)
+        job.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        jobs.append(job)
     tput = dict(mode="graphs", exclusive=True, max_model_len=8192 + 256 + 64, kv_cache_memory_bytes=24 << 30,
                 gpu_memory_utilization=0.5, max_num_seqs=256)
     for backend, mode in [(b, m) for m in ("eager", "graphs") for b in ("dcp-triton", "TRITON_ATTN", "FLASH_ATTN")]:
