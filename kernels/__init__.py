@@ -9,12 +9,14 @@ once per step and replays them for every layer.
 """
 
 from dcp_plugin.kernels._mode import INTERPRET  # first: decides the interpreter before triton is imported
+from dcp_plugin.kernels._launch import FAST_LAUNCH
 from dcp_plugin.kernels.combine import combine_partials, merge_states, plan_combine, rescale_partial
 from dcp_plugin.kernels.extend_attention import SUPPORTED_HEAD_DIMS, extend_attention, plan_extend
 from dcp_plugin.kernels.paged_attention import paged_attention, plan_paged, split_capacity
 from dcp_plugin.kernels.write_kv_cache import plan_write_kv, write_kv_cache
 
 __all__ = [
+    "FAST_LAUNCH",
     "INTERPRET",
     "SUPPORTED_HEAD_DIMS",
     "combine_partials",

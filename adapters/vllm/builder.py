@@ -19,8 +19,8 @@ FULL_GRAPHS_ENV = "DCP_TRITON_DCP_FULL_GRAPHS"
 
 
 def full_graphs_at_dcp() -> bool:
-    """Whether single-token decode steps at DCP > 1 replay full CUDA graphs (``DCP_TRITON_DCP_FULL_GRAPHS``, 0/1,
-    default 1)."""
+    """Whether uniform decode steps at DCP > 1 (single-token ones and speculative verify steps of 1 + k rows per
+    request) replay full CUDA graphs (``DCP_TRITON_DCP_FULL_GRAPHS``, 0/1, default 1)."""
     value = os.environ.get(FULL_GRAPHS_ENV, "1")
     if value not in ("0", "1"):
         raise ValueError(f"{FULL_GRAPHS_ENV}={value!r}: use 1 (full CUDA graphs for decode at DCP > 1) or 0 "

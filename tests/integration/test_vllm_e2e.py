@@ -92,4 +92,4 @@ def test_our_backend_ran_in_the_spawned_worker(runs, run, kernels):
     lines = [line for line in log.splitlines() if STARTUP_LINE in line]
     assert len(lines) == 1, lines
     assert kernels in lines[0] and "cpu_attn_routed=the engine config selects dcp-triton" in lines[0], lines[0]
-    assert "dcp_size=1 dcp_rank=0" in lines[0]
+    assert "dcp_size=1 dcp_rank=0" in lines[0] and "fast_launch=off" in lines[0]  # no replays off a GPU
