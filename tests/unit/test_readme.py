@@ -95,3 +95,16 @@ def test_llm_snippet_keywords_are_engine_args():
 def test_examples_named_in_the_readme_exist(script):
     assert f"examples/{script}" in README
     assert (ROOT / "examples" / script).is_file()
+
+
+def test_vllm_extra_admits_exactly_the_supported_release_lines():
+    """``pip install ".[vllm]"`` never picks a vLLM that the plugin would decline to register with."""
+    from packaging.requirements import Requirement
+
+    from dcp_plugin.adapters.vllm.compat import SUPPORTED_VLLM
+
+    (requirement,) = [Requirement(r) for r in PROJECT["optional-dependencies"]["vllm"]]
+    assert requirement.name == "vllm"
+    for version in (f"0.{minor}.{patch}" for minor in range(24, 37) for patch in (0, 1, 4)):
+        supported = any(spec.contains(version) for spec, _ in SUPPORTED_VLLM["vllm"])
+        assert requirement.specifier.contains(version) == supported, version
