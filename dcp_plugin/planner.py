@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dcp_plugin.checks import check_int
 from dcp_plugin.layout import HeadLayout, KvReplication, TokenLayout
 from dcp_plugin.parallel_state import ParallelState
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "fp8": 1}
+# ModelShape's fields and the Hugging Face config.json keys they are read from.
+HF_CONFIG_KEYS = {"num_q_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+                  "num_layers": "num_hidden_layers"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -29,20 +34,52 @@ class ModelShape:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
 
     @classmethod
-    def from_hf_config(cls, path: str | Path, dtype: str | None = None) -> ModelShape:
-        """Read the attention shape from a Hugging Face ``config.json``."""
+    def from_hf_config(cls, path: str | Path, dtype: str | None = None, **overrides: int | None) -> ModelShape:
+        """Read the attention shape from a Hugging Face ``config.json``; ``overrides`` (``num_q_heads``,
+        ``num_kv_heads``, ``head_dim``, ``num_layers``; None: not given) replace what it says or supply what it
+        lacks."""
+        fields, missing = hf_config_fields(path, dtype=dtype, **overrides)
+        if missing:
+            keys = ", ".join(HF_CONFIG_KEYS[f] + (" or hidden_size" if f == "head_dim" else "") for f in missing)
+            raise ValueError(f"{path}: config has no {keys}; pass {', '.join(f + '=' for f in missing)} to give it")
+        return cls(**fields)
+
+
+def hf_config_fields(path: str | Path, *, dtype: str | None = None, **overrides: int | None) -> tuple[dict, list[str]]:
+    """ModelShape's fields from a Hugging Face ``config.json`` (its ``text_config`` if it has one), the non-None
+    ``overrides`` replacing them, and the fields that neither gives (None in the dict). ``num_kv_heads`` defaults
+    to ``num_q_heads``, ``head_dim`` to ``hidden_size // num_q_heads``; ``dtype`` to the config's float16 or
+    float32, else bfloat16. Values are not checked: ``ModelShape`` does that."""
+    unknown = sorted(set(overrides) - set(HF_CONFIG_KEYS))
+    if unknown:
+        raise TypeError(f"unknown overrides {unknown}; the fields are {list(HF_CONFIG_KEYS)}")
+    cfg = _read_json_object(path)
+    cfg = cfg.get("text_config", cfg)
+    fields = {field: cfg.get(key) for field, key in HF_CONFIG_KEYS.items()}
+    for field in ("num_kv_heads", "head_dim"):  # null or 0 in a config: absent, so derived below
+        fields[field] = fields[field] or None
+    fields.update({field: value for field, value in overrides.items() if value is not None})
+    q_heads, hidden = fields["num_q_heads"], cfg.get("hidden_size")
+    if fields["num_kv_heads"] is None:
+        fields["num_kv_heads"] = q_heads  # multi-head attention: a KV head per Q head
+    if fields["head_dim"] is None and isinstance(hidden, int) and isinstance(q_heads, int) and q_heads > 0:
+        fields["head_dim"] = hidden // q_heads
+    saved = cfg.get("torch_dtype") or cfg.get("dtype") or ""  # transformers 5 writes "dtype"
+    fields["dtype"] = dtype or {"float16": "float16", "float32": "float32"}.get(str(saved), "bfloat16")
+    # num_kv_heads follows num_q_heads, and so does head_dim where the config has hidden_size.
+    missing = [f for f in ("num_q_heads", "head_dim", "num_layers")
+               if fields[f] is None and not (f == "head_dim" and isinstance(hidden, int))]
+    return fields, missing
+
+
+def _read_json_object(path: str | Path) -> dict:
+    try:
         cfg = json.loads(Path(path).read_text())
-        cfg = cfg.get("text_config", cfg)
-        try:
-            q_heads = cfg["num_attention_heads"]
-            layers = cfg["num_hidden_layers"]
-        except KeyError as missing:
-            raise ValueError(f"{path}: config has no {missing.args[0]!r}; pass --q-heads/--layers instead") from None
-        kv_heads = cfg.get("num_key_value_heads") or q_heads
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // q_heads
-        saved = cfg.get("torch_dtype") or cfg.get("dtype") or ""  # transformers 5 writes "dtype"
-        dtype = dtype or {"float16": "float16", "float32": "float32"}.get(saved, "bfloat16")
-        return cls(num_q_heads=q_heads, num_kv_heads=kv_heads, head_dim=head_dim, num_layers=layers, dtype=dtype)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a JSON file ({err})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: a config.json holds a JSON object, this one holds a {type(cfg).__name__}")
+    return cfg
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,8 +122,14 @@ def make_plan(
     kv_budget_gib: float | None = None,
 ) -> Plan:
     """Per-rank heads and KV bytes for ``model`` on ``tp_size`` ranks with DCP groups of ``dcp_size``."""
-    if kv_budget_gib is not None and kv_budget_gib <= 0:
-        raise ValueError(f"kv_budget_gib must be > 0, got {kv_budget_gib}")
+    for name, value in (("tp_size", tp_size), ("dcp_size", dcp_size), ("interleave", interleave),
+                        ("block_size", block_size)):
+        check_int(name, value, low=1)
+    if tp_size % dcp_size:
+        raise ValueError(f"dcp_size={dcp_size} must divide tp_size={tp_size} (DCP groups are carved out of the TP "
+                         f"ranks); allowed: {[d for d in range(1, tp_size + 1) if tp_size % d == 0]}")
+    if kv_budget_gib is not None and not (math.isfinite(kv_budget_gib) and kv_budget_gib > 0):
+        raise ValueError(f"kv_budget_gib must be a finite number > 0, got {kv_budget_gib}")
     TokenLayout(dcp_size=dcp_size, dcp_rank=0, interleave=interleave, block_size=block_size)  # validates
     per_head_token = 2 * model.head_dim * DTYPE_BYTES[model.dtype] * model.num_layers
     ranks = []

@@ -3,6 +3,7 @@ backend each worker actually built, and a timed greedy run."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from pathlib import Path
@@ -18,10 +19,38 @@ def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def add_engine_args(parser: argparse.ArgumentParser, *, prompts: list[str], max_tokens: int | None,
+                    max_tokens_help: str, tp: int, tp_help: str, dcp: int, kernels_help: str) -> None:
+    """--prompt, --max-tokens, --tp, --dcp, --interleave and --kernels, in that order (each script adds its own
+    --model first: its help differs); the defaults and help that differ between the scripts are arguments."""
+    parser.add_argument("--prompt", action="append", dest="prompts", metavar="TEXT",
+                        help=f"a prompt; repeat for several (default: {prompts})")
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help=max_tokens_help)
+    parser.add_argument("--tp", type=int, default=tp, help=tp_help)
+    parser.add_argument("--dcp", type=int, default=dcp,
+                        help=f"decode-context-parallel size, divides --tp (default {dcp})")
+    parser.add_argument("--interleave", type=int, default=1,
+                        help="DCP KV-cache interleave size in tokens (default 1)")
+    parser.add_argument("--kernels", choices=("triton", "reference"), help=kernels_help)
+
+
+def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
+                      sizes: tuple[str, ...] = ()) -> None:
+    """Refuse (argparse's exit 2) a size below 1, the script's own ``sizes`` first, and a --model directory
+    without a config.json, before any engine is built."""
+    for name in (*sizes, "max_tokens", "tp", "dcp", "interleave"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        parser.error(f"--model {args.model}: no config.json there; give a Hugging Face checkpoint directory")
+
+
 def set_env_defaults(*, tp: int, gpu: bool, kernels: str | None) -> None:
     """Environment for vLLM and its spawned processes (they inherit it); a value the user set wins."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every model here is a local directory
-    # The backend report sends a function to the workers, which vLLM pickles only with this.
+    # Only for the examples' backend report (report_backends): it sends a function to the workers through
+    # collective_rpc, which vLLM pickles only with this; the examples' inference itself does not need it.
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     if kernels is not None:
         os.environ[KERNEL_ENV] = kernels

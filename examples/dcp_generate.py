@@ -28,22 +28,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory (default: a random Llama)")
     p.add_argument("--kv-heads", type=int, help="KV heads of the default random Llama (default: tp / dcp)")
-    p.add_argument("--prompt", action="append", dest="prompts", metavar="TEXT",
-                   help=f"a prompt; repeat for several (default: {PROMPTS})")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size = GPUs used (default 2)")
-    p.add_argument("--dcp", type=int, default=2, help="decode-context-parallel size, divides --tp (default 2)")
-    p.add_argument("--interleave", type=int, default=1, help="DCP KV-cache interleave size in tokens (default 1)")
-    p.add_argument("--kernels", choices=("triton", "reference"),
-                   help=f"kernel path of the backend (default: ${_shared.KERNEL_ENV} or triton)")
+    _shared.add_engine_args(
+        p, prompts=PROMPTS, max_tokens=32, max_tokens_help="tokens to generate per prompt (default 32)",
+        tp=2, tp_help="tensor-parallel size = GPUs used (default 2)", dcp=2,
+        kernels_help=f"kernel path of the backend (default: ${_shared.KERNEL_ENV} or triton)")
     p.add_argument("--plan-only", action="store_true", help="print the plan table and exit (no GPU needed)")
     args = p.parse_args(argv)
-    for name in ("kv_heads", "max_tokens", "tp", "dcp", "interleave"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.model is not None and not (args.model / "config.json").is_file():
-        p.error(f"--model {args.model}: no config.json there; give a Hugging Face checkpoint directory")
+    _shared.check_engine_args(p, args, sizes=("kv_heads",))
     if args.model is not None and args.kv_heads is not None:
         p.error("--kv-heads shapes the default random model; it cannot be combined with --model")
     return args

@@ -28,23 +28,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory (default: the embedded SmolLM2); "
                    "without a tokenizer, prompts go in as UTF-8 bytes and completions print as token ids")
-    p.add_argument("--prompt", action="append", dest="prompts", metavar="TEXT",
-                   help=f"a prompt; repeat for several (default: {PROMPTS})")
-    p.add_argument("--max-tokens", type=int,
-                   help=f"tokens to generate per prompt (default {GPU_MAX_TOKENS} on GPU, {CPU_MAX_TOKENS} on CPU)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    p.add_argument("--dcp", type=int, default=1, help="decode-context-parallel size, divides --tp (default 1)")
-    p.add_argument("--interleave", type=int, default=1, help="DCP KV-cache interleave size in tokens (default 1)")
-    p.add_argument("--kernels", choices=("triton", "reference"),
-                   help="kernel path of the backend: the Triton kernels, or the torch references (faster on CPU); "
-                        f"default: ${_shared.KERNEL_ENV} or triton")
+    _shared.add_engine_args(
+        p, prompts=PROMPTS, max_tokens=None,
+        max_tokens_help=f"tokens to generate per prompt (default {GPU_MAX_TOKENS} on GPU, {CPU_MAX_TOKENS} on CPU)",
+        tp=1, tp_help="tensor-parallel size (default 1)", dcp=1,
+        kernels_help="kernel path of the backend: the Triton kernels, or the torch references (faster on CPU); "
+                     f"default: ${_shared.KERNEL_ENV} or triton")
     args = p.parse_args(argv)
-    for name in ("max_tokens", "tp", "dcp", "interleave"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.model is not None and not (args.model / "config.json").is_file():
-        p.error(f"--model {args.model}: no config.json there; give a Hugging Face checkpoint directory")
+    _shared.check_engine_args(p, args)
     return args
 
 

@@ -48,24 +48,132 @@ def test_capacity_gain_never_exceeds_the_duplication_ceiling():
             assert plan.capacity_ceiling == max(1, tp / kv_heads)
 
 
+SHAPE = ["--q-heads", "32", "--kv-heads", "8", "--head-dim", "128", "--layers", "1"]
+# What a CLI user must never see: the library's field names, which are not flags.
+INTERNAL_NAMES = ("TokenLayout", "ParallelState", "kv_replication", "num_q_heads", "kv_budget_gib", "tp_size",
+                  "dcp_size", "block_size", "Traceback")
+
+
+def refusal(argv: list[str], capsys) -> str:
+    """The error line of a ``dcp-triton plan`` refused as a usage error (exit 2, argparse's format)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", *argv])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("usage: dcp-triton plan"), captured
+    (line,) = [line for line in captured.err.splitlines() if line.startswith("dcp-triton plan: error: ")]
+    assert not any(name in captured.err for name in INTERNAL_NAMES), captured.err
+    return line.removeprefix("dcp-triton plan: error: ")
+
+
+@pytest.mark.parametrize("flag", ["--tp", "--dcp", "--interleave", "--block-size", "--q-heads", "--kv-heads",
+                                  "--head-dim", "--layers"])
+def test_non_positive_sizes_are_refused_by_flag(flag, capsys):
+    assert refusal([*SHAPE, flag, "0"], capsys) == f"{flag} must be >= 1, got 0"
+
+
 @pytest.mark.parametrize(
-    "argv, match",
+    "argv, error",
     [
-        (["--q-heads", "32", "--kv-heads", "2"], "missing.*--head-dim.*--layers"),
-        (SEEDS[:-2] + ["--layout", "tp"], "kv_replication='group'"),
-        (["--q-heads", "32", "--kv-heads", "8", "--head-dim", "128", "--layers", "1", "--tp", "4", "--dcp", "3"],
-         "attn_dcp_size=3 must divide tp_size=4"),
-        (SEEDS + ["--interleave", "3"], "interleave=3 must divide block_size=16"),
-        (SEEDS + ["--kv-budget-gib", "-1"], "kv_budget_gib must be > 0"),
+        (["--q-heads", "32", "--kv-heads", "2"],
+         "give --config or all of --q-heads --kv-heads --head-dim --layers (missing --head-dim --layers)"),
+        (SEEDS[:-2] + ["--layout", "tp"],
+         "--layout tp with --dcp 4: the ranks of a DCP group would hold different KV heads; that needs --tp 4 to "
+         "be more than --kv-heads 2 and --tp / KV heads to be a multiple of --dcp. Use --dcp in [1, 2], or "
+         "--layout group"),
+        (SHAPE + ["--tp", "4", "--dcp", "3"],
+         "--dcp 3 must divide --tp 4 (DCP groups are carved out of the TP ranks); use --dcp in [1, 2, 4]"),
+        (SEEDS + ["--interleave", "3"],
+         "--interleave 3 must divide --block-size 16; use --interleave in [1, 2, 4, 8, 16]"),
+        (SEEDS + ["--kv-budget-gib", "-1"],
+         "--kv-budget-gib must be a number > 0 (GiB of KV cache per rank), got -1.0"),
+        (SEEDS + ["--kv-budget-gib", "inf"],
+         "--kv-budget-gib must be a number > 0 (GiB of KV cache per rank), got inf"),
+        (SHAPE + ["--tp", "3"], "--tp 3 must divide --q-heads 32; use --tp in [1, 2, 4, 8, 16, 32]"),
+        (["--q-heads", "9", "--kv-heads", "4", "--head-dim", "64", "--layers", "1"],
+         "--q-heads 9 is not a multiple of --kv-heads 4: every KV head serves the same number of Q heads"),
+        (["--q-heads", "24", "--kv-heads", "4", "--head-dim", "64", "--layers", "1", "--tp", "6"],
+         "--layout tp gives each rank whole KV heads, so --tp 6 must divide --kv-heads 4 or be a multiple of it; "
+         "use --tp in [1, 2, 4, 8, 12, 24], or --layout group"),
     ],
 )
-def test_plan_errors_are_clear(argv, match, capsys):
-    assert main(["plan", *argv]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("dcp-triton plan: error:")
-    import re
+def test_plan_errors_name_the_flag_and_what_works(argv, error, capsys):
+    assert refusal(argv, capsys) == error
 
-    assert re.search(match, err), err
+
+def test_tp_zero_is_refused_not_divided_by(capsys):
+    assert refusal(["--tp", "0", *SEEDS[:-6]], capsys) == "--tp must be >= 1, got 0"  # was a ZeroDivisionError
+
+
+@pytest.mark.parametrize(
+    "config, argv, error",
+    [
+        ({}, [], "has no num_attention_heads (pass --q-heads), head_dim or hidden_size (pass --head-dim), "
+                 "num_hidden_layers (pass --layers)"),
+        ({"num_attention_heads": 8, "num_hidden_layers": 2}, [], "has no head_dim or hidden_size (pass --head-dim)"),
+        ({"hidden_size": 512, "num_hidden_layers": 2}, [], "has no num_attention_heads (pass --q-heads)"),
+        ({"num_attention_heads": 0, "hidden_size": 64, "num_hidden_layers": 2}, [],
+         ": num_attention_heads is 0, not a positive int; override it with --q-heads"),
+        ({"num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "num_hidden_layers": 2}, ["--tp", "4"],
+         "--tp 4 must divide the 9 Q heads of --config; use --tp in [1, 3, 9]"),
+        ("not json", [], ": not a JSON file (Expecting value"),
+        ([1, 2], [], ": a config.json holds a JSON object, this one holds a list"),
+    ],
+)
+def test_config_errors_name_the_flag_that_fixes_them(config, argv, error, tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(config if isinstance(config, str) else json.dumps(config))
+    line = refusal(["--config", str(path), *argv], capsys)
+    assert line.startswith("--config ") or line.startswith("--tp "), line
+    assert error in line, line
+
+
+def test_missing_config_file_is_refused(tmp_path, capsys):
+    path = tmp_path / "nowhere.json"
+    assert refusal(["--config", str(path)], capsys) == f"--config {path}: No such file or directory"
+
+
+@pytest.mark.parametrize(
+    "config, argv, model",
+    [
+        # the advice of the errors above, followed: the flags supply what the config lacks
+        ({"num_attention_heads": 8, "num_hidden_layers": 2}, ["--head-dim", "64"], (8, 8, 64, 2)),
+        ({"hidden_size": 512, "num_key_value_heads": 2}, ["--q-heads", "8", "--layers", "3"], (8, 2, 64, 3)),
+        # and override what it says
+        ({"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 30},
+         ["--layers", "4", "--kv-heads", "4"], (8, 4, 64, 4)),
+    ],
+)
+def test_shape_flags_complete_and_override_the_config(config, argv, model, tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["plan", "--config", str(path), *argv, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["model"]
+    assert (got["num_q_heads"], got["num_kv_heads"], got["head_dim"], got["num_layers"]) == model
+
+
+def test_dtype_defaults_to_the_configs_then_bfloat16(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"num_attention_heads": 8, "head_dim": 64, "num_hidden_layers": 2,
+                                "torch_dtype": "float32"}))
+    assert main(["plan", "--config", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["dtype"] == "float32"
+    assert main(["plan", *SHAPE, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["dtype"] == "bfloat16"
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "(default: bfloat16; with --config, the config's dtype if it is float16 or float32, else bfloat16)" in \
+        " ".join(capsys.readouterr().out.split())
+
+
+def test_library_errors_name_keyword_arguments():
+    model = ModelShape(num_q_heads=8, num_kv_heads=2, head_dim=64, num_layers=1)
+    with pytest.raises(ValueError, match=r"tp_size must be an int >= 1, got 0"):
+        make_plan(model, tp_size=0, dcp_size=1)
+    with pytest.raises(ValueError, match=r"dcp_size=3 must divide tp_size=4.*allowed: \[1, 2, 4\]"):
+        make_plan(model, tp_size=4, dcp_size=3)
+    with pytest.raises(ValueError, match="kv_budget_gib must be a finite number > 0, got inf"):
+        make_plan(model, tp_size=1, dcp_size=1, kv_budget_gib=float("inf"))
 
 
 def test_config_dtype_from_either_key(tmp_path):
@@ -82,3 +190,11 @@ def test_config_without_heads_is_refused(tmp_path):
     config.write_text("{}")
     with pytest.raises(ValueError, match="num_attention_heads"):
         ModelShape.from_hf_config(config)
+
+
+def test_config_without_head_dim_or_hidden_size_is_a_value_error(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"num_attention_heads": 8, "num_hidden_layers": 2}))  # was a KeyError
+    with pytest.raises(ValueError, match="config has no head_dim or hidden_size; pass head_dim= to give it"):
+        ModelShape.from_hf_config(config)
+    assert ModelShape.from_hf_config(config, head_dim=64).head_dim == 64
