@@ -79,7 +79,7 @@ class HeadLayout:
         if kv_replication == "tp":
             kv_start, kv_count = _tp_kv_heads(total_kv, tp, ps.tp_rank)
             if n > 1 and (tp < total_kv or (tp // total_kv) % n):
-                good = [d for d in range(1, tp + 1) if tp % d == 0 and (tp // total_kv) % d == 0]
+                good = [d for d in range(1, tp + 1) if tp % d == 0 and tp >= total_kv and (tp // total_kv) % d == 0]
                 raise ValueError(
                     f"kv_replication='tp' with dcp_size={n}, tp_size={tp}, total_kv_heads={total_kv}: the ranks "
                     f"of a DCP group would hold different KV heads. It needs tp_size > total_kv_heads and "

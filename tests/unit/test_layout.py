@@ -103,6 +103,8 @@ def test_non_divisible_group_layout_12q_3kv():
         (dict(total_q_heads=12, total_kv_heads=3, tp=8), "not divisible by tp_size=8"),
         (dict(total_q_heads=32, total_kv_heads=2, tp=4, dcp=4, kv_replication="tp"), "kv_replication='group'"),
         (dict(total_q_heads=32, total_kv_heads=8, tp=2, dcp=2, kv_replication="tp"), "tp_size > total_kv_heads"),
+        (dict(total_q_heads=32, total_kv_heads=8, tp=2, dcp=2), r"dcp_size in \[1\] here"),  # tp < kv: none
+        (dict(total_q_heads=32, total_kv_heads=2, tp=4, dcp=4), r"dcp_size in \[1, 2\] here"),
         (dict(total_q_heads=24, total_kv_heads=4, tp=6), "multiple of total_kv_heads=4"),
         (dict(total_q_heads=8, total_kv_heads=2, kv_replication="mla"), "'tp' or 'group'"),
         (dict(total_q_heads=0, total_kv_heads=1), "total_q_heads must be an int >= 1"),
