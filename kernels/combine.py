@@ -2,8 +2,8 @@
 
 One kernel serves the three. A partial is ``(O [T, H, D], LSE [T, H])`` over a disjoint key set; the kernel reads
 ``N`` LSEs per (token, head) (plus an optional extra partial), forms the global LSE and weights exactly as in
-docs/design.md section 2 (NaN/+inf LSE count as empty; weight 0 contributes exactly 0, whatever its O holds), and
-accumulates the O of a contiguous range of those partials.
+docs/design.md section 2 (+inf LSE counts as empty; weight 0 contributes exactly 0, whatever its O holds; a NaN LSE
+makes the row NaN), and accumulates the O of a contiguous range of those partials.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ INTERPRET_CONFIG = CombineConfig(block_elems=1 << 30, num_warps=1)
 @triton.jit
 def _sanitized_lse(lse_ptrs, mask):
     lse = tl.load(lse_ptrs, mask=mask, other=float("-inf"))
-    # NaN and +inf LSE mean "no keys" (FA2 reports +inf for empty rows).
-    return tl.where((lse != lse) | (lse == float("inf")), float("-inf"), lse)
+    # +inf LSE means "no keys" (FA2 reports +inf for empty rows). A NaN LSE stays NaN: it came from a NaN input and
+    # makes the row's weights, output and LSE NaN below, as unsharded attention would, never a finite wrong answer.
+    return tl.where(lse == float("inf"), float("-inf"), lse)
 
 
 @triton.jit(do_not_specialize=("stride_pln",))  # LSE strides scale with the token count (LSE loads are scalar)
@@ -84,7 +85,8 @@ def combine_kernel(
     weight_sum = tl.sum(tl.exp2((lses - lse_max[:, None]) * LOG2E), axis=1)
     if HAS_EXTRA:
         weight_sum += tl.exp2((extra_lse - lse_max) * LOG2E)
-    # All-empty rows keep weight_sum 0 and every scale exactly 0; dividing by 1 there avoids inf * 0.
+    # All-empty rows keep weight_sum 0 and every scale exactly 0; dividing by 1 there avoids inf * 0. A NaN LSE
+    # makes weight_sum and every scale NaN: no O is loaded (scale > 0 fails) and 0 * NaN is NaN.
     is_empty = weight_sum == 0
     inv_sum = 1.0 / tl.where(is_empty, 1.0, weight_sum)
 
@@ -176,7 +178,7 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
 
     ``out_a``, ``out_b``: ``[T, H, D]`` fp16/bf16/fp32 (dtypes may differ, any strides); ``lse_a``, ``lse_b``:
     ``[T, H]`` float32, natural log. Returns ``(out [T, H, D], lse [T, H] float32)``; ``out`` defaults to
-    ``out_b``'s dtype. An empty side (LSE -inf, NaN or +inf) contributes exactly nothing.
+    ``out_b``'s dtype. An empty side (LSE -inf or +inf) contributes exactly nothing; a NaN LSE gives NaN.
 
     Example: ``o, l = merge_states(prefix_o_f32, prefix_lse, chunk_o_bf16, chunk_lse)  # o is bf16``
     """

@@ -185,8 +185,8 @@ def paged_attention_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
-    # No cached tokens: acc = 0, l_i = 0, m_i = -inf -> (0, -inf).
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    # No cached tokens: acc = 0, l_i = 0, m_i = -inf -> (0, -inf). A NaN input leaves l_i NaN: NaN out and lse.
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     if KV_FP8:
         out = out * tl.load(v_scale_ptr)

@@ -33,7 +33,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mas
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [H, Tq]
-    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)  # empty rows: exp(-inf - -inf) -> 0
+    # Empty rows get 0, not exp(-inf - -inf) = NaN; a NaN score (NaN input) stays NaN.
+    probs = torch.exp(scores - lse.unsqueeze(-1)).masked_fill(torch.isneginf(lse).unsqueeze(-1), 0.0)
     out = torch.einsum("hqk,khd->qhd", probs, v)
     return out, lse.transpose(0, 1)
 
@@ -147,6 +148,16 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
     return _finish(out_acc, lse_acc, q, out, lse)
 
 
+def _empty_if_inf(lses: torch.Tensor) -> torch.Tensor:
+    """+inf LSE counts as empty (FA2's convention); NaN stays NaN (docs/design.md section 2)."""
+    return lses.masked_fill(lses == float("inf"), float("-inf"))
+
+
+def _weights(lses: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """``exp(lses - total)``, exactly 0 where every partial is empty (no ``-inf - -inf``); NaN where total is."""
+    return torch.exp(lses - total).masked_fill(torch.isneginf(total), 0.0)
+
+
 def combine_partials(parts_out, parts_lse, *, out=None, lse=None, extra_out=None, extra_lse=None):
     """Exact LSE-weighted combination of ``N`` partial results over disjoint key sets.
 
@@ -162,10 +173,9 @@ def combine_partials(parts_out, parts_lse, *, out=None, lse=None, extra_out=None
             out = torch.empty(parts_out.shape[1:], dtype=parts_out.dtype, device=parts_out.device)
         parts_out = torch.cat([parts_out.to(acc), extra_out.unsqueeze(0).to(acc)])
         parts_lse = torch.cat([parts_lse.to(acc), extra_lse.unsqueeze(0).to(acc)])
-    lses = parts_lse.to(acc)
-    lses = torch.where(torch.isnan(lses) | (lses == float("inf")), float("-inf"), lses)
-    total = torch.logsumexp(lses, dim=0)  # -inf when every partial is empty
-    weights = torch.exp(lses - total.unsqueeze(0)).nan_to_num(0.0)  # [N, T, H]
+    lses = _empty_if_inf(parts_lse.to(acc))
+    total = torch.logsumexp(lses, dim=0)  # -inf when every partial is empty, NaN when one LSE is NaN
+    weights = _weights(lses, total)  # [N, T, H]
     values = torch.where(weights.unsqueeze(-1) > 0, parts_out.to(acc), 0.0)
     out_acc = (weights.unsqueeze(-1) * values).sum(0)
     if out is None:
@@ -195,10 +205,9 @@ def rescale_partial(part_out, lse_all, rank, *, out=None, lse=None):
     reduce-scatter) gives the combined output and ``lse`` is the combined LSE.
     """
     acc = _acc_dtype(lse_all)
-    lses = lse_all.to(acc)
-    lses = torch.where(torch.isnan(lses) | (lses == float("inf")), float("-inf"), lses)
+    lses = _empty_if_inf(lse_all.to(acc))
     total = torch.logsumexp(lses, dim=0)
-    weight = torch.exp(lses[rank] - total).nan_to_num(0.0)
+    weight = _weights(lses[rank], total)
     scaled = torch.where(weight.unsqueeze(-1) > 0, part_out.to(acc), 0.0) * weight.unsqueeze(-1)
     if out is None:
         out = torch.empty(part_out.shape, dtype=torch.float32 if acc != torch.float64 else acc,

@@ -68,9 +68,10 @@ def paged_attention_reduce_kernel(
         acc = acc * alpha[:, None] + tl.sum(part * weight[:, :, None], 0)
         total = total * alpha + tl.sum(weight, 0)
         lse_max = new_max
-    total_safe = tl.where(total > 0.0, total, 1.0)
+    # Every split empty: (0, -inf). A NaN split LSE (from a NaN input) leaves total NaN, and out and lse with it.
+    total_safe = tl.where(total == 0.0, 1.0, total)
     out = acc / total_safe[:, None]
-    lse = tl.where(total > 0.0, lse_max + tl.log(total_safe), float("-inf"))
+    lse = tl.where(total == 0.0, float("-inf"), lse_max + tl.log(total_safe))
     hd_mask = head_mask[:, None] & dim_mask[None, :]
     out_rows = out_ptr + token * stride_o_t + head_offsets(heads, out_heads_per_rank, stride_o_r, stride_o_h)
     tl.store(out_rows[:, None] + dims[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty), mask=hd_mask)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dcp_plugin import kernels as triton_kernels
 from dcp_plugin.kernels import reference
 from dcp_plugin.kernels.combine import combine_partials, merge_states, rescale_partial
 from tests.kernel_checks import assert_matches, poisoned
@@ -13,8 +14,8 @@ T, H, D = 6, 3, 80  # H and D not powers of two: the kernel masks both
 
 
 def _partials(num_parts: int, dtype: torch.dtype, *, seed: int = 0):
-    """Random partials with the edges planted: empty partials (-inf) whose O is NaN, +inf and NaN LSEs (also
-    empty), and an all-empty row (token 0)."""
+    """Random partials with the edges planted: empty partials (-inf) whose O is NaN, a +inf LSE (also empty, FA2's
+    convention), and an all-empty row (token 0). NaN LSEs are not empty: ``test_a_nan_lse_makes_its_row_nan``."""
     gen = torch.Generator().manual_seed(seed)
     parts_out = torch.randn(num_parts, T, H, D, generator=gen).to(dtype)
     parts_lse = torch.randn(num_parts, T, H, generator=gen) * 4
@@ -22,7 +23,6 @@ def _partials(num_parts: int, dtype: torch.dtype, *, seed: int = 0):
     parts_out[:, 0] = float("nan")
     parts_lse[0, 1, 0], parts_out[0, 1, 0] = float("-inf"), float("nan")
     parts_lse[-1, 2, 1], parts_out[-1, 2, 1] = float("inf"), float("nan")
-    parts_lse[-1, 3, 2] = float("nan")
     return parts_out, parts_lse
 
 
@@ -114,6 +114,39 @@ def test_rescale_partial_default_output_is_float32():
     assert scaled.dtype == torch.float32 and lse.dtype == torch.float32
     assert_matches(scaled, reference.rescale_partial(parts_out[1].double(), parts_lse.double(), 1)[0],
                    torch.float16, "scaled")
+
+
+@pytest.mark.parametrize("op", ["combine", "combine+extra", "merge", "rescale"])
+@pytest.mark.parametrize("ops", ["triton", "reference"])
+def test_a_nan_lse_makes_its_row_nan(op, ops):
+    """A NaN LSE comes from a NaN input: its (token, head) turns NaN in out and lse, as unsharded attention would,
+    instead of being dropped as empty (a finite wrong answer); every other row is still exact."""
+    parts_out, parts_lse = _partials(3, torch.float32, seed=10)
+    want_out, want_lse = reference.combine_partials(parts_out.double(), parts_lse.double())
+    parts_lse[1, 3, 2] = float("nan")
+    kernels = reference if ops == "reference" else triton_kernels
+    out, lse = poisoned((T, H, D), torch.float32), poisoned((T, H), torch.float32)
+    if op == "combine":
+        kernels.combine_partials(parts_out, parts_lse, out=out, lse=lse)
+    elif op == "combine+extra":  # the NaN in the extra partial (the current chunk) instead
+        extra_out, extra_lse = parts_out[1].clone(), parts_lse[1].clone()
+        kernels.combine_partials(parts_out[[0, 2]], parts_lse[[0, 2]], extra_out=extra_out, extra_lse=extra_lse,
+                                 out=out, lse=lse)
+    elif op == "merge":
+        extra_out, extra_lse = reference.combine_partials(parts_out[[0, 2]], parts_lse[[0, 2]])
+        kernels.merge_states(extra_out, extra_lse, parts_out[1], parts_lse[1], out=out, lse=lse)
+    else:  # ag_rs: each rank's scaled share, summed as the reduce-scatter would
+        total = torch.zeros(T, H, D)
+        for rank in range(3):
+            scaled, lse = poisoned((T, H, D), torch.float32), poisoned((T, H), torch.float32)
+            kernels.rescale_partial(parts_out[rank], parts_lse, rank, out=scaled, lse=lse)
+            total += scaled
+        out = total
+    nan = torch.zeros(T, H, dtype=torch.bool)
+    nan[3, 2] = True
+    assert torch.isnan(out[3, 2]).all() and torch.isnan(lse[3, 2]), (out[3, 2, :4], lse[3, 2])
+    assert_matches(out[~nan], want_out[~nan], torch.float32, "the other rows' out")
+    assert_matches(lse[~nan], want_lse[~nan], torch.float32, "the other rows' lse")
 
 
 O3, L2 = torch.randn(T, H, D), torch.randn(T, H)

@@ -130,6 +130,31 @@ def test_matches_reference(name):
     assert_matches(lse, want_lse, case.dtype, "lse")
 
 
+@pytest.mark.parametrize("splits", [1, 19])
+@pytest.mark.parametrize("ops", ["triton", "reference"])
+def test_a_nan_key_makes_the_rows_that_read_it_nan(ops, splits):
+    """A NaN in a cached key (a fault upstream) turns exactly the rows that attend to it NaN, out and lse, through
+    the split merge too, instead of vanishing into a finite wrong answer; every other row is still exact."""
+    case = Case([1, 2, 1], [700, 33, 5], 8, 2, 4, num_splits=splits)
+    q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case, seed=4)
+    args = dict(scale=0.125, **_heads(case), max_kv_len=700)
+    want_out, want_lse = reference.paged_attention(
+        q.double(), key_cache.double(), value_cache.double(), block_table, context_lens, query_start_loc, **args)
+    key_cache[block_table[1, 1].long(), 3, 1, 7] = float("nan")  # request 1, position 19, KV head 1 (Q heads 4-7)
+    out, lse = poisoned(q.shape, torch.float32), poisoned(q.shape[:2], torch.float32)
+    if ops == "triton":
+        paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, **args,
+                        num_splits=splits, out=out, lse=lse)
+    else:
+        reference.paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, **args,
+                                  out=out, lse=lse)
+    nan = torch.zeros(q.shape[:2], dtype=torch.bool)
+    nan[1:3, 4:8] = True  # request 1's two query rows, the Q heads of KV head 1
+    assert torch.isnan(out[nan]).all() and torch.isnan(lse[nan]).all()
+    assert_matches(out[~nan], want_out[~nan], torch.float32, "the other rows' out")
+    assert_matches(lse[~nan], want_lse[~nan], torch.float32, "the other rows' lse")
+
+
 def test_default_outputs_and_loose_max_context_len():
     case = Case([3, 1], [9, 30], 4, 2, 2, dtype=torch.float16)
     q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case, seed=1)
