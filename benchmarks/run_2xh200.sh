@@ -1,27 +1,31 @@
 #!/usr/bin/env bash
-# One lease on a machine with two H200s (device kind nvidia-h200-x2), in back-to-back calls; each call's output
-# lands in $OUT (at most 8 files come back: logs are packed into one tarball).
-#   check: carry .gpu-bundle/core. Unpack vLLM 0.26 into /tmp/vs (for later calls), install dcp-triton into
-#          /tmp/dcp, then, each under its own time limit: the GPU tests (tests/gpu, most telling first), the
-#          two-GPU NCCL check and timing (multi_gpu_dcp.py: every case vs float64, decode replayed from a
-#          captured graph), and the host-overhead benchmark.
-#   e2e:   carry .gpu-bundle/extra. vLLM's dependencies, then benchmarks/vllm_dcp_e2e.py with the arguments given
-#          (resumable: a later call continues where the last stopped while the machine is warm).
+# One lease on a machine with two H200s (device kind nvidia-h200-x2), in back-to-back calls (files in /tmp survive
+# while the machine stays warm); each call's output lands in $OUT (at most 8 files come back: logs are packed into
+# one tarball). vLLM 0.26's core archive travels in two parts (scripts/split_bundle026.sh; _device.sh says why):
+#   unpack: carry .gpu-bundle/core-part. Its part stays in /tmp (an unsplit .gpu-bundle/core, where it fits beside
+#          the tree, is unpacked into /tmp/vs instead). Only needed before an e2e or spec call.
+#   check: carry .gpu-bundle/core-rest after an unpack call (or nothing: the checks need no vLLM). Join the part an
+#          unpack call left in /tmp with it, check the whole archive's sha256 and unpack vLLM 0.26 into /tmp/vs
+#          (for later calls, in the background), install dcp-triton into /tmp/dcp, then, each under its own time
+#          limit: the GPU tests (tests/gpu, most telling first), the two-GPU NCCL check and timing
+#          (multi_gpu_dcp.py: every case vs float64, decode replayed from a captured graph), and the host-overhead
+#          benchmark.
+#   e2e:   carry .gpu-bundle/extra (and .gpu-bundle/core-rest unless a check call joined it). vLLM's dependencies,
+#          then benchmarks/vllm_dcp_e2e.py with the arguments given (resumable: a later call continues where the
+#          last stopped while the machine is warm).
 #   spec:  like e2e (after it, on the same warm machine), for benchmarks/vllm_spec_dcp.py: speculative decoding.
+#   e.g.  bash benchmarks/run_2xh200.sh unpack       carry .gpu-bundle/core-part, then
+#         bash benchmarks/run_2xh200.sh check        carry .gpu-bundle/core-rest, then
+#         bash benchmarks/run_2xh200.sh e2e --budget-s 540    carry .gpu-bundle/extra
 # Everything runs from /tmp: in the repository root, its dcp_plugin/ folder (without the kernels/ and adapters/
 # packages that the install maps into it) would shadow the installed package for child processes.
 set -uo pipefail
-stage=${1:?usage: run_2xh200.sh check|e2e [arguments...]}
+stage=${1:?usage: run_2xh200.sh unpack|check|e2e|spec [arguments...]}
 shift
-repo=$(cd "$(dirname "$0")/.." && pwd)
+source "$(dirname "$0")/_device.sh"
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
   NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT" /tmp/logs
-install_dcp() {  # fresh each call: a warm machine may hold an older install
-  rm -rf /tmp/dcp
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/dcp "$repo" \
-    >/tmp/logs/install.log 2>&1 || { cat /tmp/logs/install.log; return 1; }
-}
 limit() {  # limit SECONDS NAME COMMAND...: run with a time limit, log to /tmp/logs/NAME.log, print its tail
   local seconds=$1 name=$2
   shift 2
@@ -31,12 +35,15 @@ limit() {  # limit SECONDS NAME COMMAND...: run with a time limit, log to /tmp/l
   tail -n 25 "/tmp/logs/$name.log"
 }
 case "$stage" in
+  unpack)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    unpack_core
+    core_status || exit 1
+    ;;
   check)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    if test -f "$repo/.gpu-bundle/core/vllm026.tar.xz"; then
-      mkdir -p /tmp/vs && tar xJf "$repo/.gpu-bundle/core/vllm026.tar.xz" -C /tmp/vs &
-    fi
-    install_dcp || exit 1
+    { unpack_core && join_core; } &
+    install_dcp /tmp/logs/install.log || exit 1
     export PYTHONPATH=/tmp/dcp:$repo
     cd /tmp
     tests=(tests/gpu/test_launch_gpu.py tests/gpu/test_warmup_gpu.py tests/gpu/test_kernel_paged_attention_gpu.py
@@ -50,8 +57,10 @@ case "$stage" in
     wait
     ;;
   e2e|spec)
-    install_dcp || exit 1
-    test -d /tmp/vs/vllm || { echo "vLLM is not unpacked in /tmp/vs: run the check stage first" >&2; exit 1; }
+    install_dcp /tmp/logs/install.log || exit 1
+    join_core || exit 1
+    test -d /tmp/vs/vllm || { echo "vLLM is not unpacked in /tmp/vs: first an unpack call carrying" \
+      ".gpu-bundle/core-part, then carry .gpu-bundle/core-rest with this one (or a check call)" >&2; exit 1; }
     source "$repo/.gpu-bundle/extra/setup.sh"
     export PYTHONPATH=/tmp/dcp:$PYTHONPATH
     cd /tmp

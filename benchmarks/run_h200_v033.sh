@@ -15,10 +15,13 @@
 #        (VLLM_USE_V2_MODEL_RUNNER=1 / =0), the two runs side by side
 #   $OUT gets v033_summary.json (each step's status, rc, seconds, exact error; the e2e checks) and
 #   v033_logs.tar.gz (every step's log, the e2e reports and per-job vLLM logs).
+#   e.g.  bash benchmarks/run_h200_v033.sh core   carry .gpu-bundle-033/core, then
+#         bash benchmarks/run_h200_v033.sh run    carry .gpu-bundle-033/extra
 # Everything runs from /tmp: the repository root's dcp_plugin/ would shadow the installed package.
+# benchmarks/_device.sh (sourced) sets $repo and installs dcp-triton.
 set -uo pipefail
 stage=${1:?usage: run_h200_v033.sh core|run}
-repo=$(cd "$(dirname "$0")/.." && pwd)
+source "$(dirname "$0")/_device.sh"
 bundle=${BUNDLE33:-$repo/.gpu-bundle-033}
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out33} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 mkdir -p "$OUT"
@@ -52,9 +55,7 @@ case $stage in
     skip() { local n; for n in "$@"; do echo "skipped 0" > "$L/$n.rc"; done; }
     nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv > "$L/gpu.txt" 2>&1
     t0=$SECONDS
-    { source "$bundle/extra/setup.sh" && rm -rf /tmp/dcp \
-        && python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/dcp "$repo"; } \
-      > "$L/setup.log" 2>&1
+    { source "$bundle/extra/setup.sh" && install_dcp "$L/install.log"; } > "$L/setup.log" 2>&1
     rc=$?
     echo "$rc $((SECONDS - t0))" > "$L/setup.rc"
     ((rc == 0)) || { echo "setup failed"; tail -20 "$L/setup.log"; exit 1; }

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Splits the vLLM 0.26 bundle's core archive (.gpu-bundle/core/vllm026.tar.xz, 58 MiB: vLLM's Python files and its
-# stable-ABI extension, from the 0.26 wheel; the workplace's offline-vLLM bundle script makes it) in two, because the repository no longer fits beside it in one device call (64 MiB with the
-# working tree, which is ~12 MiB now):
-#   .gpu-bundle/core-part/vllm026.tar.xz.00   the first PART_MIB MiB (default 44): run_h200.sh's `unpack` call keeps
-#                                             it in /tmp
-#   .gpu-bundle/core-rest/vllm026.tar.xz.01   the rest (~14 MiB) and SHA256SUMS of the whole archive: the `bench` call
-#                                             that carries it beside .gpu-bundle/extra joins, checks and unpacks both
+# stable-ABI extension, from the 0.26 wheel; the workplace's offline-vLLM bundle script makes it) in two, because
+# the repository no longer fits beside it in one device call (64 MiB with the working tree, which is ~12 MiB now):
+#   .gpu-bundle/core-part/vllm026.tar.xz.00   the first PART_MIB MiB (default 44): the `unpack` call of
+#                                             benchmarks/run_h200.sh or run_2xh200.sh keeps it in /tmp
+#   .gpu-bundle/core-rest/vllm026.tar.xz.01   the rest (~14 MiB) and SHA256SUMS of the whole archive: the next call
+#                                             that carries it (run_h200.sh's `bench` beside .gpu-bundle/extra;
+#                                             run_2xh200.sh's `check`, or `e2e` / `spec` beside .gpu-bundle/extra)
+#                                             joins, checks and unpacks both (benchmarks/_device.sh: join_core)
 # Usage: scripts/split_bundle026.sh [BUNDLE_DIR]   (default .gpu-bundle; seconds)
 set -euo pipefail
 dir=${1:-$(cd "$(dirname "$0")/.." && pwd)/.gpu-bundle}

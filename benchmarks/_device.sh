@@ -1,0 +1,53 @@
+# shellcheck shell=bash
+# What the device scripts share (run_h200.sh, run_2xh200.sh, run_h200_v033.sh source this first): the repository
+# root ($repo), dcp-triton's install into /tmp/dcp, vLLM 0.26's core archive into /tmp/vs, and the archive of new
+# result files. vLLM's core archive (58 MiB) no longer fits beside the repository (~12 MiB) in one device call
+# (64 MiB): scripts/split_bundle026.sh splits it into .gpu-bundle/core-part (44 MiB), carried by an `unpack` call
+# that keeps it in /tmp, and .gpu-bundle/core-rest (the rest and the whole archive's SHA256SUMS), carried by a
+# later call of the same warm machine, which joins, checks and unpacks both (join_core). A carried unsplit
+# .gpu-bundle/core (an older bundle, or a smaller tree) is still unpacked in one go.
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+install_dcp() {  # install_dcp LOG: dcp-triton into /tmp/dcp, fresh each call (a warm machine may hold an older one)
+  local log=$1
+  rm -rf /tmp/dcp
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/dcp "$repo" >"$log" 2>&1 \
+    || { cat "$log"; return 1; }
+}
+
+unpack_core() {  # a carried .gpu-bundle/core: unpack it into /tmp/vs; a carried core-part: keep it in /tmp
+  if test -f "$repo/.gpu-bundle/core/vllm026.tar.xz"; then
+    mkdir -p /tmp/vs && tar xJf "$repo/.gpu-bundle/core/vllm026.tar.xz" -C /tmp/vs
+  elif test -f "$repo/.gpu-bundle/core-part/vllm026.tar.xz.00"; then
+    cp "$repo/.gpu-bundle/core-part/vllm026.tar.xz.00" /tmp/
+  fi
+}
+
+core_status() {  # after unpack_core: what the unpack stage left in /tmp; 1 when neither core nor core-part came
+  if test -d /tmp/vs/vllm; then echo "vLLM unpacked into /tmp/vs"
+  elif test -f /tmp/vllm026.tar.xz.00; then
+    echo "first part of vLLM's archive kept in /tmp: the next call carries .gpu-bundle/core-rest, which joins it"
+  else echo "neither .gpu-bundle/core nor .gpu-bundle/core-part was carried" >&2; return 1; fi
+}
+
+join_core() {  # the split archive's rest, carried in core-rest, joined to the part an unpack call left in /tmp
+  local rest=$repo/.gpu-bundle/core-rest
+  if test -d /tmp/vs/vllm || ! test -f "$rest/vllm026.tar.xz.01"; then return 0; fi
+  test -f /tmp/vllm026.tar.xz.00 || { echo "no /tmp/vllm026.tar.xz.00: first an unpack call carrying" \
+    ".gpu-bundle/core-part (the machine must still be warm)" >&2; return 1; }
+  cat /tmp/vllm026.tar.xz.00 "$rest/vllm026.tar.xz.01" >/tmp/vllm026.tar.xz
+  (cd /tmp && sha256sum -c --quiet "$rest/SHA256SUMS") || return 1
+  mkdir -p /tmp/vs && tar xJf /tmp/vllm026.tar.xz -C /tmp/vs && rm -f /tmp/vllm026.tar.xz /tmp/vllm026.tar.xz.00
+}
+
+from_repo() {  # pytest run from /tmp names files relative to /tmp (../work/main/tests/...): name them from the root
+  local rel
+  rel=$(realpath --relative-to=/tmp "$repo")
+  sed -u "s#\(^\| \)$rel/#\1#g"
+}
+
+pack_results() {  # pack_results SINCE ARCHIVE: every file under benchmarks/results newer than SINCE, one tarball
+  # (the device returns a limited number of files; copying every result file once lost a run's own): unpack it
+  # into benchmarks/results/ on the host.
+  (cd "$repo/benchmarks/results" && find . -type f -newer "$1" -print0 | tar czf "$2" --null -T -)
+}
