@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cold_copies, copy_bandwidth_gbs, gpu_name, graph_ms, median_ms, save  # noqa: E402
+from common import cold_copies, copy_bandwidth_gbs, gpu_name, graph_ms, median_ms, repo_relative, save  # noqa: E402
 
 from dcp_plugin.kernels import extend_attention, merge_states, paged_attention  # noqa: E402
 from dcp_plugin.kernels.paged_attention import plan_paged  # noqa: E402
@@ -391,7 +391,7 @@ def main() -> None:
         plot(results, path.with_suffix(".png"))
     except Exception:
         print(traceback.format_exc(), flush=True)
-    print(f"wrote {path}")
+    print(f"wrote {repo_relative(path)}")  # logs are committed: no machine's folders
     print(json.dumps({k: v for k, v in results.items() if k in ("gpu", "copy_gbs")}))
 
 

@@ -1,16 +1,30 @@
-"""Timing helpers shared by the GPU benchmarks: cold-L2 medians, CUDA-graph replay, copy-bandwidth ceiling."""
+"""What the benchmarks share: timing helpers (cold-L2 medians, CUDA-graph replay, copy-bandwidth ceiling), the
+results file with its provenance (which commit and Triton wrote it), repository-relative paths for what results
+cite, and the random-weight Llama checkpoint builder. torch and transformers are imported inside the functions that
+use them: the end-to-end runner (no torch) imports this module too.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import json
+import os
 import platform
+import shutil
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # for the annotations; imported where used, so the runner's processes load no torch
+    import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+COMMIT_ENV = "DCP_TRITON_COMMIT"  # the commit, where the tree has no .git (the device machine's copy)
 COLD_BYTES = 256 << 20  # disjoint data per timed graph until this many bytes (> 4x an H200's 60 MB L2)
 MAX_COPIES = 32
 
@@ -21,6 +35,8 @@ def cold_copies(nbytes: int) -> int:
 
 
 def gpu_name() -> str:
+    import torch
+
     return torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
 
 
@@ -41,6 +57,8 @@ def graph_ms(fns: list, *, replays: int = 20, repeats: int = 5) -> float:
 
 def capture_graph(fns: list) -> torch.cuda.CUDAGraph:
     """``fns`` warmed up on a side stream (compilation, lazy communicator set-up), then captured in one graph."""
+    import torch
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -57,6 +75,8 @@ def capture_graph(fns: list) -> torch.cuda.CUDAGraph:
 
 def replay_ms(graph: torch.cuda.CUDAGraph, calls: int, *, replays: int = 20, repeats: int = 5) -> float:
     """Median time per call of a captured ``graph`` holding ``calls`` calls (one warm replay first)."""
+    import torch
+
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -74,6 +94,8 @@ def replay_ms(graph: torch.cuda.CUDAGraph, calls: int, *, replays: int = 20, rep
 def events_ms(fn, *, iters: int = 10, repeats: int = 5, before=None) -> float:
     """Median time per call of ``fn`` run ``iters`` times back to back, host launch overhead included: CUDA events
     on a GPU, the wall clock on CPU. ``before()`` (e.g. a barrier) runs before each repeat, outside the timing."""
+    import torch
+
     cuda = torch.cuda.is_initialized()
     fn()  # warm-up: compilation, lazy communicator set-up
     times = []
@@ -99,6 +121,8 @@ def events_ms(fn, *, iters: int = 10, repeats: int = 5, before=None) -> float:
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth counting bytes read plus written: the ceiling for memory-bound kernels."""
+    import torch
+
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), rep_ms=200)
@@ -106,7 +130,94 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
 
 
 def save(name: str, payload: dict, *, results_dir: Path = RESULTS) -> Path:
+    """``<results_dir>/<name>.json``: ``payload`` and its ``provenance`` (``provenance()``)."""
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=2))
+    path.write_text(json.dumps({**payload, "provenance": provenance()}, indent=2))
     return path
+
+
+def provenance() -> dict:
+    """Which code wrote a result: this repository's ``commit`` (``git rev-parse HEAD``) and ``dirty`` (tracked
+    files changed since it, benchmarks/results/ left out: runs rewrite their own results), and the ``triton``
+    version.
+
+    Without git, or in a copy of the tree without .git (what the device machine gets), ``dirty`` is None and
+    ``commit`` is None unless $DCP_TRITON_COMMIT names it: put the host's ``git rev-parse HEAD`` into the device
+    call's command (``DCP_TRITON_COMMIT=<hash> bash benchmarks/run_h200.sh ...``) to have it recorded there."""
+    commit, dirty = _git("rev-parse", "HEAD"), None
+    if commit is not None:
+        status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
+        dirty = None if status is None else bool(status)
+    return {"commit": commit or os.environ.get(COMMIT_ENV) or None, "dirty": dirty, "triton": triton_version()}
+
+
+def stamp(paths: list[Path], provenance: dict) -> None:
+    """``provenance`` into the ``meta`` of each JSON summary among ``paths``: the end-to-end scripts build ``meta``
+    from their jobs' results, which know nothing of the code. Rewritten atomically, with the writers' indent."""
+    for path in (p for p in paths if p.suffix == ".json" and p.is_file()):
+        data = json.loads(path.read_text())
+        if isinstance(data.get("meta"), dict):
+            data["meta"]["provenance"] = provenance
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(data, indent=1))
+            tmp.replace(path)
+
+
+def _git(*args: str) -> str | None:
+    """``git -C <repo> ARGS``'s output, stripped; None without git, without the tree's .git, or on an error."""
+    if not (REPO / ".git").exists() or shutil.which("git") is None:
+        return None
+    try:
+        done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def triton_version() -> str | None:
+    """The version of the Triton this process imported, else of the installed one (not imported), else None."""
+    version = getattr(sys.modules.get("triton"), "__version__", None)
+    if version:
+        return str(version)
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def repo_relative(path: str | Path) -> str:
+    """``path`` relative to the repository root when it lies under it, else absolute: what committed results cite
+    (``benchmarks/results/vllm_e2e_logs/x.log``), so they name no machine's folders."""
+    path = Path(path).resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+@contextlib.contextmanager
+def working_dir(path: Path):
+    """The block runs in ``path`` (``contextlib.chdir``, which Python 3.10 lacks)."""
+    before = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def save_random_llama(config: dict, target: str | Path, *, seed: int = 0) -> Path:
+    """A random-weight ``LlamaForCausalLM(LlamaConfig(**config))`` (transformers' initialisation after
+    ``torch.manual_seed(seed)``) saved in float32 into ``target``, atomically: written under ``<target>.partial``,
+    then renamed, so a killed build leaves no half checkpoint under the final name. A ``target`` holding a
+    config.json is taken as built and left alone."""
+    target = Path(target)
+    if (target / "config.json").exists():
+        return target
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**config)).to(torch.float32)  # saved with dtype float32
+    partial = target.with_name(target.name + ".partial")
+    model.save_pretrained(partial)
+    partial.rename(target)
+    return target

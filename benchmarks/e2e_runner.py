@@ -3,7 +3,9 @@
 A job is one process (``vllm_e2e_engine.py SPEC.json``: build a checkpoint or run one vLLM engine) with its own log
 and timeout. The runner starts jobs in catalogue order, at most ``--jobs`` at once, keeps exclusive jobs alone, gives
 each job that names ``gpus`` its own GPUs (``CUDA_VISIBLE_DEVICES``), reuses finished jobs' results (resumable),
-rewrites the summary after every job and mirrors what it wrote (``$OUT`` on the GPU machine). Also here: the log
+rewrites the summary after every job (its ``meta`` stamped with ``common.provenance()``: which commit and Triton),
+and mirrors what it wrote (``$OUT`` on the GPU machine). Job logs are cited relative to the repository root when
+they lie under it (``common.repo_relative``), so committed summaries name no machine's folders. Also here: the log
 facts the summaries read (backend start-up line, KV-cache capacity, JIT compiles after warm-up) and the CLI
 options both scripts share. No torch, no vLLM.
 """
@@ -26,6 +28,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import common
 
 DCP_STARTUP = "dcp-triton attention: backend=DCP_TRITON"
 STAGGER_S = 2.0  # between job starts: engines pick ports and fill compile caches at start-up
@@ -55,9 +59,10 @@ class Runner:
     """Runs jobs as process groups (at most ``args.jobs`` at once), within an optional wall-clock budget.
 
     ``summarise(jobs)`` gets every engine job with a result or a state this run (name -> spec, result, status,
-    elapsed_s, log, backend_line) and returns the files it wrote. With ``pack``, job logs and raw results are kept
-    in one tarball, rewritten after every job and mirrored instead of the single files (``unpack`` restores them
-    into the state folders: a cold machine resumes from the tarball that travelled back)."""
+    elapsed_s, log, backend_line) and returns the files it wrote; it runs in the repository root, to which ``log``
+    is relative when the log lies under it (``common.repo_relative``). With ``pack``, job logs and raw results are
+    kept in one tarball, rewritten after every job and mirrored instead of the single files (``unpack`` restores
+    them into the state folders: a cold machine resumes from the tarball that travelled back)."""
 
     def __init__(self, args, jobs: list[Job], all_jobs: list[Job], paths: dict[str, Path], *, engine_script: Path,
                  summarise: Summarise, gpu_ids: list[str] | None = None, pack: Path | None = None) -> None:
@@ -65,6 +70,7 @@ class Runner:
         self.engine_script, self.summarise, self.pack = engine_script, summarise, pack
         self.gpu_ids, self.free_gpus = list(gpu_ids or []), list(gpu_ids or [])
         self.state: dict[str, dict] = {}
+        self.provenance = common.provenance()  # once: the code that runs the jobs
         self.deadline = time.monotonic() + args.budget_s if args.budget_s else None
 
     def run(self) -> None:
@@ -146,7 +152,7 @@ class Runner:
 
     def _finish(self, job: Job, status: str, elapsed: float | None) -> None:
         log = self.paths["logs"] / f"{job.name}.log"
-        self.state[job.name] = {"status": status, "elapsed_s": elapsed, "log": str(log)}
+        self.state[job.name] = {"status": status, "elapsed_s": elapsed, "log": common.repo_relative(log)}
         print(f"[{time.strftime('%H:%M:%S')}] {status}: {job.name}" + (f" in {elapsed} s" if elapsed else ""),
               flush=True)
         if status not in ("ok", "cached") and log.exists() and not status.startswith(("skipped", "not started")):
@@ -164,12 +170,14 @@ class Runner:
             if state is None:
                 continue
             log = self.paths["logs"] / f"{j.name}.log"
-            jobs[j.name] = {"spec": j.spec, "result": result, "log": str(log), **state,
+            jobs[j.name] = {"spec": j.spec, "result": result, "log": common.repo_relative(log), **state,
                             "backend_line": backend_line(log, j.spec["backend"])}
         return jobs
 
     def write_summary(self, job: Job | None = None) -> None:
-        written = self.summarise(self.collect())
+        with common.working_dir(common.REPO):  # where the jobs' repository-relative log paths lead
+            written = self.summarise(self.collect())
+        common.stamp(written, self.provenance)
         if self.pack is not None:
             written.append(write_pack(self.pack, {"raw": self.paths["raw"], "logs": self.paths["logs"]}))
         elif job is not None and job.spec["kind"] == "engine":
@@ -369,7 +377,7 @@ def require(modules: tuple[str, ...]) -> None:
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         raise SystemExit(f"{', '.join(missing)} not importable here; on the H200 source the vLLM bundle's setup.sh "
-                         "first (run_h200.sh's bench stage does when /tmp/vs/vllm was unpacked by its tests stage)"
+                         "first (run_h200.sh's bench stage does once vLLM is in /tmp/vs: see its unpack stage)"
                          + ("; dcp_plugin: install dcp-triton (run_h200.sh installs it into /tmp/dcp and puts that on "
                             "PYTHONPATH)" if "dcp_plugin" in missing else ""))
 

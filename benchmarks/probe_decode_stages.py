@@ -2,7 +2,11 @@
 KV pass and the merge of the splits) apart and together, for a few shapes, at the automatic split count and
 others. One H200 run of this answers whether the merge or the split pass bounds batch-1 decode.
 
+Writes ``benchmarks/results/decode_stages_h200.json`` (``rows``: one per shape and split count, with ``common.save``'s
+``provenance``); ``decode_stages_h200_before_merge.json`` beside it is the run from before the one-step split merge.
+
     python benchmarks/probe_decode_stages.py
+    bash benchmarks/run_h200.sh bench probe_decode_stages.py     # on the H200 (device tool), nothing carried
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ DCP needs more TP ranks than KV heads), written to a temporary folder.
     python benchmarks/server_aborts.py                           # one GPU: Triton kernels, CUDA graphs
     python benchmarks/server_aborts.py --tp 2 --dcp 2            # two GPUs, DCP = 2
 
-On the H200 (vLLM 0.26 bundle; an ``unpack`` call first, then this one carrying .gpu-bundle/extra and
-.gpu-bundle/server, about 5 minutes): ``BENCH_TIMEOUT_S=500 bash benchmarks/run_h200.sh bench "server_aborts.py
+On the H200 (vLLM 0.26 bundle; an ``unpack`` call first, then this one carrying .gpu-bundle/extra, core-rest and
+server, about 5 minutes): ``BENCH_TIMEOUT_S=500 bash benchmarks/run_h200.sh bench "server_aborts.py
 --rounds 5 --max-num-batched-tokens 256 --timeout-s 90"``. 256 (32 tokens a step for each prefill target) doubles
 the prefill window, which a GPU runs through in a fraction of a second, so the closes land mid-prefill.
 """
@@ -56,6 +56,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import save_random_llama  # noqa: E402
 from server_aborts_judge import IDLE, idle, judge  # noqa: E402
 
 TINY_LLAMA = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, head_dim=64,
@@ -65,13 +66,8 @@ HUNG: list[str] = []  # requests that timed out: no more are sent after one
 
 
 def write_tiny_llama(path: Path, kv_heads: int) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(**TINY_LLAMA, num_key_value_heads=kv_heads)
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
-    return path
+    """The default model: ``TINY_LLAMA`` with ``kv_heads`` KV heads, random weights (seed 0), float32."""
+    return save_random_llama({**TINY_LLAMA, "num_key_value_heads": kv_heads}, path, seed=0)
 
 
 def device_name() -> str:

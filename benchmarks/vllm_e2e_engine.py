@@ -21,22 +21,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 import e2e_runner as runner  # noqa: E402
 import vllm_e2e_report as report  # noqa: E402
 
 
 def build(spec: dict) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    target = Path(spec["model_dir"])
-    if (target / "config.json").exists():
-        return
-    torch.manual_seed(spec.get("seed", 0))
-    model = LlamaForCausalLM(LlamaConfig(**spec["config"])).to(torch.float32)  # saved with dtype float32
-    partial = target.with_name(target.name + ".partial")
-    model.save_pretrained(partial)
-    partial.rename(target)  # atomic: a killed build leaves no half checkpoint under the final name
+    """The job's checkpoint (``common.save_random_llama``: float32, atomic; kept when already built)."""
+    common.save_random_llama(spec["config"], spec["model_dir"], seed=spec.get("seed", 0))
 
 
 def run_engine(spec: dict) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 TINY_LLAMA = dict(
     hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -33,20 +36,19 @@ def write_llama_config(path: Path, **overrides) -> Path:
 
 
 def write_random_llama(path: Path, *, seed: int = 0, **overrides) -> Path:
-    """A random-weight Llama checkpoint whose attention is far from uniform.
+    """A random-weight Llama checkpoint whose attention is far from uniform, float32, written atomically (the
+    benchmarks' builder, ``benchmarks/common.py``'s ``save_random_llama``).
 
     ``initializer_range=0.2`` (transformers' default is 0.02) makes q.k logits of order 10 after RMSNorm, so
     softmax rows are peaked and a wrong key, position or head changes the greedy tokens.
     """
     if (path / "model.safetensors").exists():
         return path
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    from common import save_random_llama
 
-    config = LlamaConfig(**{**TINY_LLAMA, "initializer_range": 0.2, **overrides})
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
-    return path
+    return save_random_llama({**TINY_LLAMA, "initializer_range": 0.2, **overrides}, path, seed=seed)
 
 
 def cpu_platform_if_unspecified(monkeypatch) -> None:

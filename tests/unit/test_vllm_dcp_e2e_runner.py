@@ -16,6 +16,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
+import common  # noqa: E402
 import e2e_runner as runner  # noqa: E402
 import vllm_dcp_e2e as dcp  # noqa: E402
 import vllm_dcp_report as dcp_report  # noqa: E402
@@ -134,7 +135,9 @@ def fake_engine(tmp_path, monkeypatch):
     return tmp_path / "trace.jsonl"
 
 
-def test_runner_end_to_end_with_the_real_engine_script(tmp_path, fake_engine, capsys):
+def test_runner_end_to_end_with_the_real_engine_script(tmp_path, fake_engine, capsys, monkeypatch):
+    monkeypatch.setattr(common, "REPO", tmp_path.resolve())  # the stand-in repository root, without .git
+    monkeypatch.setenv(common.COMMIT_ENV, "c0ffee")
     results, out, work = tmp_path / "results", tmp_path / "out", tmp_path / "work"
     results.mkdir()
     (results / "host_overhead_h200.json").write_text(json.dumps({"summary": {"forward_host_us_dcp2_decode": 1.5}}))
@@ -145,6 +148,9 @@ def test_runner_end_to_end_with_the_real_engine_script(tmp_path, fake_engine, ca
     dcp.main(args)
     saved = json.loads((results / "dcp.json").read_text())
     assert all(j["status"] == "ok" for j in saved["jobs"].values()), saved["jobs"]
+    assert all(j["log"] == f"work/logs/{name}.log" for name, j in saved["jobs"].items())  # from the root
+    assert saved["jobs"]["jit-tp1-dcp-triton-graphs"]["jit_after_warmup"] == ["extend_attention_kernel"]  # read so
+    assert saved["meta"]["provenance"] == {"commit": "c0ffee", "dirty": None, "triton": common.triton_version()}
     loads = saved["summary"]["loads"]
     assert loads["decode-heavy"]["dcp_triton_dcp2"] > 0 and loads["decode-heavy"]["flash_attn_dcp1"] > 0
     assert loads["decode-heavy"]["flash_attn_dcp2"] is None and loads["decode-heavy"]["dcp_triton_dcp1"] is None

@@ -1,0 +1,93 @@
+"""benchmarks/common.py on CPU: results provenance (with and without git), the files it stamps, repository-relative
+paths, and the random-Llama checkpoint builder the benchmarks and the vLLM tests share."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+import common  # noqa: E402
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            num_hidden_layers=1, vocab_size=97)
+
+
+def test_provenance_names_this_checkout():
+    if not (common.REPO / ".git").exists():
+        pytest.skip("this tree has no .git")
+    head = subprocess.run(["git", "-C", str(common.REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    got = common.provenance()
+    assert got["commit"] == head.stdout.strip() and isinstance(got["dirty"], bool)
+    assert got["triton"] == common.triton_version()
+
+
+def test_provenance_without_git_or_its_folder(tmp_path, monkeypatch):
+    monkeypatch.delenv(common.COMMIT_ENV, raising=False)
+    monkeypatch.setattr(common, "REPO", tmp_path)  # a copy of the tree without .git (the device machine's)
+    assert common.provenance() == {"commit": None, "dirty": None, "triton": common.triton_version()}
+    monkeypatch.setenv(common.COMMIT_ENV, "0123abc")
+    assert common.provenance()["commit"] == "0123abc" and common.provenance()["dirty"] is None
+    (tmp_path / ".git").write_text("gitdir: /nowhere\n")  # a broken .git: git fails, nothing raises
+    assert common.provenance()["commit"] == "0123abc"
+    monkeypatch.setattr(common.shutil, "which", lambda name: None)  # no git at all
+    assert common.provenance()["dirty"] is None
+
+
+def test_triton_version_prefers_the_imported_module(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", SimpleNamespace(__version__="9.9.9"))
+    assert common.triton_version() == "9.9.9"
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.setattr(common.importlib.metadata, "version", lambda name: (_ for _ in ()).throw(
+        common.importlib.metadata.PackageNotFoundError(name)))
+    assert common.triton_version() is None
+
+
+def test_save_adds_provenance_and_stamp_adds_it_to_meta(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "provenance", lambda: {"commit": "c", "dirty": False, "triton": "t"})
+    payload = {"gpu": "cpu", "rows": [1, 2]}
+    path = common.save("x", payload, results_dir=tmp_path)
+    assert json.loads(path.read_text()) == {**payload, "provenance": common.provenance()}
+    assert "provenance" not in payload  # the caller's dict is left as it was
+    summary, other, md = tmp_path / "s.json", tmp_path / "o.json", tmp_path / "s.md"
+    summary.write_text(json.dumps({"meta": {"gpu": "cpu"}, "rows": [0.5]}, indent=1))
+    other.write_text('{"summary": {}}')
+    md.write_text("# table\n")
+    common.stamp([summary, other, md, tmp_path / "missing.json"], {"commit": "c"})
+    data = json.loads(summary.read_text())
+    assert data == {"meta": {"gpu": "cpu", "provenance": {"commit": "c"}}, "rows": [0.5]}
+    assert summary.read_text() == json.dumps(data, indent=1)  # as the summary writers indent
+    assert other.read_text() == '{"summary": {}}' and md.read_text() == "# table\n"
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_repo_relative_and_working_dir(tmp_path, monkeypatch):
+    assert common.repo_relative(common.REPO / "benchmarks/results/x.log") == "benchmarks/results/x.log"
+    assert common.repo_relative(tmp_path / "x.log") == str((tmp_path / "x.log").resolve())
+    before = Path.cwd()
+    with pytest.raises(RuntimeError), common.working_dir(tmp_path):
+        assert Path.cwd() == tmp_path.resolve()
+        raise RuntimeError
+    assert Path.cwd() == before
+
+
+def test_save_random_llama_is_seeded_float32_and_atomic(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    target = common.save_random_llama(TINY, tmp_path / "m", seed=3)
+    assert target == tmp_path / "m" and sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no .partial left
+    saved = load_file(target / "model.safetensors")
+    torch.manual_seed(3)
+    expect = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).state_dict()
+    assert saved and all(t.dtype == torch.float32 and torch.equal(t, expect[name]) for name, t in saved.items())
+    stamp = (target / "model.safetensors").stat().st_mtime_ns
+    common.save_random_llama(TINY, target, seed=4)  # built: left alone
+    assert (target / "model.safetensors").stat().st_mtime_ns == stamp
