@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# vLLM 0.33 on the H200 under its torch 2.11 (issue #18): two back-to-back device calls, because the bundle that
+# vLLM 0.33 on the H200 under its torch 2.11: two back-to-back device calls, because the bundle that
 # scripts/make_bundle_v033.sh writes into .gpu-bundle-033/ travels in two parts (files in /tmp survive between
 # calls while the machine stays warm):
 #   stage "core" (carry .gpu-bundle-033/core):  keeps the archive's first part in /tmp/vs33.parts

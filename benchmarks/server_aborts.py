@@ -1,4 +1,4 @@
-"""An OpenAI-compatible vLLM server on dcp-triton survives client aborts under load (issue #17, "Faults and load").
+"""An OpenAI-compatible vLLM server on dcp-triton survives client aborts under load.
 
 One server (``python -m vllm.entrypoints.openai.api_server ... --attention-backend dcp-triton``, float32, prefix
 caching on) gets ``--rounds`` rounds of ``--streams`` concurrent streamed /v1/completions requests (token-id

@@ -1,4 +1,4 @@
-"""Probes of vLLM 0.33 on the H200 under its torch 2.11 (issue #18), the steps of ``run_h200_v033.sh``.
+"""Probes of vLLM 0.33 on the H200 under its torch 2.11, the steps of ``run_h200_v033.sh``.
 
 Each subcommand is one process (a crash in one probe stops only that step) and ends with a line ``RESULT {json}``:
 
