@@ -168,6 +168,31 @@ def test_cudagraph_support_is_uniform_batches_at_every_dcp_unless_switched_off(m
     assert support(config, spec) == getattr(AttentionCGSupport, at_dcp2)
 
 
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_vllm_keeps_full_graphs_for_a_speculative_run_on_this_backend(monkeypatch, dcp):
+    """vLLM's own resolution of the graph mode (CompilationConfig.resolve_cudagraph_mode_and_sizes) for a run with
+    4 proposed tokens a step: with the builder's support it keeps FULL_AND_PIECEWISE; with the level it declared
+    before (UNIFORM_SINGLE_TOKEN_DECODE, the control) vLLM drops the whole run to PIECEWISE."""
+    from vllm.config import CompilationConfig
+    from vllm.config.compilation import CompilationMode
+
+    monkeypatch.delenv("DCP_TRITON_DCP_FULL_GRAPHS", raising=False)
+    config = VllmConfig()
+    config.parallel_config.decode_context_parallel_size = dcp
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float16)
+    ours = DcpTritonMetadataBuilder.get_cudagraph_support(config, spec)
+
+    def resolved(support):
+        compilation = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
+                                        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+        compilation.set_splitting_ops_for_v1(all2all_backend="naive")  # attention splits the piecewise graphs
+        return compilation.resolve_cudagraph_mode_and_sizes(support, "DCP_TRITON", uniform_decode_query_len=5,
+                                                            use_v2_model_runner=True)
+
+    assert resolved(ours) == CUDAGraphMode.FULL_AND_PIECEWISE
+    assert resolved(AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE) == CUDAGraphMode.PIECEWISE
+
+
 def test_a_bad_full_graphs_flag_is_named(monkeypatch):
     monkeypatch.setenv("DCP_TRITON_DCP_FULL_GRAPHS", "yes")
     config = VllmConfig()
