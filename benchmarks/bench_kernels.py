@@ -8,9 +8,9 @@
 - prefill: causal current-chunk ``extend_attention`` in TFLOP/s against FA3, SDPA and compiled flex attention.
 - merge: ``merge_states`` in % of copy bandwidth against vLLM's ``merge_attn_states``.
 
-Every dcp-triton output is first compared with float64 attention. Peers are measured when vLLM imports (on a
-machine without vLLM, unpack its wheel's Python files and compiled extensions and put them on PYTHONPATH, as
-benchmarks/run_h200.sh does).
+Every dcp-triton output is compared with float64 attention (prefill: with SDPA); a relative error above
+ERROR_BOUND (or NaN) makes the run exit 1 after saving. Peers are measured when vLLM imports (on a machine without
+vLLM, unpack its wheel's Python files and compiled extensions and put them on PYTHONPATH, as run_h200.sh does).
 
     python benchmarks/bench_kernels.py [--quick] [--only decode,sweep,...] [--name STEM]
 """
@@ -34,9 +34,8 @@ from dcp_plugin.kernels.paged_attention import plan_paged  # noqa: E402
 from dcp_plugin.kernels import reference  # noqa: E402
 import kernel_peers  # noqa: E402
 
-DTYPE = torch.bfloat16
-HEAD_DIM = 128
-PAGE = 16
+DTYPE, HEAD_DIM, PAGE = torch.bfloat16, 128, 16
+ERROR_BOUND = 1e-2  # relative (Frobenius) error of a bf16 output: ~2e-3 is rounding, a wrong answer is ~1
 
 
 def _paged_setup(batch: int, ctx: int, hq: int, hk: int, gen: torch.Generator, *, q_rows: int = 1):
@@ -359,10 +358,8 @@ def main() -> None:
         fp8_shapes, prefix_shapes = fp8_shapes[:1], prefix_shapes[:1]
     results = dict(gpu=gpu_name(), copy_gbs=copy_gbs, torch=torch.__version__, fa3_peer=fa3)
     sweep_shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.sweep_shapes.split(",")]
-    # (block_n, num_warps, num_stages); rows padded to 64 for Hopper's warpgroup MMA were slower (sweep3). Triton
-    # 3.6 (sm_90 compile) double-buffers the K/V tiles only from 5 stages on (the page lookup takes a stage): 1
-    # buffer at 2-4 stages, so a lone program has one tile in flight; 5 stages: 2 buffers, 72 KB of shared memory
-    # at 64-token tiles, 140 KB at 128.
+    # (block_n, num_warps, num_stages); rows padded to 64 for wgmma were slower (sweep3). Triton 3.6 double-buffers
+    # K/V tiles only from 5 stages on (the page lookup takes one): 72 KB of shared memory at 64-token tiles, 140 at 128.
     sweep_configs = [(64, 4, 3), (128, 4, 3), (64, 4, 5), (128, 4, 5), (64, 8, 5), (32, 4, 5), (128, 8, 3)]
     # fp8 decode holds 201-255 registers a thread at 128-token tiles (sm_90 compile): smaller tiles, more warps
     fp8_configs = [(64, 4, 3), (64, 8, 3), (128, 8, 3), (32, 4, 3), (64, 4, 5), (128, 8, 5)]
@@ -393,6 +390,11 @@ def main() -> None:
         print(traceback.format_exc(), flush=True)
     print(f"wrote {repo_relative(path)}")  # logs are committed: no machine's folders
     print(json.dumps({k: v for k, v in results.items() if k in ("gpu", "copy_gbs")}))
+    wrong = [(name, row) for name, rows in results.items() if isinstance(rows, list) for row in rows
+             for key in ("rel_err", "rel_err_vs_sdpa") if key in row and not row[key] <= ERROR_BOUND]  # NaN too
+    for name, row in wrong:
+        print(f"WRONG ({name}, error above {ERROR_BOUND}): {json.dumps(row)[:300]}", flush=True)
+    sys.exit(1 if wrong else 0)
 
 
 if __name__ == "__main__":
