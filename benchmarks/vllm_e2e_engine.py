@@ -185,22 +185,24 @@ def _spec_counters(llm) -> dict:
 
 def burst_task(llm, task: dict, vocab: int) -> dict:
     """The OOM test: every prompt at once (the scheduler packs their prefills into steps of max_num_batched_tokens),
-    greedy, then the peak of torch's caching allocator over the burst and the device's memory. The peak is the
-    engine's only when the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); else None."""
+    greedy, then torch's reserved memory before the burst and its peak over it, and the device's memory. The
+    figures are the engine's only when it runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); else None."""
     import torch
     from vllm import SamplingParams
 
     prompts = report.make_prompts(vocab=vocab, **task["prompts"])
     params = SamplingParams(max_tokens=task["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
-    in_process = torch.cuda.is_available() and torch.cuda.is_initialized()
+    in_process = torch.cuda.is_available() and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     if in_process:
         torch.cuda.reset_peak_memory_stats()
+    reserved_before = torch.cuda.memory_reserved() if in_process else None
     began = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - began
     free, total = torch.cuda.mem_get_info() if torch.cuda.is_available() else (None, None)
     return {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "timed_s": round(elapsed, 2),
             "completed": sum(len(o.outputs[0].token_ids) == task["max_tokens"] for o in outs),
+            "reserved_before_bytes": reserved_before,
             "peak_reserved_bytes": torch.cuda.max_memory_reserved() if in_process else None,
             "peak_allocated_bytes": torch.cuda.max_memory_allocated() if in_process else None,
             "device_used_bytes": total and total - free, "device_total_bytes": total}

@@ -12,6 +12,7 @@ import random
 from pathlib import Path
 
 import e2e_runner as runner
+import vllm_e2e_bursts as bursts
 
 FP32_LOGPROB_TOL = 1e-3  # max |logprob(dcp-triton) - logprob(TRITON_ATTN)| in float32
 # A float32 greedy divergence is explained when both backends see a top-2 gap this small there: two logprobs that
@@ -109,7 +110,7 @@ def analyse(jobs: dict[str, dict]) -> dict:
     groups: dict[tuple, dict[str, dict]] = {}
     for job in done.values():
         spec = job["spec"]
-        if spec["case"] == "burst":  # nothing to compare: bursts() reports them
+        if spec["case"] == "burst":  # nothing to compare: vllm_e2e_bursts reports them
             continue
         groups.setdefault((spec["model"], spec["dtype"], spec["case"]), {})[spec["backend"]] = job["result"]
     rows, checks = [], []
@@ -150,8 +151,8 @@ def analyse(jobs: dict[str, dict]) -> dict:
     capacity = [{"job": name, "backend": job["spec"]["backend"], "kv": _kv_dtype(job["spec"]),
                  "kv_cache_tokens": job["result"]["kv_cache_tokens"]} for name, job in sorted(done.items())
                 if job["spec"]["case"] in ("main", "fp8") and job["result"].get("kv_cache_tokens")]
-    burst = bursts(jobs)
-    checks += burst_checks(burst)
+    burst = bursts.rows(jobs)
+    checks += bursts.checks(burst)
     return {"agreement": rows, "checks": checks, "throughput": throughput, "kv_capacity": capacity,
             "repeatability": repeatability(done), "bursts": burst,
             "jobs": {n: {k: j.get(k) for k in ("status", "elapsed_s", "log", "backend_line")} for n, j in
@@ -180,44 +181,6 @@ def repeatability(done: dict[str, dict]) -> list[dict]:
                          "bitwise": identical == row["prompts"] and row["shared_max_abs_dlogprob"] == 0.0,
                          "divergences": row["divergences"]})
     return rows
-
-
-def bursts(jobs: dict[str, dict]) -> list[dict]:
-    """The OOM test (jobs of case ``burst``, finished or not): per job, whether its engine served every request of
-    the burst, and torch's peak memory over it against vLLM's budget (gpu_memory_utilization x device memory)."""
-    rows = []
-    for name, job in sorted(jobs.items()):
-        spec = job["spec"]
-        if spec.get("kind") != "engine" or spec.get("case") != "burst":
-            continue
-        task = ((job.get("result") or {}).get("tasks") or {}).get("burst")
-        row = {"job": name, "backend": spec["backend"], "status": job.get("status"),
-               "served": bool(task) and task["completed"] == task["requests"]}
-        if task:
-            total = task["device_total_bytes"]
-            budget = total and spec["engine"]["gpu_memory_utilization"] * total
-            row.update({k: task[k] for k in ("requests", "completed", "prompt_tokens", "timed_s",
-                                             "peak_reserved_bytes", "device_used_bytes")}, budget_bytes=budget)
-        rows.append(row)
-    return rows
-
-
-def burst_checks(rows: list[dict]) -> list[dict]:
-    """dcp-triton serves the burst wherever FLASH_ATTN does, inside vLLM's budget."""
-    by_backend = {r["backend"]: r for r in rows}
-    ours, ref = by_backend.get(OURS), by_backend.get("FLASH_ATTN")
-    if ours is None:
-        return []
-    checks = [{"name": "oom burst: dcp-triton served it where FLASH_ATTN did", "pass": ours["served"] or not (
-        ref and ref["served"]), "detail": f"dcp-triton {ours['status']}, {ours.get('completed', 0)}/"
-        f"{ours.get('requests', '?')} served; FLASH_ATTN " + (f"{ref['status']}, {ref.get('completed', 0)}/"
-                                                             f"{ref.get('requests', '?')}" if ref else "not run")}]
-    if ours.get("peak_reserved_bytes") is not None and ours.get("budget_bytes"):
-        checks.append({"name": "oom burst: dcp-triton's peak memory inside vLLM's budget",
-                       "pass": ours["peak_reserved_bytes"] <= ours["budget_bytes"],
-                       "detail": f"torch peak reserved {ours['peak_reserved_bytes'] / 2**30:.2f} GiB, budget "
-                                 f"{ours['budget_bytes'] / 2**30:.2f} GiB"})
-    return checks
 
 
 def write_summary(summary: dict, meta: dict, out_dir: Path, name: str, *, render=None, draw=None) -> list[Path]:
@@ -274,16 +237,7 @@ def markdown(summary: dict, meta: dict) -> str:
         lines += [f"| {c['job']} | {c['backend']} | {c['kv']} | {c['kv_cache_tokens']:,} |"
                   for c in summary["kv_capacity"]]
         lines.append("")
-    if summary.get("bursts"):
-        gib = lambda b: "" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
-        lines += ["## OOM burst", "", "All requests at once; torch's peak memory over the burst in the engine's "
-                  "process, and vLLM's budget (gpu_memory_utilization x device memory).", "",
-                  "| job | backend | status | served | prompt tokens | s | peak reserved GiB | budget GiB |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['job']} | {r['backend']} | {r['status']} | {r.get('completed', 0)}/{r.get('requests', '?')} "
-                  f"| {r.get('prompt_tokens', '')} | {r.get('timed_s', '')} | {gib(r.get('peak_reserved_bytes'))} | "
-                  f"{gib(r.get('budget_bytes'))} |" for r in summary["bursts"]]
-        lines.append("")
+    lines += bursts.markdown(summary.get("bursts") or [])
     lines += ["## Jobs", "", "| job | status | s |", "|---|---|---|"]
     lines += [f"| {n} | {j['status']} | {j['elapsed_s'] if j['elapsed_s'] is not None else ''} |"
               for n, j in summary["jobs"].items()]

@@ -10,14 +10,12 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 import e2e_runner as runner  # noqa: E402
-import vllm_e2e_engine as engine  # noqa: E402
 import vllm_e2e_report as report  # noqa: E402
 import vllm_gpu_e2e as e2e  # noqa: E402
 
@@ -242,7 +240,6 @@ def test_jit_compiles_of_our_kernels_after_start_up_fail_the_run(tmp_path):
 FAKE_ENGINE = """
 import gzip, json, sys, time
 from pathlib import Path
-from types import SimpleNamespace
 sys.path.insert(0, {bench!r})
 import vllm_e2e_report as report
 spec = json.loads(Path(sys.argv[1]).read_text())
@@ -333,61 +330,3 @@ def test_mirroring_into_the_results_folder_itself_is_a_no_op(tmp_path):
     runner.mirror([written], tmp_path, str(other))
     assert (other / "e2e.json").read_text() == "{}"
 
-
-def test_oom_burst_jobs_run_one_burst_per_backend_in_process(capsys):
-    e2e.main(["--only", "oom-*", "--list"])
-    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
-    assert names == ["build-long-d128", "oom-burst-bf16-dcp-triton", "oom-burst-bf16-FLASH_ATTN"]
-    jobs = {j.name: j for j in e2e.catalogue(Path("/w"), Path("/r")) if j.name.startswith("oom-")}
-    ours, fa = jobs["oom-burst-bf16-dcp-triton"], jobs["oom-burst-bf16-FLASH_ATTN"]
-    engine = ours.spec["engine"]
-    assert engine["gpu_memory_utilization"] == 0.95 and engine["kv_cache_memory_bytes"] is None
-    assert engine["max_num_batched_tokens"] == 32768 and not engine["enforce_eager"]
-    assert {k: v for k, v in engine.items() if k != "attention_backend"} == {
-        k: v for k, v in fa.spec["engine"].items() if k != "attention_backend"} and ours.spec["tasks"] == fa.spec["tasks"]
-    for job in (ours, fa):  # torch's peak is the engine's only in the job's own process
-        assert job.exclusive and job.env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
-
-def burst_job(backend, status="ok", completed=16, peak=100 << 30, total=140 << 30):
-    spec = {"kind": "engine", "model": "m", "dtype": "bfloat16", "case": "burst", "backend": backend,
-            "mode": "graphs", "engine": {"gpu_memory_utilization": 0.95}}
-    task = {"requests": 16, "completed": completed, "prompt_tokens": 450_000, "timed_s": 9.5,
-            "peak_reserved_bytes": peak, "device_used_bytes": peak, "device_total_bytes": total}
-    result = None if status != "ok" else {"tasks": {"burst": task}, "complete": True}
-    return {"spec": spec, "result": result, "status": status, "elapsed_s": 60.0, "log": "x.log", "backend_line": None}
-
-
-@pytest.mark.parametrize(("ours", "fa", "expected"), [
-    (burst_job("dcp-triton"), burst_job("FLASH_ATTN"), {"served": True, "budget": True}),
-    (burst_job("dcp-triton", "failed (exit 1)"), burst_job("FLASH_ATTN"), {"served": False}),
-    (burst_job("dcp-triton", "failed (exit 1)"), burst_job("FLASH_ATTN", "failed (exit 1)"), {"served": True}),
-    (burst_job("dcp-triton", completed=15), burst_job("FLASH_ATTN"), {"served": False, "budget": True}),
-    (burst_job("dcp-triton", peak=134 << 30), burst_job("FLASH_ATTN"), {"served": True, "budget": False}),
-])
-def test_oom_burst_is_judged_against_flash_attn_and_the_budget(ours, fa, expected):
-    summary = report.analyse({"oom-burst-bf16-dcp-triton": ours, "oom-burst-bf16-FLASH_ATTN": fa})
-    checks = {c["name"].split(": ")[1].split(" ")[1]: c["pass"] for c in summary["checks"]
-              if c["name"].startswith("oom burst")}
-    assert checks == {"served" if k == "served" else "peak": v for k, v in expected.items()}, summary["checks"]
-    assert not summary["agreement"] and [r["backend"] for r in summary["bursts"]] == ["FLASH_ATTN", "dcp-triton"]
-    row = ("| ok | 16/16 | 450000 | 9.5 | 100.00 | 133.00 |" if fa["status"] == "ok"
-           else "| failed (exit 1) | 0/? |  |  |  |  |")
-    assert f"| oom-burst-bf16-FLASH_ATTN | FLASH_ATTN {row}" in report.markdown(summary, {})
-
-
-def test_burst_task_sends_every_prompt_at_once_and_counts_the_served(monkeypatch):
-
-    calls = []
-
-    class FakeLLM:  # the third request stops one token short
-        def generate(self, prompts, params, use_tqdm=False):
-            calls.append(len(prompts))
-            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[3] * (params.max_tokens - (i == 2)))])
-                    for i in range(len(prompts))]
-
-    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw)))
-    task = {"prompts": {"count": 4, "min_len": 20, "max_len": 30, "seed": 8}, "max_tokens": 5}
-    out = engine.burst_task(FakeLLM(), task, 100)
-    assert calls == [4] and (out["requests"], out["completed"]) == (4, 3) and 80 <= out["prompt_tokens"] <= 120
-    assert out["peak_reserved_bytes"] is None and out["device_total_bytes"] is None  # no GPU: no memory figures
