@@ -90,7 +90,9 @@ class DcpAttention:
         self._collectives = buffered(group) if group is not None and heads.dcp_size > 1 else None
         self.workspace = workspace
         self._own_workspace = workspace is None
-        self._overflow: DcpWorkspace | None = None  # for steps the shared workspace cannot hold
+        # Workspaces for steps the shared one cannot hold. Never freed: a CUDA graph captured on one keeps writing
+        # to its addresses.
+        self._overflow: list[DcpWorkspace] = []
         # Everything a step plan depends on besides the tensors, as a small int: layers with equal settings (and
         # one shared workspace) share plans.
         settings = (heads, tokens, self.scale, comm, id(ops), id(workspace) if workspace else id(self))
@@ -147,7 +149,7 @@ class DcpAttention:
             return ws is not None and ws.fits(num_tokens) and ws.dtype == q.dtype and ws.head_dim == q.shape[-1] \
                 and ws.device == q.device
 
-        for ws in (self.workspace, self._overflow):
+        for ws in (self.workspace, *self._overflow):
             if serves(ws):
                 return ws
         made = DcpWorkspace(heads=self.heads, head_dim=q.shape[-1], dtype=q.dtype, device=q.device,
@@ -156,12 +158,12 @@ class DcpAttention:
         if self._own_workspace:
             self.workspace = made
             return made
-        # Correct, but outside the memory the engine planned for: kept for later steps, and said each time it grows.
+        # Correct, but outside the memory the engine planned for: kept for later steps, said each time one is made.
         ws = self.workspace
         logger.warning("dcp-triton: a step of %d tokens (%s, head size %d) does not fit the shared workspace "
                        "(%d tokens, %s, head size %d); this layer keeps a workspace of its own for such steps",
                        num_tokens, q.dtype, q.shape[-1], ws.max_num_tokens, ws.dtype, ws.head_dim)
-        self._overflow = made
+        self._overflow.append(made)
         return made
 
     def _check_inputs(self, q, k, v, key_cache, value_cache, batch, out, k_scale, v_scale) -> None:
