@@ -54,7 +54,8 @@ def hf_config_fields(path: str | Path, *, dtype: str | None = None, **overrides:
     if unknown:
         raise TypeError(f"unknown overrides {unknown}; the fields are {list(HF_CONFIG_KEYS)}")
     cfg = _read_json_object(path)
-    cfg = cfg.get("text_config", cfg)
+    text = cfg.get("text_config")
+    cfg = text if isinstance(text, dict) else cfg  # a multimodal config's language model; null or junk: ignored
     fields = {field: cfg.get(key) for field, key in HF_CONFIG_KEYS.items()}
     for field in ("num_kv_heads", "head_dim"):  # null or 0 in a config: absent, so derived below
         fields[field] = fields[field] or None

@@ -198,3 +198,15 @@ def test_config_without_head_dim_or_hidden_size_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="config has no head_dim or hidden_size; pass head_dim= to give it"):
         ModelShape.from_hf_config(config)
     assert ModelShape.from_hf_config(config, head_dim=64).head_dim == 64
+
+
+@pytest.mark.parametrize("text_config", [None, "x", {"num_attention_heads": 16, "num_key_value_heads": 4,
+                                                    "head_dim": 128, "num_hidden_layers": 3}])
+def test_text_config_is_read_only_when_it_is_an_object(tmp_path, text_config):
+    config = tmp_path / "config.json"
+    top = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 2}
+    config.write_text(json.dumps({**top, "text_config": text_config}))  # null or junk used to raise AttributeError
+    shape = ModelShape.from_hf_config(config)
+    want = text_config if isinstance(text_config, dict) else top
+    assert (shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.num_layers) == (
+        want["num_attention_heads"], want["num_key_value_heads"], want["head_dim"], want["num_hidden_layers"])
