@@ -7,6 +7,13 @@
 # later call of the same warm machine, which joins, checks and unpacks both (join_core). A carried unsplit
 # .gpu-bundle/core (an older bundle, or a smaller tree) is still unpacked in one go.
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VLLM_UNPACKED=/tmp/vs/.unpacked  # written once an unpack finished: a cut-short tar leaves /tmp/vs without it
+
+vllm_unpacked() { test -f "$VLLM_UNPACKED"; }
+
+untar_vllm() {  # untar_vllm ARCHIVE: into a fresh /tmp/vs, marked complete only when tar succeeded
+  rm -rf /tmp/vs && mkdir -p /tmp/vs && tar xJf "$1" -C /tmp/vs && touch "$VLLM_UNPACKED"
+}
 
 install_dcp() {  # install_dcp LOG: dcp-triton into /tmp/dcp, fresh each call (a warm machine may hold an older one)
   local log=$1
@@ -17,14 +24,14 @@ install_dcp() {  # install_dcp LOG: dcp-triton into /tmp/dcp, fresh each call (a
 
 unpack_core() {  # a carried .gpu-bundle/core: unpack it into /tmp/vs; a carried core-part: keep it in /tmp
   if test -f "$repo/.gpu-bundle/core/vllm026.tar.xz"; then
-    mkdir -p /tmp/vs && tar xJf "$repo/.gpu-bundle/core/vllm026.tar.xz" -C /tmp/vs
+    untar_vllm "$repo/.gpu-bundle/core/vllm026.tar.xz"
   elif test -f "$repo/.gpu-bundle/core-part/vllm026.tar.xz.00"; then
     cp "$repo/.gpu-bundle/core-part/vllm026.tar.xz.00" /tmp/
   fi
 }
 
 core_status() {  # after unpack_core: what the unpack stage left in /tmp; 1 when neither core nor core-part came
-  if test -d /tmp/vs/vllm; then echo "vLLM unpacked into /tmp/vs"
+  if vllm_unpacked; then echo "vLLM unpacked into /tmp/vs"
   elif test -f /tmp/vllm026.tar.xz.00; then
     echo "first part of vLLM's archive kept in /tmp: the next call carries .gpu-bundle/core-rest, which joins it"
   else echo "neither .gpu-bundle/core nor .gpu-bundle/core-part was carried" >&2; return 1; fi
@@ -32,12 +39,12 @@ core_status() {  # after unpack_core: what the unpack stage left in /tmp; 1 when
 
 join_core() {  # the split archive's rest, carried in core-rest, joined to the part an unpack call left in /tmp
   local rest=$repo/.gpu-bundle/core-rest
-  if test -d /tmp/vs/vllm || ! test -f "$rest/vllm026.tar.xz.01"; then return 0; fi
+  if vllm_unpacked || ! test -f "$rest/vllm026.tar.xz.01"; then return 0; fi
   test -f /tmp/vllm026.tar.xz.00 || { echo "no /tmp/vllm026.tar.xz.00: first an unpack call carrying" \
     ".gpu-bundle/core-part (the machine must still be warm)" >&2; return 1; }
   cat /tmp/vllm026.tar.xz.00 "$rest/vllm026.tar.xz.01" >/tmp/vllm026.tar.xz
   (cd /tmp && sha256sum -c --quiet "$rest/SHA256SUMS") || return 1
-  mkdir -p /tmp/vs && tar xJf /tmp/vllm026.tar.xz -C /tmp/vs && rm -f /tmp/vllm026.tar.xz /tmp/vllm026.tar.xz.00
+  untar_vllm /tmp/vllm026.tar.xz && rm -f /tmp/vllm026.tar.xz /tmp/vllm026.tar.xz.00
 }
 
 from_repo() {  # pytest run from /tmp names files relative to /tmp (../work/main/tests/...): name them from the root

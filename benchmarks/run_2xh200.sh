@@ -59,7 +59,7 @@ case "$stage" in
   e2e|spec)
     install_dcp /tmp/logs/install.log || exit 1
     join_core || exit 1
-    test -d /tmp/vs/vllm || { echo "vLLM is not unpacked in /tmp/vs: first an unpack call carrying" \
+    vllm_unpacked || { echo "vLLM is not unpacked in /tmp/vs: first an unpack call carrying" \
       ".gpu-bundle/core-part, then carry .gpu-bundle/core-rest with this one (or a check call)" >&2; exit 1; }
     source "$repo/.gpu-bundle/extra/setup.sh"
     export PYTHONPATH=/tmp/dcp:$PYTHONPATH

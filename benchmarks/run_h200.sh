@@ -45,7 +45,7 @@ case "$stage" in
   bench)
     install_dcp "$OUT/install.log" || exit 1
     join_core || exit 1
-    if test -f "$repo/.gpu-bundle/extra/setup.sh" && test -d /tmp/vs/vllm; then source "$repo/.gpu-bundle/extra/setup.sh"; fi
+    if test -f "$repo/.gpu-bundle/extra/setup.sh" && vllm_unpacked; then source "$repo/.gpu-bundle/extra/setup.sh"; fi
     rm -rf /tmp/site-server
     if compgen -G "$repo/.gpu-bundle/server/*.whl" >/dev/null; then  # the OpenAI server's wheels, when carried
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-server \
