@@ -56,7 +56,8 @@ case "$stage" in
     cd /tmp
     for script in "$@"; do
       if [[ $script == tests/* ]]; then
-        PYTHONPATH=$PYTHONPATH:$repo python3 -m pytest -q -m gpu -p no:cacheprovider "$repo/$script" 2>&1 \
+        DCP_TRITON_REQUIRE_VLLM=1 PYTHONPATH=$PYTHONPATH:$repo python3 -m pytest -q -m gpu -p no:cacheprovider \
+          "$repo/$script" 2>&1 \
           | from_repo | tee -a "$OUT/gpu_tests_vllm.log"
         continue
       fi
