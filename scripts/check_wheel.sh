@@ -4,17 +4,22 @@
 # vllm.general_plugins entry point dcp_triton -> dcp_plugin.plugin:register (which, with no vLLM installed there,
 # logs one warning and registers nothing) and the `dcp-triton plan` command.
 # Run from the repository root once .venv has torch (`make check-wheel`; its pip builds the wheel and installs into
-# the venv). The wheel is built from a copy of the checkout, so nothing here is written to (an editable install of
-# .venv may be building beside it, .ci/run does that) and no build folder of an earlier build leaks into the wheel.
+# the venv). The wheel is built from a copy of the checkout's tracked files, so nothing here is written to (an
+# editable install of .venv may be building beside it, .ci/run does that) and no build folder leaks into the wheel.
 set -euo pipefail
 py=$PWD/.venv/bin/python
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
 mkdir "$tmp/src"
-tar -cf - --exclude=./.git --exclude='./.venv*' --exclude=./.cache --exclude=./build --exclude=./dist \
-    --exclude='*.egg-info' --exclude=__pycache__ . |
-    tar -xf - -C "$tmp/src"
+# The tracked files only, listed by git: archiving "." itself failed CI once ("tar: .: file changed as we read
+# it") while .ci/run's parallel installs created folders beside it. Without git, the tree minus what builds make.
+if git rev-parse --git-dir >/dev/null 2>&1; then
+  git ls-files -z | tar --null -T - -cf -
+else
+  tar -cf - --exclude=./.git --exclude='./.venv*' --exclude=./.cache --exclude=./build --exclude=./dist \
+    --exclude='*.egg-info' --exclude=__pycache__ .
+fi | tar -xf - -C "$tmp/src"
 "$py" -m pip wheel "$tmp/src" -q --no-deps -w "$tmp/dist"
 wheel=$(echo "$tmp"/dist/dcp_triton-*.whl)
 grep -qF "$(basename "$wheel")" README.md || { echo "check_wheel: README.md does not name $(basename "$wheel")"; exit 1; }
