@@ -47,7 +47,7 @@ join_core() {  # the split archive's rest, carried in core-rest, joined to the p
   untar_vllm /tmp/vllm026.tar.xz && rm -f /tmp/vllm026.tar.xz /tmp/vllm026.tar.xz.00
 }
 
-from_repo() {  # pytest run from /tmp names files relative to /tmp (../work/main/tests/...): name them from the root
+from_repo() {  # pytest run from /tmp names files relative to /tmp (../<checkout>/tests/...): name them from the root
   local rel
   rel=$(realpath --relative-to=/tmp "$repo")
   sed -u "s#\(^\| \)$rel/#\1#g"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The wheels vLLM 0.26's OpenAI server (python -m vllm.entrypoints.openai.api_server) imports beyond what the offline
-# bundle's extra/ part and the H200 image hold (see /work/.library/device/KINDS.md for the image's packages):
+# bundle's extra/ part and the H200 image hold (the device image lists its packages):
 #   uvicorn                            vllm/entrypoints/launcher.py (HTTP over h11, which the image has)
 #   watchfiles                         vllm/entrypoints/serve/utils/ssl.py (imported by the launcher)
 #   model-hosting-container-standards  vllm/entrypoints/serve/sagemaker/api_router.py (imported by api_server.py)
