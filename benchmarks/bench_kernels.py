@@ -363,9 +363,8 @@ def main() -> None:
     sweep_configs = [(64, 4, 3), (128, 4, 3), (64, 4, 5), (128, 4, 5), (64, 8, 5), (32, 4, 5), (128, 8, 3)]
     # fp8 decode holds 201-255 registers a thread at 128-token tiles (sm_90 compile): smaller tiles, more warps
     fp8_configs = [(64, 4, 3), (64, 8, 3), (128, 8, 3), (32, 4, 3), (64, 4, 5), (128, 8, 5)]
-    # (block_n, block_m, num_warps, num_stages)
     prefix_configs = [(128, 128, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3),
-                      (32, 128, 4, 4), (64, 256, 8, 2), (64, 128, 8, 4)]
+                      (32, 128, 4, 4), (64, 256, 8, 2), (64, 128, 8, 4)]  # (block_n, block_m, num_warps, num_stages)
     sections = (("decode", lambda: bench_decode(decode_shapes, copy_gbs)),
                 ("sweep", lambda: sweep_decode(sweep_shapes, [4, 8, 16, 32, 64, 128, 256], sweep_configs)),
                 ("sweep_prefix", lambda: sweep_prefix(prefix_shapes[0], prefix_configs)),
