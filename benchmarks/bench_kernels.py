@@ -3,16 +3,17 @@
 - decode: ``paged_attention``, one query token per request, in % of the device copy bandwidth (KV bytes read),
   launch included (``triton.testing.do_bench``, L2 flushed, median) and under CUDA-graph replay (L2-cold copies),
   against FlashAttention-3 and vLLM's Triton unified and split-KV kernels; ``decode_fp8``: the same over an fp8
-  cache; ``sweep``: split counts x launch configs (tuning runs, only when asked for).
+  cache, against bf16 (tuning sweeps: ``sweep_kernels.py``).
 - prefix: the DCP prefix pass (many query rows against a long paged cache, non-causal) in TFLOP/s against FA3.
-- prefill: causal current-chunk ``extend_attention`` in TFLOP/s against FA3, SDPA and compiled flex attention.
+- prefill: causal current-chunk ``extend_attention`` in TFLOP/s against FA3 and torch's SDPA, head size 128 and 64,
+  32 Q heads over 8 and 1 KV heads.
 - merge: ``merge_states`` in % of copy bandwidth against vLLM's ``merge_attn_states``.
 
 Every dcp-triton output is compared with float64 attention (prefill: with SDPA); a relative error above
 ERROR_BOUND (or NaN) makes the run exit 1 after saving. Peers are measured when vLLM imports (on a machine without
 vLLM, unpack its wheel's Python files and compiled extensions and put them on PYTHONPATH, as run_h200.sh does).
 
-    python benchmarks/bench_kernels.py [--quick] [--only decode,sweep,...] [--name STEM]
+    python benchmarks/bench_kernels.py [--quick] [--only decode,prefix,...] [--name STEM]
 """
 
 from __future__ import annotations
@@ -182,113 +183,51 @@ def bench_prefix(shapes) -> list[dict]:
     return rows
 
 
-def sweep_decode(shapes, splits_list, configs, *, fp8: bool = False) -> list[dict]:
-    """Tuning data: graph-replay time of each launch config (None: the table's) crossed with each split count
-    (None: the automatic one); ``config`` is recorded as ``[block_n, num_warps, num_stages]``. ``fp8``: over an
-    e4m3 cache (GB/s of its bytes)."""
-    from dcp_plugin.kernels.paged_attention import PagedConfig, pick_config
-
-    rows = []
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    auto_cfg = pick_config(HEAD_DIM, decode=True)
-    cfgs = [None, *(PagedConfig(block_n=bn, block_m=auto_cfg.block_m, num_warps=w, num_stages=st)
-                    for bn, w, st in configs)]
-    for batch, ctx, hq, hk in shapes:
-        kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen)
-        scales = {}
-        if fp8:
-            scales = dict(k_scale=torch.ones(1, device="cuda"), v_scale=torch.ones(1, device="cuda"))
-            kc, vc, kv_bytes = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn), kv_bytes // 2
-        out = torch.empty_like(q)
-        first = len(rows)
-        for cfg in cfgs:
-            for splits in [None, *splits_list]:
-                def call(i, splits=splits, cfg=cfg):
-                    paged_attention(q, kc, vc, tables[i], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
-                                    q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=1,
-                                    num_splits=splits, out=out, config=cfg, **scales)
-                row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, fp8=fp8, splits=splits,
-                           config=None if cfg is None else [cfg.block_n, cfg.num_warps, cfg.num_stages])
-                try:
-                    row["graph_ms"] = graph_ms([lambda i=i: call(i) for i in range(copies)])
-                    row["gbs"] = kv_bytes / row["graph_ms"] / 1e6
-                except Exception as err:
-                    row["error"] = repr(err)[:200]
-                rows.append(row)
-        best = max((r for r in rows[first:] if "gbs" in r), key=lambda r: r["gbs"], default={})
-        print(f"sweep b={batch} ctx={ctx} {hq}/{hk}: auto {rows[first].get('gbs', 0):.0f} GB/s, best "
-              f"{best.get('gbs', 0):.0f} GB/s at splits={best.get('splits')} config={best.get('config')}", flush=True)
-        torch.cuda.empty_cache()
-    return rows
-
-
-def sweep_prefix(shape, configs) -> list[dict]:
-    """Tuning data for the prefix pass: TFLOP/s of each ``(block_n, block_m, num_warps, num_stages)``."""
-    from dcp_plugin.kernels.paged_attention import PagedConfig
-
-    batch, q_rows, ctx, hq, hk = shape
-    _, _, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, torch.Generator("cuda").manual_seed(6),
-                                                      q_rows=q_rows)
-    out, rows = torch.empty_like(q), []
-    for consts in [None, *configs]:
-        cfg = None if consts is None else PagedConfig(*consts)
-        row = dict(shape=list(shape), config=consts)
-        try:
-            row["ms"] = median_ms(lambda: paged_attention(
-                q, kc, vc, tables[0], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0, q_per_kv=hq // hk,
-                kv_head_start=0, max_kv_len=ctx, max_query_len=q_rows, out=out, config=cfg))
-            row["tflops"] = 4 * batch * q_rows * ctx * hq * HEAD_DIM / row["ms"] / 1e9
-        except Exception as err:
-            row["error"] = repr(err)[:200]
-        rows.append(row)
-        print(f"sweep prefix {shape} config={row['config']}: {row.get('tflops', 0):.0f} TFLOP/s", flush=True)
-    return rows
-
-
-def bench_prefill(seq_shapes, hq: int = 32, hk: int = 8) -> list[dict]:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    flex = torch.compile(flex_attention, dynamic=False)
+def bench_prefill(shapes) -> list[dict]:
+    """Causal current-chunk ``extend_attention`` over ``(num_seqs, seq_len, q_heads, kv_heads, head_dim)`` in
+    TFLOP/s against FA3 and torch's SDPA (the error is against SDPA: bf16 both)."""
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(1)
-    for num_seqs, seq_len in seq_shapes:
+    for num_seqs, seq_len, hq, hk, d in shapes:
         total = num_seqs * seq_len
-        q = torch.randn(total, hq, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
-        k = torch.randn(total, hk, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
-        v = torch.randn(total, hk, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
+        q = torch.randn(total, hq, d, dtype=DTYPE, device="cuda", generator=gen)
+        k = torch.randn(total, hk, d, dtype=DTYPE, device="cuda", generator=gen)
+        v = torch.randn(total, hk, d, dtype=DTYPE, device="cuda", generator=gen)
         cu = torch.arange(0, total + 1, seq_len, dtype=torch.int32, device="cuda")
-        out = torch.empty_like(q)
-        scale = HEAD_DIM ** -0.5
-        flops = 2 * 2 * num_seqs * seq_len * seq_len * hq * HEAD_DIM / 2  # QK^T and PV, causal half
+        out = torch.full_like(q, float("nan"))
+        flops = 2 * 2 * num_seqs * seq_len * seq_len * hq * d / 2  # QK^T and PV, causal half
 
-        def ours():
-            extend_attention(q, k, v, cu, seq_len, scale=scale, q_head_start=0, q_per_kv=hq // hk,
+        def ours(i=0):
+            extend_attention(q, k, v, cu, seq_len, scale=d ** -0.5, q_head_start=0, q_per_kv=hq // hk,
                              kv_head_start=0, out=out)
 
-        qb = q.view(num_seqs, seq_len, hq, HEAD_DIM).transpose(1, 2)
-        kb = k.view(num_seqs, seq_len, hk, HEAD_DIM).transpose(1, 2).repeat_interleave(hq // hk, 1)
-        vb = v.view(num_seqs, seq_len, hk, HEAD_DIM).transpose(1, 2).repeat_interleave(hq // hk, 1)
-        kg = k.view(num_seqs, seq_len, hk, HEAD_DIM).transpose(1, 2)
-        vg = v.view(num_seqs, seq_len, hk, HEAD_DIM).transpose(1, 2)
-        mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, seq_len, seq_len, device="cuda")
-        row = dict(num_seqs=num_seqs, seq_len=seq_len, q_heads=hq, kv_heads=hk, flops=flops)
+        def heads_first(t, n):
+            return t.view(num_seqs, seq_len, n, d).transpose(1, 2)
+
+        qb, kb, vb = heads_first(q, hq), heads_first(k, hk), heads_first(v, hk)
+        row = dict(num_seqs=num_seqs, seq_len=seq_len, q_heads=hq, kv_heads=hk, head_dim=d, flops=flops)
         ours()
-        sdpa_out = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
-        row["rel_err_vs_sdpa"] = ((out.view(num_seqs, seq_len, hq, HEAD_DIM).transpose(1, 2).float()
-                                   - sdpa_out.float()).norm() / sdpa_out.float().norm()).item()
-        peers = {"ours": lambda i=0: ours(),
-                 "sdpa": lambda i=0: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True),
-                 "flex": lambda i=0: flex(qb, kg, vg, block_mask=mask, enable_gqa=True),
+        sdpa = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
+        row["rel_err_vs_sdpa"] = ((heads_first(out, hq).float() - sdpa.float()).norm()
+                                  / sdpa.float().norm()).item()
+        peers = {"ours": ours,
+                 "sdpa": lambda i=0: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True,
+                                                                                     enable_gqa=True),
                  **kernel_peers.fa3_prefill(q, k, v, cu, seq_len)}
         _time_peers(row, peers, 1, graph=False)
         for name in peers:
             if f"{name}_ms" in row:
                 row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
         rows.append(row)
-        print(f"prefill {num_seqs}x{seq_len}: " + " ".join(f"{name} {row.get(f'{name}_tflops', float('nan')):.0f}"
-                                                           for name in peers)
+        print(f"prefill {num_seqs}x{seq_len} {hq}/{hk} D{d}: " + " ".join(
+            f"{name} {row.get(f'{name}_tflops', float('nan')):.0f}" for name in peers)
               + f" TFLOP/s (err vs sdpa {row['rel_err_vs_sdpa']:.1e})", flush=True)
+        torch.cuda.empty_cache()
     return rows
+
+
+PREFILL_SHAPES = [(n, s, hq, hk, d) for d in (128, 64) for hq, hk in ((32, 8), (32, 1))
+                  for n, s in ((2, 4096), (4, 2048), (16, 1024), (1, 16384))]
 
 
 def bench_merge(copy_gbs: float, tokens: int = 8192, heads: int = 32) -> dict:
@@ -338,12 +277,8 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
-    parser.add_argument("--only", help="comma-separated sections: decode, sweep (tuning runs: split counts x "
-                        "launch configs), sweep_prefix, sweep_fp8, decode_fp8, prefix, prefill, merge (default: all "
-                        "but the sweeps)")
-    parser.add_argument("--sweep-shapes", default="1x8192x32x8,1x32768x32x8,8x8192x32x8,32x32768x32x8,"
-                        "1x32768x32x1,8x32768x32x1,32x8192x32x1,128x8192x32x1",
-                        help="batch x context x Q heads x KV heads, comma-separated")
+    parser.add_argument("--only", help="comma-separated sections: decode, decode_fp8, prefix, prefill, merge "
+                        "(default: all)")
     parser.add_argument("--name", default="kernels_h200", help="results file stem under benchmarks/results/")
     args = parser.parse_args()
     fa3 = kernel_peers.fa3() is not None
@@ -351,29 +286,19 @@ def main() -> None:
     print(f"{gpu_name()}: copy bandwidth {copy_gbs:.0f} GB/s (read + write); FA3 peer: {fa3}", flush=True)
     decode_shapes = [(b, c, 32, 8) for b in (1, 8, 32, 128) for c in (1024, 8192, 32768)]
     decode_shapes += [(b, c, hq, hk) for hq, hk in ((32, 1), (40, 8)) for b in (1, 8, 32, 128) for c in (8192, 32768)]
-    fp8_shapes = [(1, 32768, 32, 8), (8, 32768, 32, 8), (32, 8192, 32, 1), (128, 8192, 32, 8)]
-    prefix_shapes = [(2, 4096, 32768, 32, 8), (2, 4096, 32768, 32, 1)]
+    fp8_shapes = [(1, 32768, 32, 8), (8, 8192, 32, 8), (8, 32768, 32, 8), (32, 8192, 32, 1), (128, 8192, 32, 8)]
+    prefix_shapes = [(2, 4096, 32768, 32, 8), (2, 4096, 32768, 32, 1), (1, 2048, 131072, 32, 8)]
+    prefill_shapes = PREFILL_SHAPES
     if args.quick:
         decode_shapes = [(1, 32768, 32, 8), (32, 8192, 32, 1), (128, 32768, 32, 8)]
-        fp8_shapes, prefix_shapes = fp8_shapes[:1], prefix_shapes[:1]
+        fp8_shapes, prefix_shapes, prefill_shapes = fp8_shapes[:1], prefix_shapes[:1], prefill_shapes[:1]
     results = dict(gpu=gpu_name(), copy_gbs=copy_gbs, torch=torch.__version__, fa3_peer=fa3)
-    sweep_shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.sweep_shapes.split(",")]
-    # (block_n, num_warps, num_stages); rows padded to 64 for wgmma were slower (sweep3). Triton 3.6 double-buffers
-    # K/V tiles only from 5 stages on (the page lookup takes one): 72 KB of shared memory at 64-token tiles, 140 at 128.
-    sweep_configs = [(64, 4, 3), (128, 4, 3), (64, 4, 5), (128, 4, 5), (64, 8, 5), (32, 4, 5), (128, 8, 3)]
-    # fp8 decode holds 201-255 registers a thread at 128-token tiles (sm_90 compile): smaller tiles, more warps
-    fp8_configs = [(64, 4, 3), (64, 8, 3), (128, 8, 3), (32, 4, 3), (64, 4, 5), (128, 8, 5)]
-    prefix_configs = [(128, 128, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3),
-                      (32, 128, 4, 4), (64, 256, 8, 2), (64, 128, 8, 4)]  # (block_n, block_m, num_warps, num_stages)
     sections = (("decode", lambda: bench_decode(decode_shapes, copy_gbs)),
-                ("sweep", lambda: sweep_decode(sweep_shapes, [4, 8, 16, 32, 64, 128, 256], sweep_configs)),
-                ("sweep_prefix", lambda: sweep_prefix(prefix_shapes[0], prefix_configs)),
-                ("sweep_fp8", lambda: sweep_decode(fp8_shapes, [8, 16, 32, 64], fp8_configs, fp8=True)),
                 ("decode_fp8", lambda: bench_decode_fp8(fp8_shapes, copy_gbs)),
                 ("prefix", lambda: bench_prefix(prefix_shapes)),
-                ("prefill", lambda: bench_prefill([(2, 4096), (4, 2048)])),
+                ("prefill", lambda: bench_prefill(prefill_shapes)),
                 ("merge", lambda: bench_merge(copy_gbs)))
-    chosen = set(args.only.split(",")) if args.only else {"decode", "decode_fp8", "prefix", "prefill", "merge"}
+    chosen = set(args.only.split(",")) if args.only else {name for name, _ in sections}
     for name, fn in sections:
         if name not in chosen:
             continue
@@ -388,12 +313,16 @@ def main() -> None:
     except Exception:
         print(traceback.format_exc(), flush=True)
     print(f"wrote {repo_relative(path)}")  # logs are committed: no machine's folders
-    print(json.dumps({k: v for k, v in results.items() if k in ("gpu", "copy_gbs")}))
+    sys.exit(report_wrong(results))
+
+
+def report_wrong(results: dict) -> int:
+    """Print every row whose error passes ERROR_BOUND (or is NaN); 1 if there is one."""
     wrong = [(name, row) for name, rows in results.items() if isinstance(rows, list) for row in rows
              for key in ("rel_err", "rel_err_vs_sdpa") if key in row and not row[key] <= ERROR_BOUND]  # NaN too
     for name, row in wrong:
         print(f"WRONG ({name}, error above {ERROR_BOUND}): {json.dumps(row)[:300]}", flush=True)
-    sys.exit(1 if wrong else 0)
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from dcp_plugin.checks import check_int, check_tensor
@@ -113,17 +114,13 @@ class DcpBatch:
 
         if workspace is not None:
             workspace.check(num_reqs, device)
-        query_lens = query_start_loc[1:] - query_start_loc[:-1]
-        context_lens = seq_lens - query_lens
-        derived = dict(query_lens=query_lens, context_lens=context_lens,
-                       local_context_lens=tokens.local_len(context_lens).to(torch.int32),
-                       local_seq_lens=tokens.local_len(seq_lens).to(torch.int32))
-        if workspace is not None:
-            derived = {name: workspace.buffers[name][:num_reqs].copy_(t) for name, t in derived.items()}
+            derived = workspace.derive(query_start_loc, seq_lens, tokens, num_reqs)
+        else:
+            derived = _derive(query_start_loc, seq_lens, tokens)
         num_tokens = slot_mapping.shape[0]
 
         if device.type == "cpu" or any(value is None for value in hints.values()):
-            actual = _host_stats(query_start_loc, query_lens, seq_lens, context_lens, num_reqs)
+            actual = _host_stats(query_start_loc, derived["query_lens"], seq_lens, derived["context_lens"], num_reqs)
             _check_values(actual, num_tokens)
             for name, value in hints.items():
                 if value is not None and value < actual[name]:
@@ -181,6 +178,27 @@ class DcpBatchWorkspace:
             self.device = torch.device("cuda", torch.cuda.current_device())  # batch tensors carry an index
         self.buffers = {name: torch.zeros(max_num_reqs, dtype=torch.int32, device=self.device)
                         for name in self.NAMES}
+        self._launches: dict[tuple, object] = {}  # (num_reqs, dcp_size, dcp_rank, interleave) -> prepared launch
+
+    def derive(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, tokens: TokenLayout,
+               num_reqs: int) -> dict[str, torch.Tensor]:
+        """The four per-request tensors of a batch of ``num_reqs`` requests, written into these buffers: on a GPU
+        by one kernel launch (kept per batch size and layout, so a step of a size seen before replays it), on CPU
+        by torch ops."""
+        views = {name: self.buffers[name][:num_reqs] for name in self.NAMES}
+        if self.device.type != "cuda":
+            for name, t in _derive(query_start_loc, seq_lens, tokens).items():
+                views[name].copy_(t)
+            return views
+        key = (num_reqs, tokens.dcp_size, tokens.dcp_rank, tokens.interleave)
+        launch = self._launches.get(key)
+        if launch is None:
+            from dcp_plugin.kernels.batch_lengths import plan_batch_lengths
+
+            launch = self._launches[key] = plan_batch_lengths(num_reqs, dcp_size=tokens.dcp_size,
+                                                              dcp_rank=tokens.dcp_rank, interleave=tokens.interleave)
+        launch(query_start_loc, seq_lens, *views.values())
+        return views
 
     def check(self, num_reqs: int, device: torch.device) -> None:
         if num_reqs > self.max_num_reqs:
@@ -190,11 +208,19 @@ class DcpBatchWorkspace:
             raise ValueError(f"the batch tensors are on {device} but the workspace is on {self.device}")
 
 
-def leading_decodes(query_start_loc_cpu: torch.Tensor) -> int:
-    """How many leading requests have exactly one new token (host tensor ``[num_reqs + 1]``)."""
-    lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
-    others = torch.nonzero(lens != 1)
-    return int(others[0]) if others.numel() else int(lens.numel())
+def _derive(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, tokens: TokenLayout) -> dict[str, torch.Tensor]:
+    """The per-request tensors by torch ops (CPU, or a batch built without a workspace)."""
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    context_lens = seq_lens - query_lens
+    return dict(query_lens=query_lens, context_lens=context_lens,
+                local_context_lens=tokens.local_len(context_lens).to(torch.int32),
+                local_seq_lens=tokens.local_len(seq_lens).to(torch.int32))
+
+
+def leading_decodes(query_start_loc_cpu) -> int:
+    """How many leading requests have exactly one new token (host ``[num_reqs + 1]``: a CPU tensor or an array)."""
+    others = np.flatnonzero(np.diff(np.asarray(query_start_loc_cpu)) != 1)
+    return int(others[0]) if others.size else len(query_start_loc_cpu) - 1
 
 
 def _host_stats(query_start_loc, query_lens, seq_lens, context_lens, num_reqs: int) -> dict[str, int]:

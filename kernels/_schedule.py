@@ -60,18 +60,24 @@ def head_tiling(*, num_q_heads: int, q_head_start: int, q_per_kv: int, kv_head_s
 
 
 # Automatic split count: at most PROGRAMS_PER_SM programs per SM (a partial extra wave costs a whole one), and at
-# least MIN_TILES_PER_SPLIT tiles per split unless the grid would not cover the SMs once: then splits of down to
-# one tile. The sweep's best counts at 128-token tiles: 1 x 8K, 8 KV heads: 16 splits; 1 x 32K: 32; 32 x 8K, one
-# KV head: 8 (19% faster than 16); 128 x 8K, one KV head: 4; 8 x 32K, one KV head: 32 (47% faster than 64); measured
-# before the split merge became one step, which favours a few more splits at batch 1 (decode_stages_h200.json).
+# least MIN_TILES_PER_SPLIT tiles per split unless the grid would then not reach SMALL_GRID_PER_SM programs per SM:
+# then splits of down to SMALL_GRID_TILES tiles. H200, 128-token tiles (benchmarks/results/kernels_h200_sweep.json,
+# graph replay, GB/s): 8 x 1K, 8 KV heads: 4 splits 1788 against 2 splits 1486; 1 x 8K: 32 splits 1764 against 16
+# 1496; 32 x 8K, one KV head: 8 splits 2649 against 16 2292; 1 x 32K and 8 x 32K, one KV head: 32 splits best
+# (kernels_h200_tuning_sweep3.json).
 PROGRAMS_PER_SM = 4
 MIN_TILES_PER_SPLIT = 8
+SMALL_GRID_PER_SM = 2
+SMALL_GRID_TILES = 2
 MAX_AUTO_SPLITS = 64
 
 
 def pick_num_splits(*, programs: int, max_kv_len: int, block_n: int, sms: int) -> int:
     """Splits per request so that stage 1 fills ``sms`` SMs, from host ints only (CUDA-graph safe)."""
-    by_occupancy = PROGRAMS_PER_SM * sms // max(programs, 1)
+    programs = max(programs, 1)
+    by_occupancy = PROGRAMS_PER_SM * sms // programs
     tiles = cdiv(max_kv_len, block_n)
-    by_length = max(tiles // MIN_TILES_PER_SPLIT, min(tiles, sms // max(programs, 1)))
-    return max(1, min(MAX_AUTO_SPLITS, by_occupancy, by_length))
+    small_grid = min(tiles // SMALL_GRID_TILES, cdiv(SMALL_GRID_PER_SM * sms, programs))
+    by_length = max(tiles // MIN_TILES_PER_SPLIT, small_grid)
+    splits = max(1, min(MAX_AUTO_SPLITS, by_occupancy, by_length))
+    return cdiv(tiles, cdiv(tiles, splits)) if tiles else 1  # as few splits as give the same tiles per split

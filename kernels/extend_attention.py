@@ -33,6 +33,7 @@ class ExtendConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    warp_specialize: bool = False  # Triton's automatic warp specialization of the unmasked key loop (sm_90+)
 
 
 # Hopper defaults for fp16/bf16 by padded head dim (the benchmark sweeps candidates through ``config=``).
@@ -64,14 +65,15 @@ def _attend_key_block(acc, l_i, m_i, q, k_base, v_base, n_start, seq_len, offs_m
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
     if IS_DIAGONAL:
         # Rows past the sequence end see masked (zero) keys too; they are never stored.
         qk = tl.where(offs_m[:, None] >= offs_kn[None, :], qk, float("-inf"))
     # Every row sees at least one key (off-diagonal: all; diagonal: its own), so m_new is finite: no NaN guard.
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    # The scale (> 0) is applied to the row maximum and folded into the exponent's argument: one FMA per score.
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, l_i, m_new
@@ -88,7 +90,7 @@ def extend_attention_kernel(
     stride_ot, stride_oh, stride_od,
     stride_lt, stride_lh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Grid (num_q_programs + tail programs, local Q heads); tail programs write (0, -inf) to the padding rows past
     query_start_loc[num_reqs]."""
@@ -132,7 +134,7 @@ def extend_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Keys [0, m_start) all lie below every row of this block and inside the sequence: no mask.
-    for n_start in range(0, m_start, BLOCK_N):
+    for n_start in tl.range(0, m_start, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         acc, l_i, m_i = _attend_key_block(
             acc, l_i, m_i, q, k_base, v_base, n_start, seq_len, offs_m, offs_n, offs_d, qk_scale,
             stride_kt, stride_kd, stride_vt, stride_vd,
@@ -228,6 +230,7 @@ def plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_h
                *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride())
     # fp32 inputs: exact fp32 products (TF32 would cost ~1e-3 relative error).
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+                      DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                      WARP_SPECIALIZE=cfg.warp_specialize)
     return Launch(extend_attention_kernel, grid, scalars, constexprs, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)

@@ -55,12 +55,13 @@ class PagedConfig:
 # caller promised one query row per request (max_query_len=1). D=128 decode: 128-token tiles, from an H200 sweep
 # (benchmarks/results/kernels_h200_tuning_sweep3.json, bf16, separate K/V caches): 1.1-1.3x the GB/s of 64-token
 # tiles with one KV head per rank (e.g. 32 x 8K: 2631 against 2037) and at batch 1, within 3% elsewhere. Longer
-# queries (the prefix pass, 2 x 4K rows over 32K cached, kernels_h200_tuning_prefix.json): 295 TFLOP/s, not 239.
+# queries (the prefix pass, kernels_h200_sweep.json, 32 Q / 8 KV heads): 32-token tiles five stages deep, 331
+# TFLOP/s at 2 x 4K rows over 32K cached and 333 at 1 x 2K over 128K, against 276 for 128-token tiles two deep.
 GPU_CONFIGS = {
     (64, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=3),
     (64, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=3),
     (128, True): PagedConfig(block_n=128, block_m=64, num_warps=4, num_stages=3),
-    (128, False): PagedConfig(block_n=128, block_m=128, num_warps=8, num_stages=2),
+    (128, False): PagedConfig(block_n=32, block_m=128, num_warps=4, num_stages=5),
     (256, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=2),
     (256, False): PagedConfig(block_n=64, block_m=64, num_warps=8, num_stages=2),
 }
@@ -68,6 +69,48 @@ GPU_CONFIGS = {
 GPU_FP32_CONFIGS = {(128, False): PagedConfig(block_n=64, block_m=128, num_warps=8, num_stages=3)}
 INTERPRET_CONFIG = PagedConfig(block_n=32, block_m=32, num_warps=1, num_stages=1)
 
+
+
+@triton.jit
+def _attend_cached_tile(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, table_ptr, n_start, kv_end, dims, dim_mask, qk_scale,
+                        stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d,
+                        stride_bt_blk, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_TOKENS: tl.constexpr,
+                        EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
+    """One online-softmax step over cached tokens ``n_start + [0, BLOCK_N)``; scores in base-2 units.
+    ``MASK_TOKENS``: the tile may pass ``kv_end`` (it always holds at least one token before it)."""
+    pos = n_start + tl.arange(0, BLOCK_N)
+    pos_mask = pos < kv_end
+    # Per-token page lookup: any page size works, tiles may span pages.
+    if MASK_TOKENS:
+        page = tl.load(table_ptr + (pos // PAGE_SIZE) * stride_bt_blk, mask=pos_mask, other=0).to(tl.int64)
+    else:
+        page = tl.load(table_ptr + (pos // PAGE_SIZE) * stride_bt_blk).to(tl.int64)
+    in_page = (pos % PAGE_SIZE).to(tl.int64)
+    k_ptrs = k_head_ptr + (page * stride_kc_blk + in_page * stride_kc_tok)[None, :] + dims[:, None] * stride_kc_d
+    v_ptrs = v_head_ptr + (page * stride_vc_blk + in_page * stride_vc_tok)[:, None] + dims[None, :] * stride_vc_d
+    if MASK_TOKENS:
+        k = tl.load(k_ptrs, mask=dim_mask[:, None] & pos_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+        v = tl.load(v_ptrs, mask=pos_mask[:, None] & dim_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+    elif not EVEN_D:
+        k = tl.load(k_ptrs, mask=dim_mask[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=dim_mask[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    if KV_FP8:  # dequantize in registers (the scales are applied to scores and output)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    scores = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
+    if MASK_TOKENS:
+        scores = tl.where(pos_mask[None, :], scores, float("-inf"))
+    # The scale (> 0) is applied to the row maximum and folded into the exponent's argument: one FMA per score.
+    # Every tile holds a cached token, so each row's max is finite (no -inf - -inf).
+    m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
 
 
 # Per-step sizes (and the LSE strides, which scale with them) are not specialized on: every step of an engine runs
@@ -95,6 +138,7 @@ def paged_attention_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,  # BLOCK_D == head_dim: no mask along the head dim
     DECODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,  # the cache holds value / scale in fp8: scale the scores by k_scale, the output by v_scale
@@ -155,35 +199,23 @@ def paged_attention_kernel(
     k_head_ptr = key_cache_ptr + kv_head.to(tl.int64) * stride_kc_h
     v_head_ptr = value_cache_ptr + kv_head.to(tl.int64) * stride_vc_h
     table_ptr = block_table_ptr + req.to(tl.int64) * stride_bt_req
-    offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n_start in range(kv_start, kv_end, BLOCK_N):
-        pos = n_start + offs_n
-        pos_mask = pos < kv_end
-        # Per-token page lookup: any page size works, tiles may span pages.
-        page = tl.load(table_ptr + (pos // PAGE_SIZE) * stride_bt_blk, mask=pos_mask, other=0).to(tl.int64)
-        in_page = (pos % PAGE_SIZE).to(tl.int64)
-        k_tok = page * stride_kc_blk + in_page * stride_kc_tok  # [BLOCK_N]
-        v_tok = page * stride_vc_blk + in_page * stride_vc_tok
-        k = tl.load(k_head_ptr + k_tok[None, :] + dims[:, None] * stride_kc_d,
-                    mask=dim_mask[:, None] & pos_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        v = tl.load(v_head_ptr + v_tok[:, None] + dims[None, :] * stride_vc_d,
-                    mask=pos_mask[:, None] & dim_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        if KV_FP8:  # dequantize in registers (the scales are applied to scores and output)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], base-2 units
-        scores = tl.where(pos_mask[None, :], scores, float("-inf"))
-        # n_start < kv_end: every tile holds a cached token, so each row's max is finite (no -inf - -inf).
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+    # Whole tiles first, with no token mask; then the split's last, partial tile (at most one), masked.
+    full_end = kv_start + tl.maximum(kv_end - kv_start, 0) // BLOCK_N * BLOCK_N
+    for n_start in range(kv_start, full_end, BLOCK_N):
+        acc, l_i, m_i = _attend_cached_tile(
+            acc, l_i, m_i, q, k_head_ptr, v_head_ptr, table_ptr, n_start, kv_end, dims, dim_mask, qk_scale,
+            stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d, stride_bt_blk,
+            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASK_TOKENS=False, EVEN_D=EVEN_D,
+            DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8)
+    for n_start in range(full_end, kv_end, BLOCK_N):
+        acc, l_i, m_i = _attend_cached_tile(
+            acc, l_i, m_i, q, k_head_ptr, v_head_ptr, table_ptr, n_start, kv_end, dims, dim_mask, qk_scale,
+            stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d, stride_bt_blk,
+            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASK_TOKENS=True, EVEN_D=EVEN_D,
+            DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8)
 
     # No cached tokens: acc = 0, l_i = 0, m_i = -inf -> (0, -inf). A NaN input leaves l_i NaN: NaN out and lse.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -273,8 +305,8 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
         raise ValueError(f"head dim {head_dim} (q.shape[-1]) is not supported; use 1..{MAX_HEAD_DIM}")
     if page_size < 1:
         raise ValueError(f"key_cache block size (dim 1) must be >= 1, got {page_size}")
-    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
-        raise ValueError(f"scale must be a float, got {scale!r}")
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not scale > 0:
+        raise ValueError(f"scale must be a positive float, got {scale!r}")
     check_head_map(num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv,
                    kv_head_start=kv_head_start, num_kv_heads=num_kv_heads, kv_name="key_cache")
     max_kv_len = renamed("max_kv_len", max_kv_len, "max_context_len", max_context_len)
@@ -382,7 +414,8 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
          kv_head_start, first_kv_head, head_tiles_per_group, num_splits, *q.stride(), *key_cache.stride(),
          *value_cache.stride(), *block_table.stride(), *out_strides, *lse_strides),
         dict(PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-             DECODE=decode, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+             EVEN_D=block_d == head_dim, DECODE=decode,
+             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
              KV_FP8=key_cache.dtype in FP8_DTYPES,
              FP8_VIA_FP16=key_cache.dtype in FP8_DTYPES and q.dtype == torch.bfloat16),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

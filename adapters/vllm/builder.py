@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 from vllm.config import CUDAGraphMode
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder, CommonAttentionMetadata
@@ -113,8 +114,11 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
                 f"causal={cm.causal!r}: the dcp-triton backend runs causal decoder attention only; supported: True"
             )
         num_reqs = cm.num_reqs
-        query_start_loc_cpu = cm.query_start_loc_cpu[: num_reqs + 1]
-        num_tokens = int(query_start_loc_cpu[-1])  # host tensor: real tokens, without padding rows
+        # Host arithmetic on a few hundred ints: numpy views of vLLM's CPU tensors (a torch op on a small CPU
+        # tensor costs microseconds of dispatch each).
+        query_start_loc_cpu = cm.query_start_loc_cpu.numpy()[: num_reqs + 1]
+        num_tokens = int(query_start_loc_cpu[-1])  # real tokens, without padding rows
+        query_lens_cpu = np.diff(query_start_loc_cpu)
         max_context_len = None
         if cm.seq_lens_cpu_upper_bound is not None and num_reqs > 0:
             # Host data, identical on every rank: a rank-invariant bound for the skip-the-prefix decision (V2 keeps
@@ -122,11 +126,11 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
             # When max_seq_len exceeds it, the contexts are bounded by max_seq_len alone: V1's draft metadata leaves
             # the bound short (extend_all_queries_by_N adds N to seq_lens and max_seq_len only); FULL-graph capture
             # (both runners) passes max_model_len, and so do V2's draft-model steps (0.33 spec_decode/speculator.py).
-            query_lens_cpu = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
-            upper = cm.seq_lens_cpu_upper_bound[:num_reqs]
+            upper = cm.seq_lens_cpu_upper_bound.numpy()[:num_reqs]
             if int(upper.max()) < cm.max_seq_len:
-                upper = torch.full_like(upper, cm.max_seq_len)
-            max_context_len = int((upper - query_lens_cpu).max().clamp_min(0))
+                max_context_len = max(0, cm.max_seq_len - int(query_lens_cpu.min()))
+            else:
+                max_context_len = max(0, int((upper - query_lens_cpu).max()))
         max_seq_len = cm.max_seq_len
         if cm.max_query_len in (1, self.uniform_query_len) and self._full_decode_graphs():
             # The split count a captured decode graph replays with, the same for capture, warm-up and every step:
@@ -148,3 +152,4 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
             workspace=self.workspace,
         )
         return DcpTritonMetadata(batch=batch, num_actual_tokens=cm.num_actual_tokens)
+

