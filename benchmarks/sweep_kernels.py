@@ -1,8 +1,10 @@
 """Tuning sweeps for the attention kernels on one GPU: each candidate launch config timed in one process, with the
 default (``None``: the kernels' own table) first, so a row's gain is read against the default of the same run.
 
-- ``prefill``: ``extend_attention`` configs ``(block_m, block_n, num_warps, num_stages, warp_specialize)`` per head
-  size on 2 x 4096 causal, 32 Q / 8 KV heads, in TFLOP/s;
+- ``prefill``: ``extend_attention`` configs ``(block_m, block_n, num_warps, num_stages, tma)`` per head size on
+  2 x 4096 causal, 32 Q / 8 KV heads, in TFLOP/s (``tma``: K/V through tensor descriptors; kernels_h200_sweep2.json
+  timed it as a separate candidate kernel, 6-tuples with warp specialization, which gained nothing, before it
+  became this option);
 - ``prefix``: ``paged_attention`` configs ``(block_n, block_m, num_warps, num_stages)`` on the DCP prefix pass;
 - ``decode`` / ``fp8``: decode configs ``(block_n, num_warps, num_stages)`` crossed with split counts, graph replay,
   GB/s of cache bytes read (bf16 / e4m3 cache).
@@ -28,7 +30,6 @@ from bench_kernels import (  # noqa: E402
     DTYPE, ERROR_BOUND, HEAD_DIM, _paged_error, _paged_setup,
 )
 from common import gpu_name, graph_ms, median_ms, repo_relative, save  # noqa: E402
-from extend_tma import extend_tma  # noqa: E402
 
 from dcp_plugin.kernels import extend_attention, paged_attention  # noqa: E402
 
@@ -109,8 +110,7 @@ def sweep_prefix(shapes, configs) -> list[dict]:
 
 def sweep_prefill(head_dims, configs_by_dim, *, seqs: int = 2, seq_len: int = 4096, hq: int = 32,
                   hk: int = 8) -> list[dict]:
-    """TFLOP/s of each ``(block_m, block_n, num_warps, num_stages, warp_specialize[, tma])`` per head size (causal;
-    ``tma``: the candidate kernel of ``extend_tma.py`` instead of the shipped one)."""
+    """TFLOP/s of each ``(block_m, block_n, num_warps, num_stages, tma)`` per head size (causal)."""
     from dcp_plugin.kernels.extend_attention import ExtendConfig
 
     rows = []
@@ -125,18 +125,11 @@ def sweep_prefill(head_dims, configs_by_dim, *, seqs: int = 2, seq_len: int = 40
         ref = torch.nn.functional.scaled_dot_product_attention(
             *(t.view(1, seq_len, -1, d).transpose(1, 2).double() for t in (q[:seq_len], k[:seq_len], v[:seq_len])),
             is_causal=True, enable_gqa=True)
-        lse = torch.empty(total, hq, dtype=torch.float32, device="cuda")
         for consts in [None, *configs_by_dim[d]]:
-            tma = consts is not None and len(consts) > 5 and consts[5]  # the candidate in extend_tma.py
-            cfg = None if consts is None or tma else ExtendConfig(*consts[:5])
+            cfg = None if consts is None else ExtendConfig(*consts)
             row = dict(head_dim=d, shape=[seqs, seq_len, hq, hk], config=consts)
 
-            def call(cfg=cfg, consts=consts, tma=tma):
-                if tma:
-                    bm, bn, w, st, ws = consts[:5]
-                    extend_tma(q, k, v, cu, scale=d ** -0.5, q_per_kv=hq // hk, block_m=bm, block_n=bn, num_warps=w,
-                               num_stages=st, warp_specialize=ws, out=out, lse=lse)
-                    return
+            def call(cfg=cfg):
                 extend_attention(q, k, v, cu, seq_len, scale=d ** -0.5, q_head_start=0, q_per_kv=hq // hk,
                                  kv_head_start=0, out=out, config=cfg)
             try:
@@ -170,16 +163,13 @@ def best(rows: list[dict], key: str, group) -> dict:
     return out
 
 
-# Candidates. prefill: (block_m, block_n, num_warps, num_stages, warp_specialize); prefix: (block_n, block_m,
+# Candidates. prefill: (block_m, block_n, num_warps, num_stages, tma); prefix: (block_n, block_m,
 # num_warps, num_stages); decode: (block_n, num_warps, num_stages).
 PREFILL_CONFIGS = {
-    128: [(128, 64, 8, 3, False), (128, 64, 4, 3, False), (128, 128, 8, 4, False), (128, 64, 8, 4, False),
-          (128, 128, 8, 2, False), (128, 128, 8, 3, True), (128, 64, 8, 3, True), (128, 128, 4, 3, False)],
-    64: [(128, 128, 8, 3, False), (128, 64, 4, 3, False), (128, 128, 4, 4, False), (128, 64, 4, 4, False),
-         (128, 128, 4, 3, True)],
+    128: [(128, 128, 8, 3, False), (128, 64, 8, 3, True), (128, 128, 8, 2, True), (128, 64, 8, 4, True)],
+    64: [(128, 128, 8, 3, True), (128, 64, 4, 3, True), (128, 128, 4, 3, True), (128, 64, 4, 4, False)],
 }
-PREFIX_CONFIGS = [(128, 128, 8, 3), (64, 128, 8, 3), (64, 128, 4, 3), (64, 128, 8, 4), (64, 128, 4, 4),
-                  (128, 64, 4, 3), (32, 128, 4, 5), (128, 128, 4, 2)]
+PREFIX_CONFIGS = [(32, 128, 4, 5), (64, 256, 8, 2), (32, 128, 4, 6), (64, 128, 4, 4), (128, 256, 8, 2)]
 PREFIX_SHAPES = [(2, 4096, 32768, 32, 8), (1, 2048, 131072, 32, 8)]
 DECODE_SHAPES = [(1, 1024, 32, 8), (8, 1024, 32, 8), (1, 8192, 32, 8), (8, 8192, 32, 8), (32, 8192, 32, 1),
                  (128, 8192, 32, 1), (8, 32768, 32, 1), (128, 1024, 32, 8)]
@@ -195,13 +185,13 @@ def main() -> None:
     parser.add_argument("--only", default="prefill,prefix,decode,fp8", help="comma-separated sweeps")
     parser.add_argument("--name", default="kernels_h200_sweep", help="results file stem under benchmarks/results/")
     parser.add_argument("--prefix-configs", help="replace the prefix candidates: BNxBMxWxS,... (e.g. 64x256x8x2)")
-    parser.add_argument("--prefill-configs", help="replace the D=128 prefill candidates: BMxBNxWxSxWS[xTMA],... "
-                        "(WS, TMA 0/1, e.g. 64x64x4x3x0 or 128x128x8x3x1x1)")
+    parser.add_argument("--prefill-configs", help="replace the D=128 prefill candidates: BMxBNxWxSxTMA,... "
+                        "(TMA 0/1, e.g. 128x128x8x3x1)")
     args = parser.parse_args()
     if args.prefix_configs:
         PREFIX_CONFIGS[:] = [tuple(int(x) for x in c.split("x")) for c in args.prefix_configs.split(",")]
     if args.prefill_configs:
-        PREFILL_CONFIGS[128] = [(*(int(x) for x in c.split("x")[:4]), *(x == "1" for x in c.split("x")[4:]))
+        PREFILL_CONFIGS[128] = [(*(int(x) for x in c.split("x")[:4]), c.split("x")[4] == "1")
                                 for c in args.prefill_configs.split(",")]
         PREFILL_CONFIGS.pop(64)
     results = dict(gpu=gpu_name(), torch=torch.__version__)

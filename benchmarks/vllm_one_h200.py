@@ -181,16 +181,15 @@ def profile_small_batch(llm, timers: dict) -> dict:
     for t in timers.values():
         t[:] = [0.0, 0]
     run = run_load(llm, "small-batch", load, seed=8)  # timers only: the profiler's own host cost stays out
-    steps = timers["build"][1]
+    (build_s, steps), (forward_s, calls) = timers["build"], timers["forward"]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         run_load(llm, "small-batch", load, seed=9)
     kernels = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
                       if e.device_time_total > 0), key=lambda x: -x[1])[:15]
-    return dict(run=run, steps=steps, step_ms=run["elapsed_s"] * 1e3 / max(steps, 1),
-                build_us_per_step=timers["build"][0] * 1e6 / max(steps, 1),
-                forward_calls_per_step=timers["forward"][1] / max(steps, 1),
-                forward_us_per_step=timers["forward"][0] * 1e6 / max(steps, 1),
+    steps = max(steps, 1)
+    return dict(run=run, steps=steps, step_ms=run["elapsed_s"] * 1e3 / steps, build_us_per_step=build_s * 1e6 / steps,
+                forward_calls_per_step=calls / steps, forward_us_per_step=forward_s * 1e6 / steps,
                 kernels_ms=[dict(name=k[:90], ms=round(ms, 3), count=c) for k, ms, c in kernels])
 
 

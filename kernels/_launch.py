@@ -131,13 +131,15 @@ class Launch:
     which is the kernel Triton's dispatch would pick for them: every other specialization input is fixed here.
     A replay hands the compiled launcher the tensors' addresses as ints: given a tensor it would call ``data_ptr()``
     again and ask the CUDA driver whether the address is device memory, a driver call per tensor and launch, which
-    the first launch of these tensors has already answered.
+    the first launch of these tensors has already answered. ``scratch``: the kernel needs Triton's global scratch
+    (device-side tensor descriptors); the compiled launcher allocates it per launch through ``_scratch``.
     """
 
-    __slots__ = ("kernel", "grid", "scalars", "constexprs", "options", "_compiled", "_aligned", "_tail", "_device")
+    __slots__ = ("kernel", "grid", "scalars", "constexprs", "options", "scratch", "_compiled", "_aligned", "_tail",
+                 "_device")
 
     def __init__(self, kernel, grid: tuple, scalars: tuple, constexprs: dict, *, num_warps: int,
-                 num_stages: int = 1) -> None:
+                 num_stages: int = 1, scratch: bool = False) -> None:
         self.kernel, self.grid, self.scalars, self.constexprs = kernel, tuple(grid) + (1,) * (3 - len(grid)), \
             scalars, constexprs
         self.options = {"num_warps": num_warps, "num_stages": num_stages}
@@ -145,8 +147,11 @@ class Launch:
         self._aligned = None
         self._tail = scalars + tuple(constexprs.values())  # the compiled launcher takes every parameter, in order
         self._device = None
+        self.scratch = scratch  # the kernel builds tensor descriptors on the device: it needs Triton's allocator
 
     def __call__(self, *tensors) -> None:
+        if self.scratch:  # Triton keeps the allocator per thread (a ContextVar): set it in the launching thread
+            triton.set_allocator(_scratch)
         if self._compiled is not None and not _launch_hooks():
             pointers = [t.data_ptr() for t in tensors]
             if _alignment(pointers) == self._aligned:
@@ -158,6 +163,12 @@ class Launch:
         if FAST_LAUNCH and self._compiled is None and hasattr(compiled, "packed_metadata"):
             self._compiled, self._aligned = compiled, _alignment([t.data_ptr() for t in tensors])
             self._device = tensors[0].device.index
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for a launch (device-side tensor descriptors), from torch's stream-ordered caching allocator
+    (its blocks are 512-byte aligned, more than the 128 bytes a descriptor needs)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _launch_hooks() -> bool:

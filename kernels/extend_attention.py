@@ -33,14 +33,15 @@ class ExtendConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    warp_specialize: bool = False  # Triton's automatic warp specialization of the unmasked key loop (sm_90+)
+    tma: bool = False  # K/V tiles through tensor descriptors (sm_90+ TMA), where the tensors allow (``_tma_ok``)
 
 
 # Hopper defaults for fp16/bf16 by padded head dim (the benchmark sweeps candidates through ``config=``).
-# H200, bf16, 2 x 4096 causal, 32 heads: D=64 317 TFLOP/s, D=128 392, D=256 358.
+# H200, bf16, 2 x 4096 causal, 32 Q / 8 KV heads: D=64 317 TFLOP/s, D=256 358; D=128 with K/V through tensor
+# descriptors 479, against 394 with pointer loads (benchmarks/results/kernels_h200_sweep2.json).
 GPU_CONFIGS = {
     64: ExtendConfig(block_m=128, block_n=128, num_warps=4, num_stages=3),
-    128: ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
+    128: ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True),
     256: ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
 }
 # fp32 tiles take twice the shared memory; fp32 is for tests, so one small tile fits every head dim.
@@ -50,21 +51,26 @@ INTERPRET_CONFIG = ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=
 
 
 @triton.jit
-def _attend_key_block(acc, l_i, m_i, q, k_base, v_base, n_start, seq_len, offs_m, offs_n, offs_d, qk_scale,
-                      stride_kt, stride_kd, stride_vt, stride_vd,
+def _attend_key_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, n_start, seq_len, offs_m, offs_n, offs_d,
+                      qk_scale, stride_kt, stride_kd, stride_vt, stride_vd,
                       HEAD_DIM: tl.constexpr, IS_DIAGONAL: tl.constexpr, MASK_KV: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
-    """One online-softmax step over keys ``n_start + offs_n``; scores in base-2 units."""
+                      DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    """One online-softmax step over keys ``n_start + offs_n``; scores in base-2 units. ``USE_TMA``: the tiles come
+    through the sequence's tensor descriptors, which read rows past its end as zeros, as the masked loads do."""
     offs_kn = n_start + offs_n
-    k_ptrs = k_base + offs_kn[:, None] * stride_kt + offs_d[None, :] * stride_kd
-    v_ptrs = v_base + offs_kn[:, None] * stride_vt + offs_d[None, :] * stride_vd
-    if MASK_KV:
-        kv_mask = (offs_kn < seq_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    if USE_TMA:
+        k = k_desc.load([n_start, 0])  # [BLOCK_N, BLOCK_D]
+        v = v_desc.load([n_start, 0])  # [BLOCK_N, BLOCK_D]
     else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
+        k_ptrs = k_base + offs_kn[:, None] * stride_kt + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + offs_kn[:, None] * stride_vt + offs_d[None, :] * stride_vd
+        if MASK_KV:
+            kv_mask = (offs_kn < seq_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
     if IS_DIAGONAL:
         # Rows past the sequence end see masked (zero) keys too; they are never stored.
@@ -90,7 +96,7 @@ def extend_attention_kernel(
     stride_ot, stride_oh, stride_od,
     stride_lt, stride_lh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Grid (num_q_programs + tail programs, local Q heads); tail programs write (0, -inf) to the padding rows past
     query_start_loc[num_reqs]."""
@@ -129,22 +135,31 @@ def extend_attention_kernel(
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     k_base = k_ptr + seq_start * stride_kt + kv_head * stride_kh
     v_base = v_ptr + seq_start * stride_vt + kv_head * stride_vh
+    if USE_TMA:  # descriptors over this sequence's rows of this KV head (stride 1 along D: checked on the host)
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[seq_len, HEAD_DIM], strides=[stride_kt, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[seq_len, HEAD_DIM], strides=[stride_vt, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_desc = k_base
+        v_desc = v_base
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Keys [0, m_start) all lie below every row of this block and inside the sequence: no mask.
-    for n_start in tl.range(0, m_start, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for n_start in range(0, m_start, BLOCK_N):
         acc, l_i, m_i = _attend_key_block(
-            acc, l_i, m_i, q, k_base, v_base, n_start, seq_len, offs_m, offs_n, offs_d, qk_scale,
+            acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, n_start, seq_len, offs_m, offs_n, offs_d, qk_scale,
             stride_kt, stride_kd, stride_vt, stride_vd,
             HEAD_DIM=HEAD_DIM, IS_DIAGONAL=False, MASK_KV=BLOCK_D != HEAD_DIM, DOT_PRECISION=DOT_PRECISION,
+            USE_TMA=USE_TMA,
         )
     for n_start in range(m_start, tl.minimum(m_start + BLOCK_M, seq_len), BLOCK_N):
         acc, l_i, m_i = _attend_key_block(
-            acc, l_i, m_i, q, k_base, v_base, n_start, seq_len, offs_m, offs_n, offs_d, qk_scale,
+            acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, n_start, seq_len, offs_m, offs_n, offs_d, qk_scale,
             stride_kt, stride_kd, stride_vt, stride_vd,
-            HEAD_DIM=HEAD_DIM, IS_DIAGONAL=True, MASK_KV=True, DOT_PRECISION=DOT_PRECISION,
+            HEAD_DIM=HEAD_DIM, IS_DIAGONAL=True, MASK_KV=True, DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA,
         )
 
     out = acc / l_i[:, None]
@@ -231,6 +246,18 @@ def plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_h
     # fp32 inputs: exact fp32 products (TF32 would cost ~1e-3 relative error).
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                      WARP_SPECIALIZE=cfg.warp_specialize)
+                      USE_TMA=cfg.tma and _tma_ok(q, k, v, head_dim))
     return Launch(extend_attention_kernel, grid, scalars, constexprs, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages)
+                  num_stages=cfg.num_stages, scratch=constexprs["USE_TMA"])
+
+
+def _tma_ok(q, k, v, head_dim: int) -> bool:
+    """Whether K and V can be read through tensor descriptors: Triton has them, the GPU is sm_90+ (or the
+    interpreter runs), the head dim is a power of two, and each tensor's base address, token stride and head stride
+    are multiples of 16 bytes with unit stride along D (a TMA copy's requirements)."""
+    if not hasattr(tl, "make_tensor_descriptor") or head_dim != next_pow2(head_dim):
+        return False
+    if not INTERPRET and (k.device.type != "cuda" or torch.cuda.get_device_capability(k.device)[0] < 9):
+        return False
+    return all(t.stride(2) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               and (t.stride(1) * t.element_size()) % 16 == 0 for t in (k, v))

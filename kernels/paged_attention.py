@@ -55,13 +55,14 @@ class PagedConfig:
 # caller promised one query row per request (max_query_len=1). D=128 decode: 128-token tiles, from an H200 sweep
 # (benchmarks/results/kernels_h200_tuning_sweep3.json, bf16, separate K/V caches): 1.1-1.3x the GB/s of 64-token
 # tiles with one KV head per rank (e.g. 32 x 8K: 2631 against 2037) and at batch 1, within 3% elsewhere. Longer
-# queries (the prefix pass, kernels_h200_sweep.json, 32 Q / 8 KV heads): 32-token tiles five stages deep, 331
-# TFLOP/s at 2 x 4K rows over 32K cached and 333 at 1 x 2K over 128K, against 276 for 128-token tiles two deep.
+# queries (the prefix pass, 32 Q / 8 KV heads, kernels_h200_sweep2.json): 256-row tiles of 64 tokens three stages
+# deep, 377 TFLOP/s at 2 x 4K rows over 32K cached and 395 at 1 x 2K over 128K, against 333 for 128-row tiles of
+# 32 tokens five deep and 276 for 128 x 128 two deep (kernels_h200_sweep.json).
 GPU_CONFIGS = {
     (64, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=3),
     (64, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=3),
     (128, True): PagedConfig(block_n=128, block_m=64, num_warps=4, num_stages=3),
-    (128, False): PagedConfig(block_n=32, block_m=128, num_warps=4, num_stages=5),
+    (128, False): PagedConfig(block_n=64, block_m=256, num_warps=8, num_stages=3),
     (256, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=2),
     (256, False): PagedConfig(block_n=64, block_m=64, num_warps=8, num_stages=2),
 }

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from dcp_plugin.kernels import reference
-from dcp_plugin.kernels.extend_attention import ExtendConfig, extend_attention
+from dcp_plugin.kernels.extend_attention import ExtendConfig, extend_attention, plan_extend
 from tests.kernel_checks import assert_matches, poisoned
 
 
@@ -15,7 +17,7 @@ def _cu(lengths: list[int]) -> torch.Tensor:
 
 
 def _check(lengths, *, num_q_heads, num_kv_heads, q_head_start, q_per_kv, kv_head_start, head_dim=64,
-           dtype=torch.float32, out_dtype=None, num_tokens=None, seed=0):
+           dtype=torch.float32, out_dtype=None, num_tokens=None, seed=0, config=None):
     gen = torch.Generator().manual_seed(seed)
     num_tokens = sum(lengths) if num_tokens is None else num_tokens
     q = torch.randn(num_tokens, num_q_heads, head_dim, generator=gen).to(dtype)
@@ -26,7 +28,7 @@ def _check(lengths, *, num_q_heads, num_kv_heads, q_head_start, q_per_kv, kv_hea
     out = poisoned(q.shape, out_dtype or dtype)
     lse = poisoned(q.shape[:2], torch.float32)
     got_out, got_lse = extend_attention(q, k, v, cu, max(lengths, default=0), scale=head_dim**-0.5, out=out, lse=lse,
-                                        **heads)
+                                        config=config, **heads)
     assert got_out is out and got_lse is lse
     want_out, want_lse = reference.extend_attention(q.double(), k.double(), v.double(), cu, max(lengths, default=0),
                                                     scale=head_dim**-0.5, **heads)
@@ -163,3 +165,32 @@ def test_deprecated_keyword_names_still_work_and_say_so():
     assert torch.isfinite(out).all()
     with pytest.raises(ValueError, match="pass query_start_loc only"):
         extend_attention(**{**_args(), "cu_seqlens": _cu([6])})
+
+
+# The Hopper selection (K/V through tensor descriptors) and the portable one, both under the interpreter.
+TMA = ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1, tma=True)
+
+
+@pytest.mark.parametrize("lengths", [[1], [5, 0, 17, 1], [63, 40]], ids=["len1", "mixed_with_empty", "two_long"])
+@pytest.mark.parametrize("head_map", [HEAD_MAPS["gqa3:1"], HEAD_MAPS["dcp_rank1_12q_3kv_offset"]], ids=["gqa3", "off"])
+def test_tensor_descriptor_path(lengths, head_map):
+    hq, hk, q_start, ratio, kv_start = head_map
+    _check(lengths, num_q_heads=hq, num_kv_heads=hk, q_head_start=q_start, q_per_kv=ratio, kv_head_start=kv_start,
+           dtype=torch.float16, num_tokens=sum(lengths) + 3, config=TMA)
+
+
+def _use_tma(k: torch.Tensor, config: ExtendConfig) -> bool:
+    q = torch.randn(k.shape[0], 2, k.shape[2])
+    cu = torch.tensor([0, k.shape[0]], dtype=torch.int32)
+    launch = plan_extend(q, k, k, torch.empty_like(q), torch.empty(q.shape[:2]), cu, k.shape[0], scale=0.125,
+                         q_head_start=0, q_per_kv=2, kv_head_start=0, config=config)
+    return launch.constexprs["USE_TMA"] and launch.scratch
+
+
+def test_tensor_descriptors_only_where_the_tensors_allow_them():
+    k = torch.randn(9, 1, 64)
+    assert _use_tma(k, TMA)
+    assert not _use_tma(k, dataclasses.replace(TMA, tma=False))
+    assert not _use_tma(torch.randn(9, 64, 1).transpose(1, 2), TMA), "stride along D is not 1"
+    assert not _use_tma(torch.randn(9 * 64 + 1)[1:].view(9, 1, 64), TMA), "base not 16-byte aligned"
+    assert not _use_tma(torch.randn(9, 1, 80), TMA), "head dim not a power of two"
