@@ -59,8 +59,8 @@ def _attend_key_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, n_start,
     through the sequence's tensor descriptors, which read rows past its end as zeros, as the masked loads do."""
     offs_kn = n_start + offs_n
     if USE_TMA:
-        k = k_desc.load([n_start, 0])  # [BLOCK_N, BLOCK_D]
-        v = v_desc.load([n_start, 0])  # [BLOCK_N, BLOCK_D]
+        k = k_desc.load([n_start.to(tl.int32), 0])  # [BLOCK_N, BLOCK_D]; descriptor offsets are 32-bit
+        v = v_desc.load([n_start.to(tl.int32), 0])  # [BLOCK_N, BLOCK_D]
     else:
         k_ptrs = k_base + offs_kn[:, None] * stride_kt + offs_d[None, :] * stride_kd
         v_ptrs = v_base + offs_kn[:, None] * stride_vt + offs_d[None, :] * stride_vd
@@ -136,9 +136,9 @@ def extend_attention_kernel(
     k_base = k_ptr + seq_start * stride_kt + kv_head * stride_kh
     v_base = v_ptr + seq_start * stride_vt + kv_head * stride_vh
     if USE_TMA:  # descriptors over this sequence's rows of this KV head (stride 1 along D: checked on the host)
-        k_desc = tl.make_tensor_descriptor(k_base, shape=[seq_len, HEAD_DIM], strides=[stride_kt, 1],
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[seq_len.to(tl.int32), HEAD_DIM], strides=[stride_kt, 1],
                                            block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(v_base, shape=[seq_len, HEAD_DIM], strides=[stride_vt, 1],
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[seq_len.to(tl.int32), HEAD_DIM], strides=[stride_vt, 1],
                                            block_shape=[BLOCK_N, BLOCK_D])
     else:
         k_desc = k_base
