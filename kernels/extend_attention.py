@@ -59,8 +59,8 @@ def _attend_key_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, n_start,
     through the sequence's tensor descriptors, which read rows past its end as zeros, as the masked loads do."""
     offs_kn = n_start + offs_n
     if USE_TMA:
-        k = k_desc.load([n_start.to(tl.int32), 0])  # [BLOCK_N, BLOCK_D]; descriptor offsets are 32-bit
-        v = v_desc.load([n_start.to(tl.int32), 0])  # [BLOCK_N, BLOCK_D]
+        k = k_desc.load([tl.cast(n_start, tl.int32), 0])  # [BLOCK_N, BLOCK_D]; descriptor offsets are 32-bit
+        v = v_desc.load([tl.cast(n_start, tl.int32), 0])  # [BLOCK_N, BLOCK_D]
     else:
         k_ptrs = k_base + offs_kn[:, None] * stride_kt + offs_d[None, :] * stride_kd
         v_ptrs = v_base + offs_kn[:, None] * stride_vt + offs_d[None, :] * stride_vd
