@@ -132,7 +132,7 @@ class Launch:
     A replay hands the compiled launcher the tensors' addresses as ints: given a tensor it would call ``data_ptr()``
     again and ask the CUDA driver whether the address is device memory, a driver call per tensor and launch, which
     the first launch of these tensors has already answered. ``scratch``: the kernel needs Triton's global scratch
-    (device-side tensor descriptors); the compiled launcher allocates it per launch through ``_scratch``.
+    (device-side tensor descriptors); the compiled launcher takes it from ``_scratch``.
     """
 
     __slots__ = ("kernel", "grid", "scalars", "constexprs", "options", "scratch", "_compiled", "_aligned", "_tail",
@@ -165,10 +165,26 @@ class Launch:
             self._device = tensors[0].device.index
 
 
+# Triton's global scratch (device-side tensor descriptors: a few hundred bytes per program), one buffer per stream,
+# grown when a launch needs more: a launch reuses the buffer of the stream's previous launch, which stream order has
+# finished with, so once the largest launch has run (the warm-up runs it) a step allocates nothing. A superseded
+# buffer is kept: a CUDA graph captured over it holds its address.
+_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}
+_SCRATCH_SUPERSEDED: list[torch.Tensor] = []
+
+
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global scratch for a launch (device-side tensor descriptors), from torch's stream-ordered caching allocator
-    (its blocks are 512-byte aligned, more than the 128 bytes a descriptor needs)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+    """Triton's allocator hook (``triton.set_allocator``): at least ``size`` bytes for a launch on ``stream``, from
+    torch's caching allocator (512-byte aligned, more than the 128 bytes a descriptor needs)."""
+    cuda = torch.cuda.is_available()
+    key = (torch.cuda.current_device() if cuda else -1, stream or 0)
+    buffer = _SCRATCH.get(key)
+    if buffer is None or buffer.numel() < size:
+        if buffer is not None:
+            _SCRATCH_SUPERSEDED.append(buffer)
+        grown = max(size, 2 * buffer.numel()) if buffer is not None else size
+        buffer = _SCRATCH[key] = torch.empty(grown, dtype=torch.int8, device="cuda" if cuda else "cpu")
+    return buffer
 
 
 def _launch_hooks() -> bool:
