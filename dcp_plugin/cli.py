@@ -113,7 +113,7 @@ def _heads(args: argparse.Namespace, attr: str, value: int, kind: str) -> str:
 
 def _check_model(parser: argparse.ArgumentParser, args: argparse.Namespace, model: ModelShape) -> None:
     """What the backend refuses (head size, MLA, sliding window), then the heads split over --tp as vLLM splits
-    them: each rank holds whole KV heads, so --tp divides the KV heads or is a multiple of them."""
+    them."""
     from dcp_plugin.planner import config_refusals
 
     if args.config:
@@ -126,16 +126,15 @@ def _check_model(parser: argparse.ArgumentParser, args: argparse.Namespace, mode
         if model.head_dim not in SUPPORTED_HEAD_DIMS:
             parser.error(f"--head-dim {model.head_dim}: dcp-triton supports head sizes "
                          f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
-    q, kv, tp = model.num_q_heads, model.num_kv_heads, args.tp
-    q_heads, kv_heads = _heads(args, "q_heads", q, "Q"), _heads(args, "kv_heads", kv, "KV")
+    from dcp_plugin.planner import vllm_tp_refusal
+
+    q, kv = model.num_q_heads, model.num_kv_heads
     if q % kv:
-        parser.error(f"{q_heads} is not a multiple of {kv_heads}: every KV head serves the same number of Q heads")
-    if q % tp:
-        parser.error(f"--tp {tp} must divide {q_heads}; use --tp in {_divisors(q)}")
-    if tp % kv if tp >= kv else kv % tp:
-        good = [t for t in _divisors(q) if t % kv == 0 or kv % t == 0]
-        parser.error(f"vLLM gives each rank whole KV heads, so --tp {tp} must divide {kv_heads} or be a multiple of "
-                     f"it; use --tp in {good}")
+        parser.error(f"{_heads(args, 'q_heads', q, 'Q')} is not a multiple of {_heads(args, 'kv_heads', kv, 'KV')}: "
+                     "every KV head serves the same number of Q heads")
+    reason = vllm_tp_refusal(num_q_heads=q, num_kv_heads=kv, tp_size=args.tp)
+    if reason is not None:
+        parser.error(f"--tp {args.tp}: {reason}")
 
 
 def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -245,6 +245,21 @@ def config_refusals(path: str | Path, *, head_dim: int) -> list[str]:
     return problems
 
 
+def vllm_tp_refusal(*, num_q_heads: int, num_kv_heads: int, tp_size: int) -> str | None:
+    """Why vLLM cannot split these heads over ``tp_size`` ranks, with the sizes that work; None when it can.
+    Each rank holds whole KV heads (one KV head may sit on several ranks) and the same number of Q heads."""
+    divisors = [d for d in range(1, num_q_heads + 1) if num_q_heads % d == 0]
+    if num_q_heads % num_kv_heads:
+        return f"{num_q_heads} Q heads are not a multiple of {num_kv_heads} KV heads"
+    if num_q_heads % tp_size:
+        return f"it must divide the {num_q_heads} Q heads; use one of {divisors}"
+    if tp_size % num_kv_heads if tp_size >= num_kv_heads else num_kv_heads % tp_size:
+        good = [t for t in divisors if t % num_kv_heads == 0 or num_kv_heads % t == 0]
+        return (f"vLLM gives each rank whole KV heads, so it must divide the {num_kv_heads} KV heads or be a multiple "
+                f"of them; use one of {good}")
+    return None
+
+
 def vllm_dcp_refusal(*, num_q_heads: int, num_kv_heads: int, tp_size: int, dcp_size: int) -> str | None:
     """Why vLLM (its engine config) or dcp-triton (whose DCP group must share one KV head) refuses ``dcp_size`` for
     these heads at ``tp_size``, in the flags' words; None when it runs. DCP groups are consecutive TP ranks."""

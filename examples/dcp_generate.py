@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         kernels_help=f"kernel path of the backend (default: ${_shared.KERNEL_ENV} or triton)")
     p.add_argument("--plan-only", action="store_true", help="print the plan table and exit (no GPU needed)")
     args = p.parse_args(argv)
-    _shared.check_engine_args(p, args, sizes=("kv_heads",))
+    _shared.check_engine_args(p, args, gpu=True, sizes=("kv_heads",))  # GPUs are counted in main
     if args.model is not None and args.kv_heads is not None:
         p.error("--kv-heads shapes the default random model; it cannot be combined with --model")
     return args

@@ -158,7 +158,7 @@ def test_non_positive_sizes_are_refused_by_flag(flag, capsys):
          "--dcp 2 at --tp 8: tp 8 is not more than the 8 KV heads: every rank already stores KV heads of its own, "
          "so there is no duplicate to remove; use --dcp in [1]"),
         (["--q-heads", "8", "--kv-heads", "1", "--head-dim", "64", "--layers", "1", "--tp", "16"],
-         "--tp 16 must divide --q-heads 8; use --tp in [1, 2, 4, 8]"),
+         "--tp 16: it must divide the 8 Q heads; use one of [1, 2, 4, 8]"),
         (["--q-heads", "32", "--kv-heads", "8", "--head-dim", "100", "--layers", "1"],
          "--head-dim 100: dcp-triton supports head sizes 64, 80, 96, 128, 256"),
         (SHAPE + ["--tp", "4", "--dcp", "3"],
@@ -167,12 +167,12 @@ def test_non_positive_sizes_are_refused_by_flag(flag, capsys):
          "--kv-budget-gib must be a number > 0 (GiB of KV cache per rank), got -1.0"),
         (GQA4 + ["--kv-budget-gib", "inf"],
          "--kv-budget-gib must be a number > 0 (GiB of KV cache per rank), got inf"),
-        (SHAPE + ["--tp", "3"], "--tp 3 must divide --q-heads 32; use --tp in [1, 2, 4, 8, 16, 32]"),
+        (SHAPE + ["--tp", "3"], "--tp 3: it must divide the 32 Q heads; use one of [1, 2, 4, 8, 16, 32]"),
         (["--q-heads", "9", "--kv-heads", "4", "--head-dim", "64", "--layers", "1"],
          "--q-heads 9 is not a multiple of --kv-heads 4: every KV head serves the same number of Q heads"),
         (["--q-heads", "24", "--kv-heads", "4", "--head-dim", "64", "--layers", "1", "--tp", "6"],
-         "vLLM gives each rank whole KV heads, so --tp 6 must divide --kv-heads 4 or be a multiple of it; "
-         "use --tp in [1, 2, 4, 8, 12, 24]"),
+         "--tp 6: vLLM gives each rank whole KV heads, so it must divide the 4 KV heads or be a multiple of them; "
+         "use one of [1, 2, 4, 8, 12, 24]"),
     ],
 )
 def test_plan_errors_name_the_flag_and_what_works(argv, error, capsys):
@@ -193,7 +193,7 @@ def test_tp_zero_is_refused_not_divided_by(capsys):
         ({"num_attention_heads": 0, "hidden_size": 64, "num_hidden_layers": 2}, [],
          ": num_attention_heads is 0, not a positive int; override it with --q-heads"),
         ({"num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "num_hidden_layers": 2}, ["--tp", "4"],
-         "--tp 4 must divide the 9 Q heads of --config; use --tp in [1, 3, 9]"),
+         "--tp 4: it must divide the 9 Q heads; use one of [1, 3, 9]"),
         ("not json", [], ": not a JSON file (Expecting value"),
         ([1, 2], [], ": a config.json holds a JSON object, this one holds a list"),
     ],
