@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Build dcp-triton's wheel, install it (not editable) into a fresh venv with its declared dependencies (torch
-# linked from .venv, every other one installed by pip), and check what an installed copy must provide: the
-# vllm.general_plugins entry point dcp_triton -> dcp_plugin.plugin:register (which, with no vLLM installed there,
-# logs one warning and registers nothing) and the `dcp-triton plan` command.
+# Build dcp-triton's sdist and wheel (`python -m build`, as a release would) and check their metadata renders on
+# PyPI (`twine check --strict`), then install the wheel (not editable) into a fresh venv with its declared
+# dependencies (torch linked from .venv, every other one installed by pip), and check what an installed copy must
+# provide: the vllm.general_plugins entry point dcp_triton -> dcp_plugin.plugin:register (which, with no vLLM
+# installed there, logs one warning and registers nothing) and the `dcp-triton plan` command.
 # Run from the repository root once .venv has torch (`make check-wheel`; its pip builds the wheel and installs into
 # the venv). The wheel is built from a copy of the checkout's tracked files, so nothing here is written to (an
 # editable install of .venv may be building beside it, .ci/run does that) and no build folder leaks into the wheel.
@@ -20,9 +21,11 @@ else
   tar -cf - --exclude=./.git --exclude='./.venv*' --exclude=./.cache --exclude=./build --exclude=./dist \
     --exclude='*.egg-info' --exclude=__pycache__ .
 fi | tar -xf - -C "$tmp/src"
-"$py" -m pip wheel "$tmp/src" -q --no-deps -w "$tmp/dist"
+"$py" -m venv "$tmp/tools"
+"$tmp/tools/bin/python" -m pip install -q build==1.6.1 twine==7.0.0
+"$tmp/tools/bin/python" -m build -q --sdist --wheel --outdir "$tmp/dist" "$tmp/src" >/dev/null
+"$tmp/tools/bin/python" -m twine check --strict "$tmp"/dist/*
 wheel=$(echo "$tmp"/dist/dcp_triton-*.whl)
-grep -qF "$(basename "$wheel")" README.md || { echo "check_wheel: README.md does not name $(basename "$wheel")"; exit 1; }
 "$py" -m venv --without-pip "$tmp/venv"
 venv_py=$tmp/venv/bin/python
 # .venv's CPU torch, and nothing else of .venv, is reachable from the venv: a folder of links to torch's top-level

@@ -29,7 +29,7 @@ START_TIMEOUT_S = 600
 def readme_cpu_server_command() -> list[str]:
     """The README's one ``python -m vllm.entrypoints.openai.api_server`` command (a shell line of a code block)."""
     readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```(?:bash|sh)?\n(.*?)```", readme, flags=re.S)
+    blocks = [body for lang, body in re.findall(r"```(\w*)\n(.*?)```", readme, flags=re.S) if lang == ""]
     lines = [line.split(" #")[0].strip() for block in blocks for line in block.splitlines()]
     (line,) = [line for line in lines if line.startswith("python -m vllm.entrypoints.openai.api_server")]
     return shlex.split(line)
