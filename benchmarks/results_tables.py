@@ -20,15 +20,20 @@ DECODE_HEADER = ["| decode, % of copy bandwidth (graph) | dcp-triton | FA3 | dcp
                  "| vLLM unified (TRITON_ATTN) | vLLM split-KV decode |", "|---|---|---|---|---|---|"]
 
 
+def ratio(ours: float, peer: float) -> str:
+    """``ours / peer`` as ``1.23x``, in bold where dcp-triton leads."""
+    text = f"{ours / peer:.2f}x"
+    return f"**{text}**" if ours >= peer else text
+
+
 def decode_rows(kernels: dict) -> list[str]:
     """One row per decode shape of a ``bench_kernels.py`` result, in its order: CUDA-graph replay, % of the copy
     bandwidth measured in the same run; the ratio in bold where dcp-triton leads FA3."""
     rows = []
     for r in kernels["decode"]:
         ours, fa3 = r["ours_graph_pct_copy"], r["fa3_graph_pct_copy"]
-        ratio = f"{ours / fa3:.2f}x"
         rows.append(f"| {r['batch']} x {r['ctx'] // 1024}K, {r['q_heads']} Q / {r['kv_heads']} KV | {ours:.1f} | "
-                    f"{fa3:.1f} | {f'**{ratio}**' if ours >= fa3 else ratio} | "
+                    f"{fa3:.1f} | {ratio(ours, fa3)} | "
                     f"{r['vllm_unified_graph_pct_copy']:.1f} | {r['vllm_decode_graph_pct_copy']:.1f} |")
     return rows
 
@@ -53,9 +58,8 @@ def vllm_dcp2_rows(vllm_dcp: dict) -> list[str]:
     for load, t in _dcp2_throughput(vllm_dcp).items():
         requests, prompt, output = vllm_dcp["meta"]["loads"][load]
         ours, peer = t["dcp_triton_dcp2_ag_rs"], t["flash_attn_dcp2"]
-        ratio = f"{ours / peer:.2f}x"
         rows.append(f"| {load}: {requests} x {prompt} -> {output} | {ours:,.0f} | {t['dcp_triton_dcp2_a2a']:,.0f} | "
-                    f"{peer:,.0f} | {f'**{ratio}**' if ours >= peer else ratio} | {t['dcp_triton_dcp1']:,.0f} | "
+                    f"{peer:,.0f} | {ratio(ours, peer)} | {t['dcp_triton_dcp1']:,.0f} | "
                     f"{t['flash_attn_dcp1']:,.0f} |")
     return rows
 
