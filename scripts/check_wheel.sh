@@ -4,9 +4,10 @@
 # dependencies (torch linked from .venv, every other one installed by pip), and check what an installed copy must
 # provide: the vllm.general_plugins entry point dcp_triton -> dcp_plugin.plugin:register (which, with no vLLM
 # installed there, logs one warning and registers nothing) and the `dcp-triton plan` command.
-# Run from the repository root once .venv has torch (`make check-wheel`; its pip builds the wheel and installs into
-# the venv). The wheel is built from a copy of the checkout's tracked files, so nothing here is written to (an
-# editable install of .venv may be building beside it, .ci/run does that) and no build folder leaks into the wheel.
+# Run from the repository root once .venv has torch (`make check-wheel`; a venv of its own builds, .venv's pip
+# installs into the fresh venv). The wheel is built from a copy of the checkout's tracked files, so nothing here is
+# written to (an editable install of .venv may be building beside it, .ci/run does that) and no build folder leaks
+# into the wheel.
 set -euo pipefail
 py=$PWD/.venv/bin/python
 tmp=$(mktemp -d)
@@ -23,7 +24,8 @@ else
 fi | tar -xf - -C "$tmp/src"
 "$py" -m venv "$tmp/tools"
 "$tmp/tools/bin/python" -m pip install -q build==1.6.1 twine==7.0.0
-"$tmp/tools/bin/python" -m build -q --sdist --wheel --outdir "$tmp/dist" "$tmp/src" >/dev/null
+"$tmp/tools/bin/python" -m build --sdist --wheel --outdir "$tmp/dist" "$tmp/src" > "$tmp/build.log" 2>&1 ||
+    { cat "$tmp/build.log"; echo "check_wheel: python -m build failed"; exit 1; }
 "$tmp/tools/bin/python" -m twine check --strict "$tmp"/dist/*
 wheel=$(echo "$tmp"/dist/dcp_triton-*.whl)
 "$py" -m venv --without-pip "$tmp/venv"
