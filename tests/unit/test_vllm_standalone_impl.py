@@ -1,10 +1,10 @@
 """The impl built as vLLM's own attention-backend tests build every backend: outside an engine.
 
-vLLM's ``tests/v1/attention/test_attention_backends.py`` sets a default ``VllmConfig`` as the current config (no
-model in it), initializes no TP/DCP group, builds the backend's metadata builder with a config that does have a
-model, then the impl from its constructor arguments alone, and runs ``forward`` on a paged cache it filled itself
-with every request's context. This test does the same, on vLLM's batch shapes and the head counts of a
-Llama-3-8B-like model at tp 1, 2 and 4, and compares with float64 attention over whole sequences.
+vLLM's attention-backend unit tests set a default ``VllmConfig`` as the current config (no model in it), initialize
+no TP/DCP group, build the backend's metadata builder with a config that does have a model, then the impl from its
+constructor arguments alone, and run ``forward`` on a paged cache they filled with every request's context. This
+test does the same, on vLLM's batch shapes and the head counts of a Llama-3-8B-like model at tp 1, 2 and 4, and
+compares with float64 attention over whole sequences.
 """
 
 from __future__ import annotations
