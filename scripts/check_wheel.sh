@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Build dcp-triton's wheel, install it (not editable) into a fresh venv with its declared dependencies (torch
-# linked from .venv, every other one installed by pip), and check what an installed copy must provide: the
-# vllm.general_plugins entry point dcp_triton -> dcp_plugin.plugin:register (which, with no vLLM installed there,
-# logs one warning and registers nothing) and the `dcp-triton plan` command.
-# Run from the repository root once .venv has torch (`make check-wheel`; its pip builds the wheel and installs into
-# the venv). The wheel is built from a copy of the checkout's tracked files, so nothing here is written to (an
-# editable install of .venv may be building beside it, .ci/run does that) and no build folder leaks into the wheel.
+# Build dcp-triton's sdist and wheel (`python -m build`, as a release would) and check their metadata renders on
+# PyPI (`twine check --strict`), then install the wheel (not editable) into a fresh venv with its declared
+# dependencies (torch linked from .venv, every other one installed by pip), and check what an installed copy must
+# provide: the vllm.general_plugins entry point dcp_triton -> dcp_plugin.plugin:register (which, with no vLLM
+# installed there, logs one warning and registers nothing) and the `dcp-triton plan` command.
+# Run from the repository root once .venv has torch (`make check-wheel`; a venv of its own builds, .venv's pip
+# installs into the fresh venv). The wheel is built from a copy of the checkout's tracked files, so nothing here is
+# written to (an editable install of .venv may be building beside it, .ci/run does that) and no build folder leaks
+# into the wheel.
 set -euo pipefail
 py=$PWD/.venv/bin/python
 tmp=$(mktemp -d)
@@ -20,9 +22,12 @@ else
   tar -cf - --exclude=./.git --exclude='./.venv*' --exclude=./.cache --exclude=./build --exclude=./dist \
     --exclude='*.egg-info' --exclude=__pycache__ .
 fi | tar -xf - -C "$tmp/src"
-"$py" -m pip wheel "$tmp/src" -q --no-deps -w "$tmp/dist"
+"$py" -m venv "$tmp/tools"
+"$tmp/tools/bin/python" -m pip install -q build==1.6.1 twine==7.0.0
+"$tmp/tools/bin/python" -m build --sdist --wheel --outdir "$tmp/dist" "$tmp/src" > "$tmp/build.log" 2>&1 ||
+    { cat "$tmp/build.log"; echo "check_wheel: python -m build failed"; exit 1; }
+"$tmp/tools/bin/python" -m twine check --strict "$tmp"/dist/*
 wheel=$(echo "$tmp"/dist/dcp_triton-*.whl)
-grep -qF "$(basename "$wheel")" README.md || { echo "check_wheel: README.md does not name $(basename "$wheel")"; exit 1; }
 "$py" -m venv --without-pip "$tmp/venv"
 venv_py=$tmp/venv/bin/python
 # .venv's CPU torch, and nothing else of .venv, is reachable from the venv: a folder of links to torch's top-level
@@ -70,5 +75,5 @@ print(f"check_wheel: entry point {point.name} = {point.value}, dcp_plugin from {
 PY
 echo '{"num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": 4}' > config.json
 "$tmp/venv/bin/dcp-triton" plan --config config.json --tp 8 --dcp 4 --kv-budget-gib 40 > plan.txt
-grep -q "capacity gain" plan.txt || { cat plan.txt; echo "check_wheel: dcp-triton plan printed no capacity gain"; exit 1; }
+grep -q "^legend:" plan.txt || { cat plan.txt; echo "check_wheel: dcp-triton plan printed no comparison"; exit 1; }
 echo "check_wheel: $(basename "$wheel") installs; dcp-triton plan runs"

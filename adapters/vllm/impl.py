@@ -89,7 +89,10 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         self._attention: dict[TokenLayout, DcpAttention] = {}
         self._kv_views: tuple | None = None  # (kv_cache, key view, value view) of the last cache seen
         self._warm = False  # this layer's kernel variants are compiled (checked once, not per call)
-        self.workspace = _shared_workspace(self.topology, head_size, model_dtype, ops, vllm_config)
+        # One workspace per worker, counted by vLLM's memory profiling; outside an engine (no model config, so no
+        # dtype or step size to plan for) each layer sizes its own on its first step.
+        self.workspace = None if model_config is None else \
+            _shared_workspace(self.topology, head_size, model_dtype, ops, vllm_config)
         self._log_startup()
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -169,7 +172,7 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
             )
         attention = DcpAttention(
             heads=heads, tokens=tokens, group=self.topology.group, scale=self.scale, comm=self.topology.comm,
-            ops=self._ops, workspace=self.workspace if self.workspace.heads == heads else None,
+            ops=self._ops, workspace=self.workspace if self.workspace and self.workspace.heads == heads else None,
         )
         self._attention[tokens] = attention
         return attention
@@ -199,7 +202,6 @@ def _shared_workspace(topology, head_size: int, dtype, ops, vllm_config) -> DcpW
         torch.device("cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    dtype = dtype or torch.get_default_dtype()
     max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
     key = (topology.heads, head_size, dtype, device, topology.comm, max_tokens)
     if key not in _workspaces:

@@ -77,8 +77,16 @@ def route_cpu_attn(*, reason: str) -> None:
     if AttentionBackendEnum.CPU_ATTN.get_path() == BACKEND_PATH:
         return
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+    logging.getLogger("vllm.platforms.cpu").addFilter(_drop_cannot_use_notice)
     _cpu_route["reason"] = reason
     logger.info("dcp-triton: CPU_ATTN now resolves to %s in process %d (%s)", BACKEND_PATH, os.getpid(), reason)
+
+
+def _drop_cannot_use_notice(record: logging.LogRecord) -> bool:
+    """vLLM's CPU platform logs "Cannot use <selected backend> backend on CPU." and returns ``CPU_ATTN``, which this
+    process routes to dcp-triton: for dcp-triton that line says the opposite of what happens, so it is dropped."""
+    message = record.getMessage()
+    return not (cpu_route() and message.startswith("Cannot use ") and BACKEND_NAME in message)
 
 
 def _claim_custom_slot(enum_cls, register_backend):

@@ -105,27 +105,29 @@ def check_layer(**options) -> None:
 
 
 def select_kernels() -> tuple[str, ModuleType]:
-    """``(description, ops)``: the kernel namespace chosen by ``DCP_TRITON_KERNELS`` (default ``triton``).
-
-    ``reference`` runs the torch references (``dcp_plugin.kernels.reference``): on CPU they are far faster than
-    Triton kernels under the interpreter.
+    """``(description, ops)``: the kernel namespace ``DCP_TRITON_KERNELS`` names, by default the fastest exact one:
+    the Triton kernels on a GPU, the torch references (``dcp_plugin.kernels.reference``, exact and far faster than
+    Triton's interpreter) without one. ``DCP_TRITON_KERNELS=triton`` runs the Triton kernels interpreted on CPU.
     """
-    choice = os.environ.get(KERNELS_ENV, "triton").strip().lower()
-    if choice == "reference":
-        from dcp_plugin.kernels import reference
-
-        return "reference (torch, dcp_plugin.kernels.reference)", reference
-    if choice != "triton":
-        raise ValueError(f"{KERNELS_ENV}={choice!r} is not a kernel path; use one of {list(KERNEL_CHOICES)}")
     from dcp_plugin import kernels
 
+    asked = os.environ.get(KERNELS_ENV, "").strip().lower()
+    choice = asked or ("reference" if kernels.INTERPRET else "triton")
+    if choice == "reference":
+        why = f"{KERNELS_ENV}=reference" if asked else f"the default without a GPU; {KERNELS_ENV}=triton interprets " \
+            "the Triton kernels"
+        from dcp_plugin.kernels import reference
+
+        return f"reference (torch, dcp_plugin.kernels.reference; {why})", reference
+    if choice != "triton":
+        raise ValueError(f"{KERNELS_ENV}={choice!r} is not a kernel path; use one of {list(KERNEL_CHOICES)}")
     if not kernels.INTERPRET:
         return "triton", kernels
     if not _triton_imported_interpreted():
         raise ValueError(
             "the Triton interpreter is needed (no GPU), but triton was imported in this process before "
             "TRITON_INTERPRET=1 was set, so its own jit helpers cannot run interpreted. Export TRITON_INTERPRET=1 "
-            f"before starting vLLM, or set {KERNELS_ENV}=reference"
+            f"before starting vLLM, or unset {KERNELS_ENV} (the torch references)"
         )
     return "triton (interpreter, TRITON_INTERPRET=1)", kernels
 
@@ -157,10 +159,11 @@ def check_kernel_dtype(description: str, ops: ModuleType, dtype: torch.dtype | N
     if interpreted and dtype == torch.bfloat16:
         raise ValueError(
             "dtype=bfloat16 with the Triton interpreter (no GPU): the interpreter computes bf16 matrix products "
-            f"wrongly; use dtype='float32' or 'float16', or {KERNELS_ENV}=reference"
+            f"wrongly; serve with --dtype float32 (LLM(dtype='float32')) or float16, or unset {KERNELS_ENV} (the "
+            "torch references)"
         )
     if interpreted and kv_cache_dtype in FP8_KV_CACHE_DTYPES:
         raise ValueError(
             f"kv_cache_dtype={kv_cache_dtype!r} with the Triton interpreter (no GPU): the interpreter rounds float32 "
-            f"to fp8 wrongly; use kv_cache_dtype='auto', or {KERNELS_ENV}=reference"
+            f"to fp8 wrongly; use --kv-cache-dtype auto, or unset {KERNELS_ENV} (the torch references)"
         )

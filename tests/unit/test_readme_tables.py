@@ -1,6 +1,6 @@
-"""README.md's kernel table is the committed benchmark result: every decode row that
-``benchmarks/results_tables.py`` derives from ``benchmarks/results/kernels_h200.json`` is in the README, and the
-README's table has no other row."""
+"""The README's headline numbers and docs/performance.md's tables are the committed benchmark results: every block a
+page marks as generated equals what ``benchmarks/results_tables.py`` derives from ``benchmarks/results/*.json``
+(``python benchmarks/results_tables.py --write`` rewrites them after a new run)."""
 
 from __future__ import annotations
 
@@ -8,20 +8,27 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import results_tables  # noqa: E402
 
+EXPECTED_BLOCKS = {"README.md": {"headlines"}, "docs/performance.md": {"vllm_dcp2", "decode"}}
 
-def test_readme_decode_table_is_the_committed_result():
+
+@pytest.mark.parametrize("page", results_tables.PAGES)
+def test_generated_blocks_are_the_committed_results(page):
+    held = results_tables.page_blocks((ROOT / page).read_text())
+    assert set(held) == EXPECTED_BLOCKS[page]
+    generated = results_tables.blocks()
+    for name, lines in held.items():
+        assert lines == generated[name], f"{page}: block {name} differs; run python benchmarks/results_tables.py --write"
+
+
+def test_decode_table_has_every_shape_of_the_run():
     kernels = json.loads((ROOT / "benchmarks" / "results" / "kernels_h200.json").read_text())
-    readme = (ROOT / "README.md").read_text().splitlines()
-    start = readme.index(results_tables.DECODE_HEADER[0])
-    table = []
-    for line in readme[start:]:
-        if not line.startswith("|"):
-            break
-        table.append(line)
+    table = results_tables.blocks()["decode"]
     assert table == results_tables.DECODE_HEADER + results_tables.decode_rows(kernels)
     assert len(table) == 2 + len(kernels["decode"]) == 30  # every shape of the run, none left out
 
@@ -33,3 +40,27 @@ def test_rows_bold_the_ratio_only_where_dcp_triton_leads():
     assert results_tables.decode_rows({"decode": [row, behind]}) == [
         "| 8 x 8K, 32 Q / 1 KV | 50.0 | 40.0 | **1.25x** | 10.0 | 20.0 |",
         "| 8 x 8K, 32 Q / 1 KV | 30.0 | 40.0 | 0.75x | 10.0 | 20.0 |"]
+
+
+def test_headlines_from_hand_made_results():
+    throughput = [{"group": "tp2", "mode": "graphs", "load": load, "config": config, "output_tok_s": tok_s}
+                  for load, ours, peer in (("decode", 90.0, 100.0), ("prefill", 120.0, 100.0))
+                  for config, tok_s in (("dcp_triton_dcp2_ag_rs", ours), ("flash_attn_dcp2", peer))]
+    vllm_dcp = {"meta": {"vllm": "0.26.0", "gpu": "GPU X", "config": {"num_attention_heads": 16,
+                                                                     "num_key_value_heads": 1}},
+                "kv_capacity": [{"config": "dcp_triton_dcp1", "mode": "graphs", "kv_cache_tokens": 1000},
+                                {"config": "dcp_triton_dcp2_ag_rs", "mode": "graphs", "kv_cache_tokens": 2000}],
+                "summary": {"fp32_max_abs_logprob_diff": 1.5e-6}, "throughput": throughput}
+    kernels = {"gpu": "GPU X", "decode": [{"ours_graph_pct_copy": 45.0, "fa3_graph_pct_copy": 50.0},
+                                          {"ours_graph_pct_copy": 99.0, "fa3_graph_pct_copy": 90.0}]}
+    text = "\n".join(results_tables.headline_rows(vllm_dcp, kernels))
+    assert "**2.0x the KV cache at DCP = 2**: 2,000 tokens against 1,000" in text
+    assert "(16 Q / 1 KV heads), float32 prompt logprobs within 1.5e-06" in text
+    assert "**0.90x-1.20x the output tokens/s of vLLM's FLASH_ATTN at DCP = 2**" in text
+    assert "**Decode kernel at 0.90x-1.10x FlashAttention-3** over 2 shapes on one GPU X, up to 99.0%" in text
+
+
+def test_write_replaces_only_the_marked_blocks():
+    page = "intro\n<!-- generated: decode -->\nstale\n<!-- end generated -->\noutro\n"
+    assert results_tables.rewrite(page, {"decode": ["a", "b"]}) == \
+        "intro\n<!-- generated: decode -->\na\nb\n<!-- end generated -->\noutro\n"

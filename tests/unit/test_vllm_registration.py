@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import subprocess
@@ -149,6 +150,29 @@ def test_cpu_opt_in_env_routes_cpu_attn(monkeypatch, cpu_attn_restored):
     registration.register()
     assert AttentionBackendEnum.CPU_ATTN.get_path() == registration.BACKEND_PATH
     assert registration.cpu_route() == "DCP_TRITON_CPU=1"
+
+
+def test_vllms_cannot_use_notice_is_dropped_once_cpu_attn_is_routed(monkeypatch, cpu_attn_restored):
+    """vLLM's CPU platform logs "Cannot use ... backend on CPU." for a selected backend; routed, that is untrue."""
+    selector = AttentionSelectorConfig(head_size=64, dtype=torch.float32, kv_cache_dtype=None, block_size=None)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    cpu_logger = logging.getLogger("vllm.platforms.cpu")
+    cpu_logger.addHandler(handler)
+    monkeypatch.setattr(cpu_logger, "level", logging.INFO)  # an INFO line, whatever this process's log level
+    try:
+        registration.register()
+        CpuPlatform.get_attn_backend_cls(AttentionBackendEnum.DCP_TRITON, selector)
+        before = [r.getMessage() for r in records]
+        monkeypatch.setenv(registration.CPU_OPT_IN_ENV, "1")
+        registration.register()
+        records.clear()
+        CpuPlatform.get_attn_backend_cls(AttentionBackendEnum.DCP_TRITON, selector)
+    finally:
+        cpu_logger.removeHandler(handler)
+    assert "Cannot use AttentionBackendEnum.DCP_TRITON backend on CPU." in before
+    assert not [r for r in records if r.getMessage().startswith("Cannot use")]
 
 
 def test_without_a_choice_cpu_attn_stays_vllms(cpu_attn_restored):
