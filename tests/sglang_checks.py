@@ -50,7 +50,8 @@ def server_args(argv: list[str]):
     load_plugins()
 
     args = prepare_server_args(argv)
-    args.resolve_once()
+    if hasattr(args, "resolve_once"):  # 0.5.23 resolves on request; 0.5.17 while it builds the object
+        args.resolve_once()
     return args
 
 
@@ -110,9 +111,9 @@ class SglangRank:
         kv = slice(h.kv_head_start, h.kv_head_start + h.num_kv_heads)
         return q.to(dtype), self.world.keys[b][positions][:, kv].to(dtype), self.world.values[b][positions][:, kv].to(dtype)
 
-    def step(self, new: dict[int, int]):
-        """One forward of every layer adding ``new[b]`` tokens to request ``b`` (decode when all are 1 and cached):
-        returns ``(outputs per layer [T, H, D], positions per request)``."""
+    def allocate(self, new: dict[int, int]):
+        """Allocate this step's slots with SGLang's allocator, record them in its request table and describe the step
+        as SGLang's ``ForwardBatch`` (decode when every request adds one token to a cached prefix)."""
         from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
@@ -136,22 +137,30 @@ class SglangRank:
             self.slots[b] += loc[start:start + len(p)].tolist()
             self.lens[b] += len(p)
             start += len(p)
-        rpi = torch.tensor(reqs, dtype=torch.int64)
         fields = dict(seq_lens_cpu=seq, positions=torch.cat(positions))
         if not decode:
             fields.update(extend_num_tokens=int(counts.sum()), extend_seq_lens=counts, extend_prefix_lens=prefix,
                           extend_start_loc=torch.cumsum(counts, 0) - counts, extend_prefix_lens_cpu=prefix.tolist(),
                           extend_seq_lens_cpu=counts.tolist())
         fb = ForwardBatch(forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND, batch_size=len(reqs),
-                          input_ids=torch.zeros(int(counts.sum()), dtype=torch.int64), req_pool_indices=rpi,
-                          seq_lens=seq, out_cache_loc=loc, seq_lens_sum=int(seq.sum()), **fields)
-        self.backend.init_forward_metadata(fb)
+                          input_ids=torch.zeros(int(counts.sum()), dtype=torch.int64),
+                          req_pool_indices=torch.tensor(reqs, dtype=torch.int64), seq_lens=seq, out_cache_loc=loc,
+                          seq_lens_sum=int(seq.sum()), **fields)
+        return fb, dict(zip(reqs, positions))
+
+    def forward(self, fb, positions: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        """Every layer's output ``[T, H, D]`` of the step ``fb`` (its metadata already built)."""
         outs = []
         for layer in self.layers:
-            q, k, v = (torch.cat(t) for t in zip(*(self._qkv(b, p) for b, p in zip(reqs, positions))))
-            out = self.backend.forward(q.flatten(1), k, v, layer, fb)
-            outs.append(out.view(q.shape))
-        return outs, dict(zip(reqs, positions))
+            q, k, v = (torch.cat(t) for t in zip(*(self._qkv(b, p) for b, p in positions.items())))
+            outs.append(self.backend.forward(q.flatten(1), k, v, layer, fb).view(q.shape))
+        return outs
+
+    def step(self, new: dict[int, int]):
+        """One eager step adding ``new[b]`` tokens to request ``b``: ``(outputs per layer, positions per request)``."""
+        fb, positions = self.allocate(new)
+        self.backend.init_forward_metadata(fb)
+        return self.forward(fb, positions), positions
 
     def check_cache(self, layer_id: int = 0) -> None:
         """Each token this rank owns sits at row ``widened slot // N`` of SGLang's pool (SGLang's placement)."""
