@@ -224,3 +224,52 @@ def test_decode_graph_hooks_replay_on_fixed_addresses():
         want = torch.cat([causal_attention_f64(state.world, b, p, range(8)) for b, p in positions.items()])
         for out in state.forward(fb, positions):
             assert_matches(out, want, out.dtype, f"replay {step}")
+
+
+REFUSALS = {
+    "sliding window 4096": lambda r: setattr(r, "sliding_window_size", 4096),
+    "MLA model": lambda r: setattr(r, "use_mla_backend", True),
+    "encoder-decoder model": lambda r: setattr(r.model_config, "is_encoder_decoder", True),
+    "attention_chunk_size=8192": lambda r: setattr(r.model_config, "attention_chunk_size", 8192),
+    "--kv-cache-dtype": lambda r: setattr(r, "kv_cache_dtype", torch.float8_e4m3fn),
+    "head_dim=72": lambda r: setattr(r.model_config, "head_dim", 72),
+    "layer 1: logit_cap=30.0": lambda r: setattr(r.model[1], "logit_cap", 30.0),
+    "layer 0: sliding window 128": lambda r: setattr(r.model[0], "sliding_window_size", 128),
+    "layer 1: cross-attention": lambda r: setattr(r.model[1], "is_cross_attention", True),
+    # A model that splits its KV heads by TP instead of replicating them in the DCP group.
+    "layer 0: holds 8 Q / 1 KV heads": lambda r: setattr(r.model[0], "tp_k_head_num", 1),
+}
+
+
+@pytest.mark.parametrize("option", list(REFUSALS))
+def test_unsupported_settings_are_refused_at_start_up_by_name(option):
+    """The backend is built when SGLang's model runner starts (the model loaded, before any request): each
+    unsupported setting raises one ValueError naming it and what is supported."""
+    from dcp_plugin.adapters.sglang.backend import DcpTritonAttnBackend
+
+    state = SglangRank(SgCase(name="refusal", q_heads=8, kv_heads=2), 1, 0, None, server_args(config_argv(1)))
+    REFUSALS[option](state.runner)
+    with pytest.raises(ValueError, match="supported") as error:
+        DcpTritonAttnBackend(state.runner, topology=state.backend.topology)
+    assert option in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("flag", ["--speculative-algorithm", "--enable-two-batch-overlap"])
+def test_speculative_decoding_and_two_batch_overlap_are_refused(monkeypatch, flag):
+    from dcp_plugin.adapters.sglang import support
+
+    state = SglangRank(SgCase(name="refusal", q_heads=8, kv_heads=2), 1, 0, None, server_args(config_argv(1)))
+    name = flag[2:].replace("-", "_")
+    monkeypatch.setattr(compat, "resolved_server_arg", lambda runner, arg: "NGRAM" if arg == name else None)
+    (problem,) = support.runner_problems(state.runner)
+    assert problem.startswith(flag) and "supported:" in problem
+
+
+def test_sinks_at_forward_are_refused_by_name():
+    state = SglangRank(SgCase(name="sinks", q_heads=8, kv_heads=2), 1, 0, None, server_args(config_argv(1)))
+    fb, positions = state.allocate({0: 5})
+    state.backend.init_forward_metadata(fb)
+    q = torch.zeros(5, 8 * 64)
+    with pytest.raises(ValueError, match="layer 0: sinks"):
+        state.backend.forward_extend(q, torch.zeros(5, 2, 64), torch.zeros(5, 2, 64), state.layers[0], fb,
+                                     sinks=torch.zeros(8))
