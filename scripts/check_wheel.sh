@@ -72,6 +72,16 @@ dcp_plugin.plugin.logger.addHandler(handler)
 point.load()()  # no vLLM in this venv: one warning, no exception
 assert len(records) == 1 and records[0].getMessage().startswith("dcp-triton: no vLLM is installed"), records
 print(f"check_wheel: entry point {point.name} = {point.value}, dcp_plugin from {site}")
+
+import dcp_plugin.adapters.sglang as sglang_plugin
+
+(point,) = [p for p in metadata.entry_points(group="sglang.srt.plugins") if p.name == "dcp_triton"]
+assert point.load() is sglang_plugin.register, point.value
+records.clear()
+sglang_plugin.logger.addHandler(handler)
+point.load()()  # no SGLang in this venv: one warning, no exception
+assert len(records) == 1 and records[0].getMessage().startswith("dcp-triton: no SGLang is installed"), records
+print(f"check_wheel: entry point sglang.srt.plugins {point.name} = {point.value}")
 PY
 echo '{"num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": 4}' > config.json
 "$tmp/venv/bin/dcp-triton" plan --config config.json --tp 8 --dcp 4 --kv-budget-gib 40 > plan.txt
