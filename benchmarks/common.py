@@ -142,14 +142,16 @@ def provenance() -> dict:
     files changed since it, benchmarks/results/ left out: runs rewrite their own results), and the ``triton``
     version.
 
-    Without git, or in a copy of the tree without .git (what the device machine gets), ``dirty`` is None and
-    ``commit`` is None unless $DCP_TRITON_COMMIT names it: put the host's ``git rev-parse HEAD`` into the device
-    call's command (``DCP_TRITON_COMMIT=<hash> bash benchmarks/run_h200.sh ...``) to have it recorded there."""
+    $DCP_TRITON_COMMIT, when set, names the commit and wins (``dirty`` is then None): the device machine's copy of
+    the tree may carry a stale .git, so put the host's ``git rev-parse HEAD`` into the device call's command
+    (``DCP_TRITON_COMMIT=<hash> bash benchmarks/run_h200.sh ...``). Without either, ``commit`` is None."""
+    if os.environ.get(COMMIT_ENV):
+        return {"commit": os.environ[COMMIT_ENV], "dirty": None, "triton": triton_version()}
     commit, dirty = _git("rev-parse", "HEAD"), None
     if commit is not None:
         status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
         dirty = None if status is None else bool(status)
-    return {"commit": commit or os.environ.get(COMMIT_ENV) or None, "dirty": dirty, "triton": triton_version()}
+    return {"commit": commit, "dirty": dirty, "triton": triton_version()}
 
 
 def stamp(paths: list[Path], provenance: dict) -> None:

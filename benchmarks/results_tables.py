@@ -16,8 +16,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PAGES = ("README.md", "docs/performance.md")  # relative to the repository root
-DECODE_HEADER = ["| decode, % of copy bandwidth (graph) | dcp-triton | FA3 | dcp-triton / FA3 "
-                 "| vLLM unified (TRITON_ATTN) | vLLM split-KV decode |", "|---|---|---|---|---|---|"]
+DECODE_PEERS = ("vllm_unified_graph_pct_copy", "vllm_decode_graph_pct_copy")
 
 
 def ratio(ours: float, peer: float) -> str:
@@ -28,13 +27,55 @@ def ratio(ours: float, peer: float) -> str:
 
 def decode_rows(kernels: dict) -> list[str]:
     """One row per decode shape of a ``bench_kernels.py`` result, in its order: CUDA-graph replay, % of the copy
-    bandwidth measured in the same run; the ratio in bold where dcp-triton leads FA3."""
-    rows = []
+    bandwidth measured in the same run; the ratio in bold where dcp-triton leads FA3. vLLM's Triton kernels get
+    columns when the run had them (they travel only with vLLM's whole bundle, not with the FA3-only one)."""
+    peers = all(k in r for r in kernels["decode"] for k in DECODE_PEERS)
+    rows = ["| decode, % of copy bandwidth (graph) | dcp-triton | FA3 | dcp-triton / FA3 |"
+            + (" vLLM unified (TRITON_ATTN) | vLLM split-KV decode |" if peers else ""),
+            "|---|---|---|---|" + ("---|---|" if peers else "")]
     for r in kernels["decode"]:
         ours, fa3 = r["ours_graph_pct_copy"], r["fa3_graph_pct_copy"]
         rows.append(f"| {r['batch']} x {r['ctx'] // 1024}K, {r['q_heads']} Q / {r['kv_heads']} KV | {ours:.1f} | "
-                    f"{fa3:.1f} | {ratio(ours, fa3)} | "
-                    f"{r['vllm_unified_graph_pct_copy']:.1f} | {r['vllm_decode_graph_pct_copy']:.1f} |")
+                    f"{fa3:.1f} | {ratio(ours, fa3)} |"
+                    + "".join(f" {r[k]:.1f} |" for k in DECODE_PEERS if peers))
+    return rows
+
+
+def prefill_rows(kernels: dict) -> list[str]:
+    """The current chunk (causal prefill) against FA3 and SDPA, TFLOP/s (causal FLOPs counted once)."""
+    rows = ["| causal prefill, TFLOP/s | dcp-triton | FA3 | dcp-triton / FA3 | SDPA |", "|---|---|---|---|---|"]
+    for r in kernels["prefill"]:
+        rows.append(f"| {r['num_seqs']} x {r['seq_len']}, {r['q_heads']} Q / {r['kv_heads']} KV, D {r['head_dim']} | "
+                    f"{r['ours_tflops']:.0f} | {r['fa3_tflops']:.0f} | {ratio(r['ours_tflops'], r['fa3_tflops'])} | "
+                    f"{r['sdpa_tflops']:.0f} |")
+    return rows
+
+
+def prefix_rows(kernels: dict) -> list[str]:
+    """The DCP prefix pass (query rows against a paged cache, non-causal) and fp8 decode against bf16."""
+    rows = ["| prefix pass, TFLOP/s | dcp-triton | FA3 (paged) | dcp-triton / FA3 |", "|---|---|---|---|"]
+    for r in kernels["prefix"]:
+        rows.append(f"| {r['batch']} x {r['q_rows']} rows over {r['ctx'] // 1024}K cached, {r['q_heads']} Q / "
+                    f"{r['kv_heads']} KV | {r['ours_tflops']:.0f} | {r['fa3_tflops']:.0f} | "
+                    f"{ratio(r['ours_tflops'], r['fa3_tflops'])} |")
+    rows += ["", "| fp8 (e4m3) decode, graph replay | fp8 us | bf16 us | fp8 / bf16 time |", "|---|---|---|---|"]
+    for r in kernels["decode_fp8"]:
+        rows.append(f"| {r['batch']} x {r['ctx'] // 1024}K, {r['q_heads']} Q / {r['kv_heads']} KV | "
+                    f"{r['fp8_graph_ms'] * 1e3:.1f} | {r['bf16_graph_ms'] * 1e3:.1f} | "
+                    f"{r['fp8_graph_ms'] / r['bf16_graph_ms']:.2f}x |")
+    return rows
+
+
+def vllm_one_rows(one: dict) -> list[str]:
+    """Output tokens/s inside vLLM on one GPU (``vllm_one_h200.py``), best of its runs, per load and mode."""
+    loads = {k.split("/")[1]: v for k, v in one["summary"]["loads"].items()}
+    rows = ["| load | mode | dcp-triton | FLASH_ATTN | TRITON_ATTN | / FLASH_ATTN | / TRITON_ATTN |",
+            "|---|---|---|---|---|---|---|"]
+    for load, modes in loads.items():
+        for mode, t in modes.items():
+            ours, fa, tr = t["dcp_triton"], t["flash_attn"], t.get("triton_attn")
+            rows.append(f"| {load} | {mode} | {ours:,.0f} | {fa:,.0f} | {f'{tr:,.0f}' if tr else 'not run'} | "
+                        f"{ratio(ours, fa)} | {ratio(ours, tr) if tr else '-'} |")
     return rows
 
 
@@ -64,13 +105,15 @@ def vllm_dcp2_rows(vllm_dcp: dict) -> list[str]:
     return rows
 
 
-def headline_rows(vllm_dcp: dict, kernels: dict) -> list[str]:
+def headline_rows(vllm_dcp: dict, kernels: dict, one: dict) -> list[str]:
     """The README's three numbers, each with its page section and results file."""
     capacity = {(r["config"], r["mode"]): r["kv_cache_tokens"] for r in vllm_dcp["kv_capacity"]}
     dcp1, dcp2 = capacity[("dcp_triton_dcp1", "graphs")], capacity[("dcp_triton_dcp2_ag_rs", "graphs")]
-    ratios = [t["dcp_triton_dcp2_ag_rs"] / t["flash_attn_dcp2"] for t in _dcp2_throughput(vllm_dcp).values()]
+    graphs = [t["graphs"] for t in one["summary"]["loads"].values()]
+    vs_fa = [t["dcp_triton"] / t["flash_attn"] for t in graphs]
+    vs_tr = [t["dcp_triton"] / t["triton_attn"] for t in graphs]
     fa3 = [r["ours_graph_pct_copy"] / r["fa3_graph_pct_copy"] for r in kernels["decode"]]
-    best = max(r["ours_graph_pct_copy"] for r in kernels["decode"])
+    prefill = [r["ours_tflops"] / r["fa3_tflops"] for r in kernels["prefill"]]
     meta, page = vllm_dcp["meta"], "docs/performance.md"
     model = f"{meta['config']['num_attention_heads']} Q / {meta['config']['num_key_value_heads']} KV heads"
     return [
@@ -78,19 +121,22 @@ def headline_rows(vllm_dcp: dict, kernels: dict) -> list[str]:
         f"{meta['vllm']} on two {meta['gpu']}s at tp = 2 ({model}), float32 prompt logprobs within "
         f"{vllm_dcp['summary']['fp32_max_abs_logprob_diff']:.1e} of vLLM's `TRITON_ATTN` "
         f"([details]({page}#dcp--2-inside-vllm-two-h200s), `benchmarks/results/vllm_dcp_2xh200.json`).",
-        f"- **{min(ratios):.2f}x-{max(ratios):.2f}x the output tokens/s of vLLM's FLASH_ATTN at DCP = 2** over four "
-        f"loads, same run ([table]({page}#dcp--2-inside-vllm-two-h200s), `benchmarks/vllm_dcp_e2e.py`).",
-        f"- **Decode kernel at {min(fa3):.2f}x-{max(fa3):.2f}x FlashAttention-3** over {len(fa3)} shapes on one "
-        f"{kernels['gpu']}, up to {best:.1f}% of its copy bandwidth ([table]({page}#kernels-one-h200), "
+        f"- **{min(vs_fa):.2f}x-{max(vs_fa):.2f}x the output tokens/s of vLLM's FLASH_ATTN** (and "
+        f"{min(vs_tr):.2f}x-{max(vs_tr):.2f}x `TRITON_ATTN`'s) over {len(graphs)} loads with CUDA graphs, one "
+        f"{kernels['gpu']}, Llama-3-8B's attention, same run ([table]({page}#inside-vllm-one-h200), "
+        "`benchmarks/results/vllm_one_h200.json`).",
+        f"- **Kernels against FlashAttention-3**: decode {min(fa3):.2f}x-{max(fa3):.2f}x over {len(fa3)} shapes, "
+        f"causal prefill {min(prefill):.2f}x-{max(prefill):.2f}x ([tables]({page}#kernels-one-h200), "
         "`benchmarks/results/kernels_h200.json`).",
     ]
 
 
 def blocks() -> dict[str, list[str]]:
     """Every generated block, by the name a page marks it with."""
-    vllm_dcp, kernels = _load("vllm_dcp_2xh200.json"), _load("kernels_h200.json")
-    return {"headlines": headline_rows(vllm_dcp, kernels), "vllm_dcp2": vllm_dcp2_rows(vllm_dcp),
-            "decode": DECODE_HEADER + decode_rows(kernels)}
+    vllm_dcp, kernels, one = _load("vllm_dcp_2xh200.json"), _load("kernels_h200.json"), _load("vllm_one_h200.json")
+    return {"headlines": headline_rows(vllm_dcp, kernels, one), "vllm_dcp2": vllm_dcp2_rows(vllm_dcp),
+            "decode": decode_rows(kernels), "prefill": prefill_rows(kernels),
+            "prefix": prefix_rows(kernels), "vllm_one": vllm_one_rows(one)}
 
 
 BLOCK = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- end generated -->)", re.S)

@@ -19,7 +19,8 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_ke
             num_hidden_layers=1, vocab_size=97)
 
 
-def test_provenance_names_this_checkout():
+def test_provenance_names_this_checkout(monkeypatch):
+    monkeypatch.delenv(common.COMMIT_ENV, raising=False)
     if not (common.REPO / ".git").exists():
         pytest.skip("this tree has no .git")
     head = subprocess.run(["git", "-C", str(common.REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
@@ -38,6 +39,12 @@ def test_provenance_without_git_or_its_folder(tmp_path, monkeypatch):
     assert common.provenance()["commit"] == "0123abc"
     monkeypatch.setattr(common.shutil, "which", lambda name: None)  # no git at all
     assert common.provenance()["dirty"] is None
+
+
+def test_the_named_commit_wins_over_a_stale_git(monkeypatch):
+    """The device machine's copy of the tree carried the .git of the session's start: the host's word wins."""
+    monkeypatch.setenv(common.COMMIT_ENV, "0123abc")
+    assert common.provenance() == {"commit": "0123abc", "dirty": None, "triton": common.triton_version()}
 
 
 def test_triton_version_prefers_the_imported_module(monkeypatch):

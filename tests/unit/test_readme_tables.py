@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import results_tables  # noqa: E402
 
-EXPECTED_BLOCKS = {"README.md": {"headlines"}, "docs/performance.md": {"vllm_dcp2", "decode"}}
+EXPECTED_BLOCKS = {"README.md": {"headlines"},
+                   "docs/performance.md": {"vllm_dcp2", "decode", "prefill", "prefix", "vllm_one"}}
 
 
 @pytest.mark.parametrize("page", results_tables.PAGES)
@@ -29,17 +30,23 @@ def test_generated_blocks_are_the_committed_results(page):
 def test_decode_table_has_every_shape_of_the_run():
     kernels = json.loads((ROOT / "benchmarks" / "results" / "kernels_h200.json").read_text())
     table = results_tables.blocks()["decode"]
-    assert table == results_tables.DECODE_HEADER + results_tables.decode_rows(kernels)
+    assert table == results_tables.decode_rows(kernels)
     assert len(table) == 2 + len(kernels["decode"]) == 30  # every shape of the run, none left out
+    prefill, one = results_tables.blocks()["prefill"], results_tables.blocks()["vllm_one"]
+    assert len(prefill) == 2 + len(kernels["prefill"]) == 18
+    loads = json.loads((ROOT / "benchmarks" / "results" / "vllm_one_h200.json").read_text())["summary"]["loads"]
+    assert len(one) == 2 + sum(len(modes) for modes in loads.values())
 
 
 def test_rows_bold_the_ratio_only_where_dcp_triton_leads():
     row = {"batch": 8, "ctx": 8192, "q_heads": 32, "kv_heads": 1, "ours_graph_pct_copy": 50.0,
            "fa3_graph_pct_copy": 40.0, "vllm_unified_graph_pct_copy": 10.0, "vllm_decode_graph_pct_copy": 20.0}
     behind = {**row, "ours_graph_pct_copy": 30.0}
-    assert results_tables.decode_rows({"decode": [row, behind]}) == [
+    assert results_tables.decode_rows({"decode": [row, behind]})[2:] == [
         "| 8 x 8K, 32 Q / 1 KV | 50.0 | 40.0 | **1.25x** | 10.0 | 20.0 |",
         "| 8 x 8K, 32 Q / 1 KV | 30.0 | 40.0 | 0.75x | 10.0 | 20.0 |"]
+    fa3_only = [{k: v for k, v in r.items() if not k.startswith("vllm_")} for r in (row, behind)]
+    assert results_tables.decode_rows({"decode": fa3_only})[0].count("|") == 5  # no empty peer columns
 
 
 def test_headlines_from_hand_made_results():
@@ -52,12 +59,17 @@ def test_headlines_from_hand_made_results():
                                 {"config": "dcp_triton_dcp2_ag_rs", "mode": "graphs", "kv_cache_tokens": 2000}],
                 "summary": {"fp32_max_abs_logprob_diff": 1.5e-6}, "throughput": throughput}
     kernels = {"gpu": "GPU X", "decode": [{"ours_graph_pct_copy": 45.0, "fa3_graph_pct_copy": 50.0},
-                                          {"ours_graph_pct_copy": 99.0, "fa3_graph_pct_copy": 90.0}]}
-    text = "\n".join(results_tables.headline_rows(vllm_dcp, kernels))
+                                          {"ours_graph_pct_copy": 99.0, "fa3_graph_pct_copy": 90.0}],
+               "prefill": [{"ours_tflops": 300.0, "fa3_tflops": 500.0}, {"ours_tflops": 400.0, "fa3_tflops": 500.0}]}
+    one = {"summary": {"loads": {"m/a": {"graphs": {"dcp_triton": 90.0, "flash_attn": 100.0, "triton_attn": 45.0}},
+                                 "m/b": {"graphs": {"dcp_triton": 130.0, "flash_attn": 100.0, "triton_attn": 130.0},
+                                         "eager": {"dcp_triton": 1.0, "flash_attn": 100.0}}}}}
+    text = "\n".join(results_tables.headline_rows(vllm_dcp, kernels, one))
     assert "**2.0x the KV cache at DCP = 2**: 2,000 tokens against 1,000" in text
     assert "(16 Q / 1 KV heads), float32 prompt logprobs within 1.5e-06" in text
-    assert "**0.90x-1.20x the output tokens/s of vLLM's FLASH_ATTN at DCP = 2**" in text
-    assert "**Decode kernel at 0.90x-1.10x FlashAttention-3** over 2 shapes on one GPU X, up to 99.0%" in text
+    assert "**0.90x-1.30x the output tokens/s of vLLM's FLASH_ATTN** (and 1.00x-2.00x `TRITON_ATTN`'s) over 2 loads" \
+        in text  # graphs only: the eager row's 0.01x is not a headline
+    assert "decode 0.90x-1.10x over 2 shapes, causal prefill 0.60x-0.80x" in text
 
 
 def test_write_replaces_only_the_marked_blocks():
