@@ -144,7 +144,7 @@ def provenance() -> dict:
 
     $DCP_TRITON_COMMIT, when set, names the commit and wins (``dirty`` is then None): the device machine's copy of
     the tree may carry a stale .git, so put the host's ``git rev-parse HEAD`` into the device call's command
-    (``DCP_TRITON_COMMIT=<hash> bash benchmarks/run_h200.sh ...``). Without either, ``commit`` is None."""
+    (``DCP_TRITON_COMMIT=<hash> bash scripts/device/run_h200.sh ...``). Without either, ``commit`` is None."""
     if os.environ.get(COMMIT_ENV):
         return {"commit": os.environ[COMMIT_ENV], "dirty": None, "triton": triton_version()}
     commit, dirty = _git("rev-parse", "HEAD"), None

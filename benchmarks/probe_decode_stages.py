@@ -6,7 +6,7 @@ Writes ``benchmarks/results/decode_stages_h200.json`` (``rows``: one per shape a
 ``provenance``); ``decode_stages_h200_before_merge.json`` beside it is the run from before the one-step split merge.
 
     python benchmarks/probe_decode_stages.py
-    bash benchmarks/run_h200.sh bench probe_decode_stages.py     # on the H200 (device tool), nothing carried
+    bash scripts/device/run_h200.sh bench probe_decode_stages.py     # on the H200 (device tool), nothing carried
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ DCP needs more TP ranks than KV heads), written to a temporary folder.
     python benchmarks/server_aborts.py --tp 2 --dcp 2            # two GPUs, DCP = 2
 
 On the H200 (vLLM 0.26 bundle; an ``unpack`` call first, then this one carrying .gpu-bundle/extra, core-rest and
-server, about 5 minutes): ``BENCH_TIMEOUT_S=500 bash benchmarks/run_h200.sh bench "server_aborts.py
+server, about 5 minutes): ``BENCH_TIMEOUT_S=500 bash scripts/device/run_h200.sh bench "server_aborts.py
 --rounds 5 --max-num-batched-tokens 256 --timeout-s 90"``. 256 (32 tokens a step for each prefill target) doubles
 the prefill window, which a GPU runs through in a fraction of a second, so the closes land mid-prefill.
 """

@@ -11,7 +11,7 @@ torch stands in for CUDA torch; vLLM's CPU platform class stands in for CUDA, se
 (.gpu-bundle/core/vllm026.tar.xz unpacked), the wheels of .gpu-bundle/extra and .gpu-bundle/server (for this
 interpreter's version where a wheel is binary), e.g.
 
-    PYTHONPATH=/tmp/sv/vs:/tmp/sv/site:/tmp/sv/srv /tmp/sv/venv/bin/python scripts/server_import_check.py
+    PYTHONPATH=/tmp/sv/vs:/tmp/sv/site:/tmp/sv/srv /tmp/sv/venv/bin/python scripts/device/server_import_check.py
 """
 
 from __future__ import annotations

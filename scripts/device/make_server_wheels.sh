@@ -9,11 +9,11 @@
 #   python-multipart                   FastAPI form/file routes
 # The image has click, h11, anyio, httpx, uvloop, prometheus-client, pyyaml. httptools and websockets are left out
 # (uvicorn then serves HTTP with h11, the protocol vLLM sets its header limits for, and no websocket routes).
-# Checked on CPU with scripts/server_import_check.py (its docstring says how).
-# Usage: scripts/make_server_wheels.sh [OUTDIR]   (default .gpu-bundle/server, git-ignored; ~0.6 MB, seconds)
+# Checked on CPU with server_import_check.py (its docstring says how).
+# Usage: scripts/device/make_server_wheels.sh [OUTDIR]   (default .gpu-bundle/server, git-ignored; ~0.6 MB, seconds)
 # On the H200: carry it beside .gpu-bundle/extra in run_h200.sh's bench call; the stage installs it.
 set -euo pipefail
-out=${1:-$(cd "$(dirname "$0")/.." && pwd)/.gpu-bundle/server}
+out=${1:-$(cd "$(dirname "$0")/../.." && pwd)/.gpu-bundle/server}
 mkdir -p "$out"
 plats=()
 for n in 1 2014 _2_17 _2_24 _2_26 _2_27 _2_28 _2_31; do plats+=(--platform "manylinux${n}_x86_64"); done

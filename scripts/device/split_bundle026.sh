@@ -3,14 +3,14 @@
 # stable-ABI extension, from the 0.26 wheel; the workplace's offline-vLLM bundle script makes it) in two, because
 # the repository no longer fits beside it in one device call (64 MiB with the working tree, which is ~12 MiB now):
 #   .gpu-bundle/core-part/vllm026.tar.xz.00   the first PART_MIB MiB (default 44): the `unpack` call of
-#                                             benchmarks/run_h200.sh or run_2xh200.sh keeps it in /tmp
+#                                             run_h200.sh or run_2xh200.sh keeps it in /tmp
 #   .gpu-bundle/core-rest/vllm026.tar.xz.01   the rest (~14 MiB) and SHA256SUMS of the whole archive: the next call
 #                                             that carries it (run_h200.sh's `bench` beside .gpu-bundle/extra;
 #                                             run_2xh200.sh's `check`, or `e2e` / `spec` beside .gpu-bundle/extra)
-#                                             joins, checks and unpacks both (benchmarks/_device.sh: join_core)
-# Usage: scripts/split_bundle026.sh [BUNDLE_DIR]   (default .gpu-bundle; seconds)
+#                                             joins, checks and unpacks both (_device.sh: join_core)
+# Usage: scripts/device/split_bundle026.sh [BUNDLE_DIR]   (default .gpu-bundle; seconds)
 set -euo pipefail
-dir=${1:-$(cd "$(dirname "$0")/.." && pwd)/.gpu-bundle}
+dir=${1:-$(cd "$(dirname "$0")/../.." && pwd)/.gpu-bundle}
 src=$dir/core/vllm026.tar.xz
 part=$((${PART_MIB:-44} << 20))
 test -f "$src" || { echo "no $src: build the vLLM 0.26 bundle into $dir first" >&2; exit 1; }

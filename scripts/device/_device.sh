@@ -2,11 +2,11 @@
 # What the device scripts share (run_h200.sh, run_2xh200.sh, run_h200_v033.sh source this first): the repository
 # root ($repo), dcp-triton's install into /tmp/dcp, vLLM 0.26's core archive into /tmp/vs, and the archive of new
 # result files. vLLM's core archive (58 MiB) no longer fits beside the repository (~12 MiB) in one device call
-# (64 MiB): scripts/split_bundle026.sh splits it into .gpu-bundle/core-part (44 MiB), carried by an `unpack` call
+# (64 MiB): scripts/device/split_bundle026.sh splits it into .gpu-bundle/core-part (44 MiB), carried by an `unpack` call
 # that keeps it in /tmp, and .gpu-bundle/core-rest (the rest and the whole archive's SHA256SUMS), carried by a
 # later call of the same warm machine, which joins, checks and unpacks both (join_core). A carried unsplit
 # .gpu-bundle/core (an older bundle, or a smaller tree) is still unpacked in one go.
-repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 VLLM_UNPACKED=/tmp/vs/.unpacked  # written once an unpack finished: a cut-short tar leaves /tmp/vs without it
 
 vllm_unpacked() { test -f "$VLLM_UNPACKED"; }

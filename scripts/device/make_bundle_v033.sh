@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Packs vLLM 0.33.0 for the offline H200 machine (torch 2.11, Python 3.12, no vLLM, no network, at most 64 MiB of
-# working tree per device call) as two parts that travel in two consecutive calls (benchmarks/run_h200_v033.sh):
+# working tree per device call) as two parts that travel in two consecutive calls (run_h200_v033.sh):
 #   OUTDIR/core/vllm033.tar.xz.00   the first CORE_MIB MiB of one xz archive of vLLM's Python files + the stable-ABI
 #                                   extensions (_C_stable_libtorch and the small cumem_allocator/spinloop/fs_io_C)
 #   OUTDIR/extra/vllm033.tar.xz.01  the rest of that archive (cat .00 .01 | tar xJ)
@@ -13,7 +13,7 @@
 # extension and the CUTLASS headers under third_party/ (third_party's .py files stay), the vllm-rs binary: a dense
 # Llama on TRITON_ATTN/FLASH_ATTN imports none of them (vLLM imports each inside try/except or only on its own path).
 # The full archive is ~70 MB, more than one call carries beside the repository, hence the split.
-# Usage: scripts/make_bundle_v033.sh OUTDIR     (about 3 minutes on 2 cores; needs pip, unzip, xz)
+# Usage: scripts/device/make_bundle_v033.sh OUTDIR     (about 3 minutes on 2 cores; needs pip, unzip, xz)
 set -euo pipefail
 out=${1:?usage: make_bundle_v033.sh OUTDIR}
 version=0.33.0

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One lease on a machine with two H200s (device kind nvidia-h200-x2), in back-to-back calls (files in /tmp survive
 # while the machine stays warm); each call's output lands in $OUT (at most 8 files come back: logs are packed into
-# one tarball). vLLM 0.26's core archive travels in two parts (scripts/split_bundle026.sh; _device.sh says why):
+# one tarball). vLLM 0.26's core archive travels in two parts (split_bundle026.sh; _device.sh says why):
 #   unpack: carry .gpu-bundle/core-part. Its part stays in /tmp (an unsplit .gpu-bundle/core, where it fits beside
 #          the tree, is unpacked into /tmp/vs instead). Only needed before an e2e or spec call.
 #   check: carry .gpu-bundle/core-rest after an unpack call (or nothing: the checks need no vLLM). Join the part an
@@ -14,9 +14,9 @@
 #          then benchmarks/vllm_dcp_e2e.py with the arguments given (resumable: a later call continues where the
 #          last stopped while the machine is warm).
 #   spec:  like e2e (after it, on the same warm machine), for benchmarks/vllm_spec_dcp.py: speculative decoding.
-#   e.g.  bash benchmarks/run_2xh200.sh unpack       carry .gpu-bundle/core-part, then
-#         bash benchmarks/run_2xh200.sh check        carry .gpu-bundle/core-rest, then
-#         bash benchmarks/run_2xh200.sh e2e --budget-s 540    carry .gpu-bundle/extra
+#   e.g.  bash scripts/device/run_2xh200.sh unpack       carry .gpu-bundle/core-part, then
+#         bash scripts/device/run_2xh200.sh check        carry .gpu-bundle/core-rest, then
+#         bash scripts/device/run_2xh200.sh e2e --budget-s 540    carry .gpu-bundle/extra
 # Everything runs from /tmp: in the repository root, its dcp_plugin/ folder (without the kernels/ and adapters/
 # packages that the install maps into it) would shadow the installed package for child processes.
 set -uo pipefail

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One lease on the H200 (device tool), in back-to-back calls (files in /tmp survive while the machine stays warm).
-# vLLM 0.26's core archive travels in two parts (scripts/split_bundle026.sh; benchmarks/_device.sh says why):
+# vLLM 0.26's core archive travels in two parts (split_bundle026.sh; _device.sh says why):
 #   stage "unpack": carry .gpu-bundle/core-part -> its part stays in /tmp for the bench call (an unsplit
 #                  .gpu-bundle/core, where it fits beside the tree, is unpacked into /tmp/vs instead: ~40 s)
 #   stage "tests":  carry what "unpack" would (optional) -> the same, then install dcp-triton and run `pytest -m gpu`
@@ -14,8 +14,8 @@
 #                  after N s (SIGKILL 75 s later: server_aborts.py stops its server first), so what it wrote comes
 #                  back inside the 10-minute limit. Scripts that need no vLLM (probe_*.py) need no unpack call
 #                  and carry nothing (bench_kernels.py then measures no vLLM / FA3 peers).
-#   e.g.  bash benchmarks/run_h200.sh unpack                           carry .gpu-bundle/core-part, then
-#         bash benchmarks/run_h200.sh bench "vllm_gpu_e2e.py --quick"  carry .gpu-bundle/extra, .gpu-bundle/core-rest
+#   e.g.  bash scripts/device/run_h200.sh unpack                          carry .gpu-bundle/core-part, then
+#         bash scripts/device/run_h200.sh bench "vllm_gpu_e2e.py --quick" carry .gpu-bundle/extra, .gpu-bundle/core-rest
 # Everything runs from /tmp: in the repository root, its dcp_plugin/ folder (without the kernels/ and adapters/
 # packages that the install maps into it) would shadow the installed package for any child Python process.
 # Logs land in $OUT, and every file the benchmarks wrote under benchmarks/results/ in $OUT/results_new.tar.gz.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # vLLM 0.33 on the H200 under its torch 2.11: two back-to-back device calls, because the bundle that
-# scripts/make_bundle_v033.sh writes into .gpu-bundle-033/ travels in two parts (files in /tmp survive between
+# make_bundle_v033.sh writes into .gpu-bundle-033/ travels in two parts (files in /tmp survive between
 # calls while the machine stays warm):
 #   stage "core" (carry .gpu-bundle-033/core):  keeps the archive's first part in /tmp/vs33.parts
 #   stage "run"  (carry .gpu-bundle-033/extra): unpacks vLLM 0.33 into /tmp/vs33 and its missing wheels into
@@ -15,10 +15,10 @@
 #        (VLLM_USE_V2_MODEL_RUNNER=1 / =0), the two runs side by side
 #   $OUT gets v033_summary.json (each step's status, rc, seconds, exact error; the e2e checks) and
 #   v033_logs.tar.gz (every step's log, the e2e reports and per-job vLLM logs).
-#   e.g.  bash benchmarks/run_h200_v033.sh core   carry .gpu-bundle-033/core, then
-#         bash benchmarks/run_h200_v033.sh run    carry .gpu-bundle-033/extra
+#   e.g.  bash scripts/device/run_h200_v033.sh core   carry .gpu-bundle-033/core, then
+#         bash scripts/device/run_h200_v033.sh run    carry .gpu-bundle-033/extra
 # Everything runs from /tmp: the repository root's dcp_plugin/ would shadow the installed package.
-# benchmarks/_device.sh (sourced) sets $repo and installs dcp-triton.
+# _device.sh (sourced) sets $repo and installs dcp-triton.
 set -uo pipefail
 stage=${1:?usage: run_h200_v033.sh core|run}
 source "$(dirname "$0")/_device.sh"
