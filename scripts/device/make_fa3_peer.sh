@@ -3,7 +3,7 @@
 # whole core archive (58 MiB) does not fit beside the repository, this does (~11 MiB). It holds vLLM's
 # vllm/vllm_flash_attn Python files and its FA3 extension (_vllm_fa3_C.abi3.so, from the vLLM bundle's fa3.tar.xz)
 # under a stand-in `vllm` package whose only module, vllm.platforms, answers the two capability questions FA3's
-# interface asks (compute capability 9.x). benchmarks/kernel_peers.py imports FA3 from it unchanged; vLLM's own
+# interface asks (compute capability 9.x). benchmarks/kernels/kernel_peers.py imports FA3 from it unchanged; vLLM's own
 # Triton kernels are not in it (those peers need the full bundle and run_h200.sh's unpack/bench calls).
 # Usage: scripts/device/make_fa3_peer.sh [BUNDLE_DIR]   (default .gpu-bundle: reads core/vllm026.tar.xz and
 #        extra/fa3.tar.xz, writes fa3peer/fa3peer.tar.xz); on the device: tar xJf .gpu-bundle/fa3peer/fa3peer.tar.xz

@@ -11,9 +11,10 @@
 #          (multi_gpu_dcp.py: every case vs float64, decode replayed from a captured graph), and the host-overhead
 #          benchmark.
 #   e2e:   carry .gpu-bundle/extra (and .gpu-bundle/core-rest unless a check call joined it). vLLM's dependencies,
-#          then benchmarks/vllm_dcp_e2e.py with the arguments given (resumable: a later call continues where the
-#          last stopped while the machine is warm).
-#   spec:  like e2e (after it, on the same warm machine), for benchmarks/vllm_spec_dcp.py: speculative decoding.
+#          then benchmarks/vllm_e2e/vllm_dcp_e2e.py with the arguments given (resumable: a later call continues where
+#          the last stopped while the machine is warm).
+#   spec:  like e2e (after it, on the same warm machine), for benchmarks/vllm_e2e/vllm_spec_dcp.py: speculative
+#          decoding.
 #   e.g.  bash scripts/device/run_2xh200.sh unpack       carry .gpu-bundle/core-part, then
 #         bash scripts/device/run_2xh200.sh check        carry .gpu-bundle/core-rest, then
 #         bash scripts/device/run_2xh200.sh e2e --budget-s 540    carry .gpu-bundle/extra
@@ -51,8 +52,8 @@ case "$stage" in
            tests/gpu/test_jit_variants_gpu.py tests/gpu/test_gpu_tier.py)
     limit "${GPU_TESTS_S:-260}" gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider -x "${tests[@]/#/$repo/}"
     limit "${MULTI_GPU_S:-170}" multi_gpu torchrun --standalone --nproc-per-node 2 \
-      "$repo/benchmarks/multi_gpu_dcp.py" --quick --results-dir "$OUT"
-    limit "${HOST_S:-100}" host_overhead python3 "$repo/benchmarks/bench_host_overhead.py" --quick \
+      "$repo/benchmarks/dcp/multi_gpu_dcp.py" --quick --results-dir "$OUT"
+    limit "${HOST_S:-100}" host_overhead python3 "$repo/benchmarks/dcp/bench_host_overhead.py" --quick \
       --out "$OUT/host_overhead_h200.json"
     wait
     ;;
@@ -66,7 +67,7 @@ case "$stage" in
     cd /tmp
     script=vllm_dcp_e2e.py
     test "$stage" = spec && script=vllm_spec_dcp.py
-    python3 "$repo/benchmarks/$script" --mirror "$OUT" "$@" 2>&1 | tee "/tmp/logs/$stage.log" | tail -n 60
+    python3 "$repo/benchmarks/vllm_e2e/$script" --mirror "$OUT" "$@" 2>&1 | tee "/tmp/logs/$stage.log" | tail -n 60
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

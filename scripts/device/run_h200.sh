@@ -8,14 +8,16 @@
 #                  vLLM skip unless it was unpacked
 #   stage "bench":  carry .gpu-bundle/extra and .gpu-bundle/core-rest -> join the part an unpack call left in /tmp,
 #                  check the whole archive's sha256 and unpack vLLM into /tmp/vs, vLLM's deps, then each benchmark
-#                  script given (with its arguments); an argument naming tests/... runs those tests with pytest (the
-#                  ones that need vLLM importable). Also carry .gpu-bundle/server (the OpenAI server's wheels:
-#                  uvicorn, watchfiles, ...) for server_aborts.py; BENCH_TIMEOUT_S=N stops each script with SIGINT
-#                  after N s (SIGKILL 75 s later: server_aborts.py stops its server first), so what it wrote comes
-#                  back inside the 10-minute limit. Scripts that need no vLLM (probe_*.py) need no unpack call
-#                  and carry nothing (bench_kernels.py then measures no vLLM / FA3 peers).
-#   e.g.  bash scripts/device/run_h200.sh unpack                          carry .gpu-bundle/core-part, then
-#         bash scripts/device/run_h200.sh bench "vllm_gpu_e2e.py --quick" carry .gpu-bundle/extra, .gpu-bundle/core-rest
+#                  script given (its path from the repository root, with its arguments); an argument naming tests/...
+#                  runs those tests with pytest (the ones that need vLLM importable). Also carry .gpu-bundle/server
+#                  (the OpenAI server's wheels: uvicorn, watchfiles, ...) for server_aborts.py; BENCH_TIMEOUT_S=N
+#                  stops each script with SIGINT after N s (SIGKILL 75 s later: server_aborts.py stops its server
+#                  first), so what it wrote comes back inside the 10-minute limit. Scripts that need no vLLM
+#                  (benchmarks/kernels/probe_*.py) need no unpack call and carry nothing (bench_kernels.py then
+#                  measures no vLLM / FA3 peers).
+#   e.g.  bash scripts/device/run_h200.sh unpack     carry .gpu-bundle/core-part, then
+#         bash scripts/device/run_h200.sh bench "benchmarks/vllm_e2e/vllm_gpu_e2e.py --quick"
+#                                                     carry .gpu-bundle/extra, .gpu-bundle/core-rest
 # Everything runs from /tmp: in the repository root, its dcp_plugin/ folder (without the kernels/ and adapters/
 # packages that the install maps into it) would shadow the installed package for any child Python process.
 # Logs land in $OUT, and every file the benchmarks wrote under benchmarks/results/ in $OUT/results_new.tar.gz.
@@ -62,7 +64,7 @@ case "$stage" in
         continue
       fi
       # shellcheck disable=SC2086  # "name.py --flag value": word splitting is wanted
-      timeout -s INT -k 75 "${BENCH_TIMEOUT_S:-0}" python3 "$repo"/benchmarks/$script 2>&1 | tee -a "$OUT/bench.log"
+      timeout -s INT -k 75 "${BENCH_TIMEOUT_S:-0}" python3 "$repo"/$script 2>&1 | tee -a "$OUT/bench.log"
     done
     pack_results "$OUT/install.log" "$OUT/results_new.tar.gz"  # what the scripts wrote
     ;;

@@ -36,7 +36,7 @@ case $stage in
     start=$SECONDS budget=${BUDGET_S:-510} L=/tmp/v033-logs
     rm -rf "$L" && mkdir -p "$L"
     finish() {
-      python3 "$repo/benchmarks/v033_smoke.py" summary "$L" "$OUT/v033_summary.json"
+      python3 "$repo/benchmarks/vllm_e2e/v033_smoke.py" summary "$L" "$OUT/v033_summary.json"
       tar czf "$OUT/v033_logs.tar.gz" --exclude=mirror -C "$L" .
     }
     trap finish EXIT
@@ -62,7 +62,7 @@ case $stage in
     echo "RESULT {}" >> "$L/setup.log"
     export PYTHONPATH=/tmp/dcp:$PYTHONPATH
     cd /tmp
-    smoke=(python3 "$repo/benchmarks/v033_smoke.py")
+    smoke=(python3 "$repo/benchmarks/vllm_e2e/v033_smoke.py")
     step a-versions 120 "${smoke[@]}" versions
     step a-probe-c 120 "${smoke[@]}" probe-c &
     step a-probe-fa3 120 "${smoke[@]}" probe-fa3 &
@@ -83,7 +83,7 @@ case $stage in
       skip b-build b-generate-TRITON_ATTN-float32 b-generate-TRITON_ATTN-bfloat16
     fi
     if ok b-generate-TRITON_ATTN-float32 || ok b-generate-TRITON_ATTN-bfloat16; then
-      e2e=(python3 "$repo/benchmarks/vllm_gpu_e2e.py" --triton-f32 ieee)
+      e2e=(python3 "$repo/benchmarks/vllm_e2e/vllm_gpu_e2e.py" --triton-f32 ieee)
       step c-build-model 150 "${e2e[@]}" --work-dir /tmp/e33 --only build-gqa5-d64 --results-dir "$L/c-build" --mirror "$L/c-build"
       echo "RESULT {}" >> "$L/c-build-model.log"  # the runner prints no RESULT line: its rc tells
       left=$((budget - (SECONDS - start) - 30))

@@ -1,7 +1,7 @@
 """CPU check that vLLM 0.26's OpenAI server finds every module it needs, short of starting an engine.
 
-What the H200 runs for benchmarks/server_aborts.py, up to the engine: the CLI parse of that script's server flags,
-the socket, ``build_app`` with the generate routers (and the SageMaker bootstrap), uvicorn's protocol load, the
+What the H200 runs for benchmarks/server/server_aborts.py, up to the engine: the CLI parse of that script's server
+flags, the socket, ``build_app`` with the generate routers (and the SageMaker bootstrap), uvicorn's protocol load, the
 lazily imported generate/scale-out state modules; then every module under the server's packages is imported and the
 missing ones listed (information: optional tool/reasoning parsers and the gRPC server miss theirs on the H200 too).
 Exits 1 if a step on the server's path fails.

@@ -1,10 +1,10 @@
 """dcp-triton inside real vLLM on a GPU: float32 teacher-forced logprobs match vLLM's TRITON_ATTN.
 
 A small random Llama (10 Q / 2 KV heads, head_dim 128, transformers' default init) is built here; each backend
-runs in its own process through ``benchmarks/vllm_e2e_engine.py`` (one engine per process, logs kept), dcp-triton
-with ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` so its engine core unpickles the config before loading plugins. Skipped
-only where vLLM is not installed (on the H200: source the bundle's setup.sh first; with DCP_TRITON_REQUIRE_VLLM=1
-a missing vLLM fails instead) or there is no GPU.
+runs in its own process through ``benchmarks/vllm_e2e/vllm_e2e_engine.py`` (one engine per process, logs kept),
+dcp-triton with ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` so its engine core unpickles the config before loading
+plugins. Skipped only where vLLM is not installed (on the H200: source the bundle's setup.sh first; with
+DCP_TRITON_REQUIRE_VLLM=1 a missing vLLM fails instead) or there is no GPU.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e"
 sys.path.insert(0, str(BENCH))
 import vllm_e2e_report as report  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""benchmarks/multi_gpu_dcp.py, the multi-GPU DCP benchmark, run the way a GPU machine runs it (torchrun), on two
+"""benchmarks/dcp/multi_gpu_dcp.py, the multi-GPU DCP benchmark, run the way a GPU machine runs it (torchrun), on two
 gloo ranks with the torch reference kernels and tiny shapes: every correctness case passes against float64
 attention, the timing rows and the JSON come out, and a wrong kernel output makes the script exit non-zero."""
 
@@ -14,14 +14,15 @@ import pytest
 import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-SCRIPT = BENCHMARKS / "multi_gpu_dcp.py"
+DCP = BENCHMARKS / "dcp"
+SCRIPT = DCP / "multi_gpu_dcp.py"
 TINY = ["--backend", "gloo", "--kernels", "reference", "--contexts", "16,40", "--batches", "1,3"]
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 # Wraps the script and scales every paged_attention output by 1.001: far outside float32's tolerance.
 FAULTY_WRAPPER = f"""
 import sys
-sys.path.insert(0, {str(BENCHMARKS)!r})
+sys.path.insert(0, {str(DCP)!r})
 import multi_gpu_dcp
 from dcp_plugin.kernels import reference
 exact = reference.paged_attention
@@ -42,11 +43,11 @@ def torchrun(script: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess
 
 @pytest.fixture(scope="module")
 def checks():
-    sys.path.insert(0, str(BENCHMARKS))
+    sys.path.insert(0, str(DCP))
     try:
         return importlib.import_module("multi_gpu_checks")
     finally:
-        sys.path.remove(str(BENCHMARKS))
+        sys.path.remove(str(DCP))
 
 
 def test_two_gloo_ranks_pass_every_case_and_write_the_json(tmp_path, checks):

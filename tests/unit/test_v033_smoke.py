@@ -1,5 +1,5 @@
-"""The vLLM 0.33 smoke run's summary (benchmarks/v033_smoke.py), from a fake log folder: step statuses and exact
-errors, which model runner each engine log shows, and the checks of the e2e runs."""
+"""The vLLM 0.33 smoke run's summary (benchmarks/vllm_e2e/v033_smoke.py), from a fake log folder: step statuses and
+exact errors, which model runner each engine log shows, and the checks of the e2e runs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e"))
 import v033_smoke  # noqa: E402
 
 

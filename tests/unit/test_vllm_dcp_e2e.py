@@ -1,6 +1,6 @@
-"""The CPU-checkable parts of benchmarks/vllm_dcp_e2e.py: the CLI without torch or vLLM, the job catalogue (engine
-arguments of every job, order), the summary (results contract, host-overhead merge) and the log parsers. The runner
-end to end: test_vllm_dcp_e2e_runner.py."""
+"""The CPU-checkable parts of benchmarks/vllm_e2e/vllm_dcp_e2e.py: the CLI without torch or vLLM, the job catalogue
+(engine arguments of every job, order), the summary (results contract, host-overhead merge) and the log parsers. The
+runner end to end: test_vllm_dcp_e2e_runner.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e"
 sys.path.insert(0, str(BENCH))
 import e2e_runner as runner  # noqa: E402
 import vllm_dcp_e2e as dcp  # noqa: E402

@@ -1,4 +1,4 @@
-"""benchmarks/vllm_dcp_e2e.py's runner end to end on CPU: the real engine script (vllm_e2e_engine.py) over a
+"""benchmarks/vllm_e2e/vllm_dcp_e2e.py's runner end to end on CPU: the real engine script (vllm_e2e_engine.py) over a
 stand-in ``vllm`` module, with GPU slots, exclusive two-GPU jobs, the summary and host-overhead merge, mirroring, and
 resuming from the tarball on a cold machine; the plan's scheduling and the tarball's safety."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e"
+sys.path[:0] = [str(BENCH), str(BENCH.parent)]
 import common  # noqa: E402
 import e2e_runner as runner  # noqa: E402
 import vllm_dcp_e2e as dcp  # noqa: E402

@@ -1,5 +1,5 @@
-"""The OOM test of benchmarks/vllm_gpu_e2e.py on CPU: its jobs, the engine-side burst task on a stand-in engine,
-and how benchmarks/vllm_e2e_bursts.py judges fake results (served, memory growth, budget)."""
+"""The OOM test of benchmarks/vllm_e2e/vllm_gpu_e2e.py on CPU: its jobs, the engine-side burst task on a stand-in
+engine, and how benchmarks/vllm_e2e/vllm_e2e_bursts.py judges fake results (served, memory growth, budget)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e"
 sys.path.insert(0, str(BENCH))
 import vllm_e2e_engine as engine  # noqa: E402
 import vllm_e2e_report as report  # noqa: E402

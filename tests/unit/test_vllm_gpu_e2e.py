@@ -1,5 +1,5 @@
-"""The CPU-checkable parts of benchmarks/vllm_gpu_e2e.py: prompts, agreement metrics, summary files, and the job
-runner (parallel jobs, timeouts, resuming, mirroring) driven with a stand-in for the vLLM engine process."""
+"""The CPU-checkable parts of benchmarks/vllm_e2e/vllm_gpu_e2e.py: prompts, agreement metrics, summary files, and the
+job runner (parallel jobs, timeouts, resuming, mirroring) driven with a stand-in for the vLLM engine process."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e"
 sys.path.insert(0, str(BENCH))
 import e2e_runner as runner  # noqa: E402
 import vllm_e2e_report as report  # noqa: E402

@@ -1,6 +1,6 @@
-"""The CPU-checkable parts of benchmarks/vllm_spec_dcp.py: the CLI without torch or vLLM, the job catalogue (engine
-and speculative arguments, references), the prompts, the summary, and the engine script's ``spec_decode`` task on
-a stand-in LLM."""
+"""The CPU-checkable parts of benchmarks/vllm_e2e/vllm_spec_dcp.py: the CLI without torch or vLLM, the job catalogue
+(engine and speculative arguments, references), the prompts, the summary, and the engine script's ``spec_decode``
+task on a stand-in LLM."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e"
 sys.path.insert(0, str(BENCH))
 import vllm_e2e_engine as engine  # noqa: E402  (the job process's script: its spec_decode task)
 import vllm_spec_dcp as bench  # noqa: E402

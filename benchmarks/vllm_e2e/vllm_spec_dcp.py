@@ -27,10 +27,10 @@ against the reference's (speed-up). Results:
     benchmarks/results/<name>.json / .md          summary (rows per job), table
     benchmarks/results/<name>_jobs.tar.gz         every job's log and raw result (also unpacked to resume)
 
-    python benchmarks/vllm_spec_dcp.py --budget-s 540      # 2 GPUs: everything, in order (a rerun resumes)
-    python benchmarks/vllm_spec_dcp.py --tp 1 --budget-s 540   # 1 GPU: DCP = 1
-    python benchmarks/vllm_spec_dcp.py --plan               # the order and estimated times; no torch, no vLLM
-    python benchmarks/vllm_spec_dcp.py --summarise          # here, from the tarball that came back
+    python benchmarks/vllm_e2e/vllm_spec_dcp.py --budget-s 540      # 2 GPUs: everything, in order (a rerun resumes)
+    python benchmarks/vllm_e2e/vllm_spec_dcp.py --tp 1 --budget-s 540   # 1 GPU: DCP = 1
+    python benchmarks/vllm_e2e/vllm_spec_dcp.py --plan               # the order and estimated times; no torch, no vLLM
+    python benchmarks/vllm_e2e/vllm_spec_dcp.py --summarise          # here, from the tarball that came back
 """
 
 from __future__ import annotations

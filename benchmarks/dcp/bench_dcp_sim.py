@@ -6,7 +6,7 @@ local shard, LSE combine, merge) for decode steps, with a stand-in group whose c
 right shapes: the numbers are local work only and exclude interconnect time (issue 7 measures real NCCL).
 Timed by CUDA-graph replay (median). Writes benchmarks/results/dcp_sim_<name>.json and a PNG.
 
-    python benchmarks/bench_dcp_sim.py [--quick]
+    python benchmarks/dcp/bench_dcp_sim.py [--quick]
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
 from common import RESULTS, gpu_name, graph_ms, save  # noqa: E402
 
 import dcp_plugin as dp  # noqa: E402  (first: the repository root below must not shadow the installed package)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.dcp_harness import ShapeOnlyGroup  # noqa: E402  (collectives as local copies of the right shapes)
 
 DTYPE = torch.bfloat16

@@ -1,4 +1,4 @@
-"""Kernel benchmarks on one GPU, peers measured side by side in the same run (benchmarks/kernel_peers.py).
+"""Kernel benchmarks on one GPU, peers measured side by side in the same run (benchmarks/kernels/kernel_peers.py).
 
 - decode: ``paged_attention``, one query token per request, in % of the device copy bandwidth (KV bytes read),
   launch included (``triton.testing.do_bench``, L2 flushed, median) and under CUDA-graph replay (L2-cold copies),
@@ -13,7 +13,7 @@ Every dcp-triton output is compared with float64 attention (prefill: with SDPA);
 ERROR_BOUND (or NaN) makes the run exit 1 after saving. Peers are measured when vLLM imports (on a machine without
 vLLM, unpack its wheel's Python files and compiled extensions and put them on PYTHONPATH, as run_h200.sh does).
 
-    python benchmarks/bench_kernels.py [--quick] [--only decode,prefix,...] [--name STEM]
+    python benchmarks/kernels/bench_kernels.py [--quick] [--only decode,prefix,...] [--name STEM]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
 from common import cold_copies, copy_bandwidth_gbs, gpu_name, graph_ms, median_ms, repo_relative, save  # noqa: E402
 
 from dcp_plugin.kernels import extend_attention, merge_states, paged_attention  # noqa: E402

@@ -16,8 +16,8 @@ adds one in-process engine per backend and mode (llama8, small-batch): host time
 builder's ``build`` and in the attention layers' ``forward`` (perf_counter around vLLM's calls) and GPU time per
 kernel (torch profiler) -> ``profile`` in the results.
 
-    python benchmarks/vllm_one_h200.py --only 'llama8-*-graphs' --name vllm_one_h200_graphs
-    python benchmarks/vllm_one_h200.py --merge benchmarks/results/vllm_one_h200_*.json   # -> vllm_one_h200.json
+    python benchmarks/vllm_e2e/vllm_one_h200.py --only 'llama8-*-graphs' --name vllm_one_h200_graphs
+    python benchmarks/vllm_e2e/vllm_one_h200.py --merge benchmarks/results/vllm_one_h200_*.json  # -> vllm_one_h200.json
 
 Results: ``benchmarks/results/<name>.json``: ``summary.loads.<model>/<load>.<mode>`` = ``{"dcp_triton": tok/s,
 "flash_attn": tok/s, "triton_attn": tok/s}``, ``jobs`` (every run, start-up seconds, the worker's backend line).
@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
 import common  # noqa: E402
 
 VOCAB = 8192

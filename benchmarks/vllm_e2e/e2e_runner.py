@@ -29,7 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import common  # noqa: E402
 
 DCP_STARTUP = "dcp-triton attention: backend=DCP_TRITON"
 STAGGER_S = 2.0  # between job starts: engines pick ports and fill compile caches at start-up
@@ -235,7 +236,7 @@ DCP_KERNELS = {"paged_attention_kernel", "extend_attention_kernel", "combine_ker
 JIT_DEF = re.compile(r"@triton\.jit\b(?:\([^)]*\))?[^\n]*\n\s*def\s+(\w+)")
 
 
-def dcp_kernel_names(kernels_dir: Path = Path(__file__).resolve().parent.parent / "kernels") -> set[str]:
+def dcp_kernel_names(kernels_dir: Path = common.REPO / "kernels") -> set[str]:
     """dcp-triton's kernels: the named ones and every ``@triton.jit`` function defined under kernels/."""
     found = {m.group(1) for path in sorted(kernels_dir.rglob("*.py")) for m in JIT_DEF.finditer(path.read_text())}
     return DCP_KERNELS | found
@@ -360,7 +361,7 @@ def parser_for(doc: str, *, name: str, work_dir: str) -> argparse.ArgumentParser
     parser.add_argument("--triton-f32", choices=("ieee", "tf32", "default"), default="ieee",
                         help="TRITON_F32_DEFAULT of float32 jobs (default: ieee; 'default' leaves Triton's TF32)")
     parser.add_argument("--name", default=name, help=f"summary file name (default: {name})")
-    parser.add_argument("--results-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--results-dir", type=Path, default=common.RESULTS)
     parser.add_argument("--work-dir", type=Path, default=Path(work_dir), help="models and job specs")
     parser.add_argument("--mirror", default=os.environ.get("OUT"), help="also copy results here as they finish "
                         "(default: $OUT)")

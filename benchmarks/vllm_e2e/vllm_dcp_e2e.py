@@ -33,11 +33,11 @@ job (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVL
 The state (checkpoint, logs, raw results) lives in --work-dir; finished jobs are reused, so a second call
 continues where the first stopped (a cold machine resumes from the tarball).
 
-    python benchmarks/vllm_dcp_e2e.py --budget-s 540           # 2 GPUs: everything, in order
-    python benchmarks/vllm_dcp_e2e.py --dcp-full-graphs 1      # dcp-triton DCP > 1 decode in full CUDA graphs
-    python benchmarks/vllm_dcp_e2e.py --only 'tp1-*,jit-*'     # 1 GPU: the single-GPU set and the compile check
-    python benchmarks/vllm_dcp_e2e.py --plan --budget-s 540
-    python benchmarks/vllm_dcp_e2e.py --summarise               # here, from a tarball that came back
+    python benchmarks/vllm_e2e/vllm_dcp_e2e.py --budget-s 540         # 2 GPUs: everything, in order
+    python benchmarks/vllm_e2e/vllm_dcp_e2e.py --dcp-full-graphs 1    # dcp-triton DCP > 1 decode in full CUDA graphs
+    python benchmarks/vllm_e2e/vllm_dcp_e2e.py --only 'tp1-*,jit-*'   # 1 GPU: the single-GPU set, the compile check
+    python benchmarks/vllm_e2e/vllm_dcp_e2e.py --plan --budget-s 540
+    python benchmarks/vllm_e2e/vllm_dcp_e2e.py --summarise            # here, from a tarball that came back
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ synchronisation inside the timed loop), medians of repeated runs.
 Writes ``benchmarks/results/host_overhead_h200.json`` (``summary.forward_host_us_dcp2_decode``, merged into the
 file's other keys) and prints a table.
 
-    python benchmarks/bench_host_overhead.py [--quick]
+    python benchmarks/dcp/bench_host_overhead.py [--quick]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
 from common import RESULTS, gpu_name  # noqa: E402
 
 import dcp_plugin as dp  # noqa: E402

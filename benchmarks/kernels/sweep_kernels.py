@@ -13,7 +13,7 @@ Each sweep's output is checked against float64 attention before it is timed (an 
 row). Results in ``benchmarks/results/<name>.json``; the chosen configs go into the kernels' tables by hand, each
 citing the file.
 
-    python benchmarks/sweep_kernels.py --only prefill,prefix,decode,fp8 [--name kernels_h200_sweep]
+    python benchmarks/kernels/sweep_kernels.py --only prefill,prefix,decode,fp8 [--name kernels_h200_sweep]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
 from bench_kernels import (  # noqa: E402
     DTYPE, ERROR_BOUND, HEAD_DIM, _paged_error, _paged_setup,
 )

@@ -1,4 +1,4 @@
-"""The verdict of benchmarks/server_aborts.py: what its run's records and server log say about each request and
+"""The verdict of benchmarks/server/server_aborts.py: what its run's records and server log say about each request and
 about the server, as the ``checks`` its docstring lists."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import dcp_plugin as dp  # first: the repository root below must not shadow the installed package
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests import dcp_harness as harness  # noqa: E402
 from tests.kernel_checks import TOLERANCES  # noqa: E402
 

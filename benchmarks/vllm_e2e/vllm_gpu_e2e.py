@@ -26,10 +26,10 @@ peak memory over the burst against vLLM's budget (utilization x device memory).
 against both on 8 prompts, five engines at once. float32 jobs run with TRITON_F32_DEFAULT=ieee, so vLLM's Triton
 kernels compute float32 dots in float32, not TF32.
 
-    python benchmarks/vllm_gpu_e2e.py --quick --budget-s 220
-    python benchmarks/vllm_gpu_e2e.py --only 'agree-gqa5-*' --jobs 3
-    python benchmarks/vllm_gpu_e2e.py --only 'repeat-*' --jobs 2 --name vllm_e2e_repeat_h200
-    python benchmarks/vllm_gpu_e2e.py --list
+    python benchmarks/vllm_e2e/vllm_gpu_e2e.py --quick --budget-s 220
+    python benchmarks/vllm_e2e/vllm_gpu_e2e.py --only 'agree-gqa5-*' --jobs 3
+    python benchmarks/vllm_e2e/vllm_gpu_e2e.py --only 'repeat-*' --jobs 2 --name vllm_e2e_repeat_h200
+    python benchmarks/vllm_e2e/vllm_gpu_e2e.py --list
 """
 
 from __future__ import annotations

