@@ -3,7 +3,8 @@ KV pass and the merge of the splits) apart and together, for a few shapes, at th
 others. One H200 run of this answers whether the merge or the split pass bounds batch-1 decode.
 
 Writes ``benchmarks/results/decode_stages_h200.json`` (``rows``: one per shape and split count, with ``common.save``'s
-``provenance``); ``decode_stages_h200_before_merge.json`` beside it is the run from before the one-step split merge.
+``provenance``). No page quotes it, so it is not kept in the tree: the runs from before and after the one-step split
+merge are in the git history (``git log --diff-filter=D -- benchmarks/results/decode_stages_h200.json``).
 
     python benchmarks/kernels/probe_decode_stages.py
     bash scripts/device/run_h200.sh bench benchmarks/kernels/probe_decode_stages.py   # on the H200, nothing carried
