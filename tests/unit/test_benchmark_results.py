@@ -1,0 +1,80 @@
+"""benchmarks/results/ holds only cited results, and every citation names a file that is there: each results file is
+listed in the index (benchmarks/README.md) and cited outside benchmarks/ (the README, docs/, or the code it backs),
+and every results file, benchmark script or device script that the pages name exists."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+INDEX = ROOT / "benchmarks" / "README.md"
+PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), INDEX)
+CODE = ("kernels", "dcp_plugin", "adapters", "tests")  # code whose comments or checks may cite a result
+# A results file's name: what ran, the device (h200, 2xh200, cpu, ...), then what of it; a page names it bare or
+# under benchmarks/results/.
+RESULT_NAME = re.compile(r"(?<![\w/.-])(?:benchmarks/results/)?([a-z0-9_]+_(?:cpu|(?:\d+x)?[a-z]{1,3}\d{2,4})"
+                         r"(?:_[a-z0-9_]+)?\.(?:json|md|png|log|log\.gz|tar\.gz))(?![\w.-])")
+SCRIPT_PATH = re.compile(r"(?<![\w/.-])((?:benchmarks|scripts)/[\w/.-]+\.(?:py|sh))(?![\w.-])")
+
+
+def tracked_results() -> set[str]:
+    """The files under benchmarks/results/ that a commit or a copy of the tree to the GPU machine takes: tracked, or
+    untracked and not ignored; without git, every file there."""
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "--cached", "--others", "--exclude-standard", "--",
+                             "benchmarks/results"], capture_output=True, text=True)
+    if listed.returncode == 0 and listed.stdout.strip():
+        return {str(Path(line).relative_to("benchmarks/results")) for line in listed.stdout.splitlines()}
+    return {str(path.relative_to(RESULTS)) for path in RESULTS.rglob("*") if path.is_file()}
+
+
+def names_in(paths) -> set[str]:
+    return {match[1] for path in paths for match in RESULT_NAME.finditer(path.read_text(errors="replace"))}
+
+
+def code_files() -> list[Path]:
+    this = Path(__file__).resolve()
+    return [path for folder in CODE for path in sorted((ROOT / folder).rglob("*.py")) if path.resolve() != this]
+
+
+def test_the_name_pattern_knows_results_files_from_other_names():
+    text = ("`kernels_h200_sweep2.json`, benchmarks/results/vllm_dcp_2xh200_jobs.tar.gz, server_aborts_cpu.log.gz, "
+            "`vllm_one_h200.py`, MODEL/config.json, `vllm_one_h200_*.json`, docs/performance.md, x_h200.jsonl")
+    assert {m[1] for m in RESULT_NAME.finditer(text)} == {
+        "kernels_h200_sweep2.json", "vllm_dcp_2xh200_jobs.tar.gz", "server_aborts_cpu.log.gz"}
+
+
+def test_every_results_file_is_in_the_index():
+    unlisted = tracked_results() - names_in([INDEX])
+    assert not unlisted, f"benchmarks/results/ files that benchmarks/README.md does not list: {sorted(unlisted)}"
+
+
+def test_every_results_file_is_cited_outside_benchmarks():
+    cited = names_in(PAGES[:-1]) | names_in(code_files())
+    uncited = tracked_results() - cited
+    assert not uncited, (f"results no page (README.md, docs/) and no code cites: {sorted(uncited)}; cite what a page "
+                         "quotes, or take the file out of the tree")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_results_file_a_page_names_exists(page):
+    missing = names_in([page]) - tracked_results()
+    assert not missing, f"{page.relative_to(ROOT)} names results that benchmarks/results/ lacks: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_script_a_page_names_exists(page):
+    named = {m[1] for m in SCRIPT_PATH.finditer(page.read_text())}
+    missing = sorted(path for path in named if not (ROOT / path).is_file())
+    assert not missing, f"{page.relative_to(ROOT)} names scripts that are not there: {missing}"
+
+
+def test_the_index_names_every_benchmark_script():
+    scripts = {str(path.relative_to(ROOT / "benchmarks")) for path in (ROOT / "benchmarks").rglob("*.py")}
+    text = INDEX.read_text()
+    unnamed = sorted(s for s in scripts if Path(s).name not in text)
+    assert not unnamed, f"benchmarks/README.md does not say where these belong: {unnamed}"
