@@ -359,12 +359,12 @@ class PagedLaunch:
 
     def __call__(self, q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse,
                  k_scale=None, v_scale=None) -> None:
-        scales = (q if k_scale is None else k_scale, q if v_scale is None else v_scale)  # stand-ins: never read
         if self.reduce is None:
-            self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, *scales)
+            self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, k_scale,
+                        v_scale)
             return
         self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc, self.part_out,
-                    self.part_lse, *scales)
+                    self.part_lse, k_scale, v_scale)
         self.reduce(self.part_out, self.part_lse, out, lse)
 
 
@@ -409,6 +409,7 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
         lse_strides = (0, *part_lse.stride())
     grid = (num_q_programs + cdiv(num_tokens, block_q), head_programs, num_splits) if num_tokens else (0,)
     block_d = max(16, next_pow2(head_dim))
+    kv_fp8 = key_cache.dtype in FP8_DTYPES
     stage1 = Launch(
         paged_attention_kernel, grid,
         (num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs, float(scale) * LOG2E, q_head_start, q_per_kv,
@@ -417,9 +418,9 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
         dict(PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
              EVEN_D=block_d == head_dim, DECODE=decode,
              DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-             KV_FP8=key_cache.dtype in FP8_DTYPES,
-             FP8_VIA_FP16=key_cache.dtype in FP8_DTYPES and q.dtype == torch.bfloat16),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+             KV_FP8=kv_fp8, FP8_VIA_FP16=kv_fp8 and q.dtype == torch.bfloat16),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        stand_ins=None if kv_fp8 else {8: 0, 9: 0})  # no scales: q's pointer stands in (never read)
     reduce = plan_split_reduce(part_out, part_lse, out, lse) if num_splits > 1 else None
     return PagedLaunch(stage1, reduce, part_out, part_lse, num_splits)
 

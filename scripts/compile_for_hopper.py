@@ -56,7 +56,7 @@ def record_launches(record: dict) -> None:
     """Make every ``Launch`` record its variant (keyed by what Triton specializes on) instead of running."""
 
     def call(launch, *tensors):
-        key = _variant(launch, tensors)
+        key = _variant(launch, launch.kernel_tensors(tensors))
         record.setdefault((key[0], key[1], key[2]), (launch, key))
 
     _launch.Launch.__call__ = call
