@@ -7,7 +7,7 @@ from typing import Literal, TypeVar
 
 import torch
 
-from dcp_plugin.checks import check_int, renamed
+from dcp_plugin.checks import check_int
 from dcp_plugin.parallel_state import ParallelState
 
 KvReplication = Literal["tp", "group"]
@@ -46,15 +46,11 @@ class HeadLayout:
     num_kv_heads: int
 
     @classmethod
-    def create(
-        cls, *, total_q_heads: int | None = None, total_kv_heads: int | None = None, ps: ParallelState,
-        kv_replication: KvReplication = "tp", num_q_heads: int | None = None, num_kv_heads: int | None = None,
-    ) -> HeadLayout:
+    def create(cls, *, total_q_heads: int, total_kv_heads: int, ps: ParallelState,
+               kv_replication: KvReplication = "tp") -> HeadLayout:
         """Layout of rank ``ps`` for a model with ``total_q_heads`` / ``total_kv_heads`` heads in all (the fields of
-        the same names). ``num_q_heads`` / ``num_kv_heads`` are their deprecated names: the layout's own
-        ``num_q_heads`` / ``num_kv_heads`` are this rank's counts."""
-        total_q = renamed("total_q_heads", total_q_heads, "num_q_heads", num_q_heads)
-        total_kv = renamed("total_kv_heads", total_kv_heads, "num_kv_heads", num_kv_heads)
+        the same names; the layout's ``num_q_heads`` / ``num_kv_heads`` are this rank's counts)."""
+        total_q, total_kv = total_q_heads, total_kv_heads
         for name, value in (("total_q_heads", total_q), ("total_kv_heads", total_kv)):
             check_int(name, value, low=1)
         if kv_replication not in ("tp", "group"):

@@ -26,7 +26,7 @@ from dcp_plugin.kernels._launch import (
     INDEX_DTYPES, LOG2E, Launch, cdiv, check_head_map, check_heads_out, check_int, check_shape,
     check_tensor, device_index, head_strides, next_pow2, num_sms,
 )
-from dcp_plugin.checks import FP8_DTYPES, check_kv_scales, renamed
+from dcp_plugin.checks import FP8_DTYPES, check_kv_scales
 from dcp_plugin.kernels._mode import INTERPRET
 from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count constants are part of this module's API
     MAX_AUTO_SPLITS, MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM, find_block, flat_programs, group_head_tile, head_tiling,
@@ -253,8 +253,8 @@ def pick_config(head_dim: int, *, decode: bool, dtype: torch.dtype = torch.bfloa
 
 
 def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, *, scale, q_head_start,
-                    q_per_kv, kv_head_start, max_kv_len=None, max_query_len=None, num_splits=None, out=None,
-                    lse=None, config: PagedConfig | None = None, k_scale=None, v_scale=None, max_context_len=None):
+                    q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None, out=None, lse=None,
+                    config: PagedConfig | None = None, k_scale=None, v_scale=None):
     """Every query row of request ``b`` attends, non-causally, to its cached tokens ``[0, context_lens[b])``.
 
     Args:
@@ -269,7 +269,7 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
         scale: softmax scale. q_head_start, q_per_kv, kv_head_start: local Q head ``i`` reads stored KV head
             ``(q_head_start + i) // q_per_kv - kv_head_start``.
         max_kv_len: host int >= every ``context_lens[b]`` (the most cached tokens a row attends to); only tunes
-            the split count. ``max_context_len``: its deprecated name.
+            the split count.
         max_query_len: host int >= every request's query rows, or None (unknown). 1 selects the decode variant,
             ``<= 8`` the short-query one.
         num_splits: KV splits per request (None: chosen to fill the GPU; 1 on CPU).
@@ -310,7 +310,6 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
         raise ValueError(f"scale must be a positive float, got {scale!r}")
     check_head_map(num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv,
                    kv_head_start=kv_head_start, num_kv_heads=num_kv_heads, kv_name="key_cache")
-    max_kv_len = renamed("max_kv_len", max_kv_len, "max_context_len", max_context_len)
     check_int("max_kv_len", max_kv_len, low=0, high=block_table.shape[1] * page_size)
     if max_query_len is not None:
         check_int("max_query_len", max_query_len, low=0)

@@ -108,7 +108,6 @@ def test_non_divisible_group_layout_12q_3kv():
         (dict(total_q_heads=24, total_kv_heads=4, tp=6), "multiple of total_kv_heads=4"),
         (dict(total_q_heads=8, total_kv_heads=2, kv_replication="mla"), "'tp' or 'group'"),
         (dict(total_q_heads=0, total_kv_heads=1), "total_q_heads must be an int >= 1"),
-        (dict(total_q_heads=8, total_kv_heads=2, num_q_heads=8), "pass total_q_heads only"),
     ],
 )
 def test_head_layout_errors(kwargs, match):
@@ -116,14 +115,6 @@ def test_head_layout_errors(kwargs, match):
     kwargs.setdefault("kv_replication", "tp")
     with pytest.raises(ValueError, match=match):
         HeadLayout.create(ps=ParallelState.from_tp(tp_rank=0, tp_size=tp, dcp_size=dcp), **kwargs)
-
-
-def test_the_deprecated_head_count_names_still_work_and_say_so():
-    ps = ParallelState.from_tp(tp_rank=1, tp_size=4, dcp_size=2)
-    with pytest.warns(DeprecationWarning, match="num_q_heads= is deprecated"):
-        old = HeadLayout.create(num_q_heads=32, num_kv_heads=2, ps=ps, kv_replication="group")
-    assert old == HeadLayout.create(total_q_heads=32, total_kv_heads=2, ps=ps, kv_replication="group")
-    assert (old.total_q_heads, old.num_q_heads) == (32, 8)  # create's counts are the model's, .num_* this rank's
 
 
 def test_kv_index_refuses_heads_not_stored():
