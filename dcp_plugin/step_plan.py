@@ -98,7 +98,7 @@ class DecodesFirst:
 
 def build_plan(*, attn, q, k, v, key_cache, value_cache, batch, out, write_kv: bool, ws: SimpleNamespace) -> StepPlan:
     """Prepare one step for tensors shaped like these (checked by the caller)."""
-    ops, heads = attn.ops, attn.heads
+    ops, heads = attn._kernels, attn.heads
     head_map = dict(scale=attn.scale, q_per_kv=heads.q_per_kv, kv_head_start=heads.kv_head_start)
     write = ops.plan_write_kv(k, v, key_cache, value_cache, batch.slot_mapping) if write_kv else None
     decode = batch.max_query_len == 1

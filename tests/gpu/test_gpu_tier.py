@@ -22,7 +22,7 @@ import torch
 
 from dcp_plugin import kernels
 from dcp_plugin.kernels import reference
-from tests.dcp_harness import Case, SerialOps, ThreadGroup, run_case, run_threads
+from tests.dcp_harness import Case, ThreadGroup, run_case, run_threads
 from tests.kernel_checks import assert_matches, poisoned, shuffled_block_table
 
 if not torch.cuda.is_available():
@@ -248,7 +248,7 @@ def run_dcp_threads(case: Case, n: int) -> list[int]:
 
     def rank_main(rank, exchange):
         group = ThreadGroup(exchange, rank)
-        return run_case(case, n, rank, group, lambda out: group.all_gather(out, dim=1), ops=SerialOps(kernels))
+        return run_case(case, n, rank, group, lambda out: group.all_gather(out, dim=1))
 
     return run_threads(n, rank_main, timeout_s=300)
 
@@ -270,7 +270,7 @@ def dcp_case(n: int, layout: str, comm: str, dtype: str, *, requests=DCP_REQUEST
         placement = dict(kv_replication="tp", tp=tp, group_index=tp // n - 1)
     name = f"N{n}-{layout}-{comm}-{dtype}"
     return Case(name=name, q_heads=heads[0], kv_heads=heads[1], block_size=block_size,
-                head_dim=head_dim, requests=requests, comm=comm, dtype=dtype, ops="triton",
+                head_dim=head_dim, requests=requests, comm=comm, dtype=dtype, kernels="triton",
                 decode_steps=decode_steps, seed=zlib.crc32(name.encode()), device=device, **placement)
 
 

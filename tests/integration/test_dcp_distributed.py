@@ -70,7 +70,7 @@ def structured_cases(n: int) -> list[Case]:
         **_head_layouts(n)["tp-gqa"])
     # The Triton kernels (interpreter, which costs ~0.5 s a launch here): one small case per group size.
     comm = "ag_rs" if n == 3 else "a2a"
-    add(f"triton-group-gqa4-{comm}", requests=((0, 3), (5, 1), (9, 2)), ops="triton", comm=comm, head_dim=64,
+    add(f"triton-group-gqa4-{comm}", requests=((0, 3), (5, 1), (9, 2)), kernels="triton", comm=comm, head_dim=64,
         **_head_layouts(n)["group-gqa4"])
     return cases
 
