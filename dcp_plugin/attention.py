@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Literal
 
 import torch
@@ -17,7 +18,6 @@ from dcp_plugin.workspace import DcpWorkspace
 
 CommMode = Literal["ag_rs", "a2a"]
 logger = logging.getLogger("dcp_plugin")
-_PLAN_KEYS: dict[tuple, int] = {}
 
 
 class DcpAttention:
@@ -85,10 +85,11 @@ class DcpAttention:
         # Workspaces for steps the shared one cannot hold. Never freed: a CUDA graph captured on one keeps writing
         # to its addresses.
         self._overflow: list[DcpWorkspace] = []
-        # Everything a step plan depends on besides the tensors, as a small int: layers with equal settings (and
-        # one shared workspace) share plans.
-        settings = (heads, tokens, self.scale, comm, kernels, id(workspace) if workspace else id(self))
-        self._plan_key = _PLAN_KEYS.setdefault(settings, len(_PLAN_KEYS))
+        # Everything a step plan depends on besides the tensors, as one interned string: layers with equal settings
+        # (and one shared workspace) hold the same string object, so they share plans, and the per-layer plan key
+        # hashes and compares it as cheaply as an int.
+        self._plan_key = sys.intern(f"{heads!r} {tokens!r} scale={self.scale!r} comm={comm} kernels={kernels} "
+                                    f"workspace={id(workspace) if workspace else id(self)}")
 
     def forward(
         self,

@@ -47,6 +47,19 @@ def test_layers_share_one_plan_per_step_and_each_gets_its_own_answer(comm):
     assert run_threads(2, rank_fn) == [1, 1]
 
 
+def test_layers_with_equal_settings_share_the_plan_key_object_and_others_do_not():
+    heads, tokens = Case(name="key", q_heads=4, kv_heads=2, tp=1).layouts(1, 0)
+    ws = DcpWorkspace(heads=heads, head_dim=16, dtype=torch.float32, device="cpu", max_num_tokens=8, comm="ag_rs")
+
+    def layer(**overrides):
+        return DcpAttention(**{**dict(heads=heads, tokens=tokens, group=None, scale=0.25, kernels="reference",
+                                      workspace=ws), **overrides})
+
+    assert layer()._plan_key is layer()._plan_key  # one object: the per-layer key compares it by identity
+    others = [layer(scale=0.5), layer(kernels="triton"), layer(workspace=None), layer(comm="a2a", workspace=None)]
+    assert len({layer()._plan_key, *(other._plan_key for other in others)}) == 5
+
+
 def test_other_strides_get_their_own_plan():
     case = Case(name="strides", q_heads=4, kv_heads=2, requests=MIXED, head_dim=16, seed=5, tp=1)
     world = World(case)
