@@ -165,8 +165,10 @@ class Launch:
         return tensors
 
     def __call__(self, *tensors) -> None:
-        if self._stand_ins:
-            tensors = self.kernel_tensors(tensors)
+        if self._stand_ins:  # kernel_tensors, inline: this is the per-layer path
+            tensors = list(tensors)
+            for unread, stand_in in self._stand_ins:
+                tensors[unread] = tensors[stand_in]
         if self.scratch:  # Triton keeps the allocator per thread (a ContextVar): set it in the launching thread
             triton.set_allocator(_scratch)
         if self._compiled is not None and not _launch_hooks():
