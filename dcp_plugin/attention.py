@@ -13,7 +13,7 @@ from dcp_plugin.checks import FLOAT_DTYPES, FP8_DTYPES, check_kv_scales, check_s
 from dcp_plugin.group import DcpGroup, buffered
 from dcp_plugin.kernel_choice import KernelName, kernels_named
 from dcp_plugin.layout import HeadLayout, TokenLayout, check_same_position
-from dcp_plugin.step_plan import StepPlan, build_plan
+from dcp_plugin.step_plan import StepInputs, StepPlan, plan_step
 from dcp_plugin.workspace import DcpWorkspace
 
 CommMode = Literal["ag_rs", "a2a"]
@@ -35,8 +35,9 @@ class DcpAttention:
         workspace: a ``DcpWorkspace`` shared with the other layers of this rank (default: one of this layer's own,
             grown to the largest step seen).
 
-    A step's launches are prepared once (``StepPlan``, cached on the batch) and replayed by every layer with the
-    same tensor shapes; inputs are checked when a plan is made, so the per-layer cost is the launches alone.
+    A step's launches are prepared once (a step plan, ``dcp_plugin.step_plan``, cached on the batch) and replayed by
+    every layer with the same tensor shapes; inputs are checked when a plan is made, so the per-layer cost is the
+    launches alone.
 
     Example::
 
@@ -133,9 +134,11 @@ class DcpAttention:
 
     def _plan(self, q, k, v, key_cache, value_cache, batch, out, write_kv: bool) -> StepPlan:
         """Prepare the step's launches (first layer of a step with these shapes, inputs checked)."""
-        workspace = self._workspace_for(batch.num_tokens, q)
-        return build_plan(attn=self, q=q, k=k, v=v, key_cache=key_cache, value_cache=value_cache, batch=batch,
-                          out=out, write_kv=write_kv, ws=workspace.views(batch.num_tokens))
+        views = self._workspace_for(batch.num_tokens, q).views(batch.num_tokens)
+        step = StepInputs(kernels=self._kernels, heads=self.heads, scale=self.scale, group=self._collectives,
+                          batch=batch, q=q, k=k, v=v, key_cache=key_cache, value_cache=value_cache, out=out,
+                          write_kv=write_kv)
+        return plan_step(step, views)
 
     def _workspace_for(self, num_tokens: int, q: torch.Tensor) -> DcpWorkspace:
         def serves(ws: DcpWorkspace | None) -> bool:

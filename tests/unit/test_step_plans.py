@@ -230,10 +230,10 @@ def test_decodes_first_keeps_the_decode_rows_when_both_launches_split():
     decodes = tuple(t[:nd + (i == 2)] for i, t in enumerate(tables))
     rest = tuple(t[nd:] for t in tables)
     plan = DecodesFirst(
-        kernels.plan_paged(q[:nd], state.key_cache, state.value_cache, *decodes, out[:nd], lse[:nd],
-                           max_query_len=1, **head_map),
-        kernels.plan_paged(q, state.key_cache, state.value_cache, *rest, out, lse, max_query_len=6, **head_map),
-        nd, decodes, rest, False)
+        decodes=kernels.plan_paged(q[:nd], state.key_cache, state.value_cache, *decodes, out[:nd], lse[:nd],
+                                   max_query_len=1, **head_map),
+        rest=kernels.plan_paged(q, state.key_cache, state.value_cache, *rest, out, lse, max_query_len=6, **head_map),
+        num_decodes=nd, decode_tables=decodes, rest_tables=rest, rank_major=False)
     plan(q, state.key_cache, state.value_cache, *tables, out, lse)
     want_out, want_lse = kernels.reference.paged_attention(
         q.double(), state.key_cache.double(), state.value_cache.double(), *tables, scale=world.scale,
