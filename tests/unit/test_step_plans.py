@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from dcp_plugin import DcpAttention, DcpWorkspace
+from dcp_plugin.step_plan import A2aPlan, AgRsPlan, ChunkOnlyPlan, SingleRankPlan
 from dcp_plugin.warmup import STEPS, warm_up
 from dcp_plugin.workspace import packed_width, unpack
 from tests.dcp_harness import (
-    Case, RankState, ThreadGroup, World, causal_attention_f64, run_threads, serial,
+    Case, RankState, ShapeOnlyGroup, ThreadGroup, World, causal_attention_f64, run_threads, serial,
 )
 from tests.kernel_checks import assert_matches
 
@@ -58,6 +59,30 @@ def test_layers_with_equal_settings_share_the_plan_key_object_and_others_do_not(
     assert layer()._plan_key is layer()._plan_key  # one object: the per-layer key compares it by identity
     others = [layer(scale=0.5), layer(kernels="triton"), layer(workspace=None), layer(comm="a2a", workspace=None)]
     assert len({layer()._plan_key, *(other._plan_key for other in others)}) == 5
+
+
+FLOWS = {  # (DCP size, comm, (cached context, new tokens) per request) -> the plan class of that flow
+    "no context, DCP 1": (1, "ag_rs", ((0, 3), (0, 2)), ChunkOnlyPlan),
+    "no context, DCP 2": (2, "a2a", ((0, 3),), ChunkOnlyPlan),
+    "DCP 1 decode": (1, "ag_rs", ((5, 1), (2, 1)), SingleRankPlan),
+    "DCP 1 mixed": (1, "a2a", ((5, 1), (3, 2)), SingleRankPlan),
+    "ag_rs decode": (2, "ag_rs", ((5, 1),), AgRsPlan),
+    "ag_rs mixed": (2, "ag_rs", ((5, 1), (3, 2)), AgRsPlan),
+    "a2a decode": (2, "a2a", ((5, 1),), A2aPlan),
+    "a2a mixed": (2, "a2a", ((0, 4), (3, 2)), A2aPlan),
+}
+
+
+@pytest.mark.parametrize("n, comm, requests, flow", list(FLOWS.values()), ids=list(FLOWS))
+def test_each_flow_is_planned_by_its_own_class(n, comm, requests, flow):
+    case = Case(name="flow", q_heads=4, kv_heads=2, requests=requests, comm=comm, head_dim=16, seed=14)
+    state = RankState.create(case, World(case), n, 0)
+    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=ShapeOnlyGroup(n, 0) if n > 1 else None,
+                        scale=0.25, comm=comm, kernels="reference")
+    q, k, v, batch, _ = state.step([new for _, new in requests])
+    attn.forward(q, k, v, state.key_cache, state.value_cache, batch)
+    (plan,) = batch.plans.values()
+    assert type(plan) is flow
 
 
 def test_other_strides_get_their_own_plan():
