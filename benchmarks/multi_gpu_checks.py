@@ -28,7 +28,7 @@ from tests import dcp_harness as harness  # noqa: E402
 from tests.kernel_checks import TOLERANCES  # noqa: E402
 
 COMMS = ("ag_rs", "a2a")
-LAYOUTS = ("tp", "group")
+LAYOUTS = ("tp", "replicated")
 KINDS = ("decode", "prefill", "decode-graph")
 GRAPH_STEPS = 3  # decode-graph: the eager warm-up step, then two replays
 

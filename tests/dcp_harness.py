@@ -25,7 +25,7 @@ class Case:
     name: str
     q_heads: int
     kv_heads: int
-    kv_replication: str = "group"
+    kv_replication: str = "replicated"
     tp: int = 0  # 0: tp = dcp size
     group_index: int = 0  # which DCP group of the TP group the ranks play
     interleave: int = 1
@@ -195,7 +195,7 @@ def _valid(case: Case, n: int) -> bool:
 def random_case(rng: random.Random, n: int, index: int) -> Case:
     """A random valid configuration for a group of ``n`` ranks (reference kernels)."""
     while True:
-        kv_replication = rng.choice(["group", "group", "tp"])
+        kv_replication = rng.choice(["replicated", "replicated", "tp"])
         tp = n * rng.choice([1, 1, 2])
         if kv_replication == "tp":
             kv_heads = rng.choice([d for d in range(1, tp + 1) if tp % d == 0 and (tp // d) % n == 0])

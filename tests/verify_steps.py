@@ -60,7 +60,7 @@ GPU_MIXES = {
 def head_layouts(n: int) -> dict[str, dict]:
     """vLLM's layout (tp = 2n, two KV heads, the second DCP group) and SGLang's with 12 Q / 3 KV heads."""
     return {"tp": dict(kv_replication="tp", tp=2 * n, group_index=1, q_heads=4 * n, kv_heads=2),
-            "group": dict(kv_replication="group", q_heads=12, kv_heads=3)}
+            "replicated": dict(kv_replication="replicated", q_heads=12, kv_heads=3)}
 
 
 def verify_case(name: str, mix: str, seed: int, **fields) -> VerifyCase:

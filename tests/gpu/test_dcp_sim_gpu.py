@@ -38,9 +38,9 @@ def _threads(case: Case, n: int, runner) -> list:
 
 # Every (N, layout, comm, interleave) runs the long mix; N = 2 also runs two of the small mixes (decodes before
 # verify rows, a step with verify rows only then a quiet step).
-VERIFY = [(n, layout, comm, interleave, "long") for n in (2, 4) for layout in ("tp", "group")
+VERIFY = [(n, layout, comm, interleave, "long") for n in (2, 4) for layout in ("tp", "replicated")
           for comm in ("ag_rs", "a2a") for interleave in (1, 16)]
-VERIFY += [(2, layout, comm, 16, mix) for layout in ("tp", "group") for comm in ("ag_rs", "a2a")
+VERIFY += [(2, layout, comm, 16, mix) for layout in ("tp", "replicated") for comm in ("ag_rs", "a2a")
            for mix in ("decodes-first", "verify-only")]
 
 

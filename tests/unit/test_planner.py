@@ -69,7 +69,7 @@ def test_capacity_gain_never_exceeds_the_duplication_ceiling():
     for kv_heads, tp in [(1, 8), (2, 8), (8, 8), (4, 16)]:
         for dcp in [d for d in range(1, tp + 1) if tp % d == 0]:
             model = ModelShape(num_q_heads=64, num_kv_heads=kv_heads, head_dim=128, num_layers=1)
-            plan = make_plan(model, tp_size=tp, dcp_size=dcp, layout="group")
+            plan = make_plan(model, tp_size=tp, dcp_size=dcp, layout="replicated")
             assert plan.capacity_gain <= plan.capacity_ceiling + 1e-9
             assert plan.capacity_ceiling == max(1, tp / kv_heads)
 

@@ -23,7 +23,7 @@ MIXED = ((0, 5), (9, 1), (14, 4), (2, 2))  # fresh prompt, decode, chunked prefi
 _COLLECTIVE_NAMES = ("all_gather", "reduce_scatter", "all_to_all")
 COLLECTIVES = {"ag_rs": ["all_gather", "all_gather", "reduce_scatter"], "a2a": ["all_gather", "all_to_all"]}
 def _seed_case(requests, comm: str, kernels: str) -> Case:
-    return Case(name="seed", q_heads=32, kv_heads=2, kv_replication="group", tp=4, block_size=4, head_dim=64,
+    return Case(name="seed", q_heads=32, kv_heads=2, kv_replication="replicated", tp=4, block_size=4, head_dim=64,
                 requests=requests, comm=comm, kernels=kernels, seed=34161)
 
 
