@@ -47,13 +47,13 @@ def _setup(n: int = 2, rank: int = 0, **case_fields):
 
 def _shape_ops(log: list):
     """Kernel plans that launch nothing: each records its name and the shapes it was prepared for."""
-    def planner(name):
+    def prepare(name):
         def plan(*tensors, **kwargs):
             shapes = tuple(tuple(t.shape) for t in tensors if isinstance(t, torch.Tensor))
             return lambda *args: log.append((name, shapes))
         return plan
 
-    return SimpleNamespace(**{f"plan_{name}": planner(name) for name in ("write_kv", "extend", "paged", "combine")},
+    return SimpleNamespace(**{f"plan_{name}": prepare(name) for name in ("write_kv", "extend", "paged", "combine")},
                            split_capacity=lambda head_dim, device: 0)
 
 
