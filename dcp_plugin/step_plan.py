@@ -87,8 +87,9 @@ class StepInputs:
 
     def prepare_prefix(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, q_head_start: int,
                        splits: torch.Tensor | None) -> Prepared:
-        """Step 3, queries ``q`` against this rank's cache into ``(out, lse)``: one paged launch, or in a mixed step
-        the leading decodes' own launch and the rest's (``DecodesFirst``). Called with the whole step's tables."""
+        """Step 3, queries ``q`` against this rank's cache into ``(out, lse)``: one ``paged_attention`` launch, or in
+        a mixed step the leading decodes' own launch and the rest's (``DecodesFirst``). Called with the whole step's
+        tables."""
         batch = self.batch
         lens, max_len = self.prefix_lens()
         nd = batch.num_decodes
@@ -116,8 +117,8 @@ class StepInputs:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DecodesFirst:
     """A mixed step's prefix pass as two launches: the other requests (their own tables), then the leading
-    single-token requests (decode variant, split-KV sized for them alone). Called like the one paged launch it
-    replaces, with the whole step's tables; it launches on the two cuts of them it was prepared with."""
+    single-token requests (decode variant, split-KV sized for them alone). Called like the one paged_attention
+    launch it replaces, with the whole step's tables; it launches on the two cuts of them it was prepared with."""
 
     decodes: Prepared
     rest: Prepared
@@ -145,7 +146,7 @@ class GatheredPrefix:
     q_send: torch.Tensor  # [H, T, D]
     q_all: torch.Tensor  # [N * H, T, D]
     q_group: torch.Tensor  # q_all as [T, N * H, D]
-    paged: Prepared  # a paged launch or DecodesFirst
+    launch: Prepared  # paged_attention's prepared launch, or DecodesFirst
     block_table: torch.Tensor
     lens: torch.Tensor
     query_start_loc: torch.Tensor
@@ -154,17 +155,17 @@ class GatheredPrefix:
 
     @classmethod
     def prepare(cls, step: StepInputs, views: GatheredViews, out: torch.Tensor, lse: torch.Tensor) -> GatheredPrefix:
-        paged = step.prepare_prefix(views.q_group, out, lse, q_head_start=step.heads.group_q_head_start,
-                                    splits=views.splits)
-        return cls(group=step.group, q_send=views.q_send, q_all=views.q_all, q_group=views.q_group, paged=paged,
+        launch = step.prepare_prefix(views.q_group, out, lse, q_head_start=step.heads.group_q_head_start,
+                                     splits=views.splits)
+        return cls(group=step.group, q_send=views.q_send, q_all=views.q_all, q_group=views.q_group, launch=launch,
                    block_table=step.batch.block_table, lens=step.prefix_lens()[0],
                    query_start_loc=step.batch.query_start_loc, out=out, lse=lse)
 
     def __call__(self, q, key_cache, value_cache, k_scale, v_scale) -> None:
         self.q_send.copy_(q.transpose(0, 1))
         self.group.all_gather_into(self.q_all, self.q_send)
-        self.paged(self.q_group, key_cache, value_cache, self.block_table, self.lens, self.query_start_loc, self.out,
-                   self.lse, k_scale, v_scale)
+        self.launch(self.q_group, key_cache, value_cache, self.block_table, self.lens, self.query_start_loc, self.out,
+                    self.lse, k_scale, v_scale)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -205,7 +206,7 @@ class SingleRankPlan(_WriteAndChunk):
     """DCP = 1 with a cached context. A decode step: the prefix pass over the whole cache writes the answer.
     Otherwise: the current chunk, the prefix pass (a float32 partial), and ``merge`` of the two into ``out``."""
 
-    prefix: Prepared  # a paged launch or DecodesFirst, called with (block_table, prefix_lens, query_start_loc)
+    prefix: Prepared  # paged_attention's prepared launch, or DecodesFirst; reads block_table and prefix_lens
     block_table: torch.Tensor
     prefix_lens: torch.Tensor
     merge: Prepared | None  # None in a decode step
