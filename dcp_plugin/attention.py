@@ -1,4 +1,5 @@
-"""DCP attention for one layer: steps 1-5 of the algorithm (docs/design.md) over a DcpGroup and a kernel namespace."""
+"""DCP attention for one layer: steps 1-5 of the algorithm (docs/design.md) over a DcpGroup, prepared once per
+step as a step plan (``dcp_plugin.step_plan``) and replayed by every layer."""
 
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ class DcpAttention:
         key = (self._plan_key, write_kv, q.shape, q.stride(), k.stride(), v.stride(), key_cache.shape,
                key_cache.stride(), value_cache.stride(), out.stride(), q.dtype, out.dtype, key_cache.dtype,
                k_scale is None)
-        plan = batch.plans.get(key) if isinstance(batch, DcpBatch) else None
+        plan: StepPlan | None = batch.plans.get(key) if isinstance(batch, DcpBatch) else None
         if plan is None:
             self._check_inputs(q, k, v, key_cache, value_cache, batch, out, k_scale, v_scale)
             plan = self._plan(q, k, v, key_cache, value_cache, batch, out, write_kv)

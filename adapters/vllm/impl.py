@@ -83,13 +83,12 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         choice = choose_kernels(engine="vLLM")
         check_kernel_dtype(choice, model_dtype, dtype_options="--dtype float32 (LLM(dtype='float32')) or float16",
                            fp8_cache=f"kv_cache_dtype={kv_cache_dtype!r}" if self._fp8_dtype else None)
-        self.kernel_path, self._compiled = choice.description, choice.compiled
+        self.kernel_path, self.kernels, self._compiled = choice.description, choice.name, choice.compiled
+        self._kernels = kernels_named(choice.name)  # do_kv_cache_update's cache write, the workspace's split capacity
         self.topology = topology.from_vllm(
             num_heads=num_heads, num_kv_heads=self.num_kv_heads, dcp_size=self.dcp_world_size,
             dcp_rank=self.dcp_rank, vllm_config=vllm_config,
         )
-        self.kernels = choice.name
-        self._kernels = kernels_named(choice.name)  # the cache write of do_kv_cache_update, the split capacity
         self._attention: dict[TokenLayout, DcpAttention] = {}
         self._kv_views: tuple | None = None  # (kv_cache, key view, value view) of the last cache seen
         self._warm = False  # this layer's kernel variants are compiled (checked once, not per call)
