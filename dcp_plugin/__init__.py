@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "DcpAttention": "dcp_plugin.attention",
     "DcpBatch": "dcp_plugin.batch",
-    "DcpBatchWorkspace": "dcp_plugin.batch",
+    "DcpBatchBuffers": "dcp_plugin.batch",
     "DcpGroup": "dcp_plugin.group",
     "TorchDcpGroup": "dcp_plugin.group",
     "HeadLayout": "dcp_plugin.layout",

@@ -1,9 +1,10 @@
-"""DCP attention for one layer: steps 1-5 of the algorithm (docs/design.md) over a DcpGroup and a kernel namespace."""
+"""DCP attention for one layer: steps 1-5 of the algorithm (docs/design.md) over a DcpGroup, prepared once per
+step as a step plan (``dcp_plugin.step_plan``) and replayed by every layer."""
 
 from __future__ import annotations
 
 import logging
-from types import ModuleType, SimpleNamespace
+import sys
 from typing import Literal
 
 import torch
@@ -11,14 +12,13 @@ import torch
 from dcp_plugin.batch import DcpBatch
 from dcp_plugin.checks import FLOAT_DTYPES, FP8_DTYPES, check_kv_scales, check_scale
 from dcp_plugin.group import DcpGroup, buffered
+from dcp_plugin.kernel_choice import KernelName, kernels_named
 from dcp_plugin.layout import HeadLayout, TokenLayout, check_same_position
-from dcp_plugin.step_plan import StepPlan, build_plan
+from dcp_plugin.step_plan import StepInputs, StepPlan, plan_step
 from dcp_plugin.workspace import DcpWorkspace
 
 CommMode = Literal["ag_rs", "a2a"]
-_OPS = ("plan_write_kv", "plan_extend", "plan_paged", "plan_combine", "split_capacity")
 logger = logging.getLogger("dcp_plugin")
-_PLAN_KEYS: dict[tuple, int] = {}
 
 
 class DcpAttention:
@@ -31,13 +31,14 @@ class DcpAttention:
         comm: cross-rank combine, ``"ag_rs"`` (all-gather LSE, rescale, reduce-scatter O) or ``"a2a"`` (one
             all-to-all of packed (O, LSE) and one combine kernel that also merges the current chunk). Partial
             outputs cross ranks in the model dtype, LSEs in float32.
-        ops: kernel namespace with the signatures of ``dcp_plugin.kernels`` (its ``plan_*`` functions); default
-            ``dcp_plugin.kernels`` (Triton). ``dcp_plugin.kernels.reference`` runs the torch path.
+        kernels: ``"triton"`` (``dcp_plugin.kernels``, the default) or ``"reference"`` (their torch references,
+            ``dcp_plugin.kernels.reference``).
         workspace: a ``DcpWorkspace`` shared with the other layers of this rank (default: one of this layer's own,
             grown to the largest step seen).
 
-    A step's launches are prepared once (``StepPlan``, cached on the batch) and replayed by every layer with the
-    same tensor shapes; inputs are checked when a plan is made, so the per-layer cost is the launches alone.
+    A step's launches are prepared once (a step plan, ``dcp_plugin.step_plan``, cached on the batch) and replayed by
+    every layer with the same tensor shapes; inputs are checked when a plan is made, so the per-layer cost is the
+    launches alone.
 
     Example::
 
@@ -53,7 +54,7 @@ class DcpAttention:
         group: DcpGroup | None,
         scale: float,
         comm: CommMode = "ag_rs",
-        ops: ModuleType | SimpleNamespace | None = None,
+        kernels: KernelName = "triton",
         workspace: DcpWorkspace | None = None,
     ) -> None:
         if not isinstance(heads, HeadLayout):
@@ -72,20 +73,13 @@ class DcpAttention:
         check_scale("scale", scale)
         if comm not in ("ag_rs", "a2a"):
             raise ValueError(f"comm must be 'ag_rs' or 'a2a', got {comm!r}")
-        if ops is None:
-            from dcp_plugin import kernels as ops
-        missing = [name for name in _OPS if not callable(getattr(ops, name, None))]
-        if missing:
-            raise ValueError(
-                f"ops={getattr(ops, '__name__', ops)!r} lacks {', '.join(missing)}; pass a namespace with the "
-                "signatures of dcp_plugin.kernels (ops=dcp_plugin.kernels.reference runs the torch path)"
-            )
+        self._kernels = kernels_named(kernels)  # the namespace whose plan_* functions prepare a step's launches
         if workspace is not None and not isinstance(workspace, DcpWorkspace):
             raise ValueError(f"workspace must be a DcpWorkspace, got {type(workspace).__name__}")
         if workspace is not None and (workspace.heads != heads or workspace.comm != comm):
             raise ValueError(f"workspace was made for {workspace.heads} with comm={workspace.comm!r}, but this "
                              f"layer has {heads} with comm={comm!r}")
-        self.heads, self.tokens, self.scale, self.comm, self.ops = heads, tokens, float(scale), comm, ops
+        self.heads, self.tokens, self.scale, self.comm, self.kernels = heads, tokens, float(scale), comm, kernels
         self.group = group
         self._collectives = buffered(group) if group is not None and heads.dcp_size > 1 else None
         self.workspace = workspace
@@ -93,10 +87,11 @@ class DcpAttention:
         # Workspaces for steps the shared one cannot hold. Never freed: a CUDA graph captured on one keeps writing
         # to its addresses.
         self._overflow: list[DcpWorkspace] = []
-        # Everything a step plan depends on besides the tensors, as a small int: layers with equal settings (and
-        # one shared workspace) share plans.
-        settings = (heads, tokens, self.scale, comm, id(ops), id(workspace) if workspace else id(self))
-        self._plan_key = _PLAN_KEYS.setdefault(settings, len(_PLAN_KEYS))
+        # Everything a step plan depends on besides the tensors, as one interned string: layers with equal settings
+        # (and one shared workspace) hold the same string object, so they share plans, and the per-layer plan key
+        # hashes and compares it as cheaply as an int.
+        self._plan_key = sys.intern(f"{heads!r} {tokens!r} scale={self.scale!r} comm={comm} kernels={kernels} "
+                                    f"workspace={id(workspace) if workspace else id(self)}")
 
     def forward(
         self,
@@ -130,7 +125,7 @@ class DcpAttention:
         key = (self._plan_key, write_kv, q.shape, q.stride(), k.stride(), v.stride(), key_cache.shape,
                key_cache.stride(), value_cache.stride(), out.stride(), q.dtype, out.dtype, key_cache.dtype,
                k_scale is None)
-        plan = batch.plans.get(key) if isinstance(batch, DcpBatch) else None
+        plan: StepPlan | None = batch.plans.get(key) if isinstance(batch, DcpBatch) else None
         if plan is None:
             self._check_inputs(q, k, v, key_cache, value_cache, batch, out, k_scale, v_scale)
             plan = self._plan(q, k, v, key_cache, value_cache, batch, out, write_kv)
@@ -140,9 +135,11 @@ class DcpAttention:
 
     def _plan(self, q, k, v, key_cache, value_cache, batch, out, write_kv: bool) -> StepPlan:
         """Prepare the step's launches (first layer of a step with these shapes, inputs checked)."""
-        workspace = self._workspace_for(batch.num_tokens, q)
-        return build_plan(attn=self, q=q, k=k, v=v, key_cache=key_cache, value_cache=value_cache, batch=batch,
-                          out=out, write_kv=write_kv, ws=workspace.views(batch.num_tokens))
+        views = self._workspace_for(batch.num_tokens, q).views(batch.num_tokens)
+        step = StepInputs(kernels=self._kernels, heads=self.heads, scale=self.scale, group=self._collectives,
+                          batch=batch, q=q, k=k, v=v, key_cache=key_cache, value_cache=value_cache, out=out,
+                          write_kv=write_kv)
+        return plan_step(step, views)
 
     def _workspace_for(self, num_tokens: int, q: torch.Tensor) -> DcpWorkspace:
         def serves(ws: DcpWorkspace | None) -> bool:
@@ -154,7 +151,7 @@ class DcpAttention:
                 return ws
         made = DcpWorkspace(heads=self.heads, head_dim=q.shape[-1], dtype=q.dtype, device=q.device,
                             max_num_tokens=max(num_tokens, 1), comm=self.comm,
-                            split_elements=self.ops.split_capacity(q.shape[-1], q.device))
+                            split_elements=self._kernels.split_capacity(q.shape[-1], q.device))
         if self._own_workspace:
             self.workspace = made
             return made

@@ -63,7 +63,7 @@ class DcpBatch:
         max_seq_len: int | None = None,
         max_context_len: int | None = None,
         num_decodes: int | None = None,
-        workspace: DcpBatchWorkspace | None = None,
+        buffers: DcpBatchBuffers | None = None,
     ) -> DcpBatch:
         """Derive every per-step quantity once.
 
@@ -80,8 +80,8 @@ class DcpBatch:
                 nothing is synchronised and only shapes are checked.
             num_decodes: host int, how many leading requests have exactly one new token (the engine orders decodes
                 first); computed here when the tensors are read anyway, else 0 (the step then runs as one pass).
-            workspace: persistent buffers for the derived tensors (``DcpBatchWorkspace``): every batch built with
-                it keeps the same device addresses, so a CUDA graph captured over one step replays on the next.
+            buffers: persistent buffers for the derived tensors (``DcpBatchBuffers``): every batch built with
+                them keeps the same device addresses, so a CUDA graph captured over one step replays on the next.
 
         Example::
 
@@ -112,9 +112,9 @@ class DcpBatch:
         if num_decodes is not None and num_decodes > num_reqs:
             raise ValueError(f"num_decodes={num_decodes} is more than the batch's {num_reqs} requests")
 
-        if workspace is not None:
-            workspace.check(num_reqs, device)
-            derived = workspace.derive(query_start_loc, seq_lens, tokens, num_reqs)
+        if buffers is not None:
+            buffers.check(num_reqs, device)
+            derived = buffers.derive(query_start_loc, seq_lens, tokens, num_reqs)
         else:
             derived = _derive(query_start_loc, seq_lens, tokens)
         num_tokens = slot_mapping.shape[0]
@@ -158,14 +158,14 @@ class DcpBatch:
         )
 
 
-class DcpBatchWorkspace:
+class DcpBatchBuffers:
     """Persistent int32 buffers for the per-request tensors ``DcpBatch.build`` derives (``query_lens``,
     ``context_lens``, ``local_context_lens``, ``local_seq_lens``), for batches of up to ``max_num_reqs`` requests.
 
-    A batch built with a workspace reads and writes only these buffers and the tensors it was given, so when the
+    A batch built with them reads and writes only these buffers and the tensors it was given, so when the
     engine also keeps those in persistent buffers (vLLM does), a CUDA graph captured over one step's attention
-    replays correctly on any later step: each build refreshes the values in place. One workspace per engine
-    metadata builder; a batch is valid until the next build with the same workspace.
+    replays correctly on any later step: each build refreshes the values in place. One per engine metadata
+    builder; a batch is valid until the next build with the same buffers.
     """
 
     NAMES = ("query_lens", "context_lens", "local_context_lens", "local_seq_lens")
@@ -202,14 +202,14 @@ class DcpBatchWorkspace:
 
     def check(self, num_reqs: int, device: torch.device) -> None:
         if num_reqs > self.max_num_reqs:
-            raise ValueError(f"the batch has {num_reqs} requests but the workspace holds max_num_reqs="
+            raise ValueError(f"the batch has {num_reqs} requests but the buffers hold max_num_reqs="
                              f"{self.max_num_reqs}; size it for the engine's most requests per step")
         if device != self.device:
-            raise ValueError(f"the batch tensors are on {device} but the workspace is on {self.device}")
+            raise ValueError(f"the batch tensors are on {device} but the buffers are on {self.device}")
 
 
 def _derive(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, tokens: TokenLayout) -> dict[str, torch.Tensor]:
-    """The per-request tensors by torch ops (CPU, or a batch built without a workspace)."""
+    """The per-request tensors by torch ops (CPU, or a batch built without buffers)."""
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     context_lens = seq_lens - query_lens
     return dict(query_lens=query_lens, context_lens=context_lens,

@@ -8,7 +8,6 @@ calls unchecked internals whose inputs were checked when the step was prepared.
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
@@ -62,15 +61,3 @@ def check_kv_scales(cache_dtype: torch.dtype, k_scale, v_scale, device: torch.de
             raise ValueError(f"{name} is on {scale.device} but the KV cache is on {device}")
     return True
 
-
-def renamed(new_name: str, new_value, old_name: str, old_value, *, required: bool = True):
-    """The value of a keyword renamed this release: ``new_name``, or ``old_name`` (deprecated, still accepted)."""
-    if old_value is None:
-        if new_value is None and required:
-            raise ValueError(f"{new_name} is required")
-        return new_value
-    if new_value is not None:
-        raise ValueError(f"pass {new_name} only ({old_name} is its deprecated name)")
-    warnings.warn(f"{old_name}= is deprecated and will be removed in the next release: use {new_name}=",
-                  DeprecationWarning, stacklevel=3)
-    return old_value

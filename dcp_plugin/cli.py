@@ -15,7 +15,7 @@ from dataclasses import asdict
 from functools import partial
 
 from dcp_plugin import __version__
-from dcp_plugin.planner import DTYPE_BYTES, HF_CONFIG_KEYS, ModelShape, hf_config_fields
+from dcp_plugin.capacity import DTYPE_BYTES, HF_CONFIG_KEYS, ModelShape, hf_config_fields
 
 DESCRIPTION = "dcp-triton: decode-context-parallel (DCP) attention for vLLM (--attention-backend dcp-triton)."
 PLAN_DESCRIPTION = (
@@ -114,7 +114,7 @@ def _heads(args: argparse.Namespace, attr: str, value: int, kind: str) -> str:
 def _check_model(parser: argparse.ArgumentParser, args: argparse.Namespace, model: ModelShape) -> None:
     """What the backend refuses (head size, MLA, sliding window), then the heads split over --tp as vLLM splits
     them."""
-    from dcp_plugin.planner import config_refusals
+    from dcp_plugin.capacity import config_refusals
 
     if args.config:
         problems = config_refusals(args.config, head_dim=model.head_dim)
@@ -126,7 +126,7 @@ def _check_model(parser: argparse.ArgumentParser, args: argparse.Namespace, mode
         if model.head_dim not in SUPPORTED_HEAD_DIMS:
             parser.error(f"--head-dim {model.head_dim}: dcp-triton supports head sizes "
                          f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
-    from dcp_plugin.planner import vllm_tp_refusal
+    from dcp_plugin.capacity import vllm_tp_refusal
 
     q, kv = model.num_q_heads, model.num_kv_heads
     if q % kv:
@@ -138,7 +138,7 @@ def _check_model(parser: argparse.ArgumentParser, args: argparse.Namespace, mode
 
 
 def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from dcp_plugin.planner import compare_dcp_sizes, format_comparison
+    from dcp_plugin.capacity import compare_dcp_sizes, format_comparison
 
     _check_sizes(parser, args)
     model = _model_from_args(parser, args)

@@ -7,10 +7,11 @@ from typing import Literal, TypeVar
 
 import torch
 
-from dcp_plugin.checks import check_int, renamed
+from dcp_plugin.checks import check_int
 from dcp_plugin.parallel_state import ParallelState
 
-KvReplication = Literal["tp", "group"]
+KvReplication = Literal["tp", "replicated"]
+KV_REPLICATIONS = ("tp", "replicated")
 IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
 
 
@@ -18,15 +19,17 @@ IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
 class HeadLayout:
     """Which Q and KV heads one rank holds, for both head layouts.
 
-    ``kv_replication="tp"`` is vLLM's layout: each rank stores the KV heads tensor parallelism gives it, so a DCP
-    group must share them (``tp >= total_kv_heads`` and ``(tp / total_kv_heads) % dcp == 0``).
-    ``kv_replication="group"`` is SGLang's: every rank of a DCP group stores the KV heads of all the group's Q heads.
+    ``kv_replication="tp"`` is vLLM's layout: each rank stores the KV heads tensor parallelism gives it, so the
+    ranks of a DCP group must hold the same ones: at DCP > 1, ``tp_size`` a multiple of ``total_kv_heads`` with
+    ``(tp_size / total_kv_heads) % dcp_size == 0``, hence ``tp_size > total_kv_heads``.
+    ``kv_replication="replicated"`` is SGLang's: the KV heads are replicated across the DCP group, every rank storing
+    the KV heads of all the group's Q heads.
     Q heads are sharded by TP in both. Global Q head ``g`` reads global KV head ``g // q_per_kv``.
 
     Example (the seeds' topology)::
 
         ps = ParallelState.from_tp(tp_rank=1, tp_size=4, dcp_size=4)
-        heads = HeadLayout.create(total_q_heads=32, total_kv_heads=2, ps=ps, kv_replication="group")
+        heads = HeadLayout.create(total_q_heads=32, total_kv_heads=2, ps=ps, kv_replication="replicated")
         heads.q_head_start, heads.num_q_heads      # (8, 8)
         heads.kv_head_start, heads.num_kv_heads    # (0, 2): the group's 32 Q heads need KV heads 0 and 1
         heads.current_chunk_kv                     # (0, 1): local Q heads 8..15 need KV head 0 only
@@ -46,19 +49,15 @@ class HeadLayout:
     num_kv_heads: int
 
     @classmethod
-    def create(
-        cls, *, total_q_heads: int | None = None, total_kv_heads: int | None = None, ps: ParallelState,
-        kv_replication: KvReplication = "tp", num_q_heads: int | None = None, num_kv_heads: int | None = None,
-    ) -> HeadLayout:
+    def create(cls, *, total_q_heads: int, total_kv_heads: int, ps: ParallelState,
+               kv_replication: KvReplication = "tp") -> HeadLayout:
         """Layout of rank ``ps`` for a model with ``total_q_heads`` / ``total_kv_heads`` heads in all (the fields of
-        the same names). ``num_q_heads`` / ``num_kv_heads`` are their deprecated names: the layout's own
-        ``num_q_heads`` / ``num_kv_heads`` are this rank's counts."""
-        total_q = renamed("total_q_heads", total_q_heads, "num_q_heads", num_q_heads)
-        total_kv = renamed("total_kv_heads", total_kv_heads, "num_kv_heads", num_kv_heads)
+        the same names; the layout's ``num_q_heads`` / ``num_kv_heads`` are this rank's counts)."""
+        total_q, total_kv = total_q_heads, total_kv_heads
         for name, value in (("total_q_heads", total_q), ("total_kv_heads", total_kv)):
             check_int(name, value, low=1)
-        if kv_replication not in ("tp", "group"):
-            raise ValueError(f"kv_replication must be 'tp' or 'group', got {kv_replication!r}")
+        if kv_replication not in KV_REPLICATIONS:
+            raise ValueError(f"kv_replication must be one of {list(KV_REPLICATIONS)}, got {kv_replication!r}")
         if total_q % total_kv:
             raise ValueError(
                 f"total_q_heads={total_q} is not a multiple of total_kv_heads={total_kv}: "
@@ -82,9 +81,9 @@ class HeadLayout:
                 good = [d for d in range(1, tp + 1) if tp % d == 0 and tp >= total_kv and (tp // total_kv) % d == 0]
                 raise ValueError(
                     f"kv_replication='tp' with dcp_size={n}, tp_size={tp}, total_kv_heads={total_kv}: the ranks "
-                    f"of a DCP group would hold different KV heads. It needs tp_size > total_kv_heads and "
-                    f"(tp_size / total_kv_heads) % dcp_size == 0 (dcp_size in {good or [1]} here), "
-                    "or kv_replication='group'"
+                    f"of a DCP group would hold different KV heads. It needs tp_size a multiple of "
+                    f"total_kv_heads with (tp_size / total_kv_heads) % dcp_size == 0, hence tp_size > total_kv_heads "
+                    f"(dcp_size in {good or [1]} here), or kv_replication='replicated'"
                 )
         else:
             kv_start = group_q_start // q_per_kv

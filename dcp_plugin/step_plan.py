@@ -1,90 +1,131 @@
-"""One step of DCP attention, prepared: which kernels run, on which buffers, with which collectives in between.
+"""One step of DCP attention, prepared once and replayed by every layer: one small class per flow.
 
-``build_plan`` runs once per step (per layer configuration and tensor shapes); ``StepPlan.run`` is what every layer
-pays: the launches and collectives, nothing else. The flows (``T`` new tokens, ``H`` local Q heads, ``N`` ranks):
+``plan_step`` runs once per step (per layer settings and tensor shapes): it picks the flow on rank-invariant data
+and asks each kernel for its prepared launch (``plan_write_kv``, ``plan_extend``, ``plan_paged``,
+``plan_combine``) on the step's workspace views. The plan's ``run`` is what every layer pays: the launches and the
+collectives, nothing else. The flows (``T`` new tokens, ``H`` local Q heads, ``N`` ranks; the words are those of
+docs/design.md's glossary):
 
-- decode (one new token per request): the token is already in its owner's shard, so non-causal attention of the
-  queries to every rank's whole shard is the causal result; no current-chunk pass and no merge;
-- a step with no cached prefix anywhere (rank-invariant ``max_context_len == 0``): the current chunk only, no
-  collectives;
-- otherwise: the current chunk (local Q heads against the step's own K/V), then the prefix (all-gathered Q against
-  the local shard), combined across ranks and merged with the chunk by LSE. In a mixed step the prefix pass of
-  the leading single-token requests runs apart, in the decode kernel (``DecodesFirst``), so their long contexts
-  get split-KV parallelism instead of one program each.
+- ``ChunkOnlyPlan``: no request has a cached context (``max_context_len == 0``, the same on every rank): the
+  current chunk is the answer; no collective.
+- ``SingleRankPlan``: DCP = 1. The current chunk, the prefix pass over the rank's cache, their merge.
+- ``AgRsPlan``: DCP > 1, ``comm="ag_rs"``. The current chunk; the queries all-gathered head-major
+  (``[N * H, T, D]``) and the prefix pass of all ``N * H`` heads (partial in the model dtype); an all-gather of its
+  float32 LSEs, one kernel rescaling it into rank-major ``[N, T, H, D]``, a reduce-scatter that hands each rank
+  the sum for its own heads (straight into ``out`` for decode), and the merge with the current chunk.
+- ``A2aPlan``: DCP > 1, ``comm="a2a"``. The current chunk; the gathered queries' prefix pass writes its partial
+  and LSE straight into the packed ``[N, T, W]`` send buffer; one all-to-all; one kernel combining the N received
+  partials and the current chunk into ``out``.
 
-At DCP > 1 the queries are all-gathered head-major (``[N * H, T, D]``). ``ag_rs``: the prefix partial in the model
-dtype, an all-gather of its float32 LSEs, one kernel rescaling it into rank-major ``[N, T, H, D]``, and a
-reduce-scatter that hands each rank the sum for its own heads (straight into ``out`` for decode). ``a2a``: the
-prefix pass writes its partial and LSE straight into the packed ``[N, T, W]`` send buffer, one all-to-all, and one
-kernel combining the N received partials and the current chunk into ``out``.
+A decode step (one new token per request) has no current chunk and no merge: the new token is already in its
+owner's shard, so the prefix pass over every rank's whole shard is the causal result. In a mixed step the prefix
+pass of the leading single-token requests runs apart, in the decode kernel (``DecodesFirst``), so their long
+contexts get split-KV parallelism instead of one program each.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from dcp_plugin.batch import DcpBatch
+from dcp_plugin.group import BufferedGroup, DcpGroup
+from dcp_plugin.layout import HeadLayout
+from dcp_plugin.workspace import A2aViews, AgRsViews, GatheredViews, SingleRankViews, StepViews
+
+# A prepared launch (a kernel's plan_*: Launch or PagedLaunch, or a reference twin): called with the tensors only.
+Prepared = Callable[..., None]
+Collectives = DcpGroup | BufferedGroup  # a DCP group with the *_into collectives (dcp_plugin.group.buffered)
 
 
-class StepPlan:
-    """The prepared launches of one step; ``run`` replays them for one layer's tensors."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepInputs:
+    """What a step plan is prepared from: the layer's kernels and heads, and tensors shaped like the step's."""
 
-    __slots__ = ("write", "extend", "paged", "combine", "comm", "mode", "decode", "ws", "batch", "group",
-                 "rs_into_out", "paged_args", "combine_args")
+    kernels: ModuleType  # dcp_plugin.kernels or dcp_plugin.kernels.reference: their plan_* functions
+    heads: HeadLayout
+    scale: float
+    group: Collectives | None  # None at DCP = 1
+    batch: DcpBatch
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    out: torch.Tensor
+    write_kv: bool
 
-    def __init__(self, **fields) -> None:
-        for name in self.__slots__:
-            setattr(self, name, fields.get(name))
+    @property
+    def decode(self) -> bool:
+        return self.batch.max_query_len == 1
 
-    def run(self, q, k, v, key_cache, value_cache, out, k_scale=None, v_scale=None) -> None:
-        batch, ws = self.batch, self.ws
-        if self.write is not None:
-            self.write(k, v, key_cache, value_cache, batch.slot_mapping, k_scale, v_scale)
-        mode = self.mode
-        if mode == "chunk":  # no cached prefix on any rank: the current chunk is the answer
-            self.extend(q, k, v, out, ws.lse, batch.query_start_loc)
-            return
-        if self.extend is not None:
-            self.extend(q, k, v, ws.cur_out, ws.cur_lse, batch.query_start_loc)
-        if mode == "local":  # DCP = 1
-            if self.combine is None:
-                self.paged(q, key_cache, value_cache, *self.paged_args, out, ws.lse, k_scale, v_scale)
-            else:
-                self.paged(q, key_cache, value_cache, *self.paged_args, ws.pre_out, ws.pre_lse, k_scale, v_scale)
-                self.combine(*self.combine_args, out, ws.lse)
-            return
-        group = self.group
-        ws.q_send.copy_(q.transpose(0, 1))
-        group.all_gather_into(ws.q_all, ws.q_send)
-        q_group = self.paged_args[0]
-        if self.comm == "a2a":
-            self.paged(q_group, key_cache, value_cache, *self.paged_args[1:], ws.send_out, ws.send_lse, k_scale,
-                       v_scale)
-            group.all_to_all_into(ws.recv, ws.send)
-            self.combine(*self.combine_args, out, ws.lse)
-            return
-        self.paged(q_group, key_cache, value_cache, *self.paged_args[1:], ws.part, ws.part_lse, k_scale, v_scale)
-        group.all_gather_into(ws.lse_all, ws.part_lse)
-        rescale, merge = self.combine
-        rescale(*self.combine_args[0])  # into rank-major [N, T, H, D]: rank r's slice holds rank r's heads
-        if self.rs_into_out:  # decode into a contiguous out: the reduce-scatter writes the answer
-            group.reduce_scatter_into(out, ws.scaled)
-            return
-        group.reduce_scatter_into(ws.mine, ws.scaled)
+    def prepare_write(self) -> Prepared | None:
+        """Step 1, unless the host writes the cache itself."""
+        if not self.write_kv:
+            return None
+        return self.kernels.plan_write_kv(self.k, self.v, self.key_cache, self.value_cache, self.batch.slot_mapping)
+
+    def prepare_chunk(self, out: torch.Tensor, lse: torch.Tensor) -> Prepared | None:
+        """Step 2 into ``(out, lse)``; none in a decode step."""
         if self.decode:
-            out.copy_(ws.mine)
-        else:
-            merge(*self.combine_args[1], out, ws.lse)
+            return None
+        heads, batch = self.heads, self.batch
+        return self.kernels.plan_extend(self.q, self.k, self.v, out, lse, batch.query_start_loc, batch.max_query_len,
+                                        scale=self.scale, q_head_start=heads.q_head_start, q_per_kv=heads.q_per_kv,
+                                        kv_head_start=heads.kv_head_start)
+
+    def prefix_lens(self) -> tuple[torch.Tensor, int]:
+        """The local tokens the prefix pass reads per request, and their rank-invariant bound: in a decode step the
+        whole local shard (this step's token is written first), otherwise the context cached before this step."""
+        batch = self.batch
+        if self.decode:
+            return batch.local_seq_lens, batch.max_local_seq_len
+        return batch.local_context_lens, batch.max_local_context_len
+
+    def prepare_prefix(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, q_head_start: int,
+                       splits: torch.Tensor | None) -> Prepared:
+        """Step 3, queries ``q`` against this rank's cache into ``(out, lse)``: one ``paged_attention`` launch, or in
+        a mixed step the leading decodes' own launch and the rest's (``DecodesFirst``). Called with the whole step's
+        tables."""
+        batch = self.batch
+        lens, max_len = self.prefix_lens()
+        nd = batch.num_decodes
+        tables = (batch.block_table, lens, batch.query_start_loc)
+        if self.decode or not 0 < nd < batch.num_reqs:
+            return self._paged(q, tables, out, lse, batch.max_query_len, max_len, q_head_start, splits)
+        # Each launch writes its own rows; the decodes' rows of a rank-major out ([N, T, H, D]) are out[:, :nd].
+        decodes = (batch.block_table[:nd], lens[:nd], batch.query_start_loc[:nd + 1])
+        rest = (batch.block_table[nd:], lens[nd:], batch.query_start_loc[nd:])
+        rank_major = out.dim() == 4
+        first_out, first_lse = (out[:, :nd], lse[:, :nd]) if rank_major else (out[:nd], lse[:nd])
+        return DecodesFirst(
+            decodes=self._paged(q[:nd], decodes, first_out, first_lse, 1, max_len, q_head_start, splits),
+            rest=self._paged(q, rest, out, lse, batch.max_query_len, max_len, q_head_start, splits),
+            num_decodes=nd, decode_tables=decodes, rest_tables=rest, rank_major=rank_major)
+
+    def _paged(self, q, tables, out, lse, max_query_len: int, max_kv_len: int, q_head_start: int, splits):
+        heads = self.heads
+        return self.kernels.plan_paged(q, self.key_cache, self.value_cache, *tables, out, lse, scale=self.scale,
+                                       q_head_start=q_head_start, q_per_kv=heads.q_per_kv,
+                                       kv_head_start=heads.kv_head_start, max_kv_len=max_kv_len,
+                                       max_query_len=max_query_len, split_buffer=splits)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DecodesFirst:
     """A mixed step's prefix pass as two launches: the other requests (their own tables), then the leading
-    single-token requests (decode variant, split-KV sized for them alone). Called like one paged launch."""
+    single-token requests (decode variant, split-KV sized for them alone). Called like the one paged_attention
+    launch it replaces, with the whole step's tables; it launches on the two cuts of them it was prepared with."""
 
-    __slots__ = ("decodes", "rest", "num_decodes", "decode_tables", "rest_tables", "rank_major")
-
-    def __init__(self, decodes, rest, num_decodes: int, decode_tables: tuple, rest_tables: tuple,
-                 rank_major: bool) -> None:
-        self.decodes, self.rest, self.num_decodes = decodes, rest, num_decodes
-        self.decode_tables, self.rest_tables, self.rank_major = decode_tables, rest_tables, rank_major
+    decodes: Prepared
+    rest: Prepared
+    num_decodes: int
+    decode_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (block_table, lens, query_start_loc)
+    rest_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    rank_major: bool  # out is [N, T, H, D] (the decodes' rows are out[:, :num_decodes])
 
     def __call__(self, q, key_cache, value_cache, block_table, lens, query_start_loc, out, lse, k_scale=None,
                  v_scale=None) -> None:
@@ -96,71 +137,196 @@ class DecodesFirst:
         self.decodes(q[:nd], key_cache, value_cache, *self.decode_tables, *first, k_scale, v_scale)
 
 
-def build_plan(*, attn, q, k, v, key_cache, value_cache, batch, out, write_kv: bool, ws: SimpleNamespace) -> StepPlan:
-    """Prepare one step for tensors shaped like these (checked by the caller)."""
-    ops, heads = attn.ops, attn.heads
-    head_map = dict(scale=attn.scale, q_per_kv=heads.q_per_kv, kv_head_start=heads.kv_head_start)
-    write = ops.plan_write_kv(k, v, key_cache, value_cache, batch.slot_mapping) if write_kv else None
-    decode = batch.max_query_len == 1
-    plan = StepPlan(write=write, ws=ws, batch=batch, comm=attn.comm, group=attn._collectives, decode=decode)
-    if not decode:
-        chunk_only = batch.max_context_len == 0  # rank-invariant: no rank enters a collective
-        cur_out, cur_lse = (out, ws.lse) if chunk_only else (ws.cur_out, ws.cur_lse)
-        plan.extend = ops.plan_extend(q, k, v, cur_out, cur_lse, batch.query_start_loc, batch.max_query_len,
-                                      q_head_start=heads.q_head_start, **head_map)
-        if chunk_only:
-            plan.mode = "chunk"
-            return plan
-    lens, max_len = (batch.local_seq_lens, batch.max_local_seq_len) if decode else \
-        (batch.local_context_lens, batch.max_local_context_len)
-    tables = (batch.block_table, lens, batch.query_start_loc)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GatheredPrefix:
+    """Step 3 at DCP > 1: this rank's queries all-gathered head-major across the group, then the prefix pass of all
+    the group's Q heads over this rank's shard, into ``(out, lse)`` (workspace views)."""
 
-    def paged(q_, out_, lse_, q_head_start):
-        def plan(q__, tables_, out__, lse__, max_query_len):
-            return ops.plan_paged(q__, key_cache, value_cache, *tables_, out__, lse__, q_head_start=q_head_start,
-                                  max_kv_len=max_len, max_query_len=max_query_len, split_buffer=ws.splits,
-                                  **head_map)
+    group: Collectives
+    q_send: torch.Tensor  # [H, T, D]
+    q_all: torch.Tensor  # [N * H, T, D]
+    q_group: torch.Tensor  # q_all as [T, N * H, D]
+    launch: Prepared  # paged_attention's prepared launch, or DecodesFirst
+    block_table: torch.Tensor
+    lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
 
-        nd = batch.num_decodes
-        if decode or not 0 < nd < batch.num_reqs:
-            return plan(q_, tables, out_, lse_, batch.max_query_len)
-        # A mixed step: its leading single-token requests in the decode kernel (split for their long contexts),
-        # then the rest; each writes its own rows.
-        decodes = (batch.block_table[:nd], lens[:nd], batch.query_start_loc[:nd + 1])
-        rest = (batch.block_table[nd:], lens[nd:], batch.query_start_loc[nd:])
-        rank_major = out_.dim() == 4
-        first_out, first_lse = (out_[:, :nd], lse_[:, :nd]) if rank_major else (out_[:nd], lse_[:nd])
-        return DecodesFirst(plan(q_[:nd], decodes, first_out, first_lse, 1), plan(q_, rest, out_, lse_,
-                                                                                 batch.max_query_len),
-                            nd, decodes, rest, rank_major)
+    @classmethod
+    def prepare(cls, step: StepInputs, views: GatheredViews, out: torch.Tensor, lse: torch.Tensor) -> GatheredPrefix:
+        launch = step.prepare_prefix(views.q_group, out, lse, q_head_start=step.heads.group_q_head_start,
+                                     splits=views.splits)
+        return cls(group=step.group, q_send=views.q_send, q_all=views.q_all, q_group=views.q_group, launch=launch,
+                   block_table=step.batch.block_table, lens=step.prefix_lens()[0],
+                   query_start_loc=step.batch.query_start_loc, out=out, lse=lse)
 
-    if heads.dcp_size == 1:
-        plan.mode, plan.paged_args = "local", tables
-        if decode:
-            plan.paged = paged(q, out, ws.lse, heads.q_head_start)
+    def __call__(self, q, key_cache, value_cache, k_scale, v_scale) -> None:
+        self.q_send.copy_(q.transpose(0, 1))
+        self.group.all_gather_into(self.q_all, self.q_send)
+        self.launch(self.q_group, key_cache, value_cache, self.block_table, self.lens, self.query_start_loc, self.out,
+                    self.lse, k_scale, v_scale)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _WriteAndChunk:
+    """Steps 1-2, alike in every flow: the cache write (None: the host wrote it) and the current chunk (None in a
+    decode step)."""
+
+    write: Prepared | None
+    slot_mapping: torch.Tensor
+    chunk: Prepared | None
+    query_start_loc: torch.Tensor
+
+    def _write_and_chunk(self, q, k, v, key_cache, value_cache, chunk_out, chunk_lse, k_scale, v_scale) -> None:
+        if self.write is not None:
+            self.write(k, v, key_cache, value_cache, self.slot_mapping, k_scale, v_scale)
+        if self.chunk is not None:
+            self.chunk(q, k, v, chunk_out, chunk_lse, self.query_start_loc)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkOnlyPlan(_WriteAndChunk):
+    """No request has a cached context: the current chunk, written into ``out``, is the answer."""
+
+    lse: torch.Tensor  # the chunk's LSE (not returned)
+
+    @classmethod
+    def prepare(cls, step: StepInputs, views: StepViews) -> ChunkOnlyPlan:
+        return cls(write=step.prepare_write(), slot_mapping=step.batch.slot_mapping,
+                   chunk=step.prepare_chunk(step.out, views.lse), query_start_loc=step.batch.query_start_loc,
+                   lse=views.lse)
+
+    def run(self, q, k, v, key_cache, value_cache, out, k_scale=None, v_scale=None) -> None:
+        self._write_and_chunk(q, k, v, key_cache, value_cache, out, self.lse, k_scale, v_scale)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SingleRankPlan(_WriteAndChunk):
+    """DCP = 1 with a cached context. A decode step: the prefix pass over the whole cache writes the answer.
+    Otherwise: the current chunk, the prefix pass (a float32 partial), and ``merge`` of the two into ``out``."""
+
+    prefix: Prepared  # paged_attention's prepared launch, or DecodesFirst; reads block_table and prefix_lens
+    block_table: torch.Tensor
+    prefix_lens: torch.Tensor
+    merge: Prepared | None  # None in a decode step
+    merge_inputs: tuple  # (prefix partial [1, T, H, D], its LSE [1, T, H], chunk out, chunk LSE)
+    views: SingleRankViews
+
+    @classmethod
+    def prepare(cls, step: StepInputs, views: SingleRankViews) -> SingleRankPlan:
+        decode, batch = step.decode, step.batch
+        out, lse = (step.out, views.lse) if decode else (views.prefix_out, views.prefix_lse)
+        merge_inputs = (views.prefix_out.unsqueeze(0), views.prefix_lse.unsqueeze(0), views.chunk_out,
+                        views.chunk_lse)
+        return cls(write=step.prepare_write(), slot_mapping=batch.slot_mapping,
+                   chunk=step.prepare_chunk(views.chunk_out, views.chunk_lse), query_start_loc=batch.query_start_loc,
+                   prefix=step.prepare_prefix(step.q, out, lse, q_head_start=step.heads.q_head_start,
+                                              splits=views.splits),
+                   block_table=batch.block_table, prefix_lens=step.prefix_lens()[0],
+                   merge=None if decode else step.kernels.plan_combine(*merge_inputs, step.out, views.lse),
+                   merge_inputs=merge_inputs, views=views)
+
+    def run(self, q, k, v, key_cache, value_cache, out, k_scale=None, v_scale=None) -> None:
+        views = self.views
+        self._write_and_chunk(q, k, v, key_cache, value_cache, views.chunk_out, views.chunk_lse, k_scale, v_scale)
+        if self.merge is None:  # decode: the prefix pass is the answer
+            self.prefix(q, key_cache, value_cache, self.block_table, self.prefix_lens, self.query_start_loc, out,
+                        views.lse, k_scale, v_scale)
+            return
+        self.prefix(q, key_cache, value_cache, self.block_table, self.prefix_lens, self.query_start_loc,
+                    views.prefix_out, views.prefix_lse, k_scale, v_scale)
+        self.merge(*self.merge_inputs, out, views.lse)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgRsPlan(_WriteAndChunk):
+    """DCP > 1, ``comm="ag_rs"``: the gathered queries' prefix partial, every rank's LSEs all-gathered, the partial
+    rescaled by this rank's share of each head's mass (``rescale``) and reduce-scattered, so each rank receives the
+    combined prefix of its own heads; then ``merge`` with the current chunk (none in a decode step)."""
+
+    prefix: GatheredPrefix  # into views.part, views.part_lse
+    group: Collectives
+    rescale: Prepared
+    rescale_args: tuple  # (partial as [N, T, N * H, D] with stride 0 over N, lse_all, None, None, scaled, lse_total)
+    reduce_into_out: bool  # a decode step into a contiguous out: the reduce-scatter writes the answer
+    merge: Prepared | None
+    merge_inputs: tuple  # (this rank's combined prefix [1, T, H, D], its LSE [1, T, H], chunk out, chunk LSE)
+    views: AgRsViews
+
+    @classmethod
+    def prepare(cls, step: StepInputs, views: AgRsViews) -> AgRsPlan:
+        heads, batch, kernels = step.heads, step.batch, step.kernels
+        n, rank = heads.dcp_size, step.group.rank_in_group
+        rescale_args = (views.part.unsqueeze(0).expand(n, *views.part.shape), views.lse_all, None, None,
+                        views.scaled, views.lse_total)
+        first = rank * heads.num_q_heads  # this rank's heads among the gathered ones
+        merge_inputs = (views.mine.unsqueeze(0), views.lse_total[:, first:first + heads.num_q_heads].unsqueeze(0),
+                        views.chunk_out, views.chunk_lse)
+        return cls(write=step.prepare_write(), slot_mapping=batch.slot_mapping,
+                   chunk=step.prepare_chunk(views.chunk_out, views.chunk_lse), query_start_loc=batch.query_start_loc,
+                   prefix=GatheredPrefix.prepare(step, views, views.part, views.part_lse), group=step.group,
+                   rescale=kernels.plan_combine(*rescale_args, o_part_start=rank, num_o_parts=1),
+                   rescale_args=rescale_args, reduce_into_out=step.decode and step.out.is_contiguous(),
+                   merge=None if step.decode else kernels.plan_combine(*merge_inputs, step.out, views.lse),
+                   merge_inputs=merge_inputs, views=views)
+
+    def run(self, q, k, v, key_cache, value_cache, out, k_scale=None, v_scale=None) -> None:
+        views, group = self.views, self.group
+        self._write_and_chunk(q, k, v, key_cache, value_cache, views.chunk_out, views.chunk_lse, k_scale, v_scale)
+        self.prefix(q, key_cache, value_cache, k_scale, v_scale)
+        group.all_gather_into(views.lse_all, views.part_lse)
+        self.rescale(*self.rescale_args)  # rank-major: rank r's slice of views.scaled holds rank r's heads
+        if self.reduce_into_out:
+            group.reduce_scatter_into(out, views.scaled)
+            return
+        group.reduce_scatter_into(views.mine, views.scaled)
+        if self.merge is None:  # a decode step into a strided out
+            out.copy_(views.mine)
         else:
-            plan.paged = paged(q, ws.pre_out, ws.pre_lse, heads.q_head_start)
-            plan.combine_args = (ws.pre_out.unsqueeze(0), ws.pre_lse.unsqueeze(0), ws.cur_out, ws.cur_lse)
-            plan.combine = ops.plan_combine(*plan.combine_args, out, ws.lse)
-        return plan
+            self.merge(*self.merge_inputs, out, views.lse)
 
-    plan.mode = "group"
-    q_group = ws.q_all.transpose(0, 1)  # [T, N * H, D]
-    plan.paged_args = (q_group, *tables)
-    current = (ws.cur_out, ws.cur_lse) if not decode else (None, None)
-    if attn.comm == "a2a":
-        plan.paged = paged(q_group, ws.send_out, ws.send_lse, heads.group_q_head_start)
-        plan.combine_args = (ws.recv_out, ws.recv_lse, *current)
-        plan.combine = ops.plan_combine(*plan.combine_args, out, ws.lse)
-        return plan
-    plan.paged = paged(q_group, ws.part, ws.part_lse, heads.group_q_head_start)
-    n = heads.dcp_size
-    rescale_args = (ws.part.unsqueeze(0).expand(n, *ws.part.shape), ws.lse_all, None, None, ws.scaled, ws.lse_total)
-    rescale = ops.plan_combine(*rescale_args, o_part_start=attn._collectives.rank_in_group, num_o_parts=1)
-    first = attn._collectives.rank_in_group * heads.num_q_heads
-    merge_args = (ws.mine.unsqueeze(0), ws.lse_total[:, first:first + heads.num_q_heads].unsqueeze(0), *current)
-    plan.combine = (rescale, ops.plan_combine(*merge_args, out, ws.lse) if not decode else None)
-    plan.combine_args = (rescale_args, merge_args)
-    plan.rs_into_out = decode and out.is_contiguous()
-    return plan
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class A2aPlan(_WriteAndChunk):
+    """DCP > 1, ``comm="a2a"``: the gathered queries' prefix partial, packed with its LSEs, goes to the ranks that
+    own its heads in one all-to-all; ``combine`` merges the N received partials and the current chunk into ``out``."""
+
+    prefix: GatheredPrefix  # into views.send_out, views.send_lse
+    group: Collectives
+    combine: Prepared
+    combine_inputs: tuple  # (recv_out, recv_lse, chunk out, chunk LSE), the chunk's None in a decode step
+    views: A2aViews
+
+    @classmethod
+    def prepare(cls, step: StepInputs, views: A2aViews) -> A2aPlan:
+        batch = step.batch
+        chunk = (None, None) if step.decode else (views.chunk_out, views.chunk_lse)
+        combine_inputs = (views.recv_out, views.recv_lse, *chunk)
+        return cls(write=step.prepare_write(), slot_mapping=batch.slot_mapping,
+                   chunk=step.prepare_chunk(views.chunk_out, views.chunk_lse), query_start_loc=batch.query_start_loc,
+                   prefix=GatheredPrefix.prepare(step, views, views.send_out, views.send_lse), group=step.group,
+                   combine=step.kernels.plan_combine(*combine_inputs, step.out, views.lse),
+                   combine_inputs=combine_inputs, views=views)
+
+    def run(self, q, k, v, key_cache, value_cache, out, k_scale=None, v_scale=None) -> None:
+        views = self.views
+        self._write_and_chunk(q, k, v, key_cache, value_cache, views.chunk_out, views.chunk_lse, k_scale, v_scale)
+        self.prefix(q, key_cache, value_cache, k_scale, v_scale)
+        self.group.all_to_all_into(views.recv, views.send)
+        self.combine(*self.combine_inputs, out, views.lse)
+
+
+StepPlan = ChunkOnlyPlan | SingleRankPlan | AgRsPlan | A2aPlan
+
+
+def plan_step(step: StepInputs, views: SingleRankViews | AgRsViews | A2aViews) -> StepPlan:
+    """Prepare one step (its inputs checked by the caller) in the flow that rank-invariant data selects: whether any
+    request has a cached context, then the workspace's kind (DCP = 1, or DCP > 1 with its comm mode)."""
+    if not step.decode and step.batch.max_context_len == 0:  # no rank enters a collective
+        return ChunkOnlyPlan.prepare(step, views)
+    if isinstance(views, SingleRankViews):
+        return SingleRankPlan.prepare(step, views)
+    if isinstance(views, A2aViews):
+        return A2aPlan.prepare(step, views)
+    return AgRsPlan.prepare(step, views)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
+from dataclasses import dataclass
 
 import torch
 
@@ -13,6 +13,59 @@ from dcp_plugin.layout import HeadLayout
 _ALIGN = 16  # elements: every buffer starts, and every packed row is, a multiple of 16 elements
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepViews:
+    """One step's tensors that every flow has (``T`` tokens, ``H`` local Q heads, head size ``D``)."""
+
+    chunk_out: torch.Tensor  # [T, H, D]: the current chunk's output (model dtype)
+    chunk_lse: torch.Tensor  # [T, H]
+    lse: torch.Tensor  # [T, H]: the LSE of the answer (computed, never returned)
+    splits: torch.Tensor | None  # float32 split-KV partials of the prefix pass (None: no room reserved)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SingleRankViews(StepViews):
+    """DCP = 1: the prefix pass's partial, in float32."""
+
+    prefix_out: torch.Tensor  # [T, H, D]
+    prefix_lse: torch.Tensor  # [T, H]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GatheredViews(StepViews):
+    """DCP > 1 (``N`` ranks): this rank's queries head-major, and every rank's after the all-gather."""
+
+    q_send: torch.Tensor  # [H, T, D]
+    q_all: torch.Tensor  # [N * H, T, D]: rank r's heads in slice r, so the all-gather is one contiguous copy
+    q_group: torch.Tensor  # q_all as [T, N * H, D], what the prefix pass reads
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgRsViews(GatheredViews):
+    """``comm="ag_rs"``: the prefix partial of all ``N * H`` gathered heads (model dtype), every rank's LSEs, the
+    partial rescaled rank-major (the reduce-scatter's input) and this rank's heads of the sum."""
+
+    part: torch.Tensor  # [T, N * H, D]
+    part_lse: torch.Tensor  # [T, N * H]
+    lse_all: torch.Tensor  # [N, T, N * H]: every rank's part_lse
+    scaled: torch.Tensor  # [N, T, H, D]: slice r holds rank r's heads
+    lse_total: torch.Tensor  # [T, N * H]: the combined LSE of every gathered head
+    mine: torch.Tensor  # [T, H, D]: this rank's slice of the reduce-scatter
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class A2aViews(GatheredViews):
+    """``comm="a2a"``: the packed send and receive buffers ``[N, T, W]`` (a token's ``H`` outputs, then their
+    float32 LSEs) and their unpacked views; slice r of the send buffer goes to rank r."""
+
+    send: torch.Tensor
+    recv: torch.Tensor
+    send_out: torch.Tensor  # [N, T, H, D]: the prefix pass writes its rank-major partial here
+    send_lse: torch.Tensor  # [N, T, H]
+    recv_out: torch.Tensor  # [N, T, H, D]: rank r's partial for this rank's heads in slice r
+    recv_lse: torch.Tensor  # [N, T, H]
+
+
 class DcpWorkspace:
     """Every intermediate tensor of ``DcpAttention.forward`` for steps of up to ``max_num_tokens`` tokens.
 
@@ -20,13 +73,9 @@ class DcpWorkspace:
     head layout, head size, dtype and comm mode (an engine running two micro-batches at once needs one each).
     Allocate it before the engine measures its memory (vLLM: at model construction) so the engine counts it.
 
-    Per step of ``T`` tokens, with ``H`` local Q heads, ``Hg = N * H`` gathered heads, head size ``D``:
-    the current chunk (``[T, H, D]`` + LSE); at DCP = 1 the prefix partial in float32; at DCP > 1 the gathered
-    queries (``[Hg, T, D]``, head-major so the all-gather is one contiguous copy per rank), and for ``ag_rs`` the
-    prefix partial ``[T, Hg, D]`` in the model dtype, its LSEs from every rank, the rescaled partial ``[N, T, H, D]``
-    (rank-major: the reduce-scatter's input) and its result; for ``a2a`` the send and receive buffers
-    ``[N, T, W]`` packing each token's ``H`` outputs and their float32 LSEs (``W``: a multiple of 16 elements); and
-    the split-KV partials (``split_elements`` floats, see ``dcp_plugin.kernels.split_capacity``).
+    ``views(T)`` hands a step of ``T`` tokens its tensors: ``SingleRankViews`` at DCP = 1, ``AgRsViews`` or ``A2aViews``
+    at DCP > 1 (their fields say what each holds), plus the split-KV partials (``split_elements`` floats, see
+    ``dcp_plugin.kernels.split_capacity``).
 
     Example::
 
@@ -45,10 +94,10 @@ class DcpWorkspace:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_num_tokens = max_num_tokens
         t, h, d, n = max_num_tokens, heads.num_q_heads, head_dim, heads.dcp_size
-        sizes = {"cur_out": (t * h * d, dtype), "lse": (t * h, torch.float32), "cur_lse": (t * h, torch.float32),
+        sizes = {"chunk_out": (t * h * d, dtype), "chunk_lse": (t * h, torch.float32), "lse": (t * h, torch.float32),
                  "splits": (split_elements, torch.float32)}
         if n == 1:
-            sizes.update(pre_out=(t * h * d, torch.float32), pre_lse=(t * h, torch.float32))
+            sizes.update(prefix_out=(t * h * d, torch.float32), prefix_lse=(t * h, torch.float32))
         else:
             hg = heads.num_group_q_heads
             sizes.update(q_send=(h * t * d, dtype), q_all=(hg * t * d, dtype))
@@ -69,27 +118,26 @@ class DcpWorkspace:
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.max_num_tokens
 
-    def views(self, num_tokens: int) -> SimpleNamespace:
-        """This step's tensors (contiguous views of the buffers' first elements), by name."""
+    def views(self, num_tokens: int) -> SingleRankViews | AgRsViews | A2aViews:
+        """This step's tensors: contiguous views of the buffers' first elements."""
         t, h, d, n = num_tokens, self.heads.num_q_heads, self.head_dim, self.heads.dcp_size
         b = self.buffers
-        v = SimpleNamespace(cur_out=_view(b["cur_out"], t, h, d), cur_lse=_view(b["cur_lse"], t, h),
-                            lse=_view(b["lse"], t, h), splits=b["splits"] if b["splits"].numel() else None)
+        common = dict(chunk_out=_view(b["chunk_out"], t, h, d), chunk_lse=_view(b["chunk_lse"], t, h),
+                      lse=_view(b["lse"], t, h), splits=b["splits"] if b["splits"].numel() else None)
         if n == 1:
-            v.pre_out, v.pre_lse = _view(b["pre_out"], t, h, d), _view(b["pre_lse"], t, h)
-            return v
+            return SingleRankViews(**common, prefix_out=_view(b["prefix_out"], t, h, d),
+                              prefix_lse=_view(b["prefix_lse"], t, h))
         hg = self.heads.num_group_q_heads
-        v.q_send, v.q_all = _view(b["q_send"], h, t, d), _view(b["q_all"], hg, t, d)
+        q_all = _view(b["q_all"], hg, t, d)
+        common.update(q_send=_view(b["q_send"], h, t, d), q_all=q_all, q_group=q_all.transpose(0, 1))
         if self.comm == "a2a":
-            w = self.packed_width
-            v.send, v.recv = _view(b["send"], n, t, w), _view(b["recv"], n, t, w)
-            v.send_out, v.send_lse = unpack(v.send, h, d)
-            v.recv_out, v.recv_lse = unpack(v.recv, h, d)
-        else:
-            v.part, v.part_lse = _view(b["part"], t, hg, d), _view(b["part_lse"], t, hg)
-            v.lse_all, v.scaled = _view(b["lse_all"], n, t, hg), _view(b["scaled"], n, t, h, d)
-            v.lse_total, v.mine = _view(b["lse_total"], t, hg), _view(b["mine"], t, h, d)
-        return v
+            send, recv = _view(b["send"], n, t, self.packed_width), _view(b["recv"], n, t, self.packed_width)
+            (send_out, send_lse), (recv_out, recv_lse) = unpack(send, h, d), unpack(recv, h, d)
+            return A2aViews(**common, send=send, recv=recv, send_out=send_out, send_lse=send_lse, recv_out=recv_out,
+                            recv_lse=recv_lse)
+        return AgRsViews(**common, part=_view(b["part"], t, hg, d), part_lse=_view(b["part_lse"], t, hg),
+                         lse_all=_view(b["lse_all"], n, t, hg), scaled=_view(b["scaled"], n, t, h, d),
+                         lse_total=_view(b["lse_total"], t, hg), mine=_view(b["mine"], t, h, d))
 
 
 def packed_width(num_heads: int, head_dim: int, dtype: torch.dtype) -> int:

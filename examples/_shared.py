@@ -61,7 +61,7 @@ def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
 def check_topology(parser: argparse.ArgumentParser, args: argparse.Namespace, model: Path) -> None:
     """Refuse a --tp / --dcp the model's heads cannot take in vLLM (read from its config.json), before vLLM loads."""
-    from dcp_plugin.planner import ModelShape, compare_dcp_sizes, vllm_tp_refusal
+    from dcp_plugin.capacity import ModelShape, compare_dcp_sizes, vllm_tp_refusal
 
     shape = ModelShape.from_hf_config(model / "config.json")
     heads = f"{model.name} ({shape.num_q_heads} Q heads, {shape.num_kv_heads} KV heads)"

@@ -32,15 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
         p, prompts=PROMPTS, max_tokens=32, max_tokens_help="tokens to generate per prompt (default 32)",
         tp=2, tp_help="tensor-parallel size = GPUs used (default 2)", dcp=2,
         kernels_help=f"kernel path of the backend (default: ${_shared.KERNEL_ENV} or triton)")
-    p.add_argument("--plan-only", action="store_true", help="print the plan table and exit (no GPU needed)")
+    p.add_argument("--plan-only", action="store_true", help="print the capacity report and exit (no GPU needed)")
     return p
 
 
-def print_plan(model: Path, *, tp: int, dcp: int, interleave: int, dtype: str) -> None:
-    from dcp_plugin.planner import ModelShape, format_plan, make_plan
+def print_capacity_report(model: Path, *, tp: int, dcp: int, interleave: int, dtype: str) -> None:
+    from dcp_plugin.capacity import ModelShape, capacity_report, format_capacity_report
 
     shape = ModelShape.from_hf_config(model / "config.json", dtype=dtype)
-    print(format_plan(make_plan(shape, tp_size=tp, dcp_size=dcp, interleave=interleave, layout="tp")))
+    print(format_capacity_report(capacity_report(shape, tp_size=tp, dcp_size=dcp, interleave=interleave, layout="tp")))
     print()
 
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         model = random_llama_checkpoint(num_kv_heads=args.kv_heads or max(1, args.tp // args.dcp))
     _shared.check_topology(parser, args, model)
     try:
-        print_plan(model, tp=args.tp, dcp=args.dcp, interleave=args.interleave, dtype="bfloat16")
+        print_capacity_report(model, tp=args.tp, dcp=args.dcp, interleave=args.interleave, dtype="bfloat16")
     except ValueError as err:
         print(f"dcp_generate: this topology cannot run {model}: {err}", file=sys.stderr)
         return 2

@@ -133,23 +133,42 @@ class Launch:
     again and ask the CUDA driver whether the address is device memory, a driver call per tensor and launch, which
     the first launch of these tensors has already answered. ``scratch``: the kernel needs Triton's global scratch
     (device-side tensor descriptors); the compiled launcher takes it from ``_scratch``.
+
+    ``stand_ins``: ``{i: j}`` for tensor arguments this variant never reads (its constexpr flags say so: a cache
+    that is not fp8 has no scales, a combine without an extra partial has none). Whatever the caller passes there
+    (``None``, as a rule) is replaced by tensor argument ``j``: a real pointer of fixed dtype and alignment, so the
+    compiled variant is always the same one (``None`` would compile another).
     """
 
-    __slots__ = ("kernel", "grid", "scalars", "constexprs", "options", "scratch", "_compiled", "_aligned", "_tail",
-                 "_device")
+    __slots__ = ("kernel", "grid", "scalars", "constexprs", "options", "scratch", "_stand_ins", "_compiled",
+                 "_aligned", "_tail", "_device")
 
     def __init__(self, kernel, grid: tuple, scalars: tuple, constexprs: dict, *, num_warps: int,
-                 num_stages: int = 1, scratch: bool = False) -> None:
+                 num_stages: int = 1, scratch: bool = False, stand_ins: dict[int, int] | None = None) -> None:
         self.kernel, self.grid, self.scalars, self.constexprs = kernel, tuple(grid) + (1,) * (3 - len(grid)), \
             scalars, constexprs
         self.options = {"num_warps": num_warps, "num_stages": num_stages}
+        self._stand_ins = tuple(stand_ins.items()) if stand_ins else ()
         self._compiled = None
         self._aligned = None
         self._tail = scalars + tuple(constexprs.values())  # the compiled launcher takes every parameter, in order
         self._device = None
         self.scratch = scratch  # the kernel builds tensor descriptors on the device: it needs Triton's allocator
 
+    def kernel_tensors(self, tensors: tuple) -> tuple | list:
+        """The tensor arguments the kernel receives for a call's ``tensors``: its stand-ins in place."""
+        if not self._stand_ins:
+            return tensors
+        tensors = list(tensors)
+        for unread, stand_in in self._stand_ins:
+            tensors[unread] = tensors[stand_in]
+        return tensors
+
     def __call__(self, *tensors) -> None:
+        if self._stand_ins:  # kernel_tensors, inline: this is the per-layer path
+            tensors = list(tensors)
+            for unread, stand_in in self._stand_ins:
+                tensors[unread] = tensors[stand_in]
         if self.scratch:  # Triton keeps the allocator per thread (a ContextVar): set it in the launching thread
             triton.set_allocator(_scratch)
         if self._compiled is not None and not _launch_hooks():

@@ -129,28 +129,15 @@ def plan_combine(parts_out, parts_lse, extra_out, extra_lse, out, lse, *, o_part
     block_d = next_pow2(head_dim)
     block_h = min(next_pow2(num_heads), max(1, config.block_elems // block_d))
     has_extra = extra_out is not None
-    # Without an extra partial its pointers are stand-ins (never read) and its strides zeros.
+    # Without an extra partial its strides are zeros and its pointers stand-ins: out's and lse's, never read.
     extra_strides = (*extra_out.stride(), *extra_lse.stride()) if has_extra else (0,) * 5
     grid = (num_tokens, cdiv(num_heads, block_h)) if num_tokens and num_heads else (0,)
     scalars = (num_heads, num_parts, o_part_start, num_parts if num_o_parts is None else num_o_parts,
                *parts_out.stride(), *parts_lse.stride(), *extra_strides, *head_strides(out, 3), *lse.stride())
-    launch = Launch(combine_kernel, grid, scalars,
-                    dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_P=next_pow2(num_parts),
-                         HAS_EXTRA=has_extra),
-                    num_warps=config.num_warps)
-    return launch if has_extra else _NoExtra(launch)
-
-
-class _NoExtra:
-    """A combine launch without an extra partial: its two extra pointers are stand-ins (``out``, ``lse``)."""
-
-    __slots__ = ("launch",)
-
-    def __init__(self, launch: Launch) -> None:
-        self.launch = launch
-
-    def __call__(self, parts_out, parts_lse, extra_out, extra_lse, out, lse) -> None:
-        self.launch(parts_out, parts_lse, out, lse, out, lse)
+    return Launch(combine_kernel, grid, scalars,
+                  dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_P=next_pow2(num_parts),
+                       HAS_EXTRA=has_extra),
+                  num_warps=config.num_warps, stand_ins=None if has_extra else {2: 4, 3: 5})
 
 
 def _outputs(out, lse, shape: tuple, out_dtype: torch.dtype, device: torch.device, *, rank_major_out=False):

@@ -20,7 +20,6 @@ import triton.language as tl
 from dcp_plugin.kernels._launch import (
     INDEX_DTYPES, LOG2E, Launch, cdiv, check_head_map, check_int, check_out, check_shape, check_tensor, next_pow2,
 )
-from dcp_plugin.checks import renamed
 from dcp_plugin.kernels._mode import INTERPRET
 from dcp_plugin.kernels._schedule import find_block, flat_programs
 
@@ -181,9 +180,8 @@ def _pick_config(head_dim: int, dtype: torch.dtype, config: ExtendConfig | None)
     return config
 
 
-def extend_attention(q, k, v, query_start_loc=None, max_query_len=None, *, scale, q_head_start, q_per_kv,
-                     kv_head_start, out=None, lse=None, config: ExtendConfig | None = None, cu_seqlens=None,
-                     max_seqlen=None):
+def extend_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
+                     out=None, lse=None, config: ExtendConfig | None = None):
     """Causal attention of each sequence's queries to that sequence's own new keys (the DCP current chunk).
 
     ``q``: ``[T, Hq, D]`` (this rank's local Q heads), ``k``/``v``: ``[T, Hk, D]`` (the stored KV heads), all one
@@ -194,7 +192,7 @@ def extend_attention(q, k, v, query_start_loc=None, max_query_len=None, *, scale
     ``(q_head_start + i) // q_per_kv - kv_head_start``. D in 64/80/96/128/256.
     Returns ``(out [T, Hq, D], lse [T, Hq] float32, natural log)``; ``out`` (any float dtype, defaults to q's) and
     ``lse`` are written in place when given. Rows past ``query_start_loc[B]`` get (0, -inf). ``config`` overrides the
-    tile table (benchmarks only). ``cu_seqlens`` and ``max_seqlen`` are the deprecated names of the two arguments.
+    tile table (benchmarks only).
 
     Example (rank with local Q heads 8..15 of a 32 Q / 2 KV model, k holding KV heads 0..1):
     ``o, l = extend_attention(q, k, v, cu, 4096, scale=128**-0.5, q_head_start=8, q_per_kv=16, kv_head_start=0)``
@@ -203,8 +201,6 @@ def extend_attention(q, k, v, query_start_loc=None, max_query_len=None, *, scale
     check_tensor("q", q, ndim=3, device=device)
     check_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=device)
     check_tensor("v", v, ndim=3, dtypes=(q.dtype,), device=device)
-    query_start_loc = renamed("query_start_loc", query_start_loc, "cu_seqlens", cu_seqlens)
-    max_query_len = renamed("max_query_len", max_query_len, "max_seqlen", max_seqlen)
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=device)
     num_tokens, num_q_heads, head_dim = q.shape
     check_shape("k", k, (num_tokens, None, head_dim))

@@ -26,13 +26,16 @@ from dcp_plugin.kernels._launch import (
     INDEX_DTYPES, LOG2E, Launch, cdiv, check_head_map, check_heads_out, check_int, check_shape,
     check_tensor, device_index, head_strides, next_pow2, num_sms,
 )
-from dcp_plugin.checks import FP8_DTYPES, check_kv_scales, renamed
+from dcp_plugin.checks import FP8_DTYPES, check_kv_scales
 from dcp_plugin.kernels._mode import INTERPRET
+from dcp_plugin.kernels._paged_tile import attend_cached_tile
 from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count constants are part of this module's API
     MAX_AUTO_SPLITS, MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM, find_block, flat_programs, group_head_tile, head_tiling,
     pick_num_splits,
 )
-from dcp_plugin.kernels.split_kv import head_offsets, paged_attention_reduce_kernel, plan_split_reduce, split_views
+from dcp_plugin.kernels.split_kv import (
+    PagedLaunch, head_offsets, paged_attention_reduce_kernel, plan_split_reduce, split_views,
+)
 
 __all__ = ["PagedConfig", "paged_attention", "paged_attention_kernel", "paged_attention_reduce_kernel", "plan_paged",
            "split_capacity"]
@@ -69,49 +72,6 @@ GPU_CONFIGS = {
 # float32 tiles take twice the shared memory: 128-token prefix tiles do not fit (256 KiB of 227).
 GPU_FP32_CONFIGS = {(128, False): PagedConfig(block_n=64, block_m=128, num_warps=8, num_stages=3)}
 INTERPRET_CONFIG = PagedConfig(block_n=32, block_m=32, num_warps=1, num_stages=1)
-
-
-
-@triton.jit
-def _attend_cached_tile(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, table_ptr, n_start, kv_end, dims, dim_mask, qk_scale,
-                        stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d,
-                        stride_bt_blk, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_TOKENS: tl.constexpr,
-                        EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
-    """One online-softmax step over cached tokens ``n_start + [0, BLOCK_N)``; scores in base-2 units.
-    ``MASK_TOKENS``: the tile may pass ``kv_end`` (it always holds at least one token before it)."""
-    pos = n_start + tl.arange(0, BLOCK_N)
-    pos_mask = pos < kv_end
-    # Per-token page lookup: any page size works, tiles may span pages.
-    if MASK_TOKENS:
-        page = tl.load(table_ptr + (pos // PAGE_SIZE) * stride_bt_blk, mask=pos_mask, other=0).to(tl.int64)
-    else:
-        page = tl.load(table_ptr + (pos // PAGE_SIZE) * stride_bt_blk).to(tl.int64)
-    in_page = (pos % PAGE_SIZE).to(tl.int64)
-    k_ptrs = k_head_ptr + (page * stride_kc_blk + in_page * stride_kc_tok)[None, :] + dims[:, None] * stride_kc_d
-    v_ptrs = v_head_ptr + (page * stride_vc_blk + in_page * stride_vc_tok)[:, None] + dims[None, :] * stride_vc_d
-    if MASK_TOKENS:
-        k = tl.load(k_ptrs, mask=dim_mask[:, None] & pos_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        v = tl.load(v_ptrs, mask=pos_mask[:, None] & dim_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-    elif not EVEN_D:
-        k = tl.load(k_ptrs, mask=dim_mask[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=dim_mask[None, :], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    if KV_FP8:  # dequantize in registers (the scales are applied to scores and output)
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
-    scores = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
-    if MASK_TOKENS:
-        scores = tl.where(pos_mask[None, :], scores, float("-inf"))
-    # The scale (> 0) is applied to the row maximum and folded into the exponent's argument: one FMA per score.
-    # Every tile holds a cached token, so each row's max is finite (no -inf - -inf).
-    m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores * qk_scale - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
 
 
 # Per-step sizes (and the LSE strides, which scale with them) are not specialized on: every step of an engine runs
@@ -206,13 +166,13 @@ def paged_attention_kernel(
     # Whole tiles first, with no token mask; then the split's last, partial tile (at most one), masked.
     full_end = kv_start + tl.maximum(kv_end - kv_start, 0) // BLOCK_N * BLOCK_N
     for n_start in range(kv_start, full_end, BLOCK_N):
-        acc, l_i, m_i = _attend_cached_tile(
+        acc, l_i, m_i = attend_cached_tile(
             acc, l_i, m_i, q, k_head_ptr, v_head_ptr, table_ptr, n_start, kv_end, dims, dim_mask, qk_scale,
             stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d, stride_bt_blk,
             PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASK_TOKENS=False, EVEN_D=EVEN_D,
             DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8)
     for n_start in range(full_end, kv_end, BLOCK_N):
-        acc, l_i, m_i = _attend_cached_tile(
+        acc, l_i, m_i = attend_cached_tile(
             acc, l_i, m_i, q, k_head_ptr, v_head_ptr, table_ptr, n_start, kv_end, dims, dim_mask, qk_scale,
             stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d, stride_bt_blk,
             PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASK_TOKENS=True, EVEN_D=EVEN_D,
@@ -253,8 +213,8 @@ def pick_config(head_dim: int, *, decode: bool, dtype: torch.dtype = torch.bfloa
 
 
 def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, *, scale, q_head_start,
-                    q_per_kv, kv_head_start, max_kv_len=None, max_query_len=None, num_splits=None, out=None,
-                    lse=None, config: PagedConfig | None = None, k_scale=None, v_scale=None, max_context_len=None):
+                    q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None, out=None, lse=None,
+                    config: PagedConfig | None = None, k_scale=None, v_scale=None):
     """Every query row of request ``b`` attends, non-causally, to its cached tokens ``[0, context_lens[b])``.
 
     Args:
@@ -269,7 +229,7 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
         scale: softmax scale. q_head_start, q_per_kv, kv_head_start: local Q head ``i`` reads stored KV head
             ``(q_head_start + i) // q_per_kv - kv_head_start``.
         max_kv_len: host int >= every ``context_lens[b]`` (the most cached tokens a row attends to); only tunes
-            the split count. ``max_context_len``: its deprecated name.
+            the split count.
         max_query_len: host int >= every request's query rows, or None (unknown). 1 selects the decode variant,
             ``<= 8`` the short-query one.
         num_splits: KV splits per request (None: chosen to fill the GPU; 1 on CPU).
@@ -310,7 +270,6 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
         raise ValueError(f"scale must be a positive float, got {scale!r}")
     check_head_map(num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv,
                    kv_head_start=kv_head_start, num_kv_heads=num_kv_heads, kv_name="key_cache")
-    max_kv_len = renamed("max_kv_len", max_kv_len, "max_context_len", max_context_len)
     check_int("max_kv_len", max_kv_len, low=0, high=block_table.shape[1] * page_size)
     if max_query_len is not None:
         check_int("max_query_len", max_query_len, low=0)
@@ -343,29 +302,6 @@ def split_capacity(head_dim: int, device: torch.device) -> int:
     sms = num_sms(torch.cuda.current_device() if device.type == "cuda" and device.index is None else device.index or 0)
     block_m = max(c.block_m for c in (INTERPRET_CONFIG, *GPU_CONFIGS.values()))
     return PROGRAMS_PER_SM * sms * block_m * (head_dim + 1)
-
-
-class PagedLaunch:
-    """``paged_attention`` prepared for one step's tensor shapes; call it with ``(q, key_cache, value_cache,
-    block_table, context_lens, query_start_loc, out, lse)`` and, for an fp8 cache, ``k_scale, v_scale``. With
-    several splits, stage 1 writes the partials into buffers the plan holds and stage 2 merges them into
-    ``out``/``lse``."""
-
-    __slots__ = ("stage1", "reduce", "part_out", "part_lse", "num_splits")
-
-    def __init__(self, stage1: Launch, reduce: Launch | None, part_out, part_lse, num_splits: int) -> None:
-        self.stage1, self.reduce, self.part_out, self.part_lse = stage1, reduce, part_out, part_lse
-        self.num_splits = num_splits
-
-    def __call__(self, q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse,
-                 k_scale=None, v_scale=None) -> None:
-        scales = (q if k_scale is None else k_scale, q if v_scale is None else v_scale)  # stand-ins: never read
-        if self.reduce is None:
-            self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, *scales)
-            return
-        self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc, self.part_out,
-                    self.part_lse, *scales)
-        self.reduce(self.part_out, self.part_lse, out, lse)
 
 
 def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, *, scale,
@@ -409,6 +345,7 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
         lse_strides = (0, *part_lse.stride())
     grid = (num_q_programs + cdiv(num_tokens, block_q), head_programs, num_splits) if num_tokens else (0,)
     block_d = max(16, next_pow2(head_dim))
+    kv_fp8 = key_cache.dtype in FP8_DTYPES
     stage1 = Launch(
         paged_attention_kernel, grid,
         (num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs, float(scale) * LOG2E, q_head_start, q_per_kv,
@@ -417,9 +354,9 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
         dict(PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
              EVEN_D=block_d == head_dim, DECODE=decode,
              DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-             KV_FP8=key_cache.dtype in FP8_DTYPES,
-             FP8_VIA_FP16=key_cache.dtype in FP8_DTYPES and q.dtype == torch.bfloat16),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+             KV_FP8=kv_fp8, FP8_VIA_FP16=kv_fp8 and q.dtype == torch.bfloat16),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        stand_ins=None if kv_fp8 else {8: 0, 9: 0})  # no scales: q's pointer stands in (never read)
     reduce = plan_split_reduce(part_out, part_lse, out, lse) if num_splits > 1 else None
     return PagedLaunch(stage1, reduce, part_out, part_lse, num_splits)
 

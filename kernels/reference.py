@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from dcp_plugin.checks import FP8_DTYPES, renamed
+from dcp_plugin.checks import FP8_DTYPES
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -86,11 +86,11 @@ def _from_cache(values: torch.Tensor, acc: torch.dtype, scale) -> torch.Tensor:
     return values.to(acc) * scale.to(acc) if values.dtype in FP8_DTYPES else values.to(acc)
 
 
-def extend_attention(q, k, v, query_start_loc=None, max_query_len=None, *, scale, q_head_start, q_per_kv,
-                     kv_head_start, out=None, lse=None, cu_seqlens=None, max_seqlen=None):
+def extend_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
+                     out=None, lse=None):
     """Causal attention of each sequence's queries to that sequence's own new keys.
 
-    ``q [T, Hq, D]``, ``k/v [T, Hk, D]``, ``query_start_loc [B + 1]`` (deprecated name: ``cu_seqlens``): sequence
+    ``q [T, Hq, D]``, ``k/v [T, Hk, D]``, ``query_start_loc [B + 1]``: sequence
     ``b`` is rows ``query_start_loc[b]:query_start_loc[b + 1]``; query row ``i`` of it sees key rows ``0..i`` of it.
     Returns ``(out [T, Hq, D], lse [T, Hq])``.
     """
@@ -98,8 +98,6 @@ def extend_attention(q, k, v, query_start_loc=None, max_query_len=None, *, scale
     kv = _kv_index(q.shape[1], q_head_start, q_per_kv, kv_head_start, q.device)
     out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse_acc = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
-    query_start_loc = renamed("query_start_loc", query_start_loc, "cu_seqlens", cu_seqlens)
-    renamed("max_query_len", max_query_len, "max_seqlen", max_seqlen)
     bounds = query_start_loc.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:
@@ -112,18 +110,17 @@ def extend_attention(q, k, v, query_start_loc=None, max_query_len=None, *, scale
 
 
 def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, *, scale, q_head_start,
-                    q_per_kv, kv_head_start, max_kv_len=None, max_query_len=None, num_splits=None, out=None,
-                    lse=None, k_scale=None, v_scale=None, max_context_len=None):
+                    q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None, out=None, lse=None,
+                    k_scale=None, v_scale=None):
     """Every query row of request ``b`` attends, non-causally, to its cached tokens ``[0, context_lens[b])``.
 
     Cached token ``j`` of request ``b`` is ``key_cache[block_table[b, j // block_size], j % block_size]``.
     ``q [T, Hq, D]`` (request ``b`` is rows ``query_start_loc[b]:query_start_loc[b + 1]``), caches
-    ``[num_blocks, block_size, Hk, D]``. ``max_kv_len`` (deprecated name: ``max_context_len``) bounds
+    ``[num_blocks, block_size, Hk, D]``. ``max_kv_len`` bounds
     ``context_lens`` and ``max_query_len`` the query rows of a request; with ``num_splits`` they only tune the
     kernel. Returns ``(out [T, Hq, D], lse [T, Hq])``; a request with no cached tokens gets (0, -inf). An fp8 cache
     is read as ``value * k_scale`` / ``value * v_scale``.
     """
-    renamed("max_kv_len", max_kv_len, "max_context_len", max_context_len)
     acc = _acc_dtype(q)
     block_size = key_cache.shape[1]
     kv = _kv_index(q.shape[1], q_head_start, q_per_kv, kv_head_start, q.device)

@@ -1,4 +1,5 @@
-"""Split-KV partials of paged attention: where they live and the kernel that merges a request's splits by LSE.
+"""Split-KV partials of paged attention: where they live, the kernel that merges a request's splits by LSE, and the
+prepared launch of both stages (``PagedLaunch``).
 
 A paged-attention launch with ``S`` splits per request writes ``[T, H, S, D]`` float32 partial outputs and
 ``[T, H, S]`` LSEs (``split_views``), then ``paged_attention_reduce_kernel`` merges each (token, head)'s splits into
@@ -91,6 +92,29 @@ def plan_split_reduce(part_out, part_lse, out, lse) -> Launch:
                   (num_heads, part_out.shape[2], head_dim, *part_out.stride(), *part_lse.stride(),
                    *head_strides(out, 3), *head_strides(lse, 2)[1:]),
                   dict(BLOCK_H=heads, BLOCK_D=block_d, BLOCK_S=splits), num_warps=4 if block_d <= 128 else 8)
+
+
+class PagedLaunch:
+    """``paged_attention`` prepared for one step's tensor shapes; call it with ``(q, key_cache, value_cache,
+    block_table, context_lens, query_start_loc, out, lse)`` and, for an fp8 cache, ``k_scale, v_scale``. With
+    several splits, stage 1 writes the partials into buffers the plan holds and stage 2 merges them into
+    ``out``/``lse``."""
+
+    __slots__ = ("stage1", "reduce", "part_out", "part_lse", "num_splits")
+
+    def __init__(self, stage1: Launch, reduce: Launch | None, part_out, part_lse, num_splits: int) -> None:
+        self.stage1, self.reduce, self.part_out, self.part_lse = stage1, reduce, part_out, part_lse
+        self.num_splits = num_splits
+
+    def __call__(self, q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse,
+                 k_scale=None, v_scale=None) -> None:
+        if self.reduce is None:
+            self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, k_scale,
+                        v_scale)
+            return
+        self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc, self.part_out,
+                    self.part_lse, k_scale, v_scale)
+        self.reduce(self.part_out, self.part_lse, out, lse)
 
 
 def split_views(buffer, num_tokens: int, num_heads: int, num_splits: int, head_dim: int, device):

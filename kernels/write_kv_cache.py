@@ -94,7 +94,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, va
                                                              k_scale, v_scale)
 
 
-def plan_write_kv(k, v, key_cache, value_cache, slot_mapping) -> WriteLaunch:
+def plan_write_kv(k, v, key_cache, value_cache, slot_mapping) -> Launch:
     """``write_kv_cache`` prepared for tensors shaped like these (no checks): call it with ``(k, v, key_cache,
     value_cache, slot_mapping, k_scale, v_scale)`` (scales ``None`` unless the cache is fp8)."""
     if INTERPRET and key_cache.dtype.itemsize == 1:
@@ -108,19 +108,7 @@ def plan_write_kv(k, v, key_cache, value_cache, slot_mapping) -> WriteLaunch:
     grid = (slot_mapping.shape[0], cdiv(num_heads, block_h)) if num_heads and head_dim else (0,)
     scalars = (num_heads, head_dim, *k.stride(), *v.stride(), *key_cache.stride(), *value_cache.stride())
     fp8_max = torch.finfo(key_cache.dtype).max if key_cache.dtype.itemsize == 1 else 0.0
-    return WriteLaunch(Launch(write_kv_cache_kernel, grid, scalars,
-                              dict(PAGE_SIZE=key_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d, FP8_MAX=fp8_max),
-                              num_warps=4))
-
-
-class WriteLaunch:
-    """A prepared cache write; without scales (a cache in the model dtype) the scale pointers are stand-ins."""
-
-    __slots__ = ("launch",)
-
-    def __init__(self, launch: Launch) -> None:
-        self.launch = launch
-
-    def __call__(self, k, v, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
-        self.launch(k, v, key_cache, value_cache, slot_mapping, slot_mapping if k_scale is None else k_scale,
-                    slot_mapping if v_scale is None else v_scale)
+    # A cache in the model dtype has no scales: slot_mapping's pointer stands in for them (never read).
+    return Launch(write_kv_cache_kernel, grid, scalars,
+                  dict(PAGE_SIZE=key_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d, FP8_MAX=fp8_max),
+                  num_warps=4, stand_ins=None if fp8_max else {5: 4, 6: 4})

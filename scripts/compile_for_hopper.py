@@ -56,7 +56,7 @@ def record_launches(record: dict) -> None:
     """Make every ``Launch`` record its variant (keyed by what Triton specializes on) instead of running."""
 
     def call(launch, *tensors):
-        key = _variant(launch, tensors)
+        key = _variant(launch, launch.kernel_tensors(tensors))
         record.setdefault((key[0], key[1], key[2]), (launch, key))
 
     _launch.Launch.__call__ = call
@@ -101,7 +101,7 @@ def collect(dtype: torch.dtype, head_dim: int, cache_dtypes: tuple) -> dict:
         heads = dp.HeadLayout.create(total_q_heads=16, total_kv_heads=1, ps=ps, kv_replication="tp")
         tokens = dp.TokenLayout.create(ps=ps, block_size=16)
         attn = dp.DcpAttention(heads=heads, tokens=tokens, group=NoCollectives(n) if n > 1 else None,
-                               scale=head_dim ** -0.5, comm=comm, ops=kernels)
+                               scale=head_dim ** -0.5, comm=comm, kernels="triton")
         qkv = torch.zeros(4, heads.num_q_heads + 2, head_dim, dtype=dtype)
         kv = torch.zeros(8, 16, 1, 2 * head_dim, dtype=cache_dtype or dtype)
         scales = dict(k_scale=torch.ones(1), v_scale=torch.ones(1)) if cache_dtype else {}

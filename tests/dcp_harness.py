@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import torch
 
 from dcp_plugin import DcpAttention, DcpBatch, HeadLayout, ParallelState, TokenLayout
-from dcp_plugin.kernels import reference
 from tests import kernel_checks
 from tests.kernel_checks import assert_matches
 
@@ -26,7 +25,7 @@ class Case:
     name: str
     q_heads: int
     kv_heads: int
-    kv_replication: str = "group"
+    kv_replication: str = "replicated"
     tp: int = 0  # 0: tp = dcp size
     group_index: int = 0  # which DCP group of the TP group the ranks play
     interleave: int = 1
@@ -35,7 +34,7 @@ class Case:
     requests: tuple[tuple[int, int], ...] = ((5, 1),)
     comm: str = "ag_rs"
     dtype: str = "float32"
-    ops: str = "reference"
+    kernels: str = "reference"  # DcpAttention(kernels=...): "reference" or "triton"
     decode_steps: int = 0
     seed: int = 0
     device: str = "cpu"  # where the sequences, caches and batches live ("cuda" on the GPU tier)
@@ -46,14 +45,6 @@ class Case:
         heads = HeadLayout.create(total_q_heads=self.q_heads, total_kv_heads=self.kv_heads, ps=ps,
                                   kv_replication=self.kv_replication)
         return heads, TokenLayout(dcp_size=n, dcp_rank=rank, interleave=self.interleave, block_size=self.block_size)
-
-
-def resolve_ops(name: str):
-    if name == "reference":
-        return reference
-    from dcp_plugin import kernels
-
-    return kernels
 
 
 class World:
@@ -170,15 +161,14 @@ class RankState:
             assert torch.equal(self.value_cache[page, row], want), f"{self.case.name}: value cache of request {b}"
 
 
-def run_case(case: Case, n: int, rank: int, group, gather_heads: Callable[[torch.Tensor], torch.Tensor],
-             *, ops=None) -> int:
+def run_case(case: Case, n: int, rank: int, group, gather_heads: Callable[[torch.Tensor], torch.Tensor]) -> int:
     """Run every step of ``case`` on this rank and check the group's gathered output against the float64 reference
     (identical on every rank, so every rank fails at the same point). Returns the number of checked steps."""
     world = World(case)
     state = RankState.create(case, world, n, rank)
     heads = state.heads
-    attn = DcpAttention(heads=heads, tokens=state.tokens, group=group, scale=world.scale, comm=case.comm,
-                        ops=ops if ops is not None else SerialOps(resolve_ops(case.ops)))
+    attn = serial(DcpAttention(heads=heads, tokens=state.tokens, group=group, scale=world.scale, comm=case.comm,
+                               kernels=case.kernels))
     group_heads = range(heads.group_q_head_start, heads.group_q_head_start + heads.num_group_q_heads)
     schedule = [[new for _, new in case.requests]] + [[1] * len(case.requests)] * case.decode_steps
     for step, new_tokens in enumerate(schedule):
@@ -205,7 +195,7 @@ def _valid(case: Case, n: int) -> bool:
 def random_case(rng: random.Random, n: int, index: int) -> Case:
     """A random valid configuration for a group of ``n`` ranks (reference kernels)."""
     while True:
-        kv_replication = rng.choice(["group", "group", "tp"])
+        kv_replication = rng.choice(["replicated", "replicated", "tp"])
         tp = n * rng.choice([1, 1, 2])
         if kv_replication == "tp":
             kv_heads = rng.choice([d for d in range(1, tp + 1) if tp % d == 0 and (tp // d) % n == 0])
@@ -234,23 +224,31 @@ def random_case(rng: random.Random, n: int, index: int) -> Case:
             return case
 
 
-KERNEL_NAMES = {"plan_write_kv": "write_kv_cache", "plan_extend": "extend_attention",
+KERNEL_OF_PLAN = {"plan_write_kv": "write_kv_cache", "plan_extend": "extend_attention",
                 "plan_paged": "paged_attention", "plan_combine": "combine"}
 _KERNEL_LOCK = threading.Lock()
 
 
-class SerialOps:
+def serial(attn: DcpAttention, log: list | None = None, *, kernels=None) -> DcpAttention:
+    """``attn`` with its launches run one at a time across threads, and logged into ``log`` (``SerialKernels``).
+    ``kernels``: a namespace with ``dcp_plugin.kernels``' ``plan_*`` functions to run instead of the one ``attn``
+    chose by name. The one place tests replace what ``DcpAttention`` chose."""
+    attn._kernels = SerialKernels(attn._kernels if kernels is None else kernels, log)
+    return attn
+
+
+class SerialKernels:
     """A kernel namespace whose launches run one at a time across threads (the Triton interpreter, and Triton's
     JIT cache, are not meant to be entered by several threads at once; on a GPU launches are asynchronous, so this
     serialises little). With ``log``, every launch appends ``(kernel name, its tensors, its plan's keywords)`` when
     it runs, in execution order."""
 
-    def __init__(self, ops, log: list | None = None) -> None:
-        self._ops, self._log = ops, log
+    def __init__(self, kernels, log: list | None = None) -> None:
+        self._kernels, self._log = kernels, log
 
     def __getattr__(self, name):
-        fn = getattr(self._ops, name)
-        if name not in KERNEL_NAMES:
+        fn = getattr(self._kernels, name)
+        if name not in KERNEL_OF_PLAN:
             return fn
 
         def plan(*args, **kwargs):
@@ -259,7 +257,7 @@ class SerialOps:
 
             def run(*tensors):
                 if self._log is not None:
-                    self._log.append((KERNEL_NAMES[name], tensors, kwargs))
+                    self._log.append((KERNEL_OF_PLAN[name], tensors, kwargs))
                 with _KERNEL_LOCK:
                     launch(*tensors)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from dcp_plugin import DcpAttention
-from tests.dcp_harness import Case, RankState, SerialOps, ThreadGroup, World, causal_attention_f64, run_threads
+from tests.dcp_harness import Case, RankState, ThreadGroup, World, causal_attention_f64, run_threads, serial
 from tests.kernel_checks import assert_matches
 
 
@@ -20,9 +20,9 @@ def fp8_round_trip(world: World, dtype: torch.dtype, k_scale: torch.Tensor, v_sc
             tensors[i] = (t / scale).clamp(-limit, limit).to(dtype).double() * scale
 
 
-def run_fp8_dcp(case: Case, n: int, dtype: torch.dtype, k_scale: torch.Tensor, v_scale: torch.Tensor, ops,
+def run_fp8_dcp(case: Case, n: int, dtype: torch.dtype, k_scale: torch.Tensor, v_scale: torch.Tensor, kernels,
                 *, label: str) -> list[int]:
-    """Every rank of ``case`` on its own thread over an fp8 cache (``ops``: the kernel namespace); each step (the
+    """Every rank of ``case`` on its own thread over an fp8 cache (``kernels``: the kernel namespace); each step (the
     case's first, then ``case.decode_steps`` decodes) gathered over the group and checked against float64.
     Returns each rank's checked steps."""
     world = World(case)
@@ -33,8 +33,8 @@ def run_fp8_dcp(case: Case, n: int, dtype: torch.dtype, k_scale: torch.Tensor, v
         state = RankState.create(case, world, n, rank)
         to_fp8 = [(c / s).to(dtype) for c, s in ((state.key_cache, k_scale), (state.value_cache, v_scale))]
         group = ThreadGroup(exchange, rank) if n > 1 else None
-        attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=group, scale=world.scale, comm=case.comm,
-                            ops=SerialOps(ops))
+        attn = serial(DcpAttention(heads=state.heads, tokens=state.tokens, group=group, scale=world.scale,
+                                   comm=case.comm), kernels=kernels)
         group_heads = range(state.heads.group_q_head_start,
                             state.heads.group_q_head_start + state.heads.num_group_q_heads)
         for step, new_tokens in enumerate(schedule):

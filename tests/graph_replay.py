@@ -1,6 +1,6 @@
 """A decode step of DcpAttention (single-token rows, or speculative verify rows of 1 + k tokens per request) captured
 once and replayed on later steps, as vLLM's full decode graphs run it: persistent inputs refreshed in place, a
-``DcpBatchWorkspace`` rebuilt per step, fewer real requests than captured (padding requests with no tokens, padding
+``DcpBatchBuffers`` rebuilt per step, fewer real requests than captured (padding requests with no tokens, padding
 rows past the last real token), contexts longer than at capture; each replay against float64.
 
 On a GPU the step is a real CUDA graph; on CPU (the interpreter) "replay" runs the step prepared at capture again
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dcp_plugin import DcpAttention, DcpBatch, DcpBatchWorkspace, HeadLayout, ParallelState, TokenLayout
+from dcp_plugin import DcpAttention, DcpBatch, DcpBatchBuffers, HeadLayout, ParallelState, TokenLayout
 from tests.kernel_checks import assert_matches, causal_attention_f64
 
 
@@ -53,14 +53,14 @@ class Step:
         for t in (self.q, self.k, self.v):
             t.copy_(torch.randn(t.shape, device=self.device, generator=self.gen))
 
-    def batch(self, tokens: TokenLayout, workspace: DcpBatchWorkspace, real: int) -> DcpBatch:
+    def batch(self, tokens: TokenLayout, buffers: DcpBatchBuffers, real: int) -> DcpBatch:
         """As the vLLM builder builds it under full graphs: all (padded) requests, the real rows' slots, and host
         bounds at the table's capacity, so the split count frozen at capture suits every later step."""
         return DcpBatch.build(query_start_loc=self.qsl, seq_lens=self.seq_lens, block_table=self.table,
                               slot_mapping=self.slots[:real * self.query_len], tokens=tokens,
                               max_query_len=self.query_len, max_seq_len=self.capacity,
                               max_context_len=self.capacity - self.query_len,
-                              num_decodes=0 if self.query_len > 1 else None, workspace=workspace)
+                              num_decodes=0 if self.query_len > 1 else None, buffers=buffers)
 
     def expected(self, real: int) -> torch.Tensor:
         """float64: the new K/V stored at their slots, then each real request's rows, causally, over its
@@ -88,14 +88,14 @@ def check_replays(step: Step, lengths: list[list[int]], *, graph: bool) -> None:
     heads = HeadLayout.create(total_q_heads=step.q_heads, total_kv_heads=step.kv_heads, ps=ps)
     tokens = TokenLayout(dcp_size=1, dcp_rank=0, interleave=1, block_size=step.block_size)
     attention = DcpAttention(heads=heads, tokens=tokens, group=None, scale=step.head_dim ** -0.5)
-    workspace = DcpBatchWorkspace(step.reqs, step.device)
+    buffers = DcpBatchBuffers(step.reqs, step.device)
     key_cache, value_cache = step.cache[..., :step.head_dim], step.cache[..., step.head_dim:]
 
     def forward(batch):
         attention.forward(step.q, step.k, step.v, key_cache, value_cache, batch, out=step.out)
 
     step.refresh([step.query_len + b for b in range(step.reqs)])  # as vLLM captures: dummy short lengths
-    captured = step.batch(tokens, workspace, step.reqs)  # built outside the capture, as vLLM builds it
+    captured = step.batch(tokens, buffers, step.reqs)  # built outside the capture, as vLLM builds it
     forward(captured)
     if graph:
         torch.cuda.synchronize()
@@ -110,7 +110,7 @@ def check_replays(step: Step, lengths: list[list[int]], *, graph: bool) -> None:
     for seq_lens in lengths:
         real = len(seq_lens)
         step.refresh(seq_lens)
-        step.batch(tokens, workspace, real)  # the engine's per-step build: refreshes the workspace
+        step.batch(tokens, buffers, real)  # the engine's per-step build: refreshes the buffers
         want = step.expected(real)
         step.out.fill_(float("nan"))
         replay()

@@ -37,7 +37,7 @@ class SgCase:
     decode_steps: int = 2
     dtype: str = "float32"
     comm: str = "ag_rs"
-    ops: str = "reference"
+    kernels: str = "reference"  # the backend's kernels, whatever DCP_TRITON_KERNELS says
     seed: int = 0
     device: str = "cpu"
 
@@ -58,7 +58,7 @@ def server_args(argv: list[str]):
 class SglangRank:
     """One DCP rank of ``case``: SGLang's pools and allocator, the backend, the requests' progress."""
 
-    def __init__(self, case: SgCase, n: int, rank: int, group, args, *, ops=None) -> None:
+    def __init__(self, case: SgCase, n: int, rank: int, group, args) -> None:
         from sglang.srt.layers.radix_attention import RadixAttention
         from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -100,8 +100,7 @@ class SglangRank:
         backend_cls = DcpTritonAttnBackend
         self.backend = backend_cls(self.runner, topology=topo)
         self.backend._output_like = lambda q: torch.full_like(q, float("nan"))  # unwritten rows fail
-        if ops is not None:
-            self.backend._ops = ops
+        self.backend.kernels = case.kernels  # before the first layer binds its DcpAttention
         self.lens = [0] * len(case.requests)  # tokens of each request in the cache
         self.slots = [[] for _ in case.requests]  # widened slot of each cached position
 
@@ -189,7 +188,7 @@ def run_sglang_case(case: SgCase, n: int, rank: int, group, gather_heads, *, arg
         if n not in _ARGS:
             _ARGS[n] = server_args(config_argv(n))
         args = _ARGS[n]
-    state = SglangRank(case, n, rank, group if n > 1 else None, args, ops=_ops(case.ops))
+    state = SglangRank(case, n, rank, group if n > 1 else None, args)
     group_heads = range(state.heads.group_q_head_start, state.heads.group_q_head_start + state.heads.num_group_q_heads)
     steps = schedule(case)
     for index, new in enumerate(steps):
@@ -218,12 +217,3 @@ def config_argv(n: int) -> list[str]:
     return ["--model-path", _CONFIG_DIRS[n], "--device", "cpu", "--tp-size", str(n), "--dcp-size", str(n),
             "--attention-backend", "dcp-triton"]
 
-
-def _ops(name: str):
-    from dcp_plugin.kernels import reference
-
-    if name == "reference":
-        return reference
-    from dcp_plugin import kernels
-
-    return kernels

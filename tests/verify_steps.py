@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from dcp_plugin import DcpAttention
-from tests.dcp_harness import Case, RankState, SerialOps, World, causal_attention_f64, resolve_ops
+from tests.dcp_harness import Case, RankState, World, causal_attention_f64, serial
 from tests.kernel_checks import assert_matches
 
 
@@ -60,7 +60,7 @@ GPU_MIXES = {
 def head_layouts(n: int) -> dict[str, dict]:
     """vLLM's layout (tp = 2n, two KV heads, the second DCP group) and SGLang's with 12 Q / 3 KV heads."""
     return {"tp": dict(kv_replication="tp", tp=2 * n, group_index=1, q_heads=4 * n, kv_heads=2),
-            "group": dict(kv_replication="group", q_heads=12, kv_heads=3)}
+            "replicated": dict(kv_replication="replicated", q_heads=12, kv_heads=3)}
 
 
 def verify_case(name: str, mix: str, seed: int, **fields) -> VerifyCase:
@@ -107,8 +107,8 @@ def run_verify_case(case: VerifyCase, n: int, rank: int, group, gather_heads) ->
     world = World(case)
     state = RankState.create(case, world, n, rank)
     heads = state.heads
-    attn = DcpAttention(heads=heads, tokens=state.tokens, group=group, scale=world.scale, comm=case.comm,
-                        ops=SerialOps(resolve_ops(case.ops)))
+    attn = serial(DcpAttention(heads=heads, tokens=state.tokens, group=group, scale=world.scale, comm=case.comm,
+                               kernels=case.kernels))
     group_heads = range(heads.group_q_head_start, heads.group_q_head_start + heads.num_group_q_heads)
     rng = random.Random(case.seed)  # identical draws on every rank
     new_tokens, seen = [new for _, new in case.requests], set()

@@ -8,8 +8,8 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from dcp_plugin.adapters.sglang import compat, metadata, support, topology as topology_mod
-from dcp_plugin.adapters.vllm.support import check_kernel_dtype, select_kernels
 from dcp_plugin.attention import DcpAttention
+from dcp_plugin.kernel_choice import check_kernel_dtype, choose_kernels, kernels_named
 from dcp_plugin.layout import TokenLayout
 from dcp_plugin.warmup import warm_up
 from dcp_plugin.workspace import DcpWorkspace
@@ -33,8 +33,9 @@ class DcpTritonAttnBackend(AttentionBackend):
         super().__init__()
         compat.check_supported_sglang()
         support.check(support.runner_problems(model_runner))
-        self.kernel_path, self._ops = select_kernels()
-        check_kernel_dtype(self.kernel_path, self._ops, model_runner.dtype)
+        choice = choose_kernels(engine="SGLang")
+        check_kernel_dtype(choice, model_runner.dtype, dtype_options="--dtype float32 or float16")
+        self.kernel_path, self.kernels, self._compiled = choice.description, choice.name, choice.compiled
         self.topology = topology or topology_mod.from_sglang(model_runner)
         heads = self.topology.heads
         support.check([problem for layer in attention_layers(model_runner.model)
@@ -48,7 +49,8 @@ class DcpTritonAttnBackend(AttentionBackend):
                          for name in ("max_prefill_tokens", "chunked_prefill_size", "cuda_graph_max_bs")) or 8192
         self.workspace = DcpWorkspace(heads=heads, head_dim=head_dim, dtype=model_runner.dtype,
                                       device=self.pool.device, max_num_tokens=max_tokens, comm=self.topology.comm,
-                                      split_elements=self._ops.split_capacity(head_dim, torch.device(self.pool.device)))
+                                      split_elements=kernels_named(self.kernels).split_capacity(
+                                          head_dim, torch.device(self.pool.device)))
         self._attention: dict[float, DcpAttention] = {}
         self._caches: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._warmed = False
@@ -99,7 +101,7 @@ class DcpTritonAttnBackend(AttentionBackend):
         out = self._output_like(q3)
         key_cache, value_cache = self._cache_views(layer.layer_id)
         attention = self._attention.get(layer.scaling) or self._bind(layer.scaling)
-        if not self._warmed and self.kernel_path == "triton" and not torch.cuda.is_current_stream_capturing():
+        if not self._warmed and self._compiled and not torch.cuda.is_current_stream_capturing():
             self._warm_up(attention, q3, k3, v3, key_cache, value_cache, out)
         n = batch.num_tokens
         attention.forward(q3[:n], k3[:n], v3[:n], key_cache, value_cache, batch, out=out[:n], write_kv=save_kv_cache)
@@ -112,7 +114,7 @@ class DcpTritonAttnBackend(AttentionBackend):
 
     def _bind(self, scale: float) -> DcpAttention:
         attention = DcpAttention(heads=self.topology.heads, tokens=self.tokens, group=self.topology.group,
-                                 scale=scale, comm=self.topology.comm, ops=self._ops, workspace=self.workspace)
+                                 scale=scale, comm=self.topology.comm, kernels=self.kernels, workspace=self.workspace)
         self._attention[scale] = attention
         return attention
 

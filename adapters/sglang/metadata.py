@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dcp_plugin.batch import DcpBatch, DcpBatchWorkspace
+from dcp_plugin.batch import DcpBatch, DcpBatchBuffers
 from dcp_plugin.layout import TokenLayout
 
 
@@ -31,7 +31,7 @@ class StepBuilder:
         self.max_context_len = req_to_token.shape[1]
         self.width = -(-self.max_context_len // self.span)  # block-table columns that cover any request
         self.graph: dict[str, torch.Tensor] | None = None
-        self.graph_workspace: DcpBatchWorkspace | None = None
+        self.graph_buffers: DcpBatchBuffers | None = None
 
     def init_decode_graphs(self, max_bs: int) -> None:
         """Persistent inputs for decode steps of up to ``max_bs`` requests (SGLang's ``init_cuda_graph_state``)."""
@@ -42,7 +42,7 @@ class StepBuilder:
             "block_table": torch.zeros(max_bs, self.width, dtype=torch.int32, device=device),
             "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=device),
         }
-        self.graph_workspace = DcpBatchWorkspace(max_bs, device)
+        self.graph_buffers = DcpBatchBuffers(max_bs, device)
 
     def build(self, fb) -> DcpBatch:
         """An eager step: decode, extend (prefill chunks, a cached prefix) or mixed."""
@@ -80,7 +80,7 @@ class StepBuilder:
             query_start_loc=g["query_start_loc"][:bs + 1], seq_lens=g["seq_lens"][:bs],
             block_table=g["block_table"][:bs], slot_mapping=g["slot_mapping"][:bs], tokens=self.tokens,
             max_query_len=1, max_seq_len=self.max_context_len, max_context_len=self.max_context_len - 1,
-            num_decodes=0, workspace=self.graph_workspace,
+            num_decodes=0, buffers=self.graph_buffers,
         )
 
     def block_table(self, req_pool_indices: torch.Tensor, width: int) -> torch.Tensor:

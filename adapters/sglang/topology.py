@@ -12,7 +12,7 @@ from dcp_plugin.parallel_state import ParallelState
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Topology:
     """What the backend of one model runner needs: its ranks, its head layout (SGLang's: KV heads replicated in the
-    DCP group, ``kv_replication="group"``), the DCP group (``None`` at DCP = 1) and the combine mode."""
+    DCP group, ``kv_replication="replicated"``), the DCP group (``None`` at DCP = 1) and the combine mode."""
 
     ps: ParallelState
     heads: HeadLayout
@@ -27,7 +27,7 @@ def build(*, total_q_heads: int, total_kv_heads: int, tp_rank: int, tp_size: int
     try:
         ps = ParallelState.from_tp(tp_rank=tp_rank, tp_size=tp_size, dcp_size=dcp_size)
         heads = HeadLayout.create(total_q_heads=total_q_heads, total_kv_heads=total_kv_heads, ps=ps,
-                                  kv_replication="group")
+                                  kv_replication="replicated")
     except ValueError as err:
         raise ValueError(f"dcp-triton cannot place the heads of this model (--tp-size {tp_size} of attention, "
                          f"--dcp-size {dcp_size}, {total_q_heads} Q heads, {total_kv_heads} KV heads): {err}") from None

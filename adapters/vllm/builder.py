@@ -12,7 +12,7 @@ from vllm.config import CUDAGraphMode
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder, CommonAttentionMetadata
 
 from dcp_plugin.adapters.vllm import compat, spec
-from dcp_plugin.batch import DcpBatch, DcpBatchWorkspace, leading_decodes
+from dcp_plugin.batch import DcpBatch, DcpBatchBuffers, leading_decodes
 from dcp_plugin.layout import TokenLayout
 
 
@@ -47,7 +47,7 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
     CUDA graphs (``UNIFORM_BATCH``): decode steps replay as full graphs, single-token ones and, with speculative
     decoding, verify steps of 1 + k rows per request (vLLM's ``uniform_decode_query_len``; without this support
     vLLM falls back to piecewise graphs for every step of a speculative run). Every tensor those passes read is one
-    of vLLM's persistent inputs, lives in this builder's ``DcpBatchWorkspace`` or in the impl's ``DcpWorkspace``,
+    of vLLM's persistent inputs, lives in this builder's ``DcpBatchBuffers`` or in the impl's ``DcpWorkspace``,
     and the split-KV count, which a graph freezes, is sized for the block table's capacity (``max_model_len`` in
     whole pages) on every such step once full graphs are on (a short context leaves the extra splits empty). At DCP > 1
     the collectives go through vLLM's NCCL communicator, which a graph captures (run on two H200s: float32
@@ -95,7 +95,7 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
         # take for any mix, so DCP needs no forced threshold of 1.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True, supports_dcp_with_varlen=True)
         # One per builder, and vLLM makes one builder per micro-batch: no two live batches share it.
-        self.workspace = DcpBatchWorkspace(vllm_config.scheduler_config.max_num_seqs, device)
+        self.buffers = DcpBatchBuffers(vllm_config.scheduler_config.max_num_seqs, device)
         # The query rows of the steps a full decode graph replays: 1, or 1 + k proposals with speculative decoding.
         speculative = vllm_config.speculative_config
         self.uniform_query_len = 1 + ((speculative.num_speculative_tokens or 0) if speculative is not None else 0)
@@ -149,7 +149,7 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
             max_query_len=cm.max_query_len,
             max_seq_len=max_seq_len,
             max_context_len=max_context_len,
-            workspace=self.workspace,
+            buffers=self.buffers,
         )
         return DcpTritonMetadata(batch=batch, num_actual_tokens=cm.num_actual_tokens)
 

@@ -11,6 +11,7 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionType
 from dcp_plugin.adapters.vllm import compat, registration, spec, support, topology
 from dcp_plugin.adapters.vllm.builder import DcpTritonMetadata
 from dcp_plugin.attention import DcpAttention
+from dcp_plugin.kernel_choice import check_kernel_dtype, choose_kernels, kernels_named
 from dcp_plugin.layout import TokenLayout, check_same_position
 from dcp_plugin.warmup import warm_up
 from dcp_plugin.workspace import DcpWorkspace
@@ -76,23 +77,25 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
-        self.kernel_path, ops = support.select_kernels()
-        support.check_kernel_dtype(self.kernel_path, ops, model_dtype, kv_cache_dtype)
         # vLLM allocates an fp8 cache as uint8 bytes; the kernels read it as this fp8 dtype, scaled by the layer's
         # per-tensor _k_scale / _v_scale.
         self._fp8_dtype = support.FP8_KV_CACHE_DTYPES.get(kv_cache_dtype)
+        choice = choose_kernels(engine="vLLM")
+        check_kernel_dtype(choice, model_dtype, dtype_options="--dtype float32 (LLM(dtype='float32')) or float16",
+                           fp8_cache=f"kv_cache_dtype={kv_cache_dtype!r}" if self._fp8_dtype else None)
+        self.kernel_path, self.kernels, self._compiled = choice.description, choice.name, choice.compiled
+        self._kernels = kernels_named(choice.name)  # do_kv_cache_update's cache write, the workspace's split capacity
         self.topology = topology.from_vllm(
             num_heads=num_heads, num_kv_heads=self.num_kv_heads, dcp_size=self.dcp_world_size,
             dcp_rank=self.dcp_rank, vllm_config=vllm_config,
         )
-        self._ops = ops
         self._attention: dict[TokenLayout, DcpAttention] = {}
         self._kv_views: tuple | None = None  # (kv_cache, key view, value view) of the last cache seen
         self._warm = False  # this layer's kernel variants are compiled (checked once, not per call)
         # One workspace per worker, counted by vLLM's memory profiling; outside an engine (no model config, so no
         # dtype or step size to plan for) each layer sizes its own on its first step.
         self.workspace = None if model_config is None else \
-            _shared_workspace(self.topology, head_size, model_dtype, ops, vllm_config)
+            _shared_workspace(self.topology, head_size, model_dtype, self._kernels, vllm_config)
         self._log_startup()
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -101,7 +104,7 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         holds -1 for tokens another DCP rank owns. (``forward`` writes the step's K/V itself; this is for hosts
         that write the cache separately.)"""
         key_cache, value_cache = self._split(kv_cache)
-        self._ops.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, **self._scales(layer))
+        self._kernels.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, **self._scales(layer))
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: DcpTritonMetadata | None, output: torch.Tensor,
@@ -109,7 +112,7 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise ValueError("dcp-triton does not fuse output quantization (output_scale / output_block_scale)")
-        if not self._warm and kv_cache.numel() and self.kernel_path == "triton" \
+        if not self._warm and kv_cache.numel() and self._compiled \
                 and not torch.cuda.is_current_stream_capturing():
             self._warm_up_once(layer, query, key, value, kv_cache, output)
         if attn_metadata is None:  # profiling / dummy run
@@ -170,10 +173,9 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
                 f"KV cache view of shape {tuple(kv_cache.shape)}: dcp-triton needs [num_blocks, num_kv_heads, "
                 f"block_size, 2 * head_size={2 * self.head_size}] (K and V of equal head size)"
             )
-        attention = DcpAttention(
-            heads=heads, tokens=tokens, group=self.topology.group, scale=self.scale, comm=self.topology.comm,
-            ops=self._ops, workspace=self.workspace if self.workspace and self.workspace.heads == heads else None,
-        )
+        workspace = self.workspace if self.workspace and self.workspace.heads == heads else None
+        attention = DcpAttention(heads=heads, tokens=tokens, group=self.topology.group, scale=self.scale,
+                                 comm=self.topology.comm, kernels=self.kernels, workspace=workspace)
         self._attention[tokens] = attention
         return attention
 
@@ -188,7 +190,7 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
             t.ps.attn_dcp_size, t.ps.attn_dcp_rank, t.ps.tp_rank, t.ps.tp_size, t.heads.num_q_heads,
             t.heads.q_head_start, t.heads.q_head_start + t.heads.num_q_heads - 1, t.heads.num_kv_heads,
             t.heads.kv_head_start, t.heads.kv_head_start + t.heads.num_kv_heads - 1, t.interleave, t.comm,
-            self.kernel_path, "on" if getattr(self._ops, "FAST_LAUNCH", False) else "off",
+            self.kernel_path, "on" if getattr(self._kernels, "FAST_LAUNCH", False) else "off",
             registration.cpu_route() or "no",
         )
         if args not in _logged_startup:  # once per worker (and once more for a draft with another topology)
@@ -196,7 +198,7 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
             logger.info(line, *args)
 
 
-def _shared_workspace(topology, head_size: int, dtype, ops, vllm_config) -> DcpWorkspace:
+def _shared_workspace(topology, head_size: int, dtype, kernels, vllm_config) -> DcpWorkspace:
     """The worker's workspace for layers like this one, sized for vLLM's largest step (max_num_batched_tokens)."""
     device = torch.device(vllm_config.device_config.device) if vllm_config.device_config is not None else \
         torch.device("cpu")
@@ -207,7 +209,7 @@ def _shared_workspace(topology, head_size: int, dtype, ops, vllm_config) -> DcpW
     if key not in _workspaces:
         _workspaces[key] = DcpWorkspace(heads=topology.heads, head_dim=head_size, dtype=dtype, device=device,
                                         max_num_tokens=max_tokens, comm=topology.comm,
-                                        split_elements=ops.split_capacity(head_size, device))
+                                        split_elements=kernels.split_capacity(head_size, device))
         logger.info("dcp-triton: %.1f MiB of attention workspace for steps of up to %d tokens",
                     _workspaces[key].nbytes / 2**20, max_tokens)
     return _workspaces[key]

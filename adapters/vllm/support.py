@@ -1,9 +1,10 @@
-"""What the DCP-Triton backend runs, and the startup checks that refuse everything else with a clear message."""
+"""What the DCP-Triton backend runs, and the startup checks that refuse everything else with a clear message.
+
+Which kernels run (``DCP_TRITON_KERNELS``) is the core's choice: ``dcp_plugin.kernel_choice``."""
 
 from __future__ import annotations
 
 import os
-from types import ModuleType
 
 import torch
 
@@ -14,8 +15,6 @@ from dcp_plugin.checks import FLOAT_DTYPES as SUPPORTED_DTYPES
 FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # Otherwise the kernels read the cache in the model's dtype: "auto", or the model dtype spelled out.
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", *FP8_KV_CACHE_DTYPES)
-KERNELS_ENV = "DCP_TRITON_KERNELS"
-KERNEL_CHOICES = ("triton", "reference")
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
@@ -104,34 +103,6 @@ def check_layer(**options) -> None:
         raise ValueError("The dcp-triton attention backend cannot run this layer: " + "; ".join(problems))
 
 
-def select_kernels() -> tuple[str, ModuleType]:
-    """``(description, ops)``: the kernel namespace ``DCP_TRITON_KERNELS`` names, by default the fastest exact one:
-    the Triton kernels on a GPU, the torch references (``dcp_plugin.kernels.reference``, exact and far faster than
-    Triton's interpreter) without one. ``DCP_TRITON_KERNELS=triton`` runs the Triton kernels interpreted on CPU.
-    """
-    from dcp_plugin import kernels
-
-    asked = os.environ.get(KERNELS_ENV, "").strip().lower()
-    choice = asked or ("reference" if kernels.INTERPRET else "triton")
-    if choice == "reference":
-        why = f"{KERNELS_ENV}=reference" if asked else f"the default without a GPU; {KERNELS_ENV}=triton interprets " \
-            "the Triton kernels"
-        from dcp_plugin.kernels import reference
-
-        return f"reference (torch, dcp_plugin.kernels.reference; {why})", reference
-    if choice != "triton":
-        raise ValueError(f"{KERNELS_ENV}={choice!r} is not a kernel path; use one of {list(KERNEL_CHOICES)}")
-    if not kernels.INTERPRET:
-        return "triton", kernels
-    if not _triton_imported_interpreted():
-        raise ValueError(
-            "the Triton interpreter is needed (no GPU), but triton was imported in this process before "
-            "TRITON_INTERPRET=1 was set, so its own jit helpers cannot run interpreted. Export TRITON_INTERPRET=1 "
-            f"before starting vLLM, or unset {KERNELS_ENV} (the torch references)"
-        )
-    return "triton (interpreter, TRITON_INTERPRET=1)", kernels
-
-
 def prepare_interpreter_env() -> None:
     """On vLLM's CPU platform, put ``TRITON_INTERPRET=1`` in this process's environment (the kernels package's rule
     for a machine without GPU), so the engine-core and worker processes vLLM spawns import triton in interpreter
@@ -142,28 +113,3 @@ def prepare_interpreter_env() -> None:
 
     if "TRITON_INTERPRET" not in os.environ and current_platform.is_cpu():
         os.environ["TRITON_INTERPRET"] = "1"
-
-
-def _triton_imported_interpreted() -> bool:
-    from triton.language import standard
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(standard.zeros, InterpretedFunction)
-
-
-def check_kernel_dtype(description: str, ops: ModuleType, dtype: torch.dtype | None,
-                       kv_cache_dtype: str = "auto") -> None:
-    """The Triton interpreter computes bf16 matrix products and float32-to-fp8 rounding wrongly: refuse those
-    combinations instead of erring."""
-    interpreted = getattr(ops, "INTERPRET", False) and description.startswith("triton")
-    if interpreted and dtype == torch.bfloat16:
-        raise ValueError(
-            "dtype=bfloat16 with the Triton interpreter (no GPU): the interpreter computes bf16 matrix products "
-            f"wrongly; serve with --dtype float32 (LLM(dtype='float32')) or float16, or unset {KERNELS_ENV} (the "
-            "torch references)"
-        )
-    if interpreted and kv_cache_dtype in FP8_KV_CACHE_DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} with the Triton interpreter (no GPU): the interpreter rounds float32 "
-            f"to fp8 wrongly; use --kv-cache-dtype auto, or unset {KERNELS_ENV} (the torch references)"
-        )

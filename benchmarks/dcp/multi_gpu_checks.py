@@ -8,7 +8,7 @@ them with the reference; this module adds the cases of a multi-GPU run and its J
 
 Kind ``decode-graph`` runs decode the way vLLM's full CUDA graphs would at DCP > 1: one step captured (collectives
 included) after an eager warm-up, then later steps replayed after their inputs were copied into the captured
-buffers and the batch rebuilt into a ``DcpBatchWorkspace``. On CPU (gloo) the capture is emulated by calling the
+buffers and the batch rebuilt into ``DcpBatchBuffers``. On CPU (gloo) the capture is emulated by calling the
 same closure again, which reads the same buffers and the same frozen host values, as a replay does.
 """
 
@@ -28,7 +28,7 @@ from tests import dcp_harness as harness  # noqa: E402
 from tests.kernel_checks import TOLERANCES  # noqa: E402
 
 COMMS = ("ag_rs", "a2a")
-LAYOUTS = ("tp", "group")
+LAYOUTS = ("tp", "replicated")
 KINDS = ("decode", "prefill", "decode-graph")
 GRAPH_STEPS = 3  # decode-graph: the eager warm-up step, then two replays
 
@@ -98,7 +98,7 @@ class GraphStep:
             self.inputs = {name: t.clone() for name, t in dict(
                 q=q, k=k, v=v, query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
                 slot_mapping=batch.slot_mapping, block_table=batch.block_table).items()}
-            self.workspace = dp.DcpBatchWorkspace(batch.num_reqs, q.device)
+            self.workspace = dp.DcpBatchBuffers(batch.num_reqs, q.device)
             self.out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
             captured = self._build()
             step = lambda: self.attn.forward(self.inputs["q"], self.inputs["k"], self.inputs["v"],  # noqa: E731
@@ -127,7 +127,7 @@ class GraphStep:
         return dp.DcpBatch.build(
             query_start_loc=self.inputs["query_start_loc"], seq_lens=self.inputs["seq_lens"], block_table=table,
             slot_mapping=self.inputs["slot_mapping"], tokens=tokens, max_query_len=1, max_seq_len=capacity,
-            max_context_len=capacity - 1, workspace=self.workspace)
+            max_context_len=capacity - 1, buffers=self.workspace)
 
 
 def compare(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> dict:
@@ -166,7 +166,7 @@ def run_case(case: Case, *, sizes: Sizes, groups: dict, rank: int, world: int, d
     sequences = harness.World(spec)
     shard = harness.RankState.create(spec, sequences, case.dcp, rank % case.dcp)
     attn = dp.DcpAttention(heads=shard.heads, tokens=shard.tokens, group=groups[case.dcp], scale=sequences.scale,
-                           comm=case.comm, ops=ops)
+                           comm=case.comm, kernels=ops)
     graph = GraphStep(attn, shard) if case.kind == "decode-graph" else None
     steps = [[new for _, new in requests]] + [[1] * len(requests)] * decode_steps
     result = None

@@ -12,7 +12,7 @@ k = torch.randn(32, 1, 128, device="cuda", dtype=torch.bfloat16)
 kv = torch.randn(64, 16, 1, 256, device="cuda", dtype=torch.bfloat16)
 slots = torch.full((32,), -1, device="cuda")
 args = (k, k, kv[..., :128], kv[..., 128:], slots)
-L = plan_write_kv(*args).launch  # the Launch inside the write's plan
+L = plan_write_kv(*args)  # the write's prepared Launch
 args = (*args, slots, slots)  # the scale arguments' stand-ins, as WriteLaunch passes them
 L(*args)
 c = L._compiled

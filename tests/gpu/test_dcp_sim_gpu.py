@@ -38,9 +38,9 @@ def _threads(case: Case, n: int, runner) -> list:
 
 # Every (N, layout, comm, interleave) runs the long mix; N = 2 also runs two of the small mixes (decodes before
 # verify rows, a step with verify rows only then a quiet step).
-VERIFY = [(n, layout, comm, interleave, "long") for n in (2, 4) for layout in ("tp", "group")
+VERIFY = [(n, layout, comm, interleave, "long") for n in (2, 4) for layout in ("tp", "replicated")
           for comm in ("ag_rs", "a2a") for interleave in (1, 16)]
-VERIFY += [(2, layout, comm, 16, mix) for layout in ("tp", "group") for comm in ("ag_rs", "a2a")
+VERIFY += [(2, layout, comm, 16, mix) for layout in ("tp", "replicated") for comm in ("ag_rs", "a2a")
            for mix in ("decodes-first", "verify-only")]
 
 
@@ -49,7 +49,7 @@ VERIFY += [(2, layout, comm, 16, mix) for layout in ("tp", "group") for comm in 
 def test_verify_steps(n, layout, comm, interleave, mix):
     name = f"N{n}-{layout}-{comm}-I{interleave}-{mix}"
     case = verify_case(name, mix, seed=zlib.crc32(name.encode()), comm=comm, interleave=interleave, head_dim=128,
-                       dtype="bfloat16", ops="triton", device="cuda", **head_layouts(n)[layout])
+                       dtype="bfloat16", kernels="triton", device="cuda", **head_layouts(n)[layout])
     assert _threads(case, n, run_verify_case) == [case.steps + 1] * n
 
 
@@ -61,7 +61,7 @@ FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 def test_dcp_over_fp8_shards(n, fp8, comm):
     # 32 Q / 8 KV heads, each rank storing every KV head; long decodes, a verify-sized row, a fresh prompt, a chunk
     case = Case(name=f"fp8-{fp8}", q_heads=32, kv_heads=8, block_size=16, head_dim=128, dtype="bfloat16",
-                requests=((3000, 1), (1500, 1), (2048, 5), (0, 300), (4000, 64)), comm=comm, ops="triton",
+                requests=((3000, 1), (1500, 1), (2048, 5), (0, 300), (4000, 64)), comm=comm, kernels="triton",
                 decode_steps=2, seed=31, device="cuda")
     k_scale, v_scale = (torch.tensor([s], dtype=torch.float32, device="cuda") for s in (0.037, 0.011))
     assert run_fp8_dcp(case, n, FP8[fp8], k_scale, v_scale, kernels, label=case.name) == [3] * n
@@ -73,6 +73,6 @@ def test_128k_tokens_per_rank(comm):
     # 262K, 131K (a verify-sized row) and 200K cached tokens (a 128-token chunk), then two decode steps
     case = Case(name=f"128k-{comm}", q_heads=16, kv_heads=1, kv_replication="tp", tp=2, interleave=16,
                 block_size=16, head_dim=128, dtype="bfloat16", requests=((262_000, 1), (131_072, 5), (200_000, 128)),
-                comm=comm, ops="triton", decode_steps=2, seed=zlib.crc32(comm.encode()), device="cuda")
+                comm=comm, kernels="triton", decode_steps=2, seed=zlib.crc32(comm.encode()), device="cuda")
     assert _threads(case, 2, run_case) == [3, 3]
     torch.cuda.empty_cache()

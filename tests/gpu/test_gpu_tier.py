@@ -22,7 +22,7 @@ import torch
 
 from dcp_plugin import kernels
 from dcp_plugin.kernels import reference
-from tests.dcp_harness import Case, SerialOps, ThreadGroup, run_case, run_threads
+from tests.dcp_harness import Case, ThreadGroup, run_case, run_threads
 from tests.kernel_checks import assert_matches, poisoned, shuffled_block_table
 
 if not torch.cuda.is_available():
@@ -248,7 +248,7 @@ def run_dcp_threads(case: Case, n: int) -> list[int]:
 
     def rank_main(rank, exchange):
         group = ThreadGroup(exchange, rank)
-        return run_case(case, n, rank, group, lambda out: group.all_gather(out, dim=1), ops=SerialOps(kernels))
+        return run_case(case, n, rank, group, lambda out: group.all_gather(out, dim=1))
 
     return run_threads(n, rank_main, timeout_s=300)
 
@@ -263,14 +263,14 @@ def dcp_case(n: int, layout: str, comm: str, dtype: str, *, requests=DCP_REQUEST
              heads=(32, 8), head_dim=128, block_size=16, device="cuda") -> Case:
     """32 Q / 8 KV heads as DCP group 1 of TP 2N (``group``: the group's 16 Q heads read KV heads 4..7, stored on
     every rank), or as the last DCP group of TP 8N (``tp``, vLLM's rule: every rank stores KV head 7 only)."""
-    if layout == "group":
-        placement = dict(kv_replication="group", tp=2 * n, group_index=1)
+    if layout == "replicated":
+        placement = dict(kv_replication="replicated", tp=2 * n, group_index=1)
     else:
         tp = heads[1] * n
         placement = dict(kv_replication="tp", tp=tp, group_index=tp // n - 1)
     name = f"N{n}-{layout}-{comm}-{dtype}"
     return Case(name=name, q_heads=heads[0], kv_heads=heads[1], block_size=block_size,
-                head_dim=head_dim, requests=requests, comm=comm, dtype=dtype, ops="triton",
+                head_dim=head_dim, requests=requests, comm=comm, dtype=dtype, kernels="triton",
                 decode_steps=decode_steps, seed=zlib.crc32(name.encode()), device=device, **placement)
 
 
@@ -280,8 +280,8 @@ def dcp_case(n: int, layout: str, comm: str, dtype: str, *, requests=DCP_REQUEST
 # softmax weight, u = 2**-8 (bf16) / 2**-11 (fp16) ~ a quarter of the table's rtol: the |out| term fits in rtol,
 # the other in atol since w * |o_cur| (a weighted average of N(0, 1) values) stays below 4.
 # bf16: every (N, layout, comm); fp16: each N, layout and comm twice (every fp16 configuration costs compiles).
-DCP_CONFIGS = [(n, layout, comm, "bfloat16") for n in (2, 4) for layout in ("group", "tp") for comm in ("ag_rs", "a2a")]
-DCP_CONFIGS += [(2, "tp", "ag_rs", "float16"), (2, "group", "a2a", "float16"), (4, "group", "ag_rs", "float16"),
+DCP_CONFIGS = [(n, layout, comm, "bfloat16") for n in (2, 4) for layout in ("replicated", "tp") for comm in ("ag_rs", "a2a")]
+DCP_CONFIGS += [(2, "tp", "ag_rs", "float16"), (2, "replicated", "a2a", "float16"), (4, "replicated", "ag_rs", "float16"),
                 (4, "tp", "a2a", "float16")]
 
 

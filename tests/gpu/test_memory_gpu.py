@@ -2,7 +2,7 @@
 
 vLLM measures its memory with a profiling forward that carries no attention metadata, so a backend's per-step
 scratch must live in buffers allocated at model construction (``DcpWorkspace``, sized for ``max_num_batched_tokens``;
-``DcpBatchWorkspace``) or be small. Here one rank (DCP = 1, and DCP = 2 with collectives that copy into the
+``DcpBatchBuffers``) or be small. Here one rank (DCP = 1, and DCP = 2 with collectives that copy into the
 workspace's buffers, as vLLM's communicator does) runs a 16K-token prefill chunk over a 16K-token cached prefix and
 a 512-request decode step; after a first step (compiles, caches), the CUDA caching allocator's peak above the
 memory already allocated must stay under 1 MiB (the batch's per-request int32 tensors), against ~128 MiB of
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dcp_plugin import DcpAttention, DcpBatch, DcpBatchWorkspace, DcpWorkspace, HeadLayout, ParallelState, TokenLayout
+from dcp_plugin import DcpAttention, DcpBatch, DcpBatchBuffers, DcpWorkspace, HeadLayout, ParallelState, TokenLayout
 from dcp_plugin import kernels
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -49,7 +49,7 @@ class CopyIntoGroup:
 @pytest.mark.parametrize("n, comm", [(1, "ag_rs"), (2, "ag_rs"), (2, "a2a")])
 def test_a_step_allocates_under_a_mebibyte(n, comm, step):
     ps = ParallelState.from_tp(tp_rank=0, tp_size=n, dcp_size=n)
-    heads = HeadLayout.create(total_q_heads=Q_HEADS, total_kv_heads=KV_HEADS, ps=ps, kv_replication="group")
+    heads = HeadLayout.create(total_q_heads=Q_HEADS, total_kv_heads=KV_HEADS, ps=ps, kv_replication="replicated")
     tokens = TokenLayout(dcp_size=n, dcp_rank=0, interleave=1, block_size=BLOCK_SIZE)
     query_lens, cached = STEPS[step]
     num_reqs, num_tokens = len(query_lens), sum(query_lens)
@@ -71,12 +71,12 @@ def test_a_step_allocates_under_a_mebibyte(n, comm, step):
                              split_elements=kernels.split_capacity(HEAD_DIM, torch.device("cuda")))
     attention = DcpAttention(heads=heads, tokens=tokens, group=CopyIntoGroup(n) if n > 1 else None,
                              scale=HEAD_DIM ** -0.5, comm=comm, workspace=workspace)
-    batch_workspace = DcpBatchWorkspace(num_reqs, "cuda")
+    batch_buffers = DcpBatchBuffers(num_reqs, "cuda")
 
     def run_step():  # as the engine runs it: the builder's per-step build, then the layer's forward
         batch = DcpBatch.build(query_start_loc=qsl, seq_lens=seq, block_table=table, slot_mapping=slots,
                                tokens=tokens, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-                               max_context_len=max(cached), workspace=batch_workspace)
+                               max_context_len=max(cached), buffers=batch_buffers)
         attention.forward(q, k, v, cache[..., :HEAD_DIM], cache[..., HEAD_DIM:], batch, out=out)
 
     run_step()  # compiles and caches
@@ -87,4 +87,5 @@ def test_a_step_allocates_under_a_mebibyte(n, comm, step):
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     assert not out.isnan().any()
-    assert extra < 1 << 20, f"{step} at DCP = {n} ({comm}) allocated {extra / 2**20:.2f} MiB beyond its workspaces"
+    assert extra < 1 << 20, \
+        f"{step} at DCP = {n} ({comm}) allocated {extra / 2**20:.2f} MiB beyond its workspace and buffers"

@@ -15,7 +15,7 @@ from dcp_plugin.kernels.extend_attention import extend_attention_kernel
 from dcp_plugin.kernels.paged_attention import paged_attention_kernel, paged_attention_reduce_kernel
 from dcp_plugin.kernels.write_kv_cache import write_kv_cache_kernel
 from dcp_plugin.warmup import warm_up
-from tests.dcp_harness import Case, RankState, SerialOps, ThreadGroup, World, causal_attention_f64, run_threads
+from tests.dcp_harness import Case, RankState, ThreadGroup, World, causal_attention_f64, run_threads, serial
 from tests.kernel_checks import assert_matches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -42,8 +42,8 @@ def steps(seed: int) -> list[list[int]]:
 @pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
 @pytest.mark.parametrize("n", [1, 2])
 def test_no_kernel_compiles_after_warm_up(n, comm):
-    case = Case(name=f"warm-{n}-{comm}", q_heads=32, kv_heads=8, kv_replication="group", tp=4 * n if n > 1 else 1,
-                head_dim=128, block_size=16, requests=REQUESTS, comm=comm, dtype="bfloat16", ops="triton", seed=5,
+    case = Case(name=f"warm-{n}-{comm}", q_heads=32, kv_heads=8, kv_replication="replicated", tp=4 * n if n > 1 else 1,
+                head_dim=128, block_size=16, requests=REQUESTS, comm=comm, dtype="bfloat16", kernels="triton", seed=5,
                 decode_steps=40,  # room in every sequence for the steps below (at most 40 more tokens each)
                 device="cuda")
     world = World(case)
@@ -57,8 +57,8 @@ def test_no_kernel_compiles_after_warm_up(n, comm):
         group = ThreadGroup(exchange, rank) if n > 1 else None
         ws = DcpWorkspace(heads=state.heads, head_dim=128, dtype=torch.bfloat16, device="cuda", max_num_tokens=512,
                           comm=comm, split_elements=kernels.split_capacity(128, torch.device("cuda")))
-        attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=group, scale=world.scale, comm=comm,
-                            ops=SerialOps(kernels), workspace=ws)
+        attn = serial(DcpAttention(heads=state.heads, tokens=state.tokens, group=group, scale=world.scale, comm=comm,
+                                   workspace=ws))
         like = torch.zeros(4, state.heads.num_q_heads, 128, dtype=torch.bfloat16, device="cuda")
         kv_like = torch.zeros(4, state.heads.num_kv_heads, 128, dtype=torch.bfloat16, device="cuda")
         warm_up(attn, query=like, key=kv_like, value=kv_like, key_cache=state.key_cache,

@@ -29,20 +29,20 @@ FRESH = ((0, 5), (0, 1), (0, 2))
 
 
 def _head_layouts(n: int) -> dict[str, dict]:
-    """GQA 1:1, 4:1, 16:1, MQA in the group layout; vLLM's tp layout; the non-divisible 12 Q / 3 KV heads."""
+    """GQA 1:1, 4:1, 16:1, MQA in the replicated layout; vLLM's tp layout; the non-divisible 12 Q / 3 KV heads."""
     gqa16 = (48, 3) if n == 3 else (32, 2)  # n = 4 and 32/2 is the seeds' TP4/DCP4 topology
     layouts = {
-        "group-gqa1": dict(q_heads=2 * n, kv_heads=2 * n),
-        "group-gqa4": dict(q_heads=4 * n, kv_heads=n),
-        "group-gqa16": dict(q_heads=gqa16[0], kv_heads=gqa16[1]),
-        "group-mqa": dict(q_heads=4 * n, kv_heads=1),
-        "group-2nd-group": dict(q_heads=8 * n, kv_heads=2, tp=2 * n, group_index=1),
+        "replicated-gqa1": dict(q_heads=2 * n, kv_heads=2 * n),
+        "replicated-gqa4": dict(q_heads=4 * n, kv_heads=n),
+        "replicated-gqa16": dict(q_heads=gqa16[0], kv_heads=gqa16[1]),
+        "replicated-mqa": dict(q_heads=4 * n, kv_heads=1),
+        "replicated-2nd-group": dict(q_heads=8 * n, kv_heads=2, tp=2 * n, group_index=1),
         "tp-mqa": dict(q_heads=2 * n, kv_heads=1, kv_replication="tp"),
         # tp = 2n, one KV head per DCP group, the second DCP group of the TP group
         "tp-gqa": dict(q_heads=12 if n == 3 else 32, kv_heads=2, kv_replication="tp", tp=2 * n, group_index=1),
     }
     if n in (2, 4):
-        layouts["group-12q3kv"] = dict(q_heads=12, kv_heads=3)
+        layouts["replicated-12q3kv"] = dict(q_heads=12, kv_heads=3)
     return layouts
 
 
@@ -55,23 +55,23 @@ def structured_cases(n: int) -> list[Case]:
     for comm in ("ag_rs", "a2a"):
         for layout, heads in _head_layouts(n).items():
             add(f"{layout}-mixed-{comm}", requests=MIXED, comm=comm, **heads)
-        gqa4 = _head_layouts(n)["group-gqa4"]
+        gqa4 = _head_layouts(n)["replicated-gqa4"]
         for interleave in (1, 4, 8):
-            add(f"group-gqa4-I{interleave}-B8-{comm}", requests=MIXED_LONG, block_size=8, interleave=interleave,
+            add(f"replicated-gqa4-I{interleave}-B8-{comm}", requests=MIXED_LONG, block_size=8, interleave=interleave,
                 comm=comm, **gqa4)
         add(f"empty-shards-I1-{comm}", requests=((1, 2), (n - 1, 1), (0, 3)), comm=comm, **gqa4)
         add(f"empty-shards-I4-{comm}", requests=((3, 2), (1, 1)), block_size=8, interleave=4, comm=comm, **gqa4)
         add(f"fresh-prompts-{comm}", requests=FRESH, comm=comm, **gqa4)
         add(f"decode-loop-20-{comm}", requests=((0, 3), (5, 1), (n + 1, 2)), decode_steps=20, interleave=2,
             comm=comm, **gqa4)
-        add(f"fp16-group-gqa16-{comm}", requests=MIXED, dtype="float16", comm=comm,
-            **_head_layouts(n)["group-gqa16"])
+        add(f"fp16-replicated-gqa16-{comm}", requests=MIXED, dtype="float16", comm=comm,
+            **_head_layouts(n)["replicated-gqa16"])
     add("tp-gqa-decode-loop-20-I4-ag_rs", requests=((2, 1), (9, 3)), decode_steps=20, block_size=4, interleave=4,
         **_head_layouts(n)["tp-gqa"])
     # The Triton kernels (interpreter, which costs ~0.5 s a launch here): one small case per group size.
     comm = "ag_rs" if n == 3 else "a2a"
-    add(f"triton-group-gqa4-{comm}", requests=((0, 3), (5, 1), (9, 2)), ops="triton", comm=comm, head_dim=64,
-        **_head_layouts(n)["group-gqa4"])
+    add(f"triton-replicated-gqa4-{comm}", requests=((0, 3), (5, 1), (9, 2)), kernels="triton", comm=comm, head_dim=64,
+        **_head_layouts(n)["replicated-gqa4"])
     return cases
 
 

@@ -116,4 +116,4 @@ def test_dcp_splits_and_heads(checks):
     assert checks.dcp_splits(8) == [8, 4, 2]
     assert len(checks.all_cases(8)) == 3 * 12  # DCP splits x layouts x comms x kinds
     assert checks.model_heads("tp", 8, 2, 8) == (64, 4)  # one KV head per DCP group of 2
-    assert checks.model_heads("group", 8, 4, 8) == (64, 2)
+    assert checks.model_heads("replicated", 8, 4, 8) == (64, 2)

@@ -29,13 +29,13 @@ CASES = {
         SgCase(name="12q3kv-p2-a2a", q_heads=12, kv_heads=3, page_size=2, requests=MIXED, comm="a2a"),
         SgCase(name="gqa4-p4-fp16", q_heads=8, kv_heads=2, page_size=4, requests=MIXED, dtype="float16"),
         SgCase(name="triton-12q3kv-p2", q_heads=12, kv_heads=3, page_size=2, requests=((3, 2), (0, 3)),
-               decode_steps=1, ops="triton"),
+               decode_steps=1, kernels="triton"),
     ],
     4: [
         SgCase(name="seeds-32q2kv-p1-ag_rs", q_heads=32, kv_heads=2, requests=MIXED),
         SgCase(name="seeds-32q2kv-p2-a2a", q_heads=32, kv_heads=2, page_size=2, requests=MIXED, comm="a2a"),
         SgCase(name="triton-seeds-32q2kv-p1", q_heads=32, kv_heads=2, requests=((5, 2), (0, 2)), decode_steps=1,
-               ops="triton"),
+               kernels="triton"),
     ],
 }
 TIMEOUT_S = 300

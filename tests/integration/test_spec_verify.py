@@ -23,8 +23,8 @@ def cases(n: int) -> list[VerifyCase]:
                     made.append(verify_case(f"{layout}-{comm}-I{interleave}-{mix}", mix, seed=len(made) + 100 * n,
                                             comm=comm, interleave=interleave, **heads))
     # One small case on the Triton kernels under the interpreter (fp32/fp16: it computes bf16 products wrongly).
-    mix, layout, steps = ("verify-only", "tp", 3) if n == 1 else ("decodes-first", "group", 2)
-    made.append(verify_case(f"triton-{layout}-{mix}", mix, seed=7 * n, ops="triton", head_dim=32, steps=steps,
+    mix, layout, steps = ("verify-only", "tp", 3) if n == 1 else ("decodes-first", "replicated", 2)
+    made.append(verify_case(f"triton-{layout}-{mix}", mix, seed=7 * n, kernels="triton", head_dim=32, steps=steps,
                             comm="a2a" if n == 2 else "ag_rs", interleave=16 if n == 2 else 1,
                             dtype="float16" if n == 2 else "float32", **head_layouts(n)[layout]))
     return made

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 from dcp_plugin import DcpAttention, DcpBatch, HeadLayout, ParallelState, TokenLayout, TorchDcpGroup
-from dcp_plugin.kernels import reference
 from tests.dcp_harness import Case, RankState, ShapeOnlyGroup, World, run_case
 
 SINGLE = dict(q_heads=6, kv_heads=2, requests=((0, 5), (9, 1), (14, 4), (1, 2)), block_size=4)
@@ -23,7 +22,7 @@ def test_single_rank_without_group(decode_steps, interleave):
 
 
 def test_single_rank_triton():
-    case = Case(name="single-triton", ops="triton", head_dim=64, seed=8, **SINGLE)
+    case = Case(name="single-triton", kernels="triton", head_dim=64, seed=8, **SINGLE)
     run_case(case, 1, 0, None, lambda out: out)
 
 
@@ -48,13 +47,13 @@ def _setup(n: int = 2, rank: int = 0, **case_fields):
 
 def _shape_ops(log: list):
     """Kernel plans that launch nothing: each records its name and the shapes it was prepared for."""
-    def planner(name):
+    def prepare(name):
         def plan(*tensors, **kwargs):
             shapes = tuple(tuple(t.shape) for t in tensors if isinstance(t, torch.Tensor))
             return lambda *args: log.append((name, shapes))
         return plan
 
-    return SimpleNamespace(**{f"plan_{name}": planner(name) for name in ("write_kv", "extend", "paged", "combine")},
+    return SimpleNamespace(**{f"plan_{name}": prepare(name) for name in ("write_kv", "extend", "paged", "combine")},
                            split_capacity=lambda head_dim, device: 0)
 
 
@@ -71,8 +70,8 @@ def test_forward_never_syncs(comm):
         max_context_len=host.max_context_len,
     )
     log = []
-    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=ShapeOnlyGroup(4, 2), scale=0.25, comm=comm,
-                        ops=_shape_ops(log))
+    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=ShapeOnlyGroup(4, 2), scale=0.25, comm=comm)
+    attn._kernels = _shape_ops(log)  # in place of the namespace DcpAttention chose by name
     out = attn.forward(**meta, batch=batch)
     assert out.device.type == "meta" and out.shape == meta["q"].shape
     launched = [name for name, _ in log]
@@ -84,7 +83,7 @@ def test_forward_never_syncs(comm):
 
 
 def _make(state, **overrides):
-    args = dict(heads=state.heads, tokens=state.tokens, group=ShapeOnlyGroup(2, 0), scale=0.25, ops=reference)
+    args = dict(heads=state.heads, tokens=state.tokens, group=ShapeOnlyGroup(2, 0), scale=0.25, kernels="reference")
     args.update(overrides)
     return DcpAttention(**args)
 
@@ -101,7 +100,7 @@ _CONSTRUCTION = {
     "scale nan": (dict(scale=float("nan")), "scale must be a finite float > 0"),
     "scale bool": (dict(scale=True), "scale must be a finite float > 0"),
     "comm": (dict(comm="allreduce"), "comm must be 'ag_rs' or 'a2a'"),
-    "ops missing": (dict(ops=SimpleNamespace(plan_write_kv=print)), "lacks plan_extend, plan_paged"),
+    "kernels unknown": (dict(kernels="cuda"), r"kernels='cuda': use one of \['triton', 'reference'\]"),
 }
 
 
@@ -162,7 +161,7 @@ def test_write_kv_false_leaves_the_cache_to_the_host(write_kv):
                            seq_lens=torch.tensor([3], dtype=torch.int32),
                            block_table=torch.tensor([[1]], dtype=torch.int32),
                            slot_mapping=torch.tensor([16, 17, 18]), tokens=tokens)
-    attn = DcpAttention(heads=heads, tokens=tokens, group=None, scale=0.125, ops=reference)
+    attn = DcpAttention(heads=heads, tokens=tokens, group=None, scale=0.125, kernels="reference")
     out = attn.forward(q, k, v, key_cache, value_cache, batch, write_kv=write_kv)
     assert torch.isfinite(out).all()  # a fresh prompt reads only its own K/V
     if write_kv:

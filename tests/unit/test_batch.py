@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dcp_plugin import DcpBatch, DcpBatchWorkspace, TokenLayout, TorchDcpGroup
+from dcp_plugin import DcpBatch, DcpBatchBuffers, TokenLayout, TorchDcpGroup
 
 
 def _i32(values) -> torch.Tensor:
@@ -70,30 +70,30 @@ def test_device_tensors_with_host_ints_are_never_read():
     assert batch.local_context_lens.device.type == "meta" and batch.max_local_context_len == 8
 
 
-def test_workspace_keeps_addresses_and_refreshes_values():
-    # A CUDA graph replays the addresses it captured: every build into one workspace must write the same storage,
-    # with this step's values, equal to a build without a workspace.
-    workspace = DcpBatchWorkspace(8, "cpu")
-    first = DcpBatch.build(**_args(), workspace=workspace)
-    pointers = {name: getattr(first, name).data_ptr() for name in DcpBatchWorkspace.NAMES}
+def test_buffers_keep_addresses_and_refresh_values():
+    # A CUDA graph replays the addresses it captured: every build into the same buffers must write the same storage,
+    # with this step's values, equal to a build without buffers.
+    buffers = DcpBatchBuffers(8, "cpu")
+    first = DcpBatch.build(**_args(), buffers=buffers)
+    pointers = {name: getattr(first, name).data_ptr() for name in DcpBatchBuffers.NAMES}
     # The next step: other lengths, same request count.
     step = _args(query_start_loc=_i32([0, 1, 2, 3]), seq_lens=_i32([7, 21, 2]),
                  slot_mapping=torch.full((3,), -1, dtype=torch.int64))
-    second = DcpBatch.build(**step, workspace=workspace)
+    second = DcpBatch.build(**step, buffers=buffers)
     plain = DcpBatch.build(**step)
-    for name in DcpBatchWorkspace.NAMES:
+    for name in DcpBatchBuffers.NAMES:
         assert getattr(second, name).data_ptr() == pointers[name], name
         assert getattr(second, name).tolist() == getattr(plain, name).tolist(), name
     assert second.local_seq_lens.tolist() == [_owned_count(n, plain.tokens, 1) for n in (7, 21, 2)]
 
 
-def test_workspace_refuses_what_it_cannot_hold():
-    with pytest.raises(ValueError, match="the batch has 3 requests but the workspace holds max_num_reqs=2"):
-        DcpBatch.build(**_args(), workspace=DcpBatchWorkspace(2, "cpu"))
-    with pytest.raises(ValueError, match="the workspace is on meta"):
-        DcpBatch.build(**_args(), workspace=DcpBatchWorkspace(4, "meta"))
+def test_buffers_refuse_what_they_cannot_hold():
+    with pytest.raises(ValueError, match="the batch has 3 requests but the buffers hold max_num_reqs=2"):
+        DcpBatch.build(**_args(), buffers=DcpBatchBuffers(2, "cpu"))
+    with pytest.raises(ValueError, match="the buffers are on meta"):
+        DcpBatch.build(**_args(), buffers=DcpBatchBuffers(4, "meta"))
     with pytest.raises(ValueError, match="max_num_reqs must be an int >= 1"):
-        DcpBatchWorkspace(0, "cpu")
+        DcpBatchBuffers(0, "cpu")
 
 
 _BAD = {

@@ -105,7 +105,7 @@ def test_bf16_queries_over_an_fp8_cache_compute_in_fp16_without_overflow(dtype):
     assert out[3].isnan().all(-1).tolist() == [h == 2 for h in range(8)], "the NaN must reach its head's row"
 
 
-def _ops(name: str):
+def _kernels(name: str):
     """The kernel namespace of a CPU run: the Triton kernels write fp8 only on a GPU, so the write is torch's."""
     if name == "reference":
         return reference
@@ -114,13 +114,13 @@ def _ops(name: str):
                            plan_write_kv=reference.plan_write_kv)
 
 
-@pytest.mark.parametrize("ops", ["reference", "triton"])
+@pytest.mark.parametrize("name", ["reference", "triton"])
 @pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_dcp_over_fp8_shards_equals_attention_over_the_fp8_cache(n, comm, ops):
+def test_dcp_over_fp8_shards_equals_attention_over_the_fp8_cache(n, comm, name):
     dtype = FP8[0] if comm == "ag_rs" else FP8[1]
-    requests = ((30, 1), (25, 1), (19, 4), (0, 6)) if ops == "triton" else ((50, 1), (41, 1), (33, 7), (0, 9), (3, 2))
-    case = Case(name="fp8", q_heads=8, kv_heads=2, requests=requests, comm=comm, head_dim=32, seed=21, ops=ops,
+    requests = ((30, 1), (25, 1), (19, 4), (0, 6)) if name == "triton" else ((50, 1), (41, 1), (33, 7), (0, 9), (3, 2))
+    case = Case(name="fp8", q_heads=8, kv_heads=2, requests=requests, comm=comm, head_dim=32, seed=21, kernels=name,
                 decode_steps=1)
     k_scale, v_scale = _scales(dtype)
-    assert run_fp8_dcp(case, n, dtype, k_scale, v_scale, _ops(ops), label=f"fp8 {comm} {ops}") == [2] * n
+    assert run_fp8_dcp(case, n, dtype, k_scale, v_scale, _kernels(name), label=f"fp8 {comm} {name}") == [2] * n

@@ -157,16 +157,6 @@ def test_mixed_step_grid_is_about_one_program_per_row():
     assert plan.grid[0] * 3 < len(lengths) * -(-70 // block_m)
 
 
-def test_deprecated_keyword_names_still_work_and_say_so():
-    args = _args()
-    args["cu_seqlens"], args["max_seqlen"] = args.pop("query_start_loc"), args.pop("max_query_len")
-    with pytest.warns(DeprecationWarning, match="cu_seqlens= is deprecated"):
-        out, _ = extend_attention(**args)
-    assert torch.isfinite(out).all()
-    with pytest.raises(ValueError, match="pass query_start_loc only"):
-        extend_attention(**{**_args(), "cu_seqlens": _cu([6])})
-
-
 # The Hopper selection (K/V through tensor descriptors) and the portable one, both under the interpreter.
 TMA = ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1, tma=True)
 

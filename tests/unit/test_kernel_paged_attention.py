@@ -323,13 +323,3 @@ def test_mixed_step_grid_is_about_one_program_per_row():
         **_heads(case), max_kv_len=33)
     assert_matches(out, want_out, q.dtype, "mixed out")
     assert_matches(lse, want_lse, q.dtype, "mixed lse")
-
-
-def test_the_deprecated_max_context_len_still_works_and_says_so():
-    good = _good()
-    good["max_context_len"] = good.pop("max_kv_len")
-    with pytest.warns(DeprecationWarning, match="max_context_len= is deprecated"):
-        out, _ = paged_attention(**good)
-    assert torch.isfinite(out).all()
-    with pytest.raises(ValueError, match="pass max_kv_len only"):
-        paged_attention(**{**_good(), "max_context_len": 9})

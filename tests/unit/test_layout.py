@@ -34,7 +34,7 @@ def test_head_layout_exhaustive():
     checked = 0
     for q_heads, kv_heads, tp, dcp in _valid_topologies():
         q_per_kv = q_heads // kv_heads
-        for kv_replication in ("tp", "group"):
+        for kv_replication in ("tp", "replicated"):
             if kv_replication == "tp" and not _tp_layout_valid(kv_heads, tp, dcp):
                 with pytest.raises(ValueError):
                     HeadLayout.create(total_q_heads=q_heads, total_kv_heads=kv_heads, kv_replication="tp",
@@ -73,7 +73,7 @@ def test_head_layout_exhaustive():
 
 
 def test_seeds_topology_tp4_dcp4_32q_2kv_group():
-    layouts = [HeadLayout.create(total_q_heads=32, total_kv_heads=2, kv_replication="group",
+    layouts = [HeadLayout.create(total_q_heads=32, total_kv_heads=2, kv_replication="replicated",
                                  ps=ParallelState.from_tp(tp_rank=r, tp_size=4, dcp_size=4)) for r in range(4)]
     for h in layouts:
         assert (h.kv_head_start, h.num_kv_heads) == (0, 2)
@@ -87,7 +87,7 @@ def test_seeds_topology_tp4_dcp4_32q_2kv_group():
 
 def test_non_divisible_group_layout_12q_3kv():
     """12 Q / 3 KV heads, tp 2, dcp 2: rank 0's Q heads 0-5 need KV heads 0 AND 1 (the seed's formula gives 0)."""
-    rank0, rank1 = (HeadLayout.create(total_q_heads=12, total_kv_heads=3, kv_replication="group",
+    rank0, rank1 = (HeadLayout.create(total_q_heads=12, total_kv_heads=3, kv_replication="replicated",
                                       ps=ParallelState.from_tp(tp_rank=r, tp_size=2, dcp_size=2)) for r in (0, 1))
     assert (rank0.kv_head_start, rank0.num_kv_heads) == (0, 3)
     assert rank0.current_chunk_kv == (0, 2)
@@ -101,14 +101,13 @@ def test_non_divisible_group_layout_12q_3kv():
     [
         (dict(total_q_heads=12, total_kv_heads=5), "not a multiple of total_kv_heads"),
         (dict(total_q_heads=12, total_kv_heads=3, tp=8), "not divisible by tp_size=8"),
-        (dict(total_q_heads=32, total_kv_heads=2, tp=4, dcp=4, kv_replication="tp"), "kv_replication='group'"),
+        (dict(total_q_heads=32, total_kv_heads=2, tp=4, dcp=4, kv_replication="tp"), "kv_replication='replicated'"),
         (dict(total_q_heads=32, total_kv_heads=8, tp=2, dcp=2, kv_replication="tp"), "tp_size > total_kv_heads"),
         (dict(total_q_heads=32, total_kv_heads=8, tp=2, dcp=2), r"dcp_size in \[1\] here"),  # tp < kv: none
         (dict(total_q_heads=32, total_kv_heads=2, tp=4, dcp=4), r"dcp_size in \[1, 2\] here"),
         (dict(total_q_heads=24, total_kv_heads=4, tp=6), "multiple of total_kv_heads=4"),
-        (dict(total_q_heads=8, total_kv_heads=2, kv_replication="mla"), "'tp' or 'group'"),
+        (dict(total_q_heads=8, total_kv_heads=2, kv_replication="mla"), r"one of \['tp', 'replicated'\]"),
         (dict(total_q_heads=0, total_kv_heads=1), "total_q_heads must be an int >= 1"),
-        (dict(total_q_heads=8, total_kv_heads=2, num_q_heads=8), "pass total_q_heads only"),
     ],
 )
 def test_head_layout_errors(kwargs, match):
@@ -116,14 +115,6 @@ def test_head_layout_errors(kwargs, match):
     kwargs.setdefault("kv_replication", "tp")
     with pytest.raises(ValueError, match=match):
         HeadLayout.create(ps=ParallelState.from_tp(tp_rank=0, tp_size=tp, dcp_size=dcp), **kwargs)
-
-
-def test_the_deprecated_head_count_names_still_work_and_say_so():
-    ps = ParallelState.from_tp(tp_rank=1, tp_size=4, dcp_size=2)
-    with pytest.warns(DeprecationWarning, match="num_q_heads= is deprecated"):
-        old = HeadLayout.create(num_q_heads=32, num_kv_heads=2, ps=ps, kv_replication="group")
-    assert old == HeadLayout.create(total_q_heads=32, total_kv_heads=2, ps=ps, kv_replication="group")
-    assert (old.total_q_heads, old.num_q_heads) == (32, 8)  # create's counts are the model's, .num_* this rank's
 
 
 def test_kv_index_refuses_heads_not_stored():
@@ -200,7 +191,7 @@ def test_token_layout_takes_its_dcp_position_from_the_parallel_state():
     ps = ParallelState.from_tp(tp_rank=5, tp_size=8, dcp_size=4)
     tokens = TokenLayout.create(ps=ps, interleave=2, block_size=16)
     assert tokens == TokenLayout(dcp_size=4, dcp_rank=1, interleave=2, block_size=16)
-    heads = HeadLayout.create(total_q_heads=32, total_kv_heads=2, ps=ps, kv_replication="group")
+    heads = HeadLayout.create(total_q_heads=32, total_kv_heads=2, ps=ps, kv_replication="replicated")
     check_same_position(heads, tokens)  # one source, so they agree
     with pytest.raises(ValueError, match="sharded over DCP size 1 .* runs at DCP size 4 .*; a draft"):
         check_same_position(heads, TokenLayout(), hint="; a draft")

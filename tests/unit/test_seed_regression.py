@@ -13,7 +13,7 @@ import torch
 
 from dcp_plugin import DcpAttention
 from tests.dcp_harness import (
-    Case, RankState, SerialOps, ThreadGroup, World, causal_attention_f64, resolve_ops, run_threads,
+    Case, RankState, ThreadGroup, World, causal_attention_f64, run_threads, serial,
 )
 from tests.kernel_checks import assert_matches
 
@@ -22,9 +22,9 @@ FRESH = ((0, 5), (0, 1), (0, 3))  # no cached prefix anywhere: the current chunk
 MIXED = ((0, 5), (9, 1), (14, 4), (2, 2))  # fresh prompt, decode, chunked prefill on a prefix, context < N
 _COLLECTIVE_NAMES = ("all_gather", "reduce_scatter", "all_to_all")
 COLLECTIVES = {"ag_rs": ["all_gather", "all_gather", "reduce_scatter"], "a2a": ["all_gather", "all_to_all"]}
-def _seed_case(requests, comm: str, ops: str) -> Case:
-    return Case(name="seed", q_heads=32, kv_heads=2, kv_replication="group", tp=4, block_size=4, head_dim=64,
-                requests=requests, comm=comm, ops=ops, seed=34161)
+def _seed_case(requests, comm: str, kernels: str) -> Case:
+    return Case(name="seed", q_heads=32, kv_heads=2, kv_replication="replicated", tp=4, block_size=4, head_dim=64,
+                requests=requests, comm=comm, kernels=kernels, seed=34161)
 
 
 def _forward(case: Case, poison_kv_head: dict[int, int] | None = None):
@@ -36,8 +36,8 @@ def _forward(case: Case, poison_kv_head: dict[int, int] | None = None):
         state = RankState.create(case, world, N, rank)
         log = []
         group = ThreadGroup(exchange, rank, log=log)
-        attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=group, scale=world.scale,
-                            comm=case.comm, ops=SerialOps(resolve_ops(case.ops), log))
+        attn = serial(DcpAttention(heads=state.heads, tokens=state.tokens, group=group, scale=world.scale,
+                                   comm=case.comm, kernels=case.kernels), log)
         q, k, v, batch, positions = state.step([new for _, new in case.requests])
         if poison_kv_head and rank in poison_kv_head:
             k[:, poison_kv_head[rank]] = float("nan")
@@ -51,18 +51,18 @@ def _forward(case: Case, poison_kv_head: dict[int, int] | None = None):
     return run_threads(N, rank_fn)
 
 
-@pytest.mark.parametrize("ops", ["reference", "triton"])
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
 @pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
-def test_fresh_prompts_issue_no_collective(comm, ops):
-    for rank, (log, _, _, _, out, want) in enumerate(_forward(_seed_case(FRESH, comm, ops))):
+def test_fresh_prompts_issue_no_collective(comm, kernels):
+    for rank, (log, _, _, _, out, want) in enumerate(_forward(_seed_case(FRESH, comm, kernels))):
         assert [e for e in log if isinstance(e, str)] == [], f"rank {rank} communicated: {log}"
         assert_matches(out, want, torch.float32, f"rank {rank}")
 
 
-@pytest.mark.parametrize("ops", ["reference", "triton"])
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
 @pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
-def test_current_chunk_takes_full_kv_and_global_head_map(comm, ops):
-    for rank, (log, k, v, heads, out, want) in enumerate(_forward(_seed_case(MIXED, comm, ops))):
+def test_current_chunk_takes_full_kv_and_global_head_map(comm, kernels):
+    for rank, (log, k, v, heads, out, want) in enumerate(_forward(_seed_case(MIXED, comm, kernels))):
         names = [e if isinstance(e, str) else e[0] for e in log]
         chunk = names.index("extend_attention")
         assert "all_gather" not in names[:chunk], f"rank {rank}: a collective before the current chunk: {names}"

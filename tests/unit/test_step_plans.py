@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from dcp_plugin import DcpAttention, DcpWorkspace
-from dcp_plugin.kernels import reference
+from dcp_plugin.step_plan import A2aPlan, AgRsPlan, ChunkOnlyPlan, SingleRankPlan
 from dcp_plugin.warmup import STEPS, warm_up
 from dcp_plugin.workspace import packed_width, unpack
 from tests.dcp_harness import (
-    Case, RankState, SerialOps, ThreadGroup, World, causal_attention_f64, resolve_ops, run_threads,
+    Case, RankState, ShapeOnlyGroup, ThreadGroup, World, causal_attention_f64, run_threads, serial,
 )
 from tests.kernel_checks import assert_matches
 
@@ -34,7 +34,7 @@ def test_layers_share_one_plan_per_step_and_each_gets_its_own_answer(comm):
         ws = DcpWorkspace(heads=state_a.heads, head_dim=16, dtype=torch.float32, device="cpu", max_num_tokens=64,
                           comm=comm)
         layers = [DcpAttention(heads=state_a.heads, tokens=state_a.tokens, group=group, scale=world_a.scale,
-                               comm=comm, ops=reference, workspace=ws) for _ in range(2)]
+                               comm=comm, kernels="reference", workspace=ws) for _ in range(2)]
         q_a, k_a, v_a, batch, positions = state_a.step([new for _, new in case.requests])
         q_b, k_b, v_b, _, _ = state_b.step([new for _, new in case.requests])
         out_a = layers[0].forward(q_a, k_a, v_a, state_a.key_cache, state_a.value_cache, batch)
@@ -48,11 +48,48 @@ def test_layers_share_one_plan_per_step_and_each_gets_its_own_answer(comm):
     assert run_threads(2, rank_fn) == [1, 1]
 
 
+def test_layers_with_equal_settings_share_the_plan_key_object_and_others_do_not():
+    heads, tokens = Case(name="key", q_heads=4, kv_heads=2, tp=1).layouts(1, 0)
+    ws = DcpWorkspace(heads=heads, head_dim=16, dtype=torch.float32, device="cpu", max_num_tokens=8, comm="ag_rs")
+
+    def layer(**overrides):
+        return DcpAttention(**{**dict(heads=heads, tokens=tokens, group=None, scale=0.25, kernels="reference",
+                                      workspace=ws), **overrides})
+
+    assert layer()._plan_key is layer()._plan_key  # one object: the per-layer key compares it by identity
+    others = [layer(scale=0.5), layer(kernels="triton"), layer(workspace=None), layer(comm="a2a", workspace=None)]
+    assert len({layer()._plan_key, *(other._plan_key for other in others)}) == 5
+
+
+FLOWS = {  # (DCP size, comm, (cached context, new tokens) per request) -> the plan class of that flow
+    "no context, DCP 1": (1, "ag_rs", ((0, 3), (0, 2)), ChunkOnlyPlan),
+    "no context, DCP 2": (2, "a2a", ((0, 3),), ChunkOnlyPlan),
+    "DCP 1 decode": (1, "ag_rs", ((5, 1), (2, 1)), SingleRankPlan),
+    "DCP 1 mixed": (1, "a2a", ((5, 1), (3, 2)), SingleRankPlan),
+    "ag_rs decode": (2, "ag_rs", ((5, 1),), AgRsPlan),
+    "ag_rs mixed": (2, "ag_rs", ((5, 1), (3, 2)), AgRsPlan),
+    "a2a decode": (2, "a2a", ((5, 1),), A2aPlan),
+    "a2a mixed": (2, "a2a", ((0, 4), (3, 2)), A2aPlan),
+}
+
+
+@pytest.mark.parametrize("n, comm, requests, flow", list(FLOWS.values()), ids=list(FLOWS))
+def test_each_flow_is_planned_by_its_own_class(n, comm, requests, flow):
+    case = Case(name="flow", q_heads=4, kv_heads=2, requests=requests, comm=comm, head_dim=16, seed=14)
+    state = RankState.create(case, World(case), n, 0)
+    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=ShapeOnlyGroup(n, 0) if n > 1 else None,
+                        scale=0.25, comm=comm, kernels="reference")
+    q, k, v, batch, _ = state.step([new for _, new in requests])
+    attn.forward(q, k, v, state.key_cache, state.value_cache, batch)
+    (plan,) = batch.plans.values()
+    assert type(plan) is flow
+
+
 def test_other_strides_get_their_own_plan():
     case = Case(name="strides", q_heads=4, kv_heads=2, requests=MIXED, head_dim=16, seed=5, tp=1)
     world = World(case)
     state = RankState.create(case, world, 1, 0)
-    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=None, scale=world.scale, ops=reference)
+    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=None, scale=world.scale, kernels="reference")
     q, k, v, batch, positions = state.step([new for _, new in case.requests])
     first = attn.forward(q, k, v, state.key_cache, state.value_cache, batch, write_kv=False)
     wide = torch.zeros(q.shape[0], q.shape[1], 2 * q.shape[2])  # the same q as a strided view
@@ -67,7 +104,7 @@ def test_a_step_larger_than_the_shared_workspace_is_still_exact(caplog):
     state = RankState.create(case, world, 1, 0)
     ws = DcpWorkspace(heads=state.heads, head_dim=16, dtype=torch.float32, device="cpu", max_num_tokens=4,
                       comm="ag_rs")
-    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=None, scale=world.scale, ops=reference,
+    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=None, scale=world.scale, kernels="reference",
                         workspace=ws)
     q, k, v, batch, positions = state.step([new for _, new in case.requests])
     with caplog.at_level(logging.WARNING, logger="dcp_plugin"):
@@ -89,7 +126,7 @@ def test_workspace_rejects_another_layout():
     other, _ = Case(name="ws", q_heads=8, kv_heads=2, head_dim=16, tp=1).layouts(1, 0)
     ws = DcpWorkspace(heads=other, head_dim=16, dtype=torch.float32, device="cpu", max_num_tokens=8, comm="ag_rs")
     with pytest.raises(ValueError, match="workspace was made for"):
-        DcpAttention(heads=heads, tokens=tokens, group=None, scale=0.25, ops=reference, workspace=ws)
+        DcpAttention(heads=heads, tokens=tokens, group=None, scale=0.25, kernels="reference", workspace=ws)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -114,7 +151,7 @@ def test_warm_up_runs_every_step_kind_and_leaves_the_cache_alone():
         state = RankState.create(case, World(case), 2, rank)
         before = state.key_cache.clone(), state.value_cache.clone()
         attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=ThreadGroup(exchange, rank), scale=0.25,
-                            ops=reference)
+                            kernels="reference")
         q = torch.zeros(5, 2, 16)
         kv = torch.zeros(5, 2, 16)
         steps = warm_up(attn, query=q, key=kv, value=kv, key_cache=state.key_cache, value_cache=state.value_cache,
@@ -149,7 +186,7 @@ def test_model_dtype_partials_cost_at_most_two_roundings(comm, n):
     base = dict(q_heads=8, kv_heads=2, requests=requests, head_dim=32, seed=11, dtype="float16", comm=comm)
     world = World(Case(name="fp16", **base))
     single = RankState.create(Case(name="fp16", tp=1, **base), world, 1, 0)
-    attn = DcpAttention(heads=single.heads, tokens=single.tokens, group=None, scale=world.scale, ops=reference)
+    attn = DcpAttention(heads=single.heads, tokens=single.tokens, group=None, scale=world.scale, kernels="reference")
     q, k, v, batch, positions = single.step([new for _, new in requests])
     ref_out = attn.forward(q, k, v, single.key_cache, single.value_cache, batch).double()
     want = torch.cat([causal_attention_f64(world, b, p, range(8)) for b, p in enumerate(positions)])
@@ -157,7 +194,7 @@ def test_model_dtype_partials_cost_at_most_two_roundings(comm, n):
     def rank_fn(rank, exchange):
         state = RankState.create(Case(name="fp16", **base), world, n, rank)
         dcp = DcpAttention(heads=state.heads, tokens=state.tokens, group=ThreadGroup(exchange, rank),
-                           scale=world.scale, comm=comm, ops=reference)
+                           scale=world.scale, comm=comm, kernels="reference")
         q, k, v, batch, _ = state.step([new for _, new in requests])
         return dcp.forward(q, k, v, state.key_cache, state.value_cache, batch).double()
 
@@ -169,22 +206,22 @@ def test_model_dtype_partials_cost_at_most_two_roundings(comm, n):
     assert (sharded != ref_out).any(), "no rounding difference at all: the fp16 partials were not exercised"
 
 
-@pytest.mark.parametrize("ops", ["reference", "triton"])
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
 @pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
 @pytest.mark.parametrize("n", [1, 2])
-def test_a_mixed_steps_leading_decodes_get_their_own_decode_launch(n, comm, ops):
+def test_a_mixed_steps_leading_decodes_get_their_own_decode_launch(n, comm, kernels):
     """Decodes first (as the engine orders them), then a chunk over a prefix and a fresh prompt: the prefix pass
     runs as two launches (the decodes' own, then the rest's), and every row is exact."""
     requests = ((30, 1), (45, 1), (20, 5), (0, 7))
     case = Case(name="decodes-first", q_heads=4, kv_heads=2, requests=requests, comm=comm, head_dim=16, seed=12,
-                ops=ops, tp=n if n > 1 else 1)
+                kernels=kernels, tp=n if n > 1 else 1)
     world = World(case)
 
     def rank_fn(rank, exchange):
         state = RankState.create(case, world, n, rank)
         log = []
-        attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=ThreadGroup(exchange, rank) if n > 1 else
-                            None, scale=world.scale, comm=comm, ops=SerialOps(resolve_ops(ops), log))
+        attn = serial(DcpAttention(heads=state.heads, tokens=state.tokens, group=ThreadGroup(exchange, rank) if
+                                   n > 1 else None, scale=world.scale, comm=comm, kernels=kernels), log)
         q, k, v, batch, positions = state.step([new for _, new in requests])
         assert batch.num_decodes == 2
         out = torch.full(q.shape, float("nan"))
@@ -193,7 +230,7 @@ def test_a_mixed_steps_leading_decodes_get_their_own_decode_launch(n, comm, ops)
         heads = range(state.heads.group_q_head_start,
                       state.heads.group_q_head_start + state.heads.num_group_q_heads)
         want = torch.cat([causal_attention_f64(world, b, p, heads) for b, p in enumerate(positions)])
-        assert_matches(got, want, torch.float32, f"N={n} {comm} {ops}")
+        assert_matches(got, want, torch.float32, f"N={n} {comm} {kernels}")
         return [name for name, *_ in log].count("paged_attention")
 
     assert run_threads(n, rank_fn) == [2] * n
@@ -218,10 +255,10 @@ def test_decodes_first_keeps_the_decode_rows_when_both_launches_split():
     decodes = tuple(t[:nd + (i == 2)] for i, t in enumerate(tables))
     rest = tuple(t[nd:] for t in tables)
     plan = DecodesFirst(
-        kernels.plan_paged(q[:nd], state.key_cache, state.value_cache, *decodes, out[:nd], lse[:nd],
-                           max_query_len=1, **head_map),
-        kernels.plan_paged(q, state.key_cache, state.value_cache, *rest, out, lse, max_query_len=6, **head_map),
-        nd, decodes, rest, False)
+        decodes=kernels.plan_paged(q[:nd], state.key_cache, state.value_cache, *decodes, out[:nd], lse[:nd],
+                                   max_query_len=1, **head_map),
+        rest=kernels.plan_paged(q, state.key_cache, state.value_cache, *rest, out, lse, max_query_len=6, **head_map),
+        num_decodes=nd, decode_tables=decodes, rest_tables=rest, rank_major=False)
     plan(q, state.key_cache, state.value_cache, *tables, out, lse)
     want_out, want_lse = kernels.reference.paged_attention(
         q.double(), state.key_cache.double(), state.value_cache.double(), *tables, scale=world.scale,

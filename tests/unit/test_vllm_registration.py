@@ -253,13 +253,12 @@ def test_bf16_under_the_triton_interpreter_is_refused(vllm_config, monkeypatch):
 
 
 def test_triton_imported_before_the_interpreter_was_set_is_refused(vllm_config, monkeypatch):
-    from dcp_plugin import kernels
-    from dcp_plugin.adapters.vllm import support
+    from dcp_plugin import kernel_choice, kernels
 
     if not kernels.INTERPRET:
         pytest.skip("compiled Triton kernels (GPU)")
-    assert support._triton_imported_interpreted()  # this process imported triton with TRITON_INTERPRET=1 set
-    monkeypatch.setattr(support, "_triton_imported_interpreted", lambda: False)
+    assert kernel_choice.triton_imported_interpreted()  # this process imported triton with TRITON_INTERPRET=1 set
+    monkeypatch.setattr(kernel_choice, "triton_imported_interpreted", lambda: False)
     monkeypatch.setenv("DCP_TRITON_KERNELS", "triton")
     with set_current_vllm_config(vllm_config), pytest.raises(ValueError, match="Export TRITON_INTERPRET=1 before"):
         make_impl()

@@ -32,7 +32,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from dcp_plugin import DcpAttention  # noqa: E402
 from dcp_plugin.adapters.vllm.backend import DcpTritonBackend  # noqa: E402
 from dcp_plugin.kernels import reference  # noqa: E402
-from tests.dcp_harness import Case, SerialOps, ThreadGroup, World, causal_attention_f64, run_threads  # noqa: E402
+from tests.dcp_harness import Case, ThreadGroup, World, causal_attention_f64, run_threads, serial  # noqa: E402
 from tests.kernel_checks import assert_matches  # noqa: E402
 from tests.vllm_checks import cpu_platform_if_unspecified, vllm_slot  # noqa: E402
 from tests.vllm_v2 import V2Runner, dcp_size_patch, table_width  # noqa: E402
@@ -172,8 +172,8 @@ def test_v2_steps_attend_exactly(monkeypatch, engine, dcp, interleave):
                     key_cache[slot // B, slot % B] = world.keys[names.index(req)][p][kv].float()
                     value_cache[slot // B, slot % B] = world.values[names.index(req)][p][kv].float()
         group = ThreadGroup(exchange, rank)
-        attention = DcpAttention(heads=heads, tokens=tokens, group=group, scale=world.scale, comm="ag_rs",
-                                 ops=SerialOps(reference))
+        attention = serial(DcpAttention(heads=heads, tokens=tokens, group=group, scale=world.scale, comm="ag_rs",
+                                        kernels="reference"))
         group_heads = range(heads.group_q_head_start, heads.group_q_head_start + heads.num_group_q_heads)
         for step, (scheduled, drafts, rejected, cg_mode) in enumerate(schedule):
             padded = 4 if cg_mode == "FULL" else None

@@ -1,6 +1,7 @@
-"""What each rank of a TP x DCP topology holds, and what DCP buys in KV capacity (the `dcp-triton plan` command).
+"""What each rank of a TP x DCP topology holds, and what DCP buys in KV capacity: the reports behind the
+`dcp-triton plan` command.
 
-Importing this module does not import torch (the command's ``--help`` stays fast); building a plan does.
+Importing this module does not import torch (the command's ``--help`` stays fast); building a report does.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def _read_json_object(path: str | Path) -> dict:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RankPlan:
+class RankCapacity:
     tp_rank: int
     dcp_rank: int
     q_heads: tuple[int, int]  # global [start, stop)
@@ -99,14 +100,14 @@ class RankPlan:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Plan:
+class CapacityReport:
     model: ModelShape
     tp_size: int
     dcp_size: int
     interleave: int
     layout: KvReplication
     kv_budget_gib: float | None
-    ranks: list[RankPlan]
+    ranks: list[RankCapacity]
     capacity_gain: float  # KV tokens held vs the same TP with dcp_size=1 and vLLM's layout
     capacity_ceiling: float  # max(1, tp / kv_heads): TP's duplication, the most DCP can remove
     notes: list[str]
@@ -115,7 +116,7 @@ class Plan:
         return json.dumps(asdict(self), indent=2)
 
 
-def make_plan(
+def capacity_report(
     model: ModelShape,
     *,
     tp_size: int,
@@ -124,7 +125,7 @@ def make_plan(
     layout: KvReplication = "tp",
     block_size: int = 16,
     kv_budget_gib: float | None = None,
-) -> Plan:
+) -> CapacityReport:
     """Per-rank heads and KV bytes for ``model`` on ``tp_size`` ranks with DCP groups of ``dcp_size``."""
     from dcp_plugin.checks import check_int
     from dcp_plugin.layout import HeadLayout, TokenLayout
@@ -150,7 +151,7 @@ def make_plan(
         per_context = stored / dcp_size
         budget = None if kv_budget_gib is None else int(kv_budget_gib * 2**30 // per_context)
         ranks.append(
-            RankPlan(
+            RankCapacity(
                 tp_rank=tp_rank,
                 dcp_rank=ps.attn_dcp_rank,
                 q_heads=(heads.q_head_start, heads.q_head_start + heads.num_q_heads),
@@ -175,7 +176,7 @@ def make_plan(
         )
     elif dcp_size > 1:
         notes.append(f"KV capacity gain over dcp_size=1: {gain:g}x.")
-    return Plan(
+    return CapacityReport(
         model=model,
         tp_size=tp_size,
         dcp_size=dcp_size,
@@ -189,17 +190,17 @@ def make_plan(
     )
 
 
-def format_plan(plan: Plan) -> str:
-    m = plan.model
+def format_capacity_report(report: CapacityReport) -> str:
+    m = report.model
     lines = [
         f"model: {m.num_q_heads} Q heads, {m.num_kv_heads} KV heads, head_dim {m.head_dim}, {m.num_layers} layers, "
         f"{m.dtype}",
-        f"topology: tp={plan.tp_size} dcp={plan.dcp_size} interleave={plan.interleave} layout={plan.layout}",
+        f"topology: tp={report.tp_size} dcp={report.dcp_size} interleave={report.interleave} layout={report.layout}",
         "",
     ]
     header = ("tp", "dcp", "Q heads", "stored KV heads", "cur-chunk KV", "B/stored tok", "B/ctx tok", "max ctx tok")
     rows = [header]
-    for r in plan.ranks:
+    for r in report.ranks:
         rows.append((
             str(r.tp_rank),
             str(r.dcp_rank),
@@ -213,14 +214,14 @@ def format_plan(plan: Plan) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
     lines.append("")
-    lines += plan.notes
+    lines += report.notes
     return "\n".join(lines)
 
 
 # What the vLLM backend refuses that a config.json shows (the backend's own check is per layer, at startup).
 def config_refusals(path: str | Path, *, head_dim: int) -> list[str]:
     """Each reason dcp-triton's vLLM backend would refuse the model of this ``config.json`` (its ``text_config`` if
-    it has one), as ``"<key>=<value>: <why>"``; ``head_dim`` is the head size the plan uses (the config's or a
+    it has one), as ``"<key>=<value>: <why>"``; ``head_dim`` is the head size the report uses (the config's or a
     flag's). Empty when nothing in the config is refused."""
     from dcp_plugin.kernels.extend_attention import SUPPORTED_HEAD_DIMS
 

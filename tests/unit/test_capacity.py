@@ -6,7 +6,7 @@ import time
 import pytest
 
 from dcp_plugin.cli import main
-from dcp_plugin.planner import ModelShape, make_plan
+from dcp_plugin.capacity import ModelShape, capacity_report
 
 # 32 Q / 4 KV heads at tp 8: TP stores each KV head on 2 ranks, so DCP 2 halves the KV per rank, DCP 4 and 8 split
 # a DCP group over two KV heads (refused).
@@ -69,9 +69,9 @@ def test_capacity_gain_never_exceeds_the_duplication_ceiling():
     for kv_heads, tp in [(1, 8), (2, 8), (8, 8), (4, 16)]:
         for dcp in [d for d in range(1, tp + 1) if tp % d == 0]:
             model = ModelShape(num_q_heads=64, num_kv_heads=kv_heads, head_dim=128, num_layers=1)
-            plan = make_plan(model, tp_size=tp, dcp_size=dcp, layout="group")
-            assert plan.capacity_gain <= plan.capacity_ceiling + 1e-9
-            assert plan.capacity_ceiling == max(1, tp / kv_heads)
+            report = capacity_report(model, tp_size=tp, dcp_size=dcp, layout="replicated")
+            assert report.capacity_gain <= report.capacity_ceiling + 1e-9
+            assert report.capacity_ceiling == max(1, tp / kv_heads)
 
 
 @pytest.mark.parametrize(
@@ -247,11 +247,11 @@ def test_dtype_defaults_to_the_configs_then_bfloat16(tmp_path, capsys):
 def test_library_errors_name_keyword_arguments():
     model = ModelShape(num_q_heads=8, num_kv_heads=2, head_dim=64, num_layers=1)
     with pytest.raises(ValueError, match=r"tp_size must be an int >= 1, got 0"):
-        make_plan(model, tp_size=0, dcp_size=1)
+        capacity_report(model, tp_size=0, dcp_size=1)
     with pytest.raises(ValueError, match=r"dcp_size=3 must divide tp_size=4.*allowed: \[1, 2, 4\]"):
-        make_plan(model, tp_size=4, dcp_size=3)
+        capacity_report(model, tp_size=4, dcp_size=3)
     with pytest.raises(ValueError, match="kv_budget_gib must be a finite number > 0, got inf"):
-        make_plan(model, tp_size=1, dcp_size=1, kv_budget_gib=float("inf"))
+        capacity_report(model, tp_size=1, dcp_size=1, kv_budget_gib=float("inf"))
 
 
 def test_config_dtype_from_either_key(tmp_path):

@@ -1,0 +1,47 @@
+"""The inner step of the prefix pass (``paged_attention_kernel``): one tile of cached tokens read through the block
+table and folded into the online softmax of a tile of query rows."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_cached_tile(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, table_ptr, n_start, kv_end, dims, dim_mask, qk_scale,
+                       stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d,
+                       stride_bt_blk, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_TOKENS: tl.constexpr,
+                       EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
+    """One online-softmax step over cached tokens ``n_start + [0, BLOCK_N)``; scores in base-2 units.
+    ``MASK_TOKENS``: the tile may pass ``kv_end`` (it always holds at least one token before it)."""
+    pos = n_start + tl.arange(0, BLOCK_N)
+    pos_mask = pos < kv_end
+    # Per-token page lookup: any page size works, tiles may span pages.
+    if MASK_TOKENS:
+        page = tl.load(table_ptr + (pos // PAGE_SIZE) * stride_bt_blk, mask=pos_mask, other=0).to(tl.int64)
+    else:
+        page = tl.load(table_ptr + (pos // PAGE_SIZE) * stride_bt_blk).to(tl.int64)
+    in_page = (pos % PAGE_SIZE).to(tl.int64)
+    k_ptrs = k_head_ptr + (page * stride_kc_blk + in_page * stride_kc_tok)[None, :] + dims[:, None] * stride_kc_d
+    v_ptrs = v_head_ptr + (page * stride_vc_blk + in_page * stride_vc_tok)[:, None] + dims[None, :] * stride_vc_d
+    if MASK_TOKENS:
+        k = tl.load(k_ptrs, mask=dim_mask[:, None] & pos_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+        v = tl.load(v_ptrs, mask=pos_mask[:, None] & dim_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+    elif not EVEN_D:
+        k = tl.load(k_ptrs, mask=dim_mask[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=dim_mask[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    if KV_FP8:  # dequantize in registers (the scales are applied to scores and output)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    scores = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
+    if MASK_TOKENS:
+        scores = tl.where(pos_mask[None, :], scores, float("-inf"))
+    # The scale (> 0) is applied to the row maximum and folded into the exponent's argument: one FMA per score.
+    # Every tile holds a cached token, so each row's max is finite (no -inf - -inf).
+    m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
