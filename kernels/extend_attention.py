@@ -36,8 +36,9 @@ class ExtendConfig:
 
 
 # Hopper defaults for fp16/bf16 by padded head dim (the benchmark sweeps candidates through ``config=``).
-# H200, bf16, 2 x 4096 causal, 32 Q / 8 KV heads: D=64 317 TFLOP/s, D=256 358; D=128 with K/V through tensor
-# descriptors 479, against 394 with pointer loads (benchmarks/results/kernels_h200_sweep2.json).
+# H200, bf16, 2 x 4096 causal, 32 Q / 8 KV heads: D=128 with K/V through tensor descriptors 479 TFLOP/s, against
+# 394 with pointer loads (benchmarks/results/kernels_h200_sweep2.json); D=64 304, no other candidate more than 2%
+# faster (kernels_h200_sweep.json, section prefill). D=256's tiles fit the shared memory; their speed is unmeasured.
 GPU_CONFIGS = {
     64: ExtendConfig(block_m=128, block_n=128, num_warps=4, num_stages=3),
     128: ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True),

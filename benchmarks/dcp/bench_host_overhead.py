@@ -129,22 +129,31 @@ def host_per_layer(attn, args, batch, group, out, repeats: int) -> dict:
 
 
 def host_per_launch(plan, args, out, repeats: int = 200) -> dict:
-    """Median host µs of each prepared launch of ``plan`` called alone (the GPU runs behind)."""
+    """Median host µs of each prepared launch of ``plan`` (a ``dcp_plugin.step_plan`` flow) called alone, on the
+    tensors its ``run`` hands it (the GPU runs behind)."""
+    from dcp_plugin.step_plan import A2aPlan, AgRsPlan, SingleRankPlan
+
     q, k, v, key_cache, value_cache = args
-    paged_args = (plan.paged_args[0] if plan.mode == "group" else q, key_cache, value_cache,
-                  *plan.paged_args[(1 if plan.mode == "group" else 0):])
-    ws = plan.ws
-    paged_out = (ws.send_out, ws.send_lse) if plan.comm == "a2a" and plan.mode == "group" else \
-        (ws.part, ws.part_lse) if plan.mode == "group" else (out, ws.lse)
-    calls = {"paged (stage 1 + reduce when split)": lambda: plan.paged(*paged_args, *paged_out),
-             "write_kv_cache": lambda: plan.write(k, v, key_cache, value_cache, plan.batch.slot_mapping)}
-    if plan.extend is not None:
-        calls["extend"] = lambda: plan.extend(q, k, v, ws.cur_out, ws.cur_lse, plan.batch.query_start_loc)
-    if plan.mode == "group":
-        if plan.comm == "a2a":
-            calls["combine"] = lambda: plan.combine(*plan.combine_args, out, ws.lse)
-        else:
-            calls["combine (rescale)"] = lambda: plan.combine[0](*plan.combine_args[0])
+    views = plan.views if hasattr(plan, "views") else None
+    calls = {}
+    if plan.write is not None:
+        calls["write_kv_cache"] = lambda: plan.write(k, v, key_cache, value_cache, plan.slot_mapping, None, None)
+    if plan.chunk is not None:
+        chunk_out = (out, plan.lse) if views is None else (views.chunk_out, views.chunk_lse)  # ChunkOnlyPlan: out
+        calls["current chunk"] = lambda: plan.chunk(q, k, v, *chunk_out, plan.query_start_loc)
+    if isinstance(plan, SingleRankPlan):
+        prefix_out = (out, views.lse) if plan.merge is None else (views.prefix_out, views.prefix_lse)
+        calls["prefix pass (stage 1 + split merge)"] = lambda: plan.prefix(
+            q, key_cache, value_cache, plan.block_table, plan.prefix_lens, plan.query_start_loc, *prefix_out, None,
+            None)
+    elif isinstance(plan, (AgRsPlan, A2aPlan)):
+        p = plan.prefix
+        calls["prefix pass (stage 1 + split merge)"] = lambda: p.launch(
+            p.q_group, key_cache, value_cache, p.block_table, p.lens, p.query_start_loc, p.out, p.lse, None, None)
+    if isinstance(plan, AgRsPlan):
+        calls["rescale"] = lambda: plan.rescale(*plan.rescale_args)
+    if isinstance(plan, A2aPlan):
+        calls["combine"] = lambda: plan.combine(*plan.combine_inputs, out, views.lse)
     return {name: host_us(call, repeats) for name, call in calls.items()}
 
 

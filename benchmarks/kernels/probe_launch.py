@@ -13,7 +13,7 @@ kv = torch.randn(64, 16, 1, 256, device="cuda", dtype=torch.bfloat16)
 slots = torch.full((32,), -1, device="cuda")
 args = (k, k, kv[..., :128], kv[..., 128:], slots)
 L = plan_write_kv(*args)  # the write's prepared Launch
-args = (*args, slots, slots)  # the scale arguments' stand-ins, as WriteLaunch passes them
+args = (*args, slots, slots)  # the scale arguments' stand-ins, as the write's Launch substitutes them
 L(*args)
 c = L._compiled
 print("triton", triton.__version__, "FAST", _launch.FAST_LAUNCH, "compiled kept", c is not None)
