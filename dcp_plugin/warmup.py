@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dcp_plugin.batch import DcpBatch
+from dcp_plugin.batch import DcpBatch, DcpBatchBuffers
 
 # (query rows, cached context) per request of each dummy step. A 4096-token context puts several KV splits on any
 # GPU (the split count fills the SMs only while the tiles last); tiny contexts keep one split.
@@ -40,6 +40,9 @@ def warm_up(attention, *, query: torch.Tensor, key: torch.Tensor, value: torch.T
     ``k_scale``/``v_scale``: its scales when the cache is fp8.
     """
     tokens, device = attention.tokens, query.device
+    # Built into persistent buffers, as engines build their batches: on a GPU that runs (and compiles) the kernel
+    # that derives the per-request lengths (dcp_plugin.kernels.batch_lengths) too.
+    buffers = DcpBatchBuffers(max(len(requests) for requests in STEPS), device)
     steps = 0
     for requests in STEPS:
         num_tokens = sum(rows for rows, _ in requests)
@@ -52,6 +55,7 @@ def warm_up(attention, *, query: torch.Tensor, key: torch.Tensor, value: torch.T
             block_table=torch.zeros(len(requests), width, dtype=torch.int32, device=device),
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
             tokens=tokens,
+            buffers=buffers,
         )
         q, k, v, out = (_like(t, num_tokens) for t in (query, key, value, output))
         attention.forward(q, k, v, key_cache, value_cache, batch, out=out, write_kv=True, k_scale=k_scale,

@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from dcp_plugin import DcpAttention, DcpWorkspace
+from dcp_plugin import DcpAttention, DcpBatch, DcpBatchBuffers, DcpWorkspace
 from dcp_plugin.step_plan import A2aPlan, AgRsPlan, ChunkOnlyPlan, SingleRankPlan
 from dcp_plugin.warmup import STEPS, warm_up
 from dcp_plugin.workspace import packed_width, unpack
@@ -265,3 +265,23 @@ def test_decodes_first_keeps_the_decode_rows_when_both_launches_split():
         q_head_start=0, q_per_kv=2, kv_head_start=0, max_kv_len=40)
     assert_matches(out, want_out, torch.float32, "decodes-first out")
     assert_matches(lse, want_lse, torch.float32, "decodes-first lse")
+
+
+def test_warm_up_builds_its_batches_as_engines_do(monkeypatch):
+    """Into persistent per-request buffers: on a GPU the kernel deriving the lengths then compiles in the warm-up,
+    not at a user's first step."""
+    seen = []
+    real = DcpBatch.build
+
+    def build(**kwargs):
+        seen.append(kwargs.get("buffers"))
+        return real(**kwargs)
+
+    monkeypatch.setattr(DcpBatch, "build", staticmethod(build))
+    case = Case(name="warm", q_heads=2, kv_heads=1, head_dim=16, requests=((3, 1),), seed=9)
+    state = RankState.create(case, World(case), 1, 0)
+    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=None, scale=0.25, kernels="reference")
+    q, kv = torch.zeros(5, 2, 16), torch.zeros(5, 1, 16)
+    warm_up(attn, query=q, key=kv, value=kv, key_cache=state.key_cache, value_cache=state.value_cache,
+            output=torch.zeros(5, 2, 16))
+    assert len(seen) == len(STEPS) and all(isinstance(b, DcpBatchBuffers) for b in seen)
