@@ -74,6 +74,20 @@ def sweep_decode(shapes, splits_list, configs, *, fp8: bool = False) -> list[dic
     return rows
 
 
+def _check_then_time(row: dict, call, out, error, *, flops: float) -> None:
+    """``row["rel_err"]`` of one call into a NaN-poisoned ``out``, then its median time and TFLOP/s if the error is
+    within ERROR_BOUND; a config that fails records its error instead."""
+    try:
+        out.fill_(float("nan"))
+        call()
+        row["rel_err"] = error()
+        if row["rel_err"] <= ERROR_BOUND:
+            row["ms"] = median_ms(call)
+            row["tflops"] = flops / row["ms"] / 1e9
+    except Exception as err:
+        row["error"] = repr(err)[:200]
+
+
 def sweep_prefix(shapes, configs) -> list[dict]:
     """TFLOP/s of each ``(block_n, block_m, num_warps, num_stages)`` on each ``(batch, q_rows, ctx, hq, hk)``."""
     from dcp_plugin.kernels.paged_attention import PagedConfig
@@ -92,15 +106,9 @@ def sweep_prefix(shapes, configs) -> list[dict]:
                 paged_attention(q, kc, vc, tables[0], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
                                 q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=q_rows, out=out,
                                 config=cfg)
-            try:
-                out.fill_(float("nan"))
-                call()
-                row["rel_err"] = _paged_error(out, q, kc, vc, tables, lens, qsl, rows=1, q_limit=128)
-                if row["rel_err"] <= ERROR_BOUND:
-                    row["ms"] = median_ms(call)
-                    row["tflops"] = 4 * batch * q_rows * ctx * hq * HEAD_DIM / row["ms"] / 1e9
-            except Exception as err:
-                row["error"] = repr(err)[:200]
+            _check_then_time(row, call, out, lambda: _paged_error(out, q, kc, vc, tables, lens, qsl, rows=1,
+                                                                  q_limit=128),
+                             flops=4 * batch * q_rows * ctx * hq * HEAD_DIM)
             rows.append(row)
             print(f"sweep prefix {shape} config={row['config']}: {row.get('tflops', 0):.0f} TFLOP/s "
                   f"err {row.get('rel_err', float('nan')):.1e} {row.get('error', '')}", flush=True)
@@ -132,16 +140,11 @@ def sweep_prefill(head_dims, configs_by_dim, *, seqs: int = 2, seq_len: int = 40
             def call(cfg=cfg):
                 extend_attention(q, k, v, cu, seq_len, scale=d ** -0.5, q_head_start=0, q_per_kv=hq // hk,
                                  kv_head_start=0, out=out, config=cfg)
-            try:
-                out.fill_(float("nan"))
-                call()
+            def error():
                 mine = out[:seq_len].view(1, seq_len, hq, d).transpose(1, 2).double()
-                row["rel_err"] = ((mine - ref[:1]).norm() / ref[:1].norm()).item()
-                if row["rel_err"] <= ERROR_BOUND:
-                    row["ms"] = median_ms(call)
-                    row["tflops"] = 2 * seqs * seq_len * seq_len * hq * d / row["ms"] / 1e9
-            except Exception as err:
-                row["error"] = repr(err)[:200]
+                return ((mine - ref[:1]).norm() / ref[:1].norm()).item()
+
+            _check_then_time(row, call, out, error, flops=2 * seqs * seq_len * seq_len * hq * d)
             rows.append(row)
             print(f"sweep prefill D{d} config={consts}: {row.get('tflops', 0):.0f} TFLOP/s "
                   f"err {row.get('rel_err', float('nan')):.1e} {row.get('error', '')}", flush=True)
