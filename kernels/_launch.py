@@ -111,6 +111,14 @@ def device_index(t: torch.Tensor) -> int:
     return t.device.index if t.device.type == "cuda" and t.device.index is not None else 0
 
 
+def tma_available(device: torch.device) -> bool:
+    """Whether kernels may build tensor descriptors (TMA) on ``device``: Triton has them and the GPU is sm_90+, or
+    the interpreter runs (which emulates them, so the CPU suite tests both selections)."""
+    if not hasattr(triton.language, "make_tensor_descriptor"):
+        return False
+    return INTERPRET or device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _fast_launch_supported() -> bool:
     if INTERPRET or os.environ.get(FAST_LAUNCH_ENV, "1") == "0":
         return False

@@ -6,31 +6,43 @@ import triton.language as tl
 
 
 @triton.jit
-def attend_cached_tile(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, table_ptr, n_start, kv_end, dims, dim_mask, qk_scale,
-                       stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d,
-                       stride_bt_blk, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_TOKENS: tl.constexpr,
-                       EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
+def attend_cached_tile(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, n_start, kv_end, dims,
+                       dim_mask, qk_scale, stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok,
+                       stride_vc_d, stride_bt_blk, rows_per_block, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                       MASK_TOKENS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       KV_FP8: tl.constexpr, USE_TMA: tl.constexpr):
     """One online-softmax step over cached tokens ``n_start + [0, BLOCK_N)``; scores in base-2 units.
-    ``MASK_TOKENS``: the tile may pass ``kv_end`` (it always holds at least one token before it)."""
+    ``MASK_TOKENS``: the tile may pass ``kv_end`` (it always holds at least one token before it). ``USE_TMA``: the
+    tile lies inside one page (``BLOCK_N`` divides ``PAGE_SIZE``) and comes through the tensor descriptors, whose
+    row ``page * rows_per_block + i`` is the page's token ``i``."""
     pos = n_start + tl.arange(0, BLOCK_N)
     pos_mask = pos < kv_end
-    # Per-token page lookup: any page size works, tiles may span pages.
-    if MASK_TOKENS:
-        page = tl.load(table_ptr + (pos // PAGE_SIZE) * stride_bt_blk, mask=pos_mask, other=0).to(tl.int64)
+    if USE_TMA:
+        page = tl.load(table_ptr + (n_start // PAGE_SIZE) * stride_bt_blk).to(tl.int32)
+        row = page * rows_per_block + tl.cast(n_start % PAGE_SIZE, tl.int32)  # < 2^31: checked on the host
+        k = k_desc.load([row, 0])  # [BLOCK_N, BLOCK_D]
+        v = v_desc.load([row, 0])  # [BLOCK_N, BLOCK_D]
+        if MASK_TOKENS:  # the page's rows past kv_end hold anything (NaN too): they must add exactly nothing
+            v = tl.where(pos_mask[:, None], v, tl.zeros_like(v))
+        k = tl.trans(k)  # [BLOCK_D, BLOCK_N]
     else:
-        page = tl.load(table_ptr + (pos // PAGE_SIZE) * stride_bt_blk).to(tl.int64)
-    in_page = (pos % PAGE_SIZE).to(tl.int64)
-    k_ptrs = k_head_ptr + (page * stride_kc_blk + in_page * stride_kc_tok)[None, :] + dims[:, None] * stride_kc_d
-    v_ptrs = v_head_ptr + (page * stride_vc_blk + in_page * stride_vc_tok)[:, None] + dims[None, :] * stride_vc_d
-    if MASK_TOKENS:
-        k = tl.load(k_ptrs, mask=dim_mask[:, None] & pos_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        v = tl.load(v_ptrs, mask=pos_mask[:, None] & dim_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-    elif not EVEN_D:
-        k = tl.load(k_ptrs, mask=dim_mask[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=dim_mask[None, :], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
+        # Per-token page lookup: any page size works, tiles may span pages.
+        if MASK_TOKENS:
+            page = tl.load(table_ptr + (pos // PAGE_SIZE) * stride_bt_blk, mask=pos_mask, other=0).to(tl.int64)
+        else:
+            page = tl.load(table_ptr + (pos // PAGE_SIZE) * stride_bt_blk).to(tl.int64)
+        in_page = (pos % PAGE_SIZE).to(tl.int64)
+        k_ptrs = k_head_ptr + (page * stride_kc_blk + in_page * stride_kc_tok)[None, :] + dims[:, None] * stride_kc_d
+        v_ptrs = v_head_ptr + (page * stride_vc_blk + in_page * stride_vc_tok)[:, None] + dims[None, :] * stride_vc_d
+        if MASK_TOKENS:
+            k = tl.load(k_ptrs, mask=dim_mask[:, None] & pos_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+            v = tl.load(v_ptrs, mask=pos_mask[:, None] & dim_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        elif not EVEN_D:
+            k = tl.load(k_ptrs, mask=dim_mask[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=dim_mask[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
     if KV_FP8:  # dequantize in registers (the scales are applied to scores and output)
         k = k.to(q.dtype)
         v = v.to(q.dtype)

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from dcp_plugin.kernels._launch import (
     INDEX_DTYPES, LOG2E, Launch, cdiv, check_head_map, check_int, check_out, check_shape, check_tensor, next_pow2,
+    tma_available,
 )
 from dcp_plugin.kernels._mode import INTERPRET
 from dcp_plugin.kernels._schedule import find_block, flat_programs
@@ -249,12 +250,9 @@ def plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_h
 
 
 def _tma_ok(q, k, v, head_dim: int) -> bool:
-    """Whether K and V can be read through tensor descriptors: Triton has them, the GPU is sm_90+ (or the
-    interpreter runs), the head dim is a power of two, and each tensor's base address, token stride and head stride
+    """Whether K and V can be read through tensor descriptors: ``tma_available``, the head dim is a power of two, and each tensor's base address, token stride and head stride
     are multiples of 16 bytes with unit stride along D (a TMA copy's requirements)."""
-    if not hasattr(tl, "make_tensor_descriptor") or head_dim != next_pow2(head_dim):
-        return False
-    if not INTERPRET and (k.device.type != "cuda" or torch.cuda.get_device_capability(k.device)[0] < 9):
+    if not tma_available(k.device) or head_dim != next_pow2(head_dim):
         return False
     return all(t.stride(2) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
                and (t.stride(1) * t.element_size()) % 16 == 0 for t in (k, v))

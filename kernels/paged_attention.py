@@ -24,7 +24,7 @@ import triton.language as tl
 
 from dcp_plugin.kernels._launch import (
     INDEX_DTYPES, LOG2E, Launch, cdiv, check_head_map, check_heads_out, check_int, check_shape,
-    check_tensor, device_index, head_strides, next_pow2, num_sms,
+    check_tensor, device_index, head_strides, next_pow2, num_sms, tma_available,
 )
 from dcp_plugin.checks import FP8_DTYPES, check_kv_scales
 from dcp_plugin.kernels._mode import INTERPRET
@@ -52,6 +52,7 @@ class PagedConfig:
     block_m: int  # most rows (query tokens x Q heads of one KV group) per tile
     num_warps: int
     num_stages: int
+    tma: bool = False  # on sm_90+, whole tiles of one page through tensor descriptors where the cache allows
 
 
 # (padded head dim, decode) -> launch constants for Hopper; benchmarks sweep others via ``config=``. "decode" = the
@@ -63,9 +64,9 @@ class PagedConfig:
 # 32 tokens five deep and 276 for 128 x 128 two deep (kernels_h200_sweep.json).
 GPU_CONFIGS = {
     (64, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=3),
-    (64, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=3),
+    (64, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=3, tma=True),
     (128, True): PagedConfig(block_n=128, block_m=64, num_warps=4, num_stages=3),
-    (128, False): PagedConfig(block_n=64, block_m=256, num_warps=8, num_stages=3),
+    (128, False): PagedConfig(block_n=64, block_m=256, num_warps=8, num_stages=3, tma=True),
     (256, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=2),
     (256, False): PagedConfig(block_n=64, block_m=64, num_warps=8, num_stages=2),
 }
@@ -80,7 +81,7 @@ INTERPRET_CONFIG = PagedConfig(block_n=32, block_m=32, num_warps=1, num_stages=1
 # them, and the DCP core's buffers keep them multiples of 16 at every token count, so their specialization never
 # changes.
 @triton.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs", "num_splits", "stride_bt_req",
-                               "stride_lse_r", "stride_lse_t", "stride_lse_h", "stride_lse_s"),
+                               "stride_lse_r", "stride_lse_t", "stride_lse_h", "stride_lse_s", "tma_rows"),
             # the batch tables may start mid-tensor (a mixed step's requests after its decodes); scalar loads anyway
             do_not_specialize_on_alignment=("block_table_ptr", "context_lens_ptr", "query_start_loc_ptr"))
 def paged_attention_kernel(
@@ -94,6 +95,7 @@ def paged_attention_kernel(
     stride_bt_req, stride_bt_blk,
     out_heads_per_rank, stride_o_r, stride_o_t, stride_o_h, stride_o_s, stride_o_d,
     stride_lse_r, stride_lse_t, stride_lse_h, stride_lse_s,
+    rows_per_block, tma_rows,
     PAGE_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -104,6 +106,7 @@ def paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,  # the cache holds value / scale in fp8: scale the scores by k_scale, the output by v_scale
     FP8_VIA_FP16: tl.constexpr,  # bf16 q over an fp8 cache: compute in fp16 (below)
+    USE_TMA: tl.constexpr,  # whole tiles of one page through tensor descriptors (``_tma_ok``)
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     pid_q = tl.program_id(0)
@@ -160,6 +163,14 @@ def paged_attention_kernel(
     k_head_ptr = key_cache_ptr + kv_head.to(tl.int64) * stride_kc_h
     v_head_ptr = value_cache_ptr + kv_head.to(tl.int64) * stride_vc_h
     table_ptr = block_table_ptr + req.to(tl.int64) * stride_bt_req
+    if USE_TMA:  # the cache's token rows of this KV head as one 2-D tensor: row = page * rows_per_block + token
+        k_desc = tl.make_tensor_descriptor(k_head_ptr, shape=[tma_rows, BLOCK_D], strides=[stride_kc_tok, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_head_ptr, shape=[tma_rows, BLOCK_D], strides=[stride_vc_tok, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_desc = k_head_ptr
+        v_desc = v_head_ptr
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -167,16 +178,16 @@ def paged_attention_kernel(
     full_end = kv_start + tl.maximum(kv_end - kv_start, 0) // BLOCK_N * BLOCK_N
     for n_start in range(kv_start, full_end, BLOCK_N):
         acc, l_i, m_i = attend_cached_tile(
-            acc, l_i, m_i, q, k_head_ptr, v_head_ptr, table_ptr, n_start, kv_end, dims, dim_mask, qk_scale,
-            stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d, stride_bt_blk,
-            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASK_TOKENS=False, EVEN_D=EVEN_D,
-            DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8)
+            acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, n_start, kv_end, dims, dim_mask,
+            qk_scale, stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d,
+            stride_bt_blk, rows_per_block, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASK_TOKENS=False, EVEN_D=EVEN_D,
+            DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, USE_TMA=USE_TMA)
     for n_start in range(full_end, kv_end, BLOCK_N):
         acc, l_i, m_i = attend_cached_tile(
-            acc, l_i, m_i, q, k_head_ptr, v_head_ptr, table_ptr, n_start, kv_end, dims, dim_mask, qk_scale,
-            stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d, stride_bt_blk,
-            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASK_TOKENS=True, EVEN_D=EVEN_D,
-            DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8)
+            acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, n_start, kv_end, dims, dim_mask,
+            qk_scale, stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d,
+            stride_bt_blk, rows_per_block, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASK_TOKENS=True, EVEN_D=EVEN_D,
+            DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, USE_TMA=USE_TMA)
 
     # No cached tokens: acc = 0, l_i = 0, m_i = -inf -> (0, -inf). A NaN input leaves l_i NaN: NaN out and lse.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -346,19 +357,40 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     grid = (num_q_programs + cdiv(num_tokens, block_q), head_programs, num_splits) if num_tokens else (0,)
     block_d = max(16, next_pow2(head_dim))
     kv_fp8 = key_cache.dtype in FP8_DTYPES
+    use_tma = cfg.tma and _tma_ok(key_cache, value_cache, head_dim, cfg.block_n)
+    rows_per_block = key_cache.stride(0) // key_cache.stride(1) if use_tma else 0
     stage1 = Launch(
         paged_attention_kernel, grid,
         (num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs, float(scale) * LOG2E, q_head_start, q_per_kv,
          kv_head_start, first_kv_head, head_tiles_per_group, num_splits, *q.stride(), *key_cache.stride(),
-         *value_cache.stride(), *block_table.stride(), *out_strides, *lse_strides),
+         *value_cache.stride(), *block_table.stride(), *out_strides, *lse_strides, rows_per_block,
+         rows_per_block * key_cache.shape[0]),
         dict(PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
              EVEN_D=block_d == head_dim, DECODE=decode,
              DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-             KV_FP8=kv_fp8, FP8_VIA_FP16=kv_fp8 and q.dtype == torch.bfloat16),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+             KV_FP8=kv_fp8, FP8_VIA_FP16=kv_fp8 and q.dtype == torch.bfloat16, USE_TMA=use_tma),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, scratch=use_tma,
         stand_ins=None if kv_fp8 else {8: 0, 9: 0})  # no scales: q's pointer stands in (never read)
     reduce = plan_split_reduce(part_out, part_lse, out, lse) if num_splits > 1 else None
     return PagedLaunch(stage1, reduce, part_out, part_lse, num_splits)
+
+
+def _tma_ok(key_cache, value_cache, head_dim: int, block_n: int) -> bool:
+    """Whether whole tiles can come through tensor descriptors: the GPU has them (``tma_available``), a tile lies
+    inside one page (``block_n`` divides the page size), the head dim is a power of two, and each cache reads as a
+    2-D tensor of token rows (per KV head; unit stride along D, 16-byte aligned base and strides, the block stride a
+    whole number of token strides, the same for K and V, and fewer than 2^31 rows: 32-bit descriptor offsets)."""
+    num_blocks, page_size = key_cache.shape[:2]
+    if not tma_available(key_cache.device) or head_dim != next_pow2(head_dim) or page_size % block_n:
+        return False
+    size = key_cache.element_size()
+    blk, tok = key_cache.stride()[:2]
+    for t in (key_cache, value_cache):
+        if t.stride()[:2] != (blk, tok) or t.stride(3) != 1 or tok < 1 or blk % tok or t.data_ptr() % 16:
+            return False
+        if any(stride * size % 16 for stride in t.stride()[:3]):
+            return False
+    return num_blocks * (blk // tok) < 2 ** 31
 
 
 def _with_split_stride(strides: tuple, split_stride: int) -> tuple:

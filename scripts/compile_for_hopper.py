@@ -3,7 +3,8 @@ one's registers and spills.
 
 The variants are the ones ``dcp_plugin.warmup`` compiles: the dummy steps run through ``DcpAttention`` on CPU
 tensors with kernel plans that record their launches instead of running them (at DCP = 1 and DCP = 2, both comm
-modes, caches in the model dtype and in fp8 e4m3 / e5m2). Each recorded launch is compiled ahead of time with Triton's own compiler for ``cuda:90``, specialized the
+modes, caches in the model dtype and in fp8 e4m3 / e5m2, pages of 16 and 64 tokens), with the Hopper selections
+(tensor descriptors) on, as an sm_90 GPU would answer. Each recorded launch is compiled ahead of time with Triton's own compiler for ``cuda:90``, specialized the
 way Triton's dispatch specializes it (integer arguments equal to 1 become constants, multiples of 16 and pointers
 are marked 16-divisible). A kernel that does not compile for the GPU fails here, on any machine with Triton.
 
@@ -96,14 +97,15 @@ def collect(dtype: torch.dtype, head_dim: int, cache_dtypes: tuple) -> dict:
     each of ``cache_dtypes`` (None: the model dtype)."""
     record: dict = {}
     record_launches(record)
-    for n, comm, cache_dtype in [(n, c, d) for n in (1, 2) for c in ("ag_rs", "a2a") for d in cache_dtypes]:
+    for n, comm, cache_dtype, page in [(n, c, d, p) for n in (1, 2) for c in ("ag_rs", "a2a") for d in cache_dtypes
+                                       for p in (16, 64)]:
         ps = dp.ParallelState.from_tp(tp_rank=0, tp_size=2, dcp_size=n)
         heads = dp.HeadLayout.create(total_q_heads=16, total_kv_heads=1, ps=ps, kv_replication="tp")
-        tokens = dp.TokenLayout.create(ps=ps, block_size=16)
+        tokens = dp.TokenLayout.create(ps=ps, block_size=page)
         attn = dp.DcpAttention(heads=heads, tokens=tokens, group=NoCollectives(n) if n > 1 else None,
                                scale=head_dim ** -0.5, comm=comm, kernels="triton")
         qkv = torch.zeros(4, heads.num_q_heads + 2, head_dim, dtype=dtype)
-        kv = torch.zeros(8, 16, 1, 2 * head_dim, dtype=cache_dtype or dtype)
+        kv = torch.zeros(8, page, 1, 2 * head_dim, dtype=cache_dtype or dtype)
         scales = dict(k_scale=torch.ones(1), v_scale=torch.ones(1)) if cache_dtype else {}
         warm_up(attn, query=qkv[:, :-2], key=qkv[:, -2:-1], value=qkv[:, -1:], key_cache=kv[..., :head_dim],
                 value_cache=kv[..., head_dim:], output=torch.zeros(4, heads.num_q_heads, head_dim, dtype=dtype),
@@ -133,6 +135,8 @@ def main() -> None:
     parser.add_argument("--json", help="write the per-variant report here")
     args = parser.parse_args()
     kernels.paged_attention.__globals__["num_sms"] = lambda device_index: H100_SMS  # no GPU to ask
+    for launcher in (kernels.paged_attention, kernels.extend_attention):  # what an sm_90 GPU answers
+        launcher.__globals__["tma_available"] = lambda device: True
     record = collect(getattr(torch, args.dtype), args.head_dim, (None, torch.float8_e4m3fn, torch.float8_e5m2))
     target = GPUTarget("cuda", 90, 32)
     rows = []

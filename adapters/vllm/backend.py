@@ -10,6 +10,9 @@ from vllm.v1.attention.backend import AttentionBackend, MultipleOf
 from dcp_plugin.adapters.vllm import compat, support
 
 
+HOPPER_BLOCK_SIZE = 64  # the prefix pass's tile (kernels/paged_attention.py GPU_CONFIGS)
+
+
 class DcpTritonBackend(AttentionBackend):
     """Decode-context-parallel attention with Triton kernels (``dcp_plugin``), for decoder self-attention.
 
@@ -41,6 +44,17 @@ class DcpTritonBackend(AttentionBackend):
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
         return [MultipleOf(16)]
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        """64-token KV blocks on Hopper and later (sm_90+): each 64-token tile of the prefix pass then lies in one
+        block and comes through one tensor-descriptor (TMA) copy instead of per-token gathers. Elsewhere vLLM's
+        default. vLLM asks only when the user gave no ``--block-size``; any multiple of 16 works."""
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cuda() and current_platform.has_device_capability(90):
+            return max(default_block_size, HOPPER_BLOCK_SIZE)
+        return super().get_preferred_block_size(default_block_size)
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:

@@ -2,11 +2,13 @@
 
 - decode: ``paged_attention``, one query token per request, in % of the device copy bandwidth (KV bytes read),
   launch included (``triton.testing.do_bench``, L2 flushed, median) and under CUDA-graph replay (L2-cold copies),
-  against FlashAttention-3 and vLLM's Triton unified and split-KV kernels; ``decode_fp8``: the same over an fp8
-  cache, against bf16 (tuning sweeps: ``sweep_kernels.py``).
-- prefix: the DCP prefix pass (many query rows against a long paged cache, non-causal) in TFLOP/s against FA3.
-- prefill: causal current-chunk ``extend_attention`` in TFLOP/s against FA3 and torch's SDPA, head size 128 and 64,
-  32 Q heads over 8 and 1 KV heads.
+  against FlashAttention-3 and vLLM's Triton unified and split-KV kernels (all over 16-token pages; dcp-triton
+  also over the same memory as 64-token pages); ``decode_fp8``: the same over an fp8 cache, against bf16 (tuning
+  sweeps: ``sweep_kernels.py``).
+- prefix: the DCP prefix pass (many query rows against a long paged cache, non-causal) in TFLOP/s against FA3,
+  with 16- and 64-token pages.
+- prefill: causal current-chunk ``extend_attention`` in TFLOP/s (CUDA-graph replay, so no one's host time counts)
+  against FA3 and torch's SDPA, head size 128 and 64, 32 Q heads over 8 and 1 KV heads.
 - merge: ``merge_states`` in % of copy bandwidth against vLLM's ``merge_attn_states``.
 
 Every dcp-triton output is compared with float64 attention (prefill: with SDPA); a relative error above
@@ -31,6 +33,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from common import cold_copies, copy_bandwidth_gbs, gpu_name, graph_ms, median_ms, repo_relative, save  # noqa: E402
 
 from dcp_plugin.kernels import extend_attention, merge_states, paged_attention  # noqa: E402
+from dcp_plugin.kernels.extend_attention import plan_extend  # noqa: E402
 from dcp_plugin.kernels.paged_attention import plan_paged  # noqa: E402
 from dcp_plugin.kernels import reference  # noqa: E402
 import kernel_peers  # noqa: E402
@@ -39,21 +42,34 @@ DTYPE, HEAD_DIM, PAGE = torch.bfloat16, 128, 16
 ERROR_BOUND = 1e-2  # relative (Frobenius) error of a bf16 output: ~2e-3 is rounding, a wrong answer is ~1
 
 
-def _paged_setup(batch: int, ctx: int, hq: int, hk: int, gen: torch.Generator, *, q_rows: int = 1):
+def _paged_setup(batch: int, ctx: int, hq: int, hk: int, gen: torch.Generator, *, q_rows: int = 1,
+                 page: int = PAGE):
     """Paged inputs with enough disjoint KV sets (block tables over disjoint pages of one pool) that graph
-    replays cycling through them run L2-cold, in vLLM's FLASH_ATTN layout (K and V caches of ``[pages, PAGE, Hk,
+    replays cycling through them run L2-cold, in vLLM's FLASH_ATTN layout (K and V caches of ``[pages, page, Hk,
     D]``): ``(kv_bytes, copies, q, key_cache, value_cache, tables, lens, qsl)``; ``q_rows`` query rows per request."""
     kv_bytes = batch * ctx * hk * HEAD_DIM * 2 * DTYPE.itemsize
     copies = cold_copies(kv_bytes)
-    pages_per_req = math.ceil(ctx / PAGE)
+    pages_per_req = math.ceil(ctx / page)
     num_pages = pages_per_req * batch * copies
-    key_cache, value_cache = torch.randn(2, num_pages, PAGE, hk, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
+    key_cache, value_cache = torch.randn(2, num_pages, page, hk, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
     perm = torch.randperm(num_pages, device="cuda", generator=gen).to(torch.int32)
     tables = perm.view(copies, batch, pages_per_req)
     q = torch.randn(batch * q_rows, hq, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     qsl = torch.arange(0, batch * q_rows + 1, q_rows, dtype=torch.int32, device="cuda")
     return kv_bytes, copies, q, key_cache, value_cache, tables, lens, qsl
+
+
+def _as_pages(kc, vc, tables, page: int, gen: torch.Generator):
+    """The same cache memory read as ``page``-token pages, with block tables over disjoint pages again (the contents
+    are random either way): ``(key_cache, value_cache, tables)``."""
+    copies, batch, per_req = tables.shape
+    ratio = page // kc.shape[1]
+    assert page % kc.shape[1] == 0 and per_req % ratio == 0, (page, kc.shape, per_req)
+    num = kc.shape[0] // ratio
+    kc, vc = (c[: num * ratio].view(num, page, *c.shape[2:]) for c in (kc, vc))
+    perm = torch.randperm(num, device=kc.device, generator=gen).to(torch.int32)
+    return kc, vc, perm.view(copies, batch, per_req // ratio)
 
 
 def _paged_error(out, q, kc, vc, tables, lens, qsl, *, rows: int, k_scale=None, v_scale=None,
@@ -94,18 +110,26 @@ def bench_decode(shapes, copy_gbs: float) -> list[dict]:
         kwargs = dict(scale=HEAD_DIM ** -0.5, q_head_start=0, q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx,
                       max_query_len=1)
         # "ours": as the DCP core runs it, planned once per step shape and launched by every layer of the step;
-        # "ours_api": the public function, which checks its arguments and plans on every call.
+        # "ours_api": the public function, which checks its arguments and plans on every call; "ours_p64": the
+        # same memory read as 64-token pages (the cache dcp-triton asks vLLM for).
         launch = plan_paged(q, kc, vc, tables[0], lens, qsl, out, lse, **kwargs)
+        kc64, vc64, tables64 = _as_pages(kc, vc, tables, 64, gen)
+        launch64 = plan_paged(q, kc64, vc64, tables64[0], lens, qsl, out, lse, **kwargs)
 
         def ours(i=0):
             launch(q, kc, vc, tables[i], lens, qsl, out, lse)
 
-        ours()  # correct first: a slice of the batch against the float64 reference
-        row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, kv_bytes=kv_bytes,
-                   rel_err=_paged_error(out, q, kc, vc, tables, lens, qsl, rows=2))
+        def ours_p64(i=0):
+            launch64(q, kc64, vc64, tables64[i], lens, qsl, out, lse)
+
+        row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, kv_bytes=kv_bytes)
+        for key, fn, caches in (("rel_err_p64", ours_p64, (kc64, vc64, tables64)), ("rel_err", ours, (kc, vc, tables))):
+            out.fill_(float("nan"))
+            fn()  # correct first: a slice of the batch against the float64 reference
+            row[key] = _paged_error(out, q, *caches, lens, qsl, rows=2)
         _time_peers(row, {"ours_api": lambda i=0: paged_attention(q, kc, vc, tables[i], lens, qsl, out=out,
                                                                   lse=lse, **kwargs)}, copies, graph=False)
-        peers = {"ours": ours, **kernel_peers.vllm_triton_decode(q, kc, vc, tables, lens, qsl, ctx),
+        peers = {"ours": ours, "ours_p64": ours_p64, **kernel_peers.vllm_triton_decode(q, kc, vc, tables, lens, qsl, ctx),
                  **kernel_peers.fa3_paged(q, kc, vc, tables, lens, qsl, max_query_len=1, max_kv_len=ctx,
                                           causal=True)}
         _time_peers(row, peers, copies)
@@ -151,35 +175,38 @@ def bench_decode_fp8(shapes, copy_gbs: float) -> list[dict]:
     return rows
 
 
-def bench_prefix(shapes) -> list[dict]:
-    """The DCP prefix pass: many query rows per request against its long paged cache, non-causal, in TFLOP/s."""
+def bench_prefix(shapes, pages=(PAGE, 64)) -> list[dict]:
+    """The DCP prefix pass: many query rows per request against its long paged cache, non-causal, in TFLOP/s, with
+    16-token pages (vLLM's default) and 64-token ones (what dcp-triton asks vLLM for), both for every peer."""
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(5)
     for batch, q_rows, ctx, hq, hk in shapes:
-        _, _, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen, q_rows=q_rows)
-        tables = tables[:1]
-        out = torch.empty_like(q)
-        flops = 4 * batch * q_rows * ctx * hq * HEAD_DIM
+        for page in pages:
+            _, _, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen, q_rows=q_rows, page=page)
+            tables = tables[:1]
+            out = torch.empty_like(q)
+            flops = 4 * batch * q_rows * ctx * hq * HEAD_DIM
 
-        def ours(i=0):
-            paged_attention(q, kc, vc, tables[i], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
-                            q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=q_rows, out=out)
+            def ours(i=0):
+                paged_attention(q, kc, vc, tables[i], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
+                                q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=q_rows, out=out)
 
-        out.fill_(float("nan"))
-        ours()
-        row = dict(batch=batch, q_rows=q_rows, ctx=ctx, q_heads=hq, kv_heads=hk, flops=flops,
-                   rel_err=_paged_error(out, q, kc, vc, tables, lens, qsl, rows=1, q_limit=256))
-        peers = {"ours": ours, **kernel_peers.fa3_paged(q, kc, vc, tables, lens, qsl, max_query_len=q_rows,
-                                                        max_kv_len=ctx, causal=False)}
-        _time_peers(row, peers, 1, graph=False)
-        for name in peers:
-            if f"{name}_ms" in row:
-                row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
-        rows.append(row)
-        print(f"prefix {batch}x{q_rows} rows over {ctx} cached, {hq}/{hk}: "
-              + " ".join(f"{name} {row.get(f'{name}_tflops', float('nan')):.0f}" for name in peers)
-              + f" TFLOP/s, err {row['rel_err']:.1e}", flush=True)
-        torch.cuda.empty_cache()
+            out.fill_(float("nan"))
+            ours()
+            row = dict(batch=batch, q_rows=q_rows, ctx=ctx, q_heads=hq, kv_heads=hk, page=page, flops=flops,
+                       rel_err=_paged_error(out, q, kc, vc, tables, lens, qsl, rows=1, q_limit=256))
+            peers = {"ours": ours, **kernel_peers.fa3_paged(q, kc, vc, tables, lens, qsl, max_query_len=q_rows,
+                                                            max_kv_len=ctx, causal=False)}
+            _time_peers(row, peers, 1, graph=False)
+            for name in peers:
+                if f"{name}_ms" in row:
+                    row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
+            rows.append(row)
+            print(f"prefix {batch}x{q_rows} rows over {ctx} cached, {hq}/{hk}, pages of {page}: "
+                  + " ".join(f"{name} {row.get(f'{name}_tflops', float('nan')):.0f}" for name in peers)
+                  + f" TFLOP/s, err {row['rel_err']:.1e}", flush=True)
+            del kc, vc
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -197,9 +224,14 @@ def bench_prefill(shapes) -> list[dict]:
         out = torch.full_like(q, float("nan"))
         flops = 2 * 2 * num_seqs * seq_len * seq_len * hq * d / 2  # QK^T and PV, causal half
 
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
+        kwargs = dict(scale=d ** -0.5, q_head_start=0, q_per_kv=hq // hk, kv_head_start=0)
+        # "ours": planned once, as the DCP core launches it for every layer of a step; "ours_api": the public
+        # function, which checks its arguments and plans on every call.
+        launch = plan_extend(q, k, v, out, lse, cu, seq_len, **kwargs)
+
         def ours(i=0):
-            extend_attention(q, k, v, cu, seq_len, scale=d ** -0.5, q_head_start=0, q_per_kv=hq // hk,
-                             kv_head_start=0, out=out)
+            launch(q, k, v, out, lse, cu)
 
         def heads_first(t, n):
             return t.view(num_seqs, seq_len, n, d).transpose(1, 2)
@@ -210,14 +242,16 @@ def bench_prefill(shapes) -> list[dict]:
         sdpa = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
         row["rel_err_vs_sdpa"] = ((heads_first(out, hq).float() - sdpa.float()).norm()
                                   / sdpa.float().norm()).item()
+        _time_peers(row, {"ours_api": lambda i=0: extend_attention(q, k, v, cu, seq_len, out=out, lse=lse,
+                                                                   **kwargs)}, 1, graph=False)
         peers = {"ours": ours,
                  "sdpa": lambda i=0: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True,
                                                                                      enable_gqa=True),
                  **kernel_peers.fa3_prefill(q, k, v, cu, seq_len)}
-        _time_peers(row, peers, 1, graph=False)
+        _time_peers(row, peers, 1)  # TFLOP/s from graph replay: no host time in anyone's number
         for name in peers:
-            if f"{name}_ms" in row:
-                row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
+            if f"{name}_graph_ms" in row:
+                row[f"{name}_tflops"] = flops / row[f"{name}_graph_ms"] / 1e9
         rows.append(row)
         print(f"prefill {num_seqs}x{seq_len} {hq}/{hk} D{d}: " + " ".join(
             f"{name} {row.get(f'{name}_tflops', float('nan')):.0f}" for name in peers)
@@ -319,7 +353,7 @@ def main() -> None:
 def report_wrong(results: dict) -> int:
     """Print every row whose error passes ERROR_BOUND (or is NaN); 1 if there is one."""
     wrong = [(name, row) for name, rows in results.items() if isinstance(rows, list) for row in rows
-             for key in ("rel_err", "rel_err_vs_sdpa") if key in row and not row[key] <= ERROR_BOUND]  # NaN too
+             for key in ("rel_err", "rel_err_p64", "rel_err_vs_sdpa") if key in row and not row[key] <= ERROR_BOUND]  # NaN too
     for name, row in wrong:
         print(f"WRONG ({name}, error above {ERROR_BOUND}): {json.dumps(row)[:300]}", flush=True)
     return 1 if wrong else 0

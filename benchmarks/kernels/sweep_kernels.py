@@ -5,9 +5,13 @@ default (``None``: the kernels' own table) first, so a row's gain is read agains
   2 x 4096 causal, 32 Q / 8 KV heads, in TFLOP/s (``tma``: K/V through tensor descriptors; kernels_h200_sweep2.json
   timed it as a separate candidate kernel, 6-tuples with warp specialization, which gained nothing, before it
   became this option);
-- ``prefix``: ``paged_attention`` configs ``(block_n, block_m, num_warps, num_stages)`` on the DCP prefix pass;
-- ``decode`` / ``fp8``: decode configs ``(block_n, num_warps, num_stages)`` crossed with split counts, graph replay,
-  GB/s of cache bytes read (bf16 / e4m3 cache).
+- ``prefix``: ``paged_attention`` configs ``(block_n, block_m, num_warps, num_stages[, tma])`` on the DCP prefix
+  pass;
+- ``decode`` / ``fp8``: decode configs ``(block_n, num_warps, num_stages[, tma])`` crossed with split counts, graph
+  replay, GB/s of cache bytes read (bf16 / e4m3 cache).
+
+``--page`` sets the cache's page size for both (16, vLLM's default, unless given; ``tma``: whole tiles of one page
+through tensor descriptors, which needs pages of at least ``block_n`` tokens).
 
 Each sweep's output is checked against float64 attention before it is timed (an error above the bound drops the
 row). Results in ``benchmarks/results/<name>.json``; the chosen configs go into the kernels' tables by hand, each
@@ -43,10 +47,10 @@ def sweep_decode(shapes, splits_list, configs, *, fp8: bool = False) -> list[dic
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(3)
     auto_cfg = pick_config(HEAD_DIM, decode=True)
-    cfgs = [None, *(PagedConfig(block_n=bn, block_m=auto_cfg.block_m, num_warps=w, num_stages=st)
-                    for bn, w, st in configs)]
+    cfgs = [None, *(PagedConfig(block_n=c[0], block_m=auto_cfg.block_m, num_warps=c[1], num_stages=c[2],
+                                tma=len(c) > 3 and bool(c[3])) for c in configs)]
     for batch, ctx, hq, hk in shapes:
-        kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen)
+        kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen, page=PAGE_SIZE[0])
         scales = {}
         if fp8:
             scales = dict(k_scale=torch.ones(1, device="cuda"), v_scale=torch.ones(1, device="cuda"))
@@ -59,8 +63,8 @@ def sweep_decode(shapes, splits_list, configs, *, fp8: bool = False) -> list[dic
                     paged_attention(q, kc, vc, tables[i], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
                                     q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=1,
                                     num_splits=splits, out=out, config=cfg, **scales)
-                row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, fp8=fp8, splits=splits,
-                           config=None if cfg is None else [cfg.block_n, cfg.num_warps, cfg.num_stages])
+                row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, fp8=fp8, splits=splits, page=PAGE_SIZE[0],
+                           config=None if cfg is None else [cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.tma])
                 try:
                     row["graph_ms"] = graph_ms([lambda i=i: call(i) for i in range(copies)])
                     row["gbs"] = kv_bytes / row["graph_ms"] / 1e6
@@ -96,11 +100,11 @@ def sweep_prefix(shapes, configs) -> list[dict]:
     for shape in shapes:
         batch, q_rows, ctx, hq, hk = shape
         _, _, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, torch.Generator("cuda").manual_seed(6),
-                                                          q_rows=q_rows)
+                                                          q_rows=q_rows, page=PAGE_SIZE[0])
         out = torch.empty_like(q)
         for consts in [None, *configs]:
-            cfg = None if consts is None else PagedConfig(*consts)
-            row = dict(shape=list(shape), config=consts)
+            cfg = None if consts is None else PagedConfig(*consts[:4], tma=len(consts) > 4 and bool(consts[4]))
+            row = dict(shape=list(shape), page=PAGE_SIZE[0], config=consts)
 
             def call(cfg=cfg):
                 paged_attention(q, kc, vc, tables[0], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
@@ -172,6 +176,7 @@ PREFILL_CONFIGS = {
     128: [(128, 128, 8, 3, False), (128, 64, 8, 3, True), (128, 128, 8, 2, True), (128, 64, 8, 4, True)],
     64: [(128, 128, 8, 3, True), (128, 64, 4, 3, True), (128, 128, 4, 3, True), (128, 64, 4, 4, False)],
 }
+PAGE_SIZE = [16]  # the cache's page size for the prefix and decode sweeps (--page)
 PREFIX_CONFIGS = [(32, 128, 4, 5), (64, 256, 8, 2), (32, 128, 4, 6), (64, 128, 4, 4), (128, 256, 8, 2)]
 PREFIX_SHAPES = [(2, 4096, 32768, 32, 8), (1, 2048, 131072, 32, 8)]
 DECODE_SHAPES = [(1, 1024, 32, 8), (8, 1024, 32, 8), (1, 8192, 32, 8), (8, 8192, 32, 8), (32, 8192, 32, 1),
@@ -187,10 +192,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="prefill,prefix,decode,fp8", help="comma-separated sweeps")
     parser.add_argument("--name", default="kernels_h200_sweep", help="results file stem under benchmarks/results/")
-    parser.add_argument("--prefix-configs", help="replace the prefix candidates: BNxBMxWxS,... (e.g. 64x256x8x2)")
+    parser.add_argument("--page", type=int, default=16, help="page size of the prefix and decode sweeps' caches")
+    parser.add_argument("--prefix-configs", help="replace the prefix candidates: BNxBMxWxS[xTMA],... "
+                        "(e.g. 64x256x8x2, 64x256x8x3x1)")
+    parser.add_argument("--decode-configs", help="replace the decode candidates: BNxWxS[xTMA],... (e.g. 64x4x3x1)")
     parser.add_argument("--prefill-configs", help="replace the D=128 prefill candidates: BMxBNxWxSxTMA,... "
                         "(TMA 0/1, e.g. 128x128x8x3x1)")
     args = parser.parse_args()
+    PAGE_SIZE[0] = args.page
+    if args.decode_configs:
+        DECODE_CONFIGS[:] = [tuple(int(x) for x in c.split("x")) for c in args.decode_configs.split(",")]
     if args.prefix_configs:
         PREFIX_CONFIGS[:] = [tuple(int(x) for x in c.split("x")) for c in args.prefix_configs.split(",")]
     if args.prefill_configs:

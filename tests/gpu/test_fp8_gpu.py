@@ -40,14 +40,15 @@ def test_the_triton_write_stores_the_reference_bytes(fp8, dtype):
     assert torch.isfinite(got[0].float()).all()
 
 
+@pytest.mark.parametrize("block_size", [16, 64])  # 64: the prefix rows' tiles through tensor descriptors (sm_90+)
 @pytest.mark.parametrize("num_splits", [None, 1, 7])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("fp8", list(FP8))
-def test_paged_attention_over_an_fp8_cache(fp8, dtype, head_dim, num_splits):
+def test_paged_attention_over_an_fp8_cache(fp8, dtype, head_dim, num_splits, block_size):
     gen = torch.Generator(device="cuda").manual_seed(4)
     q_lens, ctx = [1, 1, 9, 1, 1], [4097, 0, 300, 1, 2000]
-    block_size, pages = 16, [-(-c // 16) for c in ctx]
+    pages = [-(-c // block_size) for c in ctx]
     k_scale, v_scale = _scales()
     q = torch.randn(sum(q_lens), 16, head_dim, device="cuda", generator=gen).to(dtype)
     raw = torch.randn(sum(pages) + 3, block_size, 2, 2 * head_dim, device="cuda", generator=gen)

@@ -63,6 +63,17 @@ CASES = {
     "all-empty-contexts-3splits": Case([1, 2], [0, 0], 4, 2, 2, num_splits=3),
     # More splits than the reduce merges per step (8): three steps, the running maximum rescaled, empty splits.
     "gqa4-decode-19splits-three-reduce-steps": Case([1, 1, 1], [700, 33, 0], 8, 2, 4, num_splits=19),
+    # The Hopper selection (whole tiles of one page through tensor descriptors), emulated by the interpreter: the
+    # NaN rows past each context inside its last page must add nothing; every cache layout; splits; the search.
+    "tma-gqa4-mixed-kv-last-dim-bs32-tile16-fp16": Case([1, 5, 1, 2], [33, 70, 16, 0], 8, 2, 4, block_size=32,
+                                                        dtype=torch.float16, layout="kv_last_dim",
+                                                        config=PagedConfig(16, 32, 4, 1, tma=True)),
+    "tma-gqa5-prefix-hnd-tile-is-page-2splits": Case([4, 1, 9], [33, 1, 70], 10, 2, 5, layout="hnd", num_splits=2,
+                                                     max_query_len="none",
+                                                     config=PagedConfig(16, 32, 4, 1, tma=True)),
+    "tma-dcp-12q3kv-rank1-decode-nhd-bs64-tile32": Case([1, 1, 1], [1, 63, 130], 6, 2, 4, q_head_start=6,
+                                                        kv_head_start=1, block_size=64, head_dim=128,
+                                                        config=PagedConfig(32, 16, 4, 1, tma=True)),
 }
 
 
@@ -323,3 +334,30 @@ def test_mixed_step_grid_is_about_one_program_per_row():
         **_heads(case), max_kv_len=33)
     assert_matches(out, want_out, q.dtype, "mixed out")
     assert_matches(lse, want_lse, q.dtype, "mixed lse")
+
+
+def _selects_tma(case: Case, config: PagedConfig, caches=None) -> bool:
+    q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case)
+    if caches is not None:
+        key_cache, value_cache = caches
+    launch = plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, torch.empty_like(q),
+                        torch.empty(q.shape[:2]), scale=0.125, **_heads(case), max_kv_len=max(case.ctx_lens),
+                        num_splits=1, config=config)
+    return launch.stage1.constexprs["USE_TMA"] and launch.stage1.scratch
+
+
+def test_tensor_descriptors_only_where_the_cache_allows_them():
+    tma = PagedConfig(16, 32, 4, 1, tma=True)
+    case = Case([2], [40], 4, 2, 2, block_size=32)
+    assert _selects_tma(case, tma)
+    assert _selects_tma(dataclasses.replace(case, layout="hnd"), tma)
+    assert _selects_tma(dataclasses.replace(case, layout="kv_last_dim"), tma)
+    assert not _selects_tma(case, dataclasses.replace(tma, tma=False))
+    assert not _selects_tma(dataclasses.replace(case, block_size=8), tma), "a tile would span pages"
+    assert not _selects_tma(dataclasses.replace(case, head_dim=80), tma), "head dim not a power of two"
+    kc = torch.zeros(3, 32, 2, 65)[..., 1:]
+    assert not _selects_tma(case, tma, (kc, kc)), "base not 16-byte aligned"
+    kc = torch.zeros(3, 32, 2, 64).transpose(2, 3).contiguous().transpose(2, 3)
+    assert not _selects_tma(case, tma, (kc, kc)), "stride along D is not 1"
+    kc, vc = torch.zeros(3, 32, 2, 64), torch.zeros(3, 2, 32, 64).transpose(1, 2)
+    assert not _selects_tma(case, tma, (kc, vc)), "K and V rows are not the same 2-D shape"

@@ -330,3 +330,28 @@ def test_shim_cpu_platform_still_ignores_the_selection(cpu_attn_restored):
     registration.register()
     selector = AttentionSelectorConfig(head_size=64, dtype=torch.float32, kv_cache_dtype=None, block_size=None)
     assert CpuPlatform.get_attn_backend_cls(AttentionBackendEnum.DCP_TRITON, selector) == CPU_ATTN_DEFAULT
+
+
+class _Platform:
+    def __init__(self, cuda: bool, capability: int):
+        self.cuda, self.capability = cuda, capability
+
+    def is_cuda(self) -> bool:
+        return self.cuda
+
+    def has_device_capability(self, capability: int) -> bool:
+        return self.capability >= capability
+
+
+@pytest.mark.parametrize(("platform", "default", "want"), [
+    (_Platform(True, 90), 16, 64), (_Platform(True, 100), 16, 64), (_Platform(True, 90), 128, 128),
+    (_Platform(True, 89), 16, 16), (_Platform(False, 0), 16, 16),
+], ids=["hopper", "blackwell", "hopper-larger-default", "ada", "cpu"])
+def test_preferred_block_size_is_64_from_hopper_on(monkeypatch, platform, default, want):
+    """vLLM asks the backend for a block size when the user gave none: 64-token blocks where the prefix pass reads
+    a tile of one block through one tensor-descriptor copy (sm_90+), vLLM's default elsewhere."""
+    import vllm.platforms
+
+    monkeypatch.setattr(vllm.platforms, "current_platform", platform)
+    assert DcpTritonBackend.get_preferred_block_size(default) == want
+    assert DcpTritonBackend.supports_block_size(want)
