@@ -59,17 +59,21 @@ class PagedConfig:
 # caller promised one query row per request (max_query_len=1). D=128 decode: 128-token tiles, from an H200 sweep
 # (benchmarks/results/kernels_h200_tuning_sweep3.json, bf16, separate K/V caches): 1.1-1.3x the GB/s of 64-token
 # tiles with one KV head per rank (e.g. 32 x 8K: 2631 against 2037) and at batch 1, within 3% elsewhere. Longer
-# queries (the prefix pass, 32 Q / 8 KV heads, kernels_h200_sweep2.json): 256-row tiles of 64 tokens three stages
-# deep, 377 TFLOP/s at 2 x 4K rows over 32K cached and 395 at 1 x 2K over 128K, against 333 for 128-row tiles of
-# 32 tokens five deep and 276 for 128 x 128 two deep (kernels_h200_sweep.json).
+# queries (the prefix pass, 32 Q / 8 KV heads): over pages of 64 tokens or more, 128-row tiles of 64 tokens through
+# tensor descriptors, four warps, three stages: 497 TFLOP/s at 2 x 4K rows over 32K cached and 501 at 1 x 2K over
+# 128K, against 372 / 390 for the pointer loads' best tiles on the same pages (kernels_h200_sweep_tma.json); where
+# the pages are smaller (or the cache's strides refuse descriptors) ``POINTER_CONFIGS`` takes over: 256-row tiles of
+# 64 tokens, eight warps, 375 / 394 over 16-token pages (kernels_h200_sweep_tma16.json; kernels_h200_sweep2.json).
 GPU_CONFIGS = {
     (64, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=3),
-    (64, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=3, tma=True),
+    (64, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=3),
     (128, True): PagedConfig(block_n=128, block_m=64, num_warps=4, num_stages=3),
-    (128, False): PagedConfig(block_n=64, block_m=256, num_warps=8, num_stages=3, tma=True),
+    (128, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=3, tma=True),
     (256, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=2),
     (256, False): PagedConfig(block_n=64, block_m=64, num_warps=8, num_stages=2),
 }
+# A table entry that asks for tensor descriptors -> the constants for the same work through pointer loads.
+POINTER_CONFIGS = {GPU_CONFIGS[128, False]: PagedConfig(block_n=64, block_m=256, num_warps=8, num_stages=3)}
 # float32 tiles take twice the shared memory: 128-token prefix tiles do not fit (256 KiB of 227).
 GPU_FP32_CONFIGS = {(128, False): PagedConfig(block_n=64, block_m=128, num_warps=8, num_stages=3)}
 INTERPRET_CONFIG = PagedConfig(block_n=32, block_m=32, num_warps=1, num_stages=1)
@@ -297,7 +301,7 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
     if (out.dim() == 4) != (lse.dim() == 3) or out.dim() == 4 and out.shape[0] != lse.shape[0]:
         raise ValueError(f"out {tuple(out.shape)} and lse {tuple(lse.shape)} must both be plain ([T, Hq, ...]) or "
                          "both rank-major over the same number of ranks")
-    cfg = pick_config(head_dim, decode=max_query_len == 1, dtype=q.dtype, config=config)
+    cfg = None if config is None else pick_config(head_dim, decode=max_query_len == 1, dtype=q.dtype, config=config)
     launch = plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, scale=scale,
                         q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
                         max_kv_len=max_kv_len, max_query_len=max_query_len, num_splits=num_splits,
@@ -311,7 +315,7 @@ def split_capacity(head_dim: int, device: torch.device) -> int:
     ``split_buffer``): the split count keeps stage 1 within ``PROGRAMS_PER_SM`` programs per SM of at most
     ``block_m`` rows each, and a row's partial is ``head_dim + 1`` floats."""
     sms = num_sms(torch.cuda.current_device() if device.type == "cuda" and device.index is None else device.index or 0)
-    block_m = max(c.block_m for c in (INTERPRET_CONFIG, *GPU_CONFIGS.values()))
+    block_m = max(c.block_m for c in (INTERPRET_CONFIG, *GPU_CONFIGS.values(), *POINTER_CONFIGS.values()))
     return PROGRAMS_PER_SM * sms * block_m * (head_dim + 1)
 
 
@@ -326,6 +330,9 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     num_reqs = context_lens.shape[0]
     decode = max_query_len == 1
     cfg = config or pick_config(head_dim, decode=decode, dtype=q.dtype)
+    use_tma = cfg.tma and _tma_ok(key_cache, value_cache, head_dim, cfg.block_n)
+    if config is None and cfg.tma and not use_tma:
+        cfg = POINTER_CONFIGS.get(cfg, dataclasses.replace(cfg, tma=False))
     # Tile rows: BLOCK_Q query tokens x BLOCK_H Q heads of one KV group; at least 16 rows for tl.dot.
     block_h = min(next_pow2(min(q_per_kv, num_q_heads)), cfg.block_m)
     block_q = max(1, cfg.block_m // block_h)
@@ -357,7 +364,6 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     grid = (num_q_programs + cdiv(num_tokens, block_q), head_programs, num_splits) if num_tokens else (0,)
     block_d = max(16, next_pow2(head_dim))
     kv_fp8 = key_cache.dtype in FP8_DTYPES
-    use_tma = cfg.tma and _tma_ok(key_cache, value_cache, head_dim, cfg.block_n)
     rows_per_block = key_cache.stride(0) // key_cache.stride(1) if use_tma else 0
     stage1 = Launch(
         paged_attention_kernel, grid,

@@ -341,6 +341,7 @@ def main() -> None:
         except Exception:
             results[f"{name}_error"] = traceback.format_exc()
             print(results[f"{name}_error"], flush=True)
+        save(args.name, results)  # each finished section, should the run be stopped
     path = save(args.name, results)
     try:
         plot(results, path.with_suffix(".png"))

@@ -361,3 +361,23 @@ def test_tensor_descriptors_only_where_the_cache_allows_them():
     assert not _selects_tma(case, tma, (kc, kc)), "stride along D is not 1"
     kc, vc = torch.zeros(3, 32, 2, 64), torch.zeros(3, 2, 32, 64).transpose(1, 2)
     assert not _selects_tma(case, tma, (kc, vc)), "K and V rows are not the same 2-D shape"
+
+
+def test_gpu_table_prefix_falls_back_to_pointer_tiles_where_descriptors_do_not_fit(monkeypatch):
+    """The GPU table's prefix entry reads through tensor descriptors; over pages smaller than its tile the launch
+    takes the pointer loads' own constants (``POINTER_CONFIGS``), not the descriptor tile shape."""
+    from dcp_plugin.kernels.paged_attention import GPU_CONFIGS, POINTER_CONFIGS, pick_config
+
+    monkeypatch.setitem(pick_config.__globals__, "INTERPRET", False)  # the GPU table, on this CPU
+    table, pointer = GPU_CONFIGS[128, False], POINTER_CONFIGS[GPU_CONFIGS[128, False]]
+    assert table.tma and not pointer.tma
+    for block_size, want in ((64, table), (16, pointer)):
+        case = Case([40], [100], 8, 2, 4, head_dim=128, block_size=block_size, dtype=torch.float16)
+        q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case)
+        launch = plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc,
+                            torch.empty_like(q), torch.empty(q.shape[:2]), scale=0.1, **_heads(case), max_kv_len=100,
+                            max_query_len=40, num_splits=1)
+        consts = launch.stage1.constexprs
+        assert (consts["BLOCK_Q"] * consts["BLOCK_H"], consts["BLOCK_N"], consts["USE_TMA"]) == \
+            (want.block_m, want.block_n, want.tma), block_size
+        assert launch.stage1.options == {"num_warps": want.num_warps, "num_stages": want.num_stages}
