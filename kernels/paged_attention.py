@@ -74,6 +74,12 @@ GPU_CONFIGS = {
 }
 # A table entry that asks for tensor descriptors -> the constants for the same work through pointer loads.
 POINTER_CONFIGS = {GPU_CONFIGS[128, False]: PagedConfig(block_n=64, block_m=256, num_warps=8, num_stages=3)}
+# Decode over pages of 64+ tokens with at most 16 Q heads per KV group: 64-token tiles through tensor descriptors,
+# four stages. H200, 32 Q / 8 KV heads, 64-token pages: 3,690 GB/s at 8 x 8K and 1,767 at 8 x 1K against 3,001 and
+# 1,658 for the table's 128-token pointer tiles; with 32 Q heads per KV head the pointer tiles stay ahead (2,566
+# against 2,092 at 32 x 8K), hence the group bound (kernels_h200_sweep_decode64.json).
+DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=4, tma=True)}
+DESCRIPTOR_DECODE_MAX_GROUP = 16
 # float32 tiles take twice the shared memory: 128-token prefix tiles do not fit (256 KiB of 227).
 GPU_FP32_CONFIGS = {(128, False): PagedConfig(block_n=64, block_m=128, num_warps=8, num_stages=3)}
 INTERPRET_CONFIG = PagedConfig(block_n=32, block_m=32, num_warps=1, num_stages=1)
@@ -330,9 +336,12 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     num_reqs = context_lens.shape[0]
     decode = max_query_len == 1
     cfg = config or pick_config(head_dim, decode=decode, dtype=q.dtype)
+    if config is None and decode and not INTERPRET and q.dtype != torch.float32 \
+            and min(q_per_kv, num_q_heads) <= DESCRIPTOR_DECODE_MAX_GROUP:
+        cfg = DESCRIPTOR_DECODE_CONFIGS.get(next_pow2(head_dim), cfg)
     use_tma = cfg.tma and _tma_ok(key_cache, value_cache, head_dim, cfg.block_n)
-    if config is None and cfg.tma and not use_tma:
-        cfg = POINTER_CONFIGS.get(cfg, dataclasses.replace(cfg, tma=False))
+    if config is None and cfg.tma and not use_tma:  # the same work through pointer loads
+        cfg = POINTER_CONFIGS.get(cfg, pick_config(head_dim, decode=decode, dtype=q.dtype))
     # Tile rows: BLOCK_Q query tokens x BLOCK_H Q heads of one KV group; at least 16 rows for tl.dot.
     block_h = min(next_pow2(min(q_per_kv, num_q_heads)), cfg.block_m)
     block_q = max(1, cfg.block_m // block_h)

@@ -40,14 +40,15 @@ def test_the_triton_write_stores_the_reference_bytes(fp8, dtype):
     assert torch.isfinite(got[0].float()).all()
 
 
-@pytest.mark.parametrize("block_size", [16, 64])  # 64: the prefix rows' tiles through tensor descriptors (sm_90+)
+@pytest.mark.parametrize("mode", ["decode", "mixed"])
+@pytest.mark.parametrize("block_size", [16, 64])  # 64: tiles through tensor descriptors (sm_90+)
 @pytest.mark.parametrize("num_splits", [None, 1, 7])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("fp8", list(FP8))
-def test_paged_attention_over_an_fp8_cache(fp8, dtype, head_dim, num_splits, block_size):
+def test_paged_attention_over_an_fp8_cache(fp8, dtype, head_dim, num_splits, block_size, mode):
     gen = torch.Generator(device="cuda").manual_seed(4)
-    q_lens, ctx = [1, 1, 9, 1, 1], [4097, 0, 300, 1, 2000]
+    q_lens, ctx = [1, 1, 1 if mode == "decode" else 9, 1, 1], [4097, 0, 300, 1, 2000]
     pages = [-(-c // block_size) for c in ctx]
     k_scale, v_scale = _scales()
     q = torch.randn(sum(q_lens), 16, head_dim, device="cuda", generator=gen).to(dtype)
@@ -61,7 +62,7 @@ def test_paged_attention_over_an_fp8_cache(fp8, dtype, head_dim, num_splits, blo
     heads = dict(scale=head_dim**-0.5, q_head_start=0, q_per_kv=8, kv_head_start=0, max_kv_len=max(ctx))
     out, lse = poisoned(q.shape, dtype, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
     paged_attention(q, kc, vc, table, lens, qsl, **heads, num_splits=num_splits, out=out, lse=lse, k_scale=k_scale,
-                    v_scale=v_scale)
+                    v_scale=v_scale, max_query_len=1 if mode == "decode" else None)
     want_out, want_lse = reference.paged_attention(q.double(), kc.double() * k_scale.double(),
                                                    vc.double() * v_scale.double(), table, lens, qsl, **heads)
     assert_matches(out, want_out, dtype, f"fp8 {fp8} paged out")

@@ -63,12 +63,16 @@ def test_big_groups_and_splits(block_size, num_splits):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [64, 128])
-def test_prefix_tiles_through_tensor_descriptors(block_size, head_dim, dtype):
-    """Pages of 64 tokens or more: on sm_90+ the prefix rows read whole tiles of one page through tensor
-    descriptors. The rows of each last page past its context hold NaN: they must add nothing."""
-    from dcp_plugin.kernels.paged_attention import pick_config, plan_paged
+@pytest.mark.parametrize("mode", ["decode", "mixed"])
+def test_tiles_through_tensor_descriptors(mode, block_size, head_dim, dtype):
+    """Pages of 64 tokens or more: on sm_90+ the prefix rows, and decode rows of up to 16 Q heads per KV head, read
+    whole tiles of one page through tensor descriptors. The rows of each last page past its context hold NaN: they
+    must add nothing."""
+    from dcp_plugin.kernels.paged_attention import DESCRIPTOR_DECODE_CONFIGS, GPU_CONFIGS, plan_paged
 
-    q_lens, ctx = [1, 37, 1, 200, 5, 300], [0, 1, 4097, 63, 1000, 2500]
+    ctx = [0, 1, 4097, 63, 1000, 2500]
+    q_lens = [1] * 6 if mode == "decode" else [1, 37, 1, 200, 5, 300]
+    max_query_len = 1 if mode == "decode" else None
     q, kc, vc, table, lens, qsl = _paged(q_lens, ctx, num_q_heads=16, num_kv_heads=2, head_dim=head_dim,
                                          block_size=block_size, dtype=dtype)
     for b, c in enumerate(ctx):
@@ -76,12 +80,14 @@ def test_prefix_tiles_through_tensor_descriptors(block_size, head_dim, dtype):
             kc[table[b, c // block_size], c % block_size:] = float("nan")
             vc[table[b, c // block_size], c % block_size:] = float("nan")
     heads = dict(q_head_start=8, q_per_kv=16, kv_head_start=0)
-    if torch.cuda.get_device_capability()[0] >= 9 and pick_config(head_dim, decode=False).tma:
+    tma_table = DESCRIPTOR_DECODE_CONFIGS if mode == "decode" else {d: GPU_CONFIGS[d, False] for d in (64, 128)}
+    if torch.cuda.get_device_capability()[0] >= 9 and head_dim in tma_table and tma_table[head_dim].tma:
         launch = plan_paged(q, kc, vc, table, lens, qsl, torch.empty_like(q), torch.empty(q.shape[:2], device="cuda"),
-                            scale=0.1, **heads, max_kv_len=max(ctx))
+                            scale=0.1, **heads, max_kv_len=max(ctx), max_query_len=max_query_len)
         assert launch.stage1.constexprs["USE_TMA"]
     for num_splits in (None, 1, 3):
-        _check(q, kc, vc, table, lens, qsl, heads=heads, max_query_len=None, num_splits=num_splits, dtype=dtype)
+        _check(q, kc, vc, table, lens, qsl, heads=heads, max_query_len=max_query_len, num_splits=num_splits,
+               dtype=dtype)
 
 
 @pytest.mark.parametrize("block_size", [16, 64])

@@ -381,3 +381,25 @@ def test_gpu_table_prefix_falls_back_to_pointer_tiles_where_descriptors_do_not_f
         assert (consts["BLOCK_Q"] * consts["BLOCK_H"], consts["BLOCK_N"], consts["USE_TMA"]) == \
             (want.block_m, want.block_n, want.tma), block_size
         assert launch.stage1.options == {"num_warps": want.num_warps, "num_stages": want.num_stages}
+
+
+@pytest.mark.parametrize(("block_size", "num_q_heads", "q_per_kv", "which"), [
+    (64, 8, 4, "descriptors"), (16, 8, 4, "table"), (64, 32, 32, "table"), (128, 16, 16, "descriptors"),
+], ids=["pages64-group4", "pages16", "group32", "pages128-group16"])
+def test_gpu_decode_takes_descriptor_tiles_over_large_pages_and_small_groups(monkeypatch, block_size, num_q_heads,
+                                                                            q_per_kv, which):
+    from dcp_plugin.kernels.paged_attention import (
+        DESCRIPTOR_DECODE_CONFIGS, GPU_CONFIGS, pick_config,
+    )
+
+    monkeypatch.setitem(pick_config.__globals__, "INTERPRET", False)  # the GPU table, on this CPU
+    want = DESCRIPTOR_DECODE_CONFIGS[128] if which == "descriptors" else GPU_CONFIGS[128, True]
+    case = Case([1, 1], [100, 7], num_q_heads, num_q_heads // q_per_kv, q_per_kv, head_dim=128,
+                block_size=block_size, dtype=torch.float16)
+    q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case)
+    launch = plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, torch.empty_like(q),
+                        torch.empty(q.shape[:2]), scale=0.1, **_heads(case), max_kv_len=100, max_query_len=1,
+                        num_splits=1)
+    consts = launch.stage1.constexprs
+    assert (consts["BLOCK_N"], consts["USE_TMA"], consts["DECODE"]) == (want.block_n, want.tma, True)
+    assert launch.stage1.options == {"num_warps": want.num_warps, "num_stages": want.num_stages}
