@@ -4,6 +4,8 @@ table and folded into the online softmax of a tile of query rows."""
 import triton
 import triton.language as tl
 
+from dcp_plugin.kernels._launch import next_pow2, tma_available
+
 
 @triton.jit
 def attend_cached_tile(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, n_start, kv_end, dims,
@@ -57,3 +59,21 @@ def attend_cached_tile(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc,
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, l_i, m_new
+
+
+def cache_takes_descriptors(key_cache, value_cache, head_dim: int, block_n: int) -> bool:
+    """Whether whole tiles can come through tensor descriptors: the GPU has them (``tma_available``), a tile lies
+    inside one page (``block_n`` divides the page size), the head dim is a power of two, and each cache reads as a
+    2-D tensor of token rows (per KV head; unit stride along D, 16-byte aligned base and strides, the block stride a
+    whole number of token strides, the same for K and V, and fewer than 2^31 rows: 32-bit descriptor offsets)."""
+    num_blocks, page_size = key_cache.shape[:2]
+    if not tma_available(key_cache.device) or head_dim != next_pow2(head_dim) or page_size % block_n:
+        return False
+    size = key_cache.element_size()
+    blk, tok = key_cache.stride()[:2]
+    for t in (key_cache, value_cache):
+        if t.stride()[:2] != (blk, tok) or t.stride(3) != 1 or tok < 1 or blk % tok or t.data_ptr() % 16:
+            return False
+        if any(stride * size % 16 for stride in t.stride()[:3]):
+            return False
+    return num_blocks * (blk // tok) < 2 ** 31

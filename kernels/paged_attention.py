@@ -24,11 +24,11 @@ import triton.language as tl
 
 from dcp_plugin.kernels._launch import (
     INDEX_DTYPES, LOG2E, Launch, cdiv, check_head_map, check_heads_out, check_int, check_shape,
-    check_tensor, device_index, head_strides, next_pow2, num_sms, tma_available,
+    check_tensor, device_index, head_strides, next_pow2, num_sms,
 )
 from dcp_plugin.checks import FP8_DTYPES, check_kv_scales
 from dcp_plugin.kernels._mode import INTERPRET
-from dcp_plugin.kernels._paged_tile import attend_cached_tile
+from dcp_plugin.kernels._paged_tile import attend_cached_tile, cache_takes_descriptors
 from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count constants are part of this module's API
     MAX_AUTO_SPLITS, MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM, find_block, flat_programs, group_head_tile, head_tiling,
     pick_num_splits,
@@ -116,7 +116,7 @@ def paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,  # the cache holds value / scale in fp8: scale the scores by k_scale, the output by v_scale
     FP8_VIA_FP16: tl.constexpr,  # bf16 q over an fp8 cache: compute in fp16 (below)
-    USE_TMA: tl.constexpr,  # whole tiles of one page through tensor descriptors (``_tma_ok``)
+    USE_TMA: tl.constexpr,  # whole tiles of one page through tensor descriptors (``cache_takes_descriptors``)
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     pid_q = tl.program_id(0)
@@ -339,7 +339,7 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     if config is None and decode and not INTERPRET and q.dtype != torch.float32 \
             and min(q_per_kv, num_q_heads) <= DESCRIPTOR_DECODE_MAX_GROUP:
         cfg = DESCRIPTOR_DECODE_CONFIGS.get(next_pow2(head_dim), cfg)
-    use_tma = cfg.tma and _tma_ok(key_cache, value_cache, head_dim, cfg.block_n)
+    use_tma = cfg.tma and cache_takes_descriptors(key_cache, value_cache, head_dim, cfg.block_n)
     if config is None and cfg.tma and not use_tma:  # the same work through pointer loads
         cfg = POINTER_CONFIGS.get(cfg, pick_config(head_dim, decode=decode, dtype=q.dtype))
     # Tile rows: BLOCK_Q query tokens x BLOCK_H Q heads of one KV group; at least 16 rows for tl.dot.
@@ -388,24 +388,6 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
         stand_ins=None if kv_fp8 else {8: 0, 9: 0})  # no scales: q's pointer stands in (never read)
     reduce = plan_split_reduce(part_out, part_lse, out, lse) if num_splits > 1 else None
     return PagedLaunch(stage1, reduce, part_out, part_lse, num_splits)
-
-
-def _tma_ok(key_cache, value_cache, head_dim: int, block_n: int) -> bool:
-    """Whether whole tiles can come through tensor descriptors: the GPU has them (``tma_available``), a tile lies
-    inside one page (``block_n`` divides the page size), the head dim is a power of two, and each cache reads as a
-    2-D tensor of token rows (per KV head; unit stride along D, 16-byte aligned base and strides, the block stride a
-    whole number of token strides, the same for K and V, and fewer than 2^31 rows: 32-bit descriptor offsets)."""
-    num_blocks, page_size = key_cache.shape[:2]
-    if not tma_available(key_cache.device) or head_dim != next_pow2(head_dim) or page_size % block_n:
-        return False
-    size = key_cache.element_size()
-    blk, tok = key_cache.stride()[:2]
-    for t in (key_cache, value_cache):
-        if t.stride()[:2] != (blk, tok) or t.stride(3) != 1 or tok < 1 or blk % tok or t.data_ptr() % 16:
-            return False
-        if any(stride * size % 16 for stride in t.stride()[:3]):
-            return False
-    return num_blocks * (blk // tok) < 2 ** 31
 
 
 def _with_split_stride(strides: tuple, split_stride: int) -> tuple:
