@@ -58,13 +58,13 @@ def _attend_key_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, n_start,
                       DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """One online-softmax step over keys ``n_start + offs_n``; scores in base-2 units. ``USE_TMA``: the tiles come
     through the sequence's tensor descriptors, which read rows past its end as zeros, as the masked loads do."""
-    offs_kn = n_start + offs_n
+    offs_kn = n_start + offs_n  # int32: positions inside one sequence
     if USE_TMA:
         k = k_desc.load([tl.cast(n_start, tl.int32), 0])  # [BLOCK_N, BLOCK_D]; descriptor offsets are 32-bit
         v = v_desc.load([tl.cast(n_start, tl.int32), 0])  # [BLOCK_N, BLOCK_D]
-    else:
-        k_ptrs = k_base + offs_kn[:, None] * stride_kt + offs_d[None, :] * stride_kd
-        v_ptrs = v_base + offs_kn[:, None] * stride_vt + offs_d[None, :] * stride_vd
+    else:  # element offsets in 64 bits: a token stride times a position can pass 2^31
+        k_ptrs = k_base + offs_kn.to(tl.int64)[:, None] * stride_kt + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + offs_kn.to(tl.int64)[:, None] * stride_vt + offs_d[None, :] * stride_vd
         if MASK_KV:
             kv_mask = (offs_kn < seq_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -123,8 +123,9 @@ def extend_attention_kernel(
 
     seq, m_block = find_block(query_start_loc_ptr, num_reqs, pid, BLOCK_M)
     seq_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    seq_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - seq_start
-    m_start = m_block.to(tl.int64) * BLOCK_M
+    # Positions inside a sequence in 32 bits (the loops, masks and descriptor offsets); addresses in 64.
+    seq_len = (tl.load(query_start_loc_ptr + seq + 1) - tl.load(query_start_loc_ptr + seq)).to(tl.int32)
+    m_start = (m_block * BLOCK_M).to(tl.int32)
     if m_start >= seq_len:
         return
 
@@ -137,9 +138,9 @@ def extend_attention_kernel(
     k_base = k_ptr + seq_start * stride_kt + kv_head * stride_kh
     v_base = v_ptr + seq_start * stride_vt + kv_head * stride_vh
     if USE_TMA:  # descriptors over this sequence's rows of this KV head (stride 1 along D: checked on the host)
-        k_desc = tl.make_tensor_descriptor(k_base, shape=[seq_len.to(tl.int32), HEAD_DIM], strides=[stride_kt, 1],
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[seq_len, HEAD_DIM], strides=[stride_kt, 1],
                                            block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(v_base, shape=[seq_len.to(tl.int32), HEAD_DIM], strides=[stride_vt, 1],
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[seq_len, HEAD_DIM], strides=[stride_vt, 1],
                                            block_shape=[BLOCK_N, BLOCK_D])
     else:
         k_desc = k_base
