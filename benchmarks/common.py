@@ -130,9 +130,10 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
 
 
 def save(name: str, payload: dict, *, results_dir: Path = RESULTS) -> Path:
-    """``<results_dir>/<name>.json``: ``payload`` and its ``provenance`` (``provenance()``)."""
+    """``<results_dir>/<name><suffix>.json``: ``payload`` and its ``provenance`` (``provenance()``). The suffix is
+    $DCP_BENCH_NAME_SUFFIX (empty unless set): ``run_h200.sh ab`` names the base tree's results ``*_base``."""
     results_dir.mkdir(parents=True, exist_ok=True)
-    path = results_dir / f"{name}.json"
+    path = results_dir / f"{name}{os.environ.get('DCP_BENCH_NAME_SUFFIX', '')}.json"
     path.write_text(json.dumps({**payload, "provenance": provenance()}, indent=2))
     return path
 

@@ -15,6 +15,10 @@
 #                  first), so what it wrote comes back inside the 10-minute limit. Scripts that need no vLLM
 #                  (benchmarks/kernels/probe_*.py) need no unpack call and carry nothing (bench_kernels.py then
 #                  measures no vLLM / FA3 peers).
+#   stage "ab":     carry .gpu-bundle/base (scripts/device/make_base_tree.sh REV) -> each benchmark script given runs
+#                  twice in this call, first over REV's dcp-triton (results named *_base, provenance REV), then over
+#                  this tree's: an A/B of two commits on one machine. Scripts that need vLLM need it unpacked and
+#                  on PYTHONPATH already (a warm machine after a bench call).
 #   e.g.  bash scripts/device/run_h200.sh unpack     carry .gpu-bundle/core-part, then
 #         bash scripts/device/run_h200.sh bench "benchmarks/vllm_e2e/vllm_gpu_e2e.py --quick"
 #                                                     carry .gpu-bundle/extra, .gpu-bundle/core-rest
@@ -22,7 +26,7 @@
 # packages that the install maps into it) would shadow the installed package for any child Python process.
 # Logs land in $OUT, and every file the benchmarks wrote under benchmarks/results/ in $OUT/results_new.tar.gz.
 set -uo pipefail
-stage=${1:?usage: run_h200.sh unpack|tests|bench [arguments...]}
+stage=${1:?usage: run_h200.sh unpack|tests|bench|ab [arguments...]}
 shift
 source "$(dirname "$0")/_device.sh"
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
@@ -67,6 +71,23 @@ case "$stage" in
       timeout -s INT -k 75 "${BENCH_TIMEOUT_S:-0}" python3 "$repo"/$script 2>&1 | tee -a "$OUT/bench.log"
     done
     pack_results "$OUT/install.log" "$OUT/results_new.tar.gz"  # what the scripts wrote
+    ;;
+  ab)
+    base=$repo/.gpu-bundle/base
+    test -f "$base/tree.tar.gz" || { echo "carry .gpu-bundle/base (scripts/device/make_base_tree.sh REV)" >&2; exit 1; }
+    install_dcp "$OUT/install.log" || exit 1
+    rm -rf /tmp/dcp_base_src /tmp/dcp_base && mkdir -p /tmp/dcp_base_src && tar xzf "$base/tree.tar.gz" -C /tmp/dcp_base_src
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/dcp_base /tmp/dcp_base_src \
+      >"$OUT/install_base.log" 2>&1 || { cat "$OUT/install_base.log"; exit 1; }
+    cd /tmp
+    for script in "$@"; do
+      # shellcheck disable=SC2086  # "name.py --flag value": word splitting is wanted
+      PYTHONPATH=/tmp/dcp_base${PYTHONPATH:+:$PYTHONPATH} DCP_TRITON_COMMIT=$(cat "$base/REV") \
+        DCP_BENCH_NAME_SUFFIX=_base python3 "$repo"/$script 2>&1 | tee -a "$OUT/bench_base.log"
+      # shellcheck disable=SC2086
+      PYTHONPATH=/tmp/dcp${PYTHONPATH:+:$PYTHONPATH} python3 "$repo"/$script 2>&1 | tee -a "$OUT/bench.log"
+    done
+    pack_results "$OUT/install.log" "$OUT/results_new.tar.gz"
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
