@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from dcp_plugin.batch import DcpBatch, DcpBatchBuffers
+from dcp_plugin.kernels._launch import compile_ahead, compile_threads, launches_run
 
 # (query rows, cached context) per request of each dummy step. A 4096-token context puts several KV splits on any
 # GPU (the split count fills the SMs only while the tiles last); tiny contexts keep one split.
@@ -43,25 +44,40 @@ def warm_up(attention, *, query: torch.Tensor, key: torch.Tensor, value: torch.T
     # Built into persistent buffers, as engines build their batches: on a GPU that runs (and compiles) the kernel
     # that derives the per-request lengths (dcp_plugin.kernels.batch_lengths) too.
     buffers = DcpBatchBuffers(max(len(requests) for requests in STEPS), device)
+    args = dict(query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache, output=output,
+                k_scale=k_scale, v_scale=v_scale)
+    threads = compile_threads() if device.type == "cuda" else 0
+    if threads:  # the steps once with every kernel compiled side by side and none launched, then for real
+        with compile_ahead(threads):
+            _run_steps(attention, buffers, **args)
+    return _run_steps(attention, buffers, **args)
+
+
+def _run_steps(attention, buffers, *, query, key, value, key_cache, value_cache, output, k_scale, v_scale) -> int:
+    tokens, device = attention.tokens, query.device
     steps = 0
     for requests in STEPS:
         num_tokens = sum(rows for rows, _ in requests)
         seq_lens = [rows + context for rows, context in requests]
         width = max(1, -(-tokens.max_local_len(max(seq_lens)) // tokens.block_size))
-        batch = DcpBatch.build(
-            query_start_loc=torch.tensor([0, *_cumsum(rows for rows, _ in requests)], dtype=torch.int32,
-                                         device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_table=torch.zeros(len(requests), width, dtype=torch.int32, device=device),
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
-            tokens=tokens,
-            buffers=buffers,
-        )
+        with launches_run():  # the host reads what the batch's kernel derives
+            batch = _build(requests, seq_lens, num_tokens, width, tokens, buffers, device)
         q, k, v, out = (_like(t, num_tokens) for t in (query, key, value, output))
         attention.forward(q, k, v, key_cache, value_cache, batch, out=out, write_kv=True, k_scale=k_scale,
                           v_scale=v_scale)
         steps += 1
     return steps
+
+
+def _build(requests, seq_lens, num_tokens, width, tokens, buffers, device) -> DcpBatch:
+    return DcpBatch.build(
+        query_start_loc=torch.tensor([0, *_cumsum(rows for rows, _ in requests)], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_table=torch.zeros(len(requests), width, dtype=torch.int32, device=device),
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        tokens=tokens,
+        buffers=buffers,
+    )
 
 
 def _like(t: torch.Tensor, rows: int) -> torch.Tensor:

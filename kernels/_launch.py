@@ -8,6 +8,9 @@ DCP core builds each ``Launch`` once per step and replays it for every layer, so
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import contextvars
 import functools
 import os
 
@@ -127,6 +130,45 @@ def _fast_launch_supported() -> bool:
 
 FAST_LAUNCH = _fast_launch_supported()
 
+# Compile-ahead: inside ``compile_ahead()`` a ``Launch`` hands its variant to Triton's compiler and launches nothing;
+# ``triton.AsyncCompileMode`` compiles the variants submitted on a thread pool and waits for them all on exit, so a
+# warm-up compiles its variants side by side instead of one after the other. Threads from $DCP_TRITON_COMPILE_THREADS
+# (0, the default: compile-ahead off, each variant compiles at its first launch).
+COMPILE_THREADS_ENV = "DCP_TRITON_COMPILE_THREADS"
+_COMPILE_ONLY = contextvars.ContextVar("dcp_triton_compile_only", default=False)
+
+
+@contextlib.contextmanager
+def launches_run():
+    """Inside ``compile_ahead``: launches run again, for kernels whose outputs the host reads (a batch's lengths)."""
+    token = _COMPILE_ONLY.set(False)
+    try:
+        yield
+    finally:
+        _COMPILE_ONLY.reset(token)
+
+
+def compile_threads() -> int:
+    """Threads ``compile_ahead`` may use here: $DCP_TRITON_COMPILE_THREADS, and 0 where nothing compiles ahead (the
+    interpreter, a Triton without ``AsyncCompileMode``)."""
+    value = os.environ.get(COMPILE_THREADS_ENV, "0").strip() or "0"
+    if not value.isdigit():
+        raise ValueError(f"{COMPILE_THREADS_ENV} must be a whole number of threads (0: off), got {value!r}")
+    return 0 if INTERPRET or not hasattr(triton, "AsyncCompileMode") else int(value)
+
+
+@contextlib.contextmanager
+def compile_ahead(threads: int):
+    """Within: every ``Launch`` submits its kernel variant for compilation on ``threads`` threads and launches
+    nothing (outputs are left as they were); on exit every submitted variant is compiled, so later launches of
+    those variants find them in Triton's cache."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool, triton.AsyncCompileMode(pool):
+        token = _COMPILE_ONLY.set(True)
+        try:
+            yield
+        finally:
+            _COMPILE_ONLY.reset(token)
+
 
 class Launch:
     """One prepared launch of a ``@triton.jit`` kernel: ``launch(*tensors)`` runs
@@ -177,6 +219,9 @@ class Launch:
             tensors = list(tensors)
             for unread, stand_in in self._stand_ins:
                 tensors[unread] = tensors[stand_in]
+        if _COMPILE_ONLY.get():  # compile_ahead: submit this variant, launch nothing
+            self.kernel.warmup(*tensors, *self.scalars, grid=self.grid, **self.constexprs, **self.options)
+            return
         if self.scratch:  # Triton keeps the allocator per thread (a ContextVar): set it in the launching thread
             triton.set_allocator(_scratch)
         if self._compiled is not None and not _launch_hooks():
