@@ -238,6 +238,8 @@ def main() -> None:
                         "model and loads, dcp-triton eager, torch reference kernels")
     parser.add_argument("--block-size", type=int, help="every job's KV-cache block size (default: each "
                         "backend's own)")
+    parser.add_argument("--cold-triton-cache", action="store_true", help="each job compiles into an empty Triton "
+                        "cache of its own (a first start on a machine; default: the machine's cache)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -275,6 +277,8 @@ def main() -> None:
                    VLLM_USE_FLASHINFER_SAMPLER="0")
         if job["kind"] == "profile":
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if args.cold_triton_cache:
+            env["TRITON_CACHE_DIR"] = str(work / f"triton-cache-{job['name']}-{time.time_ns()}")
         t = time.monotonic()
         with open(log, "w") as sink:
             try:
