@@ -11,6 +11,8 @@ Three compiled variants serve every step of a serving engine: decode (one query 
 request), short queries (speculative-decoding verify rows) and long ones (prefill chunks); the last two number
 their query blocks over the whole batch (``_schedule``), so a mixed step never launches ``requests x longest
 query`` programs. ``out``/``lse`` may be rank-major (``[R, T, H / R, D]``): the layout the DCP collectives send.
+On sm_90+ a tile that lies inside one page (pages of 64 tokens or more) comes through tensor descriptors, one TMA
+copy per K or V tile (``_paged_tile``); smaller pages are gathered token by token.
 """
 
 from __future__ import annotations
