@@ -39,16 +39,18 @@ def steps(seed: int) -> list[list[int]]:
     return shapes
 
 
+@pytest.mark.parametrize("block_size", [16, 64])  # 64: what the vLLM backend asks for on sm_90+ (descriptor tiles)
 @pytest.mark.parametrize("compile_threads", [0, 4], ids=["serial", "compile-ahead"])
 @pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
 @pytest.mark.parametrize("n", [1, 2])
-def test_no_kernel_compiles_after_warm_up(n, comm, compile_threads, monkeypatch):
+def test_no_kernel_compiles_after_warm_up(n, comm, compile_threads, block_size, monkeypatch):
     monkeypatch.setenv("DCP_TRITON_COMPILE_THREADS", str(compile_threads))
     if compile_threads:  # compile again (from Triton's disk cache at most), through the thread pool
         for kernel in KERNELS:
             kernel.device_caches[torch.cuda.current_device()][0].clear()
     case = Case(name=f"warm-{n}-{comm}", q_heads=32, kv_heads=8, kv_replication="replicated", tp=4 * n if n > 1 else 1,
-                head_dim=128, block_size=16, requests=REQUESTS, comm=comm, dtype="bfloat16", kernels="triton", seed=5,
+                head_dim=128, block_size=block_size, requests=REQUESTS, comm=comm, dtype="bfloat16", kernels="triton",
+                seed=5,
                 decode_steps=40,  # room in every sequence for the steps below (at most 40 more tokens each)
                 device="cuda")
     world = World(case)
