@@ -119,5 +119,5 @@ find "$work/wheels" -name '*.whl' -printf '%10s  %f\n' | sort -k2
 du -sh "$dir"/sglang-part-*
 total=$(stat -c %s "$work/sglang-bundle.tar")
 echo "bundle: $(numfmt --to=iec-i --suffix=B "$total") in $parts parts of <= ${part_mib} MiB:" \
-  "$parts device calls (run_h200_sglang.sh part for each of the first $((parts - 1)), install with the last)," \
+  "$parts device calls ($((parts - 1)) x run_h200_sglang.sh part, then install carrying the last part)," \
   "then one bench call"
