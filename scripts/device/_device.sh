@@ -1,11 +1,13 @@
 # shellcheck shell=bash
-# What the device scripts share (run_h200.sh, run_2xh200.sh, run_h200_v033.sh source this first): the repository
-# root ($repo), dcp-triton's install into /tmp/dcp, vLLM 0.26's core archive into /tmp/vs, and the archive of new
-# result files. vLLM's core archive (58 MiB) no longer fits beside the repository (~12 MiB) in one device call
-# (64 MiB): scripts/device/split_bundle026.sh splits it into .gpu-bundle/core-part (44 MiB), carried by an `unpack` call
-# that keeps it in /tmp, and .gpu-bundle/core-rest (the rest and the whole archive's SHA256SUMS), carried by a
-# later call of the same warm machine, which joins, checks and unpacks both (join_core). A carried unsplit
-# .gpu-bundle/core (an older bundle, or a smaller tree) is still unpacked in one go.
+# What the device scripts share (run_h200.sh, run_2xh200.sh, run_h200_v033.sh, run_h200_sglang.sh source this
+# first): the repository root ($repo), dcp-triton's install into /tmp/dcp, vLLM 0.26's core archive into /tmp/vs,
+# split archives joined and checked, and the archive of new result files. vLLM's core archive (58 MiB) no longer
+# fits beside the repository (~12 MiB) in one device call (64 MiB): scripts/device/split_bundle026.sh splits it into
+# .gpu-bundle/core-part (44 MiB), carried by an `unpack` call that keeps it in /tmp, and .gpu-bundle/core-rest (the
+# rest and the whole archive's SHA256SUMS), carried by a later call of the same warm machine, which joins, checks and
+# unpacks both (join_core). A carried unsplit .gpu-bundle/core (an older bundle, or a smaller tree) is still
+# unpacked in one go. run_h200_sglang.sh joins SGLang's wheel archive (scripts/device/make_sglang_bundle.sh: parts of
+# <= 45 MiB, one a call) the same way (join_checked).
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 VLLM_UNPACKED=/tmp/vs/.unpacked  # written once an unpack finished: a cut-short tar leaves /tmp/vs without it
 
@@ -42,9 +44,15 @@ join_core() {  # the split archive's rest, carried in core-rest, joined to the p
   if vllm_unpacked || ! test -f "$rest/vllm026.tar.xz.01"; then return 0; fi
   test -f /tmp/vllm026.tar.xz.00 || { echo "no /tmp/vllm026.tar.xz.00: first an unpack call carrying" \
     ".gpu-bundle/core-part (the machine must still be warm)" >&2; return 1; }
-  cat /tmp/vllm026.tar.xz.00 "$rest/vllm026.tar.xz.01" >/tmp/vllm026.tar.xz
-  (cd /tmp && sha256sum -c --quiet "$rest/SHA256SUMS") || return 1
+  join_checked /tmp/vllm026.tar.xz "$rest/SHA256SUMS" /tmp/vllm026.tar.xz.00 "$rest/vllm026.tar.xz.01" || return 1
   untar_vllm /tmp/vllm026.tar.xz && rm -f /tmp/vllm026.tar.xz /tmp/vllm026.tar.xz.00
+}
+
+join_checked() {  # join_checked FILE SUMS PART...: the parts, in order, into FILE; every file SUMS names, checked in
+  # FILE's folder (the whole archive, and the parts where SUMS lists them)
+  local out=$1 sums=$2
+  shift 2
+  cat "$@" >"$out" && (cd "$(dirname "$out")" && sha256sum -c --quiet "$sums")
 }
 
 from_repo() {  # pytest run from /tmp names files relative to /tmp (../<checkout>/tests/...): name them from the root

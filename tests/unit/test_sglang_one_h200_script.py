@@ -1,0 +1,113 @@
+"""The CPU-checkable parts of benchmarks/sglang/sglang_one_h200.py: its ``--dry-run`` (config, jobs, engine kwargs,
+without torch, transformers or SGLang), job selection, and the summary of the jobs' results."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sglang" / "sglang_one_h200.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import sglang_one_h200 as bench  # noqa: E402
+
+
+def run_script(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-X", "importtime", str(SCRIPT), *args], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, DCP_BENCH_WORK=str(tmp_path / "work")))
+
+
+def imported_modules(stderr: str) -> set[str]:
+    return {line.split("|")[-1].strip().split(".")[0] for line in stderr.splitlines() if "|" in line}
+
+
+def test_dry_run_prints_the_config_jobs_and_engine_kwargs_without_torch_or_sglang(tmp_path):
+    done = run_script("--dry-run", tmp_path=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "json" in imported_modules(done.stderr)
+    assert not imported_modules(done.stderr) & {"torch", "transformers", "sglang", "triton"}
+    plan = json.loads(done.stdout)
+    model = plan["model"]
+    assert (model["num_attention_heads"], model["num_key_value_heads"], model["head_dim"], model["hidden_size"]) == \
+        (32, 8, 128, 4096)
+    assert model["architectures"] == ["LlamaForCausalLM"] and 4 <= model["num_hidden_layers"] <= 8
+    assert [j["name"] for j in plan["jobs"]] == ["dcp-triton-bf16", "triton-bf16", "dcp-triton-fp32", "triton-fp32"]
+    assert {(r["requests"], r["prompt_len"], r["output_len"]) for r in plan["loads"].values()} == \
+        {(64, 512, 128), (8, 8192, 32)}
+    for job in plan["jobs"]:
+        engine = job["engine"]
+        assert engine["attention_backend"] == job["backend"] and engine["skip_tokenizer_init"] is True
+        assert engine["dtype"] == {"bf16": "bfloat16", "fp32": "float32"}[job["dtype"]]
+        assert engine["load_format"] == "auto" and engine["model_path"].endswith("llama8x4-random")
+        assert engine["context_length"] >= 8192 + 32
+        assert engine.get("disable_cuda_graph", False) is (job["dtype"] == "fp32")  # float32: eager
+        assert "disable_prefill_cuda_graph" not in engine  # bf16: SGLang's default graphs
+    assert not (tmp_path / "work").exists()  # built nothing
+
+
+def test_dry_run_options_select_jobs_and_change_kwargs(tmp_path):
+    done = run_script("--dry-run", "--dummy", "--no-prefill-graph", "--only", "*-bf16", tmp_path=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    jobs = json.loads(done.stdout)["jobs"]
+    assert [j["name"] for j in jobs] == ["dcp-triton-bf16", "triton-bf16"]
+    assert all(j["engine"]["load_format"] == "dummy" and j["engine"]["disable_prefill_cuda_graph"] for j in jobs)
+    listed = run_script("--list", tmp_path=tmp_path)
+    assert listed.returncode == 0 and listed.stdout.split() == [j["name"] for j in bench.jobs()]
+    assert run_script("--only", "nothing", tmp_path=tmp_path).returncode == 2
+
+
+def test_engine_kwargs_are_server_args_fields():
+    server_args = pytest.importorskip("sglang.srt.server_args")  # the SGLang matrix venvs (CPU) have it
+    cls = server_args.ServerArgs  # a dataclass in 0.5.17; 0.5.23's takes the same names as keyword arguments
+    fields = ({f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls)
+              else set(inspect.signature(cls).parameters))
+    for job in bench.jobs():
+        kwargs = bench.engine_kwargs(job, Path("m"), dummy=True, prefill_graph=False)
+        assert set(kwargs) <= fields, set(kwargs) - fields
+
+
+def test_greedy_agreement_counts_differing_positions():
+    same = bench.greedy_agreement([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]])
+    assert same == dict(sequences=2, equal=2, differing_positions=0, positions=5, first_difference=[None, None])
+    diff = bench.greedy_agreement([[1, 2, 3, 4], [4, 5, 6]], [[1, 9, 3, 8], [4, 5]])
+    assert diff["equal"] == 0 and diff["differing_positions"] == 3 and diff["first_difference"] == [1, 2]
+
+
+def fake_job(name: str, *, greedy, logprobs=None, tok_s=None, init_s=30.0) -> dict:
+    backend, dtype = name.rsplit("-", 1)
+    runs = {load: [dict(output_tok_s=t) for t in (tok_s * 0.9, tok_s)] for load in bench.LOADS} if tok_s else {}
+    return dict(name=name, backend=backend, dtype=dtype, init_s=init_s, greedy=greedy, runs=runs,
+                **({"prompt_logprobs": logprobs} if logprobs else {}))
+
+
+def test_summary_of_the_four_jobs():
+    results = [fake_job("dcp-triton-bf16", greedy=[[1, 2], [3, 4]], tok_s=900.0),
+               fake_job("triton-bf16", greedy=[[1, 2], [3, 5]], tok_s=1000.0),
+               fake_job("dcp-triton-fp32", greedy=[[1, 2], [3, 4]], logprobs=[[None, -1.0, -2.0], [None, -3.0]]),
+               fake_job("triton-fp32", greedy=[[1, 2], [3, 4]], logprobs=[[None, -1.0004, -2.0], [None, -3.0]])]
+    summary = bench.summarise(results)
+    assert summary["greedy"]["bf16"]["equal"] == 1 and summary["greedy"]["bf16"]["differing_positions"] == 1
+    assert summary["greedy"]["fp32"]["equal"] == 2
+    assert summary["fp32_max_abs_logprob_diff"] == pytest.approx(4e-4) and summary["logprobs_within_bound"]
+    assert summary["logprob_positions"] == 3 and summary["logprob_bound"] == 1e-3
+    assert summary["throughput"] == {load: {"dcp_triton": 900.0, "triton": 1000.0, "ratio": 0.9}
+                                     for load in bench.LOADS}
+    assert summary["failed"] == [] and summary["init_s"]["triton-fp32"] == 30.0
+    json.dumps(summary)  # what common.save writes
+
+
+def test_summary_of_partial_and_failed_runs():
+    results = [fake_job("dcp-triton-bf16", greedy=[[1]], tok_s=500.0),
+               dict(name="triton-bf16", backend="triton", dtype="bf16", error="timeout"),
+               fake_job("dcp-triton-fp32", greedy=[[1]], logprobs=[[None, -1.0]]),
+               fake_job("triton-fp32", greedy=[[1]], logprobs=[[None, -1.5]])]
+    summary = bench.summarise(results)
+    assert summary["failed"] == ["triton-bf16"] and "bf16" not in summary["greedy"]
+    assert summary["throughput"] == {load: {"dcp_triton": 500.0} for load in bench.LOADS}
+    assert summary["fp32_max_abs_logprob_diff"] == 0.5 and not summary["logprobs_within_bound"]
