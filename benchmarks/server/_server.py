@@ -48,6 +48,12 @@ def device_name() -> str:
     return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()) if torch.cuda.is_available() else "cpu"
 
 
+def device_tag(device: str) -> str:
+    """``device_name()`` short, as result files name it: "h200" for "nvidia-h200"; else unchanged."""
+    found = re.search(r"(?<![a-z])[a-z]{1,3}\d{2,4}", device)
+    return found.group(0) if found else device
+
+
 def gpu_memory_mib() -> float | None:
     """GPU memory in use, all processes, summed over the machine's GPUs (nvidia-smi, asked from a subprocess so
     this client holds no CUDA context); None without a GPU."""
@@ -59,6 +65,11 @@ def gpu_memory_mib() -> float | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return sum(map(float, done.stdout.split())) if done.returncode == 0 and done.stdout.strip() else None
+
+
+def has_tokenizer(model: str | Path) -> bool:
+    """Whether the server loads a tokenizer (else ``--skip-tokenizer-init``: token-id prompts only)."""
+    return any((Path(model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
 
 
 def start_server(args, log: Path) -> tuple[subprocess.Popen, int]:
@@ -74,7 +85,7 @@ def start_server(args, log: Path) -> tuple[subprocess.Popen, int]:
            "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30))), "--enable-prefix-caching",
            "--enable-prompt-tokens-details", "--enable-log-requests", "--max-log-len", "0", "-tp", str(args.tp),
            "-dcp", str(args.dcp)]
-    if not any((Path(args.model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+    if not has_tokenizer(args.model):
         cmd.append("--skip-tokenizer-init")
     cmd += ["--enforce-eager"] * args.eager + shlex.split(args.server_args)
     env = {**os.environ, "DCP_TRITON_KERNELS": args.kernels, "VLLM_COMPUTE_NANS_IN_LOGITS": "1", "HF_HUB_OFFLINE": "1",

@@ -172,15 +172,15 @@ def parser(description: str = __doc__.splitlines()[0]) -> argparse.ArgumentParse
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, help="--enforce-eager (default: on CPU only)")
     p.add_argument("--server-args", default="", help="more server flags, one shell-quoted string")
     p.add_argument("--timeout-s", type=float, default=300, help="per request")
-    p.add_argument("--out", type=Path, help="result JSON (default: benchmarks/results/<script>_<device>.json)")
+    p.add_argument("--out", type=Path, help="result JSON (default: benchmarks/results/<script's name>_<device>.json)")
     return p
 
 
-def check_args(p: argparse.ArgumentParser, args, name: str = "server_aborts"):
+def check_args(p: argparse.ArgumentParser, args):
     """``args`` checked (``p.error`` names a bad option), completed with the device and the defaults that depend on
-    it; ``--out`` defaults to ``benchmarks/results/<name>_<device>.json``."""
-    for option in ("streams", "rounds", "prompt_min", "long_prompt", "max_num_batched_tokens", "block_size", "tp", "dcp",
-                 "timeout_s", "kv_cache_gib"):
+    it."""
+    for option in ("streams", "rounds", "prompt_min", "long_prompt", "max_num_batched_tokens", "block_size", "tp",
+                   "dcp", "timeout_s", "kv_cache_gib"):
         if getattr(args, option) <= 0:
             p.error(f"--{option.replace('_', '-')} must be positive, got {getattr(args, option)}")
     args.n_abort = round(args.streams * args.abort_fraction)
@@ -200,7 +200,7 @@ def check_args(p: argparse.ArgumentParser, args, name: str = "server_aborts"):
     args.device = device_name()
     args.kernels = args.kernels or ("reference" if args.device == "cpu" else "triton")
     args.eager = args.device == "cpu" if args.eager is None else args.eager
-    args.out = args.out or RESULTS / f"{name}_{args.device}.json"
+    args.out = args.out or RESULTS / f"server_aborts_{args.device}.json"
     return args
 
 
