@@ -43,130 +43,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
-import os
 import random
-import re
-import shlex
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
-from common import REPO, RESULTS, save_random_llama  # noqa: E402
-from server_aborts_judge import IDLE, idle, judge  # noqa: E402
-
-TINY_LLAMA = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, head_dim=64,
-                  num_hidden_layers=2, vocab_size=512, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                  tie_word_embeddings=False, initializer_range=0.2)  # 0.2: peaked attention, distinct tokens
-HUNG: list[str] = []  # requests that timed out: no more are sent after one
-
-
-def write_tiny_llama(path: Path, kv_heads: int) -> Path:
-    """The default model: ``TINY_LLAMA`` with ``kv_heads`` KV heads, random weights (seed 0), float32."""
-    return save_random_llama({**TINY_LLAMA, "num_key_value_heads": kv_heads}, path, seed=0)
-
-
-def device_name() -> str:
-    import torch
-
-    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()) if torch.cuda.is_available() else "cpu"
-
-
-def start_server(args, log: Path) -> tuple[subprocess.Popen, int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--port", str(port),
-           "--host", "127.0.0.1", "--served-model-name", "m", "--dtype", "float32", "--attention-backend",
-           "dcp-triton", "--seed", "0", "--max-model-len", str(args.max_model_len), "--block-size",
-           str(args.block_size),
-           "--max-num-seqs", str(max(args.streams, 8)), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--long-prefill-token-threshold", str(args.max_num_batched_tokens // max(1, args.n_abort // 2)),
-           "--kv-cache-memory-bytes", str(1 << 30), "--enable-prefix-caching", "--enable-prompt-tokens-details",
-           "--enable-log-requests", "--max-log-len", "0", "-tp", str(args.tp), "-dcp", str(args.dcp)]
-    if not any((Path(args.model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-        cmd.append("--skip-tokenizer-init")
-    cmd += ["--enforce-eager"] * args.eager + shlex.split(args.server_args)
-    env = {**os.environ, "DCP_TRITON_KERNELS": args.kernels, "VLLM_COMPUTE_NANS_IN_LOGITS": "1", "HF_HUB_OFFLINE": "1",
-           "TRITON_F32_DEFAULT": "ieee", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    with open(log, "w") as sink:
-        return subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True), port
-
-
-def read_choice(rec: dict, choice: dict) -> None:
-    rec["tokens"] += choice.get("token_ids") or []
-    lp = choice.get("logprobs") or {}
-    for value, top in zip(lp.get("token_logprobs") or [], lp.get("top_logprobs") or []):
-        values = list((top or {}).values())
-        # NaN comes as null (pydantic), -inf as vLLM's clamp -9999
-        rec["bad_logprobs"] += sum(v is None or not math.isfinite(v) or v <= -9999 for v in [value, *values])
-        best = sorted((v for v in values if isinstance(v, float)), reverse=True)
-        rec["gaps"].append(best[0] - best[1] if len(best) > 1 else None)
-    rec["finish"] = choice.get("finish_reason") or rec["finish"]
-
-
-async def send(client, body: dict, timeout_s: float, stop_after: int | None = None, abort=None) -> dict:
-    """One streamed request, closed by the client after ``stop_after`` tokens or when ``abort`` (a coroutine)
-    returns, whichever comes first."""
-    rec = {"tokens": [], "gaps": [], "bad_logprobs": 0, "finish": None, "error": None, "usage": None}
-    if HUNG:
-        return {**rec, "error": "not sent: an earlier request timed out"}
-
-    async def read():
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                rec["error"] = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
-                return
-            async for line in r.aiter_lines():
-                data = json.loads(line[6:]) if line.startswith("data: {") else {}
-                if "error" in data:
-                    rec["error"] = str(data["error"])[:300]
-                    return
-                for choice in data.get("choices", []):
-                    read_choice(rec, choice)
-                rec["usage"] = data.get("usage") or rec["usage"]  # in the last chunk
-                if stop_after is not None and len(rec["tokens"]) >= stop_after:
-                    return  # leaving `async with` closes the connection: the client abort
-
-    reading = asyncio.ensure_future(read())
-    aborting = asyncio.ensure_future(abort if abort is not None else asyncio.sleep(2 * timeout_s))
-    done, _ = await asyncio.wait({reading, aborting}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    for task in (reading, aborting):  # cancelling `read` closes the connection
-        task.cancel()
-    if reading in done and reading.exception() is not None:  # a failed connection is a result here
-        rec["error"] = f"{type(reading.exception()).__name__}: {reading.exception()}"
-    elif not done:
-        rec["error"] = f"timeout after {timeout_s} s"
-        HUNG.append(body["request_id"])
-    await asyncio.gather(reading, aborting, return_exceptions=True)
-    return rec
-
-
-def body(rid: str, prompt: list[int], max_tokens: int, salt: str | None = None) -> dict:
-    return {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "logprobs": 2, "return_token_ids": True, "return_tokens_as_token_ids": True, "stream": True,
-            "stream_options": {"include_usage": True}, "request_id": rid, **({"cache_salt": salt} if salt else {})}
-
-
-async def engine_state(client, until, timeout_s: float = 60) -> dict:
-    """vLLM's gauges on /metrics (None: not exported), polled until ``until(state)`` holds or the timeout."""
-    deadline, state = time.monotonic() + timeout_s, {}
-    while time.monotonic() < deadline:
-        try:
-            text = (await client.get("/metrics", timeout=10)).text
-        except Exception as e:  # noqa: BLE001
-            return {"error": f"{type(e).__name__}: {e}"}
-        for key in (*IDLE, "corrupted_requests_total"):
-            found = re.findall(rf"^vllm:{key}{{[^}}]*}} (\S+)$", text, re.MULTILINE)
-            state[key] = sum(map(float, found)) if found else None
-        if until(state):
-            break
-        await asyncio.sleep(0.5)
-    return state
+from _server import HUNG, body, device_name, engine_state, execute, gpu_memory_mib, idle, send, serving  # noqa: E402
+from common import RESULTS  # noqa: E402
+from server_aborts_judge import judge  # noqa: E402
 
 
 async def abort_later(start: asyncio.Event, delay_s: float) -> None:
@@ -221,74 +106,54 @@ async def run_round(client, args, r: int, rng: random.Random, vocab: int, window
     return reqs, held
 
 
+async def abort_rounds(server, args, rng: random.Random, vocab: int) -> list[dict]:
+    """The calibration, ``args.rounds`` rounds (each followed by its probes), every request alone and a last one:
+    the requests' records; ``server.info`` gets ``prefill_window_s``, ``rounds``, ``final`` and ``end_state``."""
+    client, result, requests = server.client, server.info, []
+    result["rounds"] = []
+    long_prompt = [rng.randrange(3, vocab) for _ in range(args.long_prompt)]
+    for k in (1, args.n_abort // 2):  # a warm-up, then the prefill time of that many long prompts at once
+        t0 = time.monotonic()
+        calib = await asyncio.gather(*[send(client, body(f"sa-calib-{k}-{j}", long_prompt, 1, f"calib-{k}-{j}"),
+                                            args.timeout_s) for j in range(k)])
+    window_s = result["prefill_window_s"] = time.monotonic() - t0
+    if any(c["error"] for c in calib):
+        raise RuntimeError(f"calibration requests failed: {[c['error'] for c in calib]}")
+    for r in range(args.rounds):
+        t0 = time.monotonic()
+        reqs, held = await run_round(client, args, r, rng, vocab, window_s)
+        result["rounds"].append({"round": r, "wall_s": round(time.monotonic() - t0, 2), "server_alive":
+                                 server.alive(), "targets_in_engine_after_s": held,
+                                 "idle_after": await engine_state(client, idle), "gpu_memory_mib": gpu_memory_mib()})
+        for req in reqs:  # probes: how far each aborted prompt had been prefilled (cache hits on its blocks)
+            if req["kind"] != "complete":
+                req["probe"] = await send(client, body(req["id"] + "-probe", req["prompt"], 1), args.timeout_s)
+        requests += reqs
+    for req in requests:  # each request alone, from scratch (own cache salt)
+        n = {"complete": args.max_tokens, "decode": max(1, len(req["load"]["tokens"]))}.get(req["kind"], 1)
+        req["solo"] = await send(client, body(req["id"] + "-solo", req["prompt"], n, "solo-" + req["id"]),
+                                 args.timeout_s)
+    final = await send(client, body("sa-final", long_prompt[: args.prompt_max], args.max_tokens, "final"),
+                       args.timeout_s)
+    result["final"] = {k: final[k] for k in ("finish", "error", "bad_logprobs")} | {"tokens": len(final["tokens"])}
+    result["end_state"] = await engine_state(client, idle)
+    return requests
+
+
+def vocab_size(args) -> int:
+    return json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+
+
 async def serve_and_load(args, log: Path) -> dict:
-    import httpx
-
-    args.log, started = log, time.monotonic()
-    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-    (proc, port), rng = start_server(args, log), random.Random(0)
-    result, requests = {"rounds": []}, []
-    limits = httpx.Limits(max_connections=args.streams + 8, max_keepalive_connections=args.streams + 8)
-    client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=args.timeout_s, limits=limits)
-    try:
-        while True:
-            if proc.poll() is not None or time.monotonic() - started > 900:
-                raise RuntimeError(f"server not up (exit code {proc.poll()}):\n{log.read_text()[-4000:]}")
-            try:
-                if (await client.get("/health", timeout=5)).status_code == 200:
-                    break
-            except httpx.HTTPError:  # not listening yet
-                pass
-            await asyncio.sleep(1)
-        result["server_start_s"] = round(time.monotonic() - started, 1)
-        long_prompt = [rng.randrange(3, vocab) for _ in range(args.long_prompt)]
-        for k in (1, args.n_abort // 2):  # a warm-up, then the prefill time of that many long prompts at once
-            t0 = time.monotonic()
-            calib = await asyncio.gather(*[send(client, body(f"sa-calib-{k}-{j}", long_prompt, 1, f"calib-{k}-{j}"),
-                                                args.timeout_s) for j in range(k)])
-        window_s = result["prefill_window_s"] = time.monotonic() - t0
-        if any(c["error"] for c in calib):
-            raise RuntimeError(f"calibration requests failed: {[c['error'] for c in calib]}")
-        for r in range(args.rounds):
-            t0 = time.monotonic()
-            reqs, held = await run_round(client, args, r, rng, vocab, window_s)
-            result["rounds"].append({"round": r, "wall_s": round(time.monotonic() - t0, 2), "server_alive":
-                                     proc.poll() is None, "targets_in_engine_after_s": held,
-                                     "idle_after": await engine_state(client, idle)})
-            for req in reqs:  # probes: how far each aborted prompt had been prefilled (cache hits on its blocks)
-                if req["kind"] != "complete":
-                    req["probe"] = await send(client, body(req["id"] + "-probe", req["prompt"], 1), args.timeout_s)
-            requests += reqs
-        for req in requests:  # each request alone, from scratch (own cache salt)
-            n = {"complete": args.max_tokens, "decode": max(1, len(req["load"]["tokens"]))}.get(req["kind"], 1)
-            req["solo"] = await send(client, body(req["id"] + "-solo", req["prompt"], n, "solo-" + req["id"]),
-                                     args.timeout_s)
-        final = await send(client, body("sa-final", long_prompt[: args.prompt_max], args.max_tokens, "final"),
-                           args.timeout_s)
-        result["final"] = {k: final[k] for k in ("finish", "error", "bad_logprobs")} | {"tokens": len(final["tokens"])}
-        result["end_state"] = await engine_state(client, idle)
-    finally:
-        await client.aclose()
-        result["server_alive_at_end"] = proc.poll() is None
-        served = log.read_text(errors="replace")  # the log up to the shutdown, which the errors check reads
-        if proc.poll() is None:  # SIGINT to the server (it stops its engine), then its process group if need be
-            proc.send_signal(2)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # whatever of the group this script started is left
-            os.killpg(proc.pid, 9)
-        except ProcessLookupError:
-            pass
-    result["wall_s"] = round(time.monotonic() - started, 1)
-    result["shutdown_errors"] = [line for line in log.read_text(errors="replace")[len(served):].splitlines()
-                                 if re.search(r"\b(ERROR|CRITICAL)\b|^Traceback", line)]
-    return judge(args, result, requests, served, hung=HUNG)
+    args.log = log
+    async with serving(args, log) as server:
+        requests = await abort_rounds(server, args, random.Random(0), vocab_size(args))
+    return judge(args, server.info, requests, server.served, hung=HUNG)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser(description: str = __doc__.splitlines()[0]) -> argparse.ArgumentParser:
+    """The options of the server, the model and the abort rounds (``server_reliability.py`` adds its own)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", help="model folder (default: a random-weight tiny float32 Llama, written here)")
     p.add_argument("--streams", type=int, default=64, help="concurrent streamed requests per round")
     p.add_argument("--rounds", type=int, default=3)
@@ -300,18 +165,24 @@ def parse_args(argv=None):
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="shared by the prefill targets")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="the server's KV cache (--kv-cache-memory-bytes)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--dcp", type=int, default=1)
     p.add_argument("--kernels", choices=("triton", "reference"), help="default: reference on CPU, triton on GPU")
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, help="--enforce-eager (default: on CPU only)")
     p.add_argument("--server-args", default="", help="more server flags, one shell-quoted string")
     p.add_argument("--timeout-s", type=float, default=300, help="per request")
-    p.add_argument("--out", type=Path, help="result JSON (default: benchmarks/results/server_aborts_<device>.json)")
-    args = p.parse_args(argv)
-    for name in ("streams", "rounds", "prompt_min", "long_prompt", "max_num_batched_tokens", "block_size", "tp", "dcp",
-                 "timeout_s"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    p.add_argument("--out", type=Path, help="result JSON (default: benchmarks/results/<script's name>_<device>.json)")
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args):
+    """``args`` checked (``p.error`` names a bad option), completed with the device and the defaults that depend on
+    it."""
+    for option in ("streams", "rounds", "prompt_min", "long_prompt", "max_num_batched_tokens", "block_size", "tp",
+                   "dcp", "timeout_s", "kv_cache_gib"):
+        if getattr(args, option) <= 0:
+            p.error(f"--{option.replace('_', '-')} must be positive, got {getattr(args, option)}")
     args.n_abort = round(args.streams * args.abort_fraction)
     if not 0 < args.abort_fraction < 1 or args.n_abort < 2:
         p.error(f"--abort-fraction must be in (0, 1) and abort at least 2 of the --streams {args.streams} requests")
@@ -333,31 +204,13 @@ def parse_args(argv=None):
     return args
 
 
+def parse_args(argv=None):
+    p = parser()
+    return check_args(p, p.parse_args(argv))
+
+
 def run(argv=None) -> dict:
-    args = parse_args(argv)
-    config = {k: str(v) for k, v in vars(args).items() if k not in ("model", "out")}
-    HUNG.clear()
-    log = args.out.with_suffix(".log")
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="server-aborts-") as tmp:
-        kv_heads = 1 if args.dcp > 1 else 2  # vLLM's DCP needs more TP ranks than KV heads
-        label = args.model or f"tiny random Llama, 4 Q / {kv_heads} KV heads"
-        args.model = args.model or str(write_tiny_llama(Path(tmp) / "m", kv_heads))
-        result = {"device": args.device, "model": label, "config": config, **asyncio.run(serve_and_load(args, log))}
-        paths = ((args.model, f"<{label}>"), (sys.prefix, "<venv>"), (str(REPO), "."), (sys.base_prefix, "<python>"),
-                 (tempfile.gettempdir(), "<tmp>"))  # the files name no path outside the checkout
-
-        def scrub(text: str) -> str:
-            for path, name in paths:
-                text = text.replace(path, name)
-            return text
-
-        text = scrub(log.read_text(errors="replace"))
-    if len(text) > 2 << 20:  # keep the start and the end
-        text = text[: 1 << 20] + f"\n[... {len(text) - (2 << 20)} characters cut ...]\n" + text[-(1 << 20):]
-    log.write_text(text)
-    args.out.write_text(scrub(json.dumps(result, indent=1)))
-    return result
+    return execute(parse_args(argv), serve_and_load)
 
 
 def main() -> None:

@@ -6,11 +6,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-IDLE = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")  # all 0: nothing left in the engine
-
-
-def idle(state: dict) -> bool:
-    return all(state.get(k) == 0 for k in IDLE)
+from _server import ERROR_LINE, idle
 
 
 def judge(args, result: dict, requests: list[dict], text: str, *, hung: list[str]) -> dict:
@@ -22,7 +18,7 @@ def judge(args, result: dict, requests: list[dict], text: str, *, hung: list[str
     aborted = {i for line in lines if "Aborted request" in line for i in re.findall(main_ids, line)}
     attention = re.search(r"dcp-triton attention: .*kernels=(\S+).*", text)
     result.update(attention_line=attention and attention.group(0), kernels=attention and attention.group(1),
-                  server_errors=[line for line in lines if re.search(r"\b(ERROR|CRITICAL)\b|^Traceback", line)],
+                  server_errors=[line for line in lines if ERROR_LINE.search(line)],
                   warning_tracebacks=[lines[i - 1] for i, line in enumerate(lines)  # the message before each
                                       if "WARNING" in line and "Traceback (most recent call last)" in line])
     rows, mismatches = [], []
