@@ -11,6 +11,8 @@ from __future__ import annotations
 
 OURS, REF = "dcp-triton", "FLASH_ATTN"
 GROWTH_SLACK = 64 << 20
+# case -> the name its checks carry: 16 long prompts at once; one 128K-token prompt beside 64 short ones
+CASES = {"burst": "oom burst", "burst-128k-mix": "128K beside 64 streams"}
 
 
 def rows(jobs: dict[str, dict]) -> list[dict]:
@@ -18,10 +20,10 @@ def rows(jobs: dict[str, dict]) -> list[dict]:
     found = []
     for name, job in sorted(jobs.items()):
         spec = job["spec"]
-        if spec.get("kind") != "engine" or spec.get("case") != "burst":
+        if spec.get("kind") != "engine" or spec.get("case") not in CASES:
             continue
         task = ((job.get("result") or {}).get("tasks") or {}).get("burst")
-        row = {"job": name, "backend": spec["backend"], "status": job.get("status"),
+        row = {"job": name, "case": spec["case"], "backend": spec["backend"], "status": job.get("status"),
                "served": bool(task) and task["completed"] == task["requests"]}
         if task:
             total, peak, before = task["device_total_bytes"], task["peak_reserved_bytes"], task.get(
@@ -35,13 +37,18 @@ def rows(jobs: dict[str, dict]) -> list[dict]:
 
 
 def checks(burst_rows: list[dict]) -> list[dict]:
-    by_backend = {r["backend"]: r for r in burst_rows}
+    """Each case's checks, dcp-triton against FLASH_ATTN run the same way."""
+    return [c for case in CASES for c in _case_checks(
+        {r["backend"]: r for r in burst_rows if r.get("case", "burst") == case}, CASES[case])]
+
+
+def _case_checks(by_backend: dict[str, dict], label: str) -> list[dict]:
     ours, ref = by_backend.get(OURS), by_backend.get(REF)
     if ours is None:
         return []
     ref_ran = ref is not None and (ref["status"] or "").startswith(("ok", "failed", "timeout", "incomplete"))
     served = f"{ours.get('completed', 0)}/{ours.get('requests', '?')}"
-    found = [{"name": "oom burst: dcp-triton served it where FLASH_ATTN did",
+    found = [{"name": f"{label}: dcp-triton served it where FLASH_ATTN did",
               "pass": ours["served"] or (ref_ran and not ref["served"]),
               "detail": f"dcp-triton {ours['status']}, {served} served; {REF} " + (
                   f"{ref['status']}, {ref.get('completed', 0)}/{ref.get('requests', '?')}" if ref_ran
@@ -49,12 +56,12 @@ def checks(burst_rows: list[dict]) -> list[dict]:
     if ours.get("growth_bytes") is not None:
         ref_growth = (ref or {}).get("growth_bytes") or 0
         allowed = max(0, ref_growth) + GROWTH_SLACK
-        found.append({"name": "oom burst: dcp-triton's memory grew no more than FLASH_ATTN's over the burst",
+        found.append({"name": f"{label}: dcp-triton's memory grew no more than FLASH_ATTN's over the burst",
                       "pass": ours["growth_bytes"] <= allowed,
                       "detail": f"torch reserved grew {ours['growth_bytes'] / 2**20:.0f} MiB (allowed "
                                 f"{allowed / 2**20:.0f}: {REF}'s {ref_growth / 2**20:.0f} + 64)"})
     if ours.get("peak_reserved_bytes") is not None and ours.get("budget_bytes"):
-        found.append({"name": "oom burst: dcp-triton's peak memory inside vLLM's budget",
+        found.append({"name": f"{label}: dcp-triton's peak memory inside vLLM's budget",
                       "pass": ours["peak_reserved_bytes"] <= ours["budget_bytes"],
                       "detail": f"torch peak reserved {ours['peak_reserved_bytes'] / 2**30:.2f} GiB, budget "
                                 f"{ours['budget_bytes'] / 2**30:.2f} GiB"})

@@ -186,11 +186,13 @@ def _spec_counters(llm) -> dict:
 def burst_task(llm, task: dict, vocab: int) -> dict:
     """The OOM test: every prompt at once (the scheduler packs their prefills into steps of max_num_batched_tokens),
     greedy, then torch's reserved memory before the burst and its peak over it, and the device's memory. The
-    figures are the engine's only when it runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); else None."""
+    figures are the engine's only when it runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); else None.
+    ``task["prompts"]``: one prompt set (``make_prompts``' arguments) or a list of them, sent together."""
     import torch
     from vllm import SamplingParams
 
-    prompts = report.make_prompts(vocab=vocab, **task["prompts"])
+    sets = task["prompts"] if isinstance(task["prompts"], list) else [task["prompts"]]
+    prompts = [p for shape in sets for p in report.make_prompts(vocab=vocab, **shape)]
     params = SamplingParams(max_tokens=task["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
     in_process = torch.cuda.is_available() and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     if in_process:

@@ -110,7 +110,7 @@ def analyse(jobs: dict[str, dict]) -> dict:
     groups: dict[tuple, dict[str, dict]] = {}
     for job in done.values():
         spec = job["spec"]
-        if spec["case"] == "burst":  # nothing to compare: vllm_e2e_bursts reports them
+        if spec["case"] in bursts.CASES:  # nothing to compare: vllm_e2e_bursts reports them
             continue
         groups.setdefault((spec["model"], spec["dtype"], spec["case"]), {})[spec["backend"]] = job["result"]
     rows, checks = [], []

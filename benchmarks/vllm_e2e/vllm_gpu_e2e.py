@@ -21,7 +21,8 @@ engines each for dcp-triton and FLASH_ATTN, run 2 against run 1. Long context (`
 and 128 greedy tokens at ``gpu_memory_utilization=0.9`` against FLASH_ATTN (bf16), and 2 x 32K in float32 against
 TRITON_ATTN, prompt logprobs on the last 4K positions. The OOM test (``oom-burst-*``): 16 prompts of 24-32K
 tokens at once, ``gpu_memory_utilization=0.95``, ``max_num_batched_tokens=32768``, against FLASH_ATTN; torch's
-peak memory over the burst against vLLM's budget (utilization x device memory).
+peak memory over the burst against vLLM's budget (utilization x device memory); ``mix128k-*``: one 128K-token prompt
+beside 64 short ones (256-4K tokens), 64 greedy tokens each, judged the same way.
 ``--quick``: float32 prompt-logprob agreement (gqa5, 32 prompts up to 2000 tokens) and bf16 greedy agreement
 against both on 8 prompts, five engines at once. float32 jobs run with TRITON_F32_DEFAULT=ieee, so vLLM's Triton
 kernels compute float32 dots in float32, not TF32.
@@ -57,6 +58,8 @@ MAIN_PROMPTS = dict(count=32, min_len=64, max_len=2000, seed=1)
 PROMPTS_128K = dict(count=4, min_len=131072 - 128, max_len=131072 - 128, seed=6)  # + 128 decode tokens
 PROMPTS_32K = dict(count=2, min_len=32768 - 64, max_len=32768 - 64, seed=7)
 PROMPTS_BURST = dict(count=16, min_len=24576, max_len=32768 - 16, seed=8)  # + 16 greedy tokens
+PROMPTS_128K_MIX = [dict(count=1, min_len=131072 - 64, max_len=131072 - 64, seed=9),  # + 64 greedy tokens each
+                    dict(count=64, min_len=256, max_len=4096, seed=10)]
 LONG_PROMPTS = dict(count=6, min_len=1200, max_len=2000, seed=2)
 PREFIX_PROMPTS = dict(prefix_len=1040, suffix_lens=[7, 19, 33, 48], seed=4)
 WORKLOADS = [dict(workload="prefill-8k", requests=64, prompt_len=8192, output_len=256),
@@ -140,6 +143,14 @@ def catalogue(work: Path, raw: Path) -> list[Job]:
     for backend in ("dcp-triton", "FLASH_ATTN"):
         job = engine(f"oom-burst-bf16-{backend}", "long-d128", backend, "bfloat16", "burst",
                      [{"name": "burst", "type": "burst", "prompts": PROMPTS_BURST, "max_tokens": 16}], 420, **burst)
+        job.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        jobs.append(job)
+    # One 128K-token request beside 64 short streams, all at once, same memory setting: the long prefill's chunks
+    # share steps with the streams' decodes.
+    for backend in ("dcp-triton", "FLASH_ATTN"):
+        job = engine(f"mix128k-bf16-{backend}", "long-d128", backend, "bfloat16", "burst-128k-mix",
+                     [{"name": "burst", "type": "burst", "prompts": PROMPTS_128K_MIX, "max_tokens": 64}], 540,
+                     **{**burst, "max_model_len": 131072, "max_num_seqs": 72})
         job.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         jobs.append(job)
     tput = dict(mode="graphs", exclusive=True, max_model_len=8192 + 256 + 64, kv_cache_memory_bytes=24 << 30,

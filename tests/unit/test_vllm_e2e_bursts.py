@@ -90,3 +90,38 @@ def test_oom_burst_is_judged_against_flash_attn_and_the_budget(ours, fa, expecte
         row = ("| ok | 16/16 | 450000 | 9.5 | 10 | 100.00 | 133.00 |" if fa["status"] == "ok"
                else f"| {fa['status']} | 0/? |  |  |  |  |  |")
         assert f"| oom-burst-bf16-FLASH_ATTN | FLASH_ATTN {row}" in report.markdown(summary, {})
+
+
+def test_128k_beside_64_streams_jobs_send_both_sets_at_once_in_process(capsys, monkeypatch):
+    e2e.main(["--only", "mix128k-*", "--list"])
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert names == ["build-long-d128", "mix128k-bf16-dcp-triton", "mix128k-bf16-FLASH_ATTN"]
+    jobs = {j.name: j for j in e2e.catalogue(Path("/w"), Path("/r")) if j.name.startswith("mix128k-")}
+    ours, fa = jobs["mix128k-bf16-dcp-triton"], jobs["mix128k-bf16-FLASH_ATTN"]
+    args = ours.spec["engine"]
+    assert args["max_model_len"] == 131072 and args["gpu_memory_utilization"] == 0.95 and args["max_num_seqs"] >= 65
+    assert ours.spec["tasks"] == fa.spec["tasks"] and ours.env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    sent = []
+
+    class FakeLLM:
+        def generate(self, prompts, params, use_tqdm=False):
+            sent.append(sorted(len(p["prompt_token_ids"]) for p in prompts))
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[3] * params.max_tokens)]) for _ in prompts]
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw)))
+    out = engine.burst_task(FakeLLM(), ours.spec["tasks"][0], 8192)
+    (lengths,) = sent
+    assert len(lengths) == 65 and lengths[-1] == 131072 - 64 and lengths[-2] <= 4096 and lengths[0] >= 256
+    assert (out["requests"], out["completed"]) == (65, 65)
+
+
+def test_each_burst_case_is_judged_on_its_own():
+    mix_ours = burst_job("dcp-triton", FAILED)
+    mix_ours["spec"]["case"] = "burst-128k-mix"
+    mix_fa = burst_job("FLASH_ATTN")
+    mix_fa["spec"]["case"] = "burst-128k-mix"
+    jobs = {"oom-burst-bf16-dcp-triton": burst_job("dcp-triton"), "oom-burst-bf16-FLASH_ATTN": burst_job("FLASH_ATTN"),
+            "mix128k-bf16-dcp-triton": mix_ours, "mix128k-bf16-FLASH_ATTN": mix_fa}
+    checks = {c["name"]: c["pass"] for c in report.analyse(jobs)["checks"]}
+    assert checks["oom burst: dcp-triton served it where FLASH_ATTN did"]
+    assert not checks["128K beside 64 streams: dcp-triton served it where FLASH_ATTN did"]
