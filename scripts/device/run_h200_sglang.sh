@@ -10,7 +10,7 @@
 #                     versions, sgl_kernel's sm90 ops, FlashInfer's sampling module, dcp-triton in SGLang's attention
 #                     backends after SGLang's own plugin loading, and one JIT build of SGLang's RoPE kernel (nvcc,
 #                     cached in /tmp/sgl-jit for the bench call) -> $OUT/install_check.log
-#   stage "bench":    carry nothing -> dcp-triton installed afresh, then benchmarks/sglang/sglang_one_h200.py with the
+#   stage "bench":    carry nothing -> dcp-triton installed afresh, then benchmarks/sglang_e2e/sglang_one_h200.py with the
 #                     given arguments, SGLang from /tmp/sgl; BENCH_TIMEOUT_S=N stops it with SIGINT after N s (its job
 #                     processes end with it; what it saved stays)
 #   e.g.  bash scripts/device/run_h200_sglang.sh part       carry .gpu-bundle/sglang-part-00
@@ -105,7 +105,7 @@ case "$stage" in
     install_dcp "$OUT/install.log" || exit 1
     cd /tmp || exit 1
     PYTHONPATH=/tmp/dcp:$sgl timeout -s INT -k 75 "${BENCH_TIMEOUT_S:-0}" \
-      python3 "$repo/benchmarks/sglang/sglang_one_h200.py" "$@" 2>&1 | tee "$OUT/bench.log"
+      python3 "$repo/benchmarks/sglang_e2e/sglang_one_h200.py" "$@" 2>&1 | tee "$OUT/bench.log"
     if compgen -G "$DCP_BENCH_WORK/*.log" >/dev/null; then
       (cd "$DCP_BENCH_WORK" && tar czf "$OUT/sglang_job_logs.tar.gz" -- *.log)
     fi

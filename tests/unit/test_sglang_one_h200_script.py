@@ -1,4 +1,4 @@
-"""The CPU-checkable parts of benchmarks/sglang/sglang_one_h200.py: its ``--dry-run`` (config, jobs, engine kwargs,
+"""The CPU-checkable parts of benchmarks/sglang_e2e/sglang_one_h200.py: its ``--dry-run`` (config, jobs, engine kwargs,
 without torch, transformers or SGLang), job selection, and the summary of the jobs' results."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sglang" / "sglang_one_h200.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sglang_e2e" / "sglang_one_h200.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import sglang_one_h200 as bench  # noqa: E402
 

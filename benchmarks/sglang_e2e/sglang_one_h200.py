@@ -15,8 +15,8 @@ process, run one after the other:
   ``<backend>-fp32``  float32, eager: prompt logprobs (``return_logprob``, ``logprob_start_len=0``) and greedy
                       tokens of the check prompts
 
-    python benchmarks/sglang/sglang_one_h200.py              # the GPU machine: scripts/device/run_h200_sglang.sh
-    python benchmarks/sglang/sglang_one_h200.py --dry-run    # no GPU, no SGLang: config, jobs, engine kwargs
+    python benchmarks/sglang_e2e/sglang_one_h200.py              # the GPU machine: scripts/device/run_h200_sglang.sh
+    python benchmarks/sglang_e2e/sglang_one_h200.py --dry-run    # no GPU, no SGLang: config, jobs, engine kwargs
 
 Results: ``benchmarks/results/<--name>.json`` (``common.save``): ``summary`` = greedy agreement per dtype (sequences
 equal, differing positions, each prompt's first difference), ``fp32_max_abs_logprob_diff`` against
