@@ -3,8 +3,8 @@
 - decode: ``paged_attention``, one query token per request, in % of the device copy bandwidth (KV bytes read),
   launch included (``triton.testing.do_bench``, L2 flushed, median) and under CUDA-graph replay (L2-cold copies),
   against FlashAttention-3 and vLLM's Triton unified and split-KV kernels (all over 16-token pages; dcp-triton
-  also over the same memory as 64-token pages); ``decode_fp8``: the same over an fp8 cache, against bf16 (tuning
-  sweeps: ``sweep_kernels.py``).
+  also over the same memory as 64-token pages); ``decode_fp8``: the same over an fp8 cache, against bf16, over
+  16- and 64-token pages (tuning sweeps: ``sweep_kernels.py``).
 - prefix: the DCP prefix pass (many query rows against a long paged cache, non-causal) in TFLOP/s against FA3,
   with 16- and 64-token pages.
 - prefill: causal current-chunk ``extend_attention`` in TFLOP/s (CUDA-graph replay, so no one's host time counts)
@@ -154,23 +154,32 @@ def bench_decode_fp8(shapes, copy_gbs: float) -> list[dict]:
         v_scale = torch.full((1,), 0.25, dtype=torch.float32, device="cuda")
         kc8, vc8 = (kc / k_scale).to(torch.float8_e4m3fn), (vc / v_scale).to(torch.float8_e4m3fn)
         out = torch.empty_like(q)
+        # The same memory as 64-token pages (what dcp-triton asks vLLM for on sm_90+): "fp8_p64" / "bf16_p64".
+        state = gen.get_state()
+        pages64 = {True: _as_pages(kc8, vc8, tables, 64, gen)}
+        gen.set_state(state)  # the same block tables for the bf16 views
+        pages64[False] = _as_pages(kc, vc, tables, 64, gen)
 
-        def run(i=0, fp8=True):
-            paged_attention(q, kc8 if fp8 else kc, vc8 if fp8 else vc, tables[i], lens, qsl, scale=HEAD_DIM ** -0.5,
+        def run(i=0, fp8=True, page64=False):
+            k, v, t = pages64[fp8] if page64 else ((kc8, vc8, tables) if fp8 else (kc, vc, tables))
+            paged_attention(q, k, v, t[i], lens, qsl, scale=HEAD_DIM ** -0.5,
                             q_head_start=0, q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=1,
                             out=out, k_scale=k_scale if fp8 else None, v_scale=v_scale if fp8 else None)
 
-        out.fill_(float("nan"))
-        run()
-        row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, fp8_bytes=kv_bytes // 2,
-                   rel_err=_paged_error(out, q, kc8, vc8, tables, lens, qsl, rows=2, k_scale=k_scale,
-                                        v_scale=v_scale))
-        _time_peers(row, {"fp8": run, "bf16": lambda i=0: run(i, fp8=False)}, copies)
+        row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, fp8_bytes=kv_bytes // 2)
+        for key, page64, (k, v, t) in (("rel_err_p64", True, pages64[True]), ("rel_err", False, (kc8, vc8, tables))):
+            out.fill_(float("nan"))
+            run(page64=page64)
+            row[key] = _paged_error(out, q, k, v, t, lens, qsl, rows=2, k_scale=k_scale, v_scale=v_scale)
+        _time_peers(row, {"fp8": run, "bf16": lambda i=0: run(i, fp8=False),
+                          "fp8_p64": lambda i=0: run(i, page64=True),
+                          "bf16_p64": lambda i=0: run(i, fp8=False, page64=True)}, copies)
         row["fp8_graph_pct_copy"] = 100 * kv_bytes / 2 / row["fp8_graph_ms"] / 1e6 / copy_gbs
         rows.append(row)
         print(f"decode fp8 b={batch} ctx={ctx} {hq}/{hk}: {row['fp8_graph_ms'] * 1e3:.1f} us vs bf16 "
               f"{row['bf16_graph_ms'] * 1e3:.1f} us (graph), {row['fp8_graph_pct_copy']:.0f}% of copy, "
-              f"err {row['rel_err']:.1e}", flush=True)
+              f"err {row['rel_err']:.1e}; 64-token pages: {row.get('fp8_p64_graph_ms', float('nan')) * 1e3:.1f} vs "
+              f"{row.get('bf16_p64_graph_ms', float('nan')) * 1e3:.1f} us, err {row['rel_err_p64']:.1e}", flush=True)
         torch.cuda.empty_cache()
     return rows
 
