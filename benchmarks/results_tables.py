@@ -25,6 +25,12 @@ def ratio(ours: float, peer: float) -> str:
     return f"**{text}**" if ours >= peer else text
 
 
+def span(ratios: list[float]) -> str:
+    """``0.80x-0.90x``, or ``0.84x`` when both ends print the same."""
+    low, high = f"{min(ratios):.2f}x", f"{max(ratios):.2f}x"
+    return low if low == high else f"{low}-{high}"
+
+
 def decode_rows(kernels: dict) -> list[str]:
     """One row per decode shape of a ``bench_kernels.py`` result, in its order: CUDA-graph replay, % of the copy
     bandwidth measured in the same run; the ratio in bold where dcp-triton leads FA3. vLLM's Triton kernels get
@@ -115,6 +121,7 @@ def headline_rows(vllm_dcp: dict, kernels: dict, one: dict) -> list[str]:
     triton = f" (and {min(vs_tr):.2f}x-{max(vs_tr):.2f}x `TRITON_ATTN`'s)" if len(vs_tr) == len(graphs) else ""
     fa3 = [r["ours_graph_pct_copy"] / r["fa3_graph_pct_copy"] for r in kernels["decode"]]
     prefill = [r["ours_tflops"] / r["fa3_tflops"] for r in kernels["prefill"]]
+    prefix = [r["ours_tflops"] / r["fa3_tflops"] for r in kernels.get("prefix", []) if r.get("page") == 64]
     meta, page = vllm_dcp["meta"], "docs/performance.md"
     model = f"{meta['config']['num_attention_heads']} Q / {meta['config']['num_key_value_heads']} KV heads"
     return [
@@ -127,7 +134,9 @@ def headline_rows(vllm_dcp: dict, kernels: dict, one: dict) -> list[str]:
         f"{kernels['gpu']}, Llama-3-8B's attention, same run ([table]({page}#inside-vllm-one-h200), "
         "`benchmarks/results/vllm_one_h200.json`).",
         f"- **Kernels against FlashAttention-3**: decode {min(fa3):.2f}x-{max(fa3):.2f}x over {len(fa3)} shapes, "
-        f"causal prefill {min(prefill):.2f}x-{max(prefill):.2f}x ([tables]({page}#kernels-one-h200), "
+        f"causal prefill {min(prefill):.2f}x-{max(prefill):.2f}x"
+        + (f", prefix pass {span(prefix)} over 64-token pages" if prefix else "")
+        + f" ([tables]({page}#kernels-one-h200), "
         "`benchmarks/results/kernels_h200.json`).",
     ]
 

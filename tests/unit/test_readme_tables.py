@@ -69,7 +69,15 @@ def test_headlines_from_hand_made_results():
     assert "(16 Q / 1 KV heads), float32 prompt logprobs within 1.5e-06" in text
     assert "**0.90x-1.30x the output tokens/s of vLLM's FLASH_ATTN** (and 1.00x-2.00x `TRITON_ATTN`'s) over 2 loads" \
         in text  # graphs only: the eager row's 0.01x is not a headline
-    assert "decode 0.90x-1.10x over 2 shapes, causal prefill 0.60x-0.80x" in text
+    assert "decode 0.90x-1.10x over 2 shapes, causal prefill 0.60x-0.80x (" in text  # no prefix rows: no clause
+    kernels["prefix"] = [{"page": 16, "ours_tflops": 100.0, "fa3_tflops": 500.0},
+                         {"page": 64, "ours_tflops": 420.0, "fa3_tflops": 500.0},
+                         {"page": 64, "ours_tflops": 421.0, "fa3_tflops": 500.0}]
+    for load in one["summary"]["loads"].values():  # a run without TRITON_ATTN: its clause goes
+        load["graphs"].pop("triton_attn")
+    text = "\n".join(results_tables.headline_rows(vllm_dcp, kernels, one))
+    assert "causal prefill 0.60x-0.80x, prefix pass 0.84x over 64-token pages (" in text
+    assert "**0.90x-1.30x the output tokens/s of vLLM's FLASH_ATTN** over 2 loads" in text
 
 
 def test_write_replaces_only_the_marked_blocks():
