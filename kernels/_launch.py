@@ -119,7 +119,22 @@ def tma_available(device: torch.device) -> bool:
     the interpreter runs (which emulates them, so the CPU suite tests both selections)."""
     if not hasattr(triton.language, "make_tensor_descriptor"):
         return False
-    return INTERPRET or device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    if INTERPRET:
+        return True
+    return device.type == "cuda" and _capability_major(
+        device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.cache
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def descriptor_ready(t: torch.Tensor, dims: tuple[int, ...]) -> bool:
+    """Whether ``t`` can back a tensor descriptor whose rows step along ``dims``: unit stride along its last dim, a
+    16-byte aligned base, and strides along ``dims`` in multiples of 16 bytes (a TMA copy's requirements)."""
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(t.stride(d) * size % 16 == 0 for d in dims)
 
 
 def _fast_launch_supported() -> bool:

@@ -4,7 +4,7 @@ table and folded into the online softmax of a tile of query rows."""
 import triton
 import triton.language as tl
 
-from dcp_plugin.kernels._launch import next_pow2, tma_available
+from dcp_plugin.kernels._launch import descriptor_ready, next_pow2, tma_available
 
 
 @triton.jit
@@ -69,11 +69,9 @@ def cache_takes_descriptors(key_cache, value_cache, head_dim: int, block_n: int)
     num_blocks, page_size = key_cache.shape[:2]
     if not tma_available(key_cache.device) or head_dim != next_pow2(head_dim) or page_size % block_n:
         return False
-    size = key_cache.element_size()
     blk, tok = key_cache.stride()[:2]
-    for t in (key_cache, value_cache):
-        if t.stride()[:2] != (blk, tok) or t.stride(3) != 1 or tok < 1 or blk % tok or t.data_ptr() % 16:
-            return False
-        if any(stride * size % 16 for stride in t.stride()[:3]):
-            return False
+    if tok < 1 or blk % tok:
+        return False
+    if not all(t.stride()[:2] == (blk, tok) and descriptor_ready(t, (0, 1, 2)) for t in (key_cache, value_cache)):
+        return False
     return num_blocks * (blk // tok) < 2 ** 31

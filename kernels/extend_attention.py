@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from dcp_plugin.kernels._launch import (
-    INDEX_DTYPES, LOG2E, Launch, cdiv, check_head_map, check_int, check_out, check_shape, check_tensor, next_pow2,
-    tma_available,
+    INDEX_DTYPES, LOG2E, Launch, cdiv, check_head_map, check_int, check_out, check_shape, check_tensor,
+    descriptor_ready, next_pow2, tma_available,
 )
 from dcp_plugin.kernels._mode import INTERPRET
 from dcp_plugin.kernels._schedule import find_block, flat_programs
@@ -255,5 +255,4 @@ def _tma_ok(q, k, v, head_dim: int) -> bool:
     are multiples of 16 bytes with unit stride along D (a TMA copy's requirements)."""
     if not tma_available(k.device) or head_dim != next_pow2(head_dim):
         return False
-    return all(t.stride(2) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-               and (t.stride(1) * t.element_size()) % 16 == 0 for t in (k, v))
+    return all(descriptor_ready(t, (0, 1)) for t in (k, v))

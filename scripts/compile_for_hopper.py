@@ -33,7 +33,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import dcp_plugin as dp  # noqa: E402
 from dcp_plugin import kernels  # noqa: E402
-from dcp_plugin.kernels import _launch  # noqa: E402
+from dcp_plugin.kernels import _launch, _paged_tile  # noqa: E402
 from dcp_plugin.warmup import warm_up  # noqa: E402
 
 H100_SMS = 132
@@ -135,8 +135,8 @@ def main() -> None:
     parser.add_argument("--json", help="write the per-variant report here")
     args = parser.parse_args()
     kernels.paged_attention.__globals__["num_sms"] = lambda device_index: H100_SMS  # no GPU to ask
-    for launcher in (kernels.paged_attention, kernels.extend_attention):  # what an sm_90 GPU answers
-        launcher.__globals__["tma_available"] = lambda device: True
+    for module in (_paged_tile, sys.modules[kernels.extend_attention.__module__]):  # what an sm_90 GPU answers
+        module.tma_available = lambda device: True
     record = collect(getattr(torch, args.dtype), args.head_dim, (None, torch.float8_e4m3fn, torch.float8_e5m2))
     target = GPUTarget("cuda", 90, 32)
     rows = []

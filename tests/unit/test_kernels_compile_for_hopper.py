@@ -29,6 +29,9 @@ def test_every_serving_variant_compiles_for_sm90_without_spills(tmp_path):
     decode = [r for r in rows if r["kernel"] == "paged_attention_kernel" and r["constants"].get("DECODE") == "True"]
     prefix = [r for r in rows if r["kernel"] == "paged_attention_kernel" and r["constants"].get("DECODE") == "False"]
     assert decode and prefix, "the decode and the prefix variants of paged attention were not both compiled"
+    descriptors = {r["kernel"] for r in rows if r["constants"].get("USE_TMA") == "True"}
+    assert {"extend_attention_kernel", "paged_attention_kernel"} <= descriptors, \
+        "the Hopper selections (tensor descriptors) were not compiled"
     spilled = [r for r in rows if r.get("local_bytes", 0)]
     assert not spilled, f"register spills: {spilled}"
     assert all("registers" in r for r in rows), "cuobjdump reported no resource usage"
