@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from dcp_plugin.kernels._launch import (
-    INDEX_DTYPES, LOG2E, Launch, cdiv, check_head_map, check_int, check_out, check_shape, check_tensor,
+    INDEX_DTYPES, LOG2E, Launch, check_head_map, check_int, check_out, check_shape, check_tensor,
     descriptor_ready, next_pow2, tma_available,
 )
 from dcp_plugin.kernels._mode import INTERPRET
@@ -99,8 +99,8 @@ def extend_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """Grid (num_q_programs + tail programs, local Q heads); tail programs write (0, -inf) to the padding rows past
-    query_start_loc[num_reqs]."""
+    """Grid (num_q_programs + 1, local Q heads); the last program of each head writes (0, -inf) to the padding rows
+    past query_start_loc[num_reqs], however many (a CUDA graph's padding: a few rows, as a rule)."""
     LN2: tl.constexpr = 0.6931471805599453
     # Reversed: the tail (cheap) and each sequence's last query blocks (the most keys) start first.
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -113,12 +113,13 @@ def extend_attention_kernel(
     lse_head = lse_ptr + head.to(tl.int64) * stride_lh
 
     if pid >= num_q_programs:
-        rows = tl.load(query_start_loc_ptr + num_reqs).to(tl.int64) + (pid - num_q_programs) * BLOCK_M + offs_m
-        row_mask = rows < num_tokens
-        tl.store(out_head + rows[:, None] * stride_ot + offs_d[None, :] * stride_od,
-                 tl.zeros([BLOCK_M, BLOCK_D], dtype=out_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & d_mask[None, :])
-        tl.store(lse_head + rows * stride_lt, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_mask)
+        for first in range(tl.load(query_start_loc_ptr + num_reqs).to(tl.int64), num_tokens, BLOCK_M):
+            rows = first + offs_m
+            row_mask = rows < num_tokens
+            tl.store(out_head + rows[:, None] * stride_ot + offs_d[None, :] * stride_od,
+                     tl.zeros([BLOCK_M, BLOCK_D], dtype=out_ptr.dtype.element_ty),
+                     mask=row_mask[:, None] & d_mask[None, :])
+            tl.store(lse_head + rows * stride_lt, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_mask)
         return
 
     seq, m_block = find_block(query_start_loc_ptr, num_reqs, pid, BLOCK_M)
@@ -239,7 +240,7 @@ def plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_h
     cfg = config or _pick_config(head_dim, q.dtype, None)
     num_reqs = query_start_loc.shape[0] - 1
     num_q_programs = flat_programs(num_tokens, num_reqs, cfg.block_m)
-    grid = (num_q_programs + cdiv(num_tokens, cfg.block_m), num_q_heads) if num_tokens and num_q_heads else (0,)
+    grid = (num_q_programs + 1, num_q_heads) if num_tokens and num_q_heads else (0,)  # + 1: the padding rows
     scalars = (num_tokens, num_reqs, num_q_programs, float(scale) * LOG2E, q_head_start, q_per_kv, kv_head_start,
                *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride())
     # fp32 inputs: exact fp32 products (TF32 would cost ~1e-3 relative error).
