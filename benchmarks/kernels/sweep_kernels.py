@@ -2,7 +2,7 @@
 default (``None``: the kernels' own table) first, so a row's gain is read against the default of the same run.
 
 - ``prefill``: ``extend_attention`` configs ``(block_m, block_n, num_warps, num_stages, tma)`` per head size on
-  2 x 4096 causal, 32 Q / 8 KV heads, in TFLOP/s (``tma``: K/V through tensor descriptors; kernels_h200_sweep2.json
+  each of ``--prefill-shapes`` (2 x 4096 unless given) causal, 32 Q / 8 KV heads, in TFLOP/s (``tma``: K/V through tensor descriptors; kernels_h200_sweep2.json
   timed it as a separate candidate kernel, 6-tuples with warp specialization, which gained nothing, before it
   became this option);
 - ``prefix``: ``paged_attention`` configs ``(block_n, block_m, num_warps, num_stages[, tma])`` on the DCP prefix
@@ -120,38 +120,47 @@ def sweep_prefix(shapes, configs) -> list[dict]:
     return rows
 
 
-def sweep_prefill(head_dims, configs_by_dim, *, seqs: int = 2, seq_len: int = 4096, hq: int = 32,
-                  hk: int = 8) -> list[dict]:
-    """TFLOP/s of each ``(block_m, block_n, num_warps, num_stages, tma)`` per head size (causal)."""
+def sweep_prefill(head_dims, configs_by_dim, shapes, *, hq: int = 32, hk: int = 8) -> list[dict]:
+    """TFLOP/s of each ``(block_m, block_n, num_warps, num_stages, tma)`` per head size on each ``(seqs, seq_len)``
+    (causal, every sequence ``seq_len`` long)."""
     from dcp_plugin.kernels.extend_attention import ExtendConfig
 
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(9)
     for d in head_dims:
-        total = seqs * seq_len
-        q = torch.randn(total, hq, d, dtype=DTYPE, device="cuda", generator=gen)
-        k = torch.randn(total, hk, d, dtype=DTYPE, device="cuda", generator=gen)
-        v = torch.randn(total, hk, d, dtype=DTYPE, device="cuda", generator=gen)
-        cu = torch.arange(0, total + 1, seq_len, dtype=torch.int32, device="cuda")
-        out = torch.empty_like(q)
-        ref = torch.nn.functional.scaled_dot_product_attention(
-            *(t.view(1, seq_len, -1, d).transpose(1, 2).double() for t in (q[:seq_len], k[:seq_len], v[:seq_len])),
-            is_causal=True, enable_gqa=True)
-        for consts in [None, *configs_by_dim[d]]:
-            cfg = None if consts is None else ExtendConfig(*consts)
-            row = dict(head_dim=d, shape=[seqs, seq_len, hq, hk], config=consts)
+        for seqs, seq_len in shapes:
+            rows += _sweep_prefill_shape(d, configs_by_dim[d], seqs, seq_len, hq, hk, gen, ExtendConfig)
+            torch.cuda.empty_cache()
+    return rows
 
-            def call(cfg=cfg):
-                extend_attention(q, k, v, cu, seq_len, scale=d ** -0.5, q_head_start=0, q_per_kv=hq // hk,
-                                 kv_head_start=0, out=out, config=cfg)
-            def error():
-                mine = out[:seq_len].view(1, seq_len, hq, d).transpose(1, 2).double()
-                return ((mine - ref[:1]).norm() / ref[:1].norm()).item()
 
-            _check_then_time(row, call, out, error, flops=2 * seqs * seq_len * seq_len * hq * d)
-            rows.append(row)
-            print(f"sweep prefill D{d} config={consts}: {row.get('tflops', 0):.0f} TFLOP/s "
-                  f"err {row.get('rel_err', float('nan')):.1e} {row.get('error', '')}", flush=True)
+def _sweep_prefill_shape(d, configs, seqs, seq_len, hq, hk, gen, config_type) -> list[dict]:
+    rows = []
+    total = seqs * seq_len
+    q = torch.randn(total, hq, d, dtype=DTYPE, device="cuda", generator=gen)
+    k = torch.randn(total, hk, d, dtype=DTYPE, device="cuda", generator=gen)
+    v = torch.randn(total, hk, d, dtype=DTYPE, device="cuda", generator=gen)
+    cu = torch.arange(0, total + 1, seq_len, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(t.view(1, seq_len, -1, d).transpose(1, 2).double() for t in (q[:seq_len], k[:seq_len], v[:seq_len])),
+        is_causal=True, enable_gqa=True)
+    for consts in [None, *configs]:
+        cfg = None if consts is None else config_type(*consts)
+        row = dict(head_dim=d, shape=[seqs, seq_len, hq, hk], config=consts)
+
+        def call(cfg=cfg):
+            extend_attention(q, k, v, cu, seq_len, scale=d ** -0.5, q_head_start=0, q_per_kv=hq // hk,
+                             kv_head_start=0, out=out, config=cfg)
+
+        def error():
+            mine = out[:seq_len].view(1, seq_len, hq, d).transpose(1, 2).double()
+            return ((mine - ref[:1]).norm() / ref[:1].norm()).item()
+
+        _check_then_time(row, call, out, error, flops=2 * seqs * seq_len * seq_len * hq * d)
+        rows.append(row)
+        print(f"sweep prefill D{d} {seqs}x{seq_len} config={consts}: {row.get('tflops', 0):.0f} TFLOP/s "
+              f"err {row.get('rel_err', float('nan')):.1e} {row.get('error', '')}", flush=True)
     return rows
 
 
@@ -176,6 +185,7 @@ PREFILL_CONFIGS = {
     128: [(128, 128, 8, 3, False), (128, 64, 8, 3, True), (128, 128, 8, 2, True), (128, 64, 8, 4, True)],
     64: [(128, 128, 8, 3, True), (128, 64, 4, 3, True), (128, 128, 4, 3, True), (128, 64, 4, 4, False)],
 }
+PREFILL_SHAPES = [(2, 4096)]  # (sequences, tokens each), --prefill-shapes
 PAGE_SIZE = [16]  # the cache's page size for the prefix and decode sweeps (--page)
 PREFIX_CONFIGS = [(32, 128, 4, 5), (64, 256, 8, 2), (32, 128, 4, 6), (64, 128, 4, 4), (128, 256, 8, 2)]
 PREFIX_SHAPES = [(2, 4096, 32768, 32, 8), (1, 2048, 131072, 32, 8)]
@@ -198,8 +208,11 @@ def main() -> None:
     parser.add_argument("--decode-configs", help="replace the decode candidates: BNxWxS[xTMA],... (e.g. 64x4x3x1)")
     parser.add_argument("--prefill-configs", help="replace the D=128 prefill candidates: BMxBNxWxSxTMA,... "
                         "(TMA 0/1, e.g. 128x128x8x3x1)")
+    parser.add_argument("--prefill-shapes", help="replace the prefill shapes: SEQSxLEN,... (e.g. 16x1024,2x4096)")
     args = parser.parse_args()
     PAGE_SIZE[0] = args.page
+    if args.prefill_shapes:
+        PREFILL_SHAPES[:] = [tuple(int(x) for x in c.split("x")) for c in args.prefill_shapes.split(",")]
     if args.decode_configs:
         DECODE_CONFIGS[:] = [tuple(int(x) for x in c.split("x")) for c in args.decode_configs.split(",")]
     if args.prefix_configs:
@@ -210,7 +223,8 @@ def main() -> None:
         PREFILL_CONFIGS.pop(64)
     results = dict(gpu=gpu_name(), torch=torch.__version__)
     sweeps = {
-        "prefill": (lambda: sweep_prefill(tuple(PREFILL_CONFIGS), PREFILL_CONFIGS), "tflops", lambda r: r["head_dim"]),
+        "prefill": (lambda: sweep_prefill(tuple(PREFILL_CONFIGS), PREFILL_CONFIGS, PREFILL_SHAPES), "tflops",
+                    lambda r: [r["head_dim"], *r["shape"][:2]]),
         "prefix": (lambda: sweep_prefix(PREFIX_SHAPES, PREFIX_CONFIGS), "tflops", lambda r: r["shape"]),
         "decode": (lambda: sweep_decode(DECODE_SHAPES, DECODE_SPLITS, DECODE_CONFIGS), "gbs",
                    lambda r: [r["batch"], r["ctx"], r["q_heads"], r["kv_heads"]]),
