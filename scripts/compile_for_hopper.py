@@ -1,5 +1,5 @@
 """Compile, without a GPU, every kernel variant a serving engine runs, for an H100/H200 (sm_90), and report each
-one's registers and spills.
+one's registers, spills and steady-state loop (instructions per warp and iteration, from the SASS).
 
 The variants are the ones ``dcp_plugin.warmup`` compiles: the dummy steps run through ``DcpAttention`` on CPU
 tensors with kernel plans that record their launches instead of running them (at DCP = 1 and DCP = 2, both comm
@@ -9,6 +9,8 @@ way Triton's dispatch specializes it (integer arguments equal to 1 become consta
 are marked 16-divisible). A kernel that does not compile for the GPU fails here, on any machine with Triton.
 
     TRITON_INTERPRET=0 python scripts/compile_for_hopper.py [--dtype bfloat16] [--head-dim 128] [--json OUT]
+
+``--json``: ``variants`` (one row per variant: registers, local_bytes, shared, main_loop) and ``provenance``.
 """
 
 from __future__ import annotations
@@ -113,19 +115,43 @@ def collect(dtype: torch.dtype, head_dim: int, cache_dtypes: tuple) -> dict:
     return record
 
 
-def resource_usage(cubin: bytes) -> dict:
-    """Registers and local-memory bytes (spills) per thread, from the cubin (Triton's bundled cuobjdump)."""
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """Triton's bundled cuobjdump ``flag`` on the cubin ('' if it cannot run)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         try:
-            text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                                  timeout=60).stdout
+            return subprocess.run([tool, flag, f.name], capture_output=True, text=True, timeout=60).stdout
         except (OSError, subprocess.SubprocessError):
-            return {}
-    found = re.search(r"REG:(\d+).*?LOCAL:(\d+)", text)
+            return ""
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """Registers and local-memory bytes (spills) per thread, from the cubin."""
+    found = re.search(r"REG:(\d+).*?LOCAL:(\d+)", cuobjdump(cubin, "--dump-resource-usage"))
     return {"registers": int(found[1]), "local_bytes": int(found[2])} if found else {}
+
+
+def main_loop(sass: str) -> dict:
+    """What each warp issues per iteration of the kernel's steady-state loop: the smallest loop (a backward branch
+    and its target) that holds tensor-core instructions, the attention kernels' unmasked KV-tile loop. ``{}`` for
+    kernels without one."""
+    code = [(int(m[1], 16), m[2].split()[0]) for m in re.finditer(
+        r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", sass)]
+    branches = [(int(m[1], 16), int(m[2], 16)) for m in re.finditer(
+        r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA[^;]*?(0x[0-9a-f]+)", sass)]
+    loops = []
+    for end, start in branches:
+        body = [op for addr, op in code if start <= addr <= end]
+        if start < end and any("MMA" in op for op in body):
+            loops.append(body)
+    if not loops:
+        return {}
+    body = min(loops, key=len)
+    return {"instructions": len(body), "mma": sum("MMA" in op for op in body),
+            "shared_byte_loads": sum(op.startswith("LDS.U8") or op.startswith("LDS.S8") for op in body),
+            "fp8_converts": sum(op.startswith("F2FP") and ("E4M3" in op or "E5M2" in op) for op in body)}
 
 
 def main() -> None:
@@ -145,15 +171,21 @@ def main() -> None:
         src = ASTSource(fn=launch.kernel, signature=dict(signature), constexprs=constants, attrs=attrs)
         compiled = triton.compile(src, target=target, options=options)
         usage = resource_usage(compiled.asm["cubin"])
+        loop = main_loop(cuobjdump(compiled.asm["cubin"], "-sass"))
         rows.append(dict(kernel=name, constants={k: str(v) for k, v in constants.items()}, **options, **usage,
-                         shared=compiled.metadata.shared, seconds=round(time.perf_counter() - began, 1)))
+                         shared=compiled.metadata.shared, main_loop=loop,
+                         seconds=round(time.perf_counter() - began, 1)))
         print(f"{name:30s} regs {usage.get('registers', '?'):>3} local {usage.get('local_bytes', '?'):>4} "
-              f"smem {compiled.metadata.shared:6d} {options} { {k: v for k, v in constants.items() if k.isupper()} }",
-              flush=True)
-    print(f"{len(rows)} variants compiled for sm_90")
-    if args.json:
+              f"smem {compiled.metadata.shared:6d} loop {loop.get('instructions', '-'):>4} {options} "
+              f"{ {k: v for k, v in constants.items() if k.isupper()} }", flush=True)
+    print(f"{len(rows)} variants compiled for sm_90 (Triton {triton.__version__})")
+    if args.json:  # with the provenance benchmarks/common.py gives every results file
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+        from common import provenance
+
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"target": "cuda:90", "dtype": args.dtype, "head_dim": args.head_dim,
+                       "provenance": provenance(), "variants": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Every kernel variant a serving engine runs compiles for an H100/H200 (sm_90) with Triton's own compiler, on this
-machine without a GPU (scripts/compile_for_hopper.py), without spilling registers to local memory. The interpreter
-runs the kernels' Python; only this catches what the GPU compiler alone rejects."""
+machine without a GPU (scripts/compile_for_hopper.py), without spilling registers to local memory, with tensor-core
+work and, over a cache in the model dtype, no byte-wide shared loads in its KV-tile loop. The interpreter runs the
+kernels' Python; only this catches what the GPU compiler alone rejects."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def test_every_serving_variant_compiles_for_sm90_without_spills(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--json", str(report)], capture_output=True, text=True,
                           env=env, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = json.loads(report.read_text())
+    rows = json.loads(report.read_text())["variants"]
     assert {row["kernel"] for row in rows} == KERNELS
     decode = [r for r in rows if r["kernel"] == "paged_attention_kernel" and r["constants"].get("DECODE") == "True"]
     prefix = [r for r in rows if r["kernel"] == "paged_attention_kernel" and r["constants"].get("DECODE") == "False"]
@@ -35,3 +36,11 @@ def test_every_serving_variant_compiles_for_sm90_without_spills(tmp_path):
     spilled = [r for r in rows if r.get("local_bytes", 0)]
     assert not spilled, f"register spills: {spilled}"
     assert all("registers" in r for r in rows), "cuobjdump reported no resource usage"
+    # The attention kernels' KV-tile loop, from the SASS: tensor-core work in every variant, and over a cache in the
+    # model dtype no byte-wide shared-memory loads (what an fp8 cache's V costs: its tiles are read along tokens).
+    attention = [r for r in rows if r["kernel"] in ("extend_attention_kernel", "paged_attention_kernel")]
+    assert all(r["main_loop"].get("mma", 0) > 0 for r in attention), [r for r in attention if not r["main_loop"]]
+    plain = [r for r in attention if r["constants"].get("KV_FP8") != "True"]
+    assert plain and not [r for r in plain if r["main_loop"]["shared_byte_loads"] or r["main_loop"]["fp8_converts"]]
+    fp8_decode = [r for r in decode if r["constants"].get("KV_FP8") == "True"]
+    assert fp8_decode and all(r["main_loop"]["fp8_converts"] > 0 for r in fp8_decode)
