@@ -1,27 +1,104 @@
-"""The inner step of the prefix pass (``paged_attention_kernel``): one tile of cached tokens read through the block
-table and folded into the online softmax of a tile of query rows."""
+"""The inner loop of the prefix pass (``paged_attention_kernel``): a split's tiles of cached tokens read through the
+block table (``attend_split``), each folded into the online softmax of a tile of query rows (``attend_cached_tile``)."""
 
 import triton
 import triton.language as tl
 
 from dcp_plugin.kernels._launch import descriptor_ready, next_pow2, tma_available
 
+# Tiles whose descriptor rows are read at once (``tile_rows``). A copy whose coordinates come from a load in the same
+# loop iteration is an indirect load to Triton's pipeliner, which then keeps one tile in flight whatever
+# num_stages says; rows read a chunk ahead leave the loop without loads, and num_stages - 1 copies stay in flight.
+TMA_CHUNK = tl.constexpr(32)
+
 
 @triton.jit
-def attend_cached_tile(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, n_start, kv_end, dims,
-                       dim_mask, qk_scale, stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok,
-                       stride_vc_d, stride_bt_blk, rows_per_block, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+def tile_rows(table_ptr, first, end, stride_bt_blk, rows_per_block, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+              CHUNK: tl.constexpr):
+    """The descriptor rows of the ``CHUNK`` tiles from token ``first`` on (row ``page * rows_per_block + token in
+    page``); tiles at or past ``end`` get row 0 and must not be read."""
+    starts = first + tl.arange(0, CHUNK) * BLOCK_N
+    pages = tl.load(table_ptr + (starts // PAGE_SIZE) * stride_bt_blk, mask=starts < end, other=0).to(tl.int32)
+    return pages * rows_per_block + (starts % PAGE_SIZE).to(tl.int32)  # < 2^31: checked on the host
+
+
+@triton.jit
+def pick_row(rows, j, CHUNK: tl.constexpr):
+    """Element ``j`` of ``tile_rows``' result, a scalar."""
+    return tl.sum(tl.where(tl.arange(0, CHUNK) == j, rows, 0))
+
+
+@triton.jit
+def _row_here(table_ptr, n_start, stride_bt_blk, rows_per_block, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+              USE_TMA: tl.constexpr):
+    """The descriptor row of the tile at ``n_start``, read now (0 without descriptors: unused)."""
+    row = 0
+    if USE_TMA:
+        row = pick_row(tile_rows(table_ptr, n_start, n_start + 1, stride_bt_blk, rows_per_block, PAGE_SIZE, BLOCK_N,
+                                 1), 0, 1)
+    return row
+
+
+@triton.jit
+def attend_split(q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, kv_start, kv_end, dims, dim_mask, qk_scale,
+                 stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d, stride_bt_blk,
+                 rows_per_block, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, USE_TMA: tl.constexpr,
+                 ROWS_AHEAD: tl.constexpr):
+    """The online softmax of ``q`` [BLOCK_M, BLOCK_D] over cached tokens ``[kv_start, kv_end)`` (a split starts on a
+    tile boundary): ``(acc, l_i, m_i)``, scores in base-2 units. ``ROWS_AHEAD`` (with ``USE_TMA``): descriptor rows
+    read a chunk of tiles ahead (decode; the prefix pass's configurations were timed with each tile's row read in
+    the loop)."""
+    BLOCK_M: tl.constexpr = q.shape[0]
+    BLOCK_D: tl.constexpr = q.shape[1]
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Whole tiles first, with no token mask; then the split's last, partial tile (at most one), masked.
+    full_end = kv_start + tl.maximum(kv_end - kv_start, 0) // BLOCK_N * BLOCK_N
+    if USE_TMA and ROWS_AHEAD:  # the tiles' descriptor rows a chunk ahead (TMA_CHUNK says why)
+        for chunk in range(kv_start, full_end, TMA_CHUNK * BLOCK_N):
+            rows_ahead = tile_rows(table_ptr, chunk, full_end, stride_bt_blk, rows_per_block, PAGE_SIZE, BLOCK_N,
+                                   TMA_CHUNK)
+            for j in range(0, tl.minimum(TMA_CHUNK, (full_end - chunk) // BLOCK_N)):
+                acc, l_i, m_i = attend_cached_tile(
+                    acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, chunk + j * BLOCK_N,
+                    kv_end, pick_row(rows_ahead, j, TMA_CHUNK), dims, dim_mask, qk_scale, stride_kc_blk,
+                    stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d, stride_bt_blk,
+                    PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASK_TOKENS=False, EVEN_D=EVEN_D,
+                    DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, USE_TMA=USE_TMA)
+    else:
+        for n_start in range(kv_start, full_end, BLOCK_N):
+            acc, l_i, m_i = attend_cached_tile(
+                acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, n_start, kv_end,
+                _row_here(table_ptr, n_start, stride_bt_blk, rows_per_block, PAGE_SIZE, BLOCK_N, USE_TMA), dims,
+                dim_mask, qk_scale, stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok,
+                stride_vc_d, stride_bt_blk, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASK_TOKENS=False, EVEN_D=EVEN_D,
+                DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, USE_TMA=USE_TMA)
+    for n_start in range(full_end, kv_end, BLOCK_N):
+        acc, l_i, m_i = attend_cached_tile(
+            acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, n_start, kv_end,
+            _row_here(table_ptr, n_start, stride_bt_blk, rows_per_block, PAGE_SIZE, BLOCK_N, USE_TMA), dims,
+            dim_mask, qk_scale, stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d,
+            stride_bt_blk, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASK_TOKENS=True, EVEN_D=EVEN_D,
+            DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, USE_TMA=USE_TMA)
+
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attend_cached_tile(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, n_start, kv_end, row,
+                       dims, dim_mask, qk_scale, stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk,
+                       stride_vc_tok, stride_vc_d, stride_bt_blk, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                        MASK_TOKENS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        KV_FP8: tl.constexpr, USE_TMA: tl.constexpr):
     """One online-softmax step over cached tokens ``n_start + [0, BLOCK_N)``; scores in base-2 units.
     ``MASK_TOKENS``: the tile may pass ``kv_end`` (it always holds at least one token before it). ``USE_TMA``: the
-    tile lies inside one page (``BLOCK_N`` divides ``PAGE_SIZE``) and comes through the tensor descriptors, whose
-    row ``page * rows_per_block + i`` is the page's token ``i``."""
+    tile lies inside one page (``BLOCK_N`` divides ``PAGE_SIZE``) and comes through the tensor descriptors from
+    their row ``row`` (``tile_rows``); otherwise ``row`` is unused and each token's page is looked up."""
     pos = n_start + tl.arange(0, BLOCK_N)
     pos_mask = pos < kv_end
     if USE_TMA:
-        page = tl.load(table_ptr + (n_start // PAGE_SIZE) * stride_bt_blk).to(tl.int32)
-        row = page * rows_per_block + tl.cast(n_start % PAGE_SIZE, tl.int32)  # < 2^31: checked on the host
         k = k_desc.load([row, 0])  # [BLOCK_N, BLOCK_D]
         v = v_desc.load([row, 0])  # [BLOCK_N, BLOCK_D]
         if MASK_TOKENS:  # the page's rows past kv_end hold anything (NaN too): they must add exactly nothing

@@ -30,7 +30,7 @@ from dcp_plugin.kernels._launch import (
 )
 from dcp_plugin.checks import FP8_DTYPES, check_kv_scales
 from dcp_plugin.kernels._mode import INTERPRET
-from dcp_plugin.kernels._paged_tile import attend_cached_tile, cache_takes_descriptors
+from dcp_plugin.kernels._paged_tile import attend_split, cache_takes_descriptors
 from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count constants are part of this module's API
     MAX_AUTO_SPLITS, MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM, find_block, flat_programs, group_head_tile, head_tiling,
     pick_num_splits,
@@ -76,11 +76,14 @@ GPU_CONFIGS = {
 }
 # A table entry that asks for tensor descriptors -> the constants for the same work through pointer loads.
 POINTER_CONFIGS = {GPU_CONFIGS[128, False]: PagedConfig(block_n=64, block_m=256, num_warps=8, num_stages=3)}
-# Decode over pages of 64+ tokens with at most 16 Q heads per KV group: 64-token tiles through tensor descriptors,
-# four stages. H200, 32 Q / 8 KV heads, 64-token pages: 3,690 GB/s at 8 x 8K and 1,767 at 8 x 1K against 3,001 and
-# 1,658 for the table's 128-token pointer tiles; with 32 Q heads per KV head the pointer tiles stay ahead (2,566
-# against 2,092 at 32 x 8K), hence the group bound (kernels_h200_sweep_decode64.json).
-DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=4, tma=True)}
+# Decode over pages of 64+ tokens with at most 16 Q heads per KV group: 64-token tiles through tensor descriptors.
+# H200, 32 Q / 8 KV heads, 64-token pages: 3,690 GB/s at 8 x 8K and 1,767 at 8 x 1K against 3,001 and 1,658 for the
+# table's 128-token pointer tiles; with 32 Q heads per KV head the pointer tiles stay ahead (2,566 against 2,092 at
+# 32 x 8K), hence the group bound (kernels_h200_sweep_decode64.json). That sweep's loop read each tile's page in the
+# loop, so it kept one tile in flight at any stage count (compiled for sm_90: one 16 KiB buffer per K and V, 55 KiB
+# of shared memory at four stages); with the rows read a chunk ahead, three stages keep two in flight per program at
+# the same three programs per SM (72 KiB, 141 registers).
+DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=3, tma=True)}
 DESCRIPTOR_DECODE_MAX_GROUP = 16
 # float32 tiles take twice the shared memory: 128-token prefix tiles do not fit (256 KiB of 227).
 GPU_FP32_CONFIGS = {(128, False): PagedConfig(block_n=64, block_m=128, num_warps=8, num_stages=3)}
@@ -183,23 +186,11 @@ def paged_attention_kernel(
     else:
         k_desc = k_head_ptr
         v_desc = v_head_ptr
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Whole tiles first, with no token mask; then the split's last, partial tile (at most one), masked.
-    full_end = kv_start + tl.maximum(kv_end - kv_start, 0) // BLOCK_N * BLOCK_N
-    for n_start in range(kv_start, full_end, BLOCK_N):
-        acc, l_i, m_i = attend_cached_tile(
-            acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, n_start, kv_end, dims, dim_mask,
-            qk_scale, stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d,
-            stride_bt_blk, rows_per_block, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASK_TOKENS=False, EVEN_D=EVEN_D,
-            DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, USE_TMA=USE_TMA)
-    for n_start in range(full_end, kv_end, BLOCK_N):
-        acc, l_i, m_i = attend_cached_tile(
-            acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, n_start, kv_end, dims, dim_mask,
-            qk_scale, stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d,
-            stride_bt_blk, rows_per_block, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASK_TOKENS=True, EVEN_D=EVEN_D,
-            DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, USE_TMA=USE_TMA)
+    acc, l_i, m_i = attend_split(
+        q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, kv_start, kv_end, dims, dim_mask, qk_scale,
+        stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d, stride_bt_blk,
+        rows_per_block, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+        KV_FP8=KV_FP8, USE_TMA=USE_TMA, ROWS_AHEAD=DECODE)
 
     # No cached tokens: acc = 0, l_i = 0, m_i = -inf -> (0, -inf). A NaN input leaves l_i NaN: NaN out and lse.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
