@@ -47,8 +47,7 @@ def attend_split(q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, kv_start,
                  ROWS_AHEAD: tl.constexpr):
     """The online softmax of ``q`` [BLOCK_M, BLOCK_D] over cached tokens ``[kv_start, kv_end)`` (a split starts on a
     tile boundary): ``(acc, l_i, m_i)``, scores in base-2 units. ``ROWS_AHEAD`` (with ``USE_TMA``): descriptor rows
-    read a chunk of tiles ahead (decode; the prefix pass's configurations were timed with each tile's row read in
-    the loop)."""
+    read a chunk of tiles ahead; otherwise each tile's row is read in its own iteration."""
     BLOCK_M: tl.constexpr = q.shape[0]
     BLOCK_D: tl.constexpr = q.shape[1]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)

@@ -55,6 +55,7 @@ class PagedConfig:
     num_warps: int
     num_stages: int
     tma: bool = False  # on sm_90+, whole tiles of one page through tensor descriptors where the cache allows
+    rows_ahead: bool = False  # with tma: the tiles' descriptor rows read a chunk ahead (_paged_tile.TMA_CHUNK)
 
 
 # (padded head dim, decode) -> launch constants for Hopper; benchmarks sweep others via ``config=``. "decode" = the
@@ -83,7 +84,8 @@ POINTER_CONFIGS = {GPU_CONFIGS[128, False]: PagedConfig(block_n=64, block_m=256,
 # loop, so it kept one tile in flight at any stage count (compiled for sm_90: one 16 KiB buffer per K and V, 55 KiB
 # of shared memory at four stages); with the rows read a chunk ahead, three stages keep two in flight per program at
 # the same three programs per SM (72 KiB, 141 registers).
-DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=3, tma=True)}
+DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=3, tma=True,
+                                             rows_ahead=True)}
 DESCRIPTOR_DECODE_MAX_GROUP = 16
 # float32 tiles take twice the shared memory: 128-token prefix tiles do not fit (256 KiB of 227).
 GPU_FP32_CONFIGS = {(128, False): PagedConfig(block_n=64, block_m=128, num_warps=8, num_stages=3)}
@@ -122,6 +124,7 @@ def paged_attention_kernel(
     KV_FP8: tl.constexpr,  # the cache holds value / scale in fp8: scale the scores by k_scale, the output by v_scale
     FP8_VIA_FP16: tl.constexpr,  # bf16 q over an fp8 cache: compute in fp16 (below)
     USE_TMA: tl.constexpr,  # whole tiles of one page through tensor descriptors (``cache_takes_descriptors``)
+    ROWS_AHEAD: tl.constexpr,  # with USE_TMA: descriptor rows read a chunk of tiles ahead (PagedConfig.rows_ahead)
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     pid_q = tl.program_id(0)
@@ -190,7 +193,7 @@ def paged_attention_kernel(
         q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, kv_start, kv_end, dims, dim_mask, qk_scale,
         stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d, stride_bt_blk,
         rows_per_block, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
-        KV_FP8=KV_FP8, USE_TMA=USE_TMA, ROWS_AHEAD=DECODE)
+        KV_FP8=KV_FP8, USE_TMA=USE_TMA, ROWS_AHEAD=ROWS_AHEAD)
 
     # No cached tokens: acc = 0, l_i = 0, m_i = -inf -> (0, -inf). A NaN input leaves l_i NaN: NaN out and lse.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -376,7 +379,8 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
         dict(PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
              EVEN_D=block_d == head_dim, DECODE=decode,
              DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-             KV_FP8=kv_fp8, FP8_VIA_FP16=kv_fp8 and q.dtype == torch.bfloat16, USE_TMA=use_tma),
+             KV_FP8=kv_fp8, FP8_VIA_FP16=kv_fp8 and q.dtype == torch.bfloat16, USE_TMA=use_tma,
+             ROWS_AHEAD=use_tma and cfg.rows_ahead),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, scratch=use_tma,
         stand_ins=None if kv_fp8 else {8: 0, 9: 0})  # no scales: q's pointer stands in (never read)
     reduce = plan_split_reduce(part_out, part_lse, out, lse) if num_splits > 1 else None

@@ -5,10 +5,10 @@ default (``None``: the kernels' own table) first, so a row's gain is read agains
   each of ``--prefill-shapes`` (2 x 4096 unless given) causal, 32 Q / 8 KV heads, in TFLOP/s (``tma``: K/V through tensor descriptors; kernels_h200_sweep2.json
   timed it as a separate candidate kernel, 6-tuples with warp specialization, which gained nothing, before it
   became this option);
-- ``prefix``: ``paged_attention`` configs ``(block_n, block_m, num_warps, num_stages[, tma])`` on the DCP prefix
-  pass;
-- ``decode`` / ``fp8``: decode configs ``(block_n, num_warps, num_stages[, tma])`` crossed with split counts, graph
-  replay, GB/s of cache bytes read (bf16 / e4m3 cache).
+- ``prefix``: ``paged_attention`` configs ``(block_n, block_m, num_warps, num_stages[, tma[, rows_ahead]])`` on the
+  DCP prefix pass;
+- ``decode`` / ``fp8``: decode configs ``(block_n, num_warps, num_stages[, tma[, rows_ahead]])`` crossed with split
+  counts, graph replay, GB/s of cache bytes read (bf16 / e4m3 cache).
 
 ``--page`` sets the cache's page size for both (16, vLLM's default, unless given; ``tma``: whole tiles of one page
 through tensor descriptors, which needs pages of at least ``block_n`` tokens).
@@ -48,7 +48,8 @@ def sweep_decode(shapes, splits_list, configs, *, fp8: bool = False) -> list[dic
     gen = torch.Generator(device="cuda").manual_seed(3)
     auto_cfg = pick_config(HEAD_DIM, decode=True)
     cfgs = [None, *(PagedConfig(block_n=c[0], block_m=auto_cfg.block_m, num_warps=c[1], num_stages=c[2],
-                                tma=len(c) > 3 and bool(c[3])) for c in configs)]
+                                tma=len(c) > 3 and bool(c[3]), rows_ahead=len(c) > 4 and bool(c[4]))
+                    for c in configs)]
     for batch, ctx, hq, hk in shapes:
         kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen, page=PAGE_SIZE[0])
         scales = {}
@@ -64,7 +65,8 @@ def sweep_decode(shapes, splits_list, configs, *, fp8: bool = False) -> list[dic
                                     q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=1,
                                     num_splits=splits, out=out, config=cfg, **scales)
                 row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, fp8=fp8, splits=splits, page=PAGE_SIZE[0],
-                           config=None if cfg is None else [cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.tma])
+                           config=None if cfg is None else [cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.tma,
+                                                            cfg.rows_ahead])
                 try:
                     row["graph_ms"] = graph_ms([lambda i=i: call(i) for i in range(copies)])
                     row["gbs"] = kv_bytes / row["graph_ms"] / 1e6
@@ -103,7 +105,8 @@ def sweep_prefix(shapes, configs) -> list[dict]:
                                                           q_rows=q_rows, page=PAGE_SIZE[0])
         out = torch.empty_like(q)
         for consts in [None, *configs]:
-            cfg = None if consts is None else PagedConfig(*consts[:4], tma=len(consts) > 4 and bool(consts[4]))
+            cfg = None if consts is None else PagedConfig(*consts[:4], tma=len(consts) > 4 and bool(consts[4]),
+                                                          rows_ahead=len(consts) > 5 and bool(consts[5]))
             row = dict(shape=list(shape), page=PAGE_SIZE[0], config=consts)
 
             def call(cfg=cfg):
@@ -203,9 +206,10 @@ def main() -> None:
     parser.add_argument("--only", default="prefill,prefix,decode,fp8", help="comma-separated sweeps")
     parser.add_argument("--name", default="kernels_h200_sweep", help="results file stem under benchmarks/results/")
     parser.add_argument("--page", type=int, default=16, help="page size of the prefix and decode sweeps' caches")
-    parser.add_argument("--prefix-configs", help="replace the prefix candidates: BNxBMxWxS[xTMA],... "
-                        "(e.g. 64x256x8x2, 64x256x8x3x1)")
-    parser.add_argument("--decode-configs", help="replace the decode candidates: BNxWxS[xTMA],... (e.g. 64x4x3x1)")
+    parser.add_argument("--prefix-configs", help="replace the prefix candidates: BNxBMxWxS[xTMA[xAHEAD]],... "
+                        "(e.g. 64x256x8x2, 64x128x4x2x1x1; AHEAD: descriptor rows read a chunk ahead)")
+    parser.add_argument("--decode-configs", help="replace the decode candidates: BNxWxS[xTMA[xAHEAD]],... "
+                        "(e.g. 64x4x3x1x1)")
     parser.add_argument("--prefill-configs", help="replace the D=128 prefill candidates: BMxBNxWxSxTMA,... "
                         "(TMA 0/1, e.g. 128x128x8x3x1)")
     parser.add_argument("--prefill-shapes", help="replace the prefill shapes: SEQSxLEN,... (e.g. 16x1024,2x4096)")

@@ -61,7 +61,7 @@ def test_an_fp8_cache_needs_its_scales_and_a_plain_cache_refuses_them():
         kernels.write_kv_cache(k, k, plain, plain, slots, k_scale=torch.ones(1), v_scale=torch.ones(1))
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("tma", [False, True, "rows_ahead"], ids=["pointers", "descriptors", "descriptors-ahead"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
 def test_paged_attention_reads_the_dequantized_cache(dtype, splits, tma):
@@ -74,7 +74,8 @@ def test_paged_attention_reads_the_dequantized_cache(dtype, splits, tma):
     lens, qsl = torch.tensor([40, 0, 63], dtype=torch.int32), torch.tensor([0, 1, 2, 5], dtype=torch.int32)
     out, lse = poisoned(q.shape, torch.float32), poisoned(q.shape[:2], torch.float32)
     heads = dict(scale=0.125, q_head_start=0, q_per_kv=4, kv_head_start=0, max_kv_len=63)
-    config = PagedConfig(block_n=16, block_m=32, num_warps=4, num_stages=1, tma=True) if tma else None
+    config = PagedConfig(block_n=16, block_m=32, num_warps=4, num_stages=1, tma=True,
+                         rows_ahead=tma == "rows_ahead") if tma else None
     kernels.paged_attention(q, kc, vc, table, lens, qsl, **heads, num_splits=splits, out=out, lse=lse,
                             k_scale=k_scale, v_scale=v_scale, config=config)
     want_out, want_lse = reference.paged_attention(q.double(), kc.double() * k_scale.double(),

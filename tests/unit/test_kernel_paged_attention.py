@@ -67,10 +67,14 @@ CASES = {
     "tma-gqa5-prefix-hnd-tile-is-page-2splits": Case([4, 1, 9], [33, 1, 70], 10, 2, 5, layout="hnd", num_splits=2,
                                                      max_query_len="none",
                                                      config=PagedConfig(16, 32, 4, 1, tma=True)),
-    # Decode reads the descriptor rows TMA_CHUNK (32) tiles ahead: 69 and 44 tiles, two splits, so chunks start
-    # mid-request and the last chunk of each split is partial.
+    # Descriptor rows read TMA_CHUNK (32) tiles ahead: 69 and 44 tiles, two splits, so chunks start mid-request and
+    # the last chunk of each split is partial; decode (the Hopper default) and the prefix pass.
     "tma-gqa4-decode-rows-ahead-chunks-2splits-fp16": Case([1, 1], [1100, 700], 8, 2, 4, dtype=torch.float16,
-                                                           num_splits=2, config=PagedConfig(16, 16, 4, 1, tma=True)),
+                                                           num_splits=2,
+                                                           config=PagedConfig(16, 16, 4, 1, tma=True, rows_ahead=True)),
+    "tma-gqa5-prefix-rows-ahead-chunks-hnd": Case([4, 1, 9], [1100, 1, 700], 10, 2, 5, layout="hnd", num_splits=2,
+                                                  max_query_len="none",
+                                                  config=PagedConfig(16, 32, 4, 1, tma=True, rows_ahead=True)),
     "tma-dcp-12q3kv-rank1-decode-nhd-bs64-tile32": Case([1, 1, 1], [1, 63, 130], 6, 2, 4, q_head_start=6,
                                                         kv_head_start=1, block_size=64, head_dim=128,
                                                         config=PagedConfig(32, 16, 4, 1, tma=True)),
