@@ -4,9 +4,10 @@ one's registers, spills and steady-state loop (instructions per warp and iterati
 The variants are the ones ``dcp_plugin.warmup`` compiles: the dummy steps run through ``DcpAttention`` on CPU
 tensors with kernel plans that record their launches instead of running them (at DCP = 1 and DCP = 2, both comm
 modes, caches in the model dtype and in fp8 e4m3 / e5m2, pages of 16 and 64 tokens), with the Hopper selections
-(tensor descriptors) on, as an sm_90 GPU would answer. Each recorded launch is compiled ahead of time with Triton's own compiler for ``cuda:90``, specialized the
-way Triton's dispatch specializes it (integer arguments equal to 1 become constants, multiples of 16 and pointers
-are marked 16-divisible). A kernel that does not compile for the GPU fails here, on any machine with Triton.
+(tensor descriptors) on, as an sm_90 GPU would answer. Each recorded launch is compiled ahead of time with Triton's
+own compiler for ``cuda:90``, specialized the way Triton's dispatch specializes it (integer arguments equal to 1
+become constants, multiples of 16 and pointers are marked 16-divisible). A kernel that does not compile for the GPU
+fails here, on any machine with Triton.
 
     TRITON_INTERPRET=0 python scripts/compile_for_hopper.py [--dtype bfloat16] [--head-dim 128] [--json OUT]
 
@@ -135,14 +136,17 @@ def resource_usage(cubin: bytes) -> dict:
 
 def main_loop(sass: str) -> dict:
     """What each warp issues per iteration of the kernel's steady-state loop: the smallest loop (a backward branch
-    and its target) that holds tensor-core instructions, the attention kernels' unmasked KV-tile loop. ``{}`` for
+    and its target, the branch before the kernel's last EXIT: the wait-and-retry blocks placed after it jump back
+    into loops too) that holds tensor-core instructions, the attention kernels' unmasked KV-tile loop. Where that
+    loop sits inside a chunk loop (decode's rows read ahead), the chunk's own work is not counted. ``{}`` for
     kernels without one."""
     code = [(int(m[1], 16), m[2].split()[0]) for m in re.finditer(
         r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", sass)]
+    last_exit = max((addr for addr, op in code if op == "EXIT"), default=float("inf"))
     branches = [(int(m[1], 16), int(m[2], 16)) for m in re.finditer(
         r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA[^;]*?(0x[0-9a-f]+)", sass)]
     loops = []
-    for end, start in branches:
+    for end, start in [(end, start) for end, start in branches if end < last_exit]:
         body = [op for addr, op in code if start <= addr <= end]
         if start < end and any("MMA" in op for op in body):
             loops.append(body)

@@ -2,9 +2,9 @@
 default (``None``: the kernels' own table) first, so a row's gain is read against the default of the same run.
 
 - ``prefill``: ``extend_attention`` configs ``(block_m, block_n, num_warps, num_stages, tma)`` per head size on
-  each of ``--prefill-shapes`` (2 x 4096 unless given) causal, 32 Q / 8 KV heads, in TFLOP/s (``tma``: K/V through tensor descriptors; kernels_h200_sweep2.json
-  timed it as a separate candidate kernel, 6-tuples with warp specialization, which gained nothing, before it
-  became this option);
+  each of ``--prefill-shapes`` (2 x 4096 unless given) causal, 32 Q / 8 KV heads, in TFLOP/s (``tma``: K/V
+  through tensor descriptors; kernels_h200_sweep2.json timed it as a separate candidate kernel, 6-tuples with warp
+  specialization, which gained nothing, before it became this option);
 - ``prefix``: ``paged_attention`` configs ``(block_n, block_m, num_warps, num_stages[, tma[, rows_ahead]])`` on the
   DCP prefix pass;
 - ``decode`` / ``fp8``: decode configs ``(block_n, num_warps, num_stages[, tma[, rows_ahead]])`` crossed with split
@@ -182,8 +182,8 @@ def best(rows: list[dict], key: str, group) -> dict:
     return out
 
 
-# Candidates. prefill: (block_m, block_n, num_warps, num_stages, tma); prefix: (block_n, block_m,
-# num_warps, num_stages); decode: (block_n, num_warps, num_stages).
+# Candidates. prefill: (block_m, block_n, num_warps, num_stages, tma); prefix: (block_n, block_m, num_warps,
+# num_stages[, tma[, rows_ahead]]); decode: (block_n, num_warps, num_stages[, tma[, rows_ahead]]).
 PREFILL_CONFIGS = {
     128: [(128, 128, 8, 3, False), (128, 64, 8, 3, True), (128, 128, 8, 2, True), (128, 64, 8, 4, True)],
     64: [(128, 128, 8, 3, True), (128, 64, 4, 3, True), (128, 128, 4, 3, True), (128, 64, 4, 4, False)],

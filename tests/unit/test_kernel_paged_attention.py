@@ -72,6 +72,13 @@ CASES = {
     "tma-gqa4-decode-rows-ahead-chunks-2splits-fp16": Case([1, 1], [1100, 700], 8, 2, 4, dtype=torch.float16,
                                                            num_splits=2,
                                                            config=PagedConfig(16, 16, 4, 1, tma=True, rows_ahead=True)),
+    # ... and over pages that hold several tiles (the rows' offsets inside a page), with padding rows.
+    "tma-gqa4-mixed-rows-ahead-bs64-tile16-3splits": Case([1, 3, 1], [2100, 900, 17], 8, 2, 4, block_size=64,
+                                                          layout="kv_last_dim", num_splits=3, pad_rows=2,
+                                                          config=PagedConfig(16, 32, 4, 1, tma=True, rows_ahead=True)),
+    "tma-gqa4-decode-rows-ahead-bs32-tile16-5splits": Case([1, 1, 1], [2100, 900, 17], 8, 2, 4, block_size=32,
+                                                           num_splits=5,
+                                                           config=PagedConfig(16, 16, 4, 1, tma=True, rows_ahead=True)),
     "tma-gqa5-prefix-rows-ahead-chunks-hnd": Case([4, 1, 9], [1100, 1, 700], 10, 2, 5, layout="hnd", num_splits=2,
                                                   max_query_len="none",
                                                   config=PagedConfig(16, 32, 4, 1, tma=True, rows_ahead=True)),
