@@ -1,11 +1,11 @@
 """Compile every kernel variant a serving engine can need before it serves: one dummy step of each kind.
 
-A step's kernels differ by kind (decode, short queries, long queries, no cached prefix, a mixed step whose leading
-decodes run apart), by whether the KV cache is read in one split or several, and by nothing else that changes
-between steps (the kernels do not specialize on
-per-step sizes). ``warm_up`` runs one step of each combination through ``DcpAttention.forward`` itself, on the
-layer's real KV cache and on scratch inputs with the real inputs' strides, so Triton compiles exactly the variants
-later steps run. It writes nothing to the cache (every slot is -1) and reads only page 0. At DCP > 1 it runs the
+A step's kernels differ by kind (decode, short queries, long queries, no cached prefix, a mixed step whose
+leading decodes run apart), by whether the KV cache is read in one split or several, on the GPU by whether a chunk
+passes ``SHORT_CHUNK`` rows (the current chunk's tiles), and by nothing else that changes between steps (the
+kernels do not specialize on per-step sizes). ``warm_up`` runs one step of each combination through ``DcpAttention.forward``
+itself, on the layer's real KV cache and on scratch inputs with the real inputs' strides, so Triton compiles exactly
+the variants later steps run. It writes nothing to the cache (every slot is -1) and reads only page 0. At DCP > 1 it runs the
 collectives too: every rank of the group must call it at the same point.
 """
 
@@ -15,6 +15,8 @@ import torch
 
 from dcp_plugin.batch import DcpBatch, DcpBatchBuffers
 from dcp_plugin.kernels._launch import compile_ahead, compile_threads, launches_run
+from dcp_plugin.kernels._mode import INTERPRET
+from dcp_plugin.kernels.extend_attention import SHORT_CHUNK
 
 # (query rows, cached context) per request of each dummy step. A 4096-token context puts several KV splits on any
 # GPU (the split count fills the SMs only while the tiles last); tiny contexts keep one split.
@@ -29,34 +31,46 @@ STEPS = (
     ((1, 1), (1, 2), (12, 3)),  # a mixed step, decodes first: their own decode launch (one split), then the rest
     ((1, 4096), (1, 4096), (4, 3)),  # the same with the decodes' contexts in several splits
 )
+LONG_CHUNK = ((SHORT_CHUNK + 1, 0),)  # a chunk past SHORT_CHUNK rows: the current chunk's larger tiles
+
+
+def steps_for(attention) -> tuple:
+    """``STEPS``, and ``LONG_CHUNK`` where a step can reach it: the GPU's Triton kernels (the interpreter and the
+    torch references tile every chunk alike) and a workspace that holds it (none: the layer sizes its own)."""
+    workspace = attention.workspace
+    if attention.kernels != "triton" or INTERPRET or not (workspace is None or workspace.fits(SHORT_CHUNK + 1)):
+        return STEPS
+    return (*STEPS, LONG_CHUNK)
 
 
 def warm_up(attention, *, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
             value_cache: torch.Tensor, output: torch.Tensor, k_scale: torch.Tensor | None = None,
             v_scale: torch.Tensor | None = None) -> int:
-    """Run one dummy step of each kind in ``STEPS`` with ``attention``; returns the number of steps run.
+    """Run one dummy step of each kind in ``steps_for(attention)``; returns the number of steps run.
 
     ``query``/``key``/``value``/``output``: tensors shaped and strided like the layer's real ones (any number of
     rows; only their strides, dtype and device are used); ``key_cache``/``value_cache``: the layer's cache views;
     ``k_scale``/``v_scale``: its scales when the cache is fp8.
     """
-    tokens, device = attention.tokens, query.device
+    device = query.device
     # Built into persistent buffers, as engines build their batches: on a GPU that runs (and compiles) the kernel
     # that derives the per-request lengths (dcp_plugin.kernels.batch_lengths) too.
-    buffers = DcpBatchBuffers(max(len(requests) for requests in STEPS), device)
+    steps = steps_for(attention)
+    buffers = DcpBatchBuffers(max(len(requests) for requests in steps), device)
     args = dict(query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache, output=output,
                 k_scale=k_scale, v_scale=v_scale)
     threads = compile_threads() if device.type == "cuda" else 0
     if threads:  # the steps once with every kernel compiled side by side and none launched, then for real
         with compile_ahead(threads):
-            _run_steps(attention, buffers, **args)
-    return _run_steps(attention, buffers, **args)
+            _run_steps(attention, steps, buffers, **args)
+    return _run_steps(attention, steps, buffers, **args)
 
 
-def _run_steps(attention, buffers, *, query, key, value, key_cache, value_cache, output, k_scale, v_scale) -> int:
+def _run_steps(attention, steps, buffers, *, query, key, value, key_cache, value_cache, output, k_scale,
+               v_scale) -> int:
     tokens, device = attention.tokens, query.device
-    steps = 0
-    for requests in STEPS:
+    run = 0
+    for requests in steps:
         num_tokens = sum(rows for rows, _ in requests)
         seq_lens = [rows + context for rows, context in requests]
         width = max(1, -(-tokens.max_local_len(max(seq_lens)) // tokens.block_size))
@@ -65,8 +79,8 @@ def _run_steps(attention, buffers, *, query, key, value, key_cache, value_cache,
         q, k, v, out = (_like(t, num_tokens) for t in (query, key, value, output))
         attention.forward(q, k, v, key_cache, value_cache, batch, out=out, write_kv=True, k_scale=k_scale,
                           v_scale=v_scale)
-        steps += 1
-    return steps
+        run += 1
+    return run
 
 
 def _build(requests, seq_lens, num_tokens, width, tokens, buffers, device) -> DcpBatch:

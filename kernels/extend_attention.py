@@ -45,6 +45,12 @@ GPU_CONFIGS = {
     128: ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True),
     256: ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
 }
+# Steps whose chunks hold at most SHORT_CHUNK rows (max_query_len): D=128 in 64-row tiles, four warps, two programs
+# per SM (162 registers, 113 KiB of shared memory on sm_90), whose starts and ends then overlap: H200, bf16, 32 Q /
+# 8 KV heads, 325 TFLOP/s at 16 x 1024 and 395 at 4 x 2048 against 288 and 389 for GPU_CONFIGS' 128-row tiles, which
+# win at 2 x 4096 (461 against 437; kernels_h200_sweep_prefill_shapes.json).
+SHORT_CHUNK = 2048
+GPU_SHORT_CONFIGS = {128: ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True)}
 # fp32 tiles take twice the shared memory; fp32 is for tests, so one small tile fits every head dim.
 GPU_FP32_CONFIG = ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 # The interpreter pays per tile operation: small tiles keep CPU tests fast.
@@ -171,14 +177,18 @@ def extend_attention_kernel(
     tl.store(lse_head + q_rows * stride_lt, (m_i + tl.log2(l_i)) * LN2, mask=m_mask)
 
 
-def _pick_config(head_dim: int, dtype: torch.dtype, config: ExtendConfig | None) -> ExtendConfig:
+def _pick_config(head_dim: int, dtype: torch.dtype, config: ExtendConfig | None,
+                 max_query_len: int | None = None) -> ExtendConfig:
     if config is None:
+        padded = min(d for d in GPU_CONFIGS if d >= head_dim)
         if INTERPRET:
             config = INTERPRET_CONFIG
         elif dtype == torch.float32:
             config = GPU_FP32_CONFIG
+        elif max_query_len is not None and max_query_len <= SHORT_CHUNK and padded in GPU_SHORT_CONFIGS:
+            config = GPU_SHORT_CONFIGS[padded]
         else:
-            config = GPU_CONFIGS[min(d for d in GPU_CONFIGS if d >= head_dim)]
+            config = GPU_CONFIGS[padded]
     if not isinstance(config, ExtendConfig) or config.block_m % config.block_n:
         raise ValueError(f"config must be an ExtendConfig whose block_m is a multiple of block_n, got {config!r}")
     return config
@@ -191,9 +201,9 @@ def extend_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_s
     ``q``: ``[T, Hq, D]`` (this rank's local Q heads), ``k``/``v``: ``[T, Hk, D]`` (the stored KV heads), all one
     dtype of fp16/bf16/fp32, any strides. ``query_start_loc``: ``[B + 1]`` int32/int64 on q's device; sequence ``b``
     is rows ``query_start_loc[b]:query_start_loc[b + 1]`` and query row ``i`` of it sees its key rows ``0..i``.
-    ``max_query_len``:
-    host int bounding every sequence length (checked, not needed: the grid covers any mix of lengths). Local Q head ``i`` reads KV head
-    ``(q_head_start + i) // q_per_kv - kv_head_start``. D in 64/80/96/128/256.
+    ``max_query_len``: host int bounding every sequence length; it picks the tile sizes (any bound is correct: the
+    grid covers any mix of lengths). Local Q head ``i`` reads KV head ``(q_head_start + i) // q_per_kv -
+    kv_head_start``. D in 64/80/96/128/256.
     Returns ``(out [T, Hq, D], lse [T, Hq] float32, natural log)``; ``out`` (any float dtype, defaults to q's) and
     ``lse`` are written in place when given. Rows past ``query_start_loc[B]`` get (0, -inf). ``config`` overrides the
     tile table (benchmarks only).
@@ -227,7 +237,8 @@ def extend_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_s
     else:
         check_out("lse", lse, (num_tokens, num_q_heads), device, dtypes=(torch.float32,))
     plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, scale=scale, q_head_start=q_head_start,
-                q_per_kv=q_per_kv, kv_head_start=kv_head_start, config=_pick_config(head_dim, q.dtype, config))(
+                q_per_kv=q_per_kv, kv_head_start=kv_head_start,
+                config=_pick_config(head_dim, q.dtype, config, max_query_len))(
         q, k, v, out, lse, query_start_loc)
     return out, lse
 
@@ -235,9 +246,10 @@ def extend_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_s
 def plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
                 config: ExtendConfig | None = None) -> Launch:
     """``extend_attention`` prepared for tensors shaped like these (no checks): call it with ``(q, k, v, out, lse,
-    query_start_loc)``. ``max_query_len`` is unused: the grid covers any mix of sequence lengths."""
+    query_start_loc)``. ``max_query_len`` picks the tiles (``SHORT_CHUNK``); the grid covers any mix of sequence
+    lengths."""
     num_tokens, num_q_heads, head_dim = q.shape
-    cfg = config or _pick_config(head_dim, q.dtype, None)
+    cfg = config or _pick_config(head_dim, q.dtype, None, max_query_len)
     num_reqs = query_start_loc.shape[0] - 1
     num_q_programs = flat_programs(num_tokens, num_reqs, cfg.block_m)
     grid = (num_q_programs + 1, num_q_heads) if num_tokens and num_q_heads else (0,)  # + 1: the padding rows

@@ -63,29 +63,29 @@ class PagedConfig:
 # (benchmarks/results/kernels_h200_tuning_sweep3.json, bf16, separate K/V caches): 1.1-1.3x the GB/s of 64-token
 # tiles with one KV head per rank (e.g. 32 x 8K: 2631 against 2037) and at batch 1, within 3% elsewhere. Longer
 # queries (the prefix pass, 32 Q / 8 KV heads): over pages of 64 tokens or more, 128-row tiles of 64 tokens through
-# tensor descriptors, four warps, three stages: 497 TFLOP/s at 2 x 4K rows over 32K cached and 501 at 1 x 2K over
-# 128K, against 372 / 390 for the pointer loads' best tiles on the same pages (kernels_h200_sweep_tma.json); where
-# the pages are smaller (or the cache's strides refuse descriptors) ``POINTER_CONFIGS`` takes over: 256-row tiles of
-# 64 tokens, eight warps, 375 / 394 over 16-token pages (kernels_h200_sweep_tma16.json; kernels_h200_sweep2.json).
+# tensor descriptors, four warps, two stages, the tiles' rows read a chunk ahead: 528 TFLOP/s at 2 x 4K rows over
+# 32K cached and 517 at 1 x 2K over 128K, against 501 / 500 for three stages with each row read in the loop
+# (kernels_h200_sweep_prefix_ahead.json; that loop against the pointer loads' best tiles, 497 / 501 against 372 /
+# 390: kernels_h200_sweep_tma.json); where the pages are smaller (or the cache's strides refuse descriptors)
+# ``POINTER_CONFIGS`` takes over: 256-row tiles of 64 tokens, eight warps, 375 / 394 over 16-token pages
+# (kernels_h200_sweep_tma16.json; kernels_h200_sweep2.json).
 GPU_CONFIGS = {
     (64, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=3),
     (64, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=3),
     (128, True): PagedConfig(block_n=128, block_m=64, num_warps=4, num_stages=3),
-    (128, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=3, tma=True),
+    (128, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=2, tma=True, rows_ahead=True),
     (256, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=2),
     (256, False): PagedConfig(block_n=64, block_m=64, num_warps=8, num_stages=2),
 }
 # A table entry that asks for tensor descriptors -> the constants for the same work through pointer loads.
 POINTER_CONFIGS = {GPU_CONFIGS[128, False]: PagedConfig(block_n=64, block_m=256, num_warps=8, num_stages=3)}
-# Decode over pages of 64+ tokens with at most 16 Q heads per KV group: 64-token tiles through tensor descriptors.
-# H200, 32 Q / 8 KV heads, 64-token pages: 3,690 GB/s at 8 x 8K and 1,767 at 8 x 1K against 3,001 and 1,658 for the
-# table's 128-token pointer tiles; with 32 Q heads per KV head the pointer tiles stay ahead (2,566 against 2,092 at
-# 32 x 8K), hence the group bound (kernels_h200_sweep_decode64.json). That sweep's loop read each tile's page in the
-# loop, so it kept one tile in flight at any stage count (compiled for sm_90: one 16 KiB buffer per K and V, 55 KiB
-# of shared memory at four stages); with the rows read a chunk ahead, three stages keep two in flight per program at
-# the same three programs per SM (72 KiB, 141 registers).
-DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=3, tma=True,
-                                             rows_ahead=True)}
+# Decode over pages of 64+ tokens with at most 16 Q heads per KV group: 64-token tiles through tensor descriptors,
+# four stages, each tile's row read in the loop. H200, 32 Q / 8 KV heads, 64-token pages: 3,690 GB/s at 8 x 8K and
+# 1,767 at 8 x 1K against 3,001 and 1,658 for the table's 128-token pointer tiles; with 32 Q heads per KV head the
+# pointer tiles stay ahead (2,566 against 2,092 at 32 x 8K), hence the group bound (kernels_h200_sweep_decode64.json).
+# The rows read ahead lose here (8 x 8K: 3,332 against 3,632 in one run, kernels_h200_sweep_ahead.json), and two
+# warps lose at 8 x 8K (2,931; kernels_h200_sweep_decode_warps.json).
+DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=4, tma=True)}
 DESCRIPTOR_DECODE_MAX_GROUP = 16
 # float32 tiles take twice the shared memory: 128-token prefix tiles do not fit (256 KiB of 227).
 GPU_FP32_CONFIGS = {(128, False): PagedConfig(block_n=64, block_m=128, num_warps=8, num_stages=3)}

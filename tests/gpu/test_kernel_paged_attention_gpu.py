@@ -66,8 +66,8 @@ def test_big_groups_and_splits(block_size, num_splits):
 @pytest.mark.parametrize("mode", ["decode", "mixed"])
 def test_tiles_through_tensor_descriptors(mode, block_size, head_dim, dtype):
     """Pages of 64 tokens or more: on sm_90+ the prefix rows, and decode rows of up to 16 Q heads per KV head, read
-    whole tiles of one page through tensor descriptors (decode with the rows read ahead). The rows of each last page
-    past its context hold NaN: they must add nothing."""
+    whole tiles of one page through tensor descriptors (the prefix pass with the rows read ahead). The rows of each
+    last page past its context hold NaN: they must add nothing."""
     from dcp_plugin.kernels.paged_attention import DESCRIPTOR_DECODE_CONFIGS, GPU_CONFIGS, plan_paged
 
     ctx = [0, 1, 4097, 63, 1000, 2500]
@@ -85,8 +85,8 @@ def test_tiles_through_tensor_descriptors(mode, block_size, head_dim, dtype):
         launch = plan_paged(q, kc, vc, table, lens, qsl, torch.empty_like(q), torch.empty(q.shape[:2], device="cuda"),
                             scale=0.1, **heads, max_kv_len=max(ctx), max_query_len=max_query_len)
         assert launch.stage1.constexprs["USE_TMA"]
-        # decode reads the descriptor rows a chunk ahead: 4,097 tokens in one split are two chunks of 64-token tiles
-        assert launch.stage1.constexprs["ROWS_AHEAD"] == (mode == "decode")
+        # the prefix pass reads the descriptor rows a chunk ahead: 4,097 tokens in one split are two chunks of tiles
+        assert launch.stage1.constexprs["ROWS_AHEAD"] == (mode != "decode")
     for num_splits in (None, 1, 3):
         _check(q, kc, vc, table, lens, qsl, heads=heads, max_query_len=max_query_len, num_splits=num_splits,
                dtype=dtype)

@@ -87,3 +87,31 @@ def test_no_kernel_compiles_after_warm_up(n, comm, compile_threads, block_size, 
     for before, after in run_threads(n, rank_fn, timeout_s=600):
         assert min(before) >= 1, f"a kernel never compiled during warm-up: {before}"
         assert after == before, f"serving steps compiled new variants: {before} -> {after}"
+
+
+def test_a_chunk_past_short_chunk_rows_compiles_nothing_after_warm_up():
+    """A workspace that holds more than SHORT_CHUNK tokens: the warm-up compiles the current chunk's larger tiles
+    too, so a 3,000-token prompt beside a 1,000-token one (each chunk's tiles) compiles nothing when it comes."""
+    from dcp_plugin.kernels.extend_attention import SHORT_CHUNK
+    from dcp_plugin.warmup import STEPS
+
+    case = Case(name="warm-long-chunk", q_heads=32, kv_heads=8, head_dim=128, block_size=64,
+                requests=((0, SHORT_CHUNK + 952), (0, 1000)), dtype="bfloat16", kernels="triton", seed=6,
+                decode_steps=1, device="cuda")
+    world = World(case)
+    state = RankState.create(case, world, 1, 0)
+    ws = DcpWorkspace(heads=state.heads, head_dim=128, dtype=torch.bfloat16, device="cuda", max_num_tokens=4096,
+                      comm="ag_rs", split_elements=kernels.split_capacity(128, torch.device("cuda")))
+    attn = serial(DcpAttention(heads=state.heads, tokens=state.tokens, group=None, scale=world.scale, workspace=ws))
+    like = torch.zeros(4, state.heads.num_q_heads, 128, dtype=torch.bfloat16, device="cuda")
+    kv_like = torch.zeros(4, state.heads.num_kv_heads, 128, dtype=torch.bfloat16, device="cuda")
+    assert warm_up(attn, query=like, key=kv_like, value=kv_like, key_cache=state.key_cache,
+                   value_cache=state.value_cache, output=like) == len(STEPS) + 1
+    before = compiled_counts()
+    for step, new_tokens in enumerate([[new for _, new in case.requests], [1, 1]]):
+        q, k, v, batch, positions = state.step(new_tokens)
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+        attn.forward(q, k, v, state.key_cache, state.value_cache, batch, out=out)
+        want = torch.cat([causal_attention_f64(world, b, p, range(32)) for b, p in enumerate(positions)])
+        assert_matches(out, want, torch.bfloat16, f"step {step}")
+    assert compiled_counts() == before, f"serving steps compiled new variants: {before} -> {compiled_counts()}"

@@ -176,6 +176,28 @@ def test_warm_up_covers_every_kind():
                                  for s in ("splits", "one split")}
 
 
+def test_warm_up_adds_a_long_chunk_only_where_a_step_can_reach_it(monkeypatch):
+    """A chunk past SHORT_CHUNK rows compiles the current chunk's larger GPU tiles: warmed up with the GPU's Triton
+    kernels when the workspace holds such a step (or the layer sizes its own), not under the interpreter or with
+    the torch references, whose tiles do not depend on it."""
+    from types import SimpleNamespace
+
+    from dcp_plugin import warmup
+    from dcp_plugin.kernels.extend_attention import SHORT_CHUNK
+
+    def attn(kernels, max_tokens):
+        fits = None if max_tokens is None else SimpleNamespace(fits=lambda t: t <= max_tokens)
+        return SimpleNamespace(kernels=kernels, workspace=fits)
+
+    monkeypatch.setattr(warmup, "INTERPRET", False)
+    assert warmup.steps_for(attn("triton", 8192))[-1] == warmup.LONG_CHUNK == ((SHORT_CHUNK + 1, 0),)
+    assert warmup.steps_for(attn("triton", None)) == (*STEPS, warmup.LONG_CHUNK)
+    assert warmup.steps_for(attn("triton", SHORT_CHUNK)) == STEPS
+    assert warmup.steps_for(attn("reference", 8192)) == STEPS
+    monkeypatch.setattr(warmup, "INTERPRET", True)
+    assert warmup.steps_for(attn("triton", 8192)) == STEPS
+
+
 @pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
 @pytest.mark.parametrize("n", [2, 4])
 def test_model_dtype_partials_cost_at_most_two_roundings(comm, n):
