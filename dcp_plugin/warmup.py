@@ -1,12 +1,12 @@
 """Compile every kernel variant a serving engine can need before it serves: one dummy step of each kind.
 
 A step's kernels differ by kind (decode, short queries, long queries, no cached prefix, a mixed step whose
-leading decodes run apart), by whether the KV cache is read in one split or several, on the GPU by whether a chunk
-passes ``SHORT_CHUNK`` rows (the current chunk's tiles), and by nothing else that changes between steps (the
-kernels do not specialize on per-step sizes). ``warm_up`` runs one step of each combination through ``DcpAttention.forward``
-itself, on the layer's real KV cache and on scratch inputs with the real inputs' strides, so Triton compiles exactly
-the variants later steps run. It writes nothing to the cache (every slot is -1) and reads only page 0. At DCP > 1 it runs the
-collectives too: every rank of the group must call it at the same point.
+leading decodes run apart), by whether the KV cache is read in one split or several, on the GPU by whether a
+chunk passes ``SHORT_CHUNK`` rows (the current chunk's tiles), and by nothing else that changes between steps
+(the kernels do not specialize on per-step sizes). ``warm_up`` runs one step of each combination through
+``DcpAttention.forward`` itself, on the layer's real KV cache and on scratch inputs with the real inputs' strides,
+so Triton compiles exactly the variants later steps run. It writes nothing to the cache (every slot is -1) and
+reads only page 0. At DCP > 1 it runs the collectives too: every rank of the group must call it at the same point.
 """
 
 from __future__ import annotations
