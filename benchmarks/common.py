@@ -189,6 +189,15 @@ def triton_version() -> str | None:
         return None
 
 
+def merge_jobs(name: str, paths: list[str], summarise, *, results_dir: Path = RESULTS) -> Path:
+    """``--merge``: the ``jobs`` of the results files ``paths``, with ``summarise(jobs)`` as their summary, saved as
+    ``name``; prints and returns the path."""
+    jobs = [job for path in paths for job in json.loads(Path(path).read_text())["jobs"]]
+    path = save(name, dict(summary=summarise(jobs), jobs=jobs), results_dir=results_dir)
+    print(f"wrote {repo_relative(path)}")
+    return path
+
+
 def repo_relative(path: str | Path) -> str:
     """``path`` relative to the repository root when it lies under it, else absolute: what committed results cite
     (``benchmarks/results/vllm_e2e_logs/x.log``), so they name no machine's folders."""

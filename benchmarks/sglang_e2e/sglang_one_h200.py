@@ -232,8 +232,7 @@ def main() -> None:
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.merge:
-        results = [j for path in args.merge for j in json.loads(Path(path).read_text())["jobs"]]
-        print(f"wrote {common.repo_relative(common.save(args.name, dict(summary=summarise(results), jobs=results)))}")
+        common.merge_jobs(args.name, args.merge, summarise)
         return
     chosen = [j for j in jobs() if any(fnmatch.fnmatch(j["name"], p) for p in args.only.split(","))]
     if args.list or not chosen:

@@ -247,9 +247,7 @@ def main() -> None:
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.merge:
-        results = [j for path in args.merge for j in json.loads(Path(path).read_text())["jobs"]]
-        path = common.save(args.name, dict(summary=summarise(results), jobs=results))
-        print(f"wrote {common.repo_relative(path)}")
+        common.merge_jobs(args.name, args.merge, summarise)
         return
     if args.smoke:
         shrink_for_smoke()

@@ -98,3 +98,13 @@ def test_save_random_llama_is_seeded_float32_and_atomic(tmp_path):
     stamp = (target / "model.safetensors").stat().st_mtime_ns
     common.save_random_llama(TINY, target, seed=4)  # built: left alone
     assert (target / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_merge_jobs_saves_every_files_jobs_with_their_summary(tmp_path, capsys):
+    for name, jobs in (("a", [{"name": "j1"}]), ("b", [{"name": "j2"}, {"name": "j3"}])):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"summary": {}, "jobs": jobs}))
+    path = common.merge_jobs("merged", [str(tmp_path / "a.json"), str(tmp_path / "b.json")],
+                             lambda jobs: {"count": len(jobs)}, results_dir=tmp_path)
+    saved = json.loads(path.read_text())
+    assert [j["name"] for j in saved["jobs"]] == ["j1", "j2", "j3"] and saved["summary"] == {"count": 3}
+    assert "wrote" in capsys.readouterr().out

@@ -18,12 +18,17 @@ import vllm_gpu_e2e as e2e  # noqa: E402
 MIB, GIB = 1 << 20, 1 << 30
 
 
-def test_oom_burst_jobs_run_one_burst_per_backend_in_process(capsys):
-    e2e.main(["--only", "oom-*", "--list"])
+def _listed_pair(capsys, prefix: str, case: str):
+    """The catalogue lists the model build and one job per backend for ``prefix``: (dcp-triton's, FLASH_ATTN's)."""
+    e2e.main(["--only", f"{prefix}-*", "--list"])
     names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
-    assert names == ["build-long-d128", "oom-burst-bf16-dcp-triton", "oom-burst-bf16-FLASH_ATTN"]
-    jobs = {j.name: j for j in e2e.catalogue(Path("/w"), Path("/r")) if j.name.startswith("oom-")}
-    ours, fa = jobs["oom-burst-bf16-dcp-triton"], jobs["oom-burst-bf16-FLASH_ATTN"]
+    assert names == ["build-long-d128", f"{prefix}-{case}-dcp-triton", f"{prefix}-{case}-FLASH_ATTN"]
+    jobs = {j.name: j for j in e2e.catalogue(Path("/w"), Path("/r")) if j.name.startswith(f"{prefix}-")}
+    return jobs[f"{prefix}-{case}-dcp-triton"], jobs[f"{prefix}-{case}-FLASH_ATTN"]
+
+
+def test_oom_burst_jobs_run_one_burst_per_backend_in_process(capsys):
+    ours, fa = _listed_pair(capsys, "oom", "burst-bf16")
     args = ours.spec["engine"]
     assert args["gpu_memory_utilization"] == 0.95 and args["kv_cache_memory_bytes"] is None
     assert args["max_num_batched_tokens"] == 32768 and not args["enforce_eager"]
@@ -93,11 +98,7 @@ def test_oom_burst_is_judged_against_flash_attn_and_the_budget(ours, fa, expecte
 
 
 def test_128k_beside_64_streams_jobs_send_both_sets_at_once_in_process(capsys, monkeypatch):
-    e2e.main(["--only", "mix128k-*", "--list"])
-    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
-    assert names == ["build-long-d128", "mix128k-bf16-dcp-triton", "mix128k-bf16-FLASH_ATTN"]
-    jobs = {j.name: j for j in e2e.catalogue(Path("/w"), Path("/r")) if j.name.startswith("mix128k-")}
-    ours, fa = jobs["mix128k-bf16-dcp-triton"], jobs["mix128k-bf16-FLASH_ATTN"]
+    ours, fa = _listed_pair(capsys, "mix128k", "bf16")
     args = ours.spec["engine"]
     assert args["max_model_len"] == 131072 and args["gpu_memory_utilization"] == 0.95 and args["max_num_seqs"] >= 65
     assert ours.spec["tasks"] == fa.spec["tasks"] and ours.env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
