@@ -31,6 +31,7 @@ import fnmatch
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -65,14 +66,34 @@ def config_json(name: str) -> dict:
                 hidden_act="silu", **MODELS[name])
 
 
-def jobs(profile: bool) -> list[dict]:
-    """Every job, most valuable first: llama8 with graphs, then eager, then mqa16, then the profiles."""
+def jobs(profile: bool, startup: bool = False) -> list[dict]:
+    """Every job, most valuable first: llama8 with graphs, then eager, then mqa16, then the profiles, then the
+    start-up jobs."""
     out = [dict(name=f"{m}-{b}-{mode}", model=m, backend=b, mode=mode, kind="throughput")
            for m, mode in (("llama8", "graphs"), ("llama8", "eager"), ("mqa16", "graphs"), ("mqa16", "eager"))
            for b in BACKENDS]
     if profile:
         out += [dict(name=f"profile-{b}-{mode}", model="llama8", backend=b, mode=mode, kind="profile")
                 for mode in MODES for b in ("dcp-triton", "FLASH_ATTN")]
+    if startup:
+        out += startup_jobs()
+    return out
+
+
+def startup_jobs() -> list[dict]:
+    """Engine start-up alone (llama8, no loads), per mode: dcp-triton into an empty Triton cache, compiling each
+    variant at its first launch (``cold``) and with the warm-up's compile-ahead on 8 threads (``cold-threads8``),
+    then again over the first job's filled cache (``warm``: what is left once nothing compiles), and FLASH_ATTN."""
+    out = []
+    for mode in MODES:
+        base = dict(model="llama8", mode=mode, kind="startup")
+        out += [dict(base, name=f"startup-dcp-triton-{mode}-cold", backend="dcp-triton", triton_cache=mode,
+                     empty_cache=True, compile_threads=0),
+                dict(base, name=f"startup-dcp-triton-{mode}-cold-threads8", backend="dcp-triton",
+                     triton_cache=f"{mode}-threads8", empty_cache=True, compile_threads=8),
+                dict(base, name=f"startup-dcp-triton-{mode}-warm", backend="dcp-triton", triton_cache=mode,
+                     compile_threads=0),
+                dict(base, name=f"startup-FLASH_ATTN-{mode}", backend="FLASH_ATTN")]
     return out
 
 
@@ -130,6 +151,8 @@ def run_job(job: dict, model_dir: Path, repeats: int) -> dict:
     result = dict(job, init_s=round(time.perf_counter() - began, 1), runs={})
     if timers is not None:
         result["profile"] = profile_small_batch(llm, timers)
+        return result
+    if job["kind"] == "startup":
         return result
     for i, (name, load) in enumerate(LOADS.items()):
         run_load(llm, name, load, seed=1000 * i)  # warm-up: same shapes, other prompts
@@ -205,7 +228,9 @@ def summarise(results: list[dict]) -> dict:
             loads.setdefault(f"{r['model']}/{name}", {}).setdefault(r["mode"], {})[BACKENDS[r["backend"]]] = \
                 round(best, 1)
     profile = {f"{r['backend']}/{r['mode']}": r["profile"] for r in results if "profile" in r}
-    return dict(loads=loads, profile=profile)
+    startup = {r["name"].removeprefix("startup-"): r["init_s"] for r in results
+               if r.get("kind") == "startup" and "init_s" in r}
+    return dict(loads=loads, profile=profile, startup_s=startup)
 
 
 def shrink_for_smoke() -> None:
@@ -227,6 +252,21 @@ def child(spec_path: str) -> None:
     os._exit(0)  # no engine shutdown races at exit
 
 
+def job_env(job: dict, work: Path, *, smoke: bool, cold_triton_cache: bool) -> dict:
+    """The environment of ``job``'s process; a start-up job's cold Triton cache is emptied here."""
+    env = dict(os.environ, DCP_TRITON_KERNELS="reference" if smoke else "triton", VLLM_USE_FLASHINFER_SAMPLER="0")
+    if job["kind"] == "profile":
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if cold_triton_cache:
+        env["TRITON_CACHE_DIR"] = str(work / f"triton-cache-{job['name']}-{time.time_ns()}")
+    if "triton_cache" in job:  # the start-up jobs' own caches: emptied for a cold start, kept for a warm one
+        cache = work / f"triton-cache-startup-{job['triton_cache']}"
+        if job.get("empty_cache"):
+            shutil.rmtree(cache, ignore_errors=True)
+        env.update(TRITON_CACHE_DIR=str(cache), DCP_TRITON_COMPILE_THREADS=str(job["compile_threads"]))
+    return env
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="*", help="comma-separated job-name patterns (--list shows them)")
@@ -242,6 +282,8 @@ def main() -> None:
                         "backend's own)")
     parser.add_argument("--cold-triton-cache", action="store_true", help="each job compiles into an empty Triton "
                         "cache of its own (a first start on a machine; default: the machine's cache)")
+    parser.add_argument("--startup", action="store_true", help="also the start-up jobs (engine start alone: "
+                        "dcp-triton cold, cold with compile-ahead on 8 threads, warm; FLASH_ATTN)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -255,10 +297,10 @@ def main() -> None:
         shrink_for_smoke()
         args.only = "llama8-dcp-triton-eager" + (",profile-dcp-triton-eager" if args.profile else "")
     patterns = args.only.split(",")
-    chosen = [dict(j, smoke=args.smoke, block_size=args.block_size) for j in jobs(args.profile)
+    chosen = [dict(j, smoke=args.smoke, block_size=args.block_size) for j in jobs(args.profile, args.startup)
               if any(fnmatch.fnmatch(j["name"], p) for p in patterns)]
     if args.list or not chosen:
-        print("\n".join(j["name"] for j in jobs(True)) if args.list else f"--only {args.only!r} matches no job")
+        print("\n".join(j["name"] for j in jobs(True, True)) if args.list else f"--only {args.only!r} matches no job")
         sys.exit(0 if args.list else 2)
     work = Path(os.environ.get("DCP_BENCH_WORK", "/tmp/dcp_one_h200"))
     for name in {j["model"] for j in chosen}:
@@ -273,12 +315,7 @@ def main() -> None:
         out, log = work / f"{job['name']}.json", work / f"{job['name']}.log"
         spec.write_text(json.dumps(dict(job=job, model_dir=str(work / job["model"]), repeats=args.repeats,
                                          out=str(out))))
-        env = dict(os.environ, DCP_TRITON_KERNELS="reference" if args.smoke else "triton",
-                   VLLM_USE_FLASHINFER_SAMPLER="0")
-        if job["kind"] == "profile":
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if args.cold_triton_cache:
-            env["TRITON_CACHE_DIR"] = str(work / f"triton-cache-{job['name']}-{time.time_ns()}")
+        env = job_env(job, work, smoke=args.smoke, cold_triton_cache=args.cold_triton_cache)
         t = time.monotonic()
         with open(log, "w") as sink:
             try:

@@ -1,0 +1,75 @@
+"""The CPU-checkable parts of benchmarks/vllm_e2e/vllm_one_h200.py: the start-up jobs (which Triton cache each one
+compiles into, which it empties, how many compile threads it gets), the runs per load, and their summary."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e" / "vllm_one_h200.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import vllm_one_h200 as bench  # noqa: E402
+
+
+def test_startup_jobs_are_listed_only_when_asked_for():
+    plain = [j["name"] for j in bench.jobs(profile=False)]
+    both = [j["name"] for j in bench.jobs(profile=False, startup=True)]
+    assert not any(name.startswith("startup-") for name in plain)
+    assert both[:len(plain)] == plain
+    assert sorted(both[len(plain):]) == sorted(
+        f"startup-{b}-{mode}{suffix}" for mode in bench.MODES
+        for b, suffix in [("dcp-triton", "-cold"), ("dcp-triton", "-cold-threads8"), ("dcp-triton", "-warm"),
+                          ("FLASH_ATTN", "")])
+
+
+def test_cold_jobs_start_from_an_empty_cache_and_the_warm_job_reuses_the_first_ones(tmp_path):
+    by_name = {j["name"]: j for j in bench.startup_jobs()}
+    for mode in bench.MODES:
+        cold, threads8, warm = (by_name[f"startup-dcp-triton-{mode}{s}"] for s in ("-cold", "-cold-threads8", "-warm"))
+        cold_env = bench.job_env(cold, tmp_path, smoke=False, cold_triton_cache=False)
+        marker = Path(cold_env["TRITON_CACHE_DIR"]) / "compiled"
+        marker.parent.mkdir(parents=True)
+        marker.write_text("a variant")  # what the cold job leaves behind
+        warm_env = bench.job_env(warm, tmp_path, smoke=False, cold_triton_cache=False)
+        assert warm_env["TRITON_CACHE_DIR"] == cold_env["TRITON_CACHE_DIR"] and marker.exists()
+        assert (cold_env["DCP_TRITON_COMPILE_THREADS"], warm_env["DCP_TRITON_COMPILE_THREADS"]) == ("0", "0")
+        threads_env = bench.job_env(threads8, tmp_path, smoke=False, cold_triton_cache=False)
+        assert threads_env["DCP_TRITON_COMPILE_THREADS"] == "8"
+        assert threads_env["TRITON_CACHE_DIR"] != cold_env["TRITON_CACHE_DIR"]
+        bench.job_env(cold, tmp_path, smoke=False, cold_triton_cache=False)  # a second cold start
+        assert not marker.exists()
+    flash = bench.job_env(by_name["startup-FLASH_ATTN-eager"], tmp_path, smoke=False, cold_triton_cache=False)
+    assert flash.get("TRITON_CACHE_DIR") == bench.os.environ.get("TRITON_CACHE_DIR")  # the machine's own cache
+
+
+def test_small_batch_runs_at_least_min_repeats_and_the_summary_keeps_the_best(monkeypatch):
+    calls = []
+
+    def fake_run_load(llm, name, load, seed):
+        calls.append(name)
+        return dict(load=name, elapsed_s=1.0 + seed % 7 / 10, output_tokens=100)
+
+    monkeypatch.setattr(bench, "run_load", fake_run_load)
+    monkeypatch.setitem(sys.modules, "vllm", type(sys)("vllm"))
+    sys.modules["vllm"].LLM = lambda **kwargs: object()
+    job = dict(name="llama8-dcp-triton-eager", model="llama8", backend="dcp-triton", mode="eager",
+               kind="throughput")
+    result = bench.run_job(job, Path("/nonexistent"), repeats=3)
+    for name, load in bench.LOADS.items():
+        expected = max(3, load.get("min_repeats", 0))
+        assert calls.count(name) == 1 + expected  # the warm-up, then the timed runs
+        assert len(result["runs"][name]) == expected
+    assert bench.LOADS["small-batch"]["min_repeats"] == 6
+    summary = bench.summarise([result])
+    best = max(r["output_tok_s"] for r in result["runs"]["small-batch"])
+    assert summary["loads"]["llama8/small-batch"]["eager"] == {"dcp_triton": round(best, 1)}
+
+
+def test_startup_summary_names_each_job_by_its_start_up_seconds():
+    results = [dict(j, init_s=10.0 + i) for i, j in enumerate(bench.startup_jobs())]
+    results.append(dict(name="llama8-FLASH_ATTN-eager", model="llama8", backend="FLASH_ATTN", mode="eager",
+                        kind="throughput", init_s=5.0, runs={}))
+    startup = bench.summarise(results)["startup_s"]
+    assert startup["dcp-triton-eager-cold"] == results[[j["name"] for j in results].index(
+        "startup-dcp-triton-eager-cold")]["init_s"]
+    assert len(startup) == len(bench.startup_jobs())  # throughput jobs' start-up stays in their own records
