@@ -129,12 +129,13 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-def save(name: str, payload: dict, *, results_dir: Path = RESULTS) -> Path:
-    """``<results_dir>/<name><suffix>.json``: ``payload`` and its ``provenance`` (``provenance()``). The suffix is
-    $DCP_BENCH_NAME_SUFFIX (empty unless set): ``run_h200.sh ab`` names the base tree's results ``*_base``."""
+def save(name: str, payload: dict, *, results_dir: Path = RESULTS, origin: dict | None = None) -> Path:
+    """``<results_dir>/<name><suffix>.json``: ``payload`` and its ``provenance`` (``origin``, else
+    ``provenance()``). The suffix is $DCP_BENCH_NAME_SUFFIX (empty unless set): ``run_h200.sh ab`` names the base
+    tree's results ``*_base``."""
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{name}{os.environ.get('DCP_BENCH_NAME_SUFFIX', '')}.json"
-    path.write_text(json.dumps({**payload, "provenance": provenance()}, indent=2))
+    path.write_text(json.dumps({**payload, "provenance": origin or provenance()}, indent=2))
     return path
 
 
@@ -191,9 +192,13 @@ def triton_version() -> str | None:
 
 def merge_jobs(name: str, paths: list[str], summarise, *, results_dir: Path = RESULTS) -> Path:
     """``--merge``: the ``jobs`` of the results files ``paths``, with ``summarise(jobs)`` as their summary, saved as
-    ``name``; prints and returns the path."""
-    jobs = [job for path in paths for job in json.loads(Path(path).read_text())["jobs"]]
-    path = save(name, dict(summary=summarise(jobs), jobs=jobs), results_dir=results_dir)
+    ``name``; prints and returns the path. The jobs ran elsewhere: each keeps its file's ``provenance``, and the
+    merged file's is theirs when they share one (else ``commit`` None and every input's under ``inputs``)."""
+    files = [json.loads(Path(path).read_text()) for path in paths]
+    jobs = [{"provenance": f.get("provenance"), **job} for f in files for job in f["jobs"]]
+    origins = [f.get("provenance") for f in files]
+    origin = origins[0] if all(o == origins[0] for o in origins) else {"commit": None, "inputs": origins}
+    path = save(name, dict(summary=summarise(jobs), jobs=jobs), results_dir=results_dir, origin=origin)
     print(f"wrote {repo_relative(path)}")
     return path
 

@@ -56,6 +56,25 @@ LOGPROB_BOUND = 1e-3
 CONTEXT_LEN = 8192 + 128
 JOB_TIMEOUT_S = 480
 BACKEND_LINE = "dcp-triton attention: backend="
+NATIVE_OPS_ENV = "DCP_BENCH_SGLANG_NATIVE_OPS"
+
+
+def use_native_ops() -> None:
+    """Every SGLang ``MultiPlatformOp`` (RMSNorm, SiluAndMul, RoPE, ...) runs its torch ``forward_native``: SGLang
+    0.5.17's CUDA RMSNorm refuses float32 ("failed to dispatch data type Float"), and the float32 jobs need the whole
+    model in float32. Set for the float32 jobs of both backends, through NATIVE_OPS_ENV: SGLang starts its scheduler
+    with multiprocessing's spawn, whose child processes import the parent's main module (this script) first."""
+    from sglang.srt.layers.utils.multi_platform import MultiPlatformOp
+
+    if not hasattr(MultiPlatformOp, "dispatch_forward"):  # 0.5.23 picks its ops otherwise
+        from sglang.version import __version__
+
+        raise RuntimeError(f"the float32 jobs run SGLang 0.5.17's ops dispatch; SGLang {__version__} has none")
+    MultiPlatformOp.dispatch_forward = lambda self: self.forward_native
+
+
+if os.environ.get(NATIVE_OPS_ENV) == "1":
+    use_native_ops()
 
 
 def jobs() -> list[dict]:
@@ -187,6 +206,11 @@ def child(spec_path: str) -> None:
     os._exit(0)  # the engine is shut down: skip the interpreter's teardown of SGLang's threads
 
 
+def job_env(job: dict) -> dict:
+    """The job process's environment: the float32 jobs run SGLang's torch ops (``use_native_ops``)."""
+    return dict(os.environ, **{NATIVE_OPS_ENV: "1" if job["dtype"] == "fp32" else "0"})
+
+
 def run_one(job: dict, spec: dict, work: Path) -> dict:
     """One job in its own process; its log in ``work``; its results, or ``error`` with the log's tail."""
     spec_path, out, log = (work / f"{job['name']}{ext}" for ext in (".spec.json", ".json", ".log"))
@@ -195,7 +219,7 @@ def run_one(job: dict, spec: dict, work: Path) -> dict:
     began = time.monotonic()
     with open(log, "w") as sink:  # its own process group, so the scheduler processes it starts end with it
         proc = subprocess.Popen([sys.executable, __file__, "--child", str(spec_path)], stdout=sink,
-                                stderr=subprocess.STDOUT, cwd=work, process_group=0)
+                                stderr=subprocess.STDOUT, cwd=work, process_group=0, env=job_env(job))
         try:
             code = proc.wait(timeout=JOB_TIMEOUT_S)
         except subprocess.TimeoutExpired:

@@ -108,3 +108,20 @@ def test_merge_jobs_saves_every_files_jobs_with_their_summary(tmp_path, capsys):
     saved = json.loads(path.read_text())
     assert [j["name"] for j in saved["jobs"]] == ["j1", "j2", "j3"] and saved["summary"] == {"count": 3}
     assert "wrote" in capsys.readouterr().out
+
+
+def test_merged_results_keep_the_provenance_of_the_runs_not_of_the_merging_machine(tmp_path):
+    runs = {"a": {"commit": "7cc862f", "dirty": None, "triton": "3.6.0"},
+            "b": {"commit": "7cc862f", "dirty": None, "triton": "3.6.0"},
+            "c": {"commit": "378aff3", "dirty": None, "triton": "3.6.0"}}
+    for name, origin in runs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({"summary": {}, "jobs": [{"name": name}],
+                                                           "provenance": origin}))
+    same = json.loads(common.merge_jobs("same", [str(tmp_path / "a.json"), str(tmp_path / "b.json")],
+                                        lambda jobs: {}, results_dir=tmp_path).read_text())
+    assert same["provenance"] == runs["a"]
+    assert [j["provenance"] for j in same["jobs"]] == [runs["a"], runs["b"]]
+    mixed = json.loads(common.merge_jobs("mixed", [str(tmp_path / "a.json"), str(tmp_path / "c.json")],
+                                         lambda jobs: {}, results_dir=tmp_path).read_text())
+    assert mixed["provenance"] == {"commit": None, "inputs": [runs["a"], runs["c"]]}
+    assert mixed["jobs"][1]["provenance"]["commit"] == "378aff3"

@@ -111,3 +111,38 @@ def test_summary_of_partial_and_failed_runs():
     assert summary["failed"] == ["triton-bf16"] and "bf16" not in summary["greedy"]
     assert summary["throughput"] == {load: {"dcp_triton": 500.0} for load in bench.LOADS}
     assert summary["fp32_max_abs_logprob_diff"] == 0.5 and not summary["logprobs_within_bound"]
+
+
+def test_only_the_float32_jobs_run_sglangs_torch_ops():
+    flags = {job["name"]: bench.job_env(job)[bench.NATIVE_OPS_ENV] for job in bench.jobs()}
+    assert flags == {"dcp-triton-bf16": "0", "triton-bf16": "0", "dcp-triton-fp32": "1", "triton-fp32": "1"}
+
+
+def test_native_ops_make_sglangs_layers_dispatch_to_forward_native(monkeypatch):
+    # Where SGLang is installed (the SGLang matrix): on a CUDA platform its ops dispatch to forward_cuda (RMSNorm's
+    # sgl-kernel refuses float32); after use_native_ops every MultiPlatformOp takes its torch forward_native.
+    multi_platform = pytest.importorskip("sglang.srt.layers.utils.multi_platform")
+    if not hasattr(multi_platform.MultiPlatformOp, "dispatch_forward"):  # 0.5.23: another mechanism, refused
+        with pytest.raises(RuntimeError, match="0.5.17's ops dispatch"):
+            bench.use_native_ops()
+        return
+    from sglang.srt.layers.activation import SiluAndMul
+    from sglang.srt.layers.layernorm import RMSNorm
+
+    class Probe(multi_platform.MultiPlatformOp):  # RMSNorm itself needs SGLang's published server args to build
+        forward_cuda = RMSNorm.forward_cuda
+        forward_native = RMSNorm.forward_native
+
+    class SiluProbe(multi_platform.MultiPlatformOp):
+        forward_cuda = SiluAndMul.forward_cuda
+        forward_native = SiluAndMul.forward_native
+
+    monkeypatch.setattr(multi_platform, "_is_cuda", True)
+    monkeypatch.setattr(multi_platform.current_platform, "is_out_of_tree", lambda: False, raising=False)
+    assert Probe()._forward_method.__func__ is RMSNorm.forward_cuda  # SGLang's own choice on CUDA
+    assert SiluProbe()._forward_method.__func__ is SiluAndMul.forward_cuda
+    monkeypatch.setattr(multi_platform.MultiPlatformOp, "dispatch_forward",
+                        multi_platform.MultiPlatformOp.dispatch_forward)  # restored after the test
+    bench.use_native_ops()
+    assert Probe()._forward_method.__func__ is RMSNorm.forward_native
+    assert SiluProbe()._forward_method.__func__ is SiluAndMul.forward_native
