@@ -139,7 +139,8 @@ def main_loop(sass: str) -> dict:
     and its target, the branch before the kernel's last EXIT: the wait-and-retry blocks placed after it jump back
     into loops too) that holds tensor-core instructions, the attention kernels' unmasked KV-tile loop. Where that
     loop sits inside a chunk loop (decode's rows read ahead), the chunk's own work is not counted. ``{}`` for
-    kernels without one."""
+    kernels without one. Also its program-wide barriers (``cta_barriers``) and its waits for tensor-core work
+    (``mma_waits``)."""
     code = [(int(m[1], 16), m[2].split()[0]) for m in re.finditer(
         r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", sass)]
     last_exit = max((addr for addr, op in code if op == "EXIT"), default=float("inf"))
@@ -155,7 +156,11 @@ def main_loop(sass: str) -> dict:
     body = min(loops, key=len)
     return {"instructions": len(body), "mma": sum("MMA" in op for op in body),
             "shared_byte_loads": sum(op.startswith("LDS.U8") or op.startswith("LDS.S8") for op in body),
-            "fp8_converts": sum(op.startswith("F2FP") and ("E4M3" in op or "E5M2" in op) for op in body)}
+            "fp8_converts": sum(op.startswith("F2FP") and ("E4M3" in op or "E5M2" in op) for op in body),
+            # Program-wide barriers: every warp of the program waits at each, so its warpgroups move in lockstep.
+            "cta_barriers": sum(op.startswith("BAR.SYNC") for op in body),
+            # Waits for tensor-core work (wgmma groups): how often the loop stops until its products are done.
+            "mma_waits": sum(op.startswith("WARPGROUP.DEPBAR") for op in body)}
 
 
 def main() -> None:
