@@ -43,6 +43,12 @@ def steps_for(attention) -> tuple:
     return (*STEPS, LONG_CHUNK)
 
 
+def warmed_up_line(steps: int, seconds: float, dcp_size: int, dtype) -> str:
+    """The adapters' log line once a warm-up ran: its step kinds and seconds (its share of an engine's start)."""
+    return (f"dcp-triton: compiled the kernels of {steps} step kinds before serving in {seconds:.1f} s "
+            f"(dcp_size={dcp_size}, {dtype})")
+
+
 def warm_up(attention, *, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
             value_cache: torch.Tensor, output: torch.Tensor, k_scale: torch.Tensor | None = None,
             v_scale: torch.Tensor | None = None) -> int:

@@ -19,7 +19,7 @@ FP32_LOGPROB_TOL = 1e-3  # max |logprob(dcp-triton) - logprob(TRITON_ATTN)| in f
 # each move by <= FP32_LOGPROB_TOL can swap order only if they were within 2 * FP32_LOGPROB_TOL.
 FP32_TIE_GAP = 2 * FP32_LOGPROB_TOL
 OURS = "dcp-triton"
-WARMED_UP = "dcp-triton: compiled the kernels of"  # the start-up warm-up's log line (adapters/vllm/impl.py)
+WARMED_UP = "dcp-triton: compiled the kernels of"  # the start-up warm-up's log line (dcp_plugin/warmup.py)
 
 
 def make_prompts(*, count: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:

@@ -32,6 +32,7 @@ import fnmatch
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -254,6 +255,12 @@ def child(spec_path: str) -> None:
     os._exit(0)  # no engine shutdown races at exit
 
 
+def warmup_seconds(log: str) -> list[float]:
+    """dcp-triton's warm-up inside a start-up, from its log lines (``dcp_plugin.warmup.warmed_up_line``, one per
+    worker process)."""
+    return [float(s) for s in re.findall(r"step kinds before serving in ([0-9.]+) s", log)]
+
+
 def job_env(job: dict, work: Path, *, smoke: bool, cold_triton_cache: bool) -> dict:
     """The environment of ``job``'s process; a start-up job's cold Triton cache is emptied here."""
     env = dict(os.environ, DCP_TRITON_KERNELS="reference" if smoke else "triton", VLLM_USE_FLASHINFER_SAMPLER="0")
@@ -336,6 +343,7 @@ def main() -> None:
             continue
         result = json.loads(out.read_text())
         result["wall_s"] = round(time.monotonic() - t, 1)
+        result["warmup_s"] = warmup_seconds(text)
         result["backend_line"] = next((line[-240:] for line in text.splitlines()
                                        if "dcp-triton attention: backend=" in line
                                        or f"Using AttentionBackendEnum.{job['backend']}" in line), None)

@@ -86,3 +86,11 @@ def test_profile_jobs_run_the_load_asked_for_and_key_their_results_by_it():
                for j in bench.jobs(profile=True, profile_load=load) if j["kind"] == "profile"]
     assert sorted(bench.summarise(results)["profile"]) == sorted(
         f"{b}/{mode}{suffix}" for b in ("dcp-triton", "FLASH_ATTN") for mode in bench.MODES for suffix in ("", "/long"))
+
+
+def test_the_warm_up_seconds_come_from_the_adapters_log_line():
+    from dcp_plugin.warmup import warmed_up_line
+
+    log = ("INFO 12-01 [impl.py:165] " + warmed_up_line(10, 12.34, 1, "torch.bfloat16") + "\n"
+           "(Worker pid=7) INFO " + warmed_up_line(10, 3.0, 2, "torch.bfloat16") + "\nINFO other 5.0 s\n")
+    assert bench.warmup_seconds(log) == [12.3, 3.0]
