@@ -1,5 +1,6 @@
 """Launch's compile-ahead mode: inside compile_ahead a prepared launch submits its kernel variant to Triton's
-compiler and launches nothing; launches_run restores launching; the thread count comes from one variable."""
+compiler and launches nothing, and on exit each compiled variant's launcher is built; launches_run restores
+launching; the thread count comes from one variable."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from dcp_plugin.kernels._launch import Launch, compile_ahead, compile_threads, l
 class _RecordingKernel:
     """Stands in for a ``@triton.jit`` function: records warm-ups (compile, no launch) and launches."""
 
-    def __init__(self):
+    def __init__(self, compiled=None):
         self.calls = []
+        self.compiled = compiled  # what Triton's warmup hands back: a compiled kernel (or a future of one)
 
     def warmup(self, *args, grid, **kwargs):
         self.calls.append(("compile", grid, args, kwargs))
+        return self.compiled
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.calls.append(("launch", grid, args, kwargs))
@@ -57,3 +60,37 @@ def test_compile_threads_refuses_what_is_not_a_count_and_is_off_under_the_interp
     monkeypatch.setenv(_launch.COMPILE_THREADS_ENV, "4")
     monkeypatch.setattr(_launch, "INTERPRET", True)
     assert compile_threads() == 0
+
+
+class _Future:
+    """Stands in for Triton's future of a compiled kernel (``AsyncCompileMode``)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def result(self):
+        return self.kernel
+
+
+def test_on_exit_compile_ahead_builds_each_compiled_variants_launcher_once(monkeypatch):
+    compiled = [type("Compiled", (), {"src": f"src{i}", "metadata": f"meta{i}"})() for i in range(2)]
+    first, second = _RecordingKernel(_Future(compiled[0])), _RecordingKernel(compiled[1])  # the second compiled before
+    built = []
+    a = torch.zeros(4)
+    launches = [Launch(kernel, (1,), (), {}, num_warps=4) for kernel in (first, second, first)]
+    with compile_ahead(2, make_launcher=lambda src, metadata: built.append((src, metadata))):
+        for launch in launches:
+            launch(a)
+        assert built == []  # the launchers wait for every compile
+    assert sorted(built) == [("src0", "meta0"), ("src1", "meta1")]
+
+
+def test_a_launcher_that_cannot_build_fails_the_compile_ahead():
+    kernel = _RecordingKernel(_Future(type("Compiled", (), {"src": "s", "metadata": "m"})()))
+
+    def broken(src, metadata):
+        raise RuntimeError("cc failed")
+
+    with pytest.raises(RuntimeError, match="cc failed"):
+        with compile_ahead(1, make_launcher=broken):
+            Launch(kernel, (1,), (), {}, num_warps=4)(torch.zeros(1))
