@@ -207,8 +207,13 @@ def child(spec_path: str) -> None:
 
 
 def job_env(job: dict) -> dict:
-    """The job process's environment: the float32 jobs run SGLang's torch ops (``use_native_ops``)."""
-    return dict(os.environ, **{NATIVE_OPS_ENV: "1" if job["dtype"] == "fp32" else "0"})
+    """The job process's environment: the float32 jobs run SGLang's torch ops (``use_native_ops``) and Triton's
+    float32 products in full precision (TRITON_F32_DEFAULT=ieee: by default SGLang's ``triton`` backend rounds
+    their inputs to TF32, about 1e-3 relative, the size of the logprob bound)."""
+    env = dict(os.environ, **{NATIVE_OPS_ENV: "1" if job["dtype"] == "fp32" else "0"})
+    if job["dtype"] == "fp32":
+        env["TRITON_F32_DEFAULT"] = "ieee"
+    return env
 
 
 def run_one(job: dict, spec: dict, work: Path) -> dict:

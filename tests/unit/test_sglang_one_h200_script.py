@@ -116,6 +116,8 @@ def test_summary_of_partial_and_failed_runs():
 def test_only_the_float32_jobs_run_sglangs_torch_ops():
     flags = {job["name"]: bench.job_env(job)[bench.NATIVE_OPS_ENV] for job in bench.jobs()}
     assert flags == {"dcp-triton-bf16": "0", "triton-bf16": "0", "dcp-triton-fp32": "1", "triton-fp32": "1"}
+    # and full-precision float32 products in Triton, for both backends' float32 jobs
+    assert all(bench.job_env(job).get("TRITON_F32_DEFAULT") == "ieee" for job in bench.jobs() if job["dtype"] == "fp32")
 
 
 def test_native_ops_make_sglangs_layers_dispatch_to_forward_native(monkeypatch):
