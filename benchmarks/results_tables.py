@@ -72,16 +72,20 @@ def prefix_rows(kernels: dict) -> list[str]:
     return rows
 
 
+# The models of ``vllm_one_h200.py`` (its MODELS), as the tables and the headline name them.
+ONE_MODELS = {"llama8": "32 Q / 8 KV (Llama-3-8B)", "mqa16": "16 Q / 1 KV"}
+
+
 def vllm_one_rows(one: dict) -> list[str]:
-    """Output tokens/s inside vLLM on one GPU (``vllm_one_h200.py``), best of its runs, per load and mode."""
-    loads = {k.split("/")[1]: v for k, v in one["summary"]["loads"].items()}
-    rows = ["| load | mode | dcp-triton | FLASH_ATTN | TRITON_ATTN | / FLASH_ATTN | / TRITON_ATTN |",
-            "|---|---|---|---|---|---|---|"]
-    for load, modes in loads.items():
+    """Output tokens/s inside vLLM on one GPU (``vllm_one_h200.py``), best of its runs, per model, load and mode."""
+    rows = ["| model | load | mode | dcp-triton | FLASH_ATTN | TRITON_ATTN | / FLASH_ATTN | / TRITON_ATTN |",
+            "|---|---|---|---|---|---|---|---|"]
+    for key, modes in one["summary"]["loads"].items():
+        model, load = key.split("/")
         for mode, t in modes.items():
             ours, fa, tr = t["dcp_triton"], t["flash_attn"], t.get("triton_attn")
-            rows.append(f"| {load} | {mode} | {ours:,.0f} | {fa:,.0f} | {f'{tr:,.0f}' if tr else 'not run'} | "
-                        f"{ratio(ours, fa)} | {ratio(ours, tr) if tr else '-'} |")
+            rows.append(f"| {ONE_MODELS.get(model, model)} | {load} | {mode} | {ours:,.0f} | {fa:,.0f} | "
+                        f"{f'{tr:,.0f}' if tr else 'not run'} | {ratio(ours, fa)} | {ratio(ours, tr) if tr else '-'} |")
     return rows
 
 
@@ -116,6 +120,7 @@ def headline_rows(vllm_dcp: dict, kernels: dict, one: dict) -> list[str]:
     capacity = {(r["config"], r["mode"]): r["kv_cache_tokens"] for r in vllm_dcp["kv_capacity"]}
     dcp1, dcp2 = capacity[("dcp_triton_dcp1", "graphs")], capacity[("dcp_triton_dcp2_ag_rs", "graphs")]
     graphs = [t["graphs"] for t in one["summary"]["loads"].values()]
+    models = list(dict.fromkeys(ONE_MODELS.get(k.split("/")[0], k.split("/")[0]) for k in one["summary"]["loads"]))
     vs_fa = [t["dcp_triton"] / t["flash_attn"] for t in graphs]
     vs_tr = [t["dcp_triton"] / t["triton_attn"] for t in graphs if t.get("triton_attn")]
     triton = f" (and {min(vs_tr):.2f}x-{max(vs_tr):.2f}x `TRITON_ATTN`'s)" if len(vs_tr) == len(graphs) else ""
@@ -130,8 +135,8 @@ def headline_rows(vllm_dcp: dict, kernels: dict, one: dict) -> list[str]:
         f"{vllm_dcp['summary']['fp32_max_abs_logprob_diff']:.1e} of vLLM's `TRITON_ATTN` "
         f"([details]({page}#dcp--2-inside-vllm-two-h200s), `benchmarks/results/vllm_dcp_2xh200.json`).",
         f"- **{min(vs_fa):.2f}x-{max(vs_fa):.2f}x the output tokens/s of vLLM's FLASH_ATTN**{triton} over "
-        f"{len(graphs)} loads with CUDA graphs, one "
-        f"{kernels['gpu']}, Llama-3-8B's attention, same run ([table]({page}#inside-vllm-one-h200), "
+        f"{len(graphs)} loads with CUDA graphs, one {kernels['gpu']}, "
+        f"{' and '.join(models)} heads, each model's backends in one run ([table]({page}#inside-vllm-one-h200), "
         "`benchmarks/results/vllm_one_h200.json`).",
         f"- **Kernels against FlashAttention-3**: decode {min(fa3):.2f}x-{max(fa3):.2f}x over {len(fa3)} shapes, "
         f"causal prefill {min(prefill):.2f}x-{max(prefill):.2f}x"

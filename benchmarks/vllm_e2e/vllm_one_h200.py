@@ -13,10 +13,11 @@ small-batch runs last 0.4 s, and one host hiccup moves one run by 25%); the best
 
 One job per (model, backend, mode) in its own process (the engines never share the GPU); vLLM's defaults
 otherwise (graphs: FULL_AND_PIECEWISE over vLLM's capture sizes; engine core in its own process). ``--profile``
-adds one in-process engine per backend and mode (llama8, the load ``--profile-load`` names, small-batch unless
-told): host time per step in the metadata builder's ``build`` and in the attention layers' ``forward``
-(perf_counter around vLLM's calls) and GPU time per kernel (torch profiler) -> ``profile`` in the results, keyed
-``<backend>/<mode>`` (``<backend>/<mode>/<load>`` for another load).
+adds one in-process engine per backend and mode (the model ``--profile-model`` names, llama8 unless told; the
+load ``--profile-load`` names, small-batch unless told): host time per step in the metadata builder's ``build``
+and in the attention layers' ``forward`` (perf_counter around vLLM's calls) and GPU time per kernel (torch
+profiler) -> ``profile`` in the results, keyed
+``<backend>/<mode>`` (``<backend>/<mode>/<load>`` for another load, ``<model>/`` first for another model).
 
     python benchmarks/vllm_e2e/vllm_one_h200.py --only 'llama8-*-graphs' --name vllm_one_h200_graphs
     python benchmarks/vllm_e2e/vllm_one_h200.py --merge benchmarks/results/vllm_one_h200_*.json  # -> vllm_one_h200.json
@@ -68,14 +69,16 @@ def config_json(name: str) -> dict:
                 hidden_act="silu", **MODELS[name])
 
 
-def jobs(profile: bool, startup: bool = False, profile_load: str = "small-batch") -> list[dict]:
+def jobs(profile: bool, startup: bool = False, profile_load: str = "small-batch",
+         profile_model: str = "llama8") -> list[dict]:
     """Every job, most valuable first: llama8 with graphs, then eager, then mqa16, then the profiles, then the
     start-up jobs."""
     out = [dict(name=f"{m}-{b}-{mode}", model=m, backend=b, mode=mode, kind="throughput")
            for m, mode in (("llama8", "graphs"), ("llama8", "eager"), ("mqa16", "graphs"), ("mqa16", "eager"))
            for b in BACKENDS]
     if profile:
-        out += [dict(name=f"profile-{b}-{mode}", model="llama8", backend=b, mode=mode, kind="profile",
+        model = "" if profile_model == "llama8" else f"{profile_model}-"
+        out += [dict(name=f"profile-{model}{b}-{mode}", model=profile_model, backend=b, mode=mode, kind="profile",
                      load=profile_load) for mode in MODES for b in ("dcp-triton", "FLASH_ATTN")]
     if startup:
         out += startup_jobs()
@@ -229,8 +232,9 @@ def summarise(results: list[dict]) -> dict:
             best = max(x["output_tok_s"] for x in runs)
             loads.setdefault(f"{r['model']}/{name}", {}).setdefault(r["mode"], {})[BACKENDS[r["backend"]]] = \
                 round(best, 1)
-    profile = {f"{r['backend']}/{r['mode']}" + ("" if r.get("load", "small-batch") == "small-batch"
-                                                 else f"/{r['load']}"): r["profile"] for r in results if "profile" in r}
+    profile = {("" if r["model"] == "llama8" else f"{r['model']}/") + f"{r['backend']}/{r['mode']}"
+               + ("" if r.get("load", "small-batch") == "small-batch" else f"/{r['load']}"): r["profile"]
+               for r in results if "profile" in r}
     startup = {r["name"].removeprefix("startup-"): r["init_s"] for r in results
                if r.get("kind") == "startup" and "init_s" in r}
     return dict(loads=loads, profile=profile, startup_s=startup)
@@ -283,6 +287,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also the in-process profile jobs")
     parser.add_argument("--profile-load", default="small-batch", choices=sorted(LOADS),
                         help="the load the profile jobs run (default small-batch)")
+    parser.add_argument("--profile-model", default="llama8", choices=sorted(MODELS),
+                        help="the model the profile jobs run (default llama8)")
     parser.add_argument("--budget-s", type=float, default=0, help="start no job after this many seconds")
     parser.add_argument("--name", default="vllm_one_h200", help="results file stem")
     parser.add_argument("--list", action="store_true")
@@ -309,7 +315,7 @@ def main() -> None:
         args.only = "llama8-dcp-triton-eager" + (",profile-dcp-triton-eager" if args.profile else "")
     patterns = args.only.split(",")
     chosen = [dict(j, smoke=args.smoke, block_size=args.block_size)
-              for j in jobs(args.profile, args.startup, args.profile_load)
+              for j in jobs(args.profile, args.startup, args.profile_load, args.profile_model)
               if any(fnmatch.fnmatch(j["name"], p) for p in patterns)]
     if args.list or not chosen:
         print("\n".join(j["name"] for j in jobs(True, True)) if args.list else f"--only {args.only!r} matches no job")

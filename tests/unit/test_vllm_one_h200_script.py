@@ -86,6 +86,11 @@ def test_profile_jobs_run_the_load_asked_for_and_key_their_results_by_it():
                for j in bench.jobs(profile=True, profile_load=load) if j["kind"] == "profile"]
     assert sorted(bench.summarise(results)["profile"]) == sorted(
         f"{b}/{mode}{suffix}" for b in ("dcp-triton", "FLASH_ATTN") for mode in bench.MODES for suffix in ("", "/long"))
+    mqa = [dict(j, profile={"step_ms": 1.0}) for j in bench.jobs(profile=True, profile_load="decode-heavy",
+                                                                profile_model="mqa16") if j["kind"] == "profile"]
+    assert {j["model"] for j in mqa} == {"mqa16"} and all(j["name"].startswith("profile-mqa16-") for j in mqa)
+    assert sorted(bench.summarise(mqa)["profile"]) == sorted(
+        f"mqa16/{b}/{mode}/decode-heavy" for b in ("dcp-triton", "FLASH_ATTN") for mode in bench.MODES)
 
 
 def test_the_warm_up_seconds_come_from_the_adapters_log_line():
