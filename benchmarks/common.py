@@ -196,8 +196,13 @@ def merge_jobs(name: str, paths: list[str], summarise, *, results_dir: Path = RE
     merged file's is theirs when they share one (else ``commit`` None and every input's under ``inputs``)."""
     files = [json.loads(Path(path).read_text()) for path in paths]
     jobs = [{"provenance": f.get("provenance"), **job} for f in files for job in f["jobs"]]
-    origins = [f.get("provenance") for f in files]
-    origin = origins[0] if all(o == origins[0] for o in origins) else {"commit": None, "inputs": origins}
+    origins: list = []
+    for f in files:  # a file merged before brings its inputs, not itself
+        provenance = f.get("provenance") or {}
+        for o in provenance.get("inputs", [provenance]) if provenance.get("commit") is None else [provenance]:
+            if o not in origins:
+                origins.append(o)
+    origin = origins[0] if len(origins) == 1 else {"commit": None, "inputs": origins}
     path = save(name, dict(summary=summarise(jobs), jobs=jobs), results_dir=results_dir, origin=origin)
     print(f"wrote {repo_relative(path)}")
     return path

@@ -9,7 +9,8 @@ Loads (``LOADS``; offline ``LLM.generate`` of every request at once, greedy, ``i
 32 requests of 512 -> 256 decoding while 32 more of 2K-8K tokens -> 64 arrive four at a time every four engine
 steps (``LLMEngine.add_request`` / ``step``), so prefill chunks share steps with decodes. Each load: one warm-up
 run with other prompts of the same shapes, then ``--repeats`` timed runs with fresh prompts (at least ``min_repeats``:
-small-batch runs last 0.4 s, and one host hiccup moves one run by 25%); the best is reported.
+small-batch runs last 0.4 s, and one host hiccup moves one run by 25%; decode-heavy's 1.5-1.9 s runs spread by up to
+25% too); the best is reported.
 
 One job per (model, backend, mode) in its own process (the engines never share the GPU); vLLM's defaults
 otherwise (graphs: FULL_AND_PIECEWISE over vLLM's capture sizes; engine core in its own process). ``--profile``
@@ -49,7 +50,7 @@ MODELS = {
     "mqa16": dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=1),
 }
 LOADS = {
-    "decode-heavy": dict(requests=256, prompt_len=512, output_len=256),
+    "decode-heavy": dict(requests=256, prompt_len=512, output_len=256, min_repeats=5),
     "small-batch": dict(requests=16, prompt_len=1024, output_len=128, min_repeats=6),
     "prefill-heavy": dict(requests=32, prompt_len=8192, output_len=16),
     "long": dict(requests=8, prompt_len=32768, output_len=64),

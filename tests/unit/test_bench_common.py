@@ -125,3 +125,10 @@ def test_merged_results_keep_the_provenance_of_the_runs_not_of_the_merging_machi
                                          lambda jobs: {}, results_dir=tmp_path).read_text())
     assert mixed["provenance"] == {"commit": None, "inputs": [runs["a"], runs["c"]]}
     assert mixed["jobs"][1]["provenance"]["commit"] == "378aff3"
+    (tmp_path / "d.json").write_text(json.dumps({"summary": {}, "jobs": [{"name": "d"}], "provenance": {
+        "commit": "8c3a8c4", "dirty": None, "triton": "3.6.0"}}))
+    again = json.loads(common.merge_jobs("again", [str(tmp_path / "mixed.json"), str(tmp_path / "d.json")],
+                                         lambda jobs: {}, results_dir=tmp_path).read_text())
+    assert again["provenance"]["inputs"] == [runs["a"], runs["c"], {"commit": "8c3a8c4", "dirty": None,
+                                                                    "triton": "3.6.0"}]  # flat, not nested
+    assert [j["provenance"]["commit"] for j in again["jobs"]] == ["7cc862f", "378aff3", "8c3a8c4"]
