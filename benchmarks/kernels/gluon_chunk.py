@@ -4,7 +4,8 @@ ring of shared-memory stages (mbarriers, no program-wide barrier), and two consu
 the block's 128 query rows, run their QK^T -> softmax -> PV loops independently, so one's softmax can overlap the
 other's tensor-core work (FA3's ping-pong, left to drift rather than enforced).
 
-Grid (cdiv(max_query_len, 128), num_seqs, local Q heads); head size 128, bf16/fp16.
+Launched like ``extend_attention_kernel`` (``plan_extend``'s grid and arguments, 128-row blocks); head size 128,
+bf16/fp16, K and V readable through tensor descriptors.
 """
 
 from __future__ import annotations
@@ -185,18 +186,51 @@ def _attend_rows_overlap(q_ptr, out_ptr, lse_ptr, q_tile, k_smem, v_smem, ready,
 
 
 @gluon.jit
-def chunk_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_ptr, qk_scale, q_head_start,
-                           q_per_kv, kv_head_start, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                           stride_ot, stride_oh, stride_lt, stride_lh,
+def _find_block(query_start_loc_ptr, num_reqs, pid, BLOCK: gl.constexpr):
+    """``(request, block within it)`` of program ``pid``: ``_schedule.find_block``'s numbering (request ``b``'s
+    blocks are ids ``query_start_loc[b] // BLOCK + b`` on)."""
+    lo = 0
+    hi = num_reqs
+    while lo < hi:  # last b with first(b) <= pid
+        mid = (lo + hi) // 2
+        if gl.load(query_start_loc_ptr + mid) // BLOCK + mid <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    req = gl.maximum(lo - 1, 0)
+    return req, pid - (gl.load(query_start_loc_ptr + req) // BLOCK + req)
+
+
+@gluon.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs"))
+def chunk_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_ptr, num_tokens, num_reqs,
+                           num_q_programs, qk_scale, q_head_start, q_per_kv, kv_head_start, stride_qt, stride_qh,
+                           stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt, stride_lh,
                            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                            OVERLAP: gl.constexpr):
+    """Grid (num_q_programs + 1, local Q heads), the numbering of ``extend_attention_kernel``: programs in reverse
+    (each sequence's last blocks, which see the most keys, start first), and the last program of each head writes
+    (0, -inf) to the rows past query_start_loc[num_reqs]."""
     ROWS: gl.constexpr = 64  # per consumer warpgroup; the program's block is 2 * ROWS
-    m_block = gl.program_id(0)
-    seq = gl.program_id(1)
-    head = gl.program_id(2)
+    pid = gl.num_programs(0) - 1 - gl.program_id(0)
+    head = gl.program_id(1)
+    if pid >= num_q_programs:
+        pad_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rows0 = gl.arange(0, 2 * ROWS, layout=gl.SliceLayout(1, pad_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, pad_layout))
+        for first in range(gl.load(query_start_loc_ptr + num_reqs).to(gl.int64), num_tokens, 2 * ROWS):
+            rows = first + rows0
+            keep = rows < num_tokens
+            gl.store(out_ptr + gl.expand_dims(rows * stride_ot, 1) + head.to(gl.int64) * stride_oh
+                     + gl.expand_dims(cols, 0),
+                     gl.zeros([2 * ROWS, HEAD_DIM], out_ptr.dtype.element_ty, layout=pad_layout),
+                     mask=gl.expand_dims(keep, 1))
+            gl.store(lse_ptr + rows * stride_lt + head.to(gl.int64) * stride_lh,
+                     gl.full([2 * ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, pad_layout)), mask=keep)
+        return
+    seq, m_block = _find_block(query_start_loc_ptr, num_reqs, pid, 2 * ROWS)
     seq_start = gl.load(query_start_loc_ptr + seq).to(gl.int64)
     seq_len = (gl.load(query_start_loc_ptr + seq + 1) - gl.load(query_start_loc_ptr + seq)).to(gl.int32)
-    m_start = m_block * (2 * ROWS)
+    m_start = (m_block * (2 * ROWS)).to(gl.int32)
     if m_start < seq_len:
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         kv_head = ((q_head_start + head) // q_per_kv - kv_head_start).to(gl.int64)
