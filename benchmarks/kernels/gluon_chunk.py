@@ -186,6 +186,100 @@ def _attend_rows_overlap(q_ptr, out_ptr, lse_ptr, q_tile, k_smem, v_smem, ready,
 
 
 @gluon.jit
+def _probs_next(qk, m_i, l_i, qk_scale, offs_m, offs_n, n_start, masked, acc_layout: gl.constexpr,
+                dtype: gl.constexpr):
+    """Tile ``n_start``'s softmax from its raw scores: the new row maxima, the factor that rescales the accumulator
+    to them, the updated row sums and the probabilities as P x V's register operand. ``masked``: a runtime flag, the
+    causal mask applies (the tiles the block's diagonal cuts)."""
+    if masked:
+        keep = gl.expand_dims(offs_m, 1) >= gl.expand_dims(n_start + offs_n, 0)
+        qk = gl.where(keep, qk, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2))
+    return p_op, m_new, l_i, gl.convert_layout(alpha, gl.SliceLayout(1, acc_layout))
+
+
+@gluon.jit
+def _attend_rows_fa3(q_ptr, out_ptr, lse_ptr, q_tile, k_smem, v_smem, ready, empty, my_turn, other_turn, n_tiles,
+                     n_unmasked, row0, seq_start, seq_len, qk_scale, head, stride_qt, stride_qh, stride_ot,
+                     stride_oh, stride_lt, stride_lh, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+                     PINGPONG: gl.constexpr, FIRST: gl.constexpr):
+    """FA3's order within a warpgroup: tile i + 1's QK^T and tile i's P x V issued together, the scores waited for
+    alone (the product stays in flight), tile i + 1's softmax under P x V, then the accumulator rescaled.
+    ``PINGPONG``: the two consumer warpgroups take turns issuing (``my_turn`` / ``other_turn`` mbarriers, the
+    ``FIRST`` one starts), so one's tensor-core work runs under the other's softmax."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                        instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+    rows_io = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
+    cols_io = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
+    row_ok = gl.expand_dims(rows_io < seq_len, 1)
+    q_ptrs = (q_ptr + gl.expand_dims((seq_start + rows_io).to(gl.int64) * stride_qt, 1) + head.to(gl.int64) * stride_qh
+              + gl.expand_dims(cols_io, 0))
+    q_tile.store(gl.load(q_ptrs, mask=row_ok, other=0.0))
+    fence_async_shared()
+
+    offs_m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, qk_layout))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk_layout))
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, qk_layout))
+    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, qk_layout))
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    zero_qk = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=qk_layout)
+    turn = 0  # issues so far: the turn mbarriers' phase
+    mbarrier.wait(ready.index(0), 0)
+    if PINGPONG:
+        mbarrier.wait(my_turn, (turn & 1) ^ FIRST)
+    qk = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(other_turn, count=1)
+    turn += 1
+    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+    p_op, m_i, l_i, alpha = _probs_next(qk, m_i, l_i, qk_scale, offs_m, offs_n, 0, n_unmasked == 0, acc_layout,
+                                        dtype)
+    for i in range(n_tiles - 1):
+        s = i % STAGES
+        s_next = (i + 1) % STAGES
+        mbarrier.wait(ready.index(s_next), ((i + 1) // STAGES) & 1)
+        if PINGPONG:
+            mbarrier.wait(my_turn, (turn & 1) ^ FIRST)
+        qk = warpgroup_mma(q_tile, k_smem.index(s_next).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(other_turn, count=1)
+        turn += 1
+        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
+        p_op, m_i, l_i, alpha = _probs_next(qk, m_i, l_i, qk_scale, offs_m, offs_n, (i + 1) * BLOCK_N,
+                                            i + 1 >= n_unmasked, acc_layout, dtype)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(s), count=1)
+        acc = acc * gl.expand_dims(alpha, 1)
+    last = n_tiles - 1
+    if PINGPONG:
+        mbarrier.wait(my_turn, (turn & 1) ^ FIRST)
+    acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(other_turn, count=1)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index(last % STAGES), count=1)
+
+    l_acc = gl.convert_layout(l_i, gl.SliceLayout(1, acc_layout))
+    out = gl.convert_layout((acc / gl.expand_dims(l_acc, 1)).to(dtype), io_layout)
+    out_ptrs = (out_ptr + gl.expand_dims((seq_start + rows_io).to(gl.int64) * stride_ot, 1)
+                + head.to(gl.int64) * stride_oh + gl.expand_dims(cols_io, 0))
+    gl.store(out_ptrs, out, mask=row_ok)
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+    gl.store(lse_ptr + (seq_start + offs_m).to(gl.int64) * stride_lt + head.to(gl.int64) * stride_lh, lse,
+             mask=offs_m < seq_len)
+
+
+@gluon.jit
 def _find_block(query_start_loc_ptr, num_reqs, pid, BLOCK: gl.constexpr):
     """``(request, block within it)`` of program ``pid``: ``_schedule.find_block``'s numbering (request ``b``'s
     blocks are ids ``query_start_loc[b] // BLOCK + b`` on)."""
@@ -206,7 +300,7 @@ def chunk_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_lo
                            num_q_programs, qk_scale, q_head_start, q_per_kv, kv_head_start, stride_qt, stride_qh,
                            stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt, stride_lh,
                            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                           OVERLAP: gl.constexpr):
+                           OVERLAP: gl.constexpr, PINGPONG: gl.constexpr = False):
     """Grid (num_q_programs + 1, local Q heads), the numbering of ``extend_attention_kernel``: programs in reverse
     (each sequence's last blocks, which see the most keys, start first), and the last program of each head writes
     (0, -inf) to the rows past query_start_loc[num_reqs]."""
@@ -243,7 +337,7 @@ def chunk_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_lo
                                             block_shape=[BLOCK_N, HEAD_DIM], layout=smem_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
-        if OVERLAP:
+        if OVERLAP != 0:
             q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
             q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -253,7 +347,22 @@ def chunk_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_lo
             mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a stage
         n_tiles = gl.cdiv(gl.minimum(m_start + 2 * ROWS, seq_len), BLOCK_N)
         n_unmasked = m_start // BLOCK_N  # tiles wholly below the block's first row
-        if OVERLAP:
+        if OVERLAP == 2:
+            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for w in gl.static_range(2):
+                mbarrier.init(turn.index(w), count=1)
+            gl.warp_specialize([
+                (_attend_rows_fa3, (q_ptr, out_ptr, lse_ptr, q_smem.index(0), k_smem, v_smem, ready, empty,
+                                    turn.index(0), turn.index(1), n_tiles, n_unmasked, m_start, seq_start, seq_len,
+                                    qk_scale, head, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+                                    ROWS, BLOCK_N, HEAD_DIM, STAGES, 4, PINGPONG, 1)),
+                (_attend_rows_fa3, (q_ptr, out_ptr, lse_ptr, q_smem.index(1), k_smem, v_smem, ready, empty,
+                                    turn.index(1), turn.index(0), n_tiles, n_unmasked, m_start + ROWS, seq_start,
+                                    seq_len, qk_scale, head, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                                    stride_lh, ROWS, BLOCK_N, HEAD_DIM, STAGES, 4, PINGPONG, 0)),
+                (_load_kv, (k_desc, v_desc, k_smem, v_smem, ready, empty, n_tiles, BLOCK_N, STAGES)),
+            ], [4, 1], [232, 40])
+        elif OVERLAP == 1:
             gl.warp_specialize([
                 (_attend_rows_overlap, (q_ptr, out_ptr, lse_ptr, q_smem.index(0), k_smem, v_smem, ready, empty,
                                         n_tiles, n_unmasked, m_start, seq_start, seq_len, qk_scale, head,

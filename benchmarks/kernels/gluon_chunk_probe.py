@@ -24,11 +24,13 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
 
-CONFIGS = [(128, 2, 0), (128, 3, 0), (64, 3, 0), (64, 4, 0), (128, 2, 1), (64, 3, 1), (64, 4, 1)]
+# (BLOCK_N, STAGES, OVERLAP, PINGPONG); OVERLAP 1: tile i + 1's QK^T under tile i's softmax, 2: FA3's order (QK^T
+# of tile i + 1 with P x V of tile i, the softmax under P x V); PINGPONG: the warpgroups take turns issuing (FA3)
+CONFIGS = [(128, 2, 0, 0), (128, 2, 2, 0), (128, 2, 2, 1), (64, 3, 2, 1), (64, 4, 2, 1), (64, 4, 2, 0)]
 SHAPES = [(16, 1024), (4, 2048), (2, 4096), (1, 16384)]  # (sequences, length), 32 Q / 8 KV heads, D 128
 CHECK_LENS = [1, 17, 64, 127, 128, 129, 300, 1000]
 ERROR_BOUND = 1e-2  # relative Frobenius error of a bf16 output (bench_kernels.py's bound)
-CHILD_TIMEOUT_S = 150
+CHILD_TIMEOUT_S = 60  # a config compiles and runs in about 15 s
 
 
 def launch(q, k, v, out, lse, cu, max_len, *, scale, q_head_start, q_per_kv, kv_head_start, config):
@@ -36,7 +38,7 @@ def launch(q, k, v, out, lse, cu, max_len, *, scale, q_head_start, q_per_kv, kv_
 
     from dcp_plugin.kernels._schedule import flat_programs
 
-    block_n, stages, overlap = config
+    block_n, stages, overlap, pingpong = config
     num_tokens, num_reqs = q.shape[0], cu.shape[0] - 1
     num_q_programs = flat_programs(num_tokens, num_reqs, 128)
     grid = (num_q_programs + 1, q.shape[1])  # + 1: the padding rows' program
@@ -44,8 +46,8 @@ def launch(q, k, v, out, lse, cu, max_len, *, scale, q_head_start, q_per_kv, kv_
         q, k, v, out, lse, cu, num_tokens, num_reqs, num_q_programs, scale * 1.4426950408889634, q_head_start,
         q_per_kv, kv_head_start,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        lse.stride(0), lse.stride(1), HEAD_DIM=q.shape[2], BLOCK_N=block_n, STAGES=stages, OVERLAP=bool(overlap),
-        num_warps=4)
+        lse.stride(0), lse.stride(1), HEAD_DIM=q.shape[2], BLOCK_N=block_n, STAGES=stages, OVERLAP=int(overlap),
+        PINGPONG=bool(pingpong), num_warps=4)
 
 
 def check(config) -> dict:
@@ -147,8 +149,9 @@ def compile_only() -> None:
             if name.startswith("stride_") and name != "stride_lh":
                 attrs[(i,)] = [["tt.divisibility", 16]]
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    for block_n, stages, overlap in CONFIGS:
-        constants = dict(HEAD_DIM=128, BLOCK_N=block_n, STAGES=stages, OVERLAP=bool(overlap), stride_lh=1)
+    for block_n, stages, overlap, pingpong in CONFIGS:
+        constants = dict(HEAD_DIM=128, BLOCK_N=block_n, STAGES=stages, OVERLAP=int(overlap), PINGPONG=bool(pingpong),
+                         stride_lh=1)
         compiled = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -157,7 +160,7 @@ def compile_only() -> None:
             log = subprocess.run([str(ptxas), "--gpu-name", "sm_90a", "-v", f.name, "-o", os.devnull],
                                  capture_output=True, text=True).stderr
         sass = ch.cuobjdump(compiled.asm["cubin"], "-sass")
-        print((block_n, stages, overlap), ch.resource_usage(compiled.asm["cubin"]), "shared", compiled.metadata.shared,
+        print((block_n, stages, overlap, pingpong), ch.resource_usage(compiled.asm["cubin"]), "shared", compiled.metadata.shared,
               "setmaxnreg", len(re.findall(r"USETMAXREG", sass)), "wgmma serialized", "C7514" in log, flush=True)
 
 
