@@ -1,0 +1,197 @@
+"""One H200 call for the Gluon current-chunk prototype (``gluon_chunk.py``): is it right, and is it faster than the
+``tl`` kernel dcp-triton ships and than FA3?
+
+Each config ``(BLOCK_N, STAGES, OVERLAP)`` runs in a child process with a time limit (a wrong mbarrier phase hangs a
+GPU, and the parent must still report): first against float64 attention on a varlen batch (lengths 1 .. 1,000,
+32 Q / 8 KV heads, and 8 local Q heads of 32 over 2 KV heads), outputs poisoned with NaN first, then timed by graph
+replay on each of ``SHAPES`` beside ``plan_extend`` and FA3 (when vLLM's FA3 imports) in the same process.
+
+    python benchmarks/kernels/gluon_chunk_probe.py [--name kernels_h200_gluon_probe]
+    TRITON_INTERPRET=0 python benchmarks/kernels/gluon_chunk_probe.py --compile-only   # any machine, Triton 3.6
+
+``--compile-only`` compiles each config for sm_90 with Triton's own compiler (no GPU) and prints its registers,
+spills, shared memory, and whether ptxas serialized its wgmmas (it does when code reads a product in flight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
+
+# (BLOCK_N, STAGES, OVERLAP, PINGPONG); OVERLAP 1: tile i + 1's QK^T under tile i's softmax, 2: FA3's order (QK^T
+# of tile i + 1 with P x V of tile i, the softmax under P x V); PINGPONG: the warpgroups take turns issuing (FA3)
+CONFIGS = [(128, 2, 0, 0), (128, 2, 2, 0), (128, 2, 2, 1), (64, 3, 2, 1), (64, 4, 2, 1), (64, 4, 2, 0)]
+SHAPES = [(16, 1024), (4, 2048), (2, 4096), (1, 16384)]  # (sequences, length), 32 Q / 8 KV heads, D 128
+CHECK_LENS = [1, 17, 64, 127, 128, 129, 300, 1000]
+ERROR_BOUND = 1e-2  # relative Frobenius error of a bf16 output (bench_kernels.py's bound)
+CHILD_TIMEOUT_S = 60  # a config compiles and runs in about 15 s
+
+
+def launch(q, k, v, out, lse, cu, max_len, *, scale, q_head_start, q_per_kv, kv_head_start, config):
+    from gluon_chunk import chunk_attention_kernel
+
+    from dcp_plugin.kernels._schedule import flat_programs
+
+    block_n, stages, overlap, pingpong = config
+    num_tokens, num_reqs = q.shape[0], cu.shape[0] - 1
+    num_q_programs = flat_programs(num_tokens, num_reqs, 128)
+    grid = (num_q_programs + 1, q.shape[1])  # + 1: the padding rows' program
+    chunk_attention_kernel[grid](
+        q, k, v, out, lse, cu, num_tokens, num_reqs, num_q_programs, scale * 1.4426950408889634, q_head_start,
+        q_per_kv, kv_head_start,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        lse.stride(0), lse.stride(1), HEAD_DIM=q.shape[2], BLOCK_N=block_n, STAGES=stages, OVERLAP=int(overlap),
+        PINGPONG=bool(pingpong), num_warps=4)
+
+
+def check(config) -> dict:
+    import torch
+
+    from dcp_plugin.kernels import reference
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    errors = {}
+    for hq, hk, q_head_start, q_per_kv in ((32, 8, 0, 4), (8, 2, 8, 16)):
+        cu = torch.tensor([0] + CHECK_LENS, device="cuda").cumsum(0).to(torch.int32)
+        total, pad = int(cu[-1]), 5  # rows past cu[-1]: a CUDA graph's padding, written as (0, -inf)
+        q = torch.randn(total + pad, hq, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+        k = torch.randn(total + pad, hk, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+        v = torch.randn(total + pad, hk, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((total + pad, hq), float("nan"), dtype=torch.float32, device="cuda")
+        kw = dict(scale=128 ** -0.5, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=0)
+        launch(q, k, v, out, lse, cu, max(CHECK_LENS), config=config, **kw)
+        torch.cuda.synchronize()
+        ref_out, ref_lse = reference.extend_attention(q[:total].double(), k[:total].double(), v[:total].double(), cu,
+                                                      max(CHECK_LENS), **kw)
+        rel = ((out[:total].double() - ref_out).norm() / ref_out.norm()).item()
+        lse_err = (lse[:total].double() - ref_lse).abs().max().item()
+        nan = bool(out[:total].isnan().any() or lse[:total].isnan().any())
+        padding = bool((out[total:] == 0).all() and (lse[total:] == float("-inf")).all())
+        errors[f"{hq}q{hk}kv"] = dict(rel_err=rel, lse_max_abs=lse_err, nan=nan, padding_ok=padding)
+    return errors
+
+
+def time_shapes(config) -> list[dict]:
+    import torch
+
+    import kernel_peers
+    from common import graph_ms
+    from dcp_plugin.kernels.extend_attention import plan_extend
+
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for seqs, length in SHAPES:
+        total = seqs * length
+        q = torch.randn(total, 32, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+        k = torch.randn(total, 8, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+        v = torch.randn(total, 8, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+        cu = torch.arange(0, total + 1, length, dtype=torch.int32, device="cuda")
+        out, lse = torch.empty_like(q), torch.empty(total, 32, dtype=torch.float32, device="cuda")
+        kw = dict(scale=128 ** -0.5, q_head_start=0, q_per_kv=4, kv_head_start=0)
+        flops = 2 * 2 * seqs * length * length * 32 * 128 / 2
+        tl_launch = plan_extend(q, k, v, out, lse, cu, length, **kw)
+        fns = {"gluon": lambda: launch(q, k, v, out, lse, cu, length, config=config, **kw),
+               "ours_tl": lambda: tl_launch(q, k, v, out, lse, cu)}
+        fns.update({name: (lambda fn=fn: fn(0)) for name, fn in kernel_peers.fa3_prefill(q, k, v, cu, length).items()})
+        row = dict(num_seqs=seqs, seq_len=length)
+        for name, fn in fns.items():
+            try:
+                ms = graph_ms([fn])
+                row[f"{name}_ms"], row[f"{name}_tflops"] = ms, flops / ms / 1e9
+            except Exception as err:  # one peer failing must not lose the others
+                row[f"{name}_error"] = repr(err)[:300]
+        rows.append(row)
+    return rows
+
+
+def child(config: tuple, out_path: str) -> None:
+    import torch
+    import triton
+
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    result = dict(config=list(config), check=check(config))
+    worst = max(e["rel_err"] for e in result["check"].values())
+    nan = any(e["nan"] for e in result["check"].values())
+    padding = all(e["padding_ok"] for e in result["check"].values())
+    result["ok"] = worst <= ERROR_BOUND and not nan and padding
+    if result["ok"]:
+        result["timing"] = time_shapes(config)
+    Path(out_path).write_text(json.dumps(result))
+
+
+def compile_only() -> None:
+    import re
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import compile_for_hopper as ch
+    from gluon_chunk import chunk_attention_kernel as fn
+
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name.endswith("_ptr"):
+            signature[name] = {"lse_ptr": "*fp32", "query_start_loc_ptr": "*i32"}.get(name, "*bf16")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "constexpr" if name.isupper() or name == "stride_lh" else (
+                "fp32" if name == "qk_scale" else "i32")
+            if name.startswith("stride_") and name != "stride_lh":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    for block_n, stages, overlap, pingpong in CONFIGS:
+        constants = dict(HEAD_DIM=128, BLOCK_N=block_n, STAGES=stages, OVERLAP=int(overlap), PINGPONG=bool(pingpong),
+                         stride_lh=1)
+        compiled = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(compiled.asm["ptx"])
+            f.flush()
+            log = subprocess.run([str(ptxas), "--gpu-name", "sm_90a", "-v", f.name, "-o", os.devnull],
+                                 capture_output=True, text=True).stderr
+        sass = ch.cuobjdump(compiled.asm["cubin"], "-sass")
+        print((block_n, stages, overlap, pingpong), ch.resource_usage(compiled.asm["cubin"]), "shared", compiled.metadata.shared,
+              "setmaxnreg", len(re.findall(r"USETMAXREG", sass)), "wgmma serialized", "C7514" in log, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--name", default="kernels_h200_gluon_probe")
+    parser.add_argument("--compile-only", action="store_true", help="compile for sm_90 here (no GPU) and report")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.compile_only:
+        return compile_only()
+    if args.child:
+        return child(tuple(json.loads(args.child[0])), args.child[1])
+    from common import gpu_name, save
+
+    results = []
+    for config in CONFIGS:
+        out = Path(f"/tmp/gluon_probe_{'_'.join(map(str, config))}.json")
+        out.unlink(missing_ok=True)
+        try:
+            done = subprocess.run([sys.executable, __file__, "--child", json.dumps(config), str(out)],
+                                  capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=dict(os.environ))
+            result = json.loads(out.read_text()) if out.exists() else dict(
+                config=list(config), error=(done.stdout + done.stderr)[-2000:], returncode=done.returncode)
+        except subprocess.TimeoutExpired:
+            result = dict(config=list(config), error=f"timed out after {CHILD_TIMEOUT_S} s (a hang?)")
+        results.append(result)
+        print(json.dumps(result)[:1500], flush=True)
+        path = save(args.name, dict(gpu=gpu_name(), configs=results))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
