@@ -1,20 +1,25 @@
 """Compile every kernel variant a serving engine can need before it serves: one dummy step of each kind.
 
-A step's kernels differ by kind (decode, short queries, long queries, no cached prefix, a mixed step whose
-leading decodes run apart), by whether the KV cache is read in one split or several, on the GPU by whether a
-chunk passes ``SHORT_CHUNK`` rows (the current chunk's tiles), and by nothing else that changes between steps
-(the kernels do not specialize on per-step sizes). ``warm_up`` runs one step of each combination through
+A step's kernels differ by kind (decode, short queries, long queries, no cached prefix, a mixed step whose leading
+decodes run apart), by whether the KV cache is read in one split or several, on the GPU by whether a chunk passes
+``SHORT_CHUNK`` rows (the current chunk's tiles), and by nothing else that changes between steps (the kernels do not
+specialize on per-step sizes; where a step picks a variant by its sizes, as the split merge does by its split count,
+the warm-up runs every variant: ``every_variant``). ``warm_up`` runs one step of each combination through
 ``DcpAttention.forward`` itself, on the layer's real KV cache and on scratch inputs with the real inputs' strides,
-so Triton compiles exactly the variants later steps run. It writes nothing to the cache (every slot is -1) and
-reads only page 0. At DCP > 1 it runs the collectives too: every rank of the group must call it at the same point.
+so Triton compiles exactly the variants later steps run. It writes nothing to the cache (every slot is -1) and reads
+only page 0. At DCP > 1 it runs the collectives too: every rank of the group must call it at the same point.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import torch
+import triton
 
 from dcp_plugin.batch import DcpBatch, DcpBatchBuffers
-from dcp_plugin.kernels._launch import compile_ahead, compile_threads, launches_run
+from dcp_plugin.kernels._launch import compile_ahead, compile_threads, every_variant, launches_run
 from dcp_plugin.kernels._mode import INTERPRET
 from dcp_plugin.kernels.extend_attention import SHORT_CHUNK
 
@@ -43,10 +48,47 @@ def steps_for(attention) -> tuple:
     return (*STEPS, LONG_CHUNK)
 
 
-def warmed_up_line(steps: int, seconds: float, dcp_size: int, dtype) -> str:
-    """The adapters' log line once a warm-up ran: its step kinds and seconds (its share of an engine's start)."""
+def warmed_up_line(steps: int, seconds: float, dcp_size: int, dtype, compiles: dict | None = None) -> str:
+    """The adapters' log line once a warm-up ran: its step kinds and seconds (its share of an engine's start), and
+    ``compiles`` (``counting_compiles``): kernel variants Triton built and those it found in its cache."""
+    counted = "" if compiles is None else (f"; {compiles['built']} kernel variants built in {compiles['build_s']:.1f} s, "
+                                           f"{compiles['cached']} from Triton's cache")
     return (f"dcp-triton: compiled the kernels of {steps} step kinds before serving in {seconds:.1f} s "
-            f"(dcp_size={dcp_size}, {dtype})")
+            f"(dcp_size={dcp_size}, {dtype}{counted})")
+
+
+@contextlib.contextmanager
+def counting_compiles():
+    """Within: Triton's compiles counted (its compilation listener, beside any listener already set) -> the yielded
+    ``{"built", "build_s", "cached"}``; a Triton without the listener counts nothing (``None``)."""
+    knobs = getattr(triton, "knobs", None)
+    compilation = getattr(knobs, "compilation", None)
+    if compilation is None or not hasattr(compilation, "listener"):
+        yield None
+        return
+    counts = {"built": 0, "build_s": 0.0, "cached": 0}
+    before = compilation.listener
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit) -> None:
+        counts["cached" if cache_hit else "built"] += 1
+        if not cache_hit:
+            counts["build_s"] += (getattr(times, "total", 0) or 0) / 1e6  # Triton gives microseconds
+        if before is not None:
+            before(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+
+    compilation.listener = listener
+    try:
+        yield counts
+    finally:
+        compilation.listener = before
+
+
+def timed_warm_up(attention, *, dcp_size: int, **tensors) -> str:
+    """``warm_up`` timed and its compiles counted: the adapters' log line (``warmed_up_line``)."""
+    began = time.perf_counter()
+    with counting_compiles() as compiles:
+        steps = warm_up(attention, **tensors)
+    return warmed_up_line(steps, time.perf_counter() - began, dcp_size, tensors["query"].dtype, compiles)
 
 
 def warm_up(attention, *, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -66,10 +108,11 @@ def warm_up(attention, *, query: torch.Tensor, key: torch.Tensor, value: torch.T
     args = dict(query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache, output=output,
                 k_scale=k_scale, v_scale=v_scale)
     threads = compile_threads() if device.type == "cuda" else 0
-    if threads:  # the steps once with every kernel compiled side by side and none launched, then for real
-        with compile_ahead(threads):
-            _run_steps(attention, steps, buffers, **args)
-    return _run_steps(attention, steps, buffers, **args)
+    with every_variant():  # also the variants other sizes of a step kind pick (the split merge's two)
+        if threads:  # the steps once with every kernel compiled side by side and none launched, then for real
+            with compile_ahead(threads):
+                _run_steps(attention, steps, buffers, **args)
+        return _run_steps(attention, steps, buffers, **args)
 
 
 def _run_steps(attention, steps, buffers, *, query, key, value, key_cache, value_cache, output, k_scale,

@@ -166,6 +166,24 @@ def launches_run():
         _COMPILE_ONLY.reset(token)
 
 
+_EVERY_VARIANT = contextvars.ContextVar("dcp_triton_every_variant", default=False)
+
+
+@contextlib.contextmanager
+def every_variant():
+    """Within (the warm-up): a launch whose kernel variant a step picks from its sizes also runs the variants other
+    sizes would pick, so none compiles while serving (``split_kv.PagedLaunch``: the merge's two variants)."""
+    token = _EVERY_VARIANT.set(True)
+    try:
+        yield
+    finally:
+        _EVERY_VARIANT.reset(token)
+
+
+def every_variant_wanted() -> bool:
+    return _EVERY_VARIANT.get()
+
+
 def compile_threads() -> int:
     """Threads ``compile_ahead`` may use here: $DCP_TRITON_COMPILE_THREADS, and 0 where nothing compiles ahead (the
     interpreter, a Triton without ``AsyncCompileMode``)."""

@@ -36,7 +36,7 @@ from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count const
     pick_num_splits,
 )
 from dcp_plugin.kernels.split_kv import (
-    PagedLaunch, head_offsets, paged_attention_reduce_kernel, plan_split_reduce, split_views,
+    NARROW_SPLITS, PagedLaunch, head_offsets, paged_attention_reduce_kernel, plan_split_reduce, split_views,
 )
 
 __all__ = ["PagedConfig", "paged_attention", "paged_attention_kernel", "paged_attention_reduce_kernel", "plan_paged",
@@ -383,8 +383,12 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
              ROWS_AHEAD=use_tma and cfg.rows_ahead),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, scratch=use_tma,
         stand_ins=None if kv_fp8 else {8: 0, 9: 0})  # no scales: q's pointer stands in (never read)
-    reduce = plan_split_reduce(part_out, part_lse, out, lse) if num_splits > 1 else None
-    return PagedLaunch(stage1, reduce, part_out, part_lse, num_splits)
+    if num_splits == 1:
+        return PagedLaunch(stage1, None, part_out, part_lse, num_splits)
+    reduce = plan_split_reduce(part_out, part_lse, out, lse)
+    other = None if INTERPRET else plan_split_reduce(part_out, part_lse, out, lse,
+                                                     narrow=num_splits > NARROW_SPLITS)
+    return PagedLaunch(stage1, reduce, part_out, part_lse, num_splits, reduce_other=other)
 
 
 def _with_split_stride(strides: tuple, split_stride: int) -> tuple:

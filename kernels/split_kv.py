@@ -12,12 +12,19 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_plugin.kernels._launch import LOG2E, Launch, cdiv, head_strides, next_pow2
+from dcp_plugin.kernels._launch import LOG2E, Launch, cdiv, every_variant_wanted, head_strides, next_pow2
 from dcp_plugin.kernels._mode import INTERPRET
 from dcp_plugin.kernels._schedule import MAX_AUTO_SPLITS
 
 _LOG2E = tl.constexpr(LOG2E)
-REDUCE_SPLITS = MAX_AUTO_SPLITS  # splits merged per step on a GPU: any automatic split count in one step
+# The merge's two variants on a GPU, by the splits one step of its loop covers: the wide one takes any automatic split
+# count in one step (one memory round trip: a small batch's 8-64 splits), the narrow one up to NARROW_SPLITS without
+# computing over 56+ masked splits per (token, head) (a large batch's 2-8; with one KV head and 256 requests the wide
+# one took 21 us a launch, more than a third of the decode pass, vllm_one_h200_profile_mqa16.json). A step picks by
+# its split count; the warm-up runs both (``PagedLaunch``), so neither compiles while serving.
+REDUCE_SPLITS = MAX_AUTO_SPLITS
+NARROW_SPLITS = 8
+NARROW_HEADS = 4  # (token, head)s of one program in the narrow variant: 8 splits x 128 dims is little work
 
 
 @triton.jit
@@ -80,16 +87,25 @@ def paged_attention_reduce_kernel(
     tl.store(lse_rows, lse, mask=head_mask)
 
 
-def plan_split_reduce(part_out, part_lse, out, lse) -> Launch:
+def reduce_tiling(num_splits: int, num_heads: int, *, narrow: bool | None = None) -> tuple[int, int]:
+    """``(BLOCK_H, BLOCK_S)`` of the merge of ``num_splits`` splits of ``num_heads`` heads: on a GPU the narrow
+    variant for up to ``NARROW_SPLITS`` splits, else the wide one (``narrow`` forces either); under the
+    interpreter, where every program costs Python time, one program takes all heads of a token, 8 splits a step."""
+    if narrow is None:
+        if INTERPRET:
+            return next_pow2(num_heads), 8
+        narrow = num_splits <= NARROW_SPLITS
+    return (min(NARROW_HEADS, next_pow2(num_heads)), NARROW_SPLITS) if narrow else (1, REDUCE_SPLITS)
+
+
+def plan_split_reduce(part_out, part_lse, out, lse, *, narrow: bool | None = None) -> Launch:
     """The merge of ``S`` split partials (``split_views``) into ``out [T, H, D]``/``lse [T, H]`` (plain or
-    rank-major); call it with ``(part_out, part_lse, out, lse)``."""
-    num_tokens, num_heads, _, head_dim = part_out.shape
+    rank-major); call it with ``(part_out, part_lse, out, lse)``. ``narrow``: ``reduce_tiling``'s."""
+    num_tokens, num_heads, num_splits, head_dim = part_out.shape
     block_d = max(16, next_pow2(head_dim))
-    # On a GPU one program merges one (token, head): every automatic split count in one step. Under the
-    # interpreter, where every program costs Python time, one program takes all heads of a token, 8 splits a step.
-    heads, splits = (next_pow2(num_heads), 8) if INTERPRET else (1, REDUCE_SPLITS)
+    heads, splits = reduce_tiling(num_splits, num_heads, narrow=narrow)
     return Launch(paged_attention_reduce_kernel, (num_tokens, cdiv(num_heads, heads)),
-                  (num_heads, part_out.shape[2], head_dim, *part_out.stride(), *part_lse.stride(),
+                  (num_heads, num_splits, head_dim, *part_out.stride(), *part_lse.stride(),
                    *head_strides(out, 3), *head_strides(lse, 2)[1:]),
                   dict(BLOCK_H=heads, BLOCK_D=block_d, BLOCK_S=splits), num_warps=4 if block_d <= 128 else 8)
 
@@ -98,13 +114,15 @@ class PagedLaunch:
     """``paged_attention`` prepared for one step's tensor shapes; call it with ``(q, key_cache, value_cache,
     block_table, context_lens, query_start_loc, out, lse)`` and, for an fp8 cache, ``k_scale, v_scale``. With
     several splits, stage 1 writes the partials into buffers the plan holds and stage 2 merges them into
-    ``out``/``lse``."""
+    ``out``/``lse``; inside ``every_variant()`` (the warm-up) the merge's other variant (``reduce_other``) runs
+    first on the same partials, so a later step that picks it finds it compiled."""
 
-    __slots__ = ("stage1", "reduce", "part_out", "part_lse", "num_splits")
+    __slots__ = ("stage1", "reduce", "reduce_other", "part_out", "part_lse", "num_splits")
 
-    def __init__(self, stage1: Launch, reduce: Launch | None, part_out, part_lse, num_splits: int) -> None:
+    def __init__(self, stage1: Launch, reduce: Launch | None, part_out, part_lse, num_splits: int,
+                 reduce_other: Launch | None = None) -> None:
         self.stage1, self.reduce, self.part_out, self.part_lse = stage1, reduce, part_out, part_lse
-        self.num_splits = num_splits
+        self.num_splits, self.reduce_other = num_splits, reduce_other
 
     def __call__(self, q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse,
                  k_scale=None, v_scale=None) -> None:
@@ -114,6 +132,8 @@ class PagedLaunch:
             return
         self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc, self.part_out,
                     self.part_lse, k_scale, v_scale)
+        if self.reduce_other is not None and every_variant_wanted():
+            self.reduce_other(self.part_out, self.part_lse, out, lse)  # the same merge: the next line rewrites it
         self.reduce(self.part_out, self.part_lse, out, lse)
 
 

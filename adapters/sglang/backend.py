@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -12,7 +11,7 @@ from dcp_plugin.adapters.sglang import compat, metadata, support, topology as to
 from dcp_plugin.attention import DcpAttention
 from dcp_plugin.kernel_choice import check_kernel_dtype, choose_kernels, kernels_named
 from dcp_plugin.layout import TokenLayout
-from dcp_plugin.warmup import warm_up, warmed_up_line
+from dcp_plugin.warmup import timed_warm_up
 from dcp_plugin.workspace import DcpWorkspace
 
 logger = logging.getLogger("sglang.dcp_triton")
@@ -139,9 +138,8 @@ class DcpTritonAttnBackend(AttentionBackend):
     def _warm_up(self, attention, q, k, v, key_cache, value_cache, out) -> None:
         """Compile every kernel variant before serving (SGLang's warm-up forward reaches here first)."""
         self._warmed = True
-        began = time.perf_counter()
-        steps = warm_up(attention, query=q, key=k, value=v, key_cache=key_cache, value_cache=value_cache, output=out)
-        logger.info(warmed_up_line(steps, time.perf_counter() - began, self.tokens.dcp_size, q.dtype))
+        logger.info(timed_warm_up(attention, dcp_size=self.tokens.dcp_size, query=q, key=k, value=v,
+                                  key_cache=key_cache, value_cache=value_cache, output=out))
 
 
 def attention_layers(model) -> list:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 from vllm.config import get_current_vllm_config
@@ -14,7 +13,7 @@ from dcp_plugin.adapters.vllm.builder import DcpTritonMetadata
 from dcp_plugin.attention import DcpAttention
 from dcp_plugin.kernel_choice import check_kernel_dtype, choose_kernels, kernels_named
 from dcp_plugin.layout import TokenLayout, check_same_position
-from dcp_plugin.warmup import warm_up, warmed_up_line
+from dcp_plugin.warmup import timed_warm_up
 from dcp_plugin.workspace import DcpWorkspace
 
 logger = logging.getLogger("vllm.dcp_triton")
@@ -159,10 +158,9 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         tokens = TokenLayout(dcp_size=self.topology.heads.dcp_size, dcp_rank=self.topology.heads.dcp_rank,
                              interleave=self.topology.interleave, block_size=key_cache.shape[1])
         attention = self._attention.get(tokens) or self._bind(tokens, kv_cache)
-        began = time.perf_counter()
-        steps = warm_up(attention, query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-                        output=output.view(output.shape[0], self.num_heads, -1), **self._scales(layer))
-        logger.info(warmed_up_line(steps, time.perf_counter() - began, tokens.dcp_size, query.dtype))
+        logger.info(timed_warm_up(attention, dcp_size=tokens.dcp_size, query=query, key=key, value=value,
+                                  key_cache=key_cache, value_cache=value_cache,
+                                  output=output.view(output.shape[0], self.num_heads, -1), **self._scales(layer)))
 
     def _bind(self, tokens: TokenLayout, kv_cache: torch.Tensor) -> DcpAttention:
         """First step with this token layout (the KV-cache block size is known only then): build DcpAttention."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
 @gluon.jit

@@ -24,7 +24,8 @@ profiler) -> ``profile`` in the results, keyed
     python benchmarks/vllm_e2e/vllm_one_h200.py --merge benchmarks/results/vllm_one_h200_*.json  # -> vllm_one_h200.json
 
 Results: ``benchmarks/results/<name>.json``: ``summary.loads.<model>/<load>.<mode>`` = ``{"dcp_triton": tok/s,
-"flash_attn": tok/s, "triton_attn": tok/s}``, ``jobs`` (every run, start-up seconds, the worker's backend line).
+"flash_attn": tok/s, "triton_attn": tok/s}``, ``jobs`` (every run, start-up seconds and vLLM's start-up stages, the
+worker's backend line).
 """
 
 from __future__ import annotations
@@ -266,6 +267,21 @@ def warmup_seconds(log: str) -> list[float]:
     return [float(s) for s in re.findall(r"step kinds before serving in ([0-9.]+) s", log)]
 
 
+# vLLM's own start-up lines (0.26): where an engine's start goes, per job (``init_breakdown``).
+INIT_LINES = {
+    "model_load_s": r"Model loading took .*? and ([0-9.]+) seconds",
+    "torch_compile_s": r"torch\.compile took ([0-9.]+) s in total",
+    "graph_capture_s": r"Graph capturing finished in ([0-9.]+) secs",
+    "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s",
+}
+
+
+def init_breakdown(log: str) -> dict:
+    """The seconds of each of vLLM's start-up stages that the log names (``INIT_LINES``; the first of each)."""
+    found = {key: re.search(pattern, log) for key, pattern in INIT_LINES.items()}
+    return {key: float(m[1]) for key, m in found.items() if m}
+
+
 def job_env(job: dict, work: Path, *, smoke: bool, cold_triton_cache: bool) -> dict:
     """The environment of ``job``'s process; a start-up job's cold Triton cache is emptied here."""
     env = dict(os.environ, DCP_TRITON_KERNELS="reference" if smoke else "triton", VLLM_USE_FLASHINFER_SAMPLER="0")
@@ -351,6 +367,7 @@ def main() -> None:
         result = json.loads(out.read_text())
         result["wall_s"] = round(time.monotonic() - t, 1)
         result["warmup_s"] = warmup_seconds(text)
+        result["init_breakdown"] = init_breakdown(text)
         result["backend_line"] = next((line[-240:] for line in text.splitlines()
                                        if "dcp-triton attention: backend=" in line
                                        or f"Using AttentionBackendEnum.{job['backend']}" in line), None)

@@ -99,3 +99,15 @@ def test_the_warm_up_seconds_come_from_the_adapters_log_line():
     log = ("INFO 12-01 [impl.py:165] " + warmed_up_line(10, 12.34, 1, "torch.bfloat16") + "\n"
            "(Worker pid=7) INFO " + warmed_up_line(10, 3.0, 2, "torch.bfloat16") + "\nINFO other 5.0 s\n")
     assert bench.warmup_seconds(log) == [12.3, 3.0]
+
+
+def test_vllms_start_up_stages_come_from_its_log_lines():
+    log = ("(EngineCore pid=8268) INFO 12-01 02:27:00 [model_runner.py:305] Model loading took 0.62 GiB and 1.605612 "
+           "seconds\n(EngineCore pid=8268) INFO [monitor.py:53] torch.compile took 9.47 s in total\n"
+           "(EngineCore pid=8268) INFO [model_runner.py:747] Graph capturing finished in 8 secs, took 0.13 GiB\n"
+           "(EngineCore pid=8268) INFO [core.py:340] init engine (profile, create kv cache, warmup model) took 35.80 s "
+           "(compilation: 9.47 s)\n")
+    assert bench.init_breakdown(log) == {"model_load_s": 1.605612, "torch_compile_s": 9.47, "graph_capture_s": 8.0,
+                                         "init_engine_s": 35.8}
+    assert bench.init_breakdown("INFO eager: init engine (profile, create kv cache, warmup model) took 14.51 s\n") \
+        == {"init_engine_s": 14.51}  # eager: no compile, no capture

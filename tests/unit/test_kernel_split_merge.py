@@ -1,0 +1,127 @@
+"""The merge of a request's KV splits (``split_kv``): both GPU variants (narrow: up to 8 splits a program step, 4
+heads a program; wide: 64 splits a step, one head) against a float64 merge, any split count, empty splits, masked
+heads and dims, a rank-major output; which variant a split count picks; and the warm-up running both."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcp_plugin.kernels import _launch, split_kv
+from dcp_plugin.kernels.split_kv import NARROW_SPLITS, PagedLaunch, plan_split_reduce, reduce_tiling
+from tests.kernel_checks import assert_matches, poisoned
+
+
+def merged_f64(part_out: torch.Tensor, part_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, H, S, D]`` / ``[T, H, S]`` partials -> ``[T, H, D]`` / ``[T, H]``: softmax weights of the LSEs; a
+    (token, head) with every split empty is (0, -inf)."""
+    lse = torch.logsumexp(part_lse.double(), dim=-1)
+    weights = torch.exp(part_lse.double() - lse.unsqueeze(-1)).nan_to_num(0.0)
+    return (weights.unsqueeze(-1) * part_out.double()).sum(2), lse
+
+
+def partials(tokens: int, heads: int, splits: int, head_dim: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    part_out = torch.randn(tokens, heads, splits, head_dim, generator=gen)
+    part_lse = torch.randn(tokens, heads, splits, generator=gen) * 4
+    part_lse[0, 0, 1::3] = float("-inf")  # empty splits (a request shorter than the split count): O is 0
+    part_out[0, 0, 1::3] = 0.0
+    part_lse[-1, -1] = float("-inf")  # a (token, head) whose every split is empty
+    part_out[-1, -1] = 0.0
+    return part_out, part_lse
+
+
+@pytest.mark.parametrize("narrow", [True, False], ids=["narrow", "wide"])
+@pytest.mark.parametrize("splits", [2, 5, 8, 9, 19, 70])  # 70: past the wide variant's 64 a step
+def test_both_variants_merge_any_split_count_like_float64(narrow, splits):
+    tokens, heads, head_dim = 3, 5, 80  # 5 heads: the narrow variant's second program holds one; 80 of 128 dims
+    part_out, part_lse = partials(tokens, heads, splits, head_dim, seed=splits)
+    out, lse = poisoned((tokens, heads, head_dim), torch.float32), poisoned((tokens, heads), torch.float32)
+    plan_split_reduce(part_out, part_lse, out, lse, narrow=narrow)(part_out, part_lse, out, lse)
+    want_out, want_lse = merged_f64(part_out, part_lse)
+    assert_matches(out, want_out, torch.float32, f"merged out, {splits} splits")
+    assert_matches(lse, want_lse, torch.float32, f"merged lse, {splits} splits")
+    assert torch.equal(out[-1, -1], torch.zeros(head_dim)) and lse[-1, -1] == float("-inf")
+
+
+@pytest.mark.parametrize("narrow", [True, False], ids=["narrow", "wide"])
+def test_both_variants_write_a_rank_major_output(narrow):
+    tokens, heads, ranks, head_dim = 2, 8, 2, 64
+    part_out, part_lse = partials(tokens, heads, 3, head_dim, seed=1)
+    out = poisoned((ranks, tokens, heads // ranks, head_dim), torch.float16)
+    lse = poisoned((ranks, tokens, heads // ranks), torch.float32)
+    plan_split_reduce(part_out, part_lse, out, lse, narrow=narrow)(part_out, part_lse, out, lse)
+    want_out, want_lse = merged_f64(part_out, part_lse)
+    plain = out.permute(1, 0, 2, 3).reshape(tokens, heads, head_dim)  # global head h at [h // 4, t, h % 4]
+    assert_matches(plain, want_out, torch.float16, "rank-major out")
+    assert_matches(lse.permute(1, 0, 2).reshape(tokens, heads), want_lse, torch.float32, "rank-major lse")
+
+
+def test_a_gpu_merges_up_to_8_splits_narrow_and_more_wide(monkeypatch):
+    monkeypatch.setattr(split_kv, "INTERPRET", False)
+    assert [reduce_tiling(s, 32)[1] for s in (2, NARROW_SPLITS, NARROW_SPLITS + 1, 64)] == [8, 8, 64, 64]
+    assert reduce_tiling(2, 32) == (4, 8) and reduce_tiling(2, 2) == (2, 8)  # never more heads than there are
+    assert reduce_tiling(40, 32) == (1, 64)
+    monkeypatch.setattr(split_kv, "INTERPRET", True)
+    assert reduce_tiling(2, 6) == (8, 8)  # the interpreter: every head of a token in one program
+
+
+class Recorder:
+    def __init__(self, name: str, calls: list) -> None:
+        self.name, self.calls = name, calls
+
+    def __call__(self, *tensors) -> None:
+        self.calls.append(self.name)
+
+
+def test_the_other_merge_variant_runs_only_inside_every_variant():
+    calls: list = []
+    plan = PagedLaunch(Recorder("stage1", calls), Recorder("reduce", calls), None, None, 2,
+                       reduce_other=Recorder("other", calls))
+    args = (None,) * 8
+    plan(*args)
+    assert calls == ["stage1", "reduce"]
+    calls.clear()
+    with _launch.every_variant():
+        assert _launch.every_variant_wanted()
+        plan(*args)
+    assert calls == ["stage1", "other", "reduce"]  # the real merge runs last: its output is the one kept
+    assert not _launch.every_variant_wanted()
+
+
+def test_the_warm_up_runs_its_steps_inside_every_variant(monkeypatch):
+    from dcp_plugin import warmup
+
+    seen = []
+    monkeypatch.setattr(warmup, "_run_steps", lambda *a, **k: seen.append(_launch.every_variant_wanted()) or 1)
+    monkeypatch.setattr(warmup, "DcpBatchBuffers", lambda *a: None)
+    monkeypatch.setattr(warmup, "steps_for", lambda attention: warmup.STEPS)
+    t = torch.zeros(2, 2, 4)
+    warmup.warm_up(None, query=t, key=t, value=t, key_cache=t, value_cache=t, output=t)
+    assert seen == [True]
+
+
+def test_the_warm_up_line_counts_triton_builds_and_cache_hits(monkeypatch):
+    import types
+
+    import triton
+
+    from dcp_plugin import warmup
+
+    outer = []
+    monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **kw: outer.append(kw["cache_hit"]))
+
+    def fake_warm_up(attention, **tensors):  # what Triton's compiler tells its listener: two builds, one cache hit
+        for hit, micros in ((False, 2_000_000), (True, 0), (False, 500_000)):
+            triton.knobs.compilation.listener(src=None, metadata={}, metadata_group={},
+                                              times=types.SimpleNamespace(total=micros), cache_hit=hit)
+        return 10
+
+    monkeypatch.setattr(warmup, "warm_up", fake_warm_up)
+    line = warmup.timed_warm_up(None, dcp_size=2, query=torch.zeros(1, dtype=torch.float16))
+    assert line.startswith("dcp-triton: compiled the kernels of 10 step kinds before serving in ")
+    assert line.endswith("(dcp_size=2, torch.float16; 2 kernel variants built in 2.5 s, 1 from Triton's cache)")
+    assert outer == [False, True, False]  # a listener already set still hears every compile
+    assert triton.knobs.compilation.listener is not None and outer  # and is back in place afterwards
+    triton.knobs.compilation.listener(src=None, metadata={}, metadata_group={}, times=None, cache_hit=True)
+    assert outer[-1] is True
