@@ -1,10 +1,11 @@
-"""One H200 call for the Gluon current-chunk prototype (``gluon_chunk.py``): is it right, and is it faster than the
-``tl`` kernel dcp-triton ships and than FA3?
+"""One H200 call for the Gluon current-chunk prototypes (``gluon_chunk.py``, ``gluon_chunk_persistent.py``): are they
+right, and are they faster than the ``tl`` kernel dcp-triton ships and than FA3?
 
-Each config ``(BLOCK_N, STAGES, OVERLAP)`` runs in a child process with a time limit (a wrong mbarrier phase hangs a
+Each config of ``CONFIGS`` runs in a child process with a time limit (a wrong mbarrier phase hangs a
 GPU, and the parent must still report): first against float64 attention on a varlen batch (lengths 1 .. 1,000,
 32 Q / 8 KV heads, and 8 local Q heads of 32 over 2 KV heads), outputs poisoned with NaN first, then timed by graph
-replay on each of ``SHAPES`` beside ``plan_extend`` and FA3 (when vLLM's FA3 imports) in the same process.
+replay on each of ``SHAPES`` beside ``plan_extend`` and FA3 (when vLLM's FA3 imports) in the same process. A call's
+configs are appended to the results file's ``runs`` with the call's provenance.
 
     python benchmarks/kernels/gluon_chunk_probe.py [--name kernels_h200_gluon_probe]
     TRITON_INTERPRET=0 python benchmarks/kernels/gluon_chunk_probe.py --compile-only   # any machine, Triton 3.6
@@ -24,9 +25,11 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
 
-# (BLOCK_N, STAGES, OVERLAP, PINGPONG); OVERLAP 1: tile i + 1's QK^T under tile i's softmax, 2: FA3's order (QK^T
-# of tile i + 1 with P x V of tile i, the softmax under P x V); PINGPONG: the warpgroups take turns issuing (FA3)
-CONFIGS = [(128, 2, 0, 0), (128, 2, 2, 0), (128, 2, 2, 1), (64, 3, 2, 1), (64, 4, 2, 1), (64, 4, 2, 0)]
+# (BLOCK_N, STAGES, OVERLAP, PINGPONG, PERSISTENT); OVERLAP 1: tile i + 1's QK^T under tile i's softmax, 2: FA3's
+# order (QK^T of tile i + 1 with P x V of tile i, the softmax under P x V); PINGPONG: the warpgroups take turns
+# issuing (FA3); PERSISTENT: gluon_chunk_persistent.py (one program per SM over every tile, OVERLAP 0's loop).
+# kernels_h200_gluon_probe.json has the first two calls' configs (no PERSISTENT entry: 0).
+CONFIGS = [(128, 2, 0, 0, 0), (128, 2, 0, 0, 1), (128, 3, 0, 0, 1), (64, 3, 0, 0, 1), (64, 4, 0, 0, 1)]
 SHAPES = [(16, 1024), (4, 2048), (2, 4096), (1, 16384)]  # (sequences, length), 32 Q / 8 KV heads, D 128
 CHECK_LENS = [1, 17, 64, 127, 128, 129, 300, 1000]
 ERROR_BOUND = 1e-2  # relative Frobenius error of a bf16 output (bench_kernels.py's bound)
@@ -38,9 +41,12 @@ def launch(q, k, v, out, lse, cu, max_len, *, scale, q_head_start, q_per_kv, kv_
 
     from dcp_plugin.kernels._schedule import flat_programs
 
-    block_n, stages, overlap, pingpong = config
+    block_n, stages, overlap, pingpong, *persistent = config
     num_tokens, num_reqs = q.shape[0], cu.shape[0] - 1
     num_q_programs = flat_programs(num_tokens, num_reqs, 128)
+    if persistent and persistent[0]:
+        return launch_persistent(q, k, v, out, lse, cu, num_q_programs, scale=scale, q_head_start=q_head_start,
+                                 q_per_kv=q_per_kv, kv_head_start=kv_head_start, block_n=block_n, stages=stages)
     grid = (num_q_programs + 1, q.shape[1])  # + 1: the padding rows' program
     chunk_attention_kernel[grid](
         q, k, v, out, lse, cu, num_tokens, num_reqs, num_q_programs, scale * 1.4426950408889634, q_head_start,
@@ -48,6 +54,35 @@ def launch(q, k, v, out, lse, cu, max_len, *, scale, q_head_start, q_per_kv, kv_
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         lse.stride(0), lse.stride(1), HEAD_DIM=q.shape[2], BLOCK_N=block_n, STAGES=stages, OVERLAP=int(overlap),
         PINGPONG=bool(pingpong), num_warps=4)
+
+
+def descriptor_layout(block_n: int, head_dim: int, torch_dtype):
+    import torch
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([block_n, head_dim],
+                                                gl.bfloat16 if torch_dtype == torch.bfloat16 else gl.float16)
+
+
+def launch_persistent(q, k, v, out, lse, cu, num_q_programs, *, scale, q_head_start, q_per_kv, kv_head_start,
+                      block_n, stages):
+    """``gluon_chunk_persistent``: host descriptors over ``[tokens, kv_heads * head_dim]`` (heads contiguous), one
+    program per SM at most."""
+    import torch
+    from gluon_chunk_persistent import chunk_attention_persistent_kernel
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    num_tokens, num_heads, head_dim = q.shape
+    layout = descriptor_layout(block_n, head_dim, q.dtype)
+    k_desc, v_desc = (TensorDescriptor(t, [num_tokens, t.shape[1] * head_dim], [t.stride(0), 1],
+                                       [block_n, head_dim], layout) for t in (k, v))
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    grid = (min(sms, (num_q_programs + 1) * num_heads),)
+    chunk_attention_persistent_kernel[grid](
+        q, k_desc, v_desc, out, lse, cu, num_tokens, cu.shape[0] - 1, num_q_programs, num_heads,
+        scale * 1.4426950408889634, q_head_start, q_per_kv, kv_head_start, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), lse.stride(0), lse.stride(1), HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages,
+        num_warps=4)
 
 
 def check(config) -> dict:
@@ -130,28 +165,35 @@ def compile_only() -> None:
     import re
     import tempfile
 
+    import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
     import compile_for_hopper as ch
-    from gluon_chunk import chunk_attention_kernel as fn
+    from gluon_chunk import chunk_attention_kernel
+    from gluon_chunk_persistent import chunk_attention_persistent_kernel
 
-    signature, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name.endswith("_ptr"):
-            signature[name] = {"lse_ptr": "*fp32", "query_start_loc_ptr": "*i32"}.get(name, "*bf16")
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            signature[name] = "constexpr" if name.isupper() or name == "stride_lh" else (
-                "fp32" if name == "qk_scale" else "i32")
-            if name.startswith("stride_") and name != "stride_lh":
-                attrs[(i,)] = [["tt.divisibility", 16]]
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    for block_n, stages, overlap, pingpong in CONFIGS:
-        constants = dict(HEAD_DIM=128, BLOCK_N=block_n, STAGES=stages, OVERLAP=int(overlap), PINGPONG=bool(pingpong),
-                         stride_lh=1)
+    for block_n, stages, overlap, pingpong, persistent in CONFIGS:
+        fn = chunk_attention_persistent_kernel if persistent else chunk_attention_kernel
+        signature, attrs = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            if name.endswith("_ptr"):
+                signature[name] = {"lse_ptr": "*fp32", "query_start_loc_ptr": "*i32"}.get(name, "*bf16")
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            elif name.endswith("_desc"):
+                layout = descriptor_layout(block_n, 128, torch.bfloat16)
+                signature[name] = f"tensordesc<bf16[{block_n}, 128],{layout!r}>"
+            else:
+                signature[name] = "constexpr" if name.isupper() or name == "stride_lh" else (
+                    "fp32" if name == "qk_scale" else "i32")
+                if name.startswith("stride_") and name != "stride_lh":
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        constants = dict(HEAD_DIM=128, BLOCK_N=block_n, STAGES=stages, stride_lh=1)
+        if not persistent:
+            constants.update(OVERLAP=int(overlap), PINGPONG=bool(pingpong))
         compiled = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -160,8 +202,9 @@ def compile_only() -> None:
             log = subprocess.run([str(ptxas), "--gpu-name", "sm_90a", "-v", f.name, "-o", os.devnull],
                                  capture_output=True, text=True).stderr
         sass = ch.cuobjdump(compiled.asm["cubin"], "-sass")
-        print((block_n, stages, overlap, pingpong), ch.resource_usage(compiled.asm["cubin"]), "shared", compiled.metadata.shared,
-              "setmaxnreg", len(re.findall(r"USETMAXREG", sass)), "wgmma serialized", "C7514" in log, flush=True)
+        print((block_n, stages, overlap, pingpong, persistent), ch.resource_usage(compiled.asm["cubin"]), "shared",
+              compiled.metadata.shared, "setmaxnreg", len(re.findall(r"USETMAXREG", sass)), "wgmma serialized",
+              "C7514" in log, flush=True)
 
 
 def main() -> None:
@@ -174,9 +217,12 @@ def main() -> None:
         return compile_only()
     if args.child:
         return child(tuple(json.loads(args.child[0])), args.child[1])
-    from common import gpu_name, save
+    from common import RESULTS, gpu_name, provenance
 
+    path = RESULTS / f"{args.name}.json"  # this call's configs join the file's earlier calls (runs[])
+    record = json.loads(path.read_text()) if path.exists() else dict(gpu=gpu_name(), runs=[])
     results = []
+    record["runs"].append(dict(provenance=provenance(), configs=results))
     for config in CONFIGS:
         out = Path(f"/tmp/gluon_probe_{'_'.join(map(str, config))}.json")
         out.unlink(missing_ok=True)
@@ -189,7 +235,7 @@ def main() -> None:
             result = dict(config=list(config), error=f"timed out after {CHILD_TIMEOUT_S} s (a hang?)")
         results.append(result)
         print(json.dumps(result)[:1500], flush=True)
-        path = save(args.name, dict(gpu=gpu_name(), configs=results))
+        path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {path}")
 
 

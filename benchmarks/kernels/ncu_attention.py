@@ -1,8 +1,9 @@
 """The attention kernels where dcp-triton trails FA3, each launched once inside a profiler range, for Nsight
 Compute (``ncu``, which the H200 machine has): the current chunk (2 x 4096, causal; the shipped ``tl`` kernel, the
-Gluon prototype's drifting schedule and FA3), the prefix pass (2 x 4096 rows over 32K cached tokens, 64-token
-pages; dcp-triton and FA3) and decode (128 requests x 8K, 32 Q / 1 KV heads, 64-token pages; dcp-triton's split
-pass and merge, FA3). Every kernel runs once before the range (compiles, warm-up), so ncu sees only the timed launch.
+Gluon prototypes' drifting schedule, one program per tile and persistent, and FA3), the prefix pass (2 x 4096 rows
+over 32K cached tokens, 64-token pages; dcp-triton and FA3) and decode (128 requests x 8K, 32 Q / 1 KV heads,
+64-token pages; dcp-triton's split pass and merge, FA3). Every kernel runs once before the range (compiles,
+warm-up), so ncu sees only the timed launch.
 
     ncu --clock-control none --profile-from-start off --set full -o OUT/attention -f \\
         python3 benchmarks/kernels/ncu_attention.py
@@ -39,7 +40,9 @@ def current_chunk(gen) -> dict:
     try:
         from gluon_chunk_probe import launch as gluon_launch
 
-        fns["chunk_gluon"] = lambda: gluon_launch(q, k, v, out, lse, cu, length, config=(128, 2, 0, 0), **kw)
+        fns["chunk_gluon"] = lambda: gluon_launch(q, k, v, out, lse, cu, length, config=(128, 2, 0, 0, 0), **kw)
+        fns["chunk_gluon_persistent"] = lambda: gluon_launch(q, k, v, out, lse, cu, length, config=(128, 2, 0, 0, 1),
+                                                             **kw)
     except Exception as err:  # a Triton without Gluon's Hopper API: the others still run
         print(f"gluon prototype unavailable: {err!r}"[:300], flush=True)
     fns.update({f"chunk_{name}": (lambda fn=fn: fn(0)) for name, fn in
@@ -85,7 +88,7 @@ def main() -> None:
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
     for name, ms in times.items():
-        print(f"{name:18s} {ms * 1e3:9.1f} us (one launch, events)", flush=True)
+        print(f"{name:24s} {ms * 1e3:9.1f} us (one launch, events)", flush=True)
 
 
 if __name__ == "__main__":
