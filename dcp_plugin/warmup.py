@@ -51,8 +51,8 @@ def steps_for(attention) -> tuple:
 def warmed_up_line(steps: int, seconds: float, dcp_size: int, dtype, compiles: dict | None = None) -> str:
     """The adapters' log line once a warm-up ran: its step kinds and seconds (its share of an engine's start), and
     ``compiles`` (``counting_compiles``): kernel variants Triton built and those it found in its cache."""
-    counted = "" if compiles is None else (f"; {compiles['built']} kernel variants built in {compiles['build_s']:.1f} s, "
-                                           f"{compiles['cached']} from Triton's cache")
+    counted = "" if compiles is None else (f"; {compiles['built']} kernel variants built in "
+                                           f"{compiles['build_s']:.1f} s, {compiles['cached']} from Triton's cache")
     return (f"dcp-triton: compiled the kernels of {steps} step kinds before serving in {seconds:.1f} s "
             f"(dcp_size={dcp_size}, {dtype}{counted})")
 
