@@ -1,5 +1,6 @@
-"""One H200 call for the Gluon current-chunk prototypes (``gluon_chunk.py``, ``gluon_chunk_persistent.py``): are they
-right, and are they faster than the ``tl`` kernel dcp-triton ships and than FA3?
+"""One H200 call for the Gluon prototypes of the current chunk (``gluon_chunk.py``, ``gluon_chunk_persistent.py``) and
+of the prefix pass (``gluon_prefix.py``, checked and timed by ``gluon_prefix_check.py``): are they right, and are
+they faster than the ``tl`` kernels dcp-triton ships and than FA3?
 
 Each config of ``CONFIGS`` runs in a child process with a time limit (a wrong mbarrier phase hangs a
 GPU, and the parent must still report): first against float64 attention on a varlen batch (lengths 1 .. 1,000,
@@ -29,7 +30,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 # order (QK^T of tile i + 1 with P x V of tile i, the softmax under P x V); PINGPONG: the warpgroups take turns
 # issuing (FA3); PERSISTENT: gluon_chunk_persistent.py (one program per SM over every tile, OVERLAP 0's loop).
 # kernels_h200_gluon_probe.json has the first two calls' configs (no PERSISTENT entry: 0).
-CONFIGS = [(128, 2, 0, 0, 0), (128, 2, 0, 0, 1), (128, 3, 0, 0, 1), (64, 3, 0, 0, 1), (64, 4, 0, 0, 1)]
+# ("prefix", PAGES, STAGES): gluon_prefix.py, key tiles of PAGES 64-token pages (gluon_prefix_check.py).
+CONFIGS = [(128, 2, 0, 0, 0), (128, 2, 0, 0, 1), (128, 3, 0, 0, 1), (64, 3, 0, 0, 1), (64, 4, 0, 0, 1),
+           ("prefix", 1, 3), ("prefix", 1, 4), ("prefix", 2, 2)]
 SHAPES = [(16, 1024), (4, 2048), (2, 4096), (1, 16384)]  # (sequences, length), 32 Q / 8 KV heads, D 128
 CHECK_LENS = [1, 17, 64, 127, 128, 129, 300, 1000]
 ERROR_BOUND = 1e-2  # relative Frobenius error of a bf16 output (bench_kernels.py's bound)
@@ -151,13 +154,17 @@ def child(config: tuple, out_path: str) -> None:
     import triton
 
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    result = dict(config=list(config), check=check(config))
+    if config[0] == "prefix":
+        from gluon_prefix_check import check_prefix as check_fn, time_prefix as time_fn
+    else:
+        check_fn, time_fn = check, time_shapes
+    result = dict(config=list(config), check=check_fn(config))
     worst = max(e["rel_err"] for e in result["check"].values())
     nan = any(e["nan"] for e in result["check"].values())
     padding = all(e["padding_ok"] for e in result["check"].values())
     result["ok"] = worst <= ERROR_BOUND and not nan and padding
     if result["ok"]:
-        result["timing"] = time_shapes(config)
+        result["timing"] = time_fn(config)
     Path(out_path).write_text(json.dumps(result))
 
 
@@ -174,14 +181,19 @@ def compile_only() -> None:
     import compile_for_hopper as ch
     from gluon_chunk import chunk_attention_kernel
     from gluon_chunk_persistent import chunk_attention_persistent_kernel
+    from gluon_prefix import prefix_attention_kernel
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    for block_n, stages, overlap, pingpong, persistent in CONFIGS:
-        fn = chunk_attention_persistent_kernel if persistent else chunk_attention_kernel
+    for config in CONFIGS:
+        prefix = config[0] == "prefix"
+        block_n, stages, overlap, pingpong, persistent = (64, config[2], 0, 0, 0) if prefix else config
+        fn = prefix_attention_kernel if prefix else (
+            chunk_attention_persistent_kernel if persistent else chunk_attention_kernel)
         signature, attrs = {}, {}
         for i, name in enumerate(fn.arg_names):
             if name.endswith("_ptr"):
-                signature[name] = {"lse_ptr": "*fp32", "query_start_loc_ptr": "*i32"}.get(name, "*bf16")
+                signature[name] = {"lse_ptr": "*fp32", "query_start_loc_ptr": "*i32", "table_ptr": "*i32",
+                                   "kv_lens_ptr": "*i32"}.get(name, "*bf16")
                 attrs[(i,)] = [["tt.divisibility", 16]]
             elif name.endswith("_desc"):
                 layout = descriptor_layout(block_n, 128, torch.bfloat16)
@@ -191,8 +203,12 @@ def compile_only() -> None:
                     "fp32" if name == "qk_scale" else "i32")
                 if name.startswith("stride_") and name != "stride_lh":
                     attrs[(i,)] = [["tt.divisibility", 16]]
-        constants = dict(HEAD_DIM=128, BLOCK_N=block_n, STAGES=stages, stride_lh=1)
-        if not persistent:
+        constants = dict(HEAD_DIM=128, STAGES=stages, stride_lh=1)
+        if prefix:
+            constants.update(PAGE=64, PAGES=config[1])
+        else:
+            constants.update(BLOCK_N=block_n)
+        if not persistent and not prefix:
             constants.update(OVERLAP=int(overlap), PINGPONG=bool(pingpong))
         compiled = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
@@ -202,7 +218,7 @@ def compile_only() -> None:
             log = subprocess.run([str(ptxas), "--gpu-name", "sm_90a", "-v", f.name, "-o", os.devnull],
                                  capture_output=True, text=True).stderr
         sass = ch.cuobjdump(compiled.asm["cubin"], "-sass")
-        print((block_n, stages, overlap, pingpong, persistent), ch.resource_usage(compiled.asm["cubin"]), "shared",
+        print(config, ch.resource_usage(compiled.asm["cubin"]), "shared",
               compiled.metadata.shared, "setmaxnreg", len(re.findall(r"USETMAXREG", sass)), "wgmma serialized",
               "C7514" in log, flush=True)
 

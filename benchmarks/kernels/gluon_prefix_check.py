@@ -1,0 +1,114 @@
+"""The prefix-pass prototype's (``gluon_prefix.py``) launch, float64 check and timing, for ``gluon_chunk_probe.py``
+(which runs each config in a child process): configs ``("prefix", PAGES, STAGES)``."""
+
+from __future__ import annotations
+
+PREFIX_SHAPES = [(2, 4096, 32768), (1, 2048, 131072)]  # (requests, query rows each, cached tokens), 32 Q / 8 KV, D 128
+CHECK_Q_LENS = [1, 17, 130, 300]
+CHECK_KV_LENS = [0, 5, 64, 700]  # none, part of a page, one page, 10 pages and a part
+PAGE = 64
+
+
+def launch_prefix(q, kc, vc, table, kv_lens, cu, out, lse, *, scale, q_head_start, q_per_kv, kv_head_start, pages,
+                  stages):
+    """Host descriptors over ``[pages * PAGE, kv_heads * head_dim]`` of caches ``[pages, PAGE, kv_heads, head_dim]``
+    (heads contiguous), the chunk kernel's grid."""
+    from gluon_chunk_probe import descriptor_layout
+    from gluon_prefix import prefix_attention_kernel
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from dcp_plugin.kernels._schedule import flat_programs
+
+    num_tokens, num_heads, head_dim = q.shape
+    num_reqs, page = cu.shape[0] - 1, kc.shape[1]
+    layout = descriptor_layout(page, head_dim, q.dtype)
+    k_desc, v_desc = (TensorDescriptor(c, [c.shape[0] * page, c.shape[2] * head_dim], [c.stride(1), 1],
+                                       [page, head_dim], layout) for c in (kc, vc))
+    num_q_programs = flat_programs(num_tokens, num_reqs, 128)
+    prefix_attention_kernel[(num_q_programs + 1, num_heads)](
+        q, k_desc, v_desc, out, lse, cu, table, kv_lens, num_tokens, num_reqs, num_q_programs,
+        scale * 1.4426950408889634, q_head_start, q_per_kv, kv_head_start, q.stride(0), q.stride(1), table.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), HEAD_DIM=head_dim, PAGE=page, PAGES=pages,
+        STAGES=stages, num_warps=4)
+
+
+def check_prefix(config) -> dict:
+    """Against float64 on a varlen batch whose caches hold NaN everywhere but at each request's cached tokens (a
+    kernel that lets a row past a context count turns NaN), outputs poisoned, 5 padding rows."""
+    import torch
+
+    from dcp_plugin.kernels import reference
+
+    _, pages, stages = config
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    errors = {}
+    for hq, hk, q_head_start, q_per_kv in ((32, 8, 0, 4), (8, 2, 8, 16)):
+        cu = torch.tensor([0] + CHECK_Q_LENS, device="cuda").cumsum(0).to(torch.int32)
+        total, pad = int(cu[-1]), 5
+        kv_lens = torch.tensor(CHECK_KV_LENS, dtype=torch.int32, device="cuda")
+        width = max(1, -(-max(CHECK_KV_LENS) // PAGE))
+        num_pages = width * len(CHECK_KV_LENS) + 3
+        kc = torch.full((num_pages, PAGE, hk, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+        vc = torch.full_like(kc, float("nan"))
+        table = torch.randperm(num_pages, generator=gen, device="cuda")[:width * len(CHECK_KV_LENS)]
+        table = table.to(torch.int32).view(len(CHECK_KV_LENS), width)
+        for b, n in enumerate(CHECK_KV_LENS):  # real tokens only where the request has them
+            pos = torch.arange(n, device="cuda")
+            rows = table[b, pos // PAGE].long()
+            kc[rows, pos % PAGE] = torch.randn(n, hk, 128, generator=gen, device="cuda").to(torch.bfloat16)
+            vc[rows, pos % PAGE] = torch.randn(n, hk, 128, generator=gen, device="cuda").to(torch.bfloat16)
+        q = torch.randn(total + pad, hq, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((total + pad, hq), float("nan"), dtype=torch.float32, device="cuda")
+        kw = dict(scale=128 ** -0.5, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=0)
+        launch_prefix(q, kc, vc, table, kv_lens, cu, out, lse, pages=pages, stages=stages, **kw)
+        torch.cuda.synchronize()
+        ref_out, ref_lse = reference.paged_attention(q[:total].double(), kc.double(), vc.double(), table, kv_lens,
+                                                     cu, max_kv_len=max(CHECK_KV_LENS), **kw)
+        rel = ((out[:total].double() - ref_out).norm() / ref_out.norm()).item()
+        got_lse = lse[:total].double()
+        finite = torch.isfinite(ref_lse)
+        lse_err = (got_lse[finite] - ref_lse[finite]).abs().max().item()
+        inf_ok = bool((got_lse[~finite] == ref_lse[~finite]).all())  # no cached token: -inf, exactly
+        nan = bool(out[:total].isnan().any() or lse[:total].isnan().any())
+        padding = bool((out[total:] == 0).all() and (lse[total:] == float("-inf")).all())
+        errors[f"{hq}q{hk}kv"] = dict(rel_err=rel, lse_max_abs=lse_err, nan=nan or not inf_ok, padding_ok=padding)
+    return errors
+
+
+def time_prefix(config) -> list[dict]:
+    """TFLOP/s by graph replay of ``PREFIX_SHAPES`` over 64-token pages: the prototype, the shipped kernel
+    (``paged_attention``) and FA3, in one process."""
+    import torch
+
+    import kernel_peers
+    from bench_kernels import _paged_setup
+    from common import graph_ms
+
+    from dcp_plugin.kernels import paged_attention
+
+    _, pages, stages = config
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for batch, q_rows, ctx in PREFIX_SHAPES:
+        _, _, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, 32, 8, gen, q_rows=q_rows, page=PAGE)
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
+        kw = dict(scale=128 ** -0.5, q_head_start=0, q_per_kv=4, kv_head_start=0)
+        fns = {"gluon": lambda: launch_prefix(q, kc, vc, tables[0], lens, qsl, out, lse, pages=pages,
+                                              stages=stages, **kw),
+               "ours_tl": lambda: paged_attention(q, kc, vc, tables[0], lens, qsl, max_kv_len=ctx,
+                                                  max_query_len=q_rows, out=out, **kw)}
+        fns.update({name: (lambda fn=fn: fn(0)) for name, fn in kernel_peers.fa3_paged(
+            q, kc, vc, tables, lens, qsl, max_query_len=q_rows, max_kv_len=ctx, causal=False).items()})
+        flops = 4 * batch * q_rows * ctx * 32 * 128
+        row = dict(batch=batch, q_rows=q_rows, ctx=ctx, page=PAGE)
+        for name, fn in fns.items():
+            try:
+                ms = graph_ms([fn])
+                row[f"{name}_ms"], row[f"{name}_tflops"] = ms, flops / ms / 1e9
+            except Exception as err:  # one peer failing must not lose the others
+                row[f"{name}_error"] = repr(err)[:300]
+        rows.append(row)
+        fns = kc = vc = q = None  # the next shape's caches in their memory
+        torch.cuda.empty_cache()
+    return rows
