@@ -77,13 +77,14 @@ def check_prefix(config) -> dict:
 
 
 def time_prefix(config) -> list[dict]:
-    """TFLOP/s by graph replay of ``PREFIX_SHAPES`` over 64-token pages: the prototype, the shipped kernel
+    """TFLOP/s of ``PREFIX_SHAPES`` over 64-token pages, median of ``do_bench`` (``bench_kernels.bench_prefix``'s
+    timing: a call of several ms makes its launch negligible): the prototype, the shipped kernel
     (``paged_attention``) and FA3, in one process."""
     import torch
 
     import kernel_peers
     from bench_kernels import _paged_setup
-    from common import graph_ms
+    from common import median_ms
 
     from dcp_plugin.kernels import paged_attention
 
@@ -104,7 +105,7 @@ def time_prefix(config) -> list[dict]:
         row = dict(batch=batch, q_rows=q_rows, ctx=ctx, page=PAGE)
         for name, fn in fns.items():
             try:
-                ms = graph_ms([fn])
+                ms = median_ms(fn)
                 row[f"{name}_ms"], row[f"{name}_tflops"] = ms, flops / ms / 1e9
             except Exception as err:  # one peer failing must not lose the others
                 row[f"{name}_error"] = repr(err)[:300]
