@@ -207,11 +207,12 @@ def _attend_rows_fa3(q_ptr, out_ptr, lse_ptr, q_tile, k_smem, v_smem, ready, emp
                      n_unmasked, row0, seq_start, seq_len, qk_scale, head, stride_qt, stride_qh, stride_ot,
                      stride_oh, stride_lt, stride_lh, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
-                     PINGPONG: gl.constexpr, FIRST: gl.constexpr):
+                     PINGPONG: gl.constexpr, FIRST: gl.constexpr, RESCALE_EARLY: gl.constexpr):
     """FA3's order within a warpgroup: tile i + 1's QK^T and tile i's P x V issued together, the scores waited for
     alone (the product stays in flight), tile i + 1's softmax under P x V, then the accumulator rescaled.
     ``PINGPONG``: the two consumer warpgroups take turns issuing (``my_turn`` / ``other_turn`` mbarriers, the
-    ``FIRST`` one starts), so one's tensor-core work runs under the other's softmax."""
+    ``FIRST`` one starts), so one's tensor-core work runs under the other's softmax. ``RESCALE_EARLY``: the
+    accumulator's rescale for tile i between the two issues (under QK^T, FA3's place), not after P x V."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                         instr_shape=[16, BLOCK_N, 16])
@@ -250,6 +251,8 @@ def _attend_rows_fa3(q_ptr, out_ptr, lse_ptr, q_tile, k_smem, v_smem, ready, emp
         if PINGPONG:
             mbarrier.wait(my_turn, (turn & 1) ^ FIRST)
         qk = warpgroup_mma(q_tile, k_smem.index(s_next).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
+        if RESCALE_EARLY:  # FA3: the accumulator rescaled for tile i while tile i + 1's QK^T runs
+            acc = acc * gl.expand_dims(alpha, 1)
         acc = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(other_turn, count=1)
@@ -259,10 +262,13 @@ def _attend_rows_fa3(q_ptr, out_ptr, lse_ptr, q_tile, k_smem, v_smem, ready, emp
                                             i + 1 >= n_unmasked, acc_layout, dtype)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(s), count=1)
-        acc = acc * gl.expand_dims(alpha, 1)
+        if not RESCALE_EARLY:
+            acc = acc * gl.expand_dims(alpha, 1)
     last = n_tiles - 1
     if PINGPONG:
         mbarrier.wait(my_turn, (turn & 1) ^ FIRST)
+    if RESCALE_EARLY:
+        acc = acc * gl.expand_dims(alpha, 1)
     acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
     if PINGPONG:
         mbarrier.arrive(other_turn, count=1)
@@ -347,7 +353,7 @@ def chunk_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_lo
             mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a stage
         n_tiles = gl.cdiv(gl.minimum(m_start + 2 * ROWS, seq_len), BLOCK_N)
         n_unmasked = m_start // BLOCK_N  # tiles wholly below the block's first row
-        if OVERLAP == 2:
+        if OVERLAP >= 2:
             turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             for w in gl.static_range(2):
                 mbarrier.init(turn.index(w), count=1)
@@ -355,11 +361,11 @@ def chunk_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_lo
                 (_attend_rows_fa3, (q_ptr, out_ptr, lse_ptr, q_smem.index(0), k_smem, v_smem, ready, empty,
                                     turn.index(0), turn.index(1), n_tiles, n_unmasked, m_start, seq_start, seq_len,
                                     qk_scale, head, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
-                                    ROWS, BLOCK_N, HEAD_DIM, STAGES, 4, PINGPONG, 1)),
+                                    ROWS, BLOCK_N, HEAD_DIM, STAGES, 4, PINGPONG, 1, OVERLAP == 3)),
                 (_attend_rows_fa3, (q_ptr, out_ptr, lse_ptr, q_smem.index(1), k_smem, v_smem, ready, empty,
                                     turn.index(1), turn.index(0), n_tiles, n_unmasked, m_start + ROWS, seq_start,
                                     seq_len, qk_scale, head, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
-                                    stride_lh, ROWS, BLOCK_N, HEAD_DIM, STAGES, 4, PINGPONG, 0)),
+                                    stride_lh, ROWS, BLOCK_N, HEAD_DIM, STAGES, 4, PINGPONG, 0, OVERLAP == 3)),
                 (_load_kv, (k_desc, v_desc, k_smem, v_smem, ready, empty, n_tiles, BLOCK_N, STAGES)),
             ], [4, 1], [232, 40])
         elif OVERLAP == 1:

@@ -31,8 +31,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 # issuing (FA3); PERSISTENT: gluon_chunk_persistent.py (one program per SM over every tile, OVERLAP 0's loop).
 # kernels_h200_gluon_probe.json has the first two calls' configs (no PERSISTENT entry: 0).
 # ("prefix", PAGES, STAGES): gluon_prefix.py, key tiles of PAGES 64-token pages (gluon_prefix_check.py).
+# OVERLAP 3: OVERLAP 2 with the accumulator's rescale between the two issues (FA3's place, under QK^T).
 CONFIGS = [(128, 2, 0, 0, 0), (128, 2, 0, 0, 1), (128, 3, 0, 0, 1), (64, 3, 0, 0, 1), (64, 4, 0, 0, 1),
-           ("prefix", 1, 3), ("prefix", 1, 4), ("prefix", 2, 2)]
+           (128, 2, 3, 0, 0), (128, 2, 3, 1, 0), ("prefix", 1, 3), ("prefix", 1, 4), ("prefix", 2, 2)]
 SHAPES = [(16, 1024), (4, 2048), (2, 4096), (1, 16384)]  # (sequences, length), 32 Q / 8 KV heads, D 128
 CHECK_LENS = [1, 17, 64, 127, 128, 129, 300, 1000]
 ERROR_BOUND = 1e-2  # relative Frobenius error of a bf16 output (bench_kernels.py's bound)
