@@ -110,7 +110,11 @@ def test_the_warm_up_line_counts_triton_builds_and_cache_hits(monkeypatch):
     from dcp_plugin import warmup
 
     outer = []
-    monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **kw: outer.append(kw["cache_hit"]))
+
+    def outer_listener(**kw):
+        outer.append(kw["cache_hit"])
+
+    monkeypatch.setattr(triton.knobs.compilation, "listener", outer_listener)
 
     def fake_warm_up(attention, **tensors):  # what Triton's compiler tells its listener: two builds, one cache hit
         for hit, micros in ((False, 2_000_000), (True, 0), (False, 500_000)):
@@ -123,6 +127,4 @@ def test_the_warm_up_line_counts_triton_builds_and_cache_hits(monkeypatch):
     assert line.startswith("dcp-triton: compiled the kernels of 10 step kinds before serving in ")
     assert line.endswith("(dcp_size=2, torch.float16; 2 kernel variants built in 2.5 s, 1 from Triton's cache)")
     assert outer == [False, True, False]  # a listener already set still hears every compile
-    assert triton.knobs.compilation.listener is not None and outer  # and is back in place afterwards
-    triton.knobs.compilation.listener(src=None, metadata={}, metadata_group={}, times=None, cache_hit=True)
-    assert outer[-1] is True
+    assert triton.knobs.compilation.listener is outer_listener  # and is back in place afterwards
