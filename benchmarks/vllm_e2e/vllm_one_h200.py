@@ -88,19 +88,21 @@ def jobs(profile: bool, startup: bool = False, profile_load: str = "small-batch"
 
 
 def startup_jobs() -> list[dict]:
-    """Engine start-up alone (llama8, no loads), per mode: dcp-triton into an empty Triton cache, compiling each
-    variant at its first launch (``cold``) and with the warm-up's compile-ahead on 8 threads (``cold-threads8``),
-    then again over the first job's filled cache (``warm``: what is left once nothing compiles), and FLASH_ATTN."""
+    """Engine start-up alone (llama8, no loads), per mode and backend: ``cold`` into empty caches of its own
+    (Triton's, vLLM's, inductor's: a machine's first start, whichever job ran before), dcp-triton's also with the
+    warm-up's compile-ahead on 8 threads (``cold-threads8``), then ``warm`` over the cold job's filled caches (what
+    is left once nothing compiles)."""
     out = []
     for mode in MODES:
         base = dict(model="llama8", mode=mode, kind="startup")
-        out += [dict(base, name=f"startup-dcp-triton-{mode}-cold", backend="dcp-triton", triton_cache=mode,
-                     empty_cache=True, compile_threads=0),
-                dict(base, name=f"startup-dcp-triton-{mode}-cold-threads8", backend="dcp-triton",
-                     triton_cache=f"{mode}-threads8", empty_cache=True, compile_threads=8),
-                dict(base, name=f"startup-dcp-triton-{mode}-warm", backend="dcp-triton", triton_cache=mode,
-                     compile_threads=0),
-                dict(base, name=f"startup-FLASH_ATTN-{mode}", backend="FLASH_ATTN")]
+        for backend, tag in (("dcp-triton", "dcp"), ("FLASH_ATTN", "fa")):
+            name = f"startup-{backend}-{mode}"
+            out += [dict(base, name=f"{name}-cold", backend=backend, caches=f"{tag}-{mode}", empty_cache=True,
+                         compile_threads=0)]
+            if backend == "dcp-triton":
+                out += [dict(base, name=f"{name}-cold-threads8", backend=backend, caches=f"{tag}-{mode}-threads8",
+                             empty_cache=True, compile_threads=8)]
+            out += [dict(base, name=f"{name}-warm", backend=backend, caches=f"{tag}-{mode}", compile_threads=0)]
     return out
 
 
@@ -282,18 +284,23 @@ def init_breakdown(log: str) -> dict:
     return {key: float(m[1]) for key, m in found.items() if m}
 
 
+# Every cache an engine start fills, by the variable that places it (vLLM's compile cache lives under its root).
+STARTUP_CACHES = {"TRITON_CACHE_DIR": "triton", "VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
+
+
 def job_env(job: dict, work: Path, *, smoke: bool, cold_triton_cache: bool) -> dict:
-    """The environment of ``job``'s process; a start-up job's cold Triton cache is emptied here."""
+    """The environment of ``job``'s process; a start-up job's cold caches are emptied here."""
     env = dict(os.environ, DCP_TRITON_KERNELS="reference" if smoke else "triton", VLLM_USE_FLASHINFER_SAMPLER="0")
     if job["kind"] == "profile":
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if cold_triton_cache:
         env["TRITON_CACHE_DIR"] = str(work / f"triton-cache-{job['name']}-{time.time_ns()}")
-    if "triton_cache" in job:  # the start-up jobs' own caches: emptied for a cold start, kept for a warm one
-        cache = work / f"triton-cache-startup-{job['triton_cache']}"
+    if "caches" in job:  # the start-up jobs' own caches: emptied for a cold start, kept for a warm one
+        root = work / f"startup-caches-{job['caches']}"
         if job.get("empty_cache"):
-            shutil.rmtree(cache, ignore_errors=True)
-        env.update(TRITON_CACHE_DIR=str(cache), DCP_TRITON_COMPILE_THREADS=str(job["compile_threads"]))
+            shutil.rmtree(root, ignore_errors=True)
+        env.update({var: str(root / sub) for var, sub in STARTUP_CACHES.items()},
+                   DCP_TRITON_COMPILE_THREADS=str(job["compile_threads"]))
     return env
 
 
@@ -316,8 +323,8 @@ def main() -> None:
                         "backend's own)")
     parser.add_argument("--cold-triton-cache", action="store_true", help="each job compiles into an empty Triton "
                         "cache of its own (a first start on a machine; default: the machine's cache)")
-    parser.add_argument("--startup", action="store_true", help="also the start-up jobs (engine start alone: "
-                        "dcp-triton cold, cold with compile-ahead on 8 threads, warm; FLASH_ATTN)")
+    parser.add_argument("--startup", action="store_true", help="also the start-up jobs (engine start alone, cold "
+                        "and warm: dcp-triton, also with compile-ahead on 8 threads; FLASH_ATTN)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

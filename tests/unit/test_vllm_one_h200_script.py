@@ -19,27 +19,35 @@ def test_startup_jobs_are_listed_only_when_asked_for():
     assert sorted(both[len(plain):]) == sorted(
         f"startup-{b}-{mode}{suffix}" for mode in bench.MODES
         for b, suffix in [("dcp-triton", "-cold"), ("dcp-triton", "-cold-threads8"), ("dcp-triton", "-warm"),
-                          ("FLASH_ATTN", "")])
+                          ("FLASH_ATTN", "-cold"), ("FLASH_ATTN", "-warm")])
 
 
-def test_cold_jobs_start_from_an_empty_cache_and_the_warm_job_reuses_the_first_ones(tmp_path):
+def test_cold_jobs_start_from_empty_caches_and_the_warm_job_reuses_the_cold_ones(tmp_path):
     by_name = {j["name"]: j for j in bench.startup_jobs()}
     for mode in bench.MODES:
-        cold, threads8, warm = (by_name[f"startup-dcp-triton-{mode}{s}"] for s in ("-cold", "-cold-threads8", "-warm"))
-        cold_env = bench.job_env(cold, tmp_path, smoke=False, cold_triton_cache=False)
-        marker = Path(cold_env["TRITON_CACHE_DIR"]) / "compiled"
-        marker.parent.mkdir(parents=True)
-        marker.write_text("a variant")  # what the cold job leaves behind
-        warm_env = bench.job_env(warm, tmp_path, smoke=False, cold_triton_cache=False)
-        assert warm_env["TRITON_CACHE_DIR"] == cold_env["TRITON_CACHE_DIR"] and marker.exists()
-        assert (cold_env["DCP_TRITON_COMPILE_THREADS"], warm_env["DCP_TRITON_COMPILE_THREADS"]) == ("0", "0")
-        threads_env = bench.job_env(threads8, tmp_path, smoke=False, cold_triton_cache=False)
-        assert threads_env["DCP_TRITON_COMPILE_THREADS"] == "8"
-        assert threads_env["TRITON_CACHE_DIR"] != cold_env["TRITON_CACHE_DIR"]
-        bench.job_env(cold, tmp_path, smoke=False, cold_triton_cache=False)  # a second cold start
-        assert not marker.exists()
-    flash = bench.job_env(by_name["startup-FLASH_ATTN-eager"], tmp_path, smoke=False, cold_triton_cache=False)
-    assert flash.get("TRITON_CACHE_DIR") == bench.os.environ.get("TRITON_CACHE_DIR")  # the machine's own cache
+        for backend in ("dcp-triton", "FLASH_ATTN"):
+            cold, warm = (by_name[f"startup-{backend}-{mode}{s}"] for s in ("-cold", "-warm"))
+            cold_env = bench.job_env(cold, tmp_path, smoke=False, cold_triton_cache=False)
+            markers = []
+            for var in bench.STARTUP_CACHES:  # Triton's, vLLM's and inductor's caches, each the job's own
+                assert cold_env[var] != bench.os.environ.get(var)
+                markers.append(Path(cold_env[var]) / "compiled")
+                markers[-1].parent.mkdir(parents=True)
+                markers[-1].write_text("a build")  # what the cold job leaves behind
+            warm_env = bench.job_env(warm, tmp_path, smoke=False, cold_triton_cache=False)
+            assert all(warm_env[var] == cold_env[var] for var in bench.STARTUP_CACHES)
+            assert all(m.exists() for m in markers)
+            assert (cold_env["DCP_TRITON_COMPILE_THREADS"], warm_env["DCP_TRITON_COMPILE_THREADS"]) == ("0", "0")
+            bench.job_env(cold, tmp_path, smoke=False, cold_triton_cache=False)  # a second cold start
+            assert not any(m.exists() for m in markers)
+        threads8 = bench.job_env(by_name[f"startup-dcp-triton-{mode}-cold-threads8"], tmp_path, smoke=False,
+                                 cold_triton_cache=False)
+        assert threads8["DCP_TRITON_COMPILE_THREADS"] == "8"
+        dcp_cold = bench.job_env(by_name[f"startup-dcp-triton-{mode}-cold"], tmp_path, smoke=False,
+                                 cold_triton_cache=False)
+        fa_cold = bench.job_env(by_name[f"startup-FLASH_ATTN-{mode}-cold"], tmp_path, smoke=False,
+                                cold_triton_cache=False)
+        assert len({threads8["TRITON_CACHE_DIR"], dcp_cold["TRITON_CACHE_DIR"], fa_cold["TRITON_CACHE_DIR"]}) == 3
 
 
 def test_small_batch_runs_at_least_min_repeats_and_the_summary_keeps_the_best(monkeypatch):
