@@ -14,7 +14,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from gluon_chunk import _find_block, _softmax_step
+from gluon_chunk import _find_block, _softmax_step, _store_rows, _write_padding
 
 ROWS = gl.constexpr(64)  # per consumer warpgroup; a tile is 2 * ROWS query rows of one head
 
@@ -79,16 +79,8 @@ def _attend_tiles(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, ready, empty, query_s
                                                                  num_heads, t, 2 * ROWS)
         if is_pad:
             if WRITES_PADDING:
-                rows0 = gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
-                for first in range(gl.load(query_start_loc_ptr + num_reqs), num_tokens, ROWS):
-                    rows = (first + rows0).to(gl.int64)
-                    keep = rows < num_tokens
-                    gl.store(out_ptr + gl.expand_dims(rows * stride_ot, 1) + head.to(gl.int64) * stride_oh
-                             + gl.expand_dims(cols_io, 0), gl.zeros([ROWS, HEAD_DIM], dtype, layout=io_layout),
-                             mask=gl.expand_dims(keep, 1))
-                    gl.store(lse_ptr + rows * stride_lt + head.to(gl.int64) * stride_lh,
-                             gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, io_layout)),
-                             mask=keep)
+                _write_padding(out_ptr, lse_ptr, query_start_loc_ptr, num_reqs, num_tokens, head, stride_ot,
+                               stride_oh, stride_lt, stride_lh, ROWS, HEAD_DIM)
         elif valid:
             row0 = m_start + row_offset
             rows_io = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
@@ -122,12 +114,8 @@ def _attend_tiles(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, ready, empty, query_s
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(empty.index(s), count=1)
                 it += 1
-            l_acc = gl.convert_layout(l_i, gl.SliceLayout(1, acc_layout))
-            out = gl.convert_layout((acc / gl.expand_dims(l_acc, 1)).to(dtype), io_layout)
-            gl.store(out_ptr + gl.expand_dims((seq_start + rows_io).to(gl.int64) * stride_ot, 1)
-                     + head.to(gl.int64) * stride_oh + gl.expand_dims(cols_io, 0), out, mask=row_ok)
-            gl.store(lse_ptr + (seq_start + offs_m).to(gl.int64) * stride_lt + head.to(gl.int64) * stride_lh,
-                     (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=offs_m < seq_len)
+            _store_rows(out_ptr, lse_ptr, acc, l_i, m_i, rows_io, cols_io, offs_m, seq_start, seq_len, head,
+                        stride_ot, stride_oh, stride_lt, stride_lh, acc_layout, io_layout)
 
 
 @gluon.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs"))

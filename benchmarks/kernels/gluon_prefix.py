@@ -18,7 +18,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from gluon_chunk import _find_block
+from gluon_chunk import _find_block, _store_rows, _write_padding
 
 ROWS = gl.constexpr(64)  # per consumer warpgroup; a program's block is 2 * ROWS query rows of one head
 
@@ -111,15 +111,9 @@ def _attend_prefix_rows(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, e
                               acc_layout, dtype)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(s), count=1)
-    empty_row = l_i == 0.0  # no cached token: (0, -inf)
-    l_acc = gl.convert_layout(gl.where(empty_row, 1.0, l_i), gl.SliceLayout(1, acc_layout))
-    out = gl.convert_layout((acc / gl.expand_dims(l_acc, 1)).to(dtype), io_layout)
-    gl.store(out_ptr + gl.expand_dims((seq_start + rows_io).to(gl.int64) * stride_ot, 1)
-             + head.to(gl.int64) * stride_oh + gl.expand_dims(cols_io, 0), out, mask=row_ok)
     offs_m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, qk_layout))
-    lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
-    gl.store(lse_ptr + (seq_start + offs_m).to(gl.int64) * stride_lt + head.to(gl.int64) * stride_lh, lse,
-             mask=offs_m < seq_len)
+    _store_rows(out_ptr, lse_ptr, acc, l_i, m_i, rows_io, cols_io, offs_m, seq_start, seq_len, head, stride_ot,
+                stride_oh, stride_lt, stride_lh, acc_layout, io_layout)  # no cached token: (0, -inf)
 
 
 @gluon.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs"))
@@ -132,18 +126,8 @@ def prefix_attention_kernel(q_ptr, k_desc, v_desc, out_ptr, lse_ptr, query_start
     pid = gl.num_programs(0) - 1 - gl.program_id(0)
     head = gl.program_id(1)
     if pid >= num_q_programs:
-        pad_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        rows0 = gl.arange(0, 2 * ROWS, layout=gl.SliceLayout(1, pad_layout))
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, pad_layout))
-        for first in range(gl.load(query_start_loc_ptr + num_reqs).to(gl.int64), num_tokens, 2 * ROWS):
-            rows = first + rows0
-            keep = rows < num_tokens
-            gl.store(out_ptr + gl.expand_dims(rows * stride_ot, 1) + head.to(gl.int64) * stride_oh
-                     + gl.expand_dims(cols, 0),
-                     gl.zeros([2 * ROWS, HEAD_DIM], out_ptr.dtype.element_ty, layout=pad_layout),
-                     mask=gl.expand_dims(keep, 1))
-            gl.store(lse_ptr + rows * stride_lt + head.to(gl.int64) * stride_lh,
-                     gl.full([2 * ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, pad_layout)), mask=keep)
+        _write_padding(out_ptr, lse_ptr, query_start_loc_ptr, num_reqs, num_tokens, head, stride_ot, stride_oh,
+                       stride_lt, stride_lh, 2 * ROWS, HEAD_DIM)
         return
     seq, m_block = _find_block(query_start_loc_ptr, num_reqs, pid, 2 * ROWS)
     seq_start = gl.load(query_start_loc_ptr + seq).to(gl.int64)
