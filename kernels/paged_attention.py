@@ -12,7 +12,8 @@ request), short queries (speculative-decoding verify rows) and long ones (prefil
 their query blocks over the whole batch (``_schedule``), so a mixed step never launches ``requests x longest
 query`` programs. ``out``/``lse`` may be rank-major (``[R, T, H / R, D]``): the layout the DCP collectives send.
 On sm_90+ a tile that lies inside one page (pages of 64 tokens or more) comes through tensor descriptors, one TMA
-copy per K or V tile (``_paged_tile``); smaller pages are gathered token by token.
+copy per K or V tile (``_paged_tile``); smaller pages are gathered token by token. A prefill step's prefix pass on
+sm_90 with Triton 3.6 runs ``gluon_prefix`` where ``_gluon.prefix_takes_gluon`` allows (same results, faster).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dcp_plugin.kernels._launch import (
     check_tensor, device_index, head_strides, next_pow2, num_sms,
 )
 from dcp_plugin.checks import FP8_DTYPES, check_kv_scales
+from dcp_plugin.kernels._gluon import prefix_takes_gluon
 from dcp_plugin.kernels._mode import INTERPRET
 from dcp_plugin.kernels._paged_tile import attend_split, cache_takes_descriptors
 from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count constants are part of this module's API
@@ -59,16 +61,15 @@ class PagedConfig:
 
 
 # (padded head dim, decode) -> launch constants for Hopper; benchmarks sweep others via ``config=``. "decode" = the
-# caller promised one query row per request (max_query_len=1). D=128 decode: 128-token tiles, from an H200 sweep
-# (benchmarks/results/kernels_h200_tuning_sweep3.json, bf16, separate K/V caches): 1.1-1.3x the GB/s of 64-token
-# tiles with one KV head per rank (e.g. 32 x 8K: 2631 against 2037) and at batch 1, within 3% elsewhere. Longer
-# queries (the prefix pass, 32 Q / 8 KV heads): over pages of 64 tokens or more, 128-row tiles of 64 tokens through
-# tensor descriptors, four warps, two stages, the tiles' rows read a chunk ahead: 528 TFLOP/s at 2 x 4K rows over
-# 32K cached and 517 at 1 x 2K over 128K, against 501 / 500 for three stages with each row read in the loop
-# (kernels_h200_sweep_prefix_ahead.json; that loop against the pointer loads' best tiles, 497 / 501 against 372 /
-# 390: kernels_h200_sweep_tma.json); where the pages are smaller (or the cache's strides refuse descriptors)
-# ``POINTER_CONFIGS`` takes over: 256-row tiles of 64 tokens, eight warps, 375 / 394 over 16-token pages
-# (kernels_h200_sweep_tma16.json; kernels_h200_sweep2.json).
+# caller promised one query row per request (max_query_len=1). D=128 decode: 128-token tiles (H200, bf16: 1.1-1.3x
+# the GB/s of 64-token tiles with one KV head per rank, e.g. 32 x 8K 2631 against 2037, within 3% elsewhere;
+# benchmarks/results/kernels_h200_tuning_sweep3.json). Longer queries (the prefix pass, 32 Q / 8 KV heads; on sm_90
+# with Triton 3.6 ``gluon_prefix`` takes one-split prefill steps over 64-token pages): over pages of 64 tokens or
+# more, 128-row tiles of 64 tokens through tensor descriptors, four warps, two stages, the rows read a chunk ahead:
+# 528 / 517 TFLOP/s at 2 x 4K rows over 32K cached / 1 x 2K over 128K, against 501 / 500 with each row read in
+# the loop (kernels_h200_sweep_prefix_ahead.json; pointer loads' best: 372 / 390, kernels_h200_sweep_tma.json);
+# smaller pages (or strides descriptors refuse): ``POINTER_CONFIGS``, 256-row tiles of 64 tokens, eight warps, 375 /
+# 394 over 16-token pages (kernels_h200_sweep_tma16.json, kernels_h200_sweep2.json).
 GPU_CONFIGS = {
     (64, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=3),
     (64, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=3),
@@ -358,6 +359,13 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
             sms=num_sms(device_index(q)))
         if split_buffer is not None:
             num_splits = max(1, min(num_splits, split_buffer.numel() // max(row_floats, 1)))
+    if config is None and num_splits == 1 and not decode and (max_query_len or 0) > SHORT_QUERY \
+            and prefix_takes_gluon(q, key_cache, value_cache, out):  # a prefill step's prefix pass on Hopper
+        from dcp_plugin.kernels.gluon_prefix import plan_gluon_prefix
+
+        return PagedLaunch(plan_gluon_prefix(q, key_cache, value_cache, block_table, context_lens, query_start_loc,
+                                             out, lse, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
+                                             kv_head_start=kv_head_start), None, None, None, 1)
     if num_splits == 1:
         part_out = part_lse = None
         out_strides = _with_split_stride(head_strides(out, 3), 0)

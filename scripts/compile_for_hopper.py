@@ -4,7 +4,7 @@ one's registers, spills and steady-state loop (instructions per warp and iterati
 The variants are the ones ``dcp_plugin.warmup`` compiles: the dummy steps run through ``DcpAttention`` on CPU
 tensors with kernel plans that record their launches instead of running them (at DCP = 1 and DCP = 2, both comm
 modes, caches in the model dtype and in fp8 e4m3 / e5m2, pages of 16 and 64 tokens), with the Hopper selections
-(tensor descriptors) on, as an sm_90 GPU would answer. Each recorded launch is compiled ahead of time with Triton's
+(tensor descriptors, and with Triton 3.6 the Gluon prefix pass) on, as an sm_90 GPU would answer. Each recorded launch is compiled ahead of time with Triton's
 own compiler for ``cuda:90``, specialized the way Triton's dispatch specializes it (integer arguments equal to 1
 become constants, multiples of 16 and pointers are marked 16-divisible). A kernel that does not compile for the GPU
 fails here, on any machine with Triton.
@@ -33,10 +33,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # noqa: E402
 
 import dcp_plugin as dp  # noqa: E402
 from dcp_plugin import kernels  # noqa: E402
-from dcp_plugin.kernels import _launch, _paged_tile  # noqa: E402
+from dcp_plugin.kernels import _gluon, _launch, _paged_tile  # noqa: E402
 from dcp_plugin.warmup import warm_up  # noqa: E402
 
 H100_SMS = 132
@@ -172,12 +173,14 @@ def main() -> None:
     kernels.paged_attention.__globals__["num_sms"] = lambda device_index: H100_SMS  # no GPU to ask
     for module in (_paged_tile, sys.modules[kernels.extend_attention.__module__]):  # what an sm_90 GPU answers
         module.tma_available = lambda device: True
+    _gluon.gluon_enabled = lambda device: triton.__version__.startswith(_gluon.GLUON_TRITON)
     record = collect(getattr(torch, args.dtype), args.head_dim, (None, torch.float8_e4m3fn, torch.float8_e5m2))
     target = GPUTarget("cuda", 90, 32)
     rows = []
     for launch, (name, signature, _, constants, attrs, options) in record.values():
         began = time.perf_counter()
-        src = ASTSource(fn=launch.kernel, signature=dict(signature), constexprs=constants, attrs=attrs)
+        source = GluonASTSource if isinstance(launch.kernel, GluonJITFunction) else ASTSource
+        src = source(fn=launch.kernel, signature=dict(signature), constexprs=constants, attrs=attrs)
         compiled = triton.compile(src, target=target, options=options)
         usage = resource_usage(compiled.asm["cubin"])
         loop = main_loop(cuobjdump(compiled.asm["cubin"], "-sass"))

@@ -16,6 +16,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
+from dcp_plugin.kernels.gluon_prefix import find_block, store_rows, write_padding
+
 @gluon.jit
 def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, empty, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """The producer partition: tile i of K and V into stage i % STAGES once both consumers released it."""
@@ -66,40 +68,6 @@ def _probs_pv(acc, l_i, alpha, qk, m_new, v_tile, qk_scale, acc_layout: gl.const
 
 
 @gluon.jit
-def _store_rows(out_ptr, lse_ptr, acc, l_i, m_i, rows_io, cols_io, offs_m, seq_start, seq_len, head, stride_ot,
-                stride_oh, stride_lt, stride_lh, acc_layout: gl.constexpr, io_layout: gl.constexpr):
-    """A warpgroup's epilogue: ``acc / l`` and the LSE of its rows that lie in the request (``rows_io`` in
-    ``io_layout``, ``offs_m`` in the scores' row layout); a row that saw no key (``l`` 0) gets (0, -inf)."""
-    empty_row = l_i == 0.0
-    l_acc = gl.convert_layout(gl.where(empty_row, 1.0, l_i), gl.SliceLayout(1, acc_layout))
-    out = gl.convert_layout((acc / gl.expand_dims(l_acc, 1)).to(out_ptr.dtype.element_ty), io_layout)
-    gl.store(out_ptr + gl.expand_dims((seq_start + rows_io).to(gl.int64) * stride_ot, 1)
-             + head.to(gl.int64) * stride_oh + gl.expand_dims(cols_io, 0), out,
-             mask=gl.expand_dims(rows_io < seq_len, 1))
-    lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
-    gl.store(lse_ptr + (seq_start + offs_m).to(gl.int64) * stride_lt + head.to(gl.int64) * stride_lh, lse,
-             mask=offs_m < seq_len)
-
-
-@gluon.jit
-def _write_padding(out_ptr, lse_ptr, query_start_loc_ptr, num_reqs, num_tokens, head, stride_ot, stride_oh,
-                   stride_lt, stride_lh, ROWS_AT_ONCE: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """The rows past ``query_start_loc[num_reqs]`` (a CUDA graph's padding) of one head as (0, -inf), by one
-    warpgroup, ``ROWS_AT_ONCE`` rows a step."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    rows0 = gl.arange(0, ROWS_AT_ONCE, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    for first in range(gl.load(query_start_loc_ptr + num_reqs).to(gl.int64), num_tokens, ROWS_AT_ONCE):
-        rows = first + rows0
-        keep = rows < num_tokens
-        gl.store(out_ptr + gl.expand_dims(rows * stride_ot, 1) + head.to(gl.int64) * stride_oh
-                 + gl.expand_dims(cols, 0), gl.zeros([ROWS_AT_ONCE, HEAD_DIM], out_ptr.dtype.element_ty, layout=layout),
-                 mask=gl.expand_dims(keep, 1))
-        gl.store(lse_ptr + rows * stride_lt + head.to(gl.int64) * stride_lh,
-                 gl.full([ROWS_AT_ONCE], float("-inf"), gl.float32, layout=gl.SliceLayout(1, layout)), mask=keep)
-
-
-@gluon.jit
 def _attend_rows(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, ready, empty, n_tiles, n_unmasked, row0, seq_start,
                  seq_len, qk_scale, head, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
@@ -144,8 +112,9 @@ def _attend_rows(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, ready, empty, n_tiles,
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(s), count=1)
 
-    _store_rows(out_ptr, lse_ptr, acc, l_i, m_i, rows_io, cols_io, offs_m, seq_start, seq_len, head, stride_ot,
-                stride_oh, stride_lt, stride_lh, acc_layout, io_layout)
+    store_rows(out_ptr, lse_ptr, acc, l_i, m_i, rows_io, cols_io, offs_m, seq_start, seq_len,
+                head.to(gl.int64) * stride_oh, head.to(gl.int64) * stride_lh, stride_ot, stride_lt, acc_layout,
+                io_layout)
 
 
 @gluon.jit
@@ -202,8 +171,9 @@ def _attend_rows_overlap(q_ptr, out_ptr, lse_ptr, q_tile, k_smem, v_smem, ready,
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(i % STAGES), count=1)
 
-    _store_rows(out_ptr, lse_ptr, acc, l_i, m_i, rows_io, cols_io, offs_m, seq_start, seq_len, head, stride_ot,
-                stride_oh, stride_lt, stride_lh, acc_layout, io_layout)
+    store_rows(out_ptr, lse_ptr, acc, l_i, m_i, rows_io, cols_io, offs_m, seq_start, seq_len,
+                head.to(gl.int64) * stride_oh, head.to(gl.int64) * stride_lh, stride_ot, stride_lt, acc_layout,
+                io_layout)
 
 
 @gluon.jit
@@ -296,24 +266,9 @@ def _attend_rows_fa3(q_ptr, out_ptr, lse_ptr, q_tile, k_smem, v_smem, ready, emp
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(empty.index(last % STAGES), count=1)
 
-    _store_rows(out_ptr, lse_ptr, acc, l_i, m_i, rows_io, cols_io, offs_m, seq_start, seq_len, head, stride_ot,
-                stride_oh, stride_lt, stride_lh, acc_layout, io_layout)
-
-
-@gluon.jit
-def _find_block(query_start_loc_ptr, num_reqs, pid, BLOCK: gl.constexpr):
-    """``(request, block within it)`` of program ``pid``: ``_schedule.find_block``'s numbering (request ``b``'s
-    blocks are ids ``query_start_loc[b] // BLOCK + b`` on)."""
-    lo = 0
-    hi = num_reqs
-    while lo < hi:  # last b with first(b) <= pid
-        mid = (lo + hi) // 2
-        if gl.load(query_start_loc_ptr + mid) // BLOCK + mid <= pid:
-            lo = mid + 1
-        else:
-            hi = mid
-    req = gl.maximum(lo - 1, 0)
-    return req, pid - (gl.load(query_start_loc_ptr + req) // BLOCK + req)
+    store_rows(out_ptr, lse_ptr, acc, l_i, m_i, rows_io, cols_io, offs_m, seq_start, seq_len,
+                head.to(gl.int64) * stride_oh, head.to(gl.int64) * stride_lh, stride_ot, stride_lt, acc_layout,
+                io_layout)
 
 
 @gluon.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs"))
@@ -329,10 +284,10 @@ def chunk_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_lo
     pid = gl.num_programs(0) - 1 - gl.program_id(0)
     head = gl.program_id(1)
     if pid >= num_q_programs:
-        _write_padding(out_ptr, lse_ptr, query_start_loc_ptr, num_reqs, num_tokens, head, stride_ot, stride_oh,
-                       stride_lt, stride_lh, 2 * ROWS, HEAD_DIM)
+        write_padding(out_ptr, lse_ptr, query_start_loc_ptr, num_reqs, num_tokens, head.to(gl.int64) * stride_oh,
+                       head.to(gl.int64) * stride_lh, stride_ot, stride_lt, 2 * ROWS, HEAD_DIM)
         return
-    seq, m_block = _find_block(query_start_loc_ptr, num_reqs, pid, 2 * ROWS)
+    seq, m_block = find_block(query_start_loc_ptr, num_reqs, pid, 2 * ROWS)
     seq_start = gl.load(query_start_loc_ptr + seq).to(gl.int64)
     seq_len = (gl.load(query_start_loc_ptr + seq + 1) - gl.load(query_start_loc_ptr + seq)).to(gl.int32)
     m_start = (m_block * (2 * ROWS)).to(gl.int32)

@@ -14,7 +14,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from gluon_chunk import _find_block, _softmax_step, _store_rows, _write_padding
+from gluon_chunk import _softmax_step
+
+from dcp_plugin.kernels.gluon_prefix import find_block, store_rows, write_padding
 
 ROWS = gl.constexpr(64)  # per consumer warpgroup; a tile is 2 * ROWS query rows of one head
 
@@ -28,7 +30,7 @@ def _tile(query_start_loc_ptr, num_reqs, num_q_programs, num_heads, t, BLOCK: gl
     head = t % num_heads
     is_pad = idx >= num_q_programs
     pid = gl.maximum(num_q_programs - 1 - idx, 0)
-    seq, m_block = _find_block(query_start_loc_ptr, num_reqs, pid, BLOCK)
+    seq, m_block = find_block(query_start_loc_ptr, num_reqs, pid, BLOCK)
     seq_start = gl.load(query_start_loc_ptr + seq)
     seq_len = gl.load(query_start_loc_ptr + seq + 1) - seq_start
     m_start = m_block * BLOCK
@@ -79,8 +81,9 @@ def _attend_tiles(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, ready, empty, query_s
                                                                  num_heads, t, 2 * ROWS)
         if is_pad:
             if WRITES_PADDING:
-                _write_padding(out_ptr, lse_ptr, query_start_loc_ptr, num_reqs, num_tokens, head, stride_ot,
-                               stride_oh, stride_lt, stride_lh, ROWS, HEAD_DIM)
+                write_padding(out_ptr, lse_ptr, query_start_loc_ptr, num_reqs, num_tokens,
+                              head.to(gl.int64) * stride_oh, head.to(gl.int64) * stride_lh, stride_ot, stride_lt,
+                              ROWS, HEAD_DIM)
         elif valid:
             row0 = m_start + row_offset
             rows_io = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
@@ -114,8 +117,9 @@ def _attend_tiles(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, ready, empty, query_s
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(empty.index(s), count=1)
                 it += 1
-            _store_rows(out_ptr, lse_ptr, acc, l_i, m_i, rows_io, cols_io, offs_m, seq_start, seq_len, head,
-                        stride_ot, stride_oh, stride_lt, stride_lh, acc_layout, io_layout)
+            store_rows(out_ptr, lse_ptr, acc, l_i, m_i, rows_io, cols_io, offs_m, seq_start, seq_len,
+                       head.to(gl.int64) * stride_oh, head.to(gl.int64) * stride_lh, stride_ot, stride_lt,
+                       acc_layout, io_layout)
 
 
 @gluon.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs"))

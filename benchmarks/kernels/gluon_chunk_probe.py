@@ -1,6 +1,6 @@
-"""One H200 call for the Gluon prototypes of the current chunk (``gluon_chunk.py``, ``gluon_chunk_persistent.py``) and
-of the prefix pass (``gluon_prefix.py``, checked and timed by ``gluon_prefix_check.py``): are they right, and are
-they faster than the ``tl`` kernels dcp-triton ships and than FA3?
+"""One H200 call for the Gluon kernels: the current chunk's prototypes (``gluon_chunk.py``,
+``gluon_chunk_persistent.py``) and the prefix pass dcp-triton ships on sm_90 (``dcp_plugin.kernels.gluon_prefix``,
+checked and timed by ``gluon_prefix_check.py``): are they right, and faster than the ``tl`` kernels and FA3?
 
 Each config of ``CONFIGS`` runs in a child process with a time limit (a wrong mbarrier phase hangs a
 GPU, and the parent must still report): first against float64 attention on a varlen batch (lengths 1 .. 1,000,
@@ -30,10 +30,11 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 # order (QK^T of tile i + 1 with P x V of tile i, the softmax under P x V); PINGPONG: the warpgroups take turns
 # issuing (FA3); PERSISTENT: gluon_chunk_persistent.py (one program per SM over every tile, OVERLAP 0's loop).
 # kernels_h200_gluon_probe.json has the first two calls' configs (no PERSISTENT entry: 0).
-# ("prefix", PAGES, STAGES): gluon_prefix.py, key tiles of PAGES 64-token pages (gluon_prefix_check.py).
+# ("prefix", PAGES, STAGES): the prefix pass with key tiles of PAGES 64-token pages; (1, 3), (1, 4) and (2, 2) ran
+# as a prototype, (2, 2) won and ships (dcp_plugin.kernels.gluon_prefix; gluon_prefix_check.py checks and times it).
 # OVERLAP 3: OVERLAP 2 with the accumulator's rescale between the two issues (FA3's place, under QK^T).
 CONFIGS = [(128, 2, 0, 0, 0), (128, 2, 0, 0, 1), (128, 3, 0, 0, 1), (64, 3, 0, 0, 1), (64, 4, 0, 0, 1),
-           (128, 2, 3, 0, 0), (128, 2, 3, 1, 0), ("prefix", 1, 3), ("prefix", 1, 4), ("prefix", 2, 2)]
+           (128, 2, 3, 0, 0), (128, 2, 3, 1, 0), ("prefix", 2, 2)]
 SHAPES = [(16, 1024), (4, 2048), (2, 4096), (1, 16384)]  # (sequences, length), 32 Q / 8 KV heads, D 128
 CHECK_LENS = [1, 17, 64, 127, 128, 129, 300, 1000]
 ERROR_BOUND = 1e-2  # relative Frobenius error of a bf16 output (bench_kernels.py's bound)
@@ -182,14 +183,13 @@ def compile_only() -> None:
     import compile_for_hopper as ch
     from gluon_chunk import chunk_attention_kernel
     from gluon_chunk_persistent import chunk_attention_persistent_kernel
-    from gluon_prefix import prefix_attention_kernel
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     for config in CONFIGS:
-        prefix = config[0] == "prefix"
-        block_n, stages, overlap, pingpong, persistent = (64, config[2], 0, 0, 0) if prefix else config
-        fn = prefix_attention_kernel if prefix else (
-            chunk_attention_persistent_kernel if persistent else chunk_attention_kernel)
+        if config[0] == "prefix":  # the shipped kernel: scripts/compile_for_hopper.py compiles it as it serves
+            continue
+        block_n, stages, overlap, pingpong, persistent = config
+        fn = chunk_attention_persistent_kernel if persistent else chunk_attention_kernel
         signature, attrs = {}, {}
         for i, name in enumerate(fn.arg_names):
             if name.endswith("_ptr"):
@@ -204,12 +204,8 @@ def compile_only() -> None:
                     "fp32" if name == "qk_scale" else "i32")
                 if name.startswith("stride_") and name != "stride_lh":
                     attrs[(i,)] = [["tt.divisibility", 16]]
-        constants = dict(HEAD_DIM=128, STAGES=stages, stride_lh=1)
-        if prefix:
-            constants.update(PAGE=64, PAGES=config[1])
-        else:
-            constants.update(BLOCK_N=block_n)
-        if not persistent and not prefix:
+        constants = dict(HEAD_DIM=128, STAGES=stages, stride_lh=1, BLOCK_N=block_n)
+        if not persistent:
             constants.update(OVERLAP=int(overlap), PINGPONG=bool(pingpong))
         compiled = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))

@@ -1,5 +1,6 @@
-"""The prefix-pass prototype's (``gluon_prefix.py``) launch, float64 check and timing, for ``gluon_chunk_probe.py``
-(which runs each config in a child process): configs ``("prefix", PAGES, STAGES)``."""
+"""The shipped Gluon prefix pass's (``dcp_plugin.kernels.gluon_prefix``) launch, float64 check and timing against
+the ``tl`` kernel and FA3, for ``gluon_chunk_probe.py`` (which runs each config in a child process): config
+``("prefix", 2, 2)`` (two 64-token pages a key tile, two stages: the kernel's own, which earlier calls chose)."""
 
 from __future__ import annotations
 
@@ -9,27 +10,13 @@ CHECK_KV_LENS = [0, 5, 64, 700]  # none, part of a page, one page, 10 pages and 
 PAGE = 64
 
 
-def launch_prefix(q, kc, vc, table, kv_lens, cu, out, lse, *, scale, q_head_start, q_per_kv, kv_head_start, pages,
-                  stages):
-    """Host descriptors over ``[pages * PAGE, kv_heads * head_dim]`` of caches ``[pages, PAGE, kv_heads, head_dim]``
-    (heads contiguous), the chunk kernel's grid."""
-    from gluon_chunk_probe import descriptor_layout
-    from gluon_prefix import prefix_attention_kernel
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+def launch_prefix(q, kc, vc, table, kv_lens, cu, out, lse, *, scale, q_head_start, q_per_kv, kv_head_start):
+    """The shipped Gluon prefix pass (``dcp_plugin.kernels.gluon_prefix``), launched directly."""
+    from dcp_plugin.kernels.gluon_prefix import plan_gluon_prefix
 
-    from dcp_plugin.kernels._schedule import flat_programs
-
-    num_tokens, num_heads, head_dim = q.shape
-    num_reqs, page = cu.shape[0] - 1, kc.shape[1]
-    layout = descriptor_layout(page, head_dim, q.dtype)
-    k_desc, v_desc = (TensorDescriptor(c, [c.shape[0] * page, c.shape[2] * head_dim], [c.stride(1), 1],
-                                       [page, head_dim], layout) for c in (kc, vc))
-    num_q_programs = flat_programs(num_tokens, num_reqs, 128)
-    prefix_attention_kernel[(num_q_programs + 1, num_heads)](
-        q, k_desc, v_desc, out, lse, cu, table, kv_lens, num_tokens, num_reqs, num_q_programs,
-        scale * 1.4426950408889634, q_head_start, q_per_kv, kv_head_start, q.stride(0), q.stride(1), table.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), HEAD_DIM=head_dim, PAGE=page, PAGES=pages,
-        STAGES=stages, num_warps=4)
+    plan_gluon_prefix(q, kc, vc, table, kv_lens, cu, out, lse, scale=scale, q_head_start=q_head_start,
+                      q_per_kv=q_per_kv, kv_head_start=kv_head_start)(q, kc, vc, table, kv_lens, cu, out, lse, None,
+                                                                      None)
 
 
 def check_prefix(config) -> dict:
@@ -39,7 +26,6 @@ def check_prefix(config) -> dict:
 
     from dcp_plugin.kernels import reference
 
-    _, pages, stages = config
     gen = torch.Generator(device="cuda").manual_seed(0)
     errors = {}
     for hq, hk, q_head_start, q_per_kv in ((32, 8, 0, 4), (8, 2, 8, 16)):
@@ -61,7 +47,7 @@ def check_prefix(config) -> dict:
         out = torch.full_like(q, float("nan"))
         lse = torch.full((total + pad, hq), float("nan"), dtype=torch.float32, device="cuda")
         kw = dict(scale=128 ** -0.5, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=0)
-        launch_prefix(q, kc, vc, table, kv_lens, cu, out, lse, pages=pages, stages=stages, **kw)
+        launch_prefix(q, kc, vc, table, kv_lens, cu, out, lse, **kw)
         torch.cuda.synchronize()
         ref_out, ref_lse = reference.paged_attention(q[:total].double(), kc.double(), vc.double(), table, kv_lens,
                                                      cu, max_kv_len=max(CHECK_KV_LENS), **kw)
@@ -87,18 +73,18 @@ def time_prefix(config) -> list[dict]:
     from common import median_ms
 
     from dcp_plugin.kernels import paged_attention
+    from dcp_plugin.kernels.paged_attention import GPU_CONFIGS
 
-    _, pages, stages = config
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(1)
     for batch, q_rows, ctx in PREFIX_SHAPES:
         _, _, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, 32, 8, gen, q_rows=q_rows, page=PAGE)
         out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
         kw = dict(scale=128 ** -0.5, q_head_start=0, q_per_kv=4, kv_head_start=0)
-        fns = {"gluon": lambda: launch_prefix(q, kc, vc, tables[0], lens, qsl, out, lse, pages=pages,
-                                              stages=stages, **kw),
+        fns = {"gluon": lambda: launch_prefix(q, kc, vc, tables[0], lens, qsl, out, lse, **kw),
                "ours_tl": lambda: paged_attention(q, kc, vc, tables[0], lens, qsl, max_kv_len=ctx,
-                                                  max_query_len=q_rows, out=out, **kw)}
+                                                  max_query_len=q_rows, out=out, config=GPU_CONFIGS[128, False],
+                                                  **kw)}
         fns.update({name: (lambda fn=fn: fn(0)) for name, fn in kernel_peers.fa3_paged(
             q, kc, vc, tables, lens, qsl, max_query_len=q_rows, max_kv_len=ctx, causal=False).items()})
         flops = 4 * batch * q_rows * ctx * 32 * 128

@@ -1,7 +1,7 @@
 """The attention kernels where dcp-triton trails FA3, each launched once inside a profiler range, for Nsight Compute
 (``ncu``, which the H200 machine has): the current chunk (2 x 4096, causal; the shipped ``tl`` kernel, the Gluon
 prototypes' drifting schedule, one program per tile and persistent, and FA3), the prefix pass (2 x 4096 rows over
-32K cached tokens, 64-token pages; dcp-triton, the Gluon prototype with two pages a key tile, and FA3) and decode
+32K cached tokens, 64-token pages; dcp-triton as it runs there, its tl kernel, and FA3) and decode
 (128 requests x 8K, 32 Q / 1 KV heads, 64-token pages; dcp-triton's split pass and merge, FA3). Every kernel runs
 once before the range (compiles, warm-up), so ncu sees only the timed launch.
 
@@ -61,16 +61,12 @@ def paged(gen, *, batch: int, q_rows: int, ctx: int, hq: int, hk: int, label: st
     peers = kernel_peers.fa3_paged(q, kc, vc, tables, lens, qsl, max_query_len=q_rows, max_kv_len=ctx,
                                    causal=False)
     fns = {f"{label}_ours": ours, **{f"{label}_{name}": (lambda fn=fn: fn(0)) for name, fn in peers.items()}}
-    if q_rows > 1:  # the Gluon prefix prototype, two pages a key tile
-        try:
-            from gluon_prefix_check import launch_prefix
+    if q_rows > 1:  # the tl prefix kernel too: on sm_90 with Triton 3.6 paged_attention runs the Gluon one
+        from dcp_plugin.kernels.paged_attention import GPU_CONFIGS
 
-            lse = torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
-            fns[f"{label}_gluon"] = lambda: launch_prefix(
-                q, kc, vc, tables[0], lens, qsl, out, lse, scale=HEAD_DIM ** -0.5, q_head_start=0,
-                q_per_kv=hq // hk, kv_head_start=0, pages=2, stages=2)
-        except Exception as err:
-            print(f"gluon prefix prototype unavailable: {err!r}"[:300], flush=True)
+        fns[f"{label}_tl"] = lambda: paged_attention(
+            q, kc, vc, tables[0], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0, q_per_kv=hq // hk,
+            kv_head_start=0, max_kv_len=ctx, max_query_len=q_rows, out=out, config=GPU_CONFIGS[128, False])
     return fns
 
 

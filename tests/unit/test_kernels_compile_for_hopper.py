@@ -26,7 +26,12 @@ def test_every_serving_variant_compiles_for_sm90_without_spills(tmp_path):
                           env=env, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads(report.read_text())["variants"]
-    assert {row["kernel"] for row in rows} == KERNELS
+    import triton
+
+    from dcp_plugin.kernels._gluon import GLUON_TRITON
+
+    gluon = {"gluon_prefix_kernel"} if triton.__version__.startswith(GLUON_TRITON) else set()  # the prefix on sm_90
+    assert {row["kernel"] for row in rows} == KERNELS | gluon
     decode = [r for r in rows if r["kernel"] == "paged_attention_kernel" and r["constants"].get("DECODE") == "True"]
     prefix = [r for r in rows if r["kernel"] == "paged_attention_kernel" and r["constants"].get("DECODE") == "False"]
     assert decode and prefix, "the decode and the prefix variants of paged attention were not both compiled"

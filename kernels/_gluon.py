@@ -1,0 +1,66 @@
+"""Where the Gluon kernels (``gluon_prefix``) run instead of the portable ``tl`` ones: decided from host facts only,
+without importing Gluon unless it may run.
+
+Gluon is Triton's lower-level dialect (explicit layouts, warpgroup MMAs, mbarriers, warp specialization); its API
+changes between Triton releases, so a kernel written in it runs only on the release it was built and measured on
+(``GLUON_TRITON``) and only on sm_90 (Hopper's warpgroup MMAs). Everywhere else (other GPUs and Triton releases,
+the interpreter on CPU) the ``tl`` kernels run, with the same results. ``DCP_TRITON_GLUON=0`` keeps the ``tl``
+kernels on Hopper too.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+from dcp_plugin.kernels._mode import INTERPRET
+from dcp_plugin.kernels._paged_tile import cache_takes_descriptors
+
+GLUON_ENV = "DCP_TRITON_GLUON"
+GLUON_TRITON = ("3.6.",)
+PREFIX_HEAD_DIM = 128  # what gluon_prefix serves
+PREFIX_PAGE = 64
+
+
+@functools.cache
+def _gluon_importable() -> bool:
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401
+            fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+        )
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _is_sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def gluon_enabled(device: torch.device) -> bool:
+    """Whether Gluon kernels may run on ``device``: compiled kernels (not the interpreter), a CUDA sm_90 device,
+    Triton ``GLUON_TRITON`` with Gluon's Hopper API, and ``DCP_TRITON_GLUON`` not 0."""
+    value = os.environ.get(GLUON_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{GLUON_ENV} must be 1 (Gluon kernels where they apply, the default) or 0 (the tl kernels "
+                         f"only), got {value!r}")
+    if value == "0" or INTERPRET or device.type != "cuda" or not triton.__version__.startswith(GLUON_TRITON):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _is_sm90(index) and _gluon_importable()
+
+
+def prefix_takes_gluon(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       out: torch.Tensor) -> bool:
+    """Whether a prefill step's prefix pass read in one split (``plan_paged`` asks) runs ``gluon_prefix``: head size
+    ``PREFIX_HEAD_DIM``, fp16/bf16 queries over a cache of the same dtype in pages of ``PREFIX_PAGE`` tokens that
+    tensor descriptors can read (``cache_takes_descriptors``), unit stride along the head dim of q and out, and
+    ``gluon_enabled``."""
+    return (q.shape[-1] == PREFIX_HEAD_DIM and q.dtype in (torch.float16, torch.bfloat16)
+            and key_cache.dtype == q.dtype and value_cache.dtype == q.dtype and key_cache.shape[1] == PREFIX_PAGE
+            and q.stride(-1) == 1 and out.stride(-1) == 1 and gluon_enabled(q.device)
+            and cache_takes_descriptors(key_cache, value_cache, PREFIX_HEAD_DIM, PREFIX_PAGE))

@@ -1,0 +1,265 @@
+"""The prefix pass on Hopper in Triton's Gluon dialect: 128 query rows of one Q head against a request's cached
+tokens over 64-token pages, in key tiles of two pages, with a schedule ``tl`` cannot express on sm_90.
+
+A producer warp copies each key tile's two pages (two ``block_table`` entries) through TMA into a ring of
+shared-memory stages, on mbarriers (no program-wide barrier); two consumer warpgroups, 64 query rows each, run
+QK^T -> softmax -> P x V on warpgroup MMAs, each at its own pace. The ``tl`` kernel takes one page per copy and so
+64-key tiles, and pays the softmax's per-tile costs (row maxima and sums, the accumulator's rescale) twice as often.
+H200, bf16, 32 Q / 8 KV heads: 580 TFLOP/s at 2 x 4096 rows over 32K cached and 589 at 1 x 2048 over 128K,
+against 518 / 510 for the ``tl`` kernel and 582 / 567 for FA3 in the same process
+(``benchmarks/kernels/gluon_chunk_probe.py``, ``benchmarks/results/kernels_h200_gluon_probe.json``).
+
+Imported only where ``_gluon.prefix_takes_gluon`` allows it (Triton 3.6's Gluon API, sm_90); ``plan_paged`` picks
+it for query blocks of a prefill step read in one split, else the ``tl`` kernel runs. Semantics are
+``paged_attention``'s: programs numbered over the batch like ``extend_attention_kernel`` (``_schedule``), one per
+(block of 128 rows, local Q head), plus one per head for the rows past ``query_start_loc[num_reqs]`` (written as
+(0, -inf)); a request with no cached tokens gets (0, -inf); plain or rank-major ``out``/``lse``. The last tile's V
+rows past the context are zeroed into a copy before P x V (their probabilities are 0, but 0 x NaN is NaN).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+from dcp_plugin.kernels._gluon import PREFIX_PAGE
+from dcp_plugin.kernels._launch import LOG2E, Launch, head_strides
+from dcp_plugin.kernels._schedule import flat_programs
+
+ROWS = gl.constexpr(64)  # query rows per consumer warpgroup; a program's block is 2 * ROWS rows of one Q head
+PAGE = PREFIX_PAGE  # the page size this kernel serves (``_gluon.prefix_takes_gluon``)
+PAGES = 2  # pages per key tile
+STAGES = 2  # key tiles in flight (with the last tile's V copies: 192 KiB of shared memory)
+
+
+@gluon.jit
+def find_block(query_start_loc_ptr, num_reqs, pid, BLOCK: gl.constexpr):
+    """``_schedule.find_block`` in Gluon: ``(request, block within it)`` of program ``pid``."""
+    lo = 0
+    hi = num_reqs
+    while lo < hi:  # last b with first(b) <= pid
+        mid = (lo + hi) // 2
+        if gl.load(query_start_loc_ptr + mid) // BLOCK + mid <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    req = gl.maximum(lo - 1, 0)
+    return req, pid - (gl.load(query_start_loc_ptr + req) // BLOCK + req)
+
+
+@gluon.jit
+def head_offset(head, heads_per_rank, stride_r, stride_h):
+    """Offset of local Q head ``head`` in a plain (``heads_per_rank`` = all, ``stride_r`` 0) or rank-major output."""
+    return (head // heads_per_rank).to(gl.int64) * stride_r + (head % heads_per_rank).to(gl.int64) * stride_h
+
+
+@gluon.jit
+def store_rows(out_ptr, lse_ptr, acc, l_i, m_i, rows_io, cols_io, offs_m, seq_start, seq_len, out_head, lse_head,
+               stride_ot, stride_lt, acc_layout: gl.constexpr, io_layout: gl.constexpr):
+    """A warpgroup's epilogue: ``acc / l`` and the LSE of its rows that lie in the request (``rows_io`` in
+    ``io_layout``, ``offs_m`` in the scores' row layout); a row that saw no key (``l`` 0) gets (0, -inf).
+    ``out_head``/``lse_head``: the head's offsets (``head_offset``)."""
+    empty_row = l_i == 0.0
+    l_acc = gl.convert_layout(gl.where(empty_row, 1.0, l_i), gl.SliceLayout(1, acc_layout))
+    out = gl.convert_layout((acc / gl.expand_dims(l_acc, 1)).to(out_ptr.dtype.element_ty), io_layout)
+    gl.store(out_ptr + gl.expand_dims((seq_start + rows_io).to(gl.int64) * stride_ot, 1) + out_head
+             + gl.expand_dims(cols_io, 0), out, mask=gl.expand_dims(rows_io < seq_len, 1))
+    lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    gl.store(lse_ptr + (seq_start + offs_m).to(gl.int64) * stride_lt + lse_head, lse, mask=offs_m < seq_len)
+
+
+@gluon.jit
+def write_padding(out_ptr, lse_ptr, query_start_loc_ptr, num_reqs, num_tokens, out_head, lse_head, stride_ot,
+                  stride_lt, ROWS_AT_ONCE: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """The rows past ``query_start_loc[num_reqs]`` (a CUDA graph's padding) of one head as (0, -inf), by one
+    warpgroup, ``ROWS_AT_ONCE`` rows a step."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows0 = gl.arange(0, ROWS_AT_ONCE, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    for first in range(gl.load(query_start_loc_ptr + num_reqs).to(gl.int64), num_tokens, ROWS_AT_ONCE):
+        rows = first + rows0
+        keep = rows < num_tokens
+        gl.store(out_ptr + gl.expand_dims(rows * stride_ot, 1) + out_head + gl.expand_dims(cols, 0),
+                 gl.zeros([ROWS_AT_ONCE, HEAD_DIM], out_ptr.dtype.element_ty, layout=layout),
+                 mask=gl.expand_dims(keep, 1))
+        gl.store(lse_ptr + rows * stride_lt + lse_head,
+                 gl.full([ROWS_AT_ONCE], float("-inf"), gl.float32, layout=gl.SliceLayout(1, layout)), mask=keep)
+
+
+@gluon.jit
+def _load_pages(k_desc, v_desc, k_smem, v_smem, ready, empty, table_ptr, stride_bt_blk, rows_per_block, n_pages,
+                n_tiles, PAGE: gl.constexpr, PAGES: gl.constexpr, STAGES: gl.constexpr):
+    """The producer: tile i is pages ``PAGES * i ..`` of the request's table (page 0 past its last page: those keys
+    are masked), one mbarrier for all its copies."""
+    for i in range(n_tiles):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier's previous phase counts as done
+        mbarrier.expect(ready.index(s), PAGES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        for j in gl.static_range(PAGES):
+            entry = i * PAGES + j
+            page = gl.load(table_ptr + entry * stride_bt_blk, mask=entry < n_pages, other=0).to(gl.int32)
+            tma.async_copy_global_to_shared(k_desc, [page * rows_per_block, 0], ready.index(s),
+                                            k_smem.index(s).slice(j * PAGE, PAGE))
+            tma.async_copy_global_to_shared(v_desc, [page * rows_per_block, 0], ready.index(s),
+                                            v_smem.index(s).slice(j * PAGE, PAGE))
+
+
+@gluon.jit
+def _step(acc, l_i, m_i, qk, v_tile, qk_scale, offs_n, n_start, kv_len, MASKED: gl.constexpr,
+          acc_layout: gl.constexpr, dtype: gl.constexpr):
+    """One online-softmax step (scores in base 2), P x V issued and in flight on return."""
+    if MASKED:  # the last tile: keys past the cached length
+        qk = gl.where(gl.expand_dims(n_start + offs_n < kv_len, 0), qk, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_layout)), 1)
+    p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2))
+    return warpgroup_mma(p_op, v_tile, acc, is_async=True), l_i, m_new
+
+
+@gluon.jit
+def _zero_rows_past(v_tile, v_fix, valid, BLOCK_N: gl.constexpr):
+    """``v_fix`` = ``v_tile`` with rows ``valid ..`` zeroed, 32 rows at a time (this warpgroup's own copy)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows = gl.arange(0, 32, layout=gl.SliceLayout(1, layout))
+    for c in gl.static_range(BLOCK_N // 32):
+        part = v_tile.slice(c * 32, 32).load(layout)
+        v_fix.slice(c * 32, 32).store(gl.where(gl.expand_dims(c * 32 + rows < valid, 1), part, 0.0).to(part.dtype))
+    fence_async_shared()
+
+
+@gluon.jit
+def _attend_rows(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, n_tiles, kv_len, row0, seq_start,
+                 seq_len, qk_scale, q_head, out_head, lse_head, stride_qt, stride_ot, stride_lt,
+                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """A consumer warpgroup: query rows ``row0 .. row0 + ROWS`` against every tile, the last one masked."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows_io = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
+    cols_io = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
+    q = gl.load(q_ptr + gl.expand_dims((seq_start + rows_io).to(gl.int64) * stride_qt, 1) + q_head
+                + gl.expand_dims(cols_io, 0), mask=gl.expand_dims(rows_io < seq_len, 1), other=0.0)
+    q_op = gl.convert_layout(q, gl.DotOperandLayout(operand_index=0, parent=qk_layout, k_width=2))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk_layout))
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, qk_layout))
+    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, qk_layout))
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    zero_qk = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=qk_layout)
+    for i in range(n_tiles - 1):
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+        acc, l_i, m_i = _step(acc, l_i, m_i, qk, v_smem.index(s), qk_scale, offs_n, i * BLOCK_N, kv_len, False,
+                              acc_layout, dtype)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(s), count=1)
+    if n_tiles > 0:
+        last = n_tiles - 1
+        s = last % STAGES
+        mbarrier.wait(ready.index(s), (last // STAGES) & 1)
+        qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+        v_last = v_smem.index(s)
+        if kv_len % BLOCK_N != 0:  # rows past the cached length hold anything (NaN too): 0 x NaN would be NaN
+            _zero_rows_past(v_smem.index(s), v_fix, kv_len - last * BLOCK_N, BLOCK_N)
+            v_last = v_fix
+        acc, l_i, m_i = _step(acc, l_i, m_i, qk, v_last, qk_scale, offs_n, last * BLOCK_N, kv_len, True,
+                              acc_layout, dtype)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(s), count=1)
+    offs_m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, qk_layout))
+    store_rows(out_ptr, lse_ptr, acc, l_i, m_i, rows_io, cols_io, offs_m, seq_start, seq_len, out_head, lse_head,
+               stride_ot, stride_lt, acc_layout, io_layout)  # no cached token: (0, -inf)
+
+
+# Per-step sizes are not specialized on: one compiled variant serves every step.
+@gluon.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs"))
+def gluon_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr,
+                        out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, num_tokens, num_reqs, num_q_programs, qk_scale,
+                        q_head_start, q_per_kv, kv_head_start, stride_qt, stride_qh, stride_k_tok, stride_k_h,
+                        stride_v_tok, stride_v_h, stride_bt_req, stride_bt_blk, rows_per_block, tma_rows,
+                        out_heads_per_rank, stride_or, stride_ot, stride_oh, stride_lr, stride_lt, stride_lh,
+                        HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, PAGES: gl.constexpr, STAGES: gl.constexpr):
+    """Grid (num_q_programs + 1, local Q heads); programs in reverse (each request's last blocks first); the last
+    program of each head writes the padding rows. ``k_scale_ptr``/``v_scale_ptr`` are never read (no fp8)."""
+    BLOCK_N: gl.constexpr = PAGE * PAGES
+    pid = gl.num_programs(0) - 1 - gl.program_id(0)
+    head = gl.program_id(1)
+    out_head = head_offset(head, out_heads_per_rank, stride_or, stride_oh)
+    lse_head = head_offset(head, out_heads_per_rank, stride_lr, stride_lh)
+    if pid >= num_q_programs:
+        write_padding(out_ptr, lse_ptr, query_start_loc_ptr, num_reqs, num_tokens, out_head, lse_head, stride_ot,
+                      stride_lt, 2 * ROWS, HEAD_DIM)
+        return
+    seq, m_block = find_block(query_start_loc_ptr, num_reqs, pid, 2 * ROWS)
+    seq_start = gl.load(query_start_loc_ptr + seq).to(gl.int64)
+    seq_len = (gl.load(query_start_loc_ptr + seq + 1) - gl.load(query_start_loc_ptr + seq)).to(gl.int32)
+    m_start = (m_block * (2 * ROWS)).to(gl.int32)
+    if m_start < seq_len:
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        kv_len = gl.load(context_lens_ptr + seq).to(gl.int32)
+        n_pages = gl.cdiv(kv_len, PAGE)
+        n_tiles = gl.cdiv(kv_len, BLOCK_N)
+        kv_head = ((q_head_start + head) // q_per_kv - kv_head_start).to(gl.int64)
+        # The cache's token rows of this KV head as one 2-D tensor: row = page * rows_per_block + token in page.
+        page_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, HEAD_DIM], dtype)
+        k_desc = tma.make_tensor_descriptor(k_cache_ptr + kv_head * stride_k_h, shape=[tma_rows, HEAD_DIM],
+                                            strides=[stride_k_tok, 1], block_shape=[PAGE, HEAD_DIM],
+                                            layout=page_layout)
+        v_desc = tma.make_tensor_descriptor(v_cache_ptr + kv_head * stride_v_h, shape=[tma_rows, HEAD_DIM],
+                                            strides=[stride_v_tok, 1], block_shape=[PAGE, HEAD_DIM],
+                                            layout=page_layout)
+        smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
+        v_fix = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], smem_layout)  # a last V tile each
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a stage
+        table = block_table_ptr + seq.to(gl.int64) * stride_bt_req
+        q_head = head.to(gl.int64) * stride_qh
+        gl.warp_specialize([
+            (_attend_rows, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix.index(0), ready, empty, n_tiles, kv_len,
+                            m_start, seq_start, seq_len, qk_scale, q_head, out_head, lse_head, stride_qt, stride_ot,
+                            stride_lt, BLOCK_N, HEAD_DIM, STAGES)),
+            (_attend_rows, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix.index(1), ready, empty, n_tiles, kv_len,
+                            m_start + ROWS, seq_start, seq_len, qk_scale, q_head, out_head, lse_head, stride_qt,
+                            stride_ot, stride_lt, BLOCK_N, HEAD_DIM, STAGES)),
+            (_load_pages, (k_desc, v_desc, k_smem, v_smem, ready, empty, table, stride_bt_blk, rows_per_block,
+                           n_pages, n_tiles, PAGE, PAGES, STAGES)),
+        ], [4, 1], [232, 40])
+
+
+def plan_gluon_prefix(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, *, scale,
+                      q_head_start, q_per_kv, kv_head_start) -> Launch:
+    """``gluon_prefix_kernel`` prepared for tensors like these, called like ``paged_attention_kernel``'s ``Launch``
+    (``(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, k_scale, v_scale)``);
+    the caller checked ``_gluon.prefix_takes_gluon``."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_reqs = context_lens.shape[0]
+    num_q_programs = flat_programs(num_tokens, num_reqs, 2 * ROWS.value)
+    out_heads_per_rank, stride_or, stride_ot, stride_oh, _ = head_strides(out, 3)
+    _, stride_lr, stride_lt, stride_lh = head_strides(lse, 2)
+    rows_per_block = key_cache.stride(0) // key_cache.stride(1)
+    grid = (num_q_programs + 1, num_q_heads) if num_tokens and num_q_heads else (0,)
+    return Launch(
+        gluon_prefix_kernel, grid,
+        (num_tokens, num_reqs, num_q_programs, float(scale) * LOG2E, q_head_start, q_per_kv, kv_head_start,
+         q.stride(0), q.stride(1), key_cache.stride(1), key_cache.stride(2), value_cache.stride(1),
+         value_cache.stride(2), *block_table.stride(), rows_per_block, rows_per_block * key_cache.shape[0],
+         out_heads_per_rank, stride_or, stride_ot, stride_oh, stride_lr, stride_lt, stride_lh),
+        dict(HEAD_DIM=head_dim, PAGE=PAGE, PAGES=PAGES, STAGES=STAGES),
+        num_warps=4, scratch=True, stand_ins={8: 0, 9: 0})  # no scales: q's pointer stands in (never read)
+

@@ -1,0 +1,109 @@
+"""The Gluon prefix pass (``dcp_plugin.kernels.gluon_prefix``) as ``paged_attention`` runs it on an sm_90 GPU with
+Triton 3.6: selected for a prefill step's one-split prefix pass over 64-token pages, and equal to float64 attention
+there: varlen rows (1 to 300 a request) over contexts of 0 to 700 tokens in caches whose every other row is NaN,
+plain and rank-major outputs, GQA head maps with an offset, rows past the last request (0, -inf), rows before the
+first request untouched (a mixed step's second launch), CUDA graph replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcp_plugin.kernels import reference
+from dcp_plugin.kernels._gluon import gluon_enabled
+from dcp_plugin.kernels.paged_attention import paged_attention, plan_paged
+from tests.kernel_checks import assert_matches, poisoned, shuffled_block_table
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or not gluon_enabled(torch.device("cuda")),
+                       reason="needs an sm_90 GPU and Triton 3.6 (the Gluon kernels)"),
+]
+
+PAGE = 64
+Q_LENS = [1, 17, 130, 300, 128]
+CTX = [0, 5, 64, 700, 129]  # none, part of a page, one page, 10 pages and a part, a key tile and one token
+
+
+def _inputs(*, num_q_heads, num_kv_heads, dtype, first_row=0, pad=5, seed=0):
+    """q with ``first_row`` rows before the first request and ``pad`` after the last; caches of NaN but at each
+    request's cached tokens (vLLM-style views of one ``[..., 2 * D]`` buffer), pages shuffled."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pages = [-(-c // PAGE) for c in CTX]
+    buf = torch.full((sum(pages) + 1, PAGE, num_kv_heads, 256), float("nan"), dtype=dtype, device="cuda")
+    table = shuffled_block_table(pages, generator=gen)
+    for b, n in enumerate(CTX):
+        pos = torch.arange(n, device="cuda")
+        rows = table[b, pos // PAGE].long()
+        buf[rows, pos % PAGE] = torch.randn(n, num_kv_heads, 256, generator=gen, device="cuda").to(dtype)
+    qsl = torch.tensor([first_row, *(first_row + torch.tensor(Q_LENS).cumsum(0)).tolist()], dtype=torch.int32,
+                       device="cuda")
+    q = torch.randn(int(qsl[-1]) + pad, num_q_heads, 128, generator=gen, device="cuda").to(dtype)
+    return q, buf[..., :128], buf[..., 128:], table, torch.tensor(CTX, dtype=torch.int32, device="cuda"), qsl
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A rank-major ``[R, T, H / R, ...]`` tensor as ``[T, H, ...]``."""
+    return t.transpose(0, 1).reshape(t.shape[1], t.shape[0] * t.shape[2], *t.shape[3:])
+
+
+HEADS = {"32q8kv": (32, 8, dict(q_head_start=0, q_per_kv=4, kv_head_start=0)),
+         "8of32q-2kv": (8, 2, dict(q_head_start=8, q_per_kv=16, kv_head_start=0))}
+
+
+def test_selected_for_prefill_steps_only():
+    q, kc, vc, table, lens, qsl = _inputs(num_q_heads=32, num_kv_heads=8, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
+
+    def kernel(max_query_len, num_splits=1):
+        return plan_paged(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, **HEADS["32q8kv"][2], max_kv_len=700,
+                          max_query_len=max_query_len, num_splits=num_splits).stage1.kernel.__name__
+
+    assert kernel(300) == "gluon_prefix_kernel"
+    assert kernel(300, num_splits=2) == kernel(8) == "paged_attention_kernel"
+
+
+@pytest.mark.parametrize("rank_major", [False, True], ids=["plain", "rank-major"])
+@pytest.mark.parametrize("heads", sorted(HEADS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_matches_float64(dtype, heads, rank_major):
+    num_q_heads, num_kv_heads, head_map = HEADS[heads]
+    first_row = 3 if rank_major else 0  # rows before the first request: a mixed step's launch after its decodes
+    q, kc, vc, table, lens, qsl = _inputs(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, dtype=dtype,
+                                          first_row=first_row)
+    ranks = 2 if rank_major else 1
+    out = poisoned((ranks, q.shape[0], num_q_heads // ranks, 128) if rank_major else q.shape, dtype, "cuda")
+    lse = poisoned((ranks, q.shape[0], num_q_heads // ranks) if rank_major else q.shape[:2], torch.float32, "cuda")
+    assert plan_paged(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, **head_map, max_kv_len=700,
+                      max_query_len=300, num_splits=1).stage1.kernel.__name__ == "gluon_prefix_kernel"
+    paged_attention(q, kc, vc, table, lens, qsl, scale=0.1, **head_map, max_kv_len=700, max_query_len=300,
+                    num_splits=1, out=out, lse=lse)
+    got_out, got_lse = (_plain(out), _plain(lse)) if rank_major else (out, lse)
+    want_out, want_lse = reference.paged_attention(q[first_row:].double(), kc.double(), vc.double(), table, lens,
+                                                   qsl - first_row, scale=0.1, **head_map, max_kv_len=700)
+    assert_matches(got_out[first_row:], want_out, dtype, "out")
+    assert_matches(got_lse[first_row:], want_lse, dtype, "lse")
+    assert got_out[:first_row].isnan().all() and got_lse[:first_row].isnan().all(), "rows before the first request"
+    assert (got_out[-5:] == 0).all() and (got_lse[-5:] == float("-inf")).all(), "padding rows"
+
+
+def test_cuda_graph_replay():
+    q, kc, vc, table, lens, qsl = _inputs(num_q_heads=32, num_kv_heads=8, dtype=torch.bfloat16)
+    head_map = HEADS["32q8kv"][2]
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
+    launch = plan_paged(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, **head_map, max_kv_len=700,
+                        max_query_len=300, num_splits=1)
+    assert launch.stage1.kernel.__name__ == "gluon_prefix_kernel"
+    launch(q, kc, vc, table, lens, qsl, out, lse)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(q, kc, vc, table, lens, qsl, out, lse)
+    q.copy_(torch.randn_like(q))
+    lens.copy_(torch.tensor([0, 3, 64, 650, 100], device="cuda"))  # within each request's written tokens
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    want_out, want_lse = reference.paged_attention(q.double(), kc.double(), vc.double(), table, lens, qsl,
+                                                   scale=0.1, **head_map, max_kv_len=700)
+    assert_matches(out, want_out, torch.bfloat16, "out")
+    assert_matches(lse, want_lse, torch.bfloat16, "lse")

@@ -1,0 +1,86 @@
+"""Which prefix-pass kernel ``plan_paged`` prepares: the Gluon one (``gluon_prefix``, sm_90 with Triton 3.6) only for
+a prefill step's one-split prefix pass over 64-token pages of a head-size-128 fp16/bf16 cache that tensor descriptors
+can read; the ``tl`` kernel for everything else, and everywhere Gluon may not run. Its results are checked against
+float64 on the GPU (tests/gpu/test_gluon_prefix_gpu.py); here the selection itself, on CPU, both ways."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcp_plugin.kernels import _gluon
+from dcp_plugin.kernels.paged_attention import plan_paged
+
+
+def _plan(*, q_lens=(40, 300), ctx=(100, 700), page=64, head_dim=128, dtype=torch.bfloat16, cache_dtype=None,
+          max_query_len=300, num_splits=1, config=None, q_stride_d=1):
+    num_q_heads, num_kv_heads = 8, 2
+    tokens = sum(q_lens)
+    q = torch.zeros(tokens, num_q_heads, head_dim * q_stride_d, dtype=dtype)[..., ::q_stride_d]
+    pages = [-(-c // page) for c in ctx]
+    buf = torch.zeros(sum(pages) + 1, page, num_kv_heads, 2 * head_dim, dtype=cache_dtype or dtype)
+    table = torch.arange(sum(pages), dtype=torch.int32)
+    block_table = torch.zeros(len(ctx), max(pages), dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(pages):
+        block_table[b, :n] = table[start:start + n]
+        start += n
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    kc, vc = buf[..., :head_dim], buf[..., head_dim:]
+    out = torch.zeros(tokens, num_q_heads, head_dim, dtype=dtype)
+    lse = torch.zeros(tokens, num_q_heads)
+    launch = plan_paged(q, kc, vc, block_table, lens, qsl, out, lse, scale=0.1, q_head_start=0, q_per_kv=4,
+                        kv_head_start=0, max_kv_len=max(ctx), max_query_len=max_query_len, num_splits=num_splits,
+                        config=config)
+    return launch.stage1.kernel.__name__
+
+
+def test_interpreter_and_cpu_never_take_gluon():
+    assert not _gluon.gluon_enabled(torch.device("cpu"))
+    assert _plan() == "paged_attention_kernel"
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """What an sm_90 GPU with Triton 3.6 answers (the plan is built, never launched)."""
+    monkeypatch.setattr(_gluon, "gluon_enabled", lambda device: True)
+
+
+@pytest.mark.usefixtures("hopper")
+def test_prefill_one_split_takes_gluon():
+    assert _plan() == "gluon_prefix_kernel"
+    assert _plan(dtype=torch.float16) == "gluon_prefix_kernel"
+    assert _plan(max_query_len=9) == "gluon_prefix_kernel"  # just past the short-query variant
+
+
+@pytest.mark.usefixtures("hopper")
+@pytest.mark.parametrize("change", [
+    dict(max_query_len=1, q_lens=(1, 1)),  # decode
+    dict(max_query_len=8),  # a speculative verify's short queries
+    dict(max_query_len=None),  # unknown query lengths: the caller promised nothing
+    dict(num_splits=2),  # split-KV: the tl kernel's partials and merge
+    dict(page=16),  # pages the Gluon kernel does not take
+    dict(page=128),
+    dict(head_dim=64),
+    dict(dtype=torch.float32),
+    dict(cache_dtype=torch.float8_e4m3fn),
+    dict(q_stride_d=2),  # q not unit-stride along D
+], ids=["decode", "short", "unknown-len", "splits", "page16", "page128", "d64", "fp32", "fp8", "q-strided"])
+def test_everything_else_takes_tl(change):
+    assert _plan(**change) == "paged_attention_kernel"
+
+
+@pytest.mark.usefixtures("hopper")
+def test_a_benchmark_config_keeps_tl():
+    from dcp_plugin.kernels.paged_attention import PagedConfig
+
+    assert _plan(config=PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=2)) == "paged_attention_kernel"
+
+
+def test_switch_reads_one_or_zero(monkeypatch):
+    monkeypatch.setenv(_gluon.GLUON_ENV, "0")
+    assert not _gluon.gluon_enabled(torch.device("cuda", 0))
+    monkeypatch.setenv(_gluon.GLUON_ENV, "yes")
+    with pytest.raises(ValueError, match="DCP_TRITON_GLUON must be 1 .* or 0"):
+        _gluon.gluon_enabled(torch.device("cuda", 0))
