@@ -4,8 +4,8 @@ without importing Gluon unless it may run.
 Gluon is Triton's lower-level dialect (explicit layouts, warpgroup MMAs, mbarriers, warp specialization); its API
 changes between Triton releases, so a kernel written in it runs only on the release it was built and measured on
 (``GLUON_TRITON``) and only on sm_90 (Hopper's warpgroup MMAs). Everywhere else (other GPUs and Triton releases,
-the interpreter on CPU) the ``tl`` kernels run, with the same results. ``DCP_TRITON_GLUON=0`` keeps the ``tl``
-kernels on Hopper too.
+the interpreter on CPU) the ``tl`` kernels run, with the same results. ``DCP_TRITON_GLUON=1`` turns them on (off by
+default: the prefix kernel's checks against float64 on an H200, tests/gpu/test_gluon_prefix_gpu.py, gate the default).
 """
 
 from __future__ import annotations
@@ -41,17 +41,22 @@ def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-def gluon_enabled(device: torch.device) -> bool:
-    """Whether Gluon kernels may run on ``device``: compiled kernels (not the interpreter), a CUDA sm_90 device,
-    Triton ``GLUON_TRITON`` with Gluon's Hopper API, and ``DCP_TRITON_GLUON`` not 0."""
-    value = os.environ.get(GLUON_ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{GLUON_ENV} must be 1 (Gluon kernels where they apply, the default) or 0 (the tl kernels "
-                         f"only), got {value!r}")
-    if value == "0" or INTERPRET or device.type != "cuda" or not triton.__version__.startswith(GLUON_TRITON):
+def gluon_supported(device: torch.device) -> bool:
+    """Whether Gluon kernels can run on ``device``: compiled kernels (not the interpreter), a CUDA sm_90 device, and
+    Triton ``GLUON_TRITON`` with Gluon's Hopper API."""
+    if INTERPRET or device.type != "cuda" or not triton.__version__.startswith(GLUON_TRITON):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _is_sm90(index) and _gluon_importable()
+
+
+def gluon_enabled(device: torch.device) -> bool:
+    """Whether Gluon kernels run on ``device``: ``DCP_TRITON_GLUON=1`` and ``gluon_supported``."""
+    value = os.environ.get(GLUON_ENV, "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{GLUON_ENV} must be 1 (the Gluon prefix pass where it applies) or 0 (the tl kernels only, "
+                         f"the default), got {value!r}")
+    return value == "1" and gluon_supported(device)
 
 
 def prefix_takes_gluon(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -1,8 +1,8 @@
 """The Gluon prefix pass (``dcp_plugin.kernels.gluon_prefix``) as ``paged_attention`` runs it on an sm_90 GPU with
-Triton 3.6: selected for a prefill step's one-split prefix pass over 64-token pages, and equal to float64 attention
-there: varlen rows (1 to 300 a request) over contexts of 0 to 700 tokens in caches whose every other row is NaN,
-plain and rank-major outputs, GQA head maps with an offset, rows past the last request (0, -inf), rows before the
-first request untouched (a mixed step's second launch), CUDA graph replay."""
+Triton 3.6 and ``DCP_TRITON_GLUON=1``: selected for a prefill step's one-split prefix pass over 64-token pages, and
+equal to float64 attention there: varlen rows (1 to 300 a request) over contexts of 0 to 700 tokens in caches whose
+other rows are NaN, plain and rank-major outputs, GQA head maps with an offset, rows past the last request
+(0, -inf), rows before the first request untouched (a mixed step's second launch), CUDA graph replay."""
 
 from __future__ import annotations
 
@@ -10,15 +10,20 @@ import pytest
 import torch
 
 from dcp_plugin.kernels import reference
-from dcp_plugin.kernels._gluon import gluon_enabled
+from dcp_plugin.kernels._gluon import GLUON_ENV, gluon_supported
 from dcp_plugin.kernels.paged_attention import paged_attention, plan_paged
 from tests.kernel_checks import assert_matches, poisoned, shuffled_block_table
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or not gluon_enabled(torch.device("cuda")),
+    pytest.mark.skipif(not torch.cuda.is_available() or not gluon_supported(torch.device("cuda")),
                        reason="needs an sm_90 GPU and Triton 3.6 (the Gluon kernels)"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def gluon_on(monkeypatch):
+    monkeypatch.setenv(GLUON_ENV, "1")
 
 PAGE = 64
 Q_LENS = [1, 17, 130, 300, 128]

@@ -1,7 +1,8 @@
 """Which prefix-pass kernel ``plan_paged`` prepares: the Gluon one (``gluon_prefix``, sm_90 with Triton 3.6) only for
 a prefill step's one-split prefix pass over 64-token pages of a head-size-128 fp16/bf16 cache that tensor descriptors
-can read; the ``tl`` kernel for everything else, and everywhere Gluon may not run. Its results are checked against
-float64 on the GPU (tests/gpu/test_gluon_prefix_gpu.py); here the selection itself, on CPU, both ways."""
+can read, with ``DCP_TRITON_GLUON=1``; the ``tl`` kernel for everything else, and everywhere Gluon may not run. Its
+results are checked against float64 on the GPU (tests/gpu/test_gluon_prefix_gpu.py); here the selection itself, on
+CPU, both ways."""
 
 from __future__ import annotations
 
@@ -79,8 +80,19 @@ def test_a_benchmark_config_keeps_tl():
 
 
 def test_switch_reads_one_or_zero(monkeypatch):
+    monkeypatch.delenv(_gluon.GLUON_ENV, raising=False)
+    monkeypatch.setattr(_gluon, "gluon_supported", lambda device: True)  # an sm_90 GPU with Triton 3.6
+    assert not _gluon.gluon_enabled(torch.device("cuda", 0)), "off by default"
+    monkeypatch.setenv(_gluon.GLUON_ENV, "1")
+    assert _gluon.gluon_enabled(torch.device("cuda", 0))
     monkeypatch.setenv(_gluon.GLUON_ENV, "0")
     assert not _gluon.gluon_enabled(torch.device("cuda", 0))
     monkeypatch.setenv(_gluon.GLUON_ENV, "yes")
     with pytest.raises(ValueError, match="DCP_TRITON_GLUON must be 1 .* or 0"):
         _gluon.gluon_enabled(torch.device("cuda", 0))
+
+
+def test_cpu_is_never_supported(monkeypatch):
+    monkeypatch.setenv(_gluon.GLUON_ENV, "1")
+    assert not _gluon.gluon_supported(torch.device("cpu"))
+    assert not _gluon.gluon_enabled(torch.device("cpu"))
