@@ -13,8 +13,9 @@ Imported only where ``_gluon.prefix_takes_gluon`` allows it (``DCP_TRITON_GLUON=
 ``plan_paged`` picks it for query blocks of a prefill step read in one split, else the ``tl`` kernel runs.
 Semantics are ``paged_attention``'s: programs numbered over the batch like ``extend_attention_kernel``
 (``_schedule``), one per (block of 128 rows, local Q head), plus one per head for the rows past
-``query_start_loc[num_reqs]`` (written as (0, -inf)); a request with no cached tokens gets (0, -inf); plain or rank-major ``out``/``lse``. The last tile's V
-rows past the context are zeroed into a copy before P x V (their probabilities are 0, but 0 x NaN is NaN).
+``query_start_loc[num_reqs]`` (written as (0, -inf)); a request with no cached tokens gets (0, -inf); plain or
+rank-major ``out``/``lse``. The last tile's V rows past the context are zeroed into a copy before P x V (their
+probabilities are 0, but 0 x NaN is NaN).
 """
 
 from __future__ import annotations
