@@ -1,11 +1,11 @@
-"""Where the Gluon kernels (``gluon_prefix``) run instead of the portable ``tl`` ones: decided from host facts only,
-without importing Gluon unless it may run.
+"""Where the Gluon kernels (``gluon_prefix``, ``gluon_chunk``) run instead of the portable ``tl`` ones: decided from
+host facts only, without importing Gluon unless it may run.
 
 Gluon is Triton's lower-level dialect (explicit layouts, warpgroup MMAs, mbarriers, warp specialization); its API
 changes between Triton releases, so a kernel written in it runs only on the release it was built and measured on
 (``GLUON_TRITON``) and only on sm_90 (Hopper's warpgroup MMAs). Everywhere else (other GPUs and Triton releases,
 the interpreter on CPU) the ``tl`` kernels run, with the same results. ``DCP_TRITON_GLUON=1`` turns them on (off by
-default: the prefix kernel's checks against float64 on an H200, tests/gpu/test_gluon_prefix_gpu.py, gate the default).
+default: their checks against float64 on an H200, tests/gpu/test_gluon_*_gpu.py, gate the default).
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ import os
 import torch
 import triton
 
+from dcp_plugin.kernels._launch import descriptor_ready
 from dcp_plugin.kernels._mode import INTERPRET
 from dcp_plugin.kernels._paged_tile import cache_takes_descriptors
 
 GLUON_ENV = "DCP_TRITON_GLUON"
 GLUON_TRITON = ("3.6.",)
-PREFIX_HEAD_DIM = 128  # what gluon_prefix serves
+PREFIX_HEAD_DIM = 128  # the head size gluon_prefix and gluon_chunk serve
 PREFIX_PAGE = 64
 
 
@@ -69,3 +70,13 @@ def prefix_takes_gluon(q: torch.Tensor, key_cache: torch.Tensor, value_cache: to
             and key_cache.dtype == q.dtype and value_cache.dtype == q.dtype and key_cache.shape[1] == PREFIX_PAGE
             and q.stride(-1) == 1 and out.stride(-1) == 1 and gluon_enabled(q.device)
             and cache_takes_descriptors(key_cache, value_cache, PREFIX_HEAD_DIM, PREFIX_PAGE))
+
+
+def chunk_takes_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``plan_extend`` runs ``gluon_chunk``: head size ``PREFIX_HEAD_DIM``, fp16/bf16, K and V each readable
+    as one 2-D tensor of token rows ``[tokens, kv_heads * head_dim]`` through tensor descriptors (heads contiguous,
+    unit stride along D, 16-byte aligned base and token stride), unit stride along the head dim of q and out, and
+    ``gluon_enabled``."""
+    return (q.shape[-1] == PREFIX_HEAD_DIM and q.dtype in (torch.float16, torch.bfloat16)
+            and all(t.stride(1) == PREFIX_HEAD_DIM and descriptor_ready(t, (0,)) for t in (k, v))
+            and q.stride(-1) == 1 and out.stride(-1) == 1 and gluon_enabled(q.device))

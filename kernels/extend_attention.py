@@ -5,7 +5,8 @@ varlen batch (``_schedule``), so a step of many one-token rows and one long chun
 row plus the chunk's blocks. Key blocks strictly below the
 query block's first row need no mask (the off-diagonal part); the keys inside the query block's own rows form the
 diagonal part, masked causally. Softmax runs in base 2 with ``scale * log2(e)`` folded into one multiplier; the
-LSE is converted to natural log once, at the end.
+LSE is converted to natural log once, at the end. On sm_90 with Triton 3.6 and ``DCP_TRITON_GLUON=1``,
+``plan_extend`` runs the persistent Gluon kernel (``gluon_chunk``) where ``_gluon.chunk_takes_gluon`` allows.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dcp_plugin.kernels._launch import (
     INDEX_DTYPES, LOG2E, Launch, check_head_map, check_int, check_out, check_shape, check_tensor,
     descriptor_ready, next_pow2, tma_available,
 )
+from dcp_plugin.kernels._gluon import chunk_takes_gluon
 from dcp_plugin.kernels._mode import INTERPRET
 from dcp_plugin.kernels._schedule import find_block, flat_programs
 
@@ -236,9 +238,9 @@ def extend_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_s
         lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=device)
     else:
         check_out("lse", lse, (num_tokens, num_q_heads), device, dtypes=(torch.float32,))
+    cfg = _pick_config(head_dim, q.dtype, config, max_query_len)  # a given config is checked here
     plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, scale=scale, q_head_start=q_head_start,
-                q_per_kv=q_per_kv, kv_head_start=kv_head_start,
-                config=_pick_config(head_dim, q.dtype, config, max_query_len))(
+                q_per_kv=q_per_kv, kv_head_start=kv_head_start, config=None if config is None else cfg)(
         q, k, v, out, lse, query_start_loc)
     return out, lse
 
@@ -249,6 +251,11 @@ def plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_h
     query_start_loc)``. ``max_query_len`` picks the tiles (``SHORT_CHUNK``); the grid covers any mix of sequence
     lengths."""
     num_tokens, num_q_heads, head_dim = q.shape
+    if config is None and chunk_takes_gluon(q, k, v, out):  # sm_90, Triton 3.6, DCP_TRITON_GLUON=1
+        from dcp_plugin.kernels.gluon_chunk import plan_gluon_chunk
+
+        return plan_gluon_chunk(q, k, v, out, lse, query_start_loc, scale=scale, q_head_start=q_head_start,
+                                q_per_kv=q_per_kv, kv_head_start=kv_head_start)
     cfg = config or _pick_config(head_dim, q.dtype, None, max_query_len)
     num_reqs = query_start_loc.shape[0] - 1
     num_q_programs = flat_programs(num_tokens, num_reqs, cfg.block_m)

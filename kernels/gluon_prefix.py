@@ -124,7 +124,7 @@ def _step(acc, l_i, m_i, qk, v_tile, qk_scale, offs_n, n_start, kv_len, MASKED: 
 
 
 @gluon.jit
-def _zero_rows_past(v_tile, v_fix, valid, BLOCK_N: gl.constexpr):
+def zero_rows_past(v_tile, v_fix, valid, BLOCK_N: gl.constexpr):
     """``v_fix`` = ``v_tile`` with rows ``valid ..`` zeroed, 32 rows at a time (this warpgroup's own copy)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows = gl.arange(0, 32, layout=gl.SliceLayout(1, layout))
@@ -172,7 +172,7 @@ def _attend_rows(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, n
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
         v_last = v_smem.index(s)
         if kv_len % BLOCK_N != 0:  # rows past the cached length hold anything (NaN too): 0 x NaN would be NaN
-            _zero_rows_past(v_smem.index(s), v_fix, kv_len - last * BLOCK_N, BLOCK_N)
+            zero_rows_past(v_smem.index(s), v_fix, kv_len - last * BLOCK_N, BLOCK_N)
             v_last = v_fix
         acc, l_i, m_i = _step(acc, l_i, m_i, qk, v_last, qk_scale, offs_n, last * BLOCK_N, kv_len, True,
                               acc_layout, dtype)

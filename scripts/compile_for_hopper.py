@@ -174,6 +174,10 @@ def main() -> None:
     for module in (_paged_tile, sys.modules[kernels.extend_attention.__module__]):  # what an sm_90 GPU answers
         module.tma_available = lambda device: True
     _gluon.gluon_enabled = lambda device: triton.__version__.startswith(_gluon.GLUON_TRITON)
+    if _gluon.gluon_enabled(None):
+        from dcp_plugin.kernels import gluon_chunk
+
+        gluon_chunk.num_sms = lambda device_index: H100_SMS
     record = collect(getattr(torch, args.dtype), args.head_dim, (None, torch.float8_e4m3fn, torch.float8_e5m2))
     target = GPUTarget("cuda", 90, 32)
     rows = []

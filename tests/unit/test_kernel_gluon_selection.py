@@ -1,8 +1,9 @@
-"""Which prefix-pass kernel ``plan_paged`` prepares: the Gluon one (``gluon_prefix``, sm_90 with Triton 3.6) only for
-a prefill step's one-split prefix pass over 64-token pages of a head-size-128 fp16/bf16 cache that tensor descriptors
-can read, with ``DCP_TRITON_GLUON=1``; the ``tl`` kernel for everything else, and everywhere Gluon may not run. Its
-results are checked against float64 on the GPU (tests/gpu/test_gluon_prefix_gpu.py); here the selection itself, on
-CPU, both ways."""
+"""Which kernels ``plan_paged`` and ``plan_extend`` prepare. The prefix pass: the Gluon one (``gluon_prefix``, sm_90
+with Triton 3.6) only for a prefill step's one-split prefix pass over 64-token pages of a head-size-128 fp16/bf16
+cache that tensor descriptors can read, with ``DCP_TRITON_GLUON=1``; the ``tl`` kernel for everything else, and
+everywhere Gluon may not run (its float64 checks: tests/gpu/test_gluon_prefix_gpu.py). The current chunk: the Gluon
+one (``gluon_chunk``) for head size 128, fp16/bf16, K and V with their heads contiguous
+(tests/gpu/test_gluon_chunk_gpu.py). Here the selection itself, on CPU, both ways."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from dcp_plugin.kernels import _gluon
+from dcp_plugin.kernels.extend_attention import ExtendConfig, plan_extend
 from dcp_plugin.kernels.paged_attention import plan_paged
 
 
@@ -96,3 +98,34 @@ def test_cpu_is_never_supported(monkeypatch):
     monkeypatch.setenv(_gluon.GLUON_ENV, "1")
     assert not _gluon.gluon_supported(torch.device("cpu"))
     assert not _gluon.gluon_enabled(torch.device("cpu"))
+
+
+def _chunk(*, head_dim=128, dtype=torch.bfloat16, kv_heads_apart=False, config=None):
+    """The kernel ``plan_extend`` prepares for a step of 8 local Q heads over 2 KV heads (vLLM-style views of one
+    qkv buffer; ``kv_heads_apart``: K's heads not contiguous)."""
+    tokens, hq, hk = 40, 8, 2
+    qkv = torch.zeros(tokens, (hq + 2 * hk) * head_dim, dtype=dtype)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], 1))
+    if kv_heads_apart:
+        k = torch.zeros(tokens, hk, 2 * head_dim, dtype=dtype)[..., :head_dim]
+    out, lse = torch.zeros(tokens, hq, head_dim, dtype=dtype), torch.zeros(tokens, hq)
+    qsl = torch.tensor([0, 15, 40], dtype=torch.int32)
+    return plan_extend(q, k, v, out, lse, qsl, 25, scale=0.1, q_head_start=0, q_per_kv=4, kv_head_start=0,
+                       config=config).kernel.__name__
+
+
+def test_chunk_interpreter_takes_tl():
+    assert _chunk() == "extend_attention_kernel"
+
+
+@pytest.mark.usefixtures("hopper")
+def test_chunk_takes_gluon_on_hopper():
+    assert _chunk() == _chunk(dtype=torch.float16) == "gluon_chunk_kernel"
+
+
+@pytest.mark.usefixtures("hopper")
+@pytest.mark.parametrize("change", [dict(head_dim=64), dict(dtype=torch.float32), dict(kv_heads_apart=True),
+                                    dict(config=ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=2))],
+                         ids=["d64", "fp32", "kv-heads-apart", "config"])
+def test_chunk_everything_else_takes_tl(change):
+    assert _chunk(**change) == "extend_attention_kernel"

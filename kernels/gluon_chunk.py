@@ -1,0 +1,204 @@
+"""The current chunk on Hopper in Triton's Gluon dialect: causal varlen attention of each request's queries to its
+own new keys, as a persistent kernel with a schedule ``tl`` cannot express on sm_90.
+
+One program per SM walks the (128-row query block, Q head) tiles, heaviest blocks first (``extend_attention_kernel``'s
+order). Its producer warp streams K/V tiles of 128 keys through TMA into a ring of shared-memory stages on mbarriers,
+across tile boundaries, while two consumer warpgroups (64 query rows each) run QK^T -> softmax -> P x V on warpgroup
+MMAs at their own pace: no program-wide barrier, and no SM idles between tiles on a program's start and end. H200,
+bf16, 32 Q / 8 KV heads, head size 128, graph replay beside the ``tl`` kernel and FA3 in one process: 415 / 436 / 504 /
+558 TFLOP/s at 16 x 1024 / 4 x 2048 / 2 x 4096 / 1 x 16384 causal against 324 / 392 / 460 / 537 for the ``tl``
+kernel and 438 / 526 / 633 / 642 for FA3 (two stages; ``benchmarks/kernels/gluon_chunk_probe.py``, config
+``(128, 2, 0, 0, 1)``, ``benchmarks/results/kernels_h200_gluon_probe.json``).
+
+K and V are read through descriptors over ``[tokens, kv_heads * head_dim]`` (heads contiguous): a request's last key
+tile may hold rows past its end (the next request's, or padding). Their scores are masked out; their V rows are
+zeroed into a per-warpgroup copy before P x V (probability 0 times a NaN there would be NaN). Imported only where
+``_gluon.chunk_takes_gluon`` allows it (``DCP_TRITON_GLUON=1``, Triton 3.6, sm_90); ``plan_extend`` then picks
+it. Results are ``extend_attention``'s: rows past ``query_start_loc[num_reqs]`` get (0, -inf).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from dcp_plugin.kernels._launch import LOG2E, Launch, device_index, num_sms
+from dcp_plugin.kernels._schedule import flat_programs
+from dcp_plugin.kernels.gluon_prefix import find_block, store_rows, write_padding, zero_rows_past
+
+ROWS = gl.constexpr(64)  # query rows per consumer warpgroup; a tile is 2 * ROWS rows of one Q head
+BLOCK_N = 128  # keys per K/V tile
+STAGES = 2  # K/V tiles in flight (with the two V copies: 192 KiB of shared memory)
+
+
+@gluon.jit
+def softmax_step(acc, l_i, m_i, qk, v_tile, qk_scale, offs_m, offs_n, n_start, MASKED: gl.constexpr,
+                 qk_layout: gl.constexpr, acc_layout: gl.constexpr, dtype: gl.constexpr):
+    """One online-softmax step over keys ``n_start + offs_n`` (scores in base 2), causal where ``MASKED``; P x V is
+    issued and in flight on return."""
+    if MASKED:
+        keep = gl.expand_dims(offs_m, 1) >= gl.expand_dims(n_start + offs_n, 0)
+        qk = gl.where(keep, qk, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_layout)), 1)
+    p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2))
+    return warpgroup_mma(p_op, v_tile, acc, is_async=True), l_i, m_new
+
+
+@gluon.jit
+def _tile(query_start_loc_ptr, num_reqs, num_q_programs, num_heads, t):
+    """Tile ``t`` -> (padding tile, has rows, request start, request length, first row, head). ``t // num_heads``
+    counts flat programs from the last (the heaviest blocks first), every head of one before the next; the last
+    ``num_heads`` tiles write the rows past the last request (one per head)."""
+    idx = t // num_heads
+    head = t % num_heads
+    is_pad = idx >= num_q_programs
+    pid = gl.maximum(num_q_programs - 1 - idx, 0)
+    seq, m_block = find_block(query_start_loc_ptr, num_reqs, pid, 2 * ROWS)
+    seq_start = gl.load(query_start_loc_ptr + seq).to(gl.int64)
+    seq_len = (gl.load(query_start_loc_ptr + seq + 1) - gl.load(query_start_loc_ptr + seq)).to(gl.int32)
+    m_start = (m_block * (2 * ROWS)).to(gl.int32)
+    return is_pad, (idx < num_q_programs) & (m_start < seq_len), seq_start, seq_len, m_start, head
+
+
+@gluon.jit
+def _load_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, query_start_loc_ptr, num_reqs, num_q_programs,
+                num_heads, q_head_start, q_per_kv, kv_head_start, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                STAGES: gl.constexpr):
+    """The producer: every tile's K/V tiles into the ring, one counter across tiles (the consumers keep the same)."""
+    it = 0
+    for t in range(gl.program_id(0), (num_q_programs + 1) * num_heads, gl.num_programs(0)):
+        is_pad, valid, seq_start, seq_len, m_start, head = _tile(query_start_loc_ptr, num_reqs, num_q_programs,
+                                                                 num_heads, t)
+        if valid:
+            column = ((q_head_start + head) // q_per_kv - kv_head_start) * HEAD_DIM
+            row0 = seq_start.to(gl.int32)  # < 2^31 rows: checked on the host
+            for i in range(gl.cdiv(gl.minimum(m_start + 2 * ROWS, seq_len), BLOCK_N)):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh barrier's last phase counts done
+                mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [row0 + i * BLOCK_N, column], ready.index(s),
+                                                k_smem.index(s))
+                tma.async_copy_global_to_shared(v_desc, [row0 + i * BLOCK_N, column], ready.index(s),
+                                                v_smem.index(s))
+                it += 1
+
+
+@gluon.jit
+def _attend_tiles(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, query_start_loc_ptr, num_tokens,
+                  num_reqs, num_q_programs, num_heads, qk_scale, row_offset, stride_qt, stride_qh, stride_ot,
+                  stride_oh, stride_lt, stride_lh, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  STAGES: gl.constexpr, WRITES_PADDING: gl.constexpr):
+    """A consumer warpgroup: rows ``row_offset .. row_offset + ROWS`` of every tile; ``WRITES_PADDING``: this one
+    writes the padding tiles' rows as (0, -inf)."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    cols_io = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk_layout))
+    zero_qk = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=qk_layout)
+    it = 0
+    for t in range(gl.program_id(0), (num_q_programs + 1) * num_heads, gl.num_programs(0)):
+        is_pad, valid, seq_start, seq_len, m_start, head = _tile(query_start_loc_ptr, num_reqs, num_q_programs,
+                                                                 num_heads, t)
+        out_head = head.to(gl.int64) * stride_oh
+        lse_head = head.to(gl.int64) * stride_lh
+        if is_pad:
+            if WRITES_PADDING:
+                write_padding(out_ptr, lse_ptr, query_start_loc_ptr, num_reqs, num_tokens, out_head, lse_head,
+                              stride_ot, stride_lt, ROWS, HEAD_DIM)
+        elif valid:
+            row0 = m_start + row_offset
+            rows_io = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
+            q = gl.load(q_ptr + gl.expand_dims((seq_start + rows_io).to(gl.int64) * stride_qt, 1)
+                        + head.to(gl.int64) * stride_qh + gl.expand_dims(cols_io, 0),
+                        mask=gl.expand_dims(rows_io < seq_len, 1), other=0.0)
+            q_op = gl.convert_layout(q, gl.DotOperandLayout(operand_index=0, parent=qk_layout, k_width=2))
+            offs_m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, qk_layout))
+            m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, qk_layout))
+            l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, qk_layout))
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+            n_tiles = gl.cdiv(gl.minimum(m_start + 2 * ROWS, seq_len), BLOCK_N)
+            n_unmasked = m_start // BLOCK_N
+            for i in range(n_unmasked):  # tiles wholly below the tile's first row, inside the request
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
+                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+                acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v_smem.index(s), qk_scale, offs_m, offs_n,
+                                             i * BLOCK_N, False, qk_layout, acc_layout, dtype)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(s), count=1)
+                it += 1
+            for i in range(n_unmasked, n_tiles):  # the tiles the causal mask cuts (the last may pass the end)
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
+                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+                v_tile = v_smem.index(s)
+                if (i + 1) * BLOCK_N > seq_len:  # rows past the request hold anything (NaN too): zero them
+                    zero_rows_past(v_smem.index(s), v_fix, seq_len - i * BLOCK_N, BLOCK_N)
+                    v_tile = v_fix
+                acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v_tile, qk_scale, offs_m, offs_n, i * BLOCK_N,
+                                             True, qk_layout, acc_layout, dtype)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(s), count=1)
+                it += 1
+            store_rows(out_ptr, lse_ptr, acc, l_i, m_i, rows_io, cols_io, offs_m, seq_start, seq_len, out_head,
+                       lse_head, stride_ot, stride_lt, acc_layout, io_layout)
+
+
+@gluon.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs"))
+def gluon_chunk_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_ptr, num_tokens, num_reqs,
+                       num_q_programs, num_heads, qk_scale, q_head_start, q_per_kv, kv_head_start, stride_qt, stride_qh,
+                       stride_kt, stride_vt, stride_ot, stride_oh, stride_lt, stride_lh, kv_width,
+                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Grid (programs,), at most one per SM; ``num_q_programs``: ``_schedule.flat_programs`` of 128-row blocks;
+    ``num_heads``: local Q heads; ``kv_width``: stored KV heads x head size (the descriptors' row width)."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    k_desc = tma.make_tensor_descriptor(k_ptr, shape=[num_tokens, kv_width], strides=[stride_kt, 1],
+                                        block_shape=[BLOCK_N, HEAD_DIM], layout=smem_layout)
+    v_desc = tma.make_tensor_descriptor(v_ptr, shape=[num_tokens, kv_width], strides=[stride_vt, 1],
+                                        block_shape=[BLOCK_N, HEAD_DIM], layout=smem_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
+    v_fix = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], smem_layout)  # a last V tile each
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a stage
+    gl.warp_specialize([
+        (_attend_tiles, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix.index(0), ready, empty, query_start_loc_ptr,
+                         num_tokens, num_reqs, num_q_programs, num_heads, qk_scale, 0, stride_qt, stride_qh,
+                         stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N, HEAD_DIM, STAGES, True)),
+        (_attend_tiles, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix.index(1), ready, empty, query_start_loc_ptr,
+                         num_tokens, num_reqs, num_q_programs, num_heads, qk_scale, ROWS, stride_qt, stride_qh,
+                         stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N, HEAD_DIM, STAGES, False)),
+        (_load_tiles, (k_desc, v_desc, k_smem, v_smem, ready, empty, query_start_loc_ptr, num_reqs, num_q_programs,
+                       num_heads, q_head_start, q_per_kv, kv_head_start, BLOCK_N, HEAD_DIM, STAGES)),
+    ], [4, 1], [232, 40])
+
+
+def plan_gluon_chunk(q, k, v, out, lse, query_start_loc, *, scale, q_head_start, q_per_kv, kv_head_start) -> Launch:
+    """``gluon_chunk_kernel`` prepared for tensors like these, called like ``extend_attention_kernel``'s ``Launch``
+    (``(q, k, v, out, lse, query_start_loc)``); the caller checked ``_gluon.chunk_takes_gluon``."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_reqs = query_start_loc.shape[0] - 1
+    num_q_programs = flat_programs(num_tokens, num_reqs, 2 * ROWS.value)
+    tiles = (num_q_programs + 1) * num_q_heads
+    grid = (min(num_sms(device_index(q)), tiles),) if num_tokens and num_q_heads else (0,)
+    return Launch(
+        gluon_chunk_kernel, grid,
+        (num_tokens, num_reqs, num_q_programs, num_q_heads, float(scale) * LOG2E, q_head_start, q_per_kv,
+         kv_head_start, q.stride(0), q.stride(1), k.stride(0), v.stride(0), out.stride(0), out.stride(1),
+         lse.stride(0), lse.stride(1), k.shape[1] * head_dim),
+        dict(HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=STAGES), num_warps=4, scratch=True)

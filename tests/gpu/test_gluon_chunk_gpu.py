@@ -1,0 +1,112 @@
+"""The Gluon current chunk (``dcp_plugin.kernels.gluon_chunk``) as ``extend_attention`` runs it on an sm_90 GPU with
+Triton 3.6 and ``DCP_TRITON_GLUON=1``: selected for head size 128 with K and V heads contiguous (vLLM's views of its
+qkv projection), and equal to float64 causal attention: varlen requests of 1 to 1,000 rows (a key tile's edges), GQA
+head maps with an offset, rows past the last request (0, -inf) whose K/V hold NaN, a request's NaN kept out of the
+other requests (a key tile that passes a request's end reads the next one's rows), CUDA graph replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcp_plugin.kernels import reference
+from dcp_plugin.kernels._gluon import GLUON_ENV, gluon_supported
+from dcp_plugin.kernels.extend_attention import extend_attention, plan_extend
+from tests.kernel_checks import assert_matches, poisoned
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or not gluon_supported(torch.device("cuda")),
+                       reason="needs an sm_90 GPU and Triton 3.6 (the Gluon kernels)"),
+]
+
+LENS = [1, 17, 64, 127, 128, 129, 300, 1000]
+HEADS = {"32q8kv": (32, 8, dict(q_head_start=0, q_per_kv=4, kv_head_start=0)),
+         "8of32q-2kv": (8, 2, dict(q_head_start=8, q_per_kv=16, kv_head_start=0))}
+PAD = 5
+
+
+@pytest.fixture(autouse=True)
+def gluon_on(monkeypatch):
+    monkeypatch.setenv(GLUON_ENV, "1")
+
+
+def _inputs(num_q_heads, num_kv_heads, dtype, seed=0):
+    """q, k, v as views of one qkv buffer (vLLM's layout), ``PAD`` rows past the last request with NaN K/V."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    qsl = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    rows = int(qsl[-1]) + PAD
+    qkv = torch.randn(rows, (num_q_heads + 2 * num_kv_heads) * 128, generator=gen, device="cuda").to(dtype)
+    q, k, v = (t.view(rows, -1, 128) for t in qkv.split([num_q_heads * 128, num_kv_heads * 128,
+                                                         num_kv_heads * 128], 1))
+    k[-PAD:] = float("nan")
+    v[-PAD:] = float("nan")
+    return q, k, v, qsl
+
+
+def _run(q, k, v, qsl, head_map, dtype):
+    out, lse = poisoned(q.shape, dtype, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
+    extend_attention(q, k, v, qsl, max(LENS), scale=0.1, **head_map, out=out, lse=lse)
+    return out, lse
+
+
+def test_selected():
+    q, k, v, qsl = _inputs(32, 8, torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
+    launch = plan_extend(q, k, v, out, lse, qsl, max(LENS), scale=0.1, **HEADS["32q8kv"][2])
+    assert launch.kernel.__name__ == "gluon_chunk_kernel"
+
+
+@pytest.mark.parametrize("heads", sorted(HEADS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_matches_float64(dtype, heads):
+    num_q_heads, num_kv_heads, head_map = HEADS[heads]
+    q, k, v, qsl = _inputs(num_q_heads, num_kv_heads, dtype)
+    out, lse = _run(q, k, v, qsl, head_map, dtype)
+    total = int(qsl[-1])
+    want_out, want_lse = reference.extend_attention(q[:total].double(), k[:total].double(), v[:total].double(), qsl,
+                                                    max(LENS), scale=0.1, **head_map)
+    assert_matches(out[:total], want_out, dtype, "out")
+    assert_matches(lse[:total], want_lse, dtype, "lse")
+    assert (out[total:] == 0).all() and (lse[total:] == float("-inf")).all(), "padding rows"
+
+
+def test_a_requests_nan_stays_in_it():
+    """Request 5 (129 rows) holds NaN in K and V: its own rows turn NaN, every other request matches float64."""
+    num_q_heads, num_kv_heads, head_map = HEADS["32q8kv"]
+    q, k, v, qsl = _inputs(num_q_heads, num_kv_heads, torch.bfloat16)
+    lo, hi = int(qsl[5]), int(qsl[6])
+    clean_k, clean_v = k.clone(), v.clone()
+    k[lo:hi] = float("nan")
+    v[lo:hi] = float("nan")
+    out, lse = _run(q, k, v, qsl, head_map, torch.bfloat16)
+    total = int(qsl[-1])
+    want_out, want_lse = reference.extend_attention(q[:total].double(), clean_k[:total].double(),
+                                                    clean_v[:total].double(), qsl, max(LENS), scale=0.1, **head_map)
+    others = torch.ones(total, dtype=torch.bool, device="cuda")
+    others[lo:hi] = False
+    assert_matches(out[:total][others], want_out[others], torch.bfloat16, "out")
+    assert_matches(lse[:total][others], want_lse[others], torch.bfloat16, "lse")
+    assert out[lo:hi].isnan().all(), "the request's own NaN"
+
+
+def test_cuda_graph_replay():
+    num_q_heads, num_kv_heads, head_map = HEADS["32q8kv"]
+    q, k, v, qsl = _inputs(num_q_heads, num_kv_heads, torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
+    launch = plan_extend(q, k, v, out, lse, qsl, max(LENS), scale=0.1, **head_map)
+    launch(q, k, v, out, lse, qsl)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(q, k, v, out, lse, qsl)
+    total = int(qsl[-1])
+    q.copy_(torch.randn_like(q))
+    k[:total] = torch.randn_like(k[:total])
+    qsl.copy_(torch.tensor([0, 1, 300, 301, 400, 1000, 1100, 1500, total], dtype=torch.int32, device="cuda"))
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    want_out, want_lse = reference.extend_attention(q[:total].double(), k[:total].double(), v[:total].double(), qsl,
+                                                    max(LENS), scale=0.1, **head_map)
+    assert_matches(out[:total], want_out, torch.bfloat16, "out")
+    assert_matches(lse[:total], want_lse, torch.bfloat16, "lse")
