@@ -76,16 +76,28 @@ def prefix_rows(kernels: dict) -> list[str]:
 ONE_MODELS = {"llama8": "32 Q / 8 KV (Llama-3-8B)", "mqa16": "16 Q / 1 KV"}
 
 
+def same_run(one: dict, model: str, mode: str, peer: str) -> bool:
+    """Whether ``peer``'s throughput job for ``model`` and ``mode`` ran beside dcp-triton's, as far as the jobs'
+    provenance tells (a merged file keeps each job's own: two commits are two calls); a file without jobs is one run."""
+    origin = {j["backend"]: j.get("provenance") for j in one.get("jobs", [])
+              if j.get("kind", "throughput") == "throughput" and (j["model"], j["mode"]) == (model, mode)}
+    return origin.get(peer) == origin.get("dcp-triton")
+
+
 def vllm_one_rows(one: dict) -> list[str]:
-    """Output tokens/s inside vLLM on one GPU (``vllm_one_h200.py``), best of its runs, per model, load and mode."""
+    """Output tokens/s inside vLLM on one GPU (``vllm_one_h200.py``), best of its runs, per model, load and mode; a
+    ratio to a backend that ran in another call than dcp-triton says so."""
     rows = ["| model | load | mode | dcp-triton | FLASH_ATTN | TRITON_ATTN | / FLASH_ATTN | / TRITON_ATTN |",
             "|---|---|---|---|---|---|---|---|"]
     for key, modes in one["summary"]["loads"].items():
         model, load = key.split("/")
         for mode, t in modes.items():
             ours, fa, tr = t["dcp_triton"], t["flash_attn"], t.get("triton_attn")
+            to_fa, to_tr = ratio(ours, fa), ratio(ours, tr) if tr else "-"
+            to_fa += "" if same_run(one, model, mode, "FLASH_ATTN") else " (another run)"
+            to_tr += "" if not tr or same_run(one, model, mode, "TRITON_ATTN") else " (another run)"
             rows.append(f"| {ONE_MODELS.get(model, model)} | {load} | {mode} | {ours:,.0f} | {fa:,.0f} | "
-                        f"{f'{tr:,.0f}' if tr else 'not run'} | {ratio(ours, fa)} | {ratio(ours, tr) if tr else '-'} |")
+                        f"{f'{tr:,.0f}' if tr else 'not run'} | {to_fa} | {to_tr} |")
     return rows
 
 
@@ -119,11 +131,16 @@ def headline_rows(vllm_dcp: dict, kernels: dict, one: dict) -> list[str]:
     """The README's three numbers, each with its page section and results file."""
     capacity = {(r["config"], r["mode"]): r["kv_cache_tokens"] for r in vllm_dcp["kv_capacity"]}
     dcp1, dcp2 = capacity[("dcp_triton_dcp1", "graphs")], capacity[("dcp_triton_dcp2_ag_rs", "graphs")]
-    graphs = [t["graphs"] for t in one["summary"]["loads"].values()]
-    models = list(dict.fromkeys(ONE_MODELS.get(k.split("/")[0], k.split("/")[0]) for k in one["summary"]["loads"]))
-    vs_fa = [t["dcp_triton"] / t["flash_attn"] for t in graphs]
-    vs_tr = [t["dcp_triton"] / t["triton_attn"] for t in graphs if t.get("triton_attn")]
-    triton = f" (and {min(vs_tr):.2f}x-{max(vs_tr):.2f}x `TRITON_ATTN`'s)" if len(vs_tr) == len(graphs) else ""
+    graphs = [(k.split("/")[0], t["graphs"]) for k, t in one["summary"]["loads"].items()]
+    models = list(dict.fromkeys(ONE_MODELS.get(model, model) for model, _ in graphs))
+    vs_fa = [t["dcp_triton"] / t["flash_attn"] for _, t in graphs]
+    fa_beside = all(same_run(one, model, "graphs", "FLASH_ATTN") for model, _ in graphs)
+    vs_tr = [t["dcp_triton"] / t["triton_attn"] for model, t in graphs
+             if t.get("triton_attn") and same_run(one, model, "graphs", "TRITON_ATTN")]
+    triton = "" if not vs_tr else f" (and {span(vs_tr)} `TRITON_ATTN`'s" + (
+        ")" if len(vs_tr) == len(graphs) else f" where it ran beside dcp-triton, {len(vs_tr)} loads)")
+    beside = ("each model's backends in one run" if fa_beside and len(vs_tr) == len(graphs)
+              else "each model's dcp-triton and FLASH_ATTN in one run" if fa_beside else "backends from several runs")
     fa3 = [r["ours_graph_pct_copy"] / r["fa3_graph_pct_copy"] for r in kernels["decode"]]
     prefill = [r["ours_tflops"] / r["fa3_tflops"] for r in kernels["prefill"]]
     prefix = [r["ours_tflops"] / r["fa3_tflops"] for r in kernels.get("prefix", []) if r.get("page") == 64]
@@ -136,7 +153,7 @@ def headline_rows(vllm_dcp: dict, kernels: dict, one: dict) -> list[str]:
         f"([details]({page}#dcp--2-inside-vllm-two-h200s), `benchmarks/results/vllm_dcp_2xh200.json`).",
         f"- **{min(vs_fa):.2f}x-{max(vs_fa):.2f}x the output tokens/s of vLLM's FLASH_ATTN**{triton} over "
         f"{len(graphs)} loads with CUDA graphs, one {kernels['gpu']}, "
-        f"{' and '.join(models)} heads, each model's backends in one run ([table]({page}#inside-vllm-one-h200), "
+        f"{' and '.join(models)} heads, {beside} ([table]({page}#inside-vllm-one-h200), "
         "`benchmarks/results/vllm_one_h200.json`).",
         f"- **Kernels against FlashAttention-3**: decode {min(fa3):.2f}x-{max(fa3):.2f}x over {len(fa3)} shapes, "
         f"causal prefill {min(prefill):.2f}x-{max(prefill):.2f}x"

@@ -18,7 +18,7 @@ CODE = ("kernels", "dcp_plugin", "adapters", "tests")  # code whose comments or 
 # A results file's name: what ran, the device (h200, 2xh200, cpu, ...), then what of it; a page names it bare or
 # under benchmarks/results/.
 RESULT_NAME = re.compile(r"(?<![\w/.-])(?:benchmarks/results/)?([a-z0-9_]+_(?:cpu|(?:\d+x)?[a-z]{1,3}\d{2,4})"
-                         r"(?:_[a-z0-9_]+)?\.(?:json|md|png|log|log\.gz|tar\.gz))(?![\w.-])")
+                         r"(?:_[a-z0-9_]+)?\.(?:json|md|png|log|log\.gz|csv\.gz|tar\.gz))(?![\w.-])")
 SCRIPT_PATH = re.compile(r"(?<![\w/.-])((?:benchmarks|scripts)/[\w/.-]+\.(?:py|sh))(?![\w.-])")
 
 
@@ -43,9 +43,11 @@ def code_files() -> list[Path]:
 
 def test_the_name_pattern_knows_results_files_from_other_names():
     text = ("`kernels_h200_sweep2.json`, benchmarks/results/vllm_dcp_2xh200_jobs.tar.gz, server_aborts_cpu.log.gz, "
-            "`vllm_one_h200.py`, MODEL/config.json, `vllm_one_h200_*.json`, docs/performance.md, x_h200.jsonl")
+            "`vllm_one_h200.py`, MODEL/config.json, `vllm_one_h200_*.json`, docs/performance.md, x_h200.jsonl, "
+            "ncu_attention_h200_raw.csv.gz, attention_raw.csv")
     assert {m[1] for m in RESULT_NAME.finditer(text)} == {
-        "kernels_h200_sweep2.json", "vllm_dcp_2xh200_jobs.tar.gz", "server_aborts_cpu.log.gz"}
+        "kernels_h200_sweep2.json", "vllm_dcp_2xh200_jobs.tar.gz", "server_aborts_cpu.log.gz",
+        "ncu_attention_h200_raw.csv.gz"}
 
 
 def test_every_results_file_is_in_the_index():

@@ -78,6 +78,25 @@ def test_headlines_from_hand_made_results():
     text = "\n".join(results_tables.headline_rows(vllm_dcp, kernels, one))
     assert "causal prefill 0.60x-0.80x, prefix pass 0.84x over 64-token pages (" in text
     assert "**0.90x-1.30x the output tokens/s of vLLM's FLASH_ATTN** over 2 loads" in text
+    one["summary"]["loads"] = {"m/a": {"graphs": {"dcp_triton": 90.0, "flash_attn": 100.0, "triton_attn": 45.0}},
+                               "n/a": {"graphs": {"dcp_triton": 50.0, "flash_attn": 100.0, "triton_attn": 10.0}}}
+    one["jobs"] = [{"model": model, "mode": "graphs", "backend": backend, "provenance": {"commit": commit}}
+                   for model, late in (("m", "new"), ("n", "old"))
+                   for backend, commit in (("dcp-triton", "new"), ("FLASH_ATTN", "new"), ("TRITON_ATTN", late))]
+    text = "\n".join(results_tables.headline_rows(vllm_dcp, kernels, one))  # n's TRITON_ATTN: another call
+    assert "(and 2.00x `TRITON_ATTN`'s where it ran beside dcp-triton, 1 loads) over 2 loads" in text
+    assert "each model's dcp-triton and FLASH_ATTN in one run" in text
+
+
+def test_a_ratio_to_a_backend_of_another_run_says_so():
+    one = {"summary": {"loads": {"m/a": {"graphs": {"dcp_triton": 90.0, "flash_attn": 100.0, "triton_attn": 45.0},
+                                         "eager": {"dcp_triton": 90.0, "flash_attn": 100.0, "triton_attn": 45.0}}}},
+           "jobs": [{"model": "m", "mode": mode, "kind": "throughput", "backend": backend,
+                     "provenance": {"commit": "old" if (mode, backend) == ("graphs", "TRITON_ATTN") else "new"}}
+                    for mode in ("graphs", "eager") for backend in ("dcp-triton", "FLASH_ATTN", "TRITON_ATTN")]}
+    assert results_tables.vllm_one_rows(one)[2:] == [
+        "| m | a | graphs | 90 | 100 | 45 | 0.90x | **2.00x** (another run) |",
+        "| m | a | eager | 90 | 100 | 45 | 0.90x | **2.00x** |"]
 
 
 def test_write_replaces_only_the_marked_blocks():
