@@ -30,6 +30,7 @@ from dcp_plugin.kernels.gluon_prefix import find_block, store_rows, write_paddin
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup; a tile is 2 * ROWS rows of one Q head
 BLOCK_N = 128  # keys per K/V tile
 STAGES = 2  # K/V tiles in flight (with the two V copies: 192 KiB of shared memory)
+SNAKE = True  # rounds of tiles dealt in alternating directions (``_tile_index``)
 
 
 @gluon.jit
@@ -50,13 +51,26 @@ def softmax_step(acc, l_i, m_i, qk, v_tile, qk_scale, offs_m, offs_n, n_start, M
 
 
 @gluon.jit
+def _tile_index(k, SNAKE: gl.constexpr):
+    """The tile this program takes in round ``k``: tile ``k * P + program`` (P programs), or with ``SNAKE`` the
+    rounds alternate direction (``k * P + P - 1 - program`` in odd rounds), so the program that took a round's
+    heaviest tile takes the next round's lightest: tiles run heaviest first, and dealt round-robin the first programs
+    would take the heaviest of every round."""
+    programs = gl.num_programs(0)
+    pid = gl.program_id(0)
+    if SNAKE:
+        pid = gl.where(k % 2 == 1, programs - 1 - pid, pid)
+    return k * programs + pid
+
+
+@gluon.jit
 def _tile(query_start_loc_ptr, num_reqs, num_q_programs, num_heads, t):
     """Tile ``t`` -> (padding tile, has rows, request start, request length, first row, head). ``t // num_heads``
-    counts flat programs from the last (the heaviest blocks first), every head of one before the next; the last
-    ``num_heads`` tiles write the rows past the last request (one per head)."""
+    counts flat programs from the last (the heaviest blocks first), every head of one before the next; the next
+    ``num_heads`` tiles write the rows past the last request (one per head); tiles after those do nothing."""
     idx = t // num_heads
     head = t % num_heads
-    is_pad = idx >= num_q_programs
+    is_pad = idx == num_q_programs  # past it (a program's last round): nothing
     pid = gl.maximum(num_q_programs - 1 - idx, 0)
     seq, m_block = find_block(query_start_loc_ptr, num_reqs, pid, 2 * ROWS)
     seq_start = gl.load(query_start_loc_ptr + seq).to(gl.int64)
@@ -68,10 +82,11 @@ def _tile(query_start_loc_ptr, num_reqs, num_q_programs, num_heads, t):
 @gluon.jit
 def _load_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, query_start_loc_ptr, num_reqs, num_q_programs,
                 num_heads, q_head_start, q_per_kv, kv_head_start, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                STAGES: gl.constexpr):
+                STAGES: gl.constexpr, SNAKE: gl.constexpr):
     """The producer: every tile's K/V tiles into the ring, one counter across tiles (the consumers keep the same)."""
     it = 0
-    for t in range(gl.program_id(0), (num_q_programs + 1) * num_heads, gl.num_programs(0)):
+    for k in range(gl.cdiv((num_q_programs + 1) * num_heads, gl.num_programs(0))):
+        t = _tile_index(k, SNAKE)
         is_pad, valid, seq_start, seq_len, m_start, head = _tile(query_start_loc_ptr, num_reqs, num_q_programs,
                                                                  num_heads, t)
         if valid:
@@ -92,7 +107,7 @@ def _load_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, query_start_loc_pt
 def _attend_tiles(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, query_start_loc_ptr, num_tokens,
                   num_reqs, num_q_programs, num_heads, qk_scale, row_offset, stride_qt, stride_qh, stride_ot,
                   stride_oh, stride_lt, stride_lh, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  STAGES: gl.constexpr, WRITES_PADDING: gl.constexpr):
+                  STAGES: gl.constexpr, SNAKE: gl.constexpr, WRITES_PADDING: gl.constexpr):
     """A consumer warpgroup: rows ``row_offset .. row_offset + ROWS`` of every tile; ``WRITES_PADDING``: this one
     writes the padding tiles' rows as (0, -inf)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -105,7 +120,8 @@ def _attend_tiles(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, 
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk_layout))
     zero_qk = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=qk_layout)
     it = 0
-    for t in range(gl.program_id(0), (num_q_programs + 1) * num_heads, gl.num_programs(0)):
+    for k in range(gl.cdiv((num_q_programs + 1) * num_heads, gl.num_programs(0))):
+        t = _tile_index(k, SNAKE)
         is_pad, valid, seq_start, seq_len, m_start, head = _tile(query_start_loc_ptr, num_reqs, num_q_programs,
                                                                  num_heads, t)
         out_head = head.to(gl.int64) * stride_oh
@@ -159,7 +175,7 @@ def _attend_tiles(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, 
 def gluon_chunk_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_ptr, num_tokens, num_reqs,
                        num_q_programs, num_heads, qk_scale, q_head_start, q_per_kv, kv_head_start, stride_qt, stride_qh,
                        stride_kt, stride_vt, stride_ot, stride_oh, stride_lt, stride_lh, kv_width,
-                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SNAKE: gl.constexpr):
     """Grid (programs,), at most one per SM; ``num_q_programs``: ``_schedule.flat_programs`` of 128-row blocks;
     ``num_heads``: local Q heads; ``kv_width``: stored KV heads x head size (the descriptors' row width)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -179,18 +195,20 @@ def gluon_chunk_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_pt
     gl.warp_specialize([
         (_attend_tiles, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix.index(0), ready, empty, query_start_loc_ptr,
                          num_tokens, num_reqs, num_q_programs, num_heads, qk_scale, 0, stride_qt, stride_qh,
-                         stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N, HEAD_DIM, STAGES, True)),
+                         stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N, HEAD_DIM, STAGES, SNAKE, True)),
         (_attend_tiles, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix.index(1), ready, empty, query_start_loc_ptr,
                          num_tokens, num_reqs, num_q_programs, num_heads, qk_scale, ROWS, stride_qt, stride_qh,
-                         stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N, HEAD_DIM, STAGES, False)),
+                         stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N, HEAD_DIM, STAGES, SNAKE, False)),
         (_load_tiles, (k_desc, v_desc, k_smem, v_smem, ready, empty, query_start_loc_ptr, num_reqs, num_q_programs,
-                       num_heads, q_head_start, q_per_kv, kv_head_start, BLOCK_N, HEAD_DIM, STAGES)),
+                       num_heads, q_head_start, q_per_kv, kv_head_start, BLOCK_N, HEAD_DIM, STAGES, SNAKE)),
     ], [4, 1], [232, 40])
 
 
-def plan_gluon_chunk(q, k, v, out, lse, query_start_loc, *, scale, q_head_start, q_per_kv, kv_head_start) -> Launch:
+def plan_gluon_chunk(q, k, v, out, lse, query_start_loc, *, scale, q_head_start, q_per_kv, kv_head_start,
+                     snake: bool = SNAKE) -> Launch:
     """``gluon_chunk_kernel`` prepared for tensors like these, called like ``extend_attention_kernel``'s ``Launch``
-    (``(q, k, v, out, lse, query_start_loc)``); the caller checked ``_gluon.chunk_takes_gluon``."""
+    (``(q, k, v, out, lse, query_start_loc)``); the caller checked ``_gluon.chunk_takes_gluon``. ``snake``: the
+    tiles' order (``_tile_index``; benchmarks time both)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_reqs = query_start_loc.shape[0] - 1
     num_q_programs = flat_programs(num_tokens, num_reqs, 2 * ROWS.value)
@@ -201,4 +219,4 @@ def plan_gluon_chunk(q, k, v, out, lse, query_start_loc, *, scale, q_head_start,
         (num_tokens, num_reqs, num_q_programs, num_q_heads, float(scale) * LOG2E, q_head_start, q_per_kv,
          kv_head_start, q.stride(0), q.stride(1), k.stride(0), v.stride(0), out.stride(0), out.stride(1),
          lse.stride(0), lse.stride(1), k.shape[1] * head_dim),
-        dict(HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=STAGES), num_warps=4, scratch=True)
+        dict(HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=STAGES, SNAKE=snake), num_warps=4, scratch=True)

@@ -33,8 +33,10 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 # ("prefix", PAGES, STAGES): the prefix pass with key tiles of PAGES 64-token pages; (1, 3), (1, 4) and (2, 2) ran
 # as a prototype, (2, 2) won and ships (dcp_plugin.kernels.gluon_prefix; gluon_prefix_check.py checks and times it).
 # OVERLAP 3: OVERLAP 2 with the accumulator's rescale between the two issues (FA3's place, under QK^T).
-CONFIGS = [(128, 2, 0, 0, 0), (128, 2, 0, 0, 1), (128, 3, 0, 0, 1), (64, 3, 0, 0, 1), (64, 4, 0, 0, 1),
-           (128, 2, 3, 0, 0), (128, 2, 3, 1, 0), ("prefix", 2, 2)]
+# ("chunk", SNAKE): the shipped current chunk (dcp_plugin.kernels.gluon_chunk: the persistent loop with two stages
+# and the V rows past a request zeroed), its tiles dealt round-robin (0) or in rounds of alternating direction (1).
+# The earlier calls' configs are in kernels_h200_gluon_probe.json; (128, 3, 0, 0, 1) stays as the fastest of them.
+CONFIGS = [("chunk", 0), ("chunk", 1), (128, 3, 0, 0, 1), ("prefix", 2, 2)]
 SHAPES = [(16, 1024), (4, 2048), (2, 4096), (1, 16384)]  # (sequences, length), 32 Q / 8 KV heads, D 128
 CHECK_LENS = [1, 17, 64, 127, 128, 129, 300, 1000]
 ERROR_BOUND = 1e-2  # relative Frobenius error of a bf16 output (bench_kernels.py's bound)
@@ -46,6 +48,11 @@ def launch(q, k, v, out, lse, cu, max_len, *, scale, q_head_start, q_per_kv, kv_
 
     from dcp_plugin.kernels._schedule import flat_programs
 
+    if config[0] == "chunk":  # the shipped kernel, tiles dealt in rounds of one direction (0) or alternating (1)
+        from dcp_plugin.kernels.gluon_chunk import plan_gluon_chunk
+
+        return plan_gluon_chunk(q, k, v, out, lse, cu, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
+                                kv_head_start=kv_head_start, snake=bool(config[1]))(q, k, v, out, lse, cu)
     block_n, stages, overlap, pingpong, *persistent = config
     num_tokens, num_reqs = q.shape[0], cu.shape[0] - 1
     num_q_programs = flat_programs(num_tokens, num_reqs, 128)
@@ -123,7 +130,7 @@ def time_shapes(config) -> list[dict]:
 
     import kernel_peers
     from common import graph_ms
-    from dcp_plugin.kernels.extend_attention import plan_extend
+    from dcp_plugin.kernels.extend_attention import _pick_config, plan_extend
 
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -136,7 +143,8 @@ def time_shapes(config) -> list[dict]:
         out, lse = torch.empty_like(q), torch.empty(total, 32, dtype=torch.float32, device="cuda")
         kw = dict(scale=128 ** -0.5, q_head_start=0, q_per_kv=4, kv_head_start=0)
         flops = 2 * 2 * seqs * length * length * 32 * 128 / 2
-        tl_launch = plan_extend(q, k, v, out, lse, cu, length, **kw)
+        tl_launch = plan_extend(q, k, v, out, lse, cu, length, **kw,  # the tl kernel, whatever DCP_TRITON_GLUON says
+                                config=_pick_config(128, torch.bfloat16, None, length))
         fns = {"gluon": lambda: launch(q, k, v, out, lse, cu, length, config=config, **kw),
                "ours_tl": lambda: tl_launch(q, k, v, out, lse, cu)}
         fns.update({name: (lambda fn=fn: fn(0)) for name, fn in kernel_peers.fa3_prefill(q, k, v, cu, length).items()})
@@ -186,7 +194,7 @@ def compile_only() -> None:
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     for config in CONFIGS:
-        if config[0] == "prefix":  # the shipped kernel: scripts/compile_for_hopper.py compiles it as it serves
+        if config[0] in ("prefix", "chunk"):  # shipped: compile_for_hopper.py compiles them as they serve
             continue
         block_n, stages, overlap, pingpong, persistent = config
         fn = chunk_attention_persistent_kernel if persistent else chunk_attention_kernel
