@@ -79,4 +79,5 @@ def chunk_takes_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
     ``gluon_enabled``."""
     return (q.shape[-1] == PREFIX_HEAD_DIM and q.dtype in (torch.float16, torch.bfloat16)
             and all(t.stride(1) == PREFIX_HEAD_DIM and descriptor_ready(t, (0,)) for t in (k, v))
-            and q.stride(-1) == 1 and out.stride(-1) == 1 and gluon_enabled(q.device))
+            and q.stride(-1) == 1 and out.stride(-1) == 1 and q.shape[0] < 2 ** 31 - 256  # 32-bit row coordinates
+            and gluon_enabled(q.device))

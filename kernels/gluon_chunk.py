@@ -71,12 +71,13 @@ def _tile(query_start_loc_ptr, num_reqs, num_q_programs, num_heads, t):
     idx = t // num_heads
     head = t % num_heads
     is_pad = idx == num_q_programs  # past it (a program's last round): nothing
+    active = idx < num_q_programs  # (never with no requests: nothing is read then)
     pid = gl.maximum(num_q_programs - 1 - idx, 0)
     seq, m_block = find_block(query_start_loc_ptr, num_reqs, pid, 2 * ROWS)
-    seq_start = gl.load(query_start_loc_ptr + seq).to(gl.int64)
-    seq_len = (gl.load(query_start_loc_ptr + seq + 1) - gl.load(query_start_loc_ptr + seq)).to(gl.int32)
-    m_start = (m_block * (2 * ROWS)).to(gl.int32)
-    return is_pad, (idx < num_q_programs) & (m_start < seq_len), seq_start, seq_len, m_start, head
+    start = gl.load(query_start_loc_ptr + seq, mask=active, other=0)
+    seq_len = (gl.load(query_start_loc_ptr + seq + 1, mask=active, other=0) - start).to(gl.int32)
+    m_start = (m_block * (2 * ROWS)).to(gl.int32)  # < 0 for ids before the first request's (query_start_loc[0] > 0)
+    return is_pad, active & (m_start >= 0) & (m_start < seq_len), start.to(gl.int64), seq_len, m_start, head
 
 
 @gluon.jit

@@ -183,8 +183,12 @@ def _attend_rows(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, n
                stride_ot, stride_lt, acc_layout, io_layout)  # no cached token: (0, -inf)
 
 
-# Per-step sizes are not specialized on: one compiled variant serves every step.
-@gluon.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs"))
+# Not specialized on, as in ``paged_attention_kernel``: per-step sizes and the LSE strides that scale with them, the
+# block table's row stride (the engine's table width, which the warm-up cannot know), ``tma_rows``, and the batch
+# tables' alignment (a mixed step's requests after its decodes start mid-tensor): one variant serves every step.
+@gluon.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs", "stride_bt_req", "stride_lr", "stride_lt",
+                              "stride_lh", "tma_rows"),
+           do_not_specialize_on_alignment=("block_table_ptr", "context_lens_ptr", "query_start_loc_ptr"))
 def gluon_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr,
                         out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, num_tokens, num_reqs, num_q_programs, qk_scale,
                         q_head_start, q_per_kv, kv_head_start, stride_qt, stride_qh, stride_k_tok, stride_k_h,
@@ -206,7 +210,7 @@ def gluon_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, contex
     seq_start = gl.load(query_start_loc_ptr + seq).to(gl.int64)
     seq_len = (gl.load(query_start_loc_ptr + seq + 1) - gl.load(query_start_loc_ptr + seq)).to(gl.int32)
     m_start = (m_block * (2 * ROWS)).to(gl.int32)
-    if m_start < seq_len:
+    if (m_start >= 0) & (m_start < seq_len):  # ids before the first request's own (query_start_loc[0] > 0): none
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         kv_len = gl.load(context_lens_ptr + seq).to(gl.int32)
         n_pages = gl.cdiv(kv_len, PAGE)

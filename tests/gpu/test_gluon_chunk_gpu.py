@@ -1,7 +1,7 @@
 """The Gluon current chunk (``dcp_plugin.kernels.gluon_chunk``) as ``extend_attention`` runs it on an sm_90 GPU with
 Triton 3.6 and ``DCP_TRITON_GLUON=1``: selected for head size 128 with K and V heads contiguous (vLLM's views of its
 qkv projection), and equal to float64 causal attention: varlen requests of 1 to 1,000 rows (a key tile's edges), GQA
-head maps with an offset, rows past the last request (0, -inf) whose K/V hold NaN, a request's NaN kept out of the
+head maps with offsets, rows past the last request (0, -inf) whose K/V hold NaN, a request's NaN kept out of the
 other requests (a key tile that passes a request's end reads the next one's rows), CUDA graph replay."""
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ pytestmark = [
 ]
 
 LENS = [1, 17, 64, 127, 128, 129, 300, 1000]
+# Q heads 24..31 of 32 read KV head 1 of 2 (over both stored heads, or over KV head 1 stored alone).
 HEADS = {"32q8kv": (32, 8, dict(q_head_start=0, q_per_kv=4, kv_head_start=0)),
-         "8of32q-2kv": (8, 2, dict(q_head_start=8, q_per_kv=16, kv_head_start=0))}
+         "8of32q-2kv": (8, 2, dict(q_head_start=24, q_per_kv=16, kv_head_start=0)),
+         "8of32q-kv1": (8, 1, dict(q_head_start=24, q_per_kv=16, kv_head_start=1))}
 PAD = 5
 
 
@@ -72,10 +74,11 @@ def test_matches_float64(dtype, heads):
 
 
 def test_a_requests_nan_stays_in_it():
-    """Request 5 (129 rows) holds NaN in K and V: its own rows turn NaN, every other request matches float64."""
+    """Request 4 (128 rows) holds NaN in K and V: its own rows turn NaN, every other request matches float64; request
+    3's last key tile (127 rows from row 82) reads request 4's first row."""
     num_q_heads, num_kv_heads, head_map = HEADS["32q8kv"]
     q, k, v, qsl = _inputs(num_q_heads, num_kv_heads, torch.bfloat16)
-    lo, hi = int(qsl[5]), int(qsl[6])
+    lo, hi = int(qsl[4]), int(qsl[5])
     clean_k, clean_v = k.clone(), v.clone()
     k[lo:hi] = float("nan")
     v[lo:hi] = float("nan")

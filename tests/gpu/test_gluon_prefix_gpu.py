@@ -1,7 +1,7 @@
 """The Gluon prefix pass (``dcp_plugin.kernels.gluon_prefix``) as ``paged_attention`` runs it on an sm_90 GPU with
 Triton 3.6 and ``DCP_TRITON_GLUON=1``: selected for a prefill step's one-split prefix pass over 64-token pages, and
 equal to float64 attention there: varlen rows (1 to 300 a request) over contexts of 0 to 700 tokens in caches whose
-other rows are NaN, plain and rank-major outputs, GQA head maps with an offset, rows past the last request
+other rows are NaN, plain (float32) and rank-major outputs, GQA head maps with offsets, rows past the last request
 (0, -inf), rows before the first request untouched (a mixed step's second launch), CUDA graph replay."""
 
 from __future__ import annotations
@@ -52,8 +52,10 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(0, 1).reshape(t.shape[1], t.shape[0] * t.shape[2], *t.shape[3:])
 
 
+# Q heads 24..31 of 32 read KV head 1 of 2 (over both stored heads, or over KV head 1 stored alone).
 HEADS = {"32q8kv": (32, 8, dict(q_head_start=0, q_per_kv=4, kv_head_start=0)),
-         "8of32q-2kv": (8, 2, dict(q_head_start=8, q_per_kv=16, kv_head_start=0))}
+         "8of32q-2kv": (8, 2, dict(q_head_start=24, q_per_kv=16, kv_head_start=0)),
+         "8of32q-kv1": (8, 1, dict(q_head_start=24, q_per_kv=16, kv_head_start=1))}
 
 
 def test_selected_for_prefill_steps_only():
@@ -68,16 +70,19 @@ def test_selected_for_prefill_steps_only():
     assert kernel(300, num_splits=2) == kernel(8) == "paged_attention_kernel"
 
 
+@pytest.mark.parametrize("first_row", [0, 200], ids=["first0", "first200"])
 @pytest.mark.parametrize("rank_major", [False, True], ids=["plain", "rank-major"])
 @pytest.mark.parametrize("heads", sorted(HEADS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_matches_float64(dtype, heads, rank_major):
+def test_matches_float64(dtype, heads, rank_major, first_row):
+    """``first_row``: rows before the first request (a mixed step's launch after its decodes), more than a 128-row
+    block of them too."""
     num_q_heads, num_kv_heads, head_map = HEADS[heads]
-    first_row = 3 if rank_major else 0  # rows before the first request: a mixed step's launch after its decodes
     q, kc, vc, table, lens, qsl = _inputs(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, dtype=dtype,
                                           first_row=first_row)
     ranks = 2 if rank_major else 1
-    out = poisoned((ranks, q.shape[0], num_q_heads // ranks, 128) if rank_major else q.shape, dtype, "cuda")
+    out_dtype = dtype if rank_major else torch.float32  # DCP = 1's prefix pass writes float32
+    out = poisoned((ranks, q.shape[0], num_q_heads // ranks, 128) if rank_major else q.shape, out_dtype, "cuda")
     lse = poisoned((ranks, q.shape[0], num_q_heads // ranks) if rank_major else q.shape[:2], torch.float32, "cuda")
     assert plan_paged(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, **head_map, max_kv_len=700,
                       max_query_len=300, num_splits=1).stage1.kernel.__name__ == "gluon_prefix_kernel"
