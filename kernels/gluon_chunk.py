@@ -10,9 +10,10 @@ bf16, 32 Q / 8 KV heads, head size 128, graph replay beside the ``tl`` kernel an
 kernel and 438 / 526 / 633 / 642 for FA3 (two stages; ``benchmarks/kernels/gluon_chunk_probe.py``, config
 ``(128, 2, 0, 0, 1)``, ``benchmarks/results/kernels_h200_gluon_probe.json``).
 
-K and V are read through descriptors over ``[tokens, kv_heads * head_dim]`` (heads contiguous): a request's last key
-tile may hold rows past its end (the next request's, or padding). Their scores are masked out; their V rows are
-zeroed into a per-warpgroup copy before P x V (probability 0 times a NaN there would be NaN). Imported only where
+K and V are read through descriptors the producer builds over ``[tokens, kv_heads * head_dim]`` (heads
+contiguous): a request's last key tile may hold rows past its end (the next request's, or padding). Their scores
+are masked out; their V rows are zeroed into a per-warpgroup copy before P x V (probability 0 times a NaN there
+would be NaN). Imported only where
 ``_gluon.chunk_takes_gluon`` allows it (``DCP_TRITON_GLUON=1``, Triton 3.6, sm_90); ``plan_extend`` then picks
 it. Results are ``extend_attention``'s: rows past ``query_start_loc[num_reqs]`` get (0, -inf).
 """
@@ -81,10 +82,16 @@ def _tile(query_start_loc_ptr, num_reqs, num_q_programs, num_heads, t):
 
 
 @gluon.jit
-def _load_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, query_start_loc_ptr, num_reqs, num_q_programs,
-                num_heads, q_head_start, q_per_kv, kv_head_start, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                STAGES: gl.constexpr, SNAKE: gl.constexpr):
-    """The producer: every tile's K/V tiles into the ring, one counter across tiles (the consumers keep the same)."""
+def _load_tiles(k_ptr, v_ptr, num_tokens, kv_width, stride_kt, stride_vt, k_smem, v_smem, ready, empty,
+                query_start_loc_ptr, num_reqs, num_q_programs, num_heads, q_head_start, q_per_kv, kv_head_start,
+                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, SNAKE: gl.constexpr):
+    """The producer: every tile's K/V tiles into the ring, one counter across tiles (the consumers keep the same).
+    It builds the descriptors it copies through, so the warp that issues the copies is the one that fenced them."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], k_ptr.dtype.element_ty)
+    k_desc = tma.make_tensor_descriptor(k_ptr, shape=[num_tokens, kv_width], strides=[stride_kt, 1],
+                                        block_shape=[BLOCK_N, HEAD_DIM], layout=layout)
+    v_desc = tma.make_tensor_descriptor(v_ptr, shape=[num_tokens, kv_width], strides=[stride_vt, 1],
+                                        block_shape=[BLOCK_N, HEAD_DIM], layout=layout)
     it = 0
     for k in range(gl.cdiv((num_q_programs + 1) * num_heads, gl.num_programs(0))):
         t = _tile_index(k, SNAKE)
@@ -181,10 +188,6 @@ def gluon_chunk_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_pt
     ``num_heads``: local Q heads; ``kv_width``: stored KV heads x head size (the descriptors' row width)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    k_desc = tma.make_tensor_descriptor(k_ptr, shape=[num_tokens, kv_width], strides=[stride_kt, 1],
-                                        block_shape=[BLOCK_N, HEAD_DIM], layout=smem_layout)
-    v_desc = tma.make_tensor_descriptor(v_ptr, shape=[num_tokens, kv_width], strides=[stride_vt, 1],
-                                        block_shape=[BLOCK_N, HEAD_DIM], layout=smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
     v_fix = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], smem_layout)  # a last V tile each
@@ -200,8 +203,9 @@ def gluon_chunk_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_pt
         (_attend_tiles, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix.index(1), ready, empty, query_start_loc_ptr,
                          num_tokens, num_reqs, num_q_programs, num_heads, qk_scale, ROWS, stride_qt, stride_qh,
                          stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N, HEAD_DIM, STAGES, SNAKE, False)),
-        (_load_tiles, (k_desc, v_desc, k_smem, v_smem, ready, empty, query_start_loc_ptr, num_reqs, num_q_programs,
-                       num_heads, q_head_start, q_per_kv, kv_head_start, BLOCK_N, HEAD_DIM, STAGES, SNAKE)),
+        (_load_tiles, (k_ptr, v_ptr, num_tokens, kv_width, stride_kt, stride_vt, k_smem, v_smem, ready, empty,
+                       query_start_loc_ptr, num_reqs, num_q_programs, num_heads, q_head_start, q_per_kv,
+                       kv_head_start, BLOCK_N, HEAD_DIM, STAGES, SNAKE)),
     ], [4, 1], [232, 40])
 
 

@@ -91,10 +91,18 @@ def write_padding(out_ptr, lse_ptr, query_start_loc_ptr, num_reqs, num_tokens, o
 
 
 @gluon.jit
-def _load_pages(k_desc, v_desc, k_smem, v_smem, ready, empty, table_ptr, stride_bt_blk, rows_per_block, n_pages,
-                n_tiles, PAGE: gl.constexpr, PAGES: gl.constexpr, STAGES: gl.constexpr):
+def _load_pages(k_head, v_head, tma_rows, stride_k_tok, stride_v_tok, k_smem, v_smem, ready, empty, table_ptr,
+                stride_bt_blk, rows_per_block, n_pages, n_tiles, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
+                PAGES: gl.constexpr, STAGES: gl.constexpr):
     """The producer: tile i is pages ``PAGES * i ..`` of the request's table (page 0 past its last page: those keys
-    are masked), one mbarrier for all its copies."""
+    are masked), one mbarrier for all its copies. It builds the descriptors it copies through (the cache's token
+    rows of this KV head as one 2-D tensor: row = page * rows_per_block + token in page), so the warp that issues
+    the copies is the one that fenced them."""
+    page_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, HEAD_DIM], k_head.dtype.element_ty)
+    k_desc = tma.make_tensor_descriptor(k_head, shape=[tma_rows, HEAD_DIM], strides=[stride_k_tok, 1],
+                                        block_shape=[PAGE, HEAD_DIM], layout=page_layout)
+    v_desc = tma.make_tensor_descriptor(v_head, shape=[tma_rows, HEAD_DIM], strides=[stride_v_tok, 1],
+                                        block_shape=[PAGE, HEAD_DIM], layout=page_layout)
     for i in range(n_tiles):
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier's previous phase counts as done
@@ -216,14 +224,6 @@ def gluon_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, contex
         n_pages = gl.cdiv(kv_len, PAGE)
         n_tiles = gl.cdiv(kv_len, BLOCK_N)
         kv_head = ((q_head_start + head) // q_per_kv - kv_head_start).to(gl.int64)
-        # The cache's token rows of this KV head as one 2-D tensor: row = page * rows_per_block + token in page.
-        page_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, HEAD_DIM], dtype)
-        k_desc = tma.make_tensor_descriptor(k_cache_ptr + kv_head * stride_k_h, shape=[tma_rows, HEAD_DIM],
-                                            strides=[stride_k_tok, 1], block_shape=[PAGE, HEAD_DIM],
-                                            layout=page_layout)
-        v_desc = tma.make_tensor_descriptor(v_cache_ptr + kv_head * stride_v_h, shape=[tma_rows, HEAD_DIM],
-                                            strides=[stride_v_tok, 1], block_shape=[PAGE, HEAD_DIM],
-                                            layout=page_layout)
         smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
@@ -242,8 +242,9 @@ def gluon_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, contex
             (_attend_rows, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix.index(1), ready, empty, n_tiles, kv_len,
                             m_start + ROWS, seq_start, seq_len, qk_scale, q_head, out_head, lse_head, stride_qt,
                             stride_ot, stride_lt, BLOCK_N, HEAD_DIM, STAGES)),
-            (_load_pages, (k_desc, v_desc, k_smem, v_smem, ready, empty, table, stride_bt_blk, rows_per_block,
-                           n_pages, n_tiles, PAGE, PAGES, STAGES)),
+            (_load_pages, (k_cache_ptr + kv_head * stride_k_h, v_cache_ptr + kv_head * stride_v_h, tma_rows,
+                           stride_k_tok, stride_v_tok, k_smem, v_smem, ready, empty, table, stride_bt_blk,
+                           rows_per_block, n_pages, n_tiles, HEAD_DIM, PAGE, PAGES, STAGES)),
         ], [4, 1], [232, 40])
 
 
