@@ -70,3 +70,16 @@ def shuffled_block_table(pages: list[int], *, generator: torch.Generator, width:
         table[b, :count] = order[start:start + count]
         start += count
     return table
+
+
+def gluon_kernels() -> tuple:
+    """The Gluon kernels that serve on this GPU with this environment (``DCP_TRITON_GLUON=1`` on sm_90 with Triton
+    3.6), for tests that count compiled variants: empty elsewhere."""
+    from dcp_plugin.kernels._gluon import gluon_enabled
+
+    if not torch.cuda.is_available() or not gluon_enabled(torch.device("cuda")):
+        return ()
+    from dcp_plugin.kernels.gluon_chunk import gluon_chunk_kernel
+    from dcp_plugin.kernels.gluon_prefix import gluon_prefix_kernel
+
+    return gluon_chunk_kernel, gluon_prefix_kernel

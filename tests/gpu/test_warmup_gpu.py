@@ -16,12 +16,12 @@ from dcp_plugin.kernels.paged_attention import paged_attention_kernel, paged_att
 from dcp_plugin.kernels.write_kv_cache import write_kv_cache_kernel
 from dcp_plugin.warmup import warm_up
 from tests.dcp_harness import Case, RankState, ThreadGroup, World, causal_attention_f64, run_threads, serial
-from tests.kernel_checks import assert_matches
+from tests.kernel_checks import assert_matches, gluon_kernels
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 KERNELS = (write_kv_cache_kernel, extend_attention_kernel, paged_attention_kernel, paged_attention_reduce_kernel,
-           combine_kernel)
+           combine_kernel) + gluon_kernels()  # the Gluon ones where DCP_TRITON_GLUON=1 serves them
 # (cached context, new tokens) of the first step: long decodes, speculative verify rows, a chunk over a prefix, a
 # fresh prompt, a one-token prompt, contexts shorter than the group; then single-token decode steps.
 REQUESTS = ((3000, 1), (1, 1), (1900, 5), (700, 3), (2048, 200), (0, 150), (0, 1), (2, 2), (5000, 1))
