@@ -55,7 +55,7 @@ def gluon_enabled(device: torch.device) -> bool:
     """Whether Gluon kernels run on ``device``: ``DCP_TRITON_GLUON=1`` and ``gluon_supported``."""
     value = os.environ.get(GLUON_ENV, "0").strip()
     if value not in ("0", "1"):
-        raise ValueError(f"{GLUON_ENV} must be 1 (the Gluon prefix pass where it applies) or 0 (the tl kernels only, "
+        raise ValueError(f"{GLUON_ENV} must be 1 (the Gluon kernels where they apply) or 0 (the tl kernels only, "
                          f"the default), got {value!r}")
     return value == "1" and gluon_supported(device)
 
