@@ -26,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from dcp_plugin.kernels._launch import LOG2E, Launch, device_index, num_sms
 from dcp_plugin.kernels._schedule import flat_programs
-from dcp_plugin.kernels.gluon_prefix import find_block, store_rows, write_padding, zero_rows_past
+from dcp_plugin.kernels.gluon_prefix import find_block, online_step, store_rows, write_padding, zero_rows_past
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup; a tile is 2 * ROWS rows of one Q head
 BLOCK_N = 128  # keys per K/V tile
@@ -37,18 +37,10 @@ SNAKE = True  # rounds of tiles dealt in alternating directions (``_tile_index``
 @gluon.jit
 def softmax_step(acc, l_i, m_i, qk, v_tile, qk_scale, offs_m, offs_n, n_start, MASKED: gl.constexpr,
                  qk_layout: gl.constexpr, acc_layout: gl.constexpr, dtype: gl.constexpr):
-    """One online-softmax step over keys ``n_start + offs_n`` (scores in base 2), causal where ``MASKED``; P x V is
-    issued and in flight on return."""
+    """``online_step`` over keys ``n_start + offs_n``, causal where ``MASKED``; P x V in flight on return."""
     if MASKED:
-        keep = gl.expand_dims(offs_m, 1) >= gl.expand_dims(n_start + offs_n, 0)
-        qk = gl.where(keep, qk, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_layout)), 1)
-    p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2))
-    return warpgroup_mma(p_op, v_tile, acc, is_async=True), l_i, m_new
+        qk = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(n_start + offs_n, 0), qk, float("-inf"))
+    return online_step(acc, l_i, m_i, qk, v_tile, qk_scale, acc_layout, dtype)
 
 
 @gluon.jit

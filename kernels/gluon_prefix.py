@@ -117,11 +117,9 @@ def _load_pages(k_head, v_head, tma_rows, stride_k_tok, stride_v_tok, k_smem, v_
 
 
 @gluon.jit
-def _step(acc, l_i, m_i, qk, v_tile, qk_scale, offs_n, n_start, kv_len, MASKED: gl.constexpr,
-          acc_layout: gl.constexpr, dtype: gl.constexpr):
-    """One online-softmax step (scores in base 2), P x V issued and in flight on return."""
-    if MASKED:  # the last tile: keys past the cached length
-        qk = gl.where(gl.expand_dims(n_start + offs_n < kv_len, 0), qk, float("-inf"))
+def online_step(acc, l_i, m_i, qk, v_tile, qk_scale, acc_layout: gl.constexpr, dtype: gl.constexpr):
+    """One online-softmax step over a key tile's scores ``qk`` (masked keys already -inf; scores in base 2); P x V is
+    issued and in flight on return. Every row sees a key, so its maximum is finite."""
     m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))
@@ -168,8 +166,7 @@ def _attend_rows(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, n
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        acc, l_i, m_i = _step(acc, l_i, m_i, qk, v_smem.index(s), qk_scale, offs_n, i * BLOCK_N, kv_len, False,
-                              acc_layout, dtype)
+        acc, l_i, m_i = online_step(acc, l_i, m_i, qk, v_smem.index(s), qk_scale, acc_layout, dtype)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(s), count=1)
     if n_tiles > 0:
@@ -182,8 +179,8 @@ def _attend_rows(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, n
         if kv_len % BLOCK_N != 0:  # rows past the cached length hold anything (NaN too): 0 x NaN would be NaN
             zero_rows_past(v_smem.index(s), v_fix, kv_len - last * BLOCK_N, BLOCK_N)
             v_last = v_fix
-        acc, l_i, m_i = _step(acc, l_i, m_i, qk, v_last, qk_scale, offs_n, last * BLOCK_N, kv_len, True,
-                              acc_layout, dtype)
+        qk = gl.where(gl.expand_dims(last * BLOCK_N + offs_n < kv_len, 0), qk, float("-inf"))  # past the context
+        acc, l_i, m_i = online_step(acc, l_i, m_i, qk, v_last, qk_scale, acc_layout, dtype)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(s), count=1)
     offs_m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, qk_layout))

@@ -40,6 +40,7 @@ from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count const
 )
 from dcp_plugin.kernels.split_kv import (
     NARROW_SPLITS, PagedLaunch, head_offsets, paged_attention_reduce_kernel, plan_split_reduce, split_views,
+    with_split_stride,
 )
 
 __all__ = ["PagedConfig", "paged_attention", "paged_attention_kernel", "paged_attention_reduce_kernel", "plan_paged",
@@ -369,7 +370,7 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
                                              kv_head_start=kv_head_start), None, None, None, 1)
     if num_splits == 1:
         part_out = part_lse = None
-        out_strides = _with_split_stride(head_strides(out, 3), 0)
+        out_strides = with_split_stride(head_strides(out, 3), 0)
         lse_strides = (*head_strides(lse, 2)[1:], 0)
     else:
         part_out, part_lse = split_views(split_buffer, num_tokens, num_q_heads, num_splits, head_dim, q.device)
@@ -398,9 +399,3 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     other = None if INTERPRET else plan_split_reduce(part_out, part_lse, out, lse,
                                                      narrow=num_splits > NARROW_SPLITS)
     return PagedLaunch(stage1, reduce, part_out, part_lse, num_splits, reduce_other=other)
-
-
-def _with_split_stride(strides: tuple, split_stride: int) -> tuple:
-    """(heads_per_rank, stride_r, stride_t, stride_h, stride_d) -> the kernel's order with the split stride."""
-    heads_per_rank, stride_r, stride_t, stride_h, stride_d = strides
-    return heads_per_rank, stride_r, stride_t, stride_h, split_stride, stride_d

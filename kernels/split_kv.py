@@ -145,3 +145,9 @@ def split_views(buffer, num_tokens: int, num_heads: int, num_splits: int, head_d
     part_out = buffer[:out_size].view(num_tokens, num_heads, num_splits, head_dim)
     part_lse = buffer[out_size:out_size + lse_size].view(num_tokens, num_heads, num_splits)
     return part_out, part_lse
+
+
+def with_split_stride(strides: tuple, split_stride: int) -> tuple:
+    """(heads_per_rank, stride_r, stride_t, stride_h, stride_d) -> the kernel's order with the split stride."""
+    heads_per_rank, stride_r, stride_t, stride_h, stride_d = strides
+    return heads_per_rank, stride_r, stride_t, stride_h, split_stride, stride_d

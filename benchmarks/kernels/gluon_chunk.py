@@ -16,6 +16,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
+from dcp_plugin.kernels.gluon_chunk import softmax_step
 from dcp_plugin.kernels.gluon_prefix import find_block, store_rows, write_padding
 
 @gluon.jit
@@ -27,23 +28,6 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, empty, n_tiles, BLOCK_N: gl.
         mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [i * BLOCK_N, 0], ready.index(s), k_smem.index(s))
         tma.async_copy_global_to_shared(v_desc, [i * BLOCK_N, 0], ready.index(s), v_smem.index(s))
-
-
-@gluon.jit
-def _softmax_step(acc, l_i, m_i, qk, v_tile, qk_scale, offs_m, offs_n, n_start, MASKED: gl.constexpr,
-                  qk_layout: gl.constexpr, acc_layout: gl.constexpr, dtype: gl.constexpr):
-    if MASKED:
-        keep = gl.expand_dims(offs_m, 1) >= gl.expand_dims(n_start + offs_n, 0)
-        qk = gl.where(keep, qk, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    alpha_acc = gl.convert_layout(alpha, gl.SliceLayout(1, acc_layout))
-    acc = acc * gl.expand_dims(alpha_acc, 1)
-    p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2))
-    acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
-    return acc, l_i, m_new
 
 
 @gluon.jit
@@ -98,7 +82,7 @@ def _attend_rows(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, ready, empty, n_tiles,
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v_smem.index(s), qk_scale, offs_m, offs_n, i * BLOCK_N,
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v_smem.index(s), qk_scale, offs_m, offs_n, i * BLOCK_N,
                                       False, qk_layout, acc_layout, dtype)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(s), count=1)
@@ -107,7 +91,7 @@ def _attend_rows(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, ready, empty, n_tiles,
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v_smem.index(s), qk_scale, offs_m, offs_n, i * BLOCK_N,
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v_smem.index(s), qk_scale, offs_m, offs_n, i * BLOCK_N,
                                       True, qk_layout, acc_layout, dtype)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(s), count=1)

@@ -1,6 +1,7 @@
-"""One H200 call for the Gluon kernels: the current chunk's prototypes (``gluon_chunk.py``,
-``gluon_chunk_persistent.py``) and the prefix pass dcp-triton ships on sm_90 (``dcp_plugin.kernels.gluon_prefix``,
-checked and timed by ``gluon_prefix_check.py``): are they right, and faster than the ``tl`` kernels and FA3?
+"""One H200 call for the Gluon kernels: the current chunk's prototype (``gluon_chunk.py``) and the current chunk
+and prefix pass dcp-triton ships on sm_90 (``dcp_plugin.kernels.gluon_chunk``, ``dcp_plugin.kernels.gluon_prefix``,
+the latter checked and timed by ``gluon_prefix_check.py``): are they right, and faster than the ``tl`` kernels and
+FA3?
 
 Each config of ``CONFIGS`` runs in a child process with a time limit (a wrong mbarrier phase hangs a
 GPU, and the parent must still report): first against float64 attention on a varlen batch (lengths 1 .. 1,000,
@@ -11,8 +12,9 @@ configs are appended to the results file's ``runs`` with the call's provenance.
     python benchmarks/kernels/gluon_chunk_probe.py [--name kernels_h200_gluon_probe]
     TRITON_INTERPRET=0 python benchmarks/kernels/gluon_chunk_probe.py --compile-only   # any machine, Triton 3.6
 
-``--compile-only`` compiles each config for sm_90 with Triton's own compiler (no GPU) and prints its registers,
-spills, shared memory, and whether ptxas serialized its wgmmas (it does when code reads a product in flight).
+``--compile-only`` compiles the prototype's schedules (``PROTOTYPE_SCHEDULES``) for sm_90 with Triton's own
+compiler (no GPU) and prints its registers, spills, shared memory, and whether ptxas serialized its wgmmas (it does
+when code reads a product in flight).
 """
 
 from __future__ import annotations
@@ -26,17 +28,18 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
 
-# (BLOCK_N, STAGES, OVERLAP, PINGPONG, PERSISTENT); OVERLAP 1: tile i + 1's QK^T under tile i's softmax, 2: FA3's
-# order (QK^T of tile i + 1 with P x V of tile i, the softmax under P x V); PINGPONG: the warpgroups take turns
-# issuing (FA3); PERSISTENT: gluon_chunk_persistent.py (one program per SM over every tile, OVERLAP 0's loop).
-# kernels_h200_gluon_probe.json has the first two calls' configs (no PERSISTENT entry: 0).
+# (BLOCK_N, STAGES, OVERLAP, PINGPONG[, PERSISTENT]): gluon_chunk.py's prototype, one program per block; OVERLAP 1:
+# tile i + 1's QK^T under tile i's softmax, 2: FA3's order (QK^T of tile i + 1 with P x V of tile i, the softmax
+# under P x V); PINGPONG: the warpgroups take turns issuing (FA3). PERSISTENT 1 (the third call's configs): one
+# program per SM over every tile, the prototype of the shipped kernel below, since replaced by it.
 # ("prefix", PAGES, STAGES): the prefix pass with key tiles of PAGES 64-token pages; (1, 3), (1, 4) and (2, 2) ran
 # as a prototype, (2, 2) won and ships (dcp_plugin.kernels.gluon_prefix; gluon_prefix_check.py checks and times it).
 # OVERLAP 3: OVERLAP 2 with the accumulator's rescale between the two issues (FA3's place, under QK^T).
 # ("chunk", SNAKE): the shipped current chunk (dcp_plugin.kernels.gluon_chunk: the persistent loop with two stages
 # and the V rows past a request zeroed), its tiles dealt round-robin (0) or in rounds of alternating direction (1).
-# The earlier calls' configs are in kernels_h200_gluon_probe.json; (128, 3, 0, 0, 1) stays as the fastest of them.
-CONFIGS = [("chunk", 0), ("chunk", 1), (128, 3, 0, 0, 1), ("prefix", 2, 2)]
+# The earlier calls' configs are in kernels_h200_gluon_probe.json.
+CONFIGS = [("chunk", 0), ("chunk", 1), ("prefix", 2, 2)]
+PROTOTYPE_SCHEDULES = [(128, 2, o, p) for o in (0, 1, 2, 3) for p in (0, 1) if not p or o >= 2]  # --compile-only
 SHAPES = [(16, 1024), (4, 2048), (2, 4096), (1, 16384)]  # (sequences, length), 32 Q / 8 KV heads, D 128
 CHECK_LENS = [1, 17, 64, 127, 128, 129, 300, 1000]
 ERROR_BOUND = 1e-2  # relative Frobenius error of a bf16 output (bench_kernels.py's bound)
@@ -53,12 +56,9 @@ def launch(q, k, v, out, lse, cu, max_len, *, scale, q_head_start, q_per_kv, kv_
 
         return plan_gluon_chunk(q, k, v, out, lse, cu, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
                                 kv_head_start=kv_head_start, snake=bool(config[1]))(q, k, v, out, lse, cu)
-    block_n, stages, overlap, pingpong, *persistent = config
+    block_n, stages, overlap, pingpong, *_ = config  # a fifth entry, PERSISTENT, is the shipped kernel's ancestor
     num_tokens, num_reqs = q.shape[0], cu.shape[0] - 1
     num_q_programs = flat_programs(num_tokens, num_reqs, 128)
-    if persistent and persistent[0]:
-        return launch_persistent(q, k, v, out, lse, cu, num_q_programs, scale=scale, q_head_start=q_head_start,
-                                 q_per_kv=q_per_kv, kv_head_start=kv_head_start, block_n=block_n, stages=stages)
     grid = (num_q_programs + 1, q.shape[1])  # + 1: the padding rows' program
     chunk_attention_kernel[grid](
         q, k, v, out, lse, cu, num_tokens, num_reqs, num_q_programs, scale * 1.4426950408889634, q_head_start,
@@ -66,35 +66,6 @@ def launch(q, k, v, out, lse, cu, max_len, *, scale, q_head_start, q_per_kv, kv_
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         lse.stride(0), lse.stride(1), HEAD_DIM=q.shape[2], BLOCK_N=block_n, STAGES=stages, OVERLAP=int(overlap),
         PINGPONG=bool(pingpong), num_warps=4)
-
-
-def descriptor_layout(block_n: int, head_dim: int, torch_dtype):
-    import torch
-    from triton.experimental.gluon import language as gl
-
-    return gl.NVMMASharedLayout.get_default_for([block_n, head_dim],
-                                                gl.bfloat16 if torch_dtype == torch.bfloat16 else gl.float16)
-
-
-def launch_persistent(q, k, v, out, lse, cu, num_q_programs, *, scale, q_head_start, q_per_kv, kv_head_start,
-                      block_n, stages):
-    """``gluon_chunk_persistent``: host descriptors over ``[tokens, kv_heads * head_dim]`` (heads contiguous), one
-    program per SM at most."""
-    import torch
-    from gluon_chunk_persistent import chunk_attention_persistent_kernel
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    num_tokens, num_heads, head_dim = q.shape
-    layout = descriptor_layout(block_n, head_dim, q.dtype)
-    k_desc, v_desc = (TensorDescriptor(t, [num_tokens, t.shape[1] * head_dim], [t.stride(0), 1],
-                                       [block_n, head_dim], layout) for t in (k, v))
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    grid = (min(sms, (num_q_programs + 1) * num_heads),)
-    chunk_attention_persistent_kernel[grid](
-        q, k_desc, v_desc, out, lse, cu, num_tokens, cu.shape[0] - 1, num_q_programs, num_heads,
-        scale * 1.4426950408889634, q_head_start, q_per_kv, kv_head_start, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), lse.stride(0), lse.stride(1), HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages,
-        num_warps=4)
 
 
 def check(config) -> dict:
@@ -182,7 +153,6 @@ def compile_only() -> None:
     import re
     import tempfile
 
-    import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -190,31 +160,24 @@ def compile_only() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
     import compile_for_hopper as ch
     from gluon_chunk import chunk_attention_kernel
-    from gluon_chunk_persistent import chunk_attention_persistent_kernel
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    for config in CONFIGS:
-        if config[0] in ("prefix", "chunk"):  # shipped: compile_for_hopper.py compiles them as they serve
-            continue
-        block_n, stages, overlap, pingpong, persistent = config
-        fn = chunk_attention_persistent_kernel if persistent else chunk_attention_kernel
+    for config in PROTOTYPE_SCHEDULES:  # the shipped kernels: scripts/compile_for_hopper.py
+        block_n, stages, overlap, pingpong = config
+        fn = chunk_attention_kernel
         signature, attrs = {}, {}
         for i, name in enumerate(fn.arg_names):
             if name.endswith("_ptr"):
                 signature[name] = {"lse_ptr": "*fp32", "query_start_loc_ptr": "*i32", "table_ptr": "*i32",
                                    "kv_lens_ptr": "*i32"}.get(name, "*bf16")
                 attrs[(i,)] = [["tt.divisibility", 16]]
-            elif name.endswith("_desc"):
-                layout = descriptor_layout(block_n, 128, torch.bfloat16)
-                signature[name] = f"tensordesc<bf16[{block_n}, 128],{layout!r}>"
             else:
                 signature[name] = "constexpr" if name.isupper() or name == "stride_lh" else (
                     "fp32" if name == "qk_scale" else "i32")
                 if name.startswith("stride_") and name != "stride_lh":
                     attrs[(i,)] = [["tt.divisibility", 16]]
-        constants = dict(HEAD_DIM=128, STAGES=stages, stride_lh=1, BLOCK_N=block_n)
-        if not persistent:
-            constants.update(OVERLAP=int(overlap), PINGPONG=bool(pingpong))
+        constants = dict(HEAD_DIM=128, STAGES=stages, stride_lh=1, BLOCK_N=block_n, OVERLAP=overlap,
+                         PINGPONG=bool(pingpong))
         compiled = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:

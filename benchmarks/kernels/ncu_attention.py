@@ -1,9 +1,9 @@
 """The attention kernels where dcp-triton trails FA3, each launched once inside a profiler range, for Nsight Compute
-(``ncu``, which the H200 machine has): the current chunk (2 x 4096, causal; the shipped ``tl`` kernel, the Gluon
-prototypes' drifting schedule, one program per tile and persistent, and FA3), the prefix pass (2 x 4096 rows over
-32K cached tokens, 64-token pages; dcp-triton as it runs there, its tl kernel, and FA3) and decode
-(128 requests x 8K, 32 Q / 1 KV heads, 64-token pages; dcp-triton's split pass and merge, FA3). Every kernel runs
-once before the range (compiles, warm-up), so ncu sees only the timed launch.
+(``ncu``, which the H200 machine has): the current chunk (2 x 4096, causal; the ``tl`` kernel, the Gluon
+prototype's drifting schedule with one program per tile, the shipped persistent Gluon kernel, and FA3), the prefix
+pass (2 x 4096 rows over 32K cached tokens, 64-token pages; dcp-triton as it runs there, its tl kernel, and FA3)
+and decode (128 requests x 8K, 32 Q / 1 KV heads, 64-token pages; dcp-triton's split pass and merge, FA3). Every
+kernel runs once before the range (compiles, warm-up), so ncu sees only the timed launch.
 
     ncu --clock-control none --profile-from-start off --set full -o OUT/attention -f \\
         python3 benchmarks/kernels/ncu_attention.py
@@ -25,7 +25,7 @@ import kernel_peers  # noqa: E402
 from bench_kernels import DTYPE, HEAD_DIM, _paged_setup  # noqa: E402
 
 from dcp_plugin.kernels import paged_attention  # noqa: E402
-from dcp_plugin.kernels.extend_attention import plan_extend  # noqa: E402
+from dcp_plugin.kernels.extend_attention import _pick_config, plan_extend  # noqa: E402
 
 
 def current_chunk(gen) -> dict:
@@ -35,14 +35,15 @@ def current_chunk(gen) -> dict:
     cu = torch.arange(0, total + 1, length, dtype=torch.int32, device="cuda")
     out, lse = torch.empty_like(q), torch.empty(total, hq, dtype=torch.float32, device="cuda")
     kw = dict(scale=HEAD_DIM ** -0.5, q_head_start=0, q_per_kv=hq // hk, kv_head_start=0)
-    launch = plan_extend(q, k, v, out, lse, cu, length, **kw)
+    launch = plan_extend(q, k, v, out, lse, cu, length, **kw,  # the tl kernel, whatever DCP_TRITON_GLUON says
+                         config=_pick_config(HEAD_DIM, DTYPE, None, length))
     fns = {"chunk_tl": lambda: launch(q, k, v, out, lse, cu)}
     try:
         from gluon_chunk_probe import launch as gluon_launch
 
-        fns["chunk_gluon"] = lambda: gluon_launch(q, k, v, out, lse, cu, length, config=(128, 2, 0, 0, 0), **kw)
-        fns["chunk_gluon_persistent"] = lambda: gluon_launch(q, k, v, out, lse, cu, length, config=(128, 2, 0, 0, 1),
-                                                             **kw)
+        fns["chunk_gluon"] = lambda: gluon_launch(q, k, v, out, lse, cu, length, config=(128, 2, 0, 0), **kw)
+        fns["chunk_gluon_persistent"] = lambda: gluon_launch(q, k, v, out, lse, cu, length, config=("chunk", 1),
+                                                             **kw)  # the shipped one
     except Exception as err:  # a Triton without Gluon's Hopper API: the others still run
         print(f"gluon prototype unavailable: {err!r}"[:300], flush=True)
     fns.update({f"chunk_{name}": (lambda fn=fn: fn(0)) for name, fn in

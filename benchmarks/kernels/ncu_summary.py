@@ -28,10 +28,12 @@ CHUNK = [("chunk_tl", "extend_attention_kernel"), ("chunk_gluon", "chunk_attenti
          ("chunk_gluon_persistent", "chunk_attention_persistent_kernel"), ("chunk_fa3", FA3)]
 DECODE = [("decode_ours", "paged_attention_kernel"), ("decode_fa3", FA3)]
 # ncu_attention.py's calls in launch order, (label, the call's main kernel): at 3560296 the prefix pass's Gluon
-# prototype beside the shipped tl kernel; once dcp-triton runs gluon_prefix there, its tl kernel beside it
+# prototype beside the shipped tl kernel; since the Gluon kernels ship, the shipped persistent chunk in the
+# prototype's place, and beside the prefix pass dcp-triton runs (gluon_prefix with DCP_TRITON_GLUON=1) its tl kernel
 ORDERS = {"3560296": [*CHUNK, ("prefix_ours", "paged_attention_kernel"), ("prefix_fa3", FA3),
                       ("prefix_gluon", "prefix_attention_kernel"), *DECODE],
-          "gluon_prefix": [*CHUNK, ("prefix_ours", "gluon_prefix_kernel"), ("prefix_fa3", FA3),
+          "gluon_prefix": [*CHUNK[:2], ("chunk_gluon_persistent", "gluon_chunk_kernel"), CHUNK[3],
+                           ("prefix_ours", "gluon_prefix_kernel"), ("prefix_fa3", FA3),
                            ("prefix_tl", "paged_attention_kernel"), *DECODE]}
 # helper kernels: (name, role, +1: belongs to the next main kernel's call, -1: to the previous one's, 0: to none;
 # the fill is a torch fill_ between prefix_fa3 and prefix_gluon whose call was not traced)
