@@ -24,6 +24,8 @@ if TYPE_CHECKING:  # for the annotations; imported where used, so the runner's p
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
+SWITCHES = ("DCP_TRITON_GLUON", "DCP_TRITON_KERNELS", "DCP_TRITON_FAST_LAUNCH", "DCP_TRITON_COMPILE_THREADS",
+            "DCP_TRITON_DCP_FULL_GRAPHS")  # recorded in provenance() when set
 COMMIT_ENV = "DCP_TRITON_COMMIT"  # the commit, where the tree has no .git (the device machine's copy)
 COLD_BYTES = 256 << 20  # disjoint data per timed graph until this many bytes (> 4x an H200's 60 MB L2)
 MAX_COPIES = 32
@@ -148,12 +150,19 @@ def provenance() -> dict:
     the tree may carry a stale .git, so put the host's ``git rev-parse HEAD`` into the device call's command
     (``DCP_TRITON_COMMIT=<hash> bash scripts/device/run_h200.sh ...``). Without either, ``commit`` is None."""
     if os.environ.get(COMMIT_ENV):
-        return {"commit": os.environ[COMMIT_ENV], "dirty": None, "triton": triton_version()}
+        return {"commit": os.environ[COMMIT_ENV], "dirty": None, "triton": triton_version(), **_switches()}
     commit, dirty = _git("rev-parse", "HEAD"), None
     if commit is not None:
         status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
         dirty = None if status is None else bool(status)
-    return {"commit": commit, "dirty": dirty, "triton": triton_version()}
+    return {"commit": commit, "dirty": dirty, "triton": triton_version(), **_switches()}
+
+
+def _switches() -> dict:
+    """``{"env": {...}}``: the kernel switches (``SWITCHES``) set in this process's environment, which change what
+    the same commit runs; ``{}`` when none is set."""
+    env = {name: os.environ[name] for name in SWITCHES if name in os.environ}
+    return {"env": env} if env else {}
 
 
 def stamp(paths: list[Path], provenance: dict) -> None:

@@ -54,7 +54,9 @@ def choose_kernels(*, engine: str) -> KernelChoice:
     ``DCP_TRITON_KERNELS=triton`` runs the Triton kernels interpreted on CPU. ``engine``: the host's name, for the
     messages."""
     from dcp_plugin import kernels
+    from dcp_plugin.kernels._gluon import gluon_asked
 
+    gluon_asked()  # DCP_TRITON_GLUON: refused here, at the engine's start, when it is neither 0 nor 1
     asked = os.environ.get(KERNELS_ENV, "").strip().lower()
     name = asked or ("reference" if kernels.INTERPRET else "triton")
     if name == "reference":
@@ -99,3 +101,13 @@ def check_kernel_dtype(choice: KernelChoice, dtype: torch.dtype | None, *, dtype
             f"{fp8_cache} with the Triton interpreter (no GPU): the interpreter rounds float32 to fp8 wrongly; use "
             f"--kv-cache-dtype auto, or unset {KERNELS_ENV} (the torch references)"
         )
+
+
+def gluon_state(choice: KernelChoice) -> str:
+    """The startup lines' ``gluon=``: ``on`` where this process's compiled Triton kernels include the Gluon ones
+    (sm_90, Triton 3.6, ``DCP_TRITON_GLUON`` not 0; they then serve head size 128 in fp16/bf16), ``off`` elsewhere."""
+    if not choice.compiled or not torch.cuda.is_available():
+        return "off"
+    from dcp_plugin.kernels._gluon import gluon_enabled
+
+    return "on" if gluon_enabled(torch.device("cuda", torch.cuda.current_device())) else "off"

@@ -4,8 +4,9 @@ host facts only, without importing Gluon unless it may run.
 Gluon is Triton's lower-level dialect (explicit layouts, warpgroup MMAs, mbarriers, warp specialization); its API
 changes between Triton releases, so a kernel written in it runs only on the release it was built and measured on
 (``GLUON_TRITON``) and only on sm_90 (Hopper's warpgroup MMAs). Everywhere else (other GPUs and Triton releases,
-the interpreter on CPU) the ``tl`` kernels run, with the same results. ``DCP_TRITON_GLUON=1`` turns them on (off by
-default: their checks against float64 on an H200, tests/gpu/test_gluon_*_gpu.py, gate the default).
+the interpreter on CPU) the ``tl`` kernels run, with the same results. They are on by default where they can run;
+``DCP_TRITON_GLUON=0`` keeps the ``tl`` kernels there too (their checks against float64 on the H200:
+tests/gpu/test_gluon_*_gpu.py).
 """
 
 from __future__ import annotations
@@ -51,13 +52,18 @@ def gluon_supported(device: torch.device) -> bool:
     return _is_sm90(index) and _gluon_importable()
 
 
-def gluon_enabled(device: torch.device) -> bool:
-    """Whether Gluon kernels run on ``device``: ``DCP_TRITON_GLUON=1`` and ``gluon_supported``."""
-    value = os.environ.get(GLUON_ENV, "0").strip()
+def gluon_asked() -> bool:
+    """``DCP_TRITON_GLUON``: 1 (the default) or 0; any other value is refused (the engine adapters ask at start)."""
+    value = os.environ.get(GLUON_ENV, "1").strip()
     if value not in ("0", "1"):
-        raise ValueError(f"{GLUON_ENV} must be 1 (the Gluon kernels where they apply) or 0 (the tl kernels only, "
-                         f"the default), got {value!r}")
-    return value == "1" and gluon_supported(device)
+        raise ValueError(f"{GLUON_ENV} must be 1 (the Gluon kernels where they apply, the default) or 0 (the tl "
+                         f"kernels only), got {value!r}")
+    return value == "1"
+
+
+def gluon_enabled(device: torch.device) -> bool:
+    """Whether Gluon kernels run on ``device``: ``gluon_asked`` and ``gluon_supported``."""
+    return gluon_asked() and gluon_supported(device)
 
 
 def prefix_takes_gluon(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

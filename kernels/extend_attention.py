@@ -5,7 +5,7 @@ varlen batch (``_schedule``), so a step of many one-token rows and one long chun
 row plus the chunk's blocks. Key blocks strictly below the
 query block's first row need no mask (the off-diagonal part); the keys inside the query block's own rows form the
 diagonal part, masked causally. Softmax runs in base 2 with ``scale * log2(e)`` folded into one multiplier; the
-LSE is converted to natural log once, at the end. On sm_90 with Triton 3.6 and ``DCP_TRITON_GLUON=1``,
+LSE is converted to natural log once, at the end. On sm_90 with Triton 3.6 (unless ``DCP_TRITON_GLUON=0``),
 ``plan_extend`` runs the persistent Gluon kernel (``gluon_chunk``) where ``_gluon.chunk_takes_gluon`` allows.
 """
 
@@ -251,7 +251,7 @@ def plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_h
     query_start_loc)``. ``max_query_len`` picks the tiles (``SHORT_CHUNK``); the grid covers any mix of sequence
     lengths."""
     num_tokens, num_q_heads, head_dim = q.shape
-    if config is None and chunk_takes_gluon(q, k, v, out):  # sm_90, Triton 3.6, DCP_TRITON_GLUON=1
+    if config is None and chunk_takes_gluon(q, k, v, out):  # sm_90, Triton 3.6, unless DCP_TRITON_GLUON=0
         from dcp_plugin.kernels.gluon_chunk import plan_gluon_chunk
 
         return plan_gluon_chunk(q, k, v, out, lse, query_start_loc, scale=scale, q_head_start=q_head_start,
@@ -271,8 +271,9 @@ def plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_h
 
 
 def _tma_ok(q, k, v, head_dim: int) -> bool:
-    """Whether K and V can be read through tensor descriptors: ``tma_available``, the head dim is a power of two, and each tensor's base address, token stride and head stride
-    are multiples of 16 bytes with unit stride along D (a TMA copy's requirements)."""
+    """Whether K and V can be read through tensor descriptors: ``tma_available``, the head dim is a power of two, and
+    each tensor's base address, token stride and head stride are multiples of 16 bytes with unit stride along D (a
+    TMA copy's requirements)."""
     if not tma_available(k.device) or head_dim != next_pow2(head_dim):
         return False
     return all(descriptor_ready(t, (0, 1)) for t in (k, v))

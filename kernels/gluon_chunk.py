@@ -14,7 +14,7 @@ K and V are read through descriptors the producer builds over ``[tokens, kv_head
 contiguous): a request's last key tile may hold rows past its end (the next request's, or padding). Their scores
 are masked out; their V rows are zeroed into a per-warpgroup copy before P x V (probability 0 times a NaN there
 would be NaN). Imported only where
-``_gluon.chunk_takes_gluon`` allows it (``DCP_TRITON_GLUON=1``, Triton 3.6, sm_90); ``plan_extend`` then picks
+``_gluon.chunk_takes_gluon`` allows it (Triton 3.6, sm_90, unless ``DCP_TRITON_GLUON=0``); ``plan_extend`` then picks
 it. Results are ``extend_attention``'s: rows past ``query_start_loc[num_reqs]`` get (0, -inf).
 """
 

@@ -9,7 +9,7 @@ H200, bf16, 32 Q / 8 KV heads: 580 TFLOP/s at 2 x 4096 rows over 32K cached and 
 against 518 / 510 for the ``tl`` kernel and 582 / 567 for FA3 in the same process
 (``benchmarks/kernels/gluon_chunk_probe.py``, ``benchmarks/results/kernels_h200_gluon_probe.json``).
 
-Imported only where ``_gluon.prefix_takes_gluon`` allows it (``DCP_TRITON_GLUON=1``, Triton 3.6, sm_90);
+Imported only where ``_gluon.prefix_takes_gluon`` allows it (Triton 3.6, sm_90, unless ``DCP_TRITON_GLUON=0``);
 ``plan_paged`` picks it for query blocks of a prefill step read in one split, else the ``tl`` kernel runs.
 Semantics are ``paged_attention``'s: programs numbered over the batch like ``extend_attention_kernel``
 (``_schedule``), one per (block of 128 rows, local Q head), plus one per head for the rows past

@@ -13,7 +13,7 @@ their query blocks over the whole batch (``_schedule``), so a mixed step never l
 query`` programs. ``out``/``lse`` may be rank-major (``[R, T, H / R, D]``): the layout the DCP collectives send.
 On sm_90+ a tile that lies inside one page (pages of 64 tokens or more) comes through tensor descriptors, one TMA
 copy per K or V tile (``_paged_tile``); smaller pages are gathered token by token. A prefill step's prefix pass on
-sm_90 with Triton 3.6 and ``DCP_TRITON_GLUON=1`` runs ``gluon_prefix`` where ``_gluon.prefix_takes_gluon``
+sm_90 with Triton 3.6 (unless ``DCP_TRITON_GLUON=0``) runs ``gluon_prefix`` where ``_gluon.prefix_takes_gluon``
 allows.
 """
 
@@ -65,8 +65,8 @@ class PagedConfig:
 # (padded head dim, decode) -> launch constants for Hopper; benchmarks sweep others via ``config=``. "decode" = the
 # caller promised one query row per request (max_query_len=1). D=128 decode: 128-token tiles (H200, bf16: 1.1-1.3x
 # the GB/s of 64-token tiles with one KV head per rank, e.g. 32 x 8K 2631 against 2037, within 3% elsewhere;
-# benchmarks/results/kernels_h200_tuning_sweep3.json). Longer queries (the prefix pass, 32 Q / 8 KV heads; sm_90,
-# Triton 3.6, DCP_TRITON_GLUON=1: ``gluon_prefix`` for one-split prefill steps over 64-token pages): pages of 64+,
+# benchmarks/results/kernels_h200_tuning_sweep3.json). Longer queries (the prefix pass, 32 Q / 8 KV heads; on sm_90
+# with Triton 3.6 ``gluon_prefix`` takes one-split prefill steps over 64-token pages instead): pages of 64+,
 # 128-row tiles of 64 tokens through tensor descriptors, four warps, two stages, the rows read a chunk ahead:
 # 528 / 517 TFLOP/s at 2 x 4K rows over 32K cached / 1 x 2K over 128K, against 501 / 500 with each row read in
 # the loop (kernels_h200_sweep_prefix_ahead.json; pointer loads' best: 372 / 390, kernels_h200_sweep_tma.json);

@@ -4,8 +4,8 @@ one's registers, spills and steady-state loop (instructions per warp and iterati
 The variants are the ones ``dcp_plugin.warmup`` compiles: the dummy steps run through ``DcpAttention`` on CPU
 tensors with kernel plans that record their launches instead of running them (at DCP = 1 and DCP = 2, both comm
 modes, caches in the model dtype and in fp8 e4m3 / e5m2, pages of 16 and 64 tokens), with the Hopper selections
-(tensor descriptors) on, as an sm_90 GPU would answer; with Triton 3.6 a second time with the Gluon kernels on
-(``DCP_TRITON_GLUON=1``). Each recorded launch is compiled ahead of time with Triton's
+(tensor descriptors) on, as an sm_90 GPU would answer: the ``tl`` kernels (``DCP_TRITON_GLUON=0``), then with
+Triton 3.6 a second time with the Gluon kernels on (the default there). Each recorded launch is compiled ahead of time with Triton's
 own compiler for ``cuda:90``, specialized the way Triton's dispatch specializes it (integer arguments equal to 1
 become constants, multiples of 16 and pointers are marked 16-divisible). A kernel that does not compile for the GPU
 fails here, on any machine with Triton.
@@ -175,9 +175,9 @@ def main() -> None:
     for module in (_paged_tile, sys.modules[kernels.extend_attention.__module__]):  # what an sm_90 GPU answers
         module.tma_available = lambda device: True
     dtype, cache_dtypes = getattr(torch, args.dtype), (None, torch.float8_e4m3fn, torch.float8_e5m2)
-    _gluon.gluon_enabled = lambda device: False  # the default selections first (DCP_TRITON_GLUON unset)
+    _gluon.gluon_enabled = lambda device: False  # the tl selections first (DCP_TRITON_GLUON=0)
     record = collect(dtype, args.head_dim, cache_dtypes)
-    if triton.__version__.startswith(_gluon.GLUON_TRITON):  # then with the Gluon kernels on (DCP_TRITON_GLUON=1)
+    if triton.__version__.startswith(_gluon.GLUON_TRITON):  # then with the Gluon kernels on (the default on sm_90)
         from dcp_plugin.kernels import gluon_chunk
 
         gluon_chunk.num_sms = lambda device_index: H100_SMS

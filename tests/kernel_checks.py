@@ -72,8 +72,20 @@ def shuffled_block_table(pages: list[int], *, generator: torch.Generator, width:
     return table
 
 
+def kernel_switches(head_dim: int, dtype: torch.dtype) -> tuple:
+    """The ``DCP_TRITON_GLUON`` values a kernel test checks under: "0" and "1" where the Gluon kernels serve this head
+    size and dtype on this GPU (so the ``tl`` kernels they replace there keep their checks), else None (the
+    environment's own)."""
+    from dcp_plugin.kernels._gluon import PREFIX_HEAD_DIM, gluon_supported
+
+    if (head_dim == PREFIX_HEAD_DIM and dtype in (torch.float16, torch.bfloat16) and torch.cuda.is_available()
+            and gluon_supported(torch.device("cuda"))):
+        return ("0", "1")
+    return (None,)
+
+
 def gluon_kernels() -> tuple:
-    """The Gluon kernels that serve on this GPU with this environment (``DCP_TRITON_GLUON=1`` on sm_90 with Triton
+    """The Gluon kernels that serve on this GPU with this environment (by default on sm_90 with Triton
     3.6), for tests that count compiled variants: empty elsewhere."""
     from dcp_plugin.kernels._gluon import gluon_enabled
 

@@ -9,7 +9,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from dcp_plugin.adapters.sglang import compat, metadata, support, topology as topology_mod
 from dcp_plugin.attention import DcpAttention
-from dcp_plugin.kernel_choice import check_kernel_dtype, choose_kernels, kernels_named
+from dcp_plugin.kernel_choice import check_kernel_dtype, choose_kernels, gluon_state, kernels_named
 from dcp_plugin.layout import TokenLayout
 from dcp_plugin.warmup import timed_warm_up
 from dcp_plugin.workspace import DcpWorkspace
@@ -36,6 +36,7 @@ class DcpTritonAttnBackend(AttentionBackend):
         choice = choose_kernels(engine="SGLang")
         check_kernel_dtype(choice, model_runner.dtype, dtype_options="--dtype float32 or float16")
         self.kernel_path, self.kernels, self._compiled = choice.description, choice.name, choice.compiled
+        self._gluon = gluon_state(choice)
         self.topology = topology or topology_mod.from_sglang(model_runner)
         heads = self.topology.heads
         support.check([problem for layer in attention_layers(model_runner.model)
@@ -58,10 +59,11 @@ class DcpTritonAttnBackend(AttentionBackend):
         t = self.topology
         logger.info(
             "dcp-triton attention: backend=dcp-triton dcp_size=%d dcp_rank=%d attn_tp_rank=%d/%d local_q_heads=%d "
-            "stored_kv_heads=%d (global %d..%d) page_size=%d comm=%s kernels=%s workspace=%.1f MiB (%d tokens)",
+            "stored_kv_heads=%d (global %d..%d) page_size=%d comm=%s kernels=%s gluon=%s "
+            "workspace=%.1f MiB (%d tokens)",
             t.ps.attn_dcp_size, t.ps.attn_dcp_rank, t.ps.tp_rank, t.ps.tp_size, heads.num_q_heads,
             heads.num_kv_heads, heads.kv_head_start, heads.kv_head_start + heads.num_kv_heads - 1,
-            self.tokens.block_size, t.comm, self.kernel_path, self.workspace.nbytes / 2**20, max_tokens)
+            self.tokens.block_size, t.comm, self.kernel_path, self._gluon, self.workspace.nbytes / 2**20, max_tokens)
 
     # Per step.
     def init_forward_metadata(self, forward_batch) -> None:

@@ -11,7 +11,7 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionType
 from dcp_plugin.adapters.vllm import compat, registration, spec, support, topology
 from dcp_plugin.adapters.vllm.builder import DcpTritonMetadata
 from dcp_plugin.attention import DcpAttention
-from dcp_plugin.kernel_choice import check_kernel_dtype, choose_kernels, kernels_named
+from dcp_plugin.kernel_choice import check_kernel_dtype, choose_kernels, gluon_state, kernels_named
 from dcp_plugin.layout import TokenLayout, check_same_position
 from dcp_plugin.warmup import timed_warm_up
 from dcp_plugin.workspace import DcpWorkspace
@@ -84,6 +84,7 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         check_kernel_dtype(choice, model_dtype, dtype_options="--dtype float32 (LLM(dtype='float32')) or float16",
                            fp8_cache=f"kv_cache_dtype={kv_cache_dtype!r}" if self._fp8_dtype else None)
         self.kernel_path, self.kernels, self._compiled = choice.description, choice.name, choice.compiled
+        self._gluon = gluon_state(choice)
         self._kernels = kernels_named(choice.name)  # do_kv_cache_update's cache write, the workspace's split capacity
         self.topology = topology.from_vllm(
             num_heads=num_heads, num_kv_heads=self.num_kv_heads, dcp_size=self.dcp_world_size,
@@ -182,14 +183,14 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         t = self.topology
         line = (
             "dcp-triton attention: backend=DCP_TRITON dcp_size=%d dcp_rank=%d tp_rank=%d/%d local_q_heads=%d "
-            "(global %d..%d) stored_kv_heads=%d (global %d..%d) interleave=%d comm=%s kernels=%s fast_launch=%s "
-            "cpu_attn_routed=%s"
+            "(global %d..%d) stored_kv_heads=%d (global %d..%d) interleave=%d comm=%s kernels=%s gluon=%s "
+            "fast_launch=%s cpu_attn_routed=%s"
         )
         args = (
             t.ps.attn_dcp_size, t.ps.attn_dcp_rank, t.ps.tp_rank, t.ps.tp_size, t.heads.num_q_heads,
             t.heads.q_head_start, t.heads.q_head_start + t.heads.num_q_heads - 1, t.heads.num_kv_heads,
             t.heads.kv_head_start, t.heads.kv_head_start + t.heads.num_kv_heads - 1, t.interleave, t.comm,
-            self.kernel_path, "on" if getattr(self._kernels, "FAST_LAUNCH", False) else "off",
+            self.kernel_path, self._gluon, "on" if getattr(self._kernels, "FAST_LAUNCH", False) else "off",
             registration.cpu_route() or "no",
         )
         if args not in _logged_startup:  # once per worker (and once more for a draft with another topology)

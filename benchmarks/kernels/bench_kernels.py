@@ -353,7 +353,8 @@ def main() -> None:
         save(args.name, results)  # each finished section, should the run be stopped
     path = save(args.name, results)
     try:
-        plot(results, path.with_suffix(".png"))
+        if results.get("decode"):  # the plot is of the decode rows: none without them (--only prefix,prefill)
+            plot(results, path.with_suffix(".png"))
     except Exception:
         print(traceback.format_exc(), flush=True)
     print(f"wrote {repo_relative(path)}")  # logs are committed: no machine's folders

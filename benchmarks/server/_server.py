@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
-from common import REPO, save_random_llama  # noqa: E402
+from common import REPO, provenance, save_random_llama  # noqa: E402
 
 TINY_LLAMA = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, head_dim=64,
                   num_hidden_layers=2, vocab_size=512, max_position_embeddings=2048, rms_norm_eps=1e-5,
@@ -245,7 +245,8 @@ def execute(args, load) -> dict:
         kv_heads = 1 if args.dcp > 1 else 2  # vLLM's DCP needs more TP ranks than KV heads
         label = args.model or f"tiny random Llama, 4 Q / {kv_heads} KV heads"
         args.model = args.model or str(write_tiny_llama(Path(tmp) / "m", kv_heads, args.max_model_len))
-        result = {"device": args.device, "model": label, "config": config, **asyncio.run(load(args, log))}
+        result = {"device": args.device, "model": label, "config": config, **asyncio.run(load(args, log)),
+                  "provenance": provenance()}
         paths = ((args.model, f"<{label}>"), (sys.prefix, "<venv>"), (str(REPO), "."), (sys.base_prefix, "<python>"),
                  (tempfile.gettempdir(), "<tmp>"))
 

@@ -45,7 +45,10 @@ def fold(server: dict, engine: dict, engine_file: str) -> dict:
     summary["memory"], summary["repeatability"] = memory, repeat
     out["summary"] = summary
     labels = tuple(CASES.values())
-    checks = [c for c in out.get("checks") or [] if c.get("source") != engine_file]
+    checks = out.get("checks") or []
+    if isinstance(checks, dict):  # the server run's own form, {name: passed}
+        checks = [{"name": name, "pass": bool(ok)} for name, ok in checks.items()]
+    checks = [c for c in checks if c.get("source") != engine_file]
     checks += [{**c, "source": engine_file} for c in engine.get("checks") or [] if c["name"].startswith(labels)]
     for name, by_backend in sorted(repeat.items()):
         ours = by_backend.get(OURS)

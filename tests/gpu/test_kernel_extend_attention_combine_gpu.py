@@ -8,14 +8,22 @@ import torch
 from dcp_plugin.kernels import reference
 from dcp_plugin.kernels.combine import combine_partials, merge_states, rescale_partial
 from dcp_plugin.kernels.extend_attention import extend_attention
-from tests.kernel_checks import assert_matches, poisoned
+from dcp_plugin.kernels._gluon import GLUON_ENV
+from tests.kernel_checks import assert_matches, kernel_switches, poisoned
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
-def test_extend_attention(head_dim, dtype):
+def test_extend_attention(head_dim, dtype, monkeypatch):
+    for gluon in kernel_switches(head_dim, dtype):  # the tl and the Gluon current chunk where both serve
+        if gluon is not None:
+            monkeypatch.setenv(GLUON_ENV, gluon)
+        _check_extend(head_dim, dtype)
+
+
+def _check_extend(head_dim, dtype):
     lengths = [1, 700, 0, 333, 1500]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     t = sum(lengths)

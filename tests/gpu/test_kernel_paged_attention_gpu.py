@@ -9,7 +9,8 @@ import torch
 from dcp_plugin.kernels import reference
 from dcp_plugin.kernels.paged_attention import paged_attention
 from dcp_plugin.kernels.write_kv_cache import write_kv_cache
-from tests.kernel_checks import assert_matches, poisoned, shuffled_block_table
+from dcp_plugin.kernels._gluon import GLUON_ENV
+from tests.kernel_checks import assert_matches, kernel_switches, poisoned, shuffled_block_table
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -64,10 +65,18 @@ def test_big_groups_and_splits(block_size, num_splits):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [64, 128])
 @pytest.mark.parametrize("mode", ["decode", "mixed"])
-def test_tiles_through_tensor_descriptors(mode, block_size, head_dim, dtype):
+def test_tiles_through_tensor_descriptors(mode, block_size, head_dim, dtype, monkeypatch):
     """Pages of 64 tokens or more: on sm_90+ the prefix rows, and decode rows of up to 16 Q heads per KV head, read
-    whole tiles of one page through tensor descriptors (the prefix pass with the rows read ahead). The rows of each
-    last page past its context hold NaN: they must add nothing."""
+    whole tiles of one page through tensor descriptors (the prefix pass with the rows read ahead), with the `tl`
+    kernels and, where they serve, the Gluon prefix pass. The rows of each last page past its context hold NaN: they
+    must add nothing."""
+    for gluon in kernel_switches(head_dim, dtype):
+        if gluon is not None:
+            monkeypatch.setenv(GLUON_ENV, gluon)
+        _check_descriptor_tiles(mode, block_size, head_dim, dtype)
+
+
+def _check_descriptor_tiles(mode, block_size, head_dim, dtype):
     from dcp_plugin.kernels.paged_attention import DESCRIPTOR_DECODE_CONFIGS, GPU_CONFIGS, plan_paged
 
     ctx = [0, 1, 4097, 63, 1000, 2500]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dcp_plugin import DcpAttention, DcpWorkspace, kernels
+from dcp_plugin.kernels._gluon import PREFIX_PAGE
 from dcp_plugin.kernels.combine import combine_kernel
 from dcp_plugin.kernels.extend_attention import extend_attention_kernel
 from dcp_plugin.kernels.paged_attention import paged_attention_kernel, paged_attention_reduce_kernel
@@ -21,7 +22,7 @@ from tests.kernel_checks import assert_matches, gluon_kernels
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 KERNELS = (write_kv_cache_kernel, extend_attention_kernel, paged_attention_kernel, paged_attention_reduce_kernel,
-           combine_kernel) + gluon_kernels()  # the Gluon ones where DCP_TRITON_GLUON=1 serves them
+           combine_kernel) + gluon_kernels()  # the Gluon ones where they serve (sm_90, Triton 3.6)
 # (cached context, new tokens) of the first step: long decodes, speculative verify rows, a chunk over a prefix, a
 # fresh prompt, a one-token prompt, contexts shorter than the group; then single-token decode steps.
 REQUESTS = ((3000, 1), (1, 1), (1900, 5), (700, 3), (2048, 200), (0, 150), (0, 1), (2, 2), (5000, 1))
@@ -29,6 +30,17 @@ REQUESTS = ((3000, 1), (1, 1), (1900, 5), (700, 3), (2048, 200), (0, 150), (0, 1
 
 def compiled_counts() -> list[int]:
     return [len(k.device_caches[torch.cuda.current_device()][0]) for k in KERNELS]
+
+
+def reached(kernel, block_size: int) -> bool:
+    """Whether this test's steps (head size 128, bf16, K and V contiguous) run ``kernel``: where the Gluon kernels
+    serve, they take every current chunk from the ``tl`` one, and the Gluon prefix pass reads 64-token pages only."""
+    gluon = gluon_kernels()
+    if not gluon:
+        return True
+    if kernel is extend_attention_kernel:
+        return False
+    return kernel is not gluon[1] or block_size == PREFIX_PAGE
 
 
 def steps(seed: int) -> list[list[int]]:
@@ -85,7 +97,8 @@ def test_no_kernel_compiles_after_warm_up(n, comm, compile_threads, block_size, 
         return before, compiled_counts()
 
     for before, after in run_threads(n, rank_fn, timeout_s=600):
-        assert min(before) >= 1, f"a kernel never compiled during warm-up: {before}"
+        served = [count for kernel, count in zip(KERNELS, before) if reached(kernel, block_size)]
+        assert min(served) >= 1, f"a kernel these steps run never compiled during warm-up: {before}"
         assert after == before, f"serving steps compiled new variants: {before} -> {after}"
 
 

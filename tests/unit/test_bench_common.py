@@ -47,6 +47,15 @@ def test_the_named_commit_wins_over_a_stale_git(monkeypatch):
     assert common.provenance() == {"commit": "0123abc", "dirty": None, "triton": common.triton_version()}
 
 
+def test_provenance_records_the_kernel_switches_set(monkeypatch):
+    monkeypatch.setenv(common.COMMIT_ENV, "0123abc")
+    for name in common.SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    assert "env" not in common.provenance()
+    monkeypatch.setenv("DCP_TRITON_GLUON", "0")
+    assert common.provenance()["env"] == {"DCP_TRITON_GLUON": "0"}
+
+
 def test_triton_version_prefers_the_imported_module(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", SimpleNamespace(__version__="9.9.9"))
     assert common.triton_version() == "9.9.9"

@@ -1,6 +1,6 @@
 """Which kernels ``plan_paged`` and ``plan_extend`` prepare. The prefix pass: the Gluon one (``gluon_prefix``, sm_90
 with Triton 3.6) only for a prefill step's one-split prefix pass over 64-token pages of a head-size-128 fp16/bf16
-cache that tensor descriptors can read, with ``DCP_TRITON_GLUON=1``; the ``tl`` kernel for everything else, and
+cache that tensor descriptors can read, unless ``DCP_TRITON_GLUON=0``; the ``tl`` kernel for everything else, and
 everywhere Gluon may not run (its float64 checks: tests/gpu/test_gluon_prefix_gpu.py). The current chunk: the Gluon
 one (``gluon_chunk``) for head size 128, fp16/bf16, K and V with their heads contiguous
 (tests/gpu/test_gluon_chunk_gpu.py). Here the selection itself, on CPU, both ways."""
@@ -84,7 +84,7 @@ def test_a_benchmark_config_keeps_tl():
 def test_switch_reads_one_or_zero(monkeypatch):
     monkeypatch.delenv(_gluon.GLUON_ENV, raising=False)
     monkeypatch.setattr(_gluon, "gluon_supported", lambda device: True)  # an sm_90 GPU with Triton 3.6
-    assert not _gluon.gluon_enabled(torch.device("cuda", 0)), "off by default"
+    assert _gluon.gluon_enabled(torch.device("cuda", 0)), "on by default where supported"
     monkeypatch.setenv(_gluon.GLUON_ENV, "1")
     assert _gluon.gluon_enabled(torch.device("cuda", 0))
     monkeypatch.setenv(_gluon.GLUON_ENV, "0")
@@ -129,3 +129,11 @@ def test_chunk_takes_gluon_on_hopper():
                          ids=["d64", "fp32", "kv-heads-apart", "config"])
 def test_chunk_everything_else_takes_tl(change):
     assert _chunk(**change) == "extend_attention_kernel"
+
+
+def test_a_bad_switch_is_refused_when_the_engine_starts(monkeypatch):
+    from dcp_plugin.kernel_choice import choose_kernels
+
+    monkeypatch.setenv(_gluon.GLUON_ENV, "on")
+    with pytest.raises(ValueError, match="DCP_TRITON_GLUON must be 1 .* or 0 .* got 'on'"):
+        choose_kernels(engine="vLLM")
