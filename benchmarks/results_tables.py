@@ -105,6 +105,18 @@ def _load(name: str) -> dict:
     return json.loads((RESULTS / name).read_text())
 
 
+# A later run of bench_kernels.py (--only prefix,prefill, the Gluon kernels on: the default since) whose sections
+# replace kernels_h200.json's; every row's ratio still comes from one run.
+KERNELS_LATER = ("kernels_h200_gluon.json", ("prefill", "prefix"))
+
+
+def _kernels() -> dict:
+    """kernels_h200.json with ``KERNELS_LATER``'s sections."""
+    name, sections = KERNELS_LATER
+    later = _load(name)
+    return {**_load("kernels_h200.json"), **{section: later[section] for section in sections}}
+
+
 def _dcp2_throughput(vllm_dcp: dict) -> dict[str, dict[str, float]]:
     """Output tokens/s per load and config of the tp = 2 CUDA-graph jobs of ``vllm_dcp_e2e.py``."""
     table: dict[str, dict[str, float]] = {}
@@ -158,14 +170,14 @@ def headline_rows(vllm_dcp: dict, kernels: dict, one: dict) -> list[str]:
         f"- **Kernels against FlashAttention-3**: decode {min(fa3):.2f}x-{max(fa3):.2f}x over {len(fa3)} shapes, "
         f"causal prefill {min(prefill):.2f}x-{max(prefill):.2f}x"
         + (f", prefix pass {span(prefix)} over 64-token pages" if prefix else "")
-        + f" ([tables]({page}#kernels-one-h200), "
-        "`benchmarks/results/kernels_h200.json`).",
+        + f" ([tables]({page}#kernels-one-h200), `benchmarks/results/kernels_h200.json`, prefill and prefix "
+        f"`{KERNELS_LATER[0]}`).",
     ]
 
 
 def blocks() -> dict[str, list[str]]:
     """Every generated block, by the name a page marks it with."""
-    vllm_dcp, kernels, one = _load("vllm_dcp_2xh200.json"), _load("kernels_h200.json"), _load("vllm_one_h200.json")
+    vllm_dcp, kernels, one = _load("vllm_dcp_2xh200.json"), _kernels(), _load("vllm_one_h200.json")
     return {"headlines": headline_rows(vllm_dcp, kernels, one), "vllm_dcp2": vllm_dcp2_rows(vllm_dcp),
             "decode": decode_rows(kernels), "prefill": prefill_rows(kernels),
             "prefix": prefix_rows(kernels), "vllm_one": vllm_one_rows(one)}
