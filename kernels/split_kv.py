@@ -46,56 +46,78 @@ def paged_attention_reduce_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    ELEMENTWISE: tl.constexpr = False,
 ):
     """Merge the splits of BLOCK_H heads of one token by LSE, BLOCK_S splits per step with a running maximum, so
     any split count runs the same compiled kernel. A step's LSE and partial loads do not wait on each other (stage 1
-    writes every split, an empty one as (0, -inf)): a batch-1 decode's merge is one memory round trip."""
+    writes every split, an empty one as (0, -inf)): a batch-1 decode's merge is one memory round trip.
+    ``ELEMENTWISE`` (the narrow variant): a step's BLOCK_S splits are unrolled and merged one after the other into
+    each thread's own (head, dim) elements, so no sum or maximum crosses threads (the ``[S, H, D]`` sum over splits
+    went through shared memory with bank conflicts in 84% of its traffic, Nsight Compute)."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
     head_mask = heads < num_q_heads
     dim_mask = dims < head_dim
     offs_s = tl.arange(0, BLOCK_S)
-    lse_base = part_lse_ptr + token * stride_pl_t + heads.to(tl.int64)[None, :] * stride_pl_h  # [1, H]
-    part_base = part_out_ptr + token * stride_po_t + heads.to(tl.int64)[None, :, None] * stride_po_h \
-        + dims[None, None, :] * stride_po_d  # [1, H, D]
     lse_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s_start in range(0, num_splits, BLOCK_S):
-        split = s_start + offs_s
-        lse = tl.load(lse_base + split[:, None] * stride_pl_s,
-                      mask=(split < num_splits)[:, None] & head_mask[None, :], other=float("-inf"))  # [S, H]
-        new_max = tl.maximum(lse_max, tl.max(lse, 0))
-        max_safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-        alpha = tl.exp2((lse_max - max_safe) * _LOG2E)  # 0 while nothing was seen
-        weight = tl.exp2((lse - max_safe[None, :]) * _LOG2E)  # exactly 0 for an empty split (its O is 0)
-        part = tl.load(part_base + split[:, None, None] * stride_po_s,
-                       mask=(split < num_splits)[:, None, None] & head_mask[None, :, None] & dim_mask[None, None, :],
-                       other=0.0)  # [S, H, D]
-        acc = acc * alpha[:, None] + tl.sum(part * weight[:, :, None], 0)
-        total = total * alpha + tl.sum(weight, 0)
-        lse_max = new_max
+    hd_mask = head_mask[:, None] & dim_mask[None, :]
+    if ELEMENTWISE:
+        lse_row = part_lse_ptr + token * stride_pl_t + heads.to(tl.int64) * stride_pl_h  # [H]
+        part_rows = part_out_ptr + token * stride_po_t + heads.to(tl.int64)[:, None] * stride_po_h \
+            + dims[None, :] * stride_po_d  # [H, D]
+        for s_start in range(0, num_splits, BLOCK_S):
+            for j in tl.static_range(BLOCK_S):
+                live = head_mask & (tl.zeros([BLOCK_H], tl.int32) + s_start + j < num_splits)  # [H]
+                lse = tl.load(lse_row + (s_start + j) * stride_pl_s, mask=live, other=float("-inf"))
+                part = tl.load(part_rows + (s_start + j) * stride_po_s, mask=live[:, None] & dim_mask[None, :],
+                               other=0.0)
+                new_max = tl.maximum(lse_max, lse)
+                max_safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+                alpha = tl.exp2((lse_max - max_safe) * _LOG2E)
+                weight = tl.exp2((lse - max_safe) * _LOG2E)  # NaN for a NaN LSE: total, out and lse follow
+                acc = acc * alpha[:, None] + part * weight[:, None]
+                total = total * alpha + weight
+                lse_max = new_max
+    else:
+        lse_base = part_lse_ptr + token * stride_pl_t + heads.to(tl.int64)[None, :] * stride_pl_h  # [1, H]
+        part_base = part_out_ptr + token * stride_po_t + heads.to(tl.int64)[None, :, None] * stride_po_h \
+            + dims[None, None, :] * stride_po_d  # [1, H, D]
+        for s_start in range(0, num_splits, BLOCK_S):
+            split = s_start + offs_s
+            lse = tl.load(lse_base + split[:, None] * stride_pl_s,
+                          mask=(split < num_splits)[:, None] & head_mask[None, :], other=float("-inf"))  # [S, H]
+            new_max = tl.maximum(lse_max, tl.max(lse, 0))
+            max_safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+            alpha = tl.exp2((lse_max - max_safe) * _LOG2E)  # 0 while nothing was seen
+            weight = tl.exp2((lse - max_safe[None, :]) * _LOG2E)  # exactly 0 for an empty split (its O is 0)
+            part = tl.load(part_base + split[:, None, None] * stride_po_s,
+                           mask=(split < num_splits)[:, None, None] & hd_mask[None, :, :], other=0.0)  # [S, H, D]
+            acc = acc * alpha[:, None] + tl.sum(part * weight[:, :, None], 0)
+            total = total * alpha + tl.sum(weight, 0)
+            lse_max = new_max
     # Every split empty: (0, -inf). A NaN split LSE (from a NaN input) leaves total NaN, and out and lse with it.
     total_safe = tl.where(total == 0.0, 1.0, total)
     out = acc / total_safe[:, None]
     lse = tl.where(total == 0.0, float("-inf"), lse_max + tl.log(total_safe))
-    hd_mask = head_mask[:, None] & dim_mask[None, :]
     out_rows = out_ptr + token * stride_o_t + head_offsets(heads, out_heads_per_rank, stride_o_r, stride_o_h)
     tl.store(out_rows[:, None] + dims[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty), mask=hd_mask)
     lse_rows = lse_ptr + token * stride_lse_t + head_offsets(heads, out_heads_per_rank, stride_lse_r, stride_lse_h)
     tl.store(lse_rows, lse, mask=head_mask)
 
 
-def reduce_tiling(num_splits: int, num_heads: int, *, narrow: bool | None = None) -> tuple[int, int]:
-    """``(BLOCK_H, BLOCK_S)`` of the merge of ``num_splits`` splits of ``num_heads`` heads: on a GPU the narrow
-    variant for up to ``NARROW_SPLITS`` splits, else the wide one (``narrow`` forces either); under the
-    interpreter, where every program costs Python time, one program takes all heads of a token, 8 splits a step."""
+def reduce_tiling(num_splits: int, num_heads: int, *, narrow: bool | None = None) -> tuple[int, int, bool]:
+    """``(BLOCK_H, BLOCK_S, ELEMENTWISE)`` of the merge of ``num_splits`` splits of ``num_heads`` heads: on a GPU the
+    narrow variant (elementwise) for up to ``NARROW_SPLITS`` splits, else the wide one (``narrow`` forces either);
+    under the interpreter, where every program costs Python time, one program takes all heads of a token, 8 splits
+    a step, summed as one tensor."""
     if narrow is None:
         if INTERPRET:
-            return next_pow2(num_heads), 8
+            return next_pow2(num_heads), 8, False
         narrow = num_splits <= NARROW_SPLITS
-    return (min(NARROW_HEADS, next_pow2(num_heads)), NARROW_SPLITS) if narrow else (1, REDUCE_SPLITS)
+    return (min(NARROW_HEADS, next_pow2(num_heads)), NARROW_SPLITS, True) if narrow else (1, REDUCE_SPLITS, False)
 
 
 def plan_split_reduce(part_out, part_lse, out, lse, *, narrow: bool | None = None) -> Launch:
@@ -103,11 +125,12 @@ def plan_split_reduce(part_out, part_lse, out, lse, *, narrow: bool | None = Non
     rank-major); call it with ``(part_out, part_lse, out, lse)``. ``narrow``: ``reduce_tiling``'s."""
     num_tokens, num_heads, num_splits, head_dim = part_out.shape
     block_d = max(16, next_pow2(head_dim))
-    heads, splits = reduce_tiling(num_splits, num_heads, narrow=narrow)
+    heads, splits, elementwise = reduce_tiling(num_splits, num_heads, narrow=narrow)
     return Launch(paged_attention_reduce_kernel, (num_tokens, cdiv(num_heads, heads)),
                   (num_heads, num_splits, head_dim, *part_out.stride(), *part_lse.stride(),
                    *head_strides(out, 3), *head_strides(lse, 2)[1:]),
-                  dict(BLOCK_H=heads, BLOCK_D=block_d, BLOCK_S=splits), num_warps=4 if block_d <= 128 else 8)
+                  dict(BLOCK_H=heads, BLOCK_D=block_d, BLOCK_S=splits, ELEMENTWISE=elementwise),
+                  num_warps=4 if block_d <= 128 else 8)
 
 
 class PagedLaunch:

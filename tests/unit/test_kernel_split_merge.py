@@ -1,5 +1,5 @@
-"""The merge of a request's KV splits (``split_kv``): both GPU variants (narrow: up to 8 splits a program step, 4
-heads a program; wide: 64 splits a step, one head) against a float64 merge, any split count, empty splits, masked
+"""The merge of a request's KV splits (``split_kv``): both GPU variants (narrow: up to 8 splits a program step merged
+one after the other, 4 heads a program; wide: 64 splits a step summed as one tensor, one head) against a float64 merge, any split count, empty splits, masked
 heads and dims, a rank-major output; which variant a split count picks; and the warm-up running both."""
 
 from __future__ import annotations
@@ -44,6 +44,20 @@ def test_both_variants_merge_any_split_count_like_float64(narrow, splits):
     assert torch.equal(out[-1, -1], torch.zeros(head_dim)) and lse[-1, -1] == float("-inf")
 
 
+@pytest.mark.parametrize("narrow", [True, False], ids=["narrow", "wide"])
+def test_a_nan_split_makes_its_token_and_head_nan_and_no_other(narrow):
+    part_out, part_lse = partials(2, 5, 6, 64, seed=3)
+    part_lse[1, 2, 4] = float("nan")  # one split of token 1, head 2 (the narrow variant's second program holds it)
+    out, lse = poisoned((2, 5, 64), torch.float32), poisoned((2, 5), torch.float32)
+    plan_split_reduce(part_out, part_lse, out, lse, narrow=narrow)(part_out, part_lse, out, lse)
+    assert torch.isnan(out[1, 2]).all() and torch.isnan(lse[1, 2])
+    keep = torch.ones(2, 5, dtype=torch.bool)
+    keep[1, 2] = False
+    want_out, want_lse = merged_f64(part_out, part_lse)
+    assert_matches(out[keep], want_out[keep], torch.float32, "the other (token, head)s' out")
+    assert_matches(lse[keep], want_lse[keep], torch.float32, "the other (token, head)s' lse")
+
+
 @pytest.mark.parametrize("heads", [8, 6], ids=["4-per-rank", "3-per-rank"])  # 3: a 4-head program crosses ranks
 @pytest.mark.parametrize("narrow", [True, False], ids=["narrow", "wide"])
 def test_both_variants_write_a_rank_major_output(narrow, heads):
@@ -61,10 +75,10 @@ def test_both_variants_write_a_rank_major_output(narrow, heads):
 def test_a_gpu_merges_up_to_8_splits_narrow_and_more_wide(monkeypatch):
     monkeypatch.setattr(split_kv, "INTERPRET", False)
     assert [reduce_tiling(s, 32)[1] for s in (2, NARROW_SPLITS, NARROW_SPLITS + 1, 64)] == [8, 8, 64, 64]
-    assert reduce_tiling(2, 32) == (4, 8) and reduce_tiling(2, 2) == (2, 8)  # never more heads than there are
-    assert reduce_tiling(40, 32) == (1, 64)
+    assert reduce_tiling(2, 32) == (4, 8, True) and reduce_tiling(2, 2) == (2, 8, True)  # never more heads than exist
+    assert reduce_tiling(40, 32) == (1, 64, False)
     monkeypatch.setattr(split_kv, "INTERPRET", True)
-    assert reduce_tiling(2, 6) == (8, 8)  # the interpreter: every head of a token in one program
+    assert reduce_tiling(2, 6) == (8, 8, False)  # the interpreter: every head of a token in one program
 
 
 class Recorder:
