@@ -23,7 +23,7 @@ from dcp_plugin.kernels._paged_tile import cache_takes_descriptors
 
 GLUON_ENV = "DCP_TRITON_GLUON"
 GLUON_TRITON = ("3.6.",)
-PREFIX_HEAD_DIM = 128  # the head size gluon_prefix and gluon_chunk serve
+GLUON_HEAD_DIMS = (128,)  # the head sizes gluon_prefix and gluon_chunk serve (their float64 checks on the H200)
 PREFIX_PAGE = 64
 
 
@@ -69,21 +69,21 @@ def gluon_enabled(device: torch.device) -> bool:
 def prefix_takes_gluon(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        out: torch.Tensor) -> bool:
     """Whether a prefill step's prefix pass read in one split (``plan_paged`` asks) runs ``gluon_prefix``: head size
-    ``PREFIX_HEAD_DIM``, fp16/bf16 queries over a cache of the same dtype in pages of ``PREFIX_PAGE`` tokens that
+    in ``GLUON_HEAD_DIMS``, fp16/bf16 queries over a cache of the same dtype in pages of ``PREFIX_PAGE`` tokens that
     tensor descriptors can read (``cache_takes_descriptors``), unit stride along the head dim of q and out, and
     ``gluon_enabled``."""
-    return (q.shape[-1] == PREFIX_HEAD_DIM and q.dtype in (torch.float16, torch.bfloat16)
+    return (q.shape[-1] in GLUON_HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16)
             and key_cache.dtype == q.dtype and value_cache.dtype == q.dtype and key_cache.shape[1] == PREFIX_PAGE
             and q.stride(-1) == 1 and out.stride(-1) == 1 and gluon_enabled(q.device)
-            and cache_takes_descriptors(key_cache, value_cache, PREFIX_HEAD_DIM, PREFIX_PAGE))
+            and cache_takes_descriptors(key_cache, value_cache, q.shape[-1], PREFIX_PAGE))
 
 
 def chunk_takes_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether ``plan_extend`` runs ``gluon_chunk``: head size ``PREFIX_HEAD_DIM``, fp16/bf16, K and V each readable
-    as one 2-D tensor of token rows ``[tokens, kv_heads * head_dim]`` through tensor descriptors (heads contiguous,
+    """Whether ``plan_extend`` runs ``gluon_chunk``: a head size in ``GLUON_HEAD_DIMS``, fp16/bf16, K and V each
+    readable as one 2-D tensor of token rows ``[tokens, kv_heads * head_dim]`` through tensor descriptors (heads contiguous,
     unit stride along D, 16-byte aligned base and token stride), unit stride along the head dim of q and out, and
     ``gluon_enabled``."""
-    return (q.shape[-1] == PREFIX_HEAD_DIM and q.dtype in (torch.float16, torch.bfloat16)
-            and all(t.stride(1) == PREFIX_HEAD_DIM and descriptor_ready(t, (0,)) for t in (k, v))
+    return (q.shape[-1] in GLUON_HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16)
+            and all(t.stride(1) == q.shape[-1] and descriptor_ready(t, (0,)) for t in (k, v))
             and q.stride(-1) == 1 and out.stride(-1) == 1 and q.shape[0] < 2 ** 31 - 256  # 32-bit row coordinates
             and gluon_enabled(q.device))

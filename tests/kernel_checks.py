@@ -76,9 +76,9 @@ def kernel_switches(head_dim: int, dtype: torch.dtype) -> tuple:
     """The ``DCP_TRITON_GLUON`` values a kernel test checks under: "0" and "1" where the Gluon kernels serve this head
     size and dtype on this GPU (so the ``tl`` kernels they replace there keep their checks), else None (the
     environment's own)."""
-    from dcp_plugin.kernels._gluon import PREFIX_HEAD_DIM, gluon_supported
+    from dcp_plugin.kernels._gluon import GLUON_HEAD_DIMS, gluon_supported
 
-    if (head_dim == PREFIX_HEAD_DIM and dtype in (torch.float16, torch.bfloat16) and torch.cuda.is_available()
+    if (head_dim in GLUON_HEAD_DIMS and dtype in (torch.float16, torch.bfloat16) and torch.cuda.is_available()
             and gluon_supported(torch.device("cuda"))):
         return ("0", "1")
     return (None,)

@@ -43,18 +43,18 @@ ERROR_BOUND = 1e-2  # relative (Frobenius) error of a bf16 output: ~2e-3 is roun
 
 
 def _paged_setup(batch: int, ctx: int, hq: int, hk: int, gen: torch.Generator, *, q_rows: int = 1,
-                 page: int = PAGE):
+                 page: int = PAGE, head_dim: int = HEAD_DIM):
     """Paged inputs with enough disjoint KV sets (block tables over disjoint pages of one pool) that graph
     replays cycling through them run L2-cold, in vLLM's FLASH_ATTN layout (K and V caches of ``[pages, page, Hk,
     D]``): ``(kv_bytes, copies, q, key_cache, value_cache, tables, lens, qsl)``; ``q_rows`` query rows per request."""
-    kv_bytes = batch * ctx * hk * HEAD_DIM * 2 * DTYPE.itemsize
+    kv_bytes = batch * ctx * hk * head_dim * 2 * DTYPE.itemsize
     copies = cold_copies(kv_bytes)
     pages_per_req = math.ceil(ctx / page)
     num_pages = pages_per_req * batch * copies
-    key_cache, value_cache = torch.randn(2, num_pages, page, hk, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
+    key_cache, value_cache = torch.randn(2, num_pages, page, hk, head_dim, dtype=DTYPE, device="cuda", generator=gen)
     perm = torch.randperm(num_pages, device="cuda", generator=gen).to(torch.int32)
     tables = perm.view(copies, batch, pages_per_req)
-    q = torch.randn(batch * q_rows, hq, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
+    q = torch.randn(batch * q_rows, hq, head_dim, dtype=DTYPE, device="cuda", generator=gen)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     qsl = torch.arange(0, batch * q_rows + 1, q_rows, dtype=torch.int32, device="cuda")
     return kv_bytes, copies, q, key_cache, value_cache, tables, lens, qsl

@@ -35,12 +35,13 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 # ("prefix", PAGES, STAGES): the prefix pass with key tiles of PAGES 64-token pages; (1, 3), (1, 4) and (2, 2) ran
 # as a prototype, (2, 2) won and ships (dcp_plugin.kernels.gluon_prefix; gluon_prefix_check.py checks and times it).
 # OVERLAP 3: OVERLAP 2 with the accumulator's rescale between the two issues (FA3's place, under QK^T).
-# ("chunk", SNAKE): the shipped current chunk (dcp_plugin.kernels.gluon_chunk: the persistent loop with two stages
-# and the V rows past a request zeroed), its tiles dealt round-robin (0) or in rounds of alternating direction (1).
-# The earlier calls' configs are in kernels_h200_gluon_probe.json.
-CONFIGS = [("chunk", 0), ("chunk", 1), ("prefix", 2, 2)]
+# ("chunk", SNAKE[, HEAD_DIM]): the shipped current chunk (dcp_plugin.kernels.gluon_chunk: the persistent loop with
+# two stages and the V rows past a request zeroed), its tiles dealt round-robin (0) or in rounds of alternating
+# direction (1); head size 128 unless given (64: a candidate, not yet in _gluon.GLUON_HEAD_DIMS). ("prefix", 2, 2,
+# 64): the prefix pass at head size 64. The earlier calls' configs are in kernels_h200_gluon_probe.json.
+CONFIGS = [("chunk", 1), ("chunk", 0), ("chunk", 1, 64), ("prefix", 2, 2), ("prefix", 2, 2, 64)]
 PROTOTYPE_SCHEDULES = [(128, 2, o, p) for o in (0, 1, 2, 3) for p in (0, 1) if not p or o >= 2]  # --compile-only
-SHAPES = [(16, 1024), (4, 2048), (2, 4096), (1, 16384)]  # (sequences, length), 32 Q / 8 KV heads, D 128
+SHAPES = [(16, 1024), (4, 2048), (2, 4096), (1, 16384)]  # (sequences, length), 32 Q / 8 KV heads
 CHECK_LENS = [1, 17, 64, 127, 128, 129, 300, 1000]
 ERROR_BOUND = 1e-2  # relative Frobenius error of a bf16 output (bench_kernels.py's bound)
 CHILD_TIMEOUT_S = 60  # a config compiles and runs in about 15 s
@@ -68,22 +69,28 @@ def launch(q, k, v, out, lse, cu, max_len, *, scale, q_head_start, q_per_kv, kv_
         PINGPONG=bool(pingpong), num_warps=4)
 
 
+def chunk_head_dim(config) -> int:
+    """A chunk config's head size: its third entry, 128 without one (prototype configs: 128)."""
+    return config[2] if config[0] == "chunk" and len(config) > 2 else 128
+
+
 def check(config) -> dict:
     import torch
 
     from dcp_plugin.kernels import reference
 
+    d = chunk_head_dim(config)
     gen = torch.Generator(device="cuda").manual_seed(0)
     errors = {}
     for hq, hk, q_head_start, q_per_kv in ((32, 8, 0, 4), (8, 2, 8, 16)):
         cu = torch.tensor([0] + CHECK_LENS, device="cuda").cumsum(0).to(torch.int32)
         total, pad = int(cu[-1]), 5  # rows past cu[-1]: a CUDA graph's padding, written as (0, -inf)
-        q = torch.randn(total + pad, hq, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
-        k = torch.randn(total + pad, hk, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
-        v = torch.randn(total + pad, hk, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+        q = torch.randn(total + pad, hq, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+        k = torch.randn(total + pad, hk, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+        v = torch.randn(total + pad, hk, d, dtype=torch.bfloat16, device="cuda", generator=gen)
         out = torch.full_like(q, float("nan"))
         lse = torch.full((total + pad, hq), float("nan"), dtype=torch.float32, device="cuda")
-        kw = dict(scale=128 ** -0.5, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=0)
+        kw = dict(scale=d ** -0.5, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=0)
         launch(q, k, v, out, lse, cu, max(CHECK_LENS), config=config, **kw)
         torch.cuda.synchronize()
         ref_out, ref_lse = reference.extend_attention(q[:total].double(), k[:total].double(), v[:total].double(), cu,
@@ -103,23 +110,23 @@ def time_shapes(config) -> list[dict]:
     from common import graph_ms
     from dcp_plugin.kernels.extend_attention import _pick_config, plan_extend
 
-    rows = []
+    rows, d = [], chunk_head_dim(config)
     gen = torch.Generator(device="cuda").manual_seed(1)
     for seqs, length in SHAPES:
         total = seqs * length
-        q = torch.randn(total, 32, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
-        k = torch.randn(total, 8, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
-        v = torch.randn(total, 8, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+        q = torch.randn(total, 32, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+        k = torch.randn(total, 8, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+        v = torch.randn(total, 8, d, dtype=torch.bfloat16, device="cuda", generator=gen)
         cu = torch.arange(0, total + 1, length, dtype=torch.int32, device="cuda")
         out, lse = torch.empty_like(q), torch.empty(total, 32, dtype=torch.float32, device="cuda")
-        kw = dict(scale=128 ** -0.5, q_head_start=0, q_per_kv=4, kv_head_start=0)
-        flops = 2 * 2 * seqs * length * length * 32 * 128 / 2
+        kw = dict(scale=d ** -0.5, q_head_start=0, q_per_kv=4, kv_head_start=0)
+        flops = 2 * 2 * seqs * length * length * 32 * d / 2
         tl_launch = plan_extend(q, k, v, out, lse, cu, length, **kw,  # the tl kernel, whatever DCP_TRITON_GLUON says
-                                config=_pick_config(128, torch.bfloat16, None, length))
+                                config=_pick_config(d, torch.bfloat16, None, length))
         fns = {"gluon": lambda: launch(q, k, v, out, lse, cu, length, config=config, **kw),
                "ours_tl": lambda: tl_launch(q, k, v, out, lse, cu)}
         fns.update({name: (lambda fn=fn: fn(0)) for name, fn in kernel_peers.fa3_prefill(q, k, v, cu, length).items()})
-        row = dict(num_seqs=seqs, seq_len=length)
+        row = dict(num_seqs=seqs, seq_len=length, head_dim=d)
         for name, fn in fns.items():
             try:
                 ms = graph_ms([fn])

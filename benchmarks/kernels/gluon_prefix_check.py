@@ -1,13 +1,19 @@
 """The shipped Gluon prefix pass's (``dcp_plugin.kernels.gluon_prefix``) launch, float64 check and timing against
 the ``tl`` kernel and FA3, for ``gluon_chunk_probe.py`` (which runs each config in a child process): config
-``("prefix", 2, 2)`` (two 64-token pages a key tile, two stages: the kernel's own, which earlier calls chose)."""
+``("prefix", 2, 2[, HEAD_DIM])`` (two 64-token pages a key tile, two stages: the kernel's own, which earlier calls
+chose; head size 128 unless given)."""
 
 from __future__ import annotations
 
-PREFIX_SHAPES = [(2, 4096, 32768), (1, 2048, 131072)]  # (requests, query rows each, cached tokens), 32 Q / 8 KV, D 128
+PREFIX_SHAPES = [(2, 4096, 32768), (1, 2048, 131072)]  # (requests, query rows each, cached tokens), 32 Q / 8 KV
 CHECK_Q_LENS = [1, 17, 130, 300]
 CHECK_KV_LENS = [0, 5, 64, 700]  # none, part of a page, one page, 10 pages and a part
 PAGE = 64
+
+
+def head_dim(config) -> int:
+    """A prefix config's head size: its fourth entry, 128 without one."""
+    return config[3] if len(config) > 3 else 128
 
 
 def launch_prefix(q, kc, vc, table, kv_lens, cu, out, lse, *, scale, q_head_start, q_per_kv, kv_head_start):
@@ -26,6 +32,7 @@ def check_prefix(config) -> dict:
 
     from dcp_plugin.kernels import reference
 
+    d = head_dim(config)
     gen = torch.Generator(device="cuda").manual_seed(0)
     errors = {}
     for hq, hk, q_head_start, q_per_kv in ((32, 8, 0, 4), (8, 2, 8, 16)):
@@ -34,19 +41,19 @@ def check_prefix(config) -> dict:
         kv_lens = torch.tensor(CHECK_KV_LENS, dtype=torch.int32, device="cuda")
         width = max(1, -(-max(CHECK_KV_LENS) // PAGE))
         num_pages = width * len(CHECK_KV_LENS) + 3
-        kc = torch.full((num_pages, PAGE, hk, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+        kc = torch.full((num_pages, PAGE, hk, d), float("nan"), dtype=torch.bfloat16, device="cuda")
         vc = torch.full_like(kc, float("nan"))
         table = torch.randperm(num_pages, generator=gen, device="cuda")[:width * len(CHECK_KV_LENS)]
         table = table.to(torch.int32).view(len(CHECK_KV_LENS), width)
         for b, n in enumerate(CHECK_KV_LENS):  # real tokens only where the request has them
             pos = torch.arange(n, device="cuda")
             rows = table[b, pos // PAGE].long()
-            kc[rows, pos % PAGE] = torch.randn(n, hk, 128, generator=gen, device="cuda").to(torch.bfloat16)
-            vc[rows, pos % PAGE] = torch.randn(n, hk, 128, generator=gen, device="cuda").to(torch.bfloat16)
-        q = torch.randn(total + pad, hq, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+            kc[rows, pos % PAGE] = torch.randn(n, hk, d, generator=gen, device="cuda").to(torch.bfloat16)
+            vc[rows, pos % PAGE] = torch.randn(n, hk, d, generator=gen, device="cuda").to(torch.bfloat16)
+        q = torch.randn(total + pad, hq, d, dtype=torch.bfloat16, device="cuda", generator=gen)
         out = torch.full_like(q, float("nan"))
         lse = torch.full((total + pad, hq), float("nan"), dtype=torch.float32, device="cuda")
-        kw = dict(scale=128 ** -0.5, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=0)
+        kw = dict(scale=d ** -0.5, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=0)
         launch_prefix(q, kc, vc, table, kv_lens, cu, out, lse, **kw)
         torch.cuda.synchronize()
         ref_out, ref_lse = reference.paged_attention(q[:total].double(), kc.double(), vc.double(), table, kv_lens,
@@ -75,20 +82,21 @@ def time_prefix(config) -> list[dict]:
     from dcp_plugin.kernels import paged_attention
     from dcp_plugin.kernels.paged_attention import GPU_CONFIGS
 
-    rows = []
+    rows, d = [], head_dim(config)
     gen = torch.Generator(device="cuda").manual_seed(1)
     for batch, q_rows, ctx in PREFIX_SHAPES:
-        _, _, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, 32, 8, gen, q_rows=q_rows, page=PAGE)
+        _, _, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, 32, 8, gen, q_rows=q_rows, page=PAGE,
+                                                          head_dim=d)
         out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
-        kw = dict(scale=128 ** -0.5, q_head_start=0, q_per_kv=4, kv_head_start=0)
+        kw = dict(scale=d ** -0.5, q_head_start=0, q_per_kv=4, kv_head_start=0)
         fns = {"gluon": lambda: launch_prefix(q, kc, vc, tables[0], lens, qsl, out, lse, **kw),
                "ours_tl": lambda: paged_attention(q, kc, vc, tables[0], lens, qsl, max_kv_len=ctx,
-                                                  max_query_len=q_rows, out=out, config=GPU_CONFIGS[128, False],
+                                                  max_query_len=q_rows, out=out, config=GPU_CONFIGS[d, False],
                                                   **kw)}
         fns.update({name: (lambda fn=fn: fn(0)) for name, fn in kernel_peers.fa3_paged(
             q, kc, vc, tables, lens, qsl, max_query_len=q_rows, max_kv_len=ctx, causal=False).items()})
-        flops = 4 * batch * q_rows * ctx * 32 * 128
-        row = dict(batch=batch, q_rows=q_rows, ctx=ctx, page=PAGE)
+        flops = 4 * batch * q_rows * ctx * 32 * d
+        row = dict(batch=batch, q_rows=q_rows, ctx=ctx, page=PAGE, head_dim=d)
         for name, fn in fns.items():
             try:
                 ms = median_ms(fn)

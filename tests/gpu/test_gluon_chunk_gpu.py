@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dcp_plugin.kernels import reference
+from dcp_plugin.kernels import _gluon
 from dcp_plugin.kernels._gluon import GLUON_ENV, gluon_supported
 from dcp_plugin.kernels.extend_attention import extend_attention, plan_extend
 from tests.kernel_checks import assert_matches, poisoned
@@ -33,14 +34,14 @@ def gluon_on(monkeypatch):
     monkeypatch.setenv(GLUON_ENV, "1")
 
 
-def _inputs(num_q_heads, num_kv_heads, dtype, seed=0):
+def _inputs(num_q_heads, num_kv_heads, dtype, seed=0, head_dim=128):
     """q, k, v as views of one qkv buffer (vLLM's layout), ``PAD`` rows past the last request with NaN K/V."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     qsl = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     rows = int(qsl[-1]) + PAD
-    qkv = torch.randn(rows, (num_q_heads + 2 * num_kv_heads) * 128, generator=gen, device="cuda").to(dtype)
-    q, k, v = (t.view(rows, -1, 128) for t in qkv.split([num_q_heads * 128, num_kv_heads * 128,
-                                                         num_kv_heads * 128], 1))
+    qkv = torch.randn(rows, (num_q_heads + 2 * num_kv_heads) * head_dim, generator=gen, device="cuda").to(dtype)
+    q, k, v = (t.view(rows, -1, head_dim) for t in qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim,
+                                                              num_kv_heads * head_dim], 1))
     k[-PAD:] = float("nan")
     v[-PAD:] = float("nan")
     return q, k, v, qsl
@@ -59,11 +60,18 @@ def test_selected():
     assert launch.kernel.__name__ == "gluon_chunk_kernel"
 
 
+@pytest.mark.parametrize("head_dim", [128, 64], ids=["d128", "d64-candidate"])
 @pytest.mark.parametrize("heads", sorted(HEADS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_matches_float64(dtype, heads):
+def test_matches_float64(dtype, heads, head_dim, monkeypatch):
+    """Head size 64 is a candidate: the kernel is written for any head size, selected only for ``GLUON_HEAD_DIMS``;
+    this test selects it at 64 too."""
+    monkeypatch.setattr(_gluon, "GLUON_HEAD_DIMS", (64, 128))
     num_q_heads, num_kv_heads, head_map = HEADS[heads]
-    q, k, v, qsl = _inputs(num_q_heads, num_kv_heads, dtype)
+    q, k, v, qsl = _inputs(num_q_heads, num_kv_heads, dtype, head_dim=head_dim)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
+    assert plan_extend(q, k, v, out, lse, qsl, max(LENS), scale=0.1, **head_map).kernel.__name__ == \
+        "gluon_chunk_kernel"
     out, lse = _run(q, k, v, qsl, head_map, dtype)
     total = int(qsl[-1])
     want_out, want_lse = reference.extend_attention(q[:total].double(), k[:total].double(), v[:total].double(), qsl,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dcp_plugin.kernels import reference
+from dcp_plugin.kernels import _gluon
 from dcp_plugin.kernels._gluon import GLUON_ENV, gluon_supported
 from dcp_plugin.kernels.paged_attention import paged_attention, plan_paged
 from tests.kernel_checks import assert_matches, poisoned, shuffled_block_table
@@ -30,21 +31,22 @@ Q_LENS = [1, 17, 130, 300, 128]
 CTX = [0, 5, 64, 700, 129]  # none, part of a page, one page, 10 pages and a part, a key tile and one token
 
 
-def _inputs(*, num_q_heads, num_kv_heads, dtype, first_row=0, pad=5, seed=0):
+def _inputs(*, num_q_heads, num_kv_heads, dtype, first_row=0, pad=5, seed=0, head_dim=128):
     """q with ``first_row`` rows before the first request and ``pad`` after the last; caches of NaN but at each
     request's cached tokens (vLLM-style views of one ``[..., 2 * D]`` buffer), pages shuffled."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     pages = [-(-c // PAGE) for c in CTX]
-    buf = torch.full((sum(pages) + 1, PAGE, num_kv_heads, 256), float("nan"), dtype=dtype, device="cuda")
+    buf = torch.full((sum(pages) + 1, PAGE, num_kv_heads, 2 * head_dim), float("nan"), dtype=dtype, device="cuda")
     table = shuffled_block_table(pages, generator=gen)
     for b, n in enumerate(CTX):
         pos = torch.arange(n, device="cuda")
         rows = table[b, pos // PAGE].long()
-        buf[rows, pos % PAGE] = torch.randn(n, num_kv_heads, 256, generator=gen, device="cuda").to(dtype)
+        buf[rows, pos % PAGE] = torch.randn(n, num_kv_heads, 2 * head_dim, generator=gen, device="cuda").to(dtype)
     qsl = torch.tensor([first_row, *(first_row + torch.tensor(Q_LENS).cumsum(0)).tolist()], dtype=torch.int32,
                        device="cuda")
-    q = torch.randn(int(qsl[-1]) + pad, num_q_heads, 128, generator=gen, device="cuda").to(dtype)
-    return q, buf[..., :128], buf[..., 128:], table, torch.tensor(CTX, dtype=torch.int32, device="cuda"), qsl
+    q = torch.randn(int(qsl[-1]) + pad, num_q_heads, head_dim, generator=gen, device="cuda").to(dtype)
+    return (q, buf[..., :head_dim], buf[..., head_dim:], table, torch.tensor(CTX, dtype=torch.int32, device="cuda"),
+            qsl)
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -70,19 +72,23 @@ def test_selected_for_prefill_steps_only():
     assert kernel(300, num_splits=2) == kernel(8) == "paged_attention_kernel"
 
 
+@pytest.mark.parametrize("head_dim", [128, 64], ids=["d128", "d64-candidate"])
 @pytest.mark.parametrize("first_row", [0, 200], ids=["first0", "first200"])
 @pytest.mark.parametrize("rank_major", [False, True], ids=["plain", "rank-major"])
 @pytest.mark.parametrize("heads", sorted(HEADS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_matches_float64(dtype, heads, rank_major, first_row):
+def test_matches_float64(dtype, heads, rank_major, first_row, head_dim, monkeypatch):
     """``first_row``: rows before the first request (a mixed step's launch after its decodes), more than a 128-row
-    block of them too."""
+    block of them too. Head size 64 is a candidate: the kernel is written for any head size, selected only for
+    ``GLUON_HEAD_DIMS``; this test selects it at 64 too."""
+    monkeypatch.setattr(_gluon, "GLUON_HEAD_DIMS", (64, 128))
     num_q_heads, num_kv_heads, head_map = HEADS[heads]
     q, kc, vc, table, lens, qsl = _inputs(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, dtype=dtype,
-                                          first_row=first_row)
+                                          first_row=first_row, head_dim=head_dim)
     ranks = 2 if rank_major else 1
     out_dtype = dtype if rank_major else torch.float32  # DCP = 1's prefix pass writes float32
-    out = poisoned((ranks, q.shape[0], num_q_heads // ranks, 128) if rank_major else q.shape, out_dtype, "cuda")
+    out = poisoned((ranks, q.shape[0], num_q_heads // ranks, head_dim) if rank_major else q.shape, out_dtype,
+                   "cuda")
     lse = poisoned((ranks, q.shape[0], num_q_heads // ranks) if rank_major else q.shape[:2], torch.float32, "cuda")
     assert plan_paged(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, **head_map, max_kv_len=700,
                       max_query_len=300, num_splits=1).stage1.kernel.__name__ == "gluon_prefix_kernel"
