@@ -6,8 +6,8 @@ its ``summary``. The engine jobs are ``vllm_gpu_e2e.py``'s ``oom-burst-*`` (16 p
 ``mix128k-*`` (one 128K-token prompt beside 64 short ones) and ``repeat-*`` (the same greedy batch on two fresh
 engines, bf16 and float32), run under their own name. This script adds to the server file:
 
-- ``summary.memory``: per burst case and backend, whether every request was served, torch's peak reserved memory
-  against vLLM's budget (gpu_memory_utilization x device memory) and its growth over the burst;
+- ``summary.memory``: per burst case and backend, whether every request was served, torch's peak reserved and
+  allocated memory against vLLM's budget (gpu_memory_utilization x device memory) and its growth over the burst;
 - ``summary.repeatability``: per dtype set and backend, the prompts whose tokens were identical on both engines;
 - the engine report's burst checks and one check per repeatability set (dcp-triton identical in every prompt),
   appended to ``checks``; ``passed`` is recomputed over all checks.
@@ -27,8 +27,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from common import RESULTS  # noqa: E402
 from vllm_e2e_bursts import CASES, OURS  # noqa: E402
 
-MEMORY_KEYS = ("status", "served", "requests", "completed", "prompt_tokens", "peak_reserved_bytes", "budget_bytes",
-               "growth_bytes")
+MEMORY_KEYS = ("status", "served", "requests", "completed", "prompt_tokens", "peak_reserved_bytes",
+               "peak_allocated_bytes", "budget_bytes", "growth_bytes")
 REPEAT_KEYS = ("prompts", "identical", "tokens", "earliest_divergence", "max_abs_dlogprob", "bitwise")
 
 
