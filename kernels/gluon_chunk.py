@@ -31,7 +31,14 @@ from dcp_plugin.kernels.gluon_prefix import find_block, online_step, store_rows,
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup; a tile is 2 * ROWS rows of one Q head
 BLOCK_N = 128  # keys per K/V tile
 STAGES = 2  # K/V tiles in flight (with the two V copies: 192 KiB of shared memory)
-SNAKE = True  # rounds of tiles dealt in alternating directions (``_tile_index``)
+# How tiles are dealt to the persistent programs (``_tile_index``, ``_tile``): 0 round-robin, heaviest blocks first;
+# 1 (``SNAKE``) the same in rounds of alternating direction; 2 (``PAIRS``) a tile is two blocks of one request and Q
+# head, blocks j and n - 1 - j, whose causal costs sum to the same for every j. A model of the H200 probe's timings
+# (a tile costs its KV tiles plus a constant; round-robin over 132 programs) predicted its measured differences:
+# SNAKE lost 10% at 16 x 1024 and won 7% at 2 x 4096 against round-robin; PAIRS keeps every program within one
+# tile of the others at all four shapes.
+ROUND_ROBIN, SNAKE, PAIRS = 0, 1, 2
+ORDER = SNAKE
 
 
 @gluon.jit
@@ -44,39 +51,51 @@ def softmax_step(acc, l_i, m_i, qk, v_tile, qk_scale, offs_m, offs_n, n_start, M
 
 
 @gluon.jit
-def _tile_index(k, SNAKE: gl.constexpr):
+def _tile_index(k, ORDER: gl.constexpr):
     """The tile this program takes in round ``k``: tile ``k * P + program`` (P programs), or with ``SNAKE`` the
     rounds alternate direction (``k * P + P - 1 - program`` in odd rounds), so the program that took a round's
     heaviest tile takes the next round's lightest: tiles run heaviest first, and dealt round-robin the first programs
     would take the heaviest of every round."""
     programs = gl.num_programs(0)
     pid = gl.program_id(0)
-    if SNAKE:
+    if ORDER == 1:
         pid = gl.where(k % 2 == 1, programs - 1 - pid, pid)
     return k * programs + pid
 
 
 @gluon.jit
-def _tile(query_start_loc_ptr, num_reqs, num_q_programs, num_heads, t):
-    """Tile ``t`` -> (padding tile, has rows, request start, request length, first row, head). ``t // num_heads``
-    counts flat programs from the last (the heaviest blocks first), every head of one before the next; the next
-    ``num_heads`` tiles write the rows past the last request (one per head); tiles after those do nothing."""
+def _tile(query_start_loc_ptr, num_reqs, num_q_programs, num_heads, t, sub, ORDER: gl.constexpr):
+    """Tile ``t``'s block ``sub`` -> (padding tile, has rows, request start, request length, first row, head).
+    ``t // num_heads`` counts flat programs (of 128-row blocks, or with ``PAIRS`` of 256-row pairs) from the last
+    (the heaviest blocks first), every head of one before the next; the next ``num_heads`` tiles write the rows past
+    the last request (one per head, at ``sub`` 0); tiles after those do nothing. A pair j of a request of n blocks
+    is its blocks j (``sub`` 0) and n - 1 - j (``sub`` 1, when that is another block)."""
     idx = t // num_heads
     head = t % num_heads
-    is_pad = idx == num_q_programs  # past it (a program's last round): nothing
+    is_pad = (idx == num_q_programs) & (sub == 0)  # past it (a program's last round): nothing
     active = idx < num_q_programs  # (never with no requests: nothing is read then)
     pid = gl.maximum(num_q_programs - 1 - idx, 0)
-    seq, m_block = find_block(query_start_loc_ptr, num_reqs, pid, 2 * ROWS)
+    if ORDER == 2:
+        seq, j = find_block(query_start_loc_ptr, num_reqs, pid, 4 * ROWS)
+    else:
+        seq, j = find_block(query_start_loc_ptr, num_reqs, pid, 2 * ROWS)
     start = gl.load(query_start_loc_ptr + seq, mask=active, other=0)
     seq_len = (gl.load(query_start_loc_ptr + seq + 1, mask=active, other=0) - start).to(gl.int32)
-    m_start = (m_block * (2 * ROWS)).to(gl.int32)  # < 0 for ids before the first request's (query_start_loc[0] > 0)
-    return is_pad, active & (m_start >= 0) & (m_start < seq_len), start.to(gl.int64), seq_len, m_start, head
+    if ORDER == 2:
+        n_blocks = gl.cdiv(seq_len, 2 * ROWS)
+        m_block = gl.where(sub == 0, j, n_blocks - 1 - j)
+        own = (j >= 0) & gl.where(sub == 0, 2 * j < n_blocks, n_blocks - 1 - j > j)
+    else:
+        m_block = j
+        own = j >= 0  # < 0 for ids before the first request's (query_start_loc[0] > 0)
+    m_start = (m_block * (2 * ROWS)).to(gl.int32)
+    return is_pad, active & own & (m_start < seq_len), start.to(gl.int64), seq_len, m_start, head
 
 
 @gluon.jit
 def _load_tiles(k_ptr, v_ptr, num_tokens, kv_width, stride_kt, stride_vt, k_smem, v_smem, ready, empty,
                 query_start_loc_ptr, num_reqs, num_q_programs, num_heads, q_head_start, q_per_kv, kv_head_start,
-                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, SNAKE: gl.constexpr):
+                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr):
     """The producer: every tile's K/V tiles into the ring, one counter across tiles (the consumers keep the same).
     It builds the descriptors it copies through, so the warp that issues the copies is the one that fenced them."""
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], k_ptr.dtype.element_ty)
@@ -86,28 +105,29 @@ def _load_tiles(k_ptr, v_ptr, num_tokens, kv_width, stride_kt, stride_vt, k_smem
                                         block_shape=[BLOCK_N, HEAD_DIM], layout=layout)
     it = 0
     for k in range(gl.cdiv((num_q_programs + 1) * num_heads, gl.num_programs(0))):
-        t = _tile_index(k, SNAKE)
-        is_pad, valid, seq_start, seq_len, m_start, head = _tile(query_start_loc_ptr, num_reqs, num_q_programs,
-                                                                 num_heads, t)
-        if valid:
-            column = ((q_head_start + head) // q_per_kv - kv_head_start) * HEAD_DIM
-            row0 = seq_start.to(gl.int32)  # < 2^31 rows: checked on the host
-            for i in range(gl.cdiv(gl.minimum(m_start + 2 * ROWS, seq_len), BLOCK_N)):
-                s = it % STAGES
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh barrier's last phase counts done
-                mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [row0 + i * BLOCK_N, column], ready.index(s),
-                                                k_smem.index(s))
-                tma.async_copy_global_to_shared(v_desc, [row0 + i * BLOCK_N, column], ready.index(s),
-                                                v_smem.index(s))
-                it += 1
+        t = _tile_index(k, ORDER)
+        for sub in range(2 if ORDER == 2 else 1):
+            is_pad, valid, seq_start, seq_len, m_start, head = _tile(query_start_loc_ptr, num_reqs, num_q_programs,
+                                                                     num_heads, t, sub, ORDER)
+            if valid:
+                column = ((q_head_start + head) // q_per_kv - kv_head_start) * HEAD_DIM
+                row0 = seq_start.to(gl.int32)  # < 2^31 rows: checked on the host
+                for i in range(gl.cdiv(gl.minimum(m_start + 2 * ROWS, seq_len), BLOCK_N)):
+                    s = it % STAGES
+                    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh barrier's last phase: done
+                    mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(k_desc, [row0 + i * BLOCK_N, column], ready.index(s),
+                                                    k_smem.index(s))
+                    tma.async_copy_global_to_shared(v_desc, [row0 + i * BLOCK_N, column], ready.index(s),
+                                                    v_smem.index(s))
+                    it += 1
 
 
 @gluon.jit
 def _attend_tiles(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, query_start_loc_ptr, num_tokens,
                   num_reqs, num_q_programs, num_heads, qk_scale, row_offset, stride_qt, stride_qh, stride_ot,
                   stride_oh, stride_lt, stride_lh, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  STAGES: gl.constexpr, SNAKE: gl.constexpr, WRITES_PADDING: gl.constexpr):
+                  STAGES: gl.constexpr, ORDER: gl.constexpr, WRITES_PADDING: gl.constexpr):
     """A consumer warpgroup: rows ``row_offset .. row_offset + ROWS`` of every tile; ``WRITES_PADDING``: this one
     writes the padding tiles' rows as (0, -inf)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -121,62 +141,64 @@ def _attend_tiles(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, 
     zero_qk = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=qk_layout)
     it = 0
     for k in range(gl.cdiv((num_q_programs + 1) * num_heads, gl.num_programs(0))):
-        t = _tile_index(k, SNAKE)
-        is_pad, valid, seq_start, seq_len, m_start, head = _tile(query_start_loc_ptr, num_reqs, num_q_programs,
-                                                                 num_heads, t)
-        out_head = head.to(gl.int64) * stride_oh
-        lse_head = head.to(gl.int64) * stride_lh
-        if is_pad:
-            if WRITES_PADDING:
-                write_padding(out_ptr, lse_ptr, query_start_loc_ptr, num_reqs, num_tokens, out_head, lse_head,
-                              stride_ot, stride_lt, ROWS, HEAD_DIM)
-        elif valid:
-            row0 = m_start + row_offset
-            rows_io = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
-            q = gl.load(q_ptr + gl.expand_dims((seq_start + rows_io).to(gl.int64) * stride_qt, 1)
-                        + head.to(gl.int64) * stride_qh + gl.expand_dims(cols_io, 0),
-                        mask=gl.expand_dims(rows_io < seq_len, 1), other=0.0)
-            q_op = gl.convert_layout(q, gl.DotOperandLayout(operand_index=0, parent=qk_layout, k_width=2))
-            offs_m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, qk_layout))
-            m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, qk_layout))
-            l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, qk_layout))
-            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
-            n_tiles = gl.cdiv(gl.minimum(m_start + 2 * ROWS, seq_len), BLOCK_N)
-            n_unmasked = m_start // BLOCK_N
-            for i in range(n_unmasked):  # tiles wholly below the tile's first row, inside the request
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
-                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-                acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v_smem.index(s), qk_scale, offs_m, offs_n,
-                                             i * BLOCK_N, False, qk_layout, acc_layout, dtype)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(s), count=1)
-                it += 1
-            for i in range(n_unmasked, n_tiles):  # the tiles the causal mask cuts (the last may pass the end)
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
-                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-                v_tile = v_smem.index(s)
-                if (i + 1) * BLOCK_N > seq_len:  # rows past the request hold anything (NaN too): zero them
-                    zero_rows_past(v_smem.index(s), v_fix, seq_len - i * BLOCK_N, BLOCK_N)
-                    v_tile = v_fix
-                acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v_tile, qk_scale, offs_m, offs_n, i * BLOCK_N,
-                                             True, qk_layout, acc_layout, dtype)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(s), count=1)
-                it += 1
-            store_rows(out_ptr, lse_ptr, acc, l_i, m_i, rows_io, cols_io, offs_m, seq_start, seq_len, out_head,
-                       lse_head, stride_ot, stride_lt, acc_layout, io_layout)
+        t = _tile_index(k, ORDER)
+        for sub in range(2 if ORDER == 2 else 1):
+            is_pad, valid, seq_start, seq_len, m_start, head = _tile(query_start_loc_ptr, num_reqs, num_q_programs,
+                                                                     num_heads, t, sub, ORDER)
+            out_head = head.to(gl.int64) * stride_oh
+            lse_head = head.to(gl.int64) * stride_lh
+            if is_pad:
+                if WRITES_PADDING:
+                    write_padding(out_ptr, lse_ptr, query_start_loc_ptr, num_reqs, num_tokens, out_head, lse_head,
+                                  stride_ot, stride_lt, ROWS, HEAD_DIM)
+            elif valid:
+                row0 = m_start + row_offset
+                rows_io = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
+                q = gl.load(q_ptr + gl.expand_dims((seq_start + rows_io).to(gl.int64) * stride_qt, 1)
+                            + head.to(gl.int64) * stride_qh + gl.expand_dims(cols_io, 0),
+                            mask=gl.expand_dims(rows_io < seq_len, 1), other=0.0)
+                q_op = gl.convert_layout(q, gl.DotOperandLayout(operand_index=0, parent=qk_layout, k_width=2))
+                offs_m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, qk_layout))
+                m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, qk_layout))
+                l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, qk_layout))
+                acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+                n_tiles = gl.cdiv(gl.minimum(m_start + 2 * ROWS, seq_len), BLOCK_N)
+                n_unmasked = m_start // BLOCK_N
+                for i in range(n_unmasked):  # tiles wholly below the tile's first row, inside the request
+                    s = it % STAGES
+                    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                    qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
+                    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+                    acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v_smem.index(s), qk_scale, offs_m, offs_n,
+                                                 i * BLOCK_N, False, qk_layout, acc_layout, dtype)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    mbarrier.arrive(empty.index(s), count=1)
+                    it += 1
+                for i in range(n_unmasked, n_tiles):  # the tiles the causal mask cuts (the last may pass the end)
+                    s = it % STAGES
+                    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                    qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
+                    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+                    v_tile = v_smem.index(s)
+                    if (i + 1) * BLOCK_N > seq_len:  # rows past the request hold anything (NaN too): zero them
+                        zero_rows_past(v_smem.index(s), v_fix, seq_len - i * BLOCK_N, BLOCK_N)
+                        v_tile = v_fix
+                    acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v_tile, qk_scale, offs_m, offs_n, i * BLOCK_N,
+                                                 True, qk_layout, acc_layout, dtype)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    mbarrier.arrive(empty.index(s), count=1)
+                    it += 1
+                store_rows(out_ptr, lse_ptr, acc, l_i, m_i, rows_io, cols_io, offs_m, seq_start, seq_len, out_head,
+                           lse_head, stride_ot, stride_lt, acc_layout, io_layout)
 
 
 @gluon.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs"))
 def gluon_chunk_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_ptr, num_tokens, num_reqs,
                        num_q_programs, num_heads, qk_scale, q_head_start, q_per_kv, kv_head_start, stride_qt, stride_qh,
                        stride_kt, stride_vt, stride_ot, stride_oh, stride_lt, stride_lh, kv_width,
-                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SNAKE: gl.constexpr):
-    """Grid (programs,), at most one per SM; ``num_q_programs``: ``_schedule.flat_programs`` of 128-row blocks;
+                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr):
+    """Grid (programs,), at most one per SM; ``num_q_programs``: ``_schedule.flat_programs`` of 128-row blocks
+    (256-row pairs with ``PAIRS``);
     ``num_heads``: local Q heads; ``kv_width``: stored KV heads x head size (the descriptors' row width)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -191,24 +213,24 @@ def gluon_chunk_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_pt
     gl.warp_specialize([
         (_attend_tiles, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix.index(0), ready, empty, query_start_loc_ptr,
                          num_tokens, num_reqs, num_q_programs, num_heads, qk_scale, 0, stride_qt, stride_qh,
-                         stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N, HEAD_DIM, STAGES, SNAKE, True)),
+                         stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N, HEAD_DIM, STAGES, ORDER, True)),
         (_attend_tiles, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix.index(1), ready, empty, query_start_loc_ptr,
                          num_tokens, num_reqs, num_q_programs, num_heads, qk_scale, ROWS, stride_qt, stride_qh,
-                         stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N, HEAD_DIM, STAGES, SNAKE, False)),
+                         stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N, HEAD_DIM, STAGES, ORDER, False)),
         (_load_tiles, (k_ptr, v_ptr, num_tokens, kv_width, stride_kt, stride_vt, k_smem, v_smem, ready, empty,
                        query_start_loc_ptr, num_reqs, num_q_programs, num_heads, q_head_start, q_per_kv,
-                       kv_head_start, BLOCK_N, HEAD_DIM, STAGES, SNAKE)),
+                       kv_head_start, BLOCK_N, HEAD_DIM, STAGES, ORDER)),
     ], [4, 1], [232, 40])
 
 
 def plan_gluon_chunk(q, k, v, out, lse, query_start_loc, *, scale, q_head_start, q_per_kv, kv_head_start,
-                     snake: bool = SNAKE) -> Launch:
+                     order: int = ORDER) -> Launch:
     """``gluon_chunk_kernel`` prepared for tensors like these, called like ``extend_attention_kernel``'s ``Launch``
-    (``(q, k, v, out, lse, query_start_loc)``); the caller checked ``_gluon.chunk_takes_gluon``. ``snake``: the
-    tiles' order (``_tile_index``; benchmarks time both)."""
+    (``(q, k, v, out, lse, query_start_loc)``); the caller checked ``_gluon.chunk_takes_gluon``. ``order``: how
+    tiles are dealt (``ROUND_ROBIN``, ``SNAKE``, ``PAIRS``; benchmarks time each)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_reqs = query_start_loc.shape[0] - 1
-    num_q_programs = flat_programs(num_tokens, num_reqs, 2 * ROWS.value)
+    num_q_programs = flat_programs(num_tokens, num_reqs, (4 if order == PAIRS else 2) * ROWS.value)
     tiles = (num_q_programs + 1) * num_q_heads
     grid = (min(num_sms(device_index(q)), tiles),) if num_tokens and num_q_heads else (0,)
     return Launch(
@@ -216,4 +238,4 @@ def plan_gluon_chunk(q, k, v, out, lse, query_start_loc, *, scale, q_head_start,
         (num_tokens, num_reqs, num_q_programs, num_q_heads, float(scale) * LOG2E, q_head_start, q_per_kv,
          kv_head_start, q.stride(0), q.stride(1), k.stride(0), v.stride(0), out.stride(0), out.stride(1),
          lse.stride(0), lse.stride(1), k.shape[1] * head_dim),
-        dict(HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=STAGES, SNAKE=snake), num_warps=4, scratch=True)
+        dict(HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=STAGES, ORDER=order), num_warps=4, scratch=True)

@@ -13,6 +13,7 @@ from dcp_plugin.kernels import reference
 from dcp_plugin.kernels import _gluon
 from dcp_plugin.kernels._gluon import GLUON_ENV, gluon_supported
 from dcp_plugin.kernels.extend_attention import extend_attention, plan_extend
+from dcp_plugin.kernels.gluon_chunk import PAIRS, ROUND_ROBIN, SNAKE, plan_gluon_chunk
 from tests.kernel_checks import assert_matches, poisoned
 
 pytestmark = [
@@ -121,3 +122,27 @@ def test_cuda_graph_replay():
                                                     max(LENS), scale=0.1, **head_map)
     assert_matches(out[:total], want_out, torch.bfloat16, "out")
     assert_matches(lse[:total], want_lse, torch.bfloat16, "lse")
+
+
+@pytest.mark.parametrize("first_row", [0, 200], ids=["first0", "first200"])
+@pytest.mark.parametrize("order", [ROUND_ROBIN, SNAKE, PAIRS], ids=["round-robin", "snake", "pairs"])
+def test_every_tile_order_matches_float64(order, first_row):
+    """Every way of dealing the tiles (``gluon_chunk.ORDER``) computes the same attention: the requests hold one to
+    eight 128-row blocks (300 rows: a pair and its middle block alone), and with ``first_row`` rows before the first
+    request (a mixed step's chunk after its decodes), which no tile may write."""
+    num_q_heads, num_kv_heads, head_map = HEADS["32q8kv"]
+    q, k, v, qsl = _inputs(num_q_heads, num_kv_heads, torch.bfloat16, seed=3)
+    if first_row:
+        def lead(t, fill):
+            return torch.cat([torch.full((first_row, *t.shape[1:]), fill, dtype=t.dtype, device="cuda"), t])
+        q, k, v, qsl = lead(q, 0.0), lead(k, float("nan")), lead(v, float("nan")), qsl + first_row
+    out, lse = poisoned(q.shape, torch.bfloat16, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
+    plan_gluon_chunk(q, k, v, out, lse, qsl, scale=0.1, **head_map, order=order)(q, k, v, out, lse, qsl)
+    total = int(qsl[-1])
+    want_out, want_lse = reference.extend_attention(q[first_row:total].double(), k[first_row:total].double(),
+                                                    v[first_row:total].double(), qsl - first_row, max(LENS),
+                                                    scale=0.1, **head_map)
+    assert_matches(out[first_row:total], want_out, torch.bfloat16, "out")
+    assert_matches(lse[first_row:total], want_lse, torch.bfloat16, "lse")
+    assert out[:first_row].isnan().all() and lse[:first_row].isnan().all(), "rows before the first request"
+    assert (out[total:] == 0).all() and (lse[total:] == float("-inf")).all(), "padding rows"
