@@ -80,9 +80,9 @@ def prefix_takes_gluon(q: torch.Tensor, key_cache: torch.Tensor, value_cache: to
 
 def chunk_takes_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether ``plan_extend`` runs ``gluon_chunk``: a head size in ``GLUON_HEAD_DIMS``, fp16/bf16, K and V each
-    readable as one 2-D tensor of token rows ``[tokens, kv_heads * head_dim]`` through tensor descriptors (heads contiguous,
-    unit stride along D, 16-byte aligned base and token stride), unit stride along the head dim of q and out, and
-    ``gluon_enabled``."""
+    readable as one 2-D tensor of token rows ``[tokens, kv_heads * head_dim]`` through tensor descriptors (heads
+    contiguous, unit stride along D, 16-byte aligned base and token stride), unit stride along the head dim of q and
+    out, and ``gluon_enabled``."""
     return (q.shape[-1] in GLUON_HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16)
             and all(t.stride(1) == q.shape[-1] and descriptor_ready(t, (0,)) for t in (k, v))
             and q.stride(-1) == 1 and out.stride(-1) == 1 and q.shape[0] < 2 ** 31 - 256  # 32-bit row coordinates

@@ -1,6 +1,7 @@
 """The merge of a request's KV splits (``split_kv``): both GPU variants (narrow: up to 8 splits a program step merged
-one after the other, 4 heads a program; wide: 64 splits a step summed as one tensor, one head) against a float64 merge, any split count, empty splits, masked
-heads and dims, a rank-major output; which variant a split count picks; and the warm-up running both."""
+one after the other, 4 heads a program; wide: 64 splits a step summed as one tensor, one head) against a float64
+merge, any split count, empty splits, a NaN split, masked heads and dims, a rank-major output; which variant a split
+count picks; and the warm-up running both."""
 
 from __future__ import annotations
 
