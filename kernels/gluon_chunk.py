@@ -22,7 +22,9 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
 
 from dcp_plugin.kernels._launch import LOG2E, Launch, device_index, num_sms
 from dcp_plugin.kernels._schedule import flat_programs
@@ -31,6 +33,10 @@ from dcp_plugin.kernels.gluon_prefix import find_block, online_step, store_rows,
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup; a tile is 2 * ROWS rows of one Q head
 BLOCK_N = 128  # keys per K/V tile
 STAGES = 2  # K/V tiles in flight (with the two V copies: 192 KiB of shared memory)
+# PRODUCER_FIX: the producer zeroes a request's last V tile past its end in place, once the copy landed, and signals
+# the consumers on a barrier of its own; no V copies, so three stages fit (192 KiB). Off: each consumer warpgroup
+# zeroes into its own copy (``zero_rows_past``).
+PRODUCER_FIX = False
 # How tiles are dealt to the persistent programs (``_tile_index``, ``_tile``): 0 round-robin, heaviest blocks first;
 # 1 (``SNAKE``) the same in rounds of alternating direction; 2 (``PAIRS``) a tile is two blocks of one request and Q
 # head, blocks j and n - 1 - j, whose causal costs sum to the same for every j. A model of the H200 probe's timings
@@ -93,9 +99,23 @@ def _tile(query_start_loc_ptr, num_reqs, num_q_programs, num_heads, t, sub, ORDE
 
 
 @gluon.jit
-def _load_tiles(k_ptr, v_ptr, num_tokens, kv_width, stride_kt, stride_vt, k_smem, v_smem, ready, empty,
+def _zero_tail_in_place(v_tile, valid, BLOCK_N: gl.constexpr):
+    """The producer warp: rows ``valid ..`` of a landed V tile set to 0 in place, 8 rows at a time, then fenced for
+    the consumers' warpgroup MMAs."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+    rows = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
+    for c in gl.static_range(BLOCK_N // 8):
+        if (c + 1) * 8 > valid:
+            part = v_tile.slice(c * 8, 8).load(layout)
+            v_tile.slice(c * 8, 8).store(gl.where(gl.expand_dims(c * 8 + rows < valid, 1), part, 0.0).to(part.dtype))
+    fence_async_shared()
+
+
+@gluon.jit
+def _load_tiles(k_ptr, v_ptr, num_tokens, kv_width, stride_kt, stride_vt, k_smem, v_smem, ready, empty, fixed,
                 query_start_loc_ptr, num_reqs, num_q_programs, num_heads, q_head_start, q_per_kv, kv_head_start,
-                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr):
+                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
+                PRODUCER_FIX: gl.constexpr):
     """The producer: every tile's K/V tiles into the ring, one counter across tiles (the consumers keep the same).
     It builds the descriptors it copies through, so the warp that issues the copies is the one that fenced them."""
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], k_ptr.dtype.element_ty)
@@ -120,16 +140,23 @@ def _load_tiles(k_ptr, v_ptr, num_tokens, kv_width, stride_kt, stride_vt, k_smem
                                                     k_smem.index(s))
                     tma.async_copy_global_to_shared(v_desc, [row0 + i * BLOCK_N, column], ready.index(s),
                                                     v_smem.index(s))
+                    if PRODUCER_FIX:
+                        if (i + 1) * BLOCK_N > seq_len:  # rows past the request hold anything (NaN too)
+                            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                            _zero_tail_in_place(v_smem.index(s), seq_len - i * BLOCK_N, BLOCK_N)
+                            mbarrier.arrive(fixed.index(s), count=1)
                     it += 1
 
 
 @gluon.jit
-def _attend_tiles(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, query_start_loc_ptr, num_tokens,
-                  num_reqs, num_q_programs, num_heads, qk_scale, row_offset, stride_qt, stride_qh, stride_ot,
-                  stride_oh, stride_lt, stride_lh, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  STAGES: gl.constexpr, ORDER: gl.constexpr, WRITES_PADDING: gl.constexpr):
+def _attend_tiles(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, fixed, query_start_loc_ptr,
+                  num_tokens, num_reqs, num_q_programs, num_heads, qk_scale, row_offset, stride_qt, stride_qh,
+                  stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  STAGES: gl.constexpr, ORDER: gl.constexpr, PRODUCER_FIX: gl.constexpr,
+                  WRITES_PADDING: gl.constexpr):
     """A consumer warpgroup: rows ``row_offset .. row_offset + ROWS`` of every tile; ``WRITES_PADDING``: this one
-    writes the padding tiles' rows as (0, -inf)."""
+    writes the padding tiles' rows as (0, -inf). With ``PRODUCER_FIX`` a request's last V tile is waited for on
+    ``fixed`` (each stage's barrier completes once per fix there: ``fix_phases`` holds a parity bit per stage)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_N, 16])
@@ -140,6 +167,7 @@ def _attend_tiles(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, 
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk_layout))
     zero_qk = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=qk_layout)
     it = 0
+    fix_phases = 0
     for k in range(gl.cdiv((num_q_programs + 1) * num_heads, gl.num_programs(0))):
         t = _tile_index(k, ORDER)
         for sub in range(2 if ORDER == 2 else 1):
@@ -181,8 +209,12 @@ def _attend_tiles(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, 
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
                     v_tile = v_smem.index(s)
                     if (i + 1) * BLOCK_N > seq_len:  # rows past the request hold anything (NaN too): zero them
-                        zero_rows_past(v_smem.index(s), v_fix, seq_len - i * BLOCK_N, BLOCK_N)
-                        v_tile = v_fix
+                        if PRODUCER_FIX:
+                            mbarrier.wait(fixed.index(s), (fix_phases >> s) & 1)
+                            fix_phases = fix_phases ^ (1 << s)
+                        else:
+                            zero_rows_past(v_smem.index(s), v_fix, seq_len - i * BLOCK_N, BLOCK_N)
+                            v_tile = v_fix
                     acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v_tile, qk_scale, offs_m, offs_n, i * BLOCK_N,
                                                  True, qk_layout, acc_layout, dtype)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -196,7 +228,8 @@ def _attend_tiles(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, 
 def gluon_chunk_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_ptr, num_tokens, num_reqs,
                        num_q_programs, num_heads, qk_scale, q_head_start, q_per_kv, kv_head_start, stride_qt, stride_qh,
                        stride_kt, stride_vt, stride_ot, stride_oh, stride_lt, stride_lh, kv_width,
-                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr):
+                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
+                       PRODUCER_FIX: gl.constexpr):
     """Grid (programs,), at most one per SM; ``num_q_programs``: ``_schedule.flat_programs`` of 128-row blocks
     (256-row pairs with ``PAIRS``);
     ``num_heads``: local Q heads; ``kv_width``: stored KV heads x head size (the descriptors' row width)."""
@@ -204,30 +237,43 @@ def gluon_chunk_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_pt
     smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
-    v_fix = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], smem_layout)  # a last V tile each
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a stage
+    if PRODUCER_FIX:
+        fixed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(fixed.index(s), count=1)
+        fix_0 = v_smem.index(0)  # no V copies (unused)
+        fix_1 = v_smem.index(0)
+    else:
+        v_fix = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], smem_layout)  # a last V tile each
+        fix_0 = v_fix.index(0)
+        fix_1 = v_fix.index(1)
+        fixed = ready  # (unused)
     gl.warp_specialize([
-        (_attend_tiles, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix.index(0), ready, empty, query_start_loc_ptr,
+        (_attend_tiles, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, fix_0, ready, empty, fixed, query_start_loc_ptr,
                          num_tokens, num_reqs, num_q_programs, num_heads, qk_scale, 0, stride_qt, stride_qh,
-                         stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N, HEAD_DIM, STAGES, ORDER, True)),
-        (_attend_tiles, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix.index(1), ready, empty, query_start_loc_ptr,
+                         stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N, HEAD_DIM, STAGES, ORDER, PRODUCER_FIX,
+                         True)),
+        (_attend_tiles, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, fix_1, ready, empty, fixed, query_start_loc_ptr,
                          num_tokens, num_reqs, num_q_programs, num_heads, qk_scale, ROWS, stride_qt, stride_qh,
-                         stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N, HEAD_DIM, STAGES, ORDER, False)),
-        (_load_tiles, (k_ptr, v_ptr, num_tokens, kv_width, stride_kt, stride_vt, k_smem, v_smem, ready, empty,
+                         stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N, HEAD_DIM, STAGES, ORDER, PRODUCER_FIX,
+                         False)),
+        (_load_tiles, (k_ptr, v_ptr, num_tokens, kv_width, stride_kt, stride_vt, k_smem, v_smem, ready, empty, fixed,
                        query_start_loc_ptr, num_reqs, num_q_programs, num_heads, q_head_start, q_per_kv,
-                       kv_head_start, BLOCK_N, HEAD_DIM, STAGES, ORDER)),
+                       kv_head_start, BLOCK_N, HEAD_DIM, STAGES, ORDER, PRODUCER_FIX)),
     ], [4, 1], [232, 40])
 
 
 def plan_gluon_chunk(q, k, v, out, lse, query_start_loc, *, scale, q_head_start, q_per_kv, kv_head_start,
-                     order: int = ORDER) -> Launch:
+                     order: int = ORDER, stages: int = STAGES, producer_fix: bool = PRODUCER_FIX) -> Launch:
     """``gluon_chunk_kernel`` prepared for tensors like these, called like ``extend_attention_kernel``'s ``Launch``
     (``(q, k, v, out, lse, query_start_loc)``); the caller checked ``_gluon.chunk_takes_gluon``. ``order``: how
-    tiles are dealt (``ROUND_ROBIN``, ``SNAKE``, ``PAIRS``; benchmarks time each)."""
+    tiles are dealt (``ROUND_ROBIN``, ``SNAKE``, ``PAIRS``); ``stages``, ``producer_fix``: ``STAGES``,
+    ``PRODUCER_FIX`` (benchmarks time each)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_reqs = query_start_loc.shape[0] - 1
     num_q_programs = flat_programs(num_tokens, num_reqs, (4 if order == PAIRS else 2) * ROWS.value)
@@ -238,4 +284,5 @@ def plan_gluon_chunk(q, k, v, out, lse, query_start_loc, *, scale, q_head_start,
         (num_tokens, num_reqs, num_q_programs, num_q_heads, float(scale) * LOG2E, q_head_start, q_per_kv,
          kv_head_start, q.stride(0), q.stride(1), k.stride(0), v.stride(0), out.stride(0), out.stride(1),
          lse.stride(0), lse.stride(1), k.shape[1] * head_dim),
-        dict(HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=STAGES, ORDER=order), num_warps=4, scratch=True)
+        dict(HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=stages, ORDER=order, PRODUCER_FIX=bool(producer_fix)),
+        num_warps=4, scratch=True)

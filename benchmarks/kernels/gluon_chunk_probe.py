@@ -35,12 +35,14 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 # ("prefix", PAGES, STAGES): the prefix pass with key tiles of PAGES 64-token pages; (1, 3), (1, 4) and (2, 2) ran
 # as a prototype, (2, 2) won and ships (dcp_plugin.kernels.gluon_prefix; gluon_prefix_check.py checks and times it).
 # OVERLAP 3: OVERLAP 2 with the accumulator's rescale between the two issues (FA3's place, under QK^T).
-# ("chunk", ORDER[, HEAD_DIM]): the shipped current chunk (dcp_plugin.kernels.gluon_chunk: the persistent loop with
-# two stages and the V rows past a request zeroed), its tiles dealt round-robin (0), in rounds of alternating
-# direction (1, SNAKE) or as pairs of blocks of equal summed cost (2, PAIRS); head size 128 unless given (64: a
-# candidate, not yet in _gluon.GLUON_HEAD_DIMS). ("prefix", 2, 2, 64): the prefix pass at head size 64. The earlier
-# calls' configs are in kernels_h200_gluon_probe.json.
-CONFIGS = [("chunk", 1), ("chunk", 0), ("chunk", 2), ("chunk", 2, 64), ("prefix", 2, 2), ("prefix", 2, 2, 64)]
+# ("chunk", ORDER[, HEAD_DIM[, STAGES, PRODUCER_FIX]]): the shipped current chunk (dcp_plugin.kernels.gluon_chunk:
+# the persistent loop with the V rows past a request zeroed), its tiles dealt round-robin (0), in rounds of
+# alternating direction (1, SNAKE) or as pairs of blocks of equal summed cost (2, PAIRS); head size 128 unless given
+# (64: a candidate, not yet in _gluon.GLUON_HEAD_DIMS); two stages, the V rows zeroed by each consumer, unless given
+# (PRODUCER_FIX 1: by the producer in place, which leaves room for three stages). ("prefix", 2, 2, 64): the prefix
+# pass at head size 64. The earlier calls' configs are in kernels_h200_gluon_probe.json.
+CONFIGS = [("chunk", 1), ("chunk", 0), ("chunk", 2), ("chunk", 2, 128, 3, 1), ("chunk", 2, 64), ("prefix", 2, 2),
+           ("prefix", 2, 2, 64)]
 PROTOTYPE_SCHEDULES = [(128, 2, o, p) for o in (0, 1, 2, 3) for p in (0, 1) if not p or o >= 2]  # --compile-only
 SHAPES = [(16, 1024), (4, 2048), (2, 4096), (1, 16384)]  # (sequences, length), 32 Q / 8 KV heads
 CHECK_LENS = [1, 17, 64, 127, 128, 129, 300, 1000]
@@ -56,8 +58,10 @@ def launch(q, k, v, out, lse, cu, max_len, *, scale, q_head_start, q_per_kv, kv_
     if config[0] == "chunk":  # the shipped kernel, its tiles dealt in the order config[1] names
         from dcp_plugin.kernels.gluon_chunk import plan_gluon_chunk
 
+        stages, producer_fix = config[3:5] if len(config) > 3 else (2, 0)
         return plan_gluon_chunk(q, k, v, out, lse, cu, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
-                                kv_head_start=kv_head_start, order=config[1])(q, k, v, out, lse, cu)
+                                kv_head_start=kv_head_start, order=config[1], stages=stages,
+                                producer_fix=bool(producer_fix))(q, k, v, out, lse, cu)
     block_n, stages, overlap, pingpong, *_ = config  # a fifth entry, PERSISTENT, is the shipped kernel's ancestor
     num_tokens, num_reqs = q.shape[0], cu.shape[0] - 1
     num_q_programs = flat_programs(num_tokens, num_reqs, 128)

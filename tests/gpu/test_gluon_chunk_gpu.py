@@ -82,16 +82,23 @@ def test_matches_float64(dtype, heads, head_dim, monkeypatch):
     assert (out[total:] == 0).all() and (lse[total:] == float("-inf")).all(), "padding rows"
 
 
-def test_a_requests_nan_stays_in_it():
+@pytest.mark.parametrize("producer_fix", [False, True], ids=["consumer-copies", "producer-fix-3-stages"])
+def test_a_requests_nan_stays_in_it(producer_fix):
     """Request 4 (128 rows) holds NaN in K and V: its own rows turn NaN, every other request matches float64; request
-    3's last key tile (127 rows from row 82) reads request 4's first row."""
+    3's last key tile (127 rows from row 82) reads request 4's first row. Whichever warp zeroes those rows: each
+    consumer into its own copy (the default), or the producer in place (``PRODUCER_FIX``, three stages)."""
     num_q_heads, num_kv_heads, head_map = HEADS["32q8kv"]
     q, k, v, qsl = _inputs(num_q_heads, num_kv_heads, torch.bfloat16)
     lo, hi = int(qsl[4]), int(qsl[5])
     clean_k, clean_v = k.clone(), v.clone()
     k[lo:hi] = float("nan")
     v[lo:hi] = float("nan")
-    out, lse = _run(q, k, v, qsl, head_map, torch.bfloat16)
+    if producer_fix:
+        out, lse = poisoned(q.shape, torch.bfloat16, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
+        plan_gluon_chunk(q, k, v, out, lse, qsl, scale=0.1, **head_map, stages=3, producer_fix=True)(q, k, v, out,
+                                                                                                     lse, qsl)
+    else:
+        out, lse = _run(q, k, v, qsl, head_map, torch.bfloat16)
     total = int(qsl[-1])
     want_out, want_lse = reference.extend_attention(q[:total].double(), clean_k[:total].double(),
                                                     clean_v[:total].double(), qsl, max(LENS), scale=0.1, **head_map)
@@ -125,11 +132,14 @@ def test_cuda_graph_replay():
 
 
 @pytest.mark.parametrize("first_row", [0, 200], ids=["first0", "first200"])
-@pytest.mark.parametrize("order", [ROUND_ROBIN, SNAKE, PAIRS], ids=["round-robin", "snake", "pairs"])
-def test_every_tile_order_matches_float64(order, first_row):
-    """Every way of dealing the tiles (``gluon_chunk.ORDER``) computes the same attention: the requests hold one to
-    eight 128-row blocks (300 rows: a pair and its middle block alone), and with ``first_row`` rows before the first
-    request (a mixed step's chunk after its decodes), which no tile may write."""
+@pytest.mark.parametrize(("order", "stages", "producer_fix"),
+                         [(ROUND_ROBIN, 2, False), (SNAKE, 2, False), (PAIRS, 2, False), (PAIRS, 3, True)],
+                         ids=["round-robin", "snake", "pairs", "pairs-3-stages-producer-fix"])
+def test_every_tile_order_matches_float64(order, stages, producer_fix, first_row):
+    """Every way of dealing the tiles (``gluon_chunk.ORDER``), and the V rows past a request zeroed by the producer
+    in place (``PRODUCER_FIX``, three stages), compute the same attention: the requests hold one to eight 128-row
+    blocks (300 rows: a pair and its middle block alone), the rows after them NaN K/V, and with ``first_row`` rows
+    before the first request (a mixed step's chunk after its decodes), which no tile may write."""
     num_q_heads, num_kv_heads, head_map = HEADS["32q8kv"]
     q, k, v, qsl = _inputs(num_q_heads, num_kv_heads, torch.bfloat16, seed=3)
     if first_row:
@@ -137,7 +147,8 @@ def test_every_tile_order_matches_float64(order, first_row):
             return torch.cat([torch.full((first_row, *t.shape[1:]), fill, dtype=t.dtype, device="cuda"), t])
         q, k, v, qsl = lead(q, 0.0), lead(k, float("nan")), lead(v, float("nan")), qsl + first_row
     out, lse = poisoned(q.shape, torch.bfloat16, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
-    plan_gluon_chunk(q, k, v, out, lse, qsl, scale=0.1, **head_map, order=order)(q, k, v, out, lse, qsl)
+    plan_gluon_chunk(q, k, v, out, lse, qsl, scale=0.1, **head_map, order=order, stages=stages,
+                     producer_fix=producer_fix)(q, k, v, out, lse, qsl)
     total = int(qsl[-1])
     want_out, want_lse = reference.extend_attention(q[first_row:total].double(), k[first_row:total].double(),
                                                     v[first_row:total].double(), qsl - first_row, max(LENS),
