@@ -40,7 +40,8 @@ PRODUCER_FIX = False
 # How tiles are dealt to the persistent programs (``_tile_index``, ``_tile``): 0 round-robin, heaviest blocks first;
 # 1 (``SNAKE``) the same in rounds of alternating direction; 2 (``PAIRS``) a tile is two blocks of one request and Q
 # head, blocks j and n - 1 - j, whose causal costs sum to the same for every j. A model of the H200 probe's timings
-# (a tile costs its KV tiles plus a constant; round-robin over 132 programs) predicted its measured differences:
+# (benchmarks/kernels/tile_order_model.py: a tile costs its KV tiles plus a constant) predicted its measured
+# differences:
 # SNAKE lost 10% at 16 x 1024 and won 7% at 2 x 4096 against round-robin. With PAIRS, requests of one length give
 # tiles of one cost, so no program takes more than one tile beyond another (0.97 of ideal at all four shapes).
 ROUND_ROBIN, SNAKE, PAIRS = 0, 1, 2
