@@ -60,6 +60,7 @@ class PagedConfig:
     num_stages: int
     tma: bool = False  # on sm_90+, whole tiles of one page through tensor descriptors where the cache allows
     rows_ahead: bool = False  # with tma: the tiles' descriptor rows read a chunk ahead (_paged_tile.TMA_CHUNK)
+    min_rows: int = 16  # rows a tile has at least (Q heads past the group masked); 64: warpgroup MMAs on sm_90
 
 
 # (padded head dim, decode) -> launch constants for Hopper; benchmarks sweep others via ``config=``. "decode" = the
@@ -223,10 +224,12 @@ def pick_config(head_dim: int, *, decode: bool, dtype: torch.dtype = torch.bfloa
         return GPU_FP32_CONFIGS.get(key, GPU_CONFIGS[key]) if dtype == torch.float32 else GPU_CONFIGS[key]
     if not isinstance(config, PagedConfig):
         raise ValueError(f"config must be a PagedConfig, got {type(config).__name__}")
-    for name in ("block_n", "block_m"):
+    for name in ("block_n", "block_m", "min_rows"):
         value = getattr(config, name)
         if value < 16 or value & (value - 1):
             raise ValueError(f"config.{name} must be a power of two >= 16 (tl.dot tiles), got {value}")
+    if config.min_rows > config.block_m:
+        raise ValueError(f"config.min_rows ({config.min_rows}) must be <= config.block_m ({config.block_m})")
     if config.num_warps < 1 or config.num_stages < 1:
         raise ValueError(f"config.num_warps and config.num_stages must be >= 1, got {config!r}")
     return config
@@ -341,14 +344,14 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     use_tma = cfg.tma and cache_takes_descriptors(key_cache, value_cache, head_dim, cfg.block_n)
     if config is None and cfg.tma and not use_tma:  # the same work through pointer loads
         cfg = POINTER_CONFIGS.get(cfg, pick_config(head_dim, decode=decode, dtype=q.dtype))
-    # Tile rows: BLOCK_Q query tokens x BLOCK_H Q heads of one KV group; at least 16 rows for tl.dot.
+    # Tile rows: BLOCK_Q query tokens x BLOCK_H Q heads of one KV group; at least min_rows (16 for tl.dot).
     block_h = min(next_pow2(min(q_per_kv, num_q_heads)), cfg.block_m)
     block_q = max(1, cfg.block_m // block_h)
     if decode:
         block_q = 1
     elif max_query_len is not None and max_query_len <= SHORT_QUERY:
         block_q = min(block_q, SHORT_QUERY)
-    block_h = max(block_h, 16 // block_q)
+    block_h = max(block_h, cfg.min_rows // block_q)
     first_kv_head, num_groups, head_tiles_per_group = head_tiling(
         num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
         block_h=block_h)

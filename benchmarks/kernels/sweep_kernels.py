@@ -7,8 +7,9 @@ default (``None``: the kernels' own table) first, so a row's gain is read agains
   specialization, which gained nothing, before it became this option);
 - ``prefix``: ``paged_attention`` configs ``(block_n, block_m, num_warps, num_stages[, tma[, rows_ahead]])`` on the
   DCP prefix pass;
-- ``decode`` / ``fp8``: decode configs ``(block_n, num_warps, num_stages[, tma[, rows_ahead]])`` crossed with split
-  counts, graph replay, GB/s of cache bytes read (bf16 / e4m3 cache).
+- ``decode`` / ``fp8``: decode configs ``(block_n, num_warps, num_stages[, tma[, rows_ahead[, min_rows]]])``
+  crossed with split counts, graph replay, GB/s of cache bytes read (bf16 / e4m3 cache); ``min_rows`` 64 pads a
+  tile's Q heads to 64 rows, which ``tl.dot`` runs as warpgroup MMAs on sm_90.
 
 ``--page`` sets the cache's page size for both (16, vLLM's default, unless given; ``tma``: whole tiles of one page
 through tensor descriptors, which needs pages of at least ``block_n`` tokens).
@@ -40,15 +41,16 @@ from dcp_plugin.kernels import extend_attention, paged_attention  # noqa: E402
 
 def sweep_decode(shapes, splits_list, configs, *, fp8: bool = False) -> list[dict]:
     """Tuning data: graph-replay time of each launch config (None: the table's) crossed with each split count
-    (None: the automatic one); ``config`` is recorded as ``[block_n, num_warps, num_stages]``. ``fp8``: over an
-    e4m3 cache (GB/s of its bytes)."""
+    (None: the automatic one); ``config`` is recorded as ``[block_n, num_warps, num_stages, tma, rows_ahead,
+    min_rows]``. ``fp8``: over an e4m3 cache (GB/s of its bytes)."""
     from dcp_plugin.kernels.paged_attention import PagedConfig, pick_config
 
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(3)
     auto_cfg = pick_config(HEAD_DIM, decode=True)
     cfgs = [None, *(PagedConfig(block_n=c[0], block_m=auto_cfg.block_m, num_warps=c[1], num_stages=c[2],
-                                tma=len(c) > 3 and bool(c[3]), rows_ahead=len(c) > 4 and bool(c[4]))
+                                tma=len(c) > 3 and bool(c[3]), rows_ahead=len(c) > 4 and bool(c[4]),
+                                min_rows=c[5] if len(c) > 5 else 16)
                     for c in configs)]
     for batch, ctx, hq, hk in shapes:
         kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen, page=PAGE_SIZE[0])
@@ -66,7 +68,7 @@ def sweep_decode(shapes, splits_list, configs, *, fp8: bool = False) -> list[dic
                                     num_splits=splits, out=out, config=cfg, **scales)
                 row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, fp8=fp8, splits=splits, page=PAGE_SIZE[0],
                            config=None if cfg is None else [cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.tma,
-                                                            cfg.rows_ahead])
+                                                            cfg.rows_ahead, cfg.min_rows])
                 try:
                     row["graph_ms"] = graph_ms([lambda i=i: call(i) for i in range(copies)])
                     row["gbs"] = kv_bytes / row["graph_ms"] / 1e6
@@ -183,7 +185,7 @@ def best(rows: list[dict], key: str, group) -> dict:
 
 
 # Candidates. prefill: (block_m, block_n, num_warps, num_stages, tma); prefix: (block_n, block_m, num_warps,
-# num_stages[, tma[, rows_ahead]]); decode: (block_n, num_warps, num_stages[, tma[, rows_ahead]]).
+# num_stages[, tma[, rows_ahead]]); decode: (block_n, num_warps, num_stages[, tma[, rows_ahead[, min_rows]]]).
 PREFILL_CONFIGS = {
     128: [(128, 128, 8, 3, False), (128, 64, 8, 3, True), (128, 128, 8, 2, True), (128, 64, 8, 4, True)],
     64: [(128, 128, 8, 3, True), (128, 64, 4, 3, True), (128, 128, 4, 3, True), (128, 64, 4, 4, False)],
@@ -195,10 +197,13 @@ PREFIX_SHAPES = [(2, 4096, 32768, 32, 8), (1, 2048, 131072, 32, 8)]
 DECODE_SHAPES = [(1, 1024, 32, 8), (8, 1024, 32, 8), (32, 1024, 32, 8), (1, 8192, 32, 8), (8, 8192, 32, 8),
                  (32, 8192, 32, 1), (128, 8192, 32, 1), (8, 32768, 32, 1), (128, 1024, 32, 8)]  # 32 x 1K: 0.81x FA3
 DECODE_SPLITS = [1, 2, 4, 8, 16, 32]
-DECODE_CONFIGS = [(64, 4, 3), (128, 4, 4), (128, 8, 3), (32, 4, 4)]
+# The last two pad each tile to 64 rows: on sm_90 tl.dot then issues warpgroup MMAs, not mma.sync (with 32 Q heads
+# per KV head the decode tile has 32 rows).
+DECODE_CONFIGS = [(64, 4, 3), (128, 4, 4), (128, 8, 3), (32, 4, 4), (128, 4, 2, 0, 0, 64), (64, 4, 3, 0, 0, 64)]
 FP8_SHAPES = [(8, 8192, 32, 8), (8, 32768, 32, 8), (32, 8192, 32, 1), (128, 8192, 32, 8)]
 FP8_SPLITS = [4, 8, 16, 32]
-FP8_CONFIGS = [(64, 4, 3), (128, 8, 3), (64, 8, 3), (256, 8, 3), (64, 4, 5)]
+# (128, 4, 3): the pointer tiles 16-token pages get, over 64-token pages (which take descriptor tiles by default).
+FP8_CONFIGS = [(64, 4, 3), (128, 8, 3), (64, 8, 3), (256, 8, 3), (64, 4, 5), (128, 4, 3)]
 
 
 def main() -> None:
@@ -208,8 +213,8 @@ def main() -> None:
     parser.add_argument("--page", type=int, default=16, help="page size of the prefix and decode sweeps' caches")
     parser.add_argument("--prefix-configs", help="replace the prefix candidates: BNxBMxWxS[xTMA[xAHEAD]],... "
                         "(e.g. 64x256x8x2, 64x128x4x2x1x1; AHEAD: descriptor rows read a chunk ahead)")
-    parser.add_argument("--decode-configs", help="replace the decode candidates: BNxWxS[xTMA[xAHEAD]],... "
-                        "(e.g. 64x4x3x1x1)")
+    parser.add_argument("--decode-configs", help="replace the decode candidates: BNxWxS[xTMA[xAHEAD[xROWS]]],... "
+                        "(e.g. 64x4x3x1x1, 64x4x4x1x0x64)")
     parser.add_argument("--prefill-configs", help="replace the D=128 prefill candidates: BMxBNxWxSxTMA,... "
                         "(TMA 0/1, e.g. 128x128x8x3x1)")
     parser.add_argument("--prefill-shapes", help="replace the prefill shapes: SEQSxLEN,... (e.g. 16x1024,2x4096)")

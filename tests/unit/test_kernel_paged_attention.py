@@ -82,6 +82,12 @@ CASES = {
     "tma-gqa5-prefix-rows-ahead-chunks-hnd": Case([4, 1, 9], [1100, 1, 700], 10, 2, 5, layout="hnd", num_splits=2,
                                                   max_query_len="none",
                                                   config=PagedConfig(16, 32, 4, 1, tma=True, rows_ahead=True)),
+    # Tiles padded with Q heads past the group (min_rows: 64 rows give warpgroup MMAs on sm_90): their rows masked.
+    "gqa4-decode-rows-padded-to-64-2splits-fp16": Case([1, 1, 1], [63, 100, 0], 8, 2, 4, dtype=torch.float16,
+                                                       num_splits=2, config=PagedConfig(16, 64, 4, 1, min_rows=64)),
+    "tma-dcp-12q3kv-rank1-decode-rows-padded-to-32": Case([1, 1, 1], [1, 63, 130], 6, 2, 4, q_head_start=6,
+                                                          kv_head_start=1, block_size=64, head_dim=128,
+                                                          config=PagedConfig(32, 32, 4, 1, tma=True, min_rows=32)),
     "tma-dcp-12q3kv-rank1-decode-nhd-bs64-tile32": Case([1, 1, 1], [1, 63, 130], 6, 2, 4, q_head_start=6,
                                                         kv_head_start=1, block_size=64, head_dim=128,
                                                         config=PagedConfig(32, 16, 4, 1, tma=True)),
@@ -228,9 +234,10 @@ def _good() -> dict:
     (dict(out=torch.empty(3, 4, 32)), "out must have shape"),
     (dict(lse=torch.empty(3, 4, dtype=torch.float16)), "lse has dtype"),
     (dict(config=PagedConfig(block_n=8, block_m=16, num_warps=4, num_stages=1)), "config.block_n"),
+    (dict(config=PagedConfig(16, 32, 4, 1, min_rows=64)), "config.min_rows"),
 ], ids=["q-dims", "cache-dtype", "value-cache-shape", "block-table-dtype", "query-start-loc-length",
         "head-map-range", "q-per-kv-zero", "max-context-over-table", "splits-zero", "out-shape", "lse-dtype",
-        "config-block-n"])
+        "config-block-n", "config-min-rows"])
 def test_rejects_bad_inputs(change, match):
     with pytest.raises(ValueError, match=match):
         paged_attention(**{**_good(), **change})
