@@ -46,6 +46,12 @@ PRODUCER_FIX = False
 # tiles of one cost, so no program takes more than one tile beyond another (0.97 of ideal at all four shapes).
 ROUND_ROBIN, SNAKE, PAIRS = 0, 1, 2
 ORDER = SNAKE
+# OVERLAP: FA3's order inside a warpgroup: tile i's QK^T and tile i - 1's P x V issued together, tile i's softmax
+# under P x V (``_block_overlap``), the causal mask only on the block's diagonal tile, outside the loop. Off: each
+# tile's QK^T, softmax and P x V in turn (``_block_serial``). The prototype's overlap (gluon_chunk_probe.py's
+# OVERLAP 2) lost 6-15% on the H200: its loop masked every tile (``gluon_chunk_probe.py --compile-only`` prints the
+# instructions a key tile takes on sm_90, and whether ptxas serialized the MMAs).
+OVERLAP = False
 
 
 @gluon.jit
@@ -150,14 +156,131 @@ def _load_tiles(k_ptr, v_ptr, num_tokens, kv_width, stride_kt, stride_vt, k_smem
 
 
 @gluon.jit
+def _block_serial(q_op, k_smem, v_smem, v_fix, ready, empty, fixed, it, fix_phases, m_start, seq_len, qk_scale,
+                  offs_m, offs_n, zero_qk, acc, l_i, m_i, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  PRODUCER_FIX: gl.constexpr, qk_layout: gl.constexpr, acc_layout: gl.constexpr, dtype: gl.constexpr):
+    """A block's key tiles in turn: QK^T, softmax, P x V, each waited for. ``it``: the ring's tile counter."""
+    n_tiles = gl.cdiv(gl.minimum(m_start + 2 * ROWS, seq_len), BLOCK_N)
+    n_unmasked = m_start // BLOCK_N
+    for i in range(n_unmasked):  # tiles wholly below the tile's first row, inside the request
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v_smem.index(s), qk_scale, offs_m, offs_n, i * BLOCK_N,
+                                     False, qk_layout, acc_layout, dtype)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(s), count=1)
+        it += 1
+    for i in range(n_unmasked, n_tiles):  # the tiles the causal mask cuts (the last may pass the end)
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+        v_tile, fix_phases = _v_tile(v_smem, v_fix, fixed, s, fix_phases, i, seq_len, BLOCK_N, PRODUCER_FIX)
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v_tile, qk_scale, offs_m, offs_n, i * BLOCK_N,
+                                     True, qk_layout, acc_layout, dtype)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(s), count=1)
+        it += 1
+    return acc, l_i, m_i, it, fix_phases
+
+
+@gluon.jit
+def _v_tile(v_smem, v_fix, fixed, s, fix_phases, i, seq_len, BLOCK_N: gl.constexpr, PRODUCER_FIX: gl.constexpr):
+    """Key tile ``i``'s V tile in stage ``s`` for P x V: rows past the request hold anything (NaN too), so a tile
+    that passes the end is waited for until the producer zeroed them (``fixed``; ``fix_phases`` holds a parity bit
+    per stage), or zeroed into this warpgroup's copy."""
+    v_tile = v_smem.index(s)
+    if (i + 1) * BLOCK_N > seq_len:
+        if PRODUCER_FIX:
+            mbarrier.wait(fixed.index(s), (fix_phases >> s) & 1)
+            fix_phases = fix_phases ^ (1 << s)
+        else:
+            zero_rows_past(v_smem.index(s), v_fix, seq_len - i * BLOCK_N, BLOCK_N)
+            v_tile = v_fix
+    return v_tile, fix_phases
+
+
+@gluon.jit
+def _probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, n_start, MASKED: gl.constexpr, acc_layout: gl.constexpr,
+           dtype: gl.constexpr):
+    """A key tile's softmax from its raw scores (keys ``n_start + offs_n``, causal where ``MASKED``): P as P x V's
+    register operand, the new row maxima and sums, and the factor that takes the accumulator to the new maxima."""
+    if MASKED:
+        qk = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(n_start + offs_n, 0), qk, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2))
+    return p_op, m_new, l_i, gl.convert_layout(alpha, gl.SliceLayout(1, acc_layout))
+
+
+@gluon.jit
+def _overlap_tile(q_op, k_smem, v_smem, ready, empty, it, s, acc, p_op, m_i, l_i, qk_scale, offs_m, offs_n, n_start,
+                  zero_qk, MASKED: gl.constexpr, STAGES: gl.constexpr, acc_layout: gl.constexpr, dtype: gl.constexpr):
+    """The ring's next key tile (keys ``n_start + offs_n``): its QK^T and the previous tile's P x V (stage ``s``)
+    issued together, its softmax while P x V runs, then the accumulator (with the previous tile in it) taken to the
+    new maxima and the previous stage released. Returns the new ring counter and stage, and the running state."""
+    s_prev = s
+    it += 1
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
+    acc = warpgroup_mma(p_op, v_smem.index(s_prev), acc, is_async=True)
+    if MASKED:  # the diagonal tile: its softmax after P x V (under it, ptxas serializes every MMA: C7513)
+        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        p_next, m_i, l_i, alpha = _probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, n_start, True, acc_layout, dtype)
+    else:
+        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # QK^T done (issued first); P x V in flight
+        p_next, m_i, l_i, alpha = _probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, n_start, False, acc_layout, dtype)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index(s_prev), count=1)
+    return it, s, acc * gl.expand_dims(alpha, 1), p_next, m_i, l_i
+
+
+@gluon.jit
+def _block_overlap(q_op, k_smem, v_smem, v_fix, ready, empty, fixed, it, fix_phases, m_start, seq_len, qk_scale,
+                   offs_m, offs_n, zero_qk, acc, l_i, m_i, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   PRODUCER_FIX: gl.constexpr, acc_layout: gl.constexpr, dtype: gl.constexpr):
+    """A block's key tiles in FA3's order (``OVERLAP``). With 128-key tiles and 128-row blocks the causal mask cuts
+    only the last tile, the block's diagonal ``m_start // BLOCK_N``; a tile's stage is released once P x V read it,
+    so two stages are held at a time."""
+    gl.static_assert(BLOCK_N == 2 * ROWS)
+    last = m_start // BLOCK_N  # the diagonal tile; tiles 0 .. last - 1 lie below the block's first row
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
+    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+    if last == 0:
+        p_op, m_i, l_i, _ = _probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, 0, True, acc_layout, dtype)
+    else:
+        p_op, m_i, l_i, _ = _probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, 0, False, acc_layout, dtype)
+    for i in range(1, last):
+        it, s, acc, p_op, m_i, l_i = _overlap_tile(q_op, k_smem, v_smem, ready, empty, it, s, acc, p_op, m_i, l_i,
+                                                   qk_scale, offs_m, offs_n, i * BLOCK_N, zero_qk, False, STAGES,
+                                                   acc_layout, dtype)
+    if last > 0:  # the diagonal tile (tile 0 was, if it is the only one)
+        it, s, acc, p_op, m_i, l_i = _overlap_tile(q_op, k_smem, v_smem, ready, empty, it, s, acc, p_op, m_i, l_i,
+                                                   qk_scale, offs_m, offs_n, last * BLOCK_N, zero_qk, True, STAGES,
+                                                   acc_layout, dtype)
+    v_tile, fix_phases = _v_tile(v_smem, v_fix, fixed, s, fix_phases, last, seq_len, BLOCK_N, PRODUCER_FIX)
+    acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index(s), count=1)
+    return acc, l_i, m_i, it + 1, fix_phases
+
+
+@gluon.jit
 def _attend_tiles(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, fixed, query_start_loc_ptr,
                   num_tokens, num_reqs, num_q_programs, num_heads, qk_scale, row_offset, stride_qt, stride_qh,
                   stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  STAGES: gl.constexpr, ORDER: gl.constexpr, PRODUCER_FIX: gl.constexpr,
+                  STAGES: gl.constexpr, ORDER: gl.constexpr, PRODUCER_FIX: gl.constexpr, OVERLAP: gl.constexpr,
                   WRITES_PADDING: gl.constexpr):
     """A consumer warpgroup: rows ``row_offset .. row_offset + ROWS`` of every tile; ``WRITES_PADDING``: this one
-    writes the padding tiles' rows as (0, -inf). With ``PRODUCER_FIX`` a request's last V tile is waited for on
-    ``fixed`` (each stage's barrier completes once per fix there: ``fix_phases`` holds a parity bit per stage)."""
+    writes the padding tiles' rows as (0, -inf)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_N, 16])
@@ -191,36 +314,15 @@ def _attend_tiles(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, 
                 m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, qk_layout))
                 l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, qk_layout))
                 acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
-                n_tiles = gl.cdiv(gl.minimum(m_start + 2 * ROWS, seq_len), BLOCK_N)
-                n_unmasked = m_start // BLOCK_N
-                for i in range(n_unmasked):  # tiles wholly below the tile's first row, inside the request
-                    s = it % STAGES
-                    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                    qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
-                    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-                    acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v_smem.index(s), qk_scale, offs_m, offs_n,
-                                                 i * BLOCK_N, False, qk_layout, acc_layout, dtype)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    mbarrier.arrive(empty.index(s), count=1)
-                    it += 1
-                for i in range(n_unmasked, n_tiles):  # the tiles the causal mask cuts (the last may pass the end)
-                    s = it % STAGES
-                    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                    qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
-                    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-                    v_tile = v_smem.index(s)
-                    if (i + 1) * BLOCK_N > seq_len:  # rows past the request hold anything (NaN too): zero them
-                        if PRODUCER_FIX:
-                            mbarrier.wait(fixed.index(s), (fix_phases >> s) & 1)
-                            fix_phases = fix_phases ^ (1 << s)
-                        else:
-                            zero_rows_past(v_smem.index(s), v_fix, seq_len - i * BLOCK_N, BLOCK_N)
-                            v_tile = v_fix
-                    acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v_tile, qk_scale, offs_m, offs_n, i * BLOCK_N,
-                                                 True, qk_layout, acc_layout, dtype)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    mbarrier.arrive(empty.index(s), count=1)
-                    it += 1
+                if OVERLAP:
+                    acc, l_i, m_i, it, fix_phases = _block_overlap(
+                        q_op, k_smem, v_smem, v_fix, ready, empty, fixed, it, fix_phases, m_start, seq_len, qk_scale,
+                        offs_m, offs_n, zero_qk, acc, l_i, m_i, BLOCK_N, STAGES, PRODUCER_FIX, acc_layout, dtype)
+                else:
+                    acc, l_i, m_i, it, fix_phases = _block_serial(
+                        q_op, k_smem, v_smem, v_fix, ready, empty, fixed, it, fix_phases, m_start, seq_len, qk_scale,
+                        offs_m, offs_n, zero_qk, acc, l_i, m_i, BLOCK_N, STAGES, PRODUCER_FIX, qk_layout, acc_layout,
+                        dtype)
                 store_rows(out_ptr, lse_ptr, acc, l_i, m_i, rows_io, cols_io, offs_m, seq_start, seq_len, out_head,
                            lse_head, stride_ot, stride_lt, acc_layout, io_layout)
 
@@ -230,7 +332,7 @@ def gluon_chunk_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_pt
                        num_q_programs, num_heads, qk_scale, q_head_start, q_per_kv, kv_head_start, stride_qt, stride_qh,
                        stride_kt, stride_vt, stride_ot, stride_oh, stride_lt, stride_lh, kv_width,
                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
-                       PRODUCER_FIX: gl.constexpr):
+                       PRODUCER_FIX: gl.constexpr, OVERLAP: gl.constexpr):
     """Grid (programs,), at most one per SM; ``num_q_programs``: ``_schedule.flat_programs`` of 128-row blocks
     (256-row pairs with ``PAIRS``);
     ``num_heads``: local Q heads; ``kv_width``: stored KV heads x head size (the descriptors' row width)."""
@@ -258,11 +360,11 @@ def gluon_chunk_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_pt
         (_attend_tiles, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, fix_0, ready, empty, fixed, query_start_loc_ptr,
                          num_tokens, num_reqs, num_q_programs, num_heads, qk_scale, 0, stride_qt, stride_qh,
                          stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N, HEAD_DIM, STAGES, ORDER, PRODUCER_FIX,
-                         True)),
+                         OVERLAP, True)),
         (_attend_tiles, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, fix_1, ready, empty, fixed, query_start_loc_ptr,
                          num_tokens, num_reqs, num_q_programs, num_heads, qk_scale, ROWS, stride_qt, stride_qh,
                          stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N, HEAD_DIM, STAGES, ORDER, PRODUCER_FIX,
-                         False)),
+                         OVERLAP, False)),
         (_load_tiles, (k_ptr, v_ptr, num_tokens, kv_width, stride_kt, stride_vt, k_smem, v_smem, ready, empty, fixed,
                        query_start_loc_ptr, num_reqs, num_q_programs, num_heads, q_head_start, q_per_kv,
                        kv_head_start, BLOCK_N, HEAD_DIM, STAGES, ORDER, PRODUCER_FIX)),
@@ -270,11 +372,12 @@ def gluon_chunk_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_pt
 
 
 def plan_gluon_chunk(q, k, v, out, lse, query_start_loc, *, scale, q_head_start, q_per_kv, kv_head_start,
-                     order: int = ORDER, stages: int = STAGES, producer_fix: bool = PRODUCER_FIX) -> Launch:
+                     order: int = ORDER, stages: int = STAGES, producer_fix: bool = PRODUCER_FIX,
+                     overlap: bool = OVERLAP) -> Launch:
     """``gluon_chunk_kernel`` prepared for tensors like these, called like ``extend_attention_kernel``'s ``Launch``
     (``(q, k, v, out, lse, query_start_loc)``); the caller checked ``_gluon.chunk_takes_gluon``. ``order``: how
-    tiles are dealt (``ROUND_ROBIN``, ``SNAKE``, ``PAIRS``); ``stages``, ``producer_fix``: ``STAGES``,
-    ``PRODUCER_FIX`` (benchmarks time each)."""
+    tiles are dealt (``ROUND_ROBIN``, ``SNAKE``, ``PAIRS``); ``stages``, ``producer_fix``, ``overlap``: ``STAGES``,
+    ``PRODUCER_FIX``, ``OVERLAP`` (benchmarks time each)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_reqs = query_start_loc.shape[0] - 1
     num_q_programs = flat_programs(num_tokens, num_reqs, (4 if order == PAIRS else 2) * ROWS.value)
@@ -285,5 +388,6 @@ def plan_gluon_chunk(q, k, v, out, lse, query_start_loc, *, scale, q_head_start,
         (num_tokens, num_reqs, num_q_programs, num_q_heads, float(scale) * LOG2E, q_head_start, q_per_kv,
          kv_head_start, q.stride(0), q.stride(1), k.stride(0), v.stride(0), out.stride(0), out.stride(1),
          lse.stride(0), lse.stride(1), k.shape[1] * head_dim),
-        dict(HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=stages, ORDER=order, PRODUCER_FIX=bool(producer_fix)),
+        dict(HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=stages, ORDER=order, PRODUCER_FIX=bool(producer_fix),
+             OVERLAP=bool(overlap)),
         num_warps=4, scratch=True)

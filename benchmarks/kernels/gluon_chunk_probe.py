@@ -12,9 +12,10 @@ configs are appended to the results file's ``runs`` with the call's provenance.
     python benchmarks/kernels/gluon_chunk_probe.py [--name kernels_h200_gluon_probe]
     TRITON_INTERPRET=0 python benchmarks/kernels/gluon_chunk_probe.py --compile-only   # any machine, Triton 3.6
 
-``--compile-only`` compiles the prototype's schedules (``PROTOTYPE_SCHEDULES``) for sm_90 with Triton's own
-compiler (no GPU) and prints its registers, spills, shared memory, and whether ptxas serialized its wgmmas (it does
-when code reads a product in flight).
+``--compile-only`` compiles the prototype's schedules (``PROTOTYPE_SCHEDULES``) and the shipped current chunk's
+configs of ``CONFIGS`` for sm_90 with Triton's own compiler (no GPU) and prints their registers, spills, shared
+memory, the instructions a warp issues per key tile (the steady loop's SASS), and whether ptxas serialized the
+warpgroup MMAs (its C751x notes: a register an MMA in flight reads or writes is touched, or too few registers).
 """
 
 from __future__ import annotations
@@ -35,13 +36,16 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 # ("prefix", PAGES, STAGES): the prefix pass with key tiles of PAGES 64-token pages; (1, 3), (1, 4) and (2, 2) ran
 # as a prototype, (2, 2) won and ships (dcp_plugin.kernels.gluon_prefix; gluon_prefix_check.py checks and times it).
 # OVERLAP 3: OVERLAP 2 with the accumulator's rescale between the two issues (FA3's place, under QK^T).
-# ("chunk", ORDER[, HEAD_DIM[, STAGES, PRODUCER_FIX]]): the shipped current chunk (dcp_plugin.kernels.gluon_chunk:
+# ("chunk", ORDER[, HEAD_DIM[, STAGES, PRODUCER_FIX[, OVERLAP]]]): the shipped current chunk (gluon_chunk:
 # the persistent loop with the V rows past a request zeroed), its tiles dealt round-robin (0), in rounds of
 # alternating direction (1, SNAKE) or as pairs of blocks of equal summed cost (2, PAIRS); head size 128 unless given
 # (64: a candidate, not yet in _gluon.GLUON_HEAD_DIMS); two stages, the V rows zeroed by each consumer, unless given
-# (PRODUCER_FIX 1: by the producer in place, which leaves room for three stages). ("prefix", 2, 2, 64): the prefix
-# pass at head size 64. The earlier calls' configs are in kernels_h200_gluon_probe.json.
-CONFIGS = [("chunk", 1), ("chunk", 0), ("chunk", 2), ("chunk", 2, 128, 3, 1), ("chunk", 2, 64), ("prefix", 2, 2),
+# (PRODUCER_FIX 1: by the producer in place, which leaves room for three stages); OVERLAP 1: FA3's order in each
+# warpgroup, the softmax under the previous tile's P x V (unlike the prototype's OVERLAP 2, the diagonal tile's mask
+# outside the loop). ("prefix", 2, 2, 64): the prefix pass at head size 64. The earlier calls' configs are in
+# kernels_h200_gluon_probe.json.
+CONFIGS = [("chunk", 1), ("chunk", 0), ("chunk", 2), ("chunk", 2, 128, 3, 1), ("chunk", 1, 128, 2, 0, 1),
+           ("chunk", 2, 128, 2, 0, 1), ("chunk", 2, 128, 3, 1, 1), ("chunk", 2, 64), ("prefix", 2, 2),
            ("prefix", 2, 2, 64)]
 PROTOTYPE_SCHEDULES = [(128, 2, o, p) for o in (0, 1, 2, 3) for p in (0, 1) if not p or o >= 2]  # --compile-only
 SHAPES = [(16, 1024), (4, 2048), (2, 4096), (1, 16384)]  # (sequences, length), 32 Q / 8 KV heads
@@ -58,10 +62,10 @@ def launch(q, k, v, out, lse, cu, max_len, *, scale, q_head_start, q_per_kv, kv_
     if config[0] == "chunk":  # the shipped kernel, its tiles dealt in the order config[1] names
         from dcp_plugin.kernels.gluon_chunk import plan_gluon_chunk
 
-        stages, producer_fix = config[3:5] if len(config) > 3 else (2, 0)
+        stages, producer_fix, overlap = [*config[3:], *(2, 0, 0)[len(config[3:]):]]  # the missing ones: defaults
         return plan_gluon_chunk(q, k, v, out, lse, cu, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
                                 kv_head_start=kv_head_start, order=config[1], stages=stages,
-                                producer_fix=bool(producer_fix))(q, k, v, out, lse, cu)
+                                producer_fix=bool(producer_fix), overlap=bool(overlap))(q, k, v, out, lse, cu)
     block_n, stages, overlap, pingpong, *_ = config  # a fifth entry, PERSISTENT, is the shipped kernel's ancestor
     num_tokens, num_reqs = q.shape[0], cu.shape[0] - 1
     num_q_programs = flat_programs(num_tokens, num_reqs, 128)
@@ -161,10 +165,31 @@ def child(config: tuple, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(result))
 
 
-def compile_only() -> None:
+def _sm90_report(compiled) -> str:
+    """Registers, spills, shared memory, the steady loop's instructions and MMAs (per warp and key tile), and the
+    ptxas notes (C751x) that say it serialized the warpgroup MMAs, of a kernel compiled for sm_90."""
     import re
     import tempfile
 
+    import triton
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import compile_for_hopper as ch
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(compiled.asm["ptx"])
+        f.flush()
+        log = subprocess.run([str(ptxas), "--gpu-name", "sm_90a", "-v", f.name, "-o", os.devnull],
+                             capture_output=True, text=True).stderr
+    loop = ch.main_loop(ch.cuobjdump(compiled.asm["cubin"], "-sass"))
+    notes = sorted(set(re.findall(r"C751\d", log))) or "no"
+    return (f"{ch.resource_usage(compiled.asm['cubin'])} shared {compiled.metadata.shared} loop "
+            f"{loop.get('instructions')} instructions / {loop.get('mma')} MMAs, serialized {notes}")
+
+
+def compile_only() -> None:
+    import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -173,8 +198,10 @@ def compile_only() -> None:
     import compile_for_hopper as ch
     from gluon_chunk import chunk_attention_kernel
 
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    for config in PROTOTYPE_SCHEDULES:  # the shipped kernels: scripts/compile_for_hopper.py
+    from dcp_plugin.kernels import gluon_chunk
+
+    target = GPUTarget("cuda", 90, 32)
+    for config in PROTOTYPE_SCHEDULES:
         block_n, stages, overlap, pingpong = config
         fn = chunk_attention_kernel
         signature, attrs = {}, {}
@@ -191,16 +218,21 @@ def compile_only() -> None:
         constants = dict(HEAD_DIM=128, STAGES=stages, stride_lh=1, BLOCK_N=block_n, OVERLAP=overlap,
                          PINGPONG=bool(pingpong))
         compiled = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
-                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-            f.write(compiled.asm["ptx"])
-            f.flush()
-            log = subprocess.run([str(ptxas), "--gpu-name", "sm_90a", "-v", f.name, "-o", os.devnull],
-                                 capture_output=True, text=True).stderr
-        sass = ch.cuobjdump(compiled.asm["cubin"], "-sass")
-        print(config, ch.resource_usage(compiled.asm["cubin"]), "shared",
-              compiled.metadata.shared, "setmaxnreg", len(re.findall(r"USETMAXREG", sass)), "wgmma serialized",
-              "C7514" in log, flush=True)
+                                  target=target, options=dict(num_warps=4))
+        print("prototype", config, _sm90_report(compiled), flush=True)
+    gluon_chunk.num_sms = lambda device_index: 132  # an H100 / H200 (no GPU here to ask)
+    for config in [c for c in CONFIGS if c[0] == "chunk"]:  # the shipped kernel, as launch() plans it
+        d, cu = chunk_head_dim(config), torch.tensor([0, 100, 300], dtype=torch.int32)
+        q, k = torch.zeros(300, 8, d, dtype=torch.bfloat16), torch.zeros(300, 2, d, dtype=torch.bfloat16)
+        out, lse = torch.zeros_like(q), torch.zeros(300, 8)
+        stages, producer_fix, overlap = [*config[3:], *(2, 0, 0)[len(config[3:]):]]
+        plan = gluon_chunk.plan_gluon_chunk(q, k, k, out, lse, cu, scale=0.1, q_head_start=0, q_per_kv=4,
+                                            kv_head_start=0, order=config[1], stages=stages,
+                                            producer_fix=bool(producer_fix), overlap=bool(overlap))
+        _, signature, _, constants, attrs, options = ch._variant(plan, plan.kernel_tensors((q, k, k, out, lse, cu)))
+        compiled = triton.compile(GluonASTSource(fn=plan.kernel, signature=dict(signature), constexprs=constants,
+                                                 attrs=attrs), target=target, options=options)
+        print("shipped", config, _sm90_report(compiled), flush=True)
 
 
 def main() -> None:

@@ -82,21 +82,24 @@ def test_matches_float64(dtype, heads, head_dim, monkeypatch):
     assert (out[total:] == 0).all() and (lse[total:] == float("-inf")).all(), "padding rows"
 
 
-@pytest.mark.parametrize("producer_fix", [False, True], ids=["consumer-copies", "producer-fix-3-stages"])
-def test_a_requests_nan_stays_in_it(producer_fix):
+@pytest.mark.parametrize(("producer_fix", "overlap"), [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["consumer-copies", "producer-fix-3-stages", "consumer-copies-overlap",
+                              "producer-fix-3-stages-overlap"])
+def test_a_requests_nan_stays_in_it(producer_fix, overlap):
     """Request 4 (128 rows) holds NaN in K and V: its own rows turn NaN, every other request matches float64; request
     3's last key tile (127 rows from row 82) reads request 4's first row. Whichever warp zeroes those rows: each
-    consumer into its own copy (the default), or the producer in place (``PRODUCER_FIX``, three stages)."""
+    consumer into its own copy (the default), or the producer in place (``PRODUCER_FIX``, three stages); each tile's
+    steps in turn, or in FA3's order (``OVERLAP``)."""
     num_q_heads, num_kv_heads, head_map = HEADS["32q8kv"]
     q, k, v, qsl = _inputs(num_q_heads, num_kv_heads, torch.bfloat16)
     lo, hi = int(qsl[4]), int(qsl[5])
     clean_k, clean_v = k.clone(), v.clone()
     k[lo:hi] = float("nan")
     v[lo:hi] = float("nan")
-    if producer_fix:
+    if producer_fix or overlap:
         out, lse = poisoned(q.shape, torch.bfloat16, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
-        plan_gluon_chunk(q, k, v, out, lse, qsl, scale=0.1, **head_map, stages=3, producer_fix=True)(q, k, v, out,
-                                                                                                     lse, qsl)
+        plan_gluon_chunk(q, k, v, out, lse, qsl, scale=0.1, **head_map, stages=3 if producer_fix else 2,
+                         producer_fix=producer_fix, overlap=overlap)(q, k, v, out, lse, qsl)
     else:
         out, lse = _run(q, k, v, qsl, head_map, torch.bfloat16)
     total = int(qsl[-1])
@@ -132,14 +135,17 @@ def test_cuda_graph_replay():
 
 
 @pytest.mark.parametrize("first_row", [0, 200], ids=["first0", "first200"])
-@pytest.mark.parametrize(("order", "stages", "producer_fix"),
-                         [(ROUND_ROBIN, 2, False), (SNAKE, 2, False), (PAIRS, 2, False), (PAIRS, 3, True)],
-                         ids=["round-robin", "snake", "pairs", "pairs-3-stages-producer-fix"])
-def test_every_tile_order_matches_float64(order, stages, producer_fix, first_row):
-    """Every way of dealing the tiles (``gluon_chunk.ORDER``), and the V rows past a request zeroed by the producer
-    in place (``PRODUCER_FIX``, three stages), compute the same attention: the requests hold one to eight 128-row
-    blocks (300 rows: a pair and its middle block alone), the rows after them NaN K/V, and with ``first_row`` rows
-    before the first request (a mixed step's chunk after its decodes), which no tile may write."""
+@pytest.mark.parametrize(("order", "stages", "producer_fix", "overlap"),
+                         [(ROUND_ROBIN, 2, False, False), (SNAKE, 2, False, False), (PAIRS, 2, False, False),
+                          (PAIRS, 3, True, False), (SNAKE, 2, False, True), (PAIRS, 3, True, True)],
+                         ids=["round-robin", "snake", "pairs", "pairs-3-stages-producer-fix", "snake-overlap",
+                              "pairs-3-stages-producer-fix-overlap"])
+def test_every_tile_order_matches_float64(order, stages, producer_fix, overlap, first_row):
+    """Every way of dealing the tiles (``gluon_chunk.ORDER``), the V rows past a request zeroed by the producer in
+    place (``PRODUCER_FIX``, three stages), and FA3's order inside a warpgroup (``OVERLAP``: the softmax under the
+    previous tile's P x V, 0 to 7 key tiles before a block's diagonal) compute the same attention: the requests hold
+    one to eight 128-row blocks (300 rows: a pair and its middle block alone), the rows after them NaN K/V, and with
+    ``first_row`` rows before the first request (a mixed step's chunk after its decodes), which no tile may write."""
     num_q_heads, num_kv_heads, head_map = HEADS["32q8kv"]
     q, k, v, qsl = _inputs(num_q_heads, num_kv_heads, torch.bfloat16, seed=3)
     if first_row:
@@ -148,7 +154,7 @@ def test_every_tile_order_matches_float64(order, stages, producer_fix, first_row
         q, k, v, qsl = lead(q, 0.0), lead(k, float("nan")), lead(v, float("nan")), qsl + first_row
     out, lse = poisoned(q.shape, torch.bfloat16, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
     plan_gluon_chunk(q, k, v, out, lse, qsl, scale=0.1, **head_map, order=order, stages=stages,
-                     producer_fix=producer_fix)(q, k, v, out, lse, qsl)
+                     producer_fix=producer_fix, overlap=overlap)(q, k, v, out, lse, qsl)
     total = int(qsl[-1])
     want_out, want_lse = reference.extend_attention(q[first_row:total].double(), k[first_row:total].double(),
                                                     v[first_row:total].double(), qsl - first_row, max(LENS),
