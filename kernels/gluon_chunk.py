@@ -246,8 +246,9 @@ def _block_overlap(q_op, k_smem, v_smem, v_fix, ready, empty, fixed, it, fix_pha
                    offs_m, offs_n, zero_qk, acc, l_i, m_i, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    PRODUCER_FIX: gl.constexpr, acc_layout: gl.constexpr, dtype: gl.constexpr):
     """A block's key tiles in FA3's order (``OVERLAP``). With 128-key tiles and 128-row blocks the causal mask cuts
-    only the last tile, the block's diagonal ``m_start // BLOCK_N``; a tile's stage is released once P x V read it,
-    so two stages are held at a time."""
+    only the last tile, the block's diagonal ``m_start // BLOCK_N``. A tile's stage is released once P x V read it,
+    so two stages are held at a time: with two in the ring, a tile's copy starts when the tile before it is needed
+    (three stages, with ``PRODUCER_FIX``, keep one tile of slack as ``_block_serial`` has with two)."""
     gl.static_assert(BLOCK_N == 2 * ROWS)
     last = m_start // BLOCK_N  # the diagonal tile; tiles 0 .. last - 1 lie below the block's first row
     s = it % STAGES

@@ -44,8 +44,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 # warpgroup, the softmax under the previous tile's P x V (unlike the prototype's OVERLAP 2, the diagonal tile's mask
 # outside the loop). ("prefix", 2, 2, 64): the prefix pass at head size 64. The earlier calls' configs are in
 # kernels_h200_gluon_probe.json.
-CONFIGS = [("chunk", 1), ("chunk", 0), ("chunk", 2), ("chunk", 2, 128, 3, 1), ("chunk", 1, 128, 2, 0, 1),
-           ("chunk", 2, 128, 2, 0, 1), ("chunk", 2, 128, 3, 1, 1), ("chunk", 2, 64), ("prefix", 2, 2),
+CONFIGS = [("chunk", 1), ("chunk", 0), ("chunk", 2), ("chunk", 2, 128, 3, 1), ("chunk", 2, 128, 2, 0, 1),
+           ("chunk", 1, 128, 3, 1, 1), ("chunk", 2, 128, 3, 1, 1), ("chunk", 2, 64), ("prefix", 2, 2),
            ("prefix", 2, 2, 64)]
 PROTOTYPE_SCHEDULES = [(128, 2, o, p) for o in (0, 1, 2, 3) for p in (0, 1) if not p or o >= 2]  # --compile-only
 SHAPES = [(16, 1024), (4, 2048), (2, 4096), (1, 16384)]  # (sequences, length), 32 Q / 8 KV heads
