@@ -23,12 +23,15 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
 from dcp_plugin.kernels._launch import LOG2E, Launch, device_index, num_sms
 from dcp_plugin.kernels._schedule import flat_programs
-from dcp_plugin.kernels.gluon_prefix import find_block, online_step, store_rows, write_padding, zero_rows_past
+from dcp_plugin.kernels.gluon_prefix import (
+    CAUSAL, NO_MASK, find_block, online_step, overlap_tile, softmax_probs, store_rows, v_operand, write_padding,
+    zero_tail_in_place,
+)
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup; a tile is 2 * ROWS rows of one Q head
 BLOCK_N = 128  # keys per K/V tile
@@ -106,19 +109,6 @@ def _tile(query_start_loc_ptr, num_reqs, num_q_programs, num_heads, t, sub, ORDE
 
 
 @gluon.jit
-def _zero_tail_in_place(v_tile, valid, BLOCK_N: gl.constexpr):
-    """The producer warp: rows ``valid ..`` of a landed V tile set to 0 in place, 8 rows at a time, then fenced for
-    the consumers' warpgroup MMAs."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
-    rows = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
-    for c in gl.static_range(BLOCK_N // 8):
-        if (c + 1) * 8 > valid:
-            part = v_tile.slice(c * 8, 8).load(layout)
-            v_tile.slice(c * 8, 8).store(gl.where(gl.expand_dims(c * 8 + rows < valid, 1), part, 0.0).to(part.dtype))
-    fence_async_shared()
-
-
-@gluon.jit
 def _load_tiles(k_ptr, v_ptr, num_tokens, kv_width, stride_kt, stride_vt, k_smem, v_smem, ready, empty, fixed,
                 query_start_loc_ptr, num_reqs, num_q_programs, num_heads, q_head_start, q_per_kv, kv_head_start,
                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
@@ -150,7 +140,7 @@ def _load_tiles(k_ptr, v_ptr, num_tokens, kv_width, stride_kt, stride_vt, k_smem
                     if PRODUCER_FIX:
                         if (i + 1) * BLOCK_N > seq_len:  # rows past the request hold anything (NaN too)
                             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                            _zero_tail_in_place(v_smem.index(s), seq_len - i * BLOCK_N, BLOCK_N)
+                            zero_tail_in_place(v_smem.index(s), seq_len - i * BLOCK_N, BLOCK_N)
                             mbarrier.arrive(fixed.index(s), count=1)
                     it += 1
 
@@ -177,68 +167,13 @@ def _block_serial(q_op, k_smem, v_smem, v_fix, ready, empty, fixed, it, fix_phas
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        v_tile, fix_phases = _v_tile(v_smem, v_fix, fixed, s, fix_phases, i, seq_len, BLOCK_N, PRODUCER_FIX)
+        v_tile, fix_phases = v_operand(v_smem, v_fix, fixed, s, fix_phases, i, seq_len, BLOCK_N, PRODUCER_FIX)
         acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v_tile, qk_scale, offs_m, offs_n, i * BLOCK_N,
                                      True, qk_layout, acc_layout, dtype)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(s), count=1)
         it += 1
     return acc, l_i, m_i, it, fix_phases
-
-
-@gluon.jit
-def _v_tile(v_smem, v_fix, fixed, s, fix_phases, i, seq_len, BLOCK_N: gl.constexpr, PRODUCER_FIX: gl.constexpr):
-    """Key tile ``i``'s V tile in stage ``s`` for P x V: rows past the request hold anything (NaN too), so a tile
-    that passes the end is waited for until the producer zeroed them (``fixed``; ``fix_phases`` holds a parity bit
-    per stage), or zeroed into this warpgroup's copy."""
-    v_tile = v_smem.index(s)
-    if (i + 1) * BLOCK_N > seq_len:
-        if PRODUCER_FIX:
-            mbarrier.wait(fixed.index(s), (fix_phases >> s) & 1)
-            fix_phases = fix_phases ^ (1 << s)
-        else:
-            zero_rows_past(v_smem.index(s), v_fix, seq_len - i * BLOCK_N, BLOCK_N)
-            v_tile = v_fix
-    return v_tile, fix_phases
-
-
-@gluon.jit
-def _probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, n_start, MASKED: gl.constexpr, acc_layout: gl.constexpr,
-           dtype: gl.constexpr):
-    """A key tile's softmax from its raw scores (keys ``n_start + offs_n``, causal where ``MASKED``): P as P x V's
-    register operand, the new row maxima and sums, and the factor that takes the accumulator to the new maxima."""
-    if MASKED:
-        qk = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(n_start + offs_n, 0), qk, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2))
-    return p_op, m_new, l_i, gl.convert_layout(alpha, gl.SliceLayout(1, acc_layout))
-
-
-@gluon.jit
-def _overlap_tile(q_op, k_smem, v_smem, ready, empty, it, s, acc, p_op, m_i, l_i, qk_scale, offs_m, offs_n, n_start,
-                  zero_qk, MASKED: gl.constexpr, STAGES: gl.constexpr, acc_layout: gl.constexpr, dtype: gl.constexpr):
-    """The ring's next key tile (keys ``n_start + offs_n``): its QK^T and the previous tile's P x V (stage ``s``)
-    issued together, its softmax while P x V runs, then the accumulator (with the previous tile in it) taken to the
-    new maxima and the previous stage released. Returns the new ring counter and stage, and the running state."""
-    s_prev = s
-    it += 1
-    s = it % STAGES
-    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
-    acc = warpgroup_mma(p_op, v_smem.index(s_prev), acc, is_async=True)
-    if MASKED:  # the diagonal tile: its softmax after P x V (under it, ptxas serializes every MMA: C7513)
-        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        p_next, m_i, l_i, alpha = _probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, n_start, True, acc_layout, dtype)
-    else:
-        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # QK^T done (issued first); P x V in flight
-        p_next, m_i, l_i, alpha = _probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, n_start, False, acc_layout, dtype)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(empty.index(s_prev), count=1)
-    return it, s, acc * gl.expand_dims(alpha, 1), p_next, m_i, l_i
 
 
 @gluon.jit
@@ -256,18 +191,18 @@ def _block_overlap(q_op, k_smem, v_smem, v_fix, ready, empty, fixed, it, fix_pha
     qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
     if last == 0:
-        p_op, m_i, l_i, _ = _probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, 0, True, acc_layout, dtype)
+        p_op, m_i, l_i, _ = softmax_probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, 0, 0, CAUSAL, acc_layout, dtype)
     else:
-        p_op, m_i, l_i, _ = _probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, 0, False, acc_layout, dtype)
+        p_op, m_i, l_i, _ = softmax_probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, 0, 0, NO_MASK, acc_layout, dtype)
     for i in range(1, last):
-        it, s, acc, p_op, m_i, l_i = _overlap_tile(q_op, k_smem, v_smem, ready, empty, it, s, acc, p_op, m_i, l_i,
-                                                   qk_scale, offs_m, offs_n, i * BLOCK_N, zero_qk, False, STAGES,
-                                                   acc_layout, dtype)
+        it, s, acc, p_op, m_i, l_i = overlap_tile(q_op, k_smem, v_smem, ready, empty, it, s, acc, p_op, m_i, l_i,
+                                                  qk_scale, offs_m, offs_n, i * BLOCK_N, 0, zero_qk, NO_MASK, STAGES,
+                                                  acc_layout, dtype)
     if last > 0:  # the diagonal tile (tile 0 was, if it is the only one)
-        it, s, acc, p_op, m_i, l_i = _overlap_tile(q_op, k_smem, v_smem, ready, empty, it, s, acc, p_op, m_i, l_i,
-                                                   qk_scale, offs_m, offs_n, last * BLOCK_N, zero_qk, True, STAGES,
-                                                   acc_layout, dtype)
-    v_tile, fix_phases = _v_tile(v_smem, v_fix, fixed, s, fix_phases, last, seq_len, BLOCK_N, PRODUCER_FIX)
+        it, s, acc, p_op, m_i, l_i = overlap_tile(q_op, k_smem, v_smem, ready, empty, it, s, acc, p_op, m_i, l_i,
+                                                  qk_scale, offs_m, offs_n, last * BLOCK_N, 0, zero_qk, CAUSAL,
+                                                  STAGES, acc_layout, dtype)
+    v_tile, fix_phases = v_operand(v_smem, v_fix, fixed, s, fix_phases, last, seq_len, BLOCK_N, PRODUCER_FIX)
     acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(empty.index(s), count=1)

@@ -34,6 +34,12 @@ ROWS = gl.constexpr(64)  # query rows per consumer warpgroup; a program's block 
 PAGE = PREFIX_PAGE  # the page size this kernel serves (``_gluon.prefix_takes_gluon``)
 PAGES = 2  # pages per key tile
 STAGES = 2  # key tiles in flight (with the last tile's V copies: 192 KiB of shared memory)
+# PRODUCER_FIX: the producer zeroes the last V tile's rows past the context in place (``zero_tail_in_place``), so no
+# V copies, and three stages fit; OVERLAP: FA3's order in each consumer warpgroup (``overlap_tile``), which holds
+# two stages at a time and so wants three. Both off: each consumer zeroes into its own copy, and a tile's QK^T,
+# softmax and P x V run in turn.
+PRODUCER_FIX = False
+OVERLAP = False
 
 
 @gluon.jit
@@ -91,13 +97,14 @@ def write_padding(out_ptr, lse_ptr, query_start_loc_ptr, num_reqs, num_tokens, o
 
 
 @gluon.jit
-def _load_pages(k_head, v_head, tma_rows, stride_k_tok, stride_v_tok, k_smem, v_smem, ready, empty, table_ptr,
-                stride_bt_blk, rows_per_block, n_pages, n_tiles, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
-                PAGES: gl.constexpr, STAGES: gl.constexpr):
+def _load_pages(k_head, v_head, tma_rows, stride_k_tok, stride_v_tok, k_smem, v_smem, ready, empty, fixed, table_ptr,
+                stride_bt_blk, rows_per_block, n_pages, n_tiles, kv_len, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
+                PAGES: gl.constexpr, STAGES: gl.constexpr, PRODUCER_FIX: gl.constexpr):
     """The producer: tile i is pages ``PAGES * i ..`` of the request's table (page 0 past its last page: those keys
     are masked), one mbarrier for all its copies. It builds the descriptors it copies through (the cache's token
     rows of this KV head as one 2-D tensor: row = page * rows_per_block + token in page), so the warp that issues
-    the copies is the one that fenced them."""
+    the copies is the one that fenced them. ``PRODUCER_FIX``: the last tile's V rows past ``kv_len`` zeroed here,
+    in place, once they landed (``fixed`` tells the consumers)."""
     page_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, HEAD_DIM], k_head.dtype.element_ty)
     k_desc = tma.make_tensor_descriptor(k_head, shape=[tma_rows, HEAD_DIM], strides=[stride_k_tok, 1],
                                         block_shape=[PAGE, HEAD_DIM], layout=page_layout)
@@ -114,6 +121,11 @@ def _load_pages(k_head, v_head, tma_rows, stride_k_tok, stride_v_tok, k_smem, v_
                                             k_smem.index(s).slice(j * PAGE, PAGE))
             tma.async_copy_global_to_shared(v_desc, [page * rows_per_block, 0], ready.index(s),
                                             v_smem.index(s).slice(j * PAGE, PAGE))
+        if PRODUCER_FIX:
+            if (i + 1) * (PAGE * PAGES) > kv_len:  # the last tile: rows past the context hold anything (NaN too)
+                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                zero_tail_in_place(v_smem.index(s), kv_len - i * (PAGE * PAGES), PAGE * PAGES)
+                mbarrier.arrive(fixed.index(s), count=1)
 
 
 @gluon.jit
@@ -141,10 +153,87 @@ def zero_rows_past(v_tile, v_fix, valid, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _attend_rows(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, n_tiles, kv_len, row0, seq_start,
-                 seq_len, qk_scale, q_head, out_head, lse_head, stride_qt, stride_ot, stride_lt,
-                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    """A consumer warpgroup: query rows ``row0 .. row0 + ROWS`` against every tile, the last one masked."""
+def zero_tail_in_place(v_tile, valid, BLOCK_N: gl.constexpr):
+    """The producer warp: rows ``valid ..`` of a landed V tile set to 0 in place, 8 rows at a time, then fenced for
+    the consumers' warpgroup MMAs (``PRODUCER_FIX``)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+    rows = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
+    for c in gl.static_range(BLOCK_N // 8):
+        if (c + 1) * 8 > valid:
+            part = v_tile.slice(c * 8, 8).load(layout)
+            v_tile.slice(c * 8, 8).store(gl.where(gl.expand_dims(c * 8 + rows < valid, 1), part, 0.0).to(part.dtype))
+    fence_async_shared()
+
+
+@gluon.jit
+def v_operand(v_smem, v_fix, fixed, s, fix_phases, i, kv_len, BLOCK_N: gl.constexpr, PRODUCER_FIX: gl.constexpr):
+    """Key tile ``i``'s V tile in stage ``s`` for P x V: rows past ``kv_len`` hold anything (NaN too: probability 0
+    times NaN is NaN), so a tile that passes it is waited for until the producer zeroed them (``fixed``;
+    ``fix_phases`` holds a parity bit per stage), or zeroed into this warpgroup's copy ``v_fix``."""
+    v_tile = v_smem.index(s)
+    if (i + 1) * BLOCK_N > kv_len:
+        if PRODUCER_FIX:
+            mbarrier.wait(fixed.index(s), (fix_phases >> s) & 1)
+            fix_phases = fix_phases ^ (1 << s)
+        else:
+            zero_rows_past(v_smem.index(s), v_fix, kv_len - i * BLOCK_N, BLOCK_N)
+            v_tile = v_fix
+    return v_tile, fix_phases
+
+
+# softmax_probs' masks: none, keys past the row (causal), keys at or past kv_len.
+NO_MASK, CAUSAL, PAST_END = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
+
+
+@gluon.jit
+def softmax_probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, n_start, kv_len, MASK: gl.constexpr,
+                  acc_layout: gl.constexpr, dtype: gl.constexpr):
+    """A key tile's softmax from its raw scores (keys ``n_start + offs_n``, masked as ``MASK`` says): P as P x V's
+    register operand, the new row maxima and sums, and the factor that takes the accumulator to the new maxima."""
+    if MASK == CAUSAL:
+        qk = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(n_start + offs_n, 0), qk, float("-inf"))
+    if MASK == PAST_END:
+        qk = gl.where(gl.expand_dims(n_start + offs_n < kv_len, 0), qk, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2))
+    return p_op, m_new, l_i, gl.convert_layout(alpha, gl.SliceLayout(1, acc_layout))
+
+
+@gluon.jit
+def overlap_tile(q_op, k_smem, v_smem, ready, empty, it, s, acc, p_op, m_i, l_i, qk_scale, offs_m, offs_n, n_start,
+                 kv_len, zero_qk, MASK: gl.constexpr, STAGES: gl.constexpr, acc_layout: gl.constexpr,
+                 dtype: gl.constexpr):
+    """FA3's order in a consumer warpgroup (``OVERLAP``): the ring's next key tile (keys ``n_start + offs_n``) has its
+    QK^T issued with the previous tile's P x V (stage ``s``), its softmax run while P x V does, then the accumulator
+    (with the previous tile in it) taken to the new maxima and the previous stage released. A masked tile's softmax
+    waits for P x V (under it, ptxas serializes every warpgroup MMA of the kernel: C7513). Returns the new ring
+    counter and stage, and the running state."""
+    s_prev = s
+    it += 1
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
+    acc = warpgroup_mma(p_op, v_smem.index(s_prev), acc, is_async=True)
+    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # QK^T done (issued first); P x V in flight
+    if MASK != NO_MASK:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    p_next, m_i, l_i, alpha = softmax_probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, n_start, kv_len, MASK,
+                                            acc_layout, dtype)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index(s_prev), count=1)
+    return it, s, acc * gl.expand_dims(alpha, 1), p_next, m_i, l_i
+
+
+@gluon.jit
+def _attend_rows(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, fixed, n_tiles, kv_len, row0,
+                 seq_start, seq_len, qk_scale, q_head, out_head, lse_head, stride_qt, stride_ot, stride_lt,
+                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PRODUCER_FIX: gl.constexpr,
+                 OVERLAP: gl.constexpr):
+    """A consumer warpgroup: query rows ``row0 .. row0 + ROWS`` against every tile, the last one masked; each tile's
+    steps in turn, or in FA3's order (``OVERLAP``, ``overlap_tile``)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_N, 16])
@@ -156,34 +245,57 @@ def _attend_rows(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, n
     q = gl.load(q_ptr + gl.expand_dims((seq_start + rows_io).to(gl.int64) * stride_qt, 1) + q_head
                 + gl.expand_dims(cols_io, 0), mask=gl.expand_dims(rows_io < seq_len, 1), other=0.0)
     q_op = gl.convert_layout(q, gl.DotOperandLayout(operand_index=0, parent=qk_layout, k_width=2))
+    offs_m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, qk_layout))
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk_layout))
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, qk_layout))
     l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, qk_layout))
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
     zero_qk = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=qk_layout)
-    for i in range(n_tiles - 1):
-        s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        acc, l_i, m_i = online_step(acc, l_i, m_i, qk, v_smem.index(s), qk_scale, acc_layout, dtype)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(s), count=1)
-    if n_tiles > 0:
-        last = n_tiles - 1
-        s = last % STAGES
-        mbarrier.wait(ready.index(s), (last // STAGES) & 1)
-        qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        v_last = v_smem.index(s)
-        if kv_len % BLOCK_N != 0:  # rows past the cached length hold anything (NaN too): 0 x NaN would be NaN
-            zero_rows_past(v_smem.index(s), v_fix, kv_len - last * BLOCK_N, BLOCK_N)
-            v_last = v_fix
-        qk = gl.where(gl.expand_dims(last * BLOCK_N + offs_n < kv_len, 0), qk, float("-inf"))  # past the context
-        acc, l_i, m_i = online_step(acc, l_i, m_i, qk, v_last, qk_scale, acc_layout, dtype)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(s), count=1)
-    offs_m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, qk_layout))
+    last = n_tiles - 1
+    if OVERLAP:
+        if n_tiles > 0:
+            it = 0
+            s = 0
+            mbarrier.wait(ready.index(0), 0)
+            qk = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
+            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+            if last == 0:
+                p_op, m_i, l_i, _ = softmax_probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, 0, kv_len, PAST_END,
+                                                  acc_layout, dtype)
+            else:
+                p_op, m_i, l_i, _ = softmax_probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, 0, kv_len, NO_MASK,
+                                                  acc_layout, dtype)
+            for i in range(1, last):
+                it, s, acc, p_op, m_i, l_i = overlap_tile(q_op, k_smem, v_smem, ready, empty, it, s, acc, p_op, m_i,
+                                                          l_i, qk_scale, offs_m, offs_n, i * BLOCK_N, kv_len, zero_qk,
+                                                          NO_MASK, STAGES, acc_layout, dtype)
+            if last > 0:
+                it, s, acc, p_op, m_i, l_i = overlap_tile(q_op, k_smem, v_smem, ready, empty, it, s, acc, p_op, m_i,
+                                                          l_i, qk_scale, offs_m, offs_n, last * BLOCK_N, kv_len,
+                                                          zero_qk, PAST_END, STAGES, acc_layout, dtype)
+            v_last, _ = v_operand(v_smem, v_fix, fixed, s, gl.to_tensor(0), last, kv_len, BLOCK_N, PRODUCER_FIX)
+            acc = warpgroup_mma(p_op, v_last, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(s), count=1)
+    else:
+        for i in range(last):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
+            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+            acc, l_i, m_i = online_step(acc, l_i, m_i, qk, v_smem.index(s), qk_scale, acc_layout, dtype)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(s), count=1)
+        if n_tiles > 0:
+            s = last % STAGES
+            mbarrier.wait(ready.index(s), (last // STAGES) & 1)
+            qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
+            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+            v_last, _ = v_operand(v_smem, v_fix, fixed, s, gl.to_tensor(0), last, kv_len, BLOCK_N, PRODUCER_FIX)
+            qk = gl.where(gl.expand_dims(last * BLOCK_N + offs_n < kv_len, 0), qk, float("-inf"))  # past the context
+            acc, l_i, m_i = online_step(acc, l_i, m_i, qk, v_last, qk_scale, acc_layout, dtype)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(s), count=1)
     store_rows(out_ptr, lse_ptr, acc, l_i, m_i, rows_io, cols_io, offs_m, seq_start, seq_len, out_head, lse_head,
                stride_ot, stride_lt, acc_layout, io_layout)  # no cached token: (0, -inf)
 
@@ -199,7 +311,8 @@ def gluon_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, contex
                         q_head_start, q_per_kv, kv_head_start, stride_qt, stride_qh, stride_k_tok, stride_k_h,
                         stride_v_tok, stride_v_h, stride_bt_req, stride_bt_blk, rows_per_block, tma_rows,
                         out_heads_per_rank, stride_or, stride_ot, stride_oh, stride_lr, stride_lt, stride_lh,
-                        HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, PAGES: gl.constexpr, STAGES: gl.constexpr):
+                        HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, PAGES: gl.constexpr, STAGES: gl.constexpr,
+                        PRODUCER_FIX: gl.constexpr, OVERLAP: gl.constexpr):
     """Grid (num_q_programs + 1, local Q heads); programs in reverse (each request's last blocks first); the last
     program of each head writes the padding rows. ``k_scale_ptr``/``v_scale_ptr`` are never read (no fp8)."""
     BLOCK_N: gl.constexpr = PAGE * PAGES
@@ -224,32 +337,44 @@ def gluon_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, contex
         smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
-        v_fix = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], smem_layout)  # a last V tile each
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a stage
+        if PRODUCER_FIX:
+            fixed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(STAGES):
+                mbarrier.init(fixed.index(s), count=1)
+            fix_0 = v_smem.index(0)  # no V copies (unused)
+            fix_1 = v_smem.index(0)
+        else:
+            v_fix = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], smem_layout)  # a last V tile each
+            fix_0 = v_fix.index(0)
+            fix_1 = v_fix.index(1)
+            fixed = ready  # (unused)
         table = block_table_ptr + seq.to(gl.int64) * stride_bt_req
         q_head = head.to(gl.int64) * stride_qh
         gl.warp_specialize([
-            (_attend_rows, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix.index(0), ready, empty, n_tiles, kv_len,
+            (_attend_rows, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, fix_0, ready, empty, fixed, n_tiles, kv_len,
                             m_start, seq_start, seq_len, qk_scale, q_head, out_head, lse_head, stride_qt, stride_ot,
-                            stride_lt, BLOCK_N, HEAD_DIM, STAGES)),
-            (_attend_rows, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix.index(1), ready, empty, n_tiles, kv_len,
+                            stride_lt, BLOCK_N, HEAD_DIM, STAGES, PRODUCER_FIX, OVERLAP)),
+            (_attend_rows, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, fix_1, ready, empty, fixed, n_tiles, kv_len,
                             m_start + ROWS, seq_start, seq_len, qk_scale, q_head, out_head, lse_head, stride_qt,
-                            stride_ot, stride_lt, BLOCK_N, HEAD_DIM, STAGES)),
+                            stride_ot, stride_lt, BLOCK_N, HEAD_DIM, STAGES, PRODUCER_FIX, OVERLAP)),
             (_load_pages, (k_cache_ptr + kv_head * stride_k_h, v_cache_ptr + kv_head * stride_v_h, tma_rows,
-                           stride_k_tok, stride_v_tok, k_smem, v_smem, ready, empty, table, stride_bt_blk,
-                           rows_per_block, n_pages, n_tiles, HEAD_DIM, PAGE, PAGES, STAGES)),
+                           stride_k_tok, stride_v_tok, k_smem, v_smem, ready, empty, fixed, table, stride_bt_blk,
+                           rows_per_block, n_pages, n_tiles, kv_len, HEAD_DIM, PAGE, PAGES, STAGES, PRODUCER_FIX)),
         ], [4, 1], [232, 40])
 
 
 def plan_gluon_prefix(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, *, scale,
-                      q_head_start, q_per_kv, kv_head_start) -> Launch:
+                      q_head_start, q_per_kv, kv_head_start, stages: int = STAGES,
+                      producer_fix: bool = PRODUCER_FIX, overlap: bool = OVERLAP) -> Launch:
     """``gluon_prefix_kernel`` prepared for tensors like these, called like ``paged_attention_kernel``'s ``Launch``
     (``(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, k_scale, v_scale)``);
-    the caller checked ``_gluon.prefix_takes_gluon``."""
+    the caller checked ``_gluon.prefix_takes_gluon``. ``stages``, ``producer_fix``, ``overlap``: ``STAGES``,
+    ``PRODUCER_FIX``, ``OVERLAP`` (benchmarks time each)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_reqs = context_lens.shape[0]
     num_q_programs = flat_programs(num_tokens, num_reqs, 2 * ROWS.value)
@@ -263,6 +388,7 @@ def plan_gluon_prefix(q, key_cache, value_cache, block_table, context_lens, quer
          q.stride(0), q.stride(1), key_cache.stride(1), key_cache.stride(2), value_cache.stride(1),
          value_cache.stride(2), *block_table.stride(), rows_per_block, rows_per_block * key_cache.shape[0],
          out_heads_per_rank, stride_or, stride_ot, stride_oh, stride_lr, stride_lt, stride_lh),
-        dict(HEAD_DIM=head_dim, PAGE=PAGE, PAGES=PAGES, STAGES=STAGES),
+        dict(HEAD_DIM=head_dim, PAGE=PAGE, PAGES=PAGES, STAGES=stages, PRODUCER_FIX=bool(producer_fix),
+             OVERLAP=bool(overlap)),
         num_warps=4, scratch=True, stand_ins={8: 0, 9: 0})  # no scales: q's pointer stands in (never read)
 

@@ -12,8 +12,8 @@ configs are appended to the results file's ``runs`` with the call's provenance.
     python benchmarks/kernels/gluon_chunk_probe.py [--name kernels_h200_gluon_probe]
     TRITON_INTERPRET=0 python benchmarks/kernels/gluon_chunk_probe.py --compile-only   # any machine, Triton 3.6
 
-``--compile-only`` compiles the prototype's schedules (``PROTOTYPE_SCHEDULES``) and the shipped current chunk's
-configs of ``CONFIGS`` for sm_90 with Triton's own compiler (no GPU) and prints their registers, spills, shared
+``--compile-only`` compiles the prototype's schedules (``PROTOTYPE_SCHEDULES``) and the shipped kernels' configs
+of ``CONFIGS`` for sm_90 with Triton's own compiler (no GPU) and prints their registers, spills, shared
 memory, the instructions a warp issues per key tile (the steady loop's SASS), and whether ptxas serialized the
 warpgroup MMAs (its C751x notes: a register an MMA in flight reads or writes is touched, or too few registers).
 """
@@ -42,11 +42,12 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 # (64: a candidate, not yet in _gluon.GLUON_HEAD_DIMS); two stages, the V rows zeroed by each consumer, unless given
 # (PRODUCER_FIX 1: by the producer in place, which leaves room for three stages); OVERLAP 1: FA3's order in each
 # warpgroup, the softmax under the previous tile's P x V (unlike the prototype's OVERLAP 2, the diagonal tile's mask
-# outside the loop). ("prefix", 2, 2, 64): the prefix pass at head size 64. The earlier calls' configs are in
-# kernels_h200_gluon_probe.json.
+# outside the loop). ("prefix", 2, STAGES[, HEAD_DIM[, PRODUCER_FIX, OVERLAP]]): the shipped prefix pass
+# (gluon_prefix_check.py), e.g. at head size 64, or with three stages, the V rows zeroed by the producer and FA3's
+# order. The earlier calls' configs are in kernels_h200_gluon_probe.json.
 CONFIGS = [("chunk", 1), ("chunk", 0), ("chunk", 2), ("chunk", 2, 128, 3, 1), ("chunk", 2, 128, 2, 0, 1),
            ("chunk", 1, 128, 3, 1, 1), ("chunk", 2, 128, 3, 1, 1), ("chunk", 2, 64), ("prefix", 2, 2),
-           ("prefix", 2, 2, 64)]
+           ("prefix", 2, 3, 128, 1, 0), ("prefix", 2, 3, 128, 1, 1), ("prefix", 2, 2, 64)]
 PROTOTYPE_SCHEDULES = [(128, 2, o, p) for o in (0, 1, 2, 3) for p in (0, 1) if not p or o >= 2]  # --compile-only
 SHAPES = [(16, 1024), (4, 2048), (2, 4096), (1, 16384)]  # (sequences, length), 32 Q / 8 KV heads
 CHECK_LENS = [1, 17, 64, 127, 128, 129, 300, 1000]
@@ -230,6 +231,22 @@ def compile_only() -> None:
                                             kv_head_start=0, order=config[1], stages=stages,
                                             producer_fix=bool(producer_fix), overlap=bool(overlap))
         _, signature, _, constants, attrs, options = ch._variant(plan, plan.kernel_tensors((q, k, k, out, lse, cu)))
+        compiled = triton.compile(GluonASTSource(fn=plan.kernel, signature=dict(signature), constexprs=constants,
+                                                 attrs=attrs), target=target, options=options)
+        print("shipped", config, _sm90_report(compiled), flush=True)
+    from dcp_plugin.kernels import gluon_prefix
+
+    for config in [c for c in CONFIGS if c[0] == "prefix"]:  # as gluon_prefix_check.launch_prefix plans it
+        d = config[3] if len(config) > 3 else 128
+        q, buf = torch.zeros(300, 8, d, dtype=torch.bfloat16), torch.zeros(20, 64, 2, 2 * d, dtype=torch.bfloat16)
+        table, lens = torch.zeros(2, 10, dtype=torch.int32), torch.tensor([100, 600], dtype=torch.int32)
+        out, lse, cu = torch.zeros_like(q), torch.zeros(300, 8), torch.tensor([0, 100, 300], dtype=torch.int32)
+        producer_fix, overlap = [*config[4:], 0, 0][:2]
+        plan = gluon_prefix.plan_gluon_prefix(q, buf[..., :d], buf[..., d:], table, lens, cu, out, lse, scale=0.1,
+                                              q_head_start=0, q_per_kv=4, kv_head_start=0, stages=config[2],
+                                              producer_fix=bool(producer_fix), overlap=bool(overlap))
+        tensors = plan.kernel_tensors((q, buf[..., :d], buf[..., d:], table, lens, cu, out, lse, q, q))
+        _, signature, _, constants, attrs, options = ch._variant(plan, tensors)
         compiled = triton.compile(GluonASTSource(fn=plan.kernel, signature=dict(signature), constexprs=constants,
                                                  attrs=attrs), target=target, options=options)
         print("shipped", config, _sm90_report(compiled), flush=True)

@@ -1,7 +1,8 @@
 """The shipped Gluon prefix pass's (``dcp_plugin.kernels.gluon_prefix``) launch, float64 check and timing against
 the ``tl`` kernel and FA3, for ``gluon_chunk_probe.py`` (which runs each config in a child process): config
-``("prefix", 2, 2[, HEAD_DIM])`` (two 64-token pages a key tile, two stages: the kernel's own, which earlier calls
-chose; head size 128 unless given)."""
+``("prefix", 2, STAGES[, HEAD_DIM[, PRODUCER_FIX, OVERLAP]])`` (two 64-token pages a key tile, the kernel's own;
+``STAGES`` key tiles in flight; head size 128 unless given; ``gluon_prefix.PRODUCER_FIX`` and ``OVERLAP`` off unless
+given)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,16 @@ def head_dim(config) -> int:
     return config[3] if len(config) > 3 else 128
 
 
-def launch_prefix(q, kc, vc, table, kv_lens, cu, out, lse, *, scale, q_head_start, q_per_kv, kv_head_start):
-    """The shipped Gluon prefix pass (``dcp_plugin.kernels.gluon_prefix``), launched directly."""
+def launch_prefix(q, kc, vc, table, kv_lens, cu, out, lse, *, scale, q_head_start, q_per_kv, kv_head_start,
+                  config):
+    """The shipped Gluon prefix pass (``dcp_plugin.kernels.gluon_prefix``), launched directly as ``config`` says."""
     from dcp_plugin.kernels.gluon_prefix import plan_gluon_prefix
 
+    producer_fix, overlap = [*config[4:], 0, 0][:2]
     plan_gluon_prefix(q, kc, vc, table, kv_lens, cu, out, lse, scale=scale, q_head_start=q_head_start,
-                      q_per_kv=q_per_kv, kv_head_start=kv_head_start)(q, kc, vc, table, kv_lens, cu, out, lse, None,
-                                                                      None)
+                      q_per_kv=q_per_kv, kv_head_start=kv_head_start, stages=config[2],
+                      producer_fix=bool(producer_fix), overlap=bool(overlap))(q, kc, vc, table, kv_lens, cu, out, lse,
+                                                                              None, None)
 
 
 def check_prefix(config) -> dict:
@@ -54,7 +58,7 @@ def check_prefix(config) -> dict:
         out = torch.full_like(q, float("nan"))
         lse = torch.full((total + pad, hq), float("nan"), dtype=torch.float32, device="cuda")
         kw = dict(scale=d ** -0.5, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=0)
-        launch_prefix(q, kc, vc, table, kv_lens, cu, out, lse, **kw)
+        launch_prefix(q, kc, vc, table, kv_lens, cu, out, lse, **kw, config=config)
         torch.cuda.synchronize()
         ref_out, ref_lse = reference.paged_attention(q[:total].double(), kc.double(), vc.double(), table, kv_lens,
                                                      cu, max_kv_len=max(CHECK_KV_LENS), **kw)
@@ -89,7 +93,7 @@ def time_prefix(config) -> list[dict]:
                                                           head_dim=d)
         out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
         kw = dict(scale=d ** -0.5, q_head_start=0, q_per_kv=4, kv_head_start=0)
-        fns = {"gluon": lambda: launch_prefix(q, kc, vc, tables[0], lens, qsl, out, lse, **kw),
+        fns = {"gluon": lambda: launch_prefix(q, kc, vc, tables[0], lens, qsl, out, lse, **kw, config=config),
                "ours_tl": lambda: paged_attention(q, kc, vc, tables[0], lens, qsl, max_kv_len=ctx,
                                                   max_query_len=q_rows, out=out, config=GPU_CONFIGS[d, False],
                                                   **kw)}

@@ -12,6 +12,7 @@ import torch
 from dcp_plugin.kernels import reference
 from dcp_plugin.kernels import _gluon
 from dcp_plugin.kernels._gluon import GLUON_ENV, gluon_supported
+from dcp_plugin.kernels.gluon_prefix import plan_gluon_prefix
 from dcp_plugin.kernels.paged_attention import paged_attention, plan_paged
 from tests.kernel_checks import assert_matches, poisoned, shuffled_block_table
 
@@ -123,3 +124,25 @@ def test_cuda_graph_replay():
                                                    scale=0.1, **head_map, max_kv_len=700)
     assert_matches(out, want_out, torch.bfloat16, "out")
     assert_matches(lse, want_lse, torch.bfloat16, "lse")
+
+
+@pytest.mark.parametrize("first_row", [0, 200], ids=["first0", "first200"])
+@pytest.mark.parametrize("heads", ["32q8kv", "8of32q-kv1"])
+@pytest.mark.parametrize(("stages", "producer_fix", "overlap"), [(3, True, False), (3, True, True), (2, False, True)],
+                         ids=["3-stages-producer-fix", "3-stages-producer-fix-overlap", "overlap"])
+def test_schedules_match_float64(stages, producer_fix, overlap, heads, first_row):
+    """The schedules the benchmarks time beside the default: three stages with the last V tile's rows past the
+    context zeroed by the producer in place (``PRODUCER_FIX``), and FA3's order in each consumer warpgroup
+    (``OVERLAP``: up to five unmasked key tiles before the last); NaN everywhere in the caches but the contexts."""
+    num_q_heads, num_kv_heads, head_map = HEADS[heads]
+    q, kc, vc, table, lens, qsl = _inputs(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, dtype=torch.bfloat16,
+                                          first_row=first_row)
+    out, lse = poisoned(q.shape, torch.bfloat16, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
+    plan_gluon_prefix(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, **head_map, stages=stages,
+                      producer_fix=producer_fix, overlap=overlap)(q, kc, vc, table, lens, qsl, out, lse, None, None)
+    want_out, want_lse = reference.paged_attention(q[first_row:].double(), kc.double(), vc.double(), table, lens,
+                                                   qsl - first_row, scale=0.1, **head_map, max_kv_len=700)
+    assert_matches(out[first_row:], want_out, torch.bfloat16, "out")
+    assert_matches(lse[first_row:], want_lse, torch.bfloat16, "lse")
+    assert out[:first_row].isnan().all() and lse[:first_row].isnan().all(), "rows before the first request"
+    assert (out[-5:] == 0).all() and (lse[-5:] == float("-inf")).all(), "padding rows"
