@@ -45,8 +45,8 @@ case "$stage" in
     targets=()
     for arg in "$@"; do [[ $arg == tests/* ]] && targets+=("$repo/$arg") || targets+=("$arg"); done
     [[ ${#targets[@]} -gt 0 && ${targets[0]} == "$repo"/tests/* ]] || targets=("$repo/tests/gpu" "${targets[@]}")
-    cd /tmp && PYTHONPATH=/tmp/dcp:$repo python3 -m pytest -q -m gpu -p no:cacheprovider "${targets[@]}" 2>&1 \
-      | from_repo | tee "$OUT/gpu_tests.log"
+    cd /tmp && PYTHONPATH=/tmp/dcp:$repo python3 -m pytest -q -m gpu -p no:cacheprovider --durations=25 \
+      "${targets[@]}" 2>&1 | from_repo | tee "$OUT/gpu_tests.log"
     ;;
   bench)
     install_dcp "$OUT/install.log" || exit 1
