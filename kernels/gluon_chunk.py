@@ -314,6 +314,8 @@ def plan_gluon_chunk(q, k, v, out, lse, query_start_loc, *, scale, q_head_start,
     (``(q, k, v, out, lse, query_start_loc)``); the caller checked ``_gluon.chunk_takes_gluon``. ``order``: how
     tiles are dealt (``ROUND_ROBIN``, ``SNAKE``, ``PAIRS``); ``stages``, ``producer_fix``, ``overlap``: ``STAGES``,
     ``PRODUCER_FIX``, ``OVERLAP`` (benchmarks time each)."""
+    if stages > 2 and not producer_fix:  # the two V copies and three stages: 256 KiB of shared memory (227 fit)
+        raise ValueError(f"stages={stages} needs producer_fix=True (the V copies then leave room); use stages=2")
     num_tokens, num_q_heads, head_dim = q.shape
     num_reqs = query_start_loc.shape[0] - 1
     num_q_programs = flat_programs(num_tokens, num_reqs, (4 if order == PAIRS else 2) * ROWS.value)

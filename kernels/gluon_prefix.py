@@ -375,6 +375,8 @@ def plan_gluon_prefix(q, key_cache, value_cache, block_table, context_lens, quer
     (``(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, k_scale, v_scale)``);
     the caller checked ``_gluon.prefix_takes_gluon``. ``stages``, ``producer_fix``, ``overlap``: ``STAGES``,
     ``PRODUCER_FIX``, ``OVERLAP`` (benchmarks time each)."""
+    if stages > 2 and not producer_fix:  # the two V copies and three stages: 256 KiB of shared memory (227 fit)
+        raise ValueError(f"stages={stages} needs producer_fix=True (the V copies then leave room); use stages=2")
     num_tokens, num_q_heads, head_dim = q.shape
     num_reqs = context_lens.shape[0]
     num_q_programs = flat_programs(num_tokens, num_reqs, 2 * ROWS.value)

@@ -137,3 +137,21 @@ def test_a_bad_switch_is_refused_when_the_engine_starts(monkeypatch):
     monkeypatch.setenv(_gluon.GLUON_ENV, "on")
     with pytest.raises(ValueError, match="DCP_TRITON_GLUON must be 1 .* or 0 .* got 'on'"):
         choose_kernels(engine="vLLM")
+
+
+def test_three_stages_need_the_producer_fix():
+    """Three stages with each consumer's V copies would ask for 256 KiB of shared memory: refused when planned, with
+    what works, not at compile or launch."""
+    from dcp_plugin.kernels import gluon_chunk, gluon_prefix
+
+    q, k = torch.zeros(300, 8, 128, dtype=torch.bfloat16), torch.zeros(300, 2, 128, dtype=torch.bfloat16)
+    out, lse, qsl = torch.zeros_like(q), torch.zeros(300, 8), torch.tensor([0, 100, 300], dtype=torch.int32)
+    heads = dict(scale=0.1, q_head_start=0, q_per_kv=4, kv_head_start=0)
+    with pytest.raises(ValueError, match="stages=3 needs producer_fix=True"):
+        gluon_chunk.plan_gluon_chunk(q, k, k, out, lse, qsl, **heads, stages=3)
+    assert gluon_chunk.plan_gluon_chunk(q, k, k, out, lse, qsl, **heads, stages=3, producer_fix=True).constexprs[
+        "STAGES"] == 3
+    cache, table, lens = torch.zeros(20, 64, 2, 128, dtype=torch.bfloat16), torch.zeros(2, 10, dtype=torch.int32), \
+        torch.tensor([100, 600], dtype=torch.int32)
+    with pytest.raises(ValueError, match="stages=3 needs producer_fix=True"):
+        gluon_prefix.plan_gluon_prefix(q, cache, cache, table, lens, qsl, out, lse, **heads, stages=3, overlap=True)
