@@ -28,9 +28,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from dcp_plugin.kernels._launch import LOG2E, Launch, device_index, num_sms
 from dcp_plugin.kernels._schedule import flat_programs
-from dcp_plugin.kernels.gluon_prefix import (
-    CAUSAL, NO_MASK, find_block, online_step, overlap_tile, softmax_probs, store_rows, v_operand, write_padding,
-    zero_tail_in_place,
+from dcp_plugin.kernels.gluon_parts import (
+    CAUSAL, NO_MASK, find_block, online_step, overlap_tile, ring_buffers, softmax_probs, store_rows, v_operand,
+    write_padding, zero_tail_in_place,
 )
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup; a tile is 2 * ROWS rows of one Q head
@@ -273,25 +273,7 @@ def gluon_chunk_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_pt
     (256-row pairs with ``PAIRS``);
     ``num_heads``: local Q heads; ``kv_width``: stored KV heads x head size (the descriptors' row width)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a stage
-    if PRODUCER_FIX:
-        fixed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(fixed.index(s), count=1)
-        fix_0 = v_smem.index(0)  # no V copies (unused)
-        fix_1 = v_smem.index(0)
-    else:
-        v_fix = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], smem_layout)  # a last V tile each
-        fix_0 = v_fix.index(0)
-        fix_1 = v_fix.index(1)
-        fixed = ready  # (unused)
+    k_smem, v_smem, ready, empty, fixed, fix_0, fix_1 = ring_buffers(dtype, STAGES, BLOCK_N, HEAD_DIM, PRODUCER_FIX)
     gl.warp_specialize([
         (_attend_tiles, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, fix_0, ready, empty, fixed, query_start_loc_ptr,
                          num_tokens, num_reqs, num_q_programs, num_heads, qk_scale, 0, stride_qt, stride_qh,

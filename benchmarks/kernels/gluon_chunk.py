@@ -17,7 +17,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from dcp_plugin.kernels.gluon_chunk import softmax_step
-from dcp_plugin.kernels.gluon_prefix import find_block, store_rows, write_padding
+from dcp_plugin.kernels.gluon_parts import find_block, store_rows, write_padding
 
 @gluon.jit
 def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, empty, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):

@@ -1,0 +1,195 @@
+"""The pieces the two Gluon kernels (``gluon_prefix``, ``gluon_chunk``) share: where a program's block lies, the
+epilogue and the padding rows, the online-softmax steps (each tile's steps in turn, or FA3's order inside a
+warpgroup, ``overlap_tile``), the ring of K/V stages and its mbarriers, and the two ways V rows past a request's end
+are zeroed before P x V (probability 0 times a NaN there would be NaN): into a consumer's copy, or by the producer in
+place (``PRODUCER_FIX``). Imported only where ``_gluon`` allows the Gluon kernels (Triton 3.6, sm_90)."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
+)
+
+
+@gluon.jit
+def find_block(query_start_loc_ptr, num_reqs, pid, BLOCK: gl.constexpr):
+    """``_schedule.find_block`` in Gluon: ``(request, block within it)`` of program ``pid``."""
+    lo = 0
+    hi = num_reqs
+    while lo < hi:  # last b with first(b) <= pid
+        mid = (lo + hi) // 2
+        if gl.load(query_start_loc_ptr + mid) // BLOCK + mid <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    req = gl.maximum(lo - 1, 0)
+    return req, pid - (gl.load(query_start_loc_ptr + req) // BLOCK + req)
+
+
+@gluon.jit
+def head_offset(head, heads_per_rank, stride_r, stride_h):
+    """Offset of local Q head ``head`` in a plain (``heads_per_rank`` = all, ``stride_r`` 0) or rank-major output."""
+    return (head // heads_per_rank).to(gl.int64) * stride_r + (head % heads_per_rank).to(gl.int64) * stride_h
+
+
+@gluon.jit
+def store_rows(out_ptr, lse_ptr, acc, l_i, m_i, rows_io, cols_io, offs_m, seq_start, seq_len, out_head, lse_head,
+               stride_ot, stride_lt, acc_layout: gl.constexpr, io_layout: gl.constexpr):
+    """A warpgroup's epilogue: ``acc / l`` and the LSE of its rows that lie in the request (``rows_io`` in
+    ``io_layout``, ``offs_m`` in the scores' row layout); a row that saw no key (``l`` 0) gets (0, -inf).
+    ``out_head``/``lse_head``: the head's offsets (``head_offset``)."""
+    empty_row = l_i == 0.0
+    l_acc = gl.convert_layout(gl.where(empty_row, 1.0, l_i), gl.SliceLayout(1, acc_layout))
+    out = gl.convert_layout((acc / gl.expand_dims(l_acc, 1)).to(out_ptr.dtype.element_ty), io_layout)
+    gl.store(out_ptr + gl.expand_dims((seq_start + rows_io).to(gl.int64) * stride_ot, 1) + out_head
+             + gl.expand_dims(cols_io, 0), out, mask=gl.expand_dims(rows_io < seq_len, 1))
+    lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    gl.store(lse_ptr + (seq_start + offs_m).to(gl.int64) * stride_lt + lse_head, lse, mask=offs_m < seq_len)
+
+
+@gluon.jit
+def write_padding(out_ptr, lse_ptr, query_start_loc_ptr, num_reqs, num_tokens, out_head, lse_head, stride_ot,
+                  stride_lt, ROWS_AT_ONCE: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """The rows past ``query_start_loc[num_reqs]`` (a CUDA graph's padding) of one head as (0, -inf), by one
+    warpgroup, ``ROWS_AT_ONCE`` rows a step."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows0 = gl.arange(0, ROWS_AT_ONCE, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    for first in range(gl.load(query_start_loc_ptr + num_reqs).to(gl.int64), num_tokens, ROWS_AT_ONCE):
+        rows = first + rows0
+        keep = rows < num_tokens
+        gl.store(out_ptr + gl.expand_dims(rows * stride_ot, 1) + out_head + gl.expand_dims(cols, 0),
+                 gl.zeros([ROWS_AT_ONCE, HEAD_DIM], out_ptr.dtype.element_ty, layout=layout),
+                 mask=gl.expand_dims(keep, 1))
+        gl.store(lse_ptr + rows * stride_lt + lse_head,
+                 gl.full([ROWS_AT_ONCE], float("-inf"), gl.float32, layout=gl.SliceLayout(1, layout)), mask=keep)
+
+
+@gluon.jit
+def online_step(acc, l_i, m_i, qk, v_tile, qk_scale, acc_layout: gl.constexpr, dtype: gl.constexpr):
+    """One online-softmax step over a key tile's scores ``qk`` (masked keys already -inf; scores in base 2); P x V is
+    issued and in flight on return. Every row sees a key, so its maximum is finite."""
+    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_layout)), 1)
+    p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2))
+    return warpgroup_mma(p_op, v_tile, acc, is_async=True), l_i, m_new
+
+
+@gluon.jit
+def zero_rows_past(v_tile, v_fix, valid, BLOCK_N: gl.constexpr):
+    """``v_fix`` = ``v_tile`` with rows ``valid ..`` zeroed, 32 rows at a time (this warpgroup's own copy)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows = gl.arange(0, 32, layout=gl.SliceLayout(1, layout))
+    for c in gl.static_range(BLOCK_N // 32):
+        part = v_tile.slice(c * 32, 32).load(layout)
+        v_fix.slice(c * 32, 32).store(gl.where(gl.expand_dims(c * 32 + rows < valid, 1), part, 0.0).to(part.dtype))
+    fence_async_shared()
+
+
+@gluon.jit
+def zero_tail_in_place(v_tile, valid, BLOCK_N: gl.constexpr):
+    """The producer warp: rows ``valid ..`` of a landed V tile set to 0 in place, 8 rows at a time, then fenced for
+    the consumers' warpgroup MMAs (``PRODUCER_FIX``)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+    rows = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
+    for c in gl.static_range(BLOCK_N // 8):
+        if (c + 1) * 8 > valid:
+            part = v_tile.slice(c * 8, 8).load(layout)
+            v_tile.slice(c * 8, 8).store(gl.where(gl.expand_dims(c * 8 + rows < valid, 1), part, 0.0).to(part.dtype))
+    fence_async_shared()
+
+
+@gluon.jit
+def v_operand(v_smem, v_fix, fixed, s, fix_phases, i, kv_len, BLOCK_N: gl.constexpr, PRODUCER_FIX: gl.constexpr):
+    """Key tile ``i``'s V tile in stage ``s`` for P x V: rows past ``kv_len`` hold anything (NaN too: probability 0
+    times NaN is NaN), so a tile that passes it is waited for until the producer zeroed them (``fixed``;
+    ``fix_phases`` holds a parity bit per stage), or zeroed into this warpgroup's copy ``v_fix``."""
+    v_tile = v_smem.index(s)
+    if (i + 1) * BLOCK_N > kv_len:
+        if PRODUCER_FIX:
+            mbarrier.wait(fixed.index(s), (fix_phases >> s) & 1)
+            fix_phases = fix_phases ^ (1 << s)
+        else:
+            zero_rows_past(v_smem.index(s), v_fix, kv_len - i * BLOCK_N, BLOCK_N)
+            v_tile = v_fix
+    return v_tile, fix_phases
+
+
+# softmax_probs' masks: none, keys past the row (causal), keys at or past kv_len.
+NO_MASK, CAUSAL, PAST_END = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
+
+
+@gluon.jit
+def softmax_probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, n_start, kv_len, MASK: gl.constexpr,
+                  acc_layout: gl.constexpr, dtype: gl.constexpr):
+    """A key tile's softmax from its raw scores (keys ``n_start + offs_n``, masked as ``MASK`` says): P as P x V's
+    register operand, the new row maxima and sums, and the factor that takes the accumulator to the new maxima."""
+    if MASK == CAUSAL:
+        qk = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(n_start + offs_n, 0), qk, float("-inf"))
+    if MASK == PAST_END:
+        qk = gl.where(gl.expand_dims(n_start + offs_n < kv_len, 0), qk, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2))
+    return p_op, m_new, l_i, gl.convert_layout(alpha, gl.SliceLayout(1, acc_layout))
+
+
+@gluon.jit
+def overlap_tile(q_op, k_smem, v_smem, ready, empty, it, s, acc, p_op, m_i, l_i, qk_scale, offs_m, offs_n, n_start,
+                 kv_len, zero_qk, MASK: gl.constexpr, STAGES: gl.constexpr, acc_layout: gl.constexpr,
+                 dtype: gl.constexpr):
+    """FA3's order in a consumer warpgroup (``OVERLAP``): the ring's next key tile (keys ``n_start + offs_n``) has its
+    QK^T issued with the previous tile's P x V (stage ``s``), its softmax run while P x V does, then the accumulator
+    (with the previous tile in it) taken to the new maxima and the previous stage released. A masked tile's softmax
+    waits for P x V (under it, ptxas serializes every warpgroup MMA of the kernel: C7513). Returns the new ring
+    counter and stage, and the running state."""
+    s_prev = s
+    it += 1
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
+    acc = warpgroup_mma(p_op, v_smem.index(s_prev), acc, is_async=True)
+    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # QK^T done (issued first); P x V in flight
+    if MASK != NO_MASK:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    p_next, m_i, l_i, alpha = softmax_probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, n_start, kv_len, MASK,
+                                            acc_layout, dtype)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index(s_prev), count=1)
+    return it, s, acc * gl.expand_dims(alpha, 1), p_next, m_i, l_i
+
+
+@gluon.jit
+def ring_buffers(dtype: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 PRODUCER_FIX: gl.constexpr):
+    """The ring both Gluon kernels stream K/V through: ``STAGES`` K and V tiles, their ``ready`` / ``empty``
+    mbarriers (both consumer warpgroups release a stage), and where V rows past the end get zeroed: per stage a
+    ``fixed`` mbarrier the producer arrives on (``PRODUCER_FIX``), or a V copy per consumer (``fix_0``, ``fix_1``).
+    Returns ``(k_smem, v_smem, ready, empty, fixed, fix_0, fix_1)``; the unused ones stand in for others."""
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    if PRODUCER_FIX:
+        fixed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(fixed.index(s), count=1)
+        fix_0 = v_smem.index(0)
+        fix_1 = v_smem.index(0)
+    else:
+        v_fix = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], smem_layout)  # a last V tile each
+        fix_0 = v_fix.index(0)
+        fix_1 = v_fix.index(1)
+        fixed = ready
+    return k_smem, v_smem, ready, empty, fixed, fix_0, fix_1
