@@ -46,8 +46,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 # (gluon_prefix_check.py), e.g. at head size 64, or with three stages, the V rows zeroed by the producer and FA3's
 # order. The earlier calls' configs are in kernels_h200_gluon_probe.json.
 CONFIGS = [("chunk", 1), ("chunk", 0), ("chunk", 2), ("chunk", 2, 128, 3, 1), ("chunk", 2, 128, 2, 0, 1),
-           ("chunk", 1, 128, 3, 1, 1), ("chunk", 2, 128, 3, 1, 1), ("chunk", 2, 64), ("prefix", 2, 2),
-           ("prefix", 2, 3, 128, 1, 0), ("prefix", 2, 3, 128, 1, 1), ("prefix", 2, 2, 64)]
+           ("chunk", 1, 128, 3, 1, 1), ("chunk", 2, 128, 3, 1, 1), ("chunk", 2, 64), ("chunk", 2, 64, 3, 1, 1),
+           ("prefix", 2, 2), ("prefix", 2, 2, 128, 0, 1), ("prefix", 2, 3, 128, 1, 0), ("prefix", 2, 3, 128, 1, 1),
+           ("prefix", 2, 2, 64), ("prefix", 2, 3, 64, 1, 1)]
 PROTOTYPE_SCHEDULES = [(128, 2, o, p) for o in (0, 1, 2, 3) for p in (0, 1) if not p or o >= 2]  # --compile-only
 SHAPES = [(16, 1024), (4, 2048), (2, 4096), (1, 16384)]  # (sequences, length), 32 Q / 8 KV heads
 CHECK_LENS = [1, 17, 64, 127, 128, 129, 300, 1000]
