@@ -23,7 +23,7 @@ from dcp_plugin.kernels._paged_tile import cache_takes_descriptors
 
 GLUON_ENV = "DCP_TRITON_GLUON"
 GLUON_TRITON = ("3.6.",)
-GLUON_HEAD_DIMS = (128,)  # the head sizes gluon_prefix and gluon_chunk serve (their float64 checks on the H200)
+GLUON_HEAD_DIMS = (64, 128)  # the head sizes gluon_prefix and gluon_chunk serve (their float64 checks on the H200)
 PREFIX_PAGE = 64
 
 

@@ -35,11 +35,11 @@ from dcp_plugin.kernels.gluon_parts import (
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup; a tile is 2 * ROWS rows of one Q head
 BLOCK_N = 128  # keys per K/V tile
-STAGES = 2  # K/V tiles in flight (with the two V copies: 192 KiB of shared memory)
+STAGES = 3  # K/V tiles in flight (two with each consumer's V copy, 192 KiB of shared memory; three: PRODUCER_FIX)
 # PRODUCER_FIX: the producer zeroes a request's last V tile past its end in place, once the copy landed, and signals
 # the consumers on a barrier of its own; no V copies, so three stages fit (192 KiB). Off: each consumer warpgroup
 # zeroes into its own copy (``zero_rows_past``).
-PRODUCER_FIX = False
+PRODUCER_FIX = True
 # How tiles are dealt to the persistent programs (``_tile_index``, ``_tile``): 0 round-robin, heaviest blocks first;
 # 1 (``SNAKE``) the same in rounds of alternating direction; 2 (``PAIRS``) a tile is two blocks of one request and Q
 # head, blocks j and n - 1 - j, whose causal costs sum to the same for every j. A model of the H200 probe's timings
@@ -48,13 +48,13 @@ PRODUCER_FIX = False
 # SNAKE lost 10% at 16 x 1024 and won 7% at 2 x 4096 against round-robin. With PAIRS, requests of one length give
 # tiles of one cost, so no program takes more than one tile beyond another (0.97 of ideal at all four shapes).
 ROUND_ROBIN, SNAKE, PAIRS = 0, 1, 2
-ORDER = SNAKE
+ORDER = PAIRS
 # OVERLAP: FA3's order inside a warpgroup: tile i's QK^T and tile i - 1's P x V issued together, tile i's softmax
 # under P x V (``_block_overlap``), the causal mask only on the block's diagonal tile, outside the loop. Off: each
 # tile's QK^T, softmax and P x V in turn (``_block_serial``). The prototype's overlap (gluon_chunk_probe.py's
 # OVERLAP 2) lost 6-15% on the H200: its loop masked every tile (``gluon_chunk_probe.py --compile-only`` prints the
 # instructions a key tile takes on sm_90, and whether ptxas serialized the MMAs).
-OVERLAP = False
+OVERLAP = True
 
 
 @gluon.jit

@@ -35,13 +35,13 @@ from dcp_plugin.kernels.gluon_parts import (
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup; a program's block is 2 * ROWS rows of one Q head
 PAGE = PREFIX_PAGE  # the page size this kernel serves (``_gluon.prefix_takes_gluon``)
 PAGES = 2  # pages per key tile
-STAGES = 2  # key tiles in flight (with the last tile's V copies: 192 KiB of shared memory)
+STAGES = 3  # key tiles in flight (two with the last tile's V copies, 192 KiB of shared memory; three: PRODUCER_FIX)
 # PRODUCER_FIX: the producer zeroes the last V tile's rows past the context in place (``zero_tail_in_place``), so no
 # V copies, and three stages fit; OVERLAP: FA3's order in each consumer warpgroup (``overlap_tile``), which holds
 # two stages at a time and so wants three. Both off: each consumer zeroes into its own copy, and a tile's QK^T,
 # softmax and P x V run in turn.
-PRODUCER_FIX = False
-OVERLAP = False
+PRODUCER_FIX = True
+OVERLAP = True
 
 
 @gluon.jit

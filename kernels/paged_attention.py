@@ -87,8 +87,9 @@ POINTER_CONFIGS = {GPU_CONFIGS[128, False]: PagedConfig(block_n=64, block_m=256,
 # four stages, each tile's row read in the loop. H200, 32 Q / 8 KV heads, 64-token pages: 3,690 GB/s at 8 x 8K and
 # 1,767 at 8 x 1K against 3,001 and 1,658 for the table's 128-token pointer tiles; with 32 Q heads per KV head the
 # pointer tiles stay ahead (2,566 against 2,092 at 32 x 8K), hence the group bound (kernels_h200_sweep_decode64.json).
-# The rows read ahead lose here (8 x 8K: 3,332 against 3,632 in one run, kernels_h200_sweep_ahead.json), and two
-# warps lose at 8 x 8K (2,931; kernels_h200_sweep_decode_warps.json).
+# The rows read ahead lose here (8 x 8K: 3,332 against 3,632, kernels_h200_sweep_ahead.json), two warps too (2,931;
+# kernels_h200_sweep_decode_warps.json). An fp8 cache keeps the pointer tiles: 2,027 / 2,548 / 2,811 GB/s at 8 x 8K /
+# 8 x 32K / 128 x 8K against 1,475 / 1,713 / 2,333 through descriptors (kernels_h200_sweep_p64.json).
 DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=4, tma=True)}
 DESCRIPTOR_DECODE_MAX_GROUP = 16
 # float32 tiles take twice the shared memory: 128-token prefix tiles do not fit (256 KiB of 227).
@@ -338,7 +339,7 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     num_reqs = context_lens.shape[0]
     decode = max_query_len == 1
     cfg = config or pick_config(head_dim, decode=decode, dtype=q.dtype)
-    if config is None and decode and not INTERPRET and q.dtype != torch.float32 \
+    if config is None and decode and not INTERPRET and q.dtype != torch.float32 and key_cache.dtype == q.dtype \
             and min(q_per_kv, num_q_heads) <= DESCRIPTOR_DECODE_MAX_GROUP:
         cfg = DESCRIPTOR_DECODE_CONFIGS.get(next_pow2(head_dim), cfg)
     use_tma = cfg.tma and cache_takes_descriptors(key_cache, value_cache, head_dim, cfg.block_n)

@@ -1,8 +1,8 @@
 """Which kernels ``plan_paged`` and ``plan_extend`` prepare. The prefix pass: the Gluon one (``gluon_prefix``, sm_90
-with Triton 3.6) only for a prefill step's one-split prefix pass over 64-token pages of a head-size-128 fp16/bf16
-cache that tensor descriptors can read, unless ``DCP_TRITON_GLUON=0``; the ``tl`` kernel for everything else, and
-everywhere Gluon may not run (its float64 checks: tests/gpu/test_gluon_prefix_gpu.py). The current chunk: the Gluon
-one (``gluon_chunk``) for head size 128, fp16/bf16, K and V with their heads contiguous
+with Triton 3.6) only for a prefill step's one-split prefix pass over 64-token pages of a head-size-64 or -128
+fp16/bf16 cache that tensor descriptors can read, unless ``DCP_TRITON_GLUON=0``; the ``tl`` kernel for everything
+else, and everywhere Gluon may not run (its float64 checks: tests/gpu/test_gluon_prefix_gpu.py). The current chunk: the Gluon
+one (``gluon_chunk``) for head size 64 or 128, fp16/bf16, K and V with their heads contiguous
 (tests/gpu/test_gluon_chunk_gpu.py). Here the selection itself, on CPU, both ways."""
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def test_prefill_one_split_takes_gluon():
     assert _plan() == "gluon_prefix_kernel"
     assert _plan(dtype=torch.float16) == "gluon_prefix_kernel"
     assert _plan(max_query_len=9) == "gluon_prefix_kernel"  # just past the short-query variant
+    assert _plan(head_dim=64) == "gluon_prefix_kernel"
 
 
 @pytest.mark.usefixtures("hopper")
@@ -65,11 +66,11 @@ def test_prefill_one_split_takes_gluon():
     dict(num_splits=2),  # split-KV: the tl kernel's partials and merge
     dict(page=16),  # pages the Gluon kernel does not take
     dict(page=128),
-    dict(head_dim=64),
+    dict(head_dim=256),
     dict(dtype=torch.float32),
     dict(cache_dtype=torch.float8_e4m3fn),
     dict(q_stride_d=2),  # q not unit-stride along D
-], ids=["decode", "short", "unknown-len", "splits", "page16", "page128", "d64", "fp32", "fp8", "q-strided"])
+], ids=["decode", "short", "unknown-len", "splits", "page16", "page128", "d256", "fp32", "fp8", "q-strided"])
 def test_everything_else_takes_tl(change):
     assert _plan(**change) == "paged_attention_kernel"
 
@@ -120,13 +121,13 @@ def test_chunk_interpreter_takes_tl():
 
 @pytest.mark.usefixtures("hopper")
 def test_chunk_takes_gluon_on_hopper():
-    assert _chunk() == _chunk(dtype=torch.float16) == "gluon_chunk_kernel"
+    assert _chunk() == _chunk(dtype=torch.float16) == _chunk(head_dim=64) == "gluon_chunk_kernel"
 
 
 @pytest.mark.usefixtures("hopper")
-@pytest.mark.parametrize("change", [dict(head_dim=64), dict(dtype=torch.float32), dict(kv_heads_apart=True),
+@pytest.mark.parametrize("change", [dict(head_dim=256), dict(dtype=torch.float32), dict(kv_heads_apart=True),
                                     dict(config=ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=2))],
-                         ids=["d64", "fp32", "kv-heads-apart", "config"])
+                         ids=["d256", "fp32", "kv-heads-apart", "config"])
 def test_chunk_everything_else_takes_tl(change):
     assert _chunk(**change) == "extend_attention_kernel"
 
@@ -148,10 +149,11 @@ def test_three_stages_need_the_producer_fix():
     out, lse, qsl = torch.zeros_like(q), torch.zeros(300, 8), torch.tensor([0, 100, 300], dtype=torch.int32)
     heads = dict(scale=0.1, q_head_start=0, q_per_kv=4, kv_head_start=0)
     with pytest.raises(ValueError, match="stages=3 needs producer_fix=True"):
-        gluon_chunk.plan_gluon_chunk(q, k, k, out, lse, qsl, **heads, stages=3)
+        gluon_chunk.plan_gluon_chunk(q, k, k, out, lse, qsl, **heads, stages=3, producer_fix=False)
     assert gluon_chunk.plan_gluon_chunk(q, k, k, out, lse, qsl, **heads, stages=3, producer_fix=True).constexprs[
         "STAGES"] == 3
     cache, table, lens = torch.zeros(20, 64, 2, 128, dtype=torch.bfloat16), torch.zeros(2, 10, dtype=torch.int32), \
         torch.tensor([100, 600], dtype=torch.int32)
     with pytest.raises(ValueError, match="stages=3 needs producer_fix=True"):
-        gluon_prefix.plan_gluon_prefix(q, cache, cache, table, lens, qsl, out, lse, **heads, stages=3, overlap=True)
+        gluon_prefix.plan_gluon_prefix(q, cache, cache, table, lens, qsl, out, lse, **heads, stages=3,
+                                       producer_fix=False)
