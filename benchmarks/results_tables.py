@@ -64,11 +64,14 @@ def prefix_rows(kernels: dict) -> list[str]:
         rows.append(f"| {r['batch']} x {r['q_rows']} rows over {r['ctx'] // 1024}K cached, {r['q_heads']} Q / "
                     f"{r['kv_heads']} KV | {r.get('page', 16)} | {r['ours_tflops']:.0f} | {r['fa3_tflops']:.0f} | "
                     f"{ratio(r['ours_tflops'], r['fa3_tflops'])} |")
-    rows += ["", "| fp8 (e4m3) decode, graph replay | fp8 us | bf16 us | fp8 / bf16 time |", "|---|---|---|---|"]
+    rows += ["", "| fp8 (e4m3) decode, graph replay | page | fp8 us | bf16 us | fp8 / bf16 time |",
+             "|---|---|---|---|---|"]
     for r in kernels["decode_fp8"]:
-        rows.append(f"| {r['batch']} x {r['ctx'] // 1024}K, {r['q_heads']} Q / {r['kv_heads']} KV | "
-                    f"{r['fp8_graph_ms'] * 1e3:.1f} | {r['bf16_graph_ms'] * 1e3:.1f} | "
-                    f"{r['fp8_graph_ms'] / r['bf16_graph_ms']:.2f}x |")
+        for page, key in ((16, ""), (64, "_p64")):  # a row without 64-token pages' times predates them
+            if f"fp8{key}_graph_ms" in r:
+                fp8, bf16 = r[f"fp8{key}_graph_ms"], r[f"bf16{key}_graph_ms"]
+                rows.append(f"| {r['batch']} x {r['ctx'] // 1024}K, {r['q_heads']} Q / {r['kv_heads']} KV | {page} | "
+                            f"{fp8 * 1e3:.1f} | {bf16 * 1e3:.1f} | {fp8 / bf16:.2f}x |")
     return rows
 
 
@@ -105,9 +108,9 @@ def _load(name: str) -> dict:
     return json.loads((RESULTS / name).read_text())
 
 
-# A later run of bench_kernels.py (--only prefix,prefill, the Gluon kernels on: the default since) whose sections
-# replace kernels_h200.json's; every row's ratio still comes from one run.
-KERNELS_LATER = ("kernels_h200_gluon.json", ("prefill", "prefix"))
+# A later run of bench_kernels.py (--only prefix,prefill,decode_fp8, with the Gluon kernels' schedules and the fp8
+# decode tiles chosen since) whose sections replace kernels_h200.json's; every row's ratio still comes from one run.
+KERNELS_LATER = ("kernels_h200_gluon_defaults.json", ("prefill", "prefix", "decode_fp8"))
 
 
 def _kernels() -> dict:

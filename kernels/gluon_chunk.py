@@ -53,7 +53,10 @@ ORDER = PAIRS
 # under P x V (``_block_overlap``), the causal mask only on the block's diagonal tile, outside the loop. Off: each
 # tile's QK^T, softmax and P x V in turn (``_block_serial``). The prototype's overlap (gluon_chunk_probe.py's
 # OVERLAP 2) lost 6-15% on the H200: its loop masked every tile (``gluon_chunk_probe.py --compile-only`` prints the
-# instructions a key tile takes on sm_90, and whether ptxas serialized the MMAs).
+# instructions a key tile takes on sm_90, and whether ptxas serialized the MMAs). The defaults (PAIRS, three stages,
+# PRODUCER_FIX, OVERLAP): 405 / 461 / 513 / 590 TFLOP/s at 16 x 1K / 4 x 2K / 2 x 4K / 1 x 16K, 32 Q / 8 KV, against
+# 399 / 482 / 519 / 561 for PAIRS with two stages and 367 / 434 / 513 / 558 for SNAKE (benchmarks/results/
+# kernels_h200_gluon_probe.json, the run at 320db48); OVERLAP with two stages lost (387-504).
 OVERLAP = True
 
 
