@@ -5,7 +5,10 @@
 #                  .gpu-bundle/core, where it fits beside the tree, is unpacked into /tmp/vs instead: ~40 s)
 #   stage "tests":  carry what "unpack" would (optional) -> the same, then install dcp-triton and run `pytest -m gpu`
 #                  (extra arguments: test files relative to the repo, or pytest options); the GPU tests that need
-#                  vLLM skip unless it was unpacked
+#                  vLLM skip unless it was unpacked. The whole tier (no files given) no longer fits one call in one
+#                  process (216 of 332 tests in 575 s at 44f170a, most of it compiling): its correctness files run
+#                  on TEST_WORKERS pytest-xdist processes (default 4) sharing the GPU, then SERIAL_TESTS (the files
+#                  that watch compiles, launches or the allocator's peak) in one process
 #   stage "bench":  carry .gpu-bundle/extra and .gpu-bundle/core-rest -> join the part an unpack call left in /tmp,
 #                  check the whole archive's sha256 and unpack vLLM into /tmp/vs, vLLM's deps, then each benchmark
 #                  script given (its path from the repository root, with its arguments); an argument naming tests/...
@@ -30,6 +33,9 @@ stage=${1:?usage: run_h200.sh unpack|tests|bench|ab [arguments...]}
 shift
 source "$(dirname "$0")/_device.sh"
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
+# The tier's files that watch compiles (Triton's per-process caches), prepared launches or the allocator's peak: in
+# one process of their own, never beside another test on the GPU.
+SERIAL_TESTS=${SERIAL_TESTS:-"test_memory_gpu.py test_warmup_gpu.py test_jit_variants_gpu.py test_launch_gpu.py"}
 mkdir -p "$OUT"
 case "$stage" in
   unpack)
@@ -44,9 +50,20 @@ case "$stage" in
     install_dcp "$OUT/install.log" || exit 1
     targets=()
     for arg in "$@"; do [[ $arg == tests/* ]] && targets+=("$repo/$arg") || targets+=("$arg"); done
-    [[ ${#targets[@]} -gt 0 && ${targets[0]} == "$repo"/tests/* ]] || targets=("$repo/tests/gpu" "${targets[@]}")
-    cd /tmp && PYTHONPATH=/tmp/dcp:$repo python3 -m pytest -q -m gpu -p no:cacheprovider --durations=25 \
-      "${targets[@]}" 2>&1 | from_repo | tee "$OUT/gpu_tests.log"
+    cd /tmp
+    if [[ ${#targets[@]} -gt 0 && ${targets[0]} == "$repo"/tests/* ]]; then
+      PYTHONPATH=/tmp/dcp:$repo python3 -m pytest -q -m gpu -p no:cacheprovider --durations=25 \
+        "${targets[@]}" 2>&1 | from_repo | tee "$OUT/gpu_tests.log"
+    else  # the whole tier: the correctness files on xdist workers, then the serial ones
+      serial=() parallel=()
+      for f in "$repo"/tests/gpu/test_*.py; do
+        if [[ " $SERIAL_TESTS " == *" $(basename "$f") "* ]]; then serial+=("$f"); else parallel+=("$f"); fi
+      done
+      { PYTHONPATH=/tmp/dcp:$repo python3 -m pytest -q -m gpu -p no:cacheprovider --durations=25 \
+          -n "${TEST_WORKERS:-4}" "${parallel[@]}" "${targets[@]}" 2>&1
+        PYTHONPATH=/tmp/dcp:$repo python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 \
+          "${serial[@]}" "${targets[@]}" 2>&1; } | from_repo | tee "$OUT/gpu_tests.log"
+    fi
     ;;
   bench)
     install_dcp "$OUT/install.log" || exit 1
