@@ -70,8 +70,12 @@ def sweep_decode(shapes, splits_list, configs, *, fp8: bool = False) -> list[dic
                            config=None if cfg is None else [cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.tma,
                                                             cfg.rows_ahead, cfg.min_rows])
                 try:
-                    row["graph_ms"] = graph_ms([lambda i=i: call(i) for i in range(copies)])
-                    row["gbs"] = kv_bytes / row["graph_ms"] / 1e6
+                    out.fill_(float("nan"))
+                    call(0)
+                    row["rel_err"] = _paged_error(out, q, kc, vc, tables, lens, qsl, rows=2, **scales)
+                    if row["rel_err"] <= ERROR_BOUND:  # NaN fails too: the row keeps its error and no time
+                        row["graph_ms"] = graph_ms([lambda i=i: call(i) for i in range(copies)])
+                        row["gbs"] = kv_bytes / row["graph_ms"] / 1e6
                 except Exception as err:
                     row["error"] = repr(err)[:200]
                 rows.append(row)
@@ -197,9 +201,11 @@ PREFIX_SHAPES = [(2, 4096, 32768, 32, 8), (1, 2048, 131072, 32, 8)]
 DECODE_SHAPES = [(1, 1024, 32, 8), (8, 1024, 32, 8), (32, 1024, 32, 8), (1, 8192, 32, 8), (8, 8192, 32, 8),
                  (32, 8192, 32, 1), (128, 8192, 32, 1), (8, 32768, 32, 1), (128, 1024, 32, 8)]  # 32 x 1K: 0.81x FA3
 DECODE_SPLITS = [1, 2, 4, 8, 16, 32]
-# The last two pad each tile to 64 rows: on sm_90 tl.dot then issues warpgroup MMAs, not mma.sync (with 32 Q heads
-# per KV head the decode tile has 32 rows).
-DECODE_CONFIGS = [(64, 4, 3), (128, 4, 4), (128, 8, 3), (32, 4, 4), (128, 4, 2, 0, 0, 64), (64, 4, 3, 0, 0, 64)]
+# The last three: tiles through tensor descriptors (pages of at least block_n tokens: --page 64) with more copies in
+# flight than the default's four stages of 64 tokens, for the rows where FA3 reads more of the copy bandwidth. Tiles
+# padded to 64 rows (min_rows 64: warpgroup MMAs on sm_90) were the best of no shape over 64-token pages
+# (kernels_h200_sweep_p64.json); --decode-configs times them again (e.g. 128x4x2x0x0x64).
+DECODE_CONFIGS = [(64, 4, 3), (128, 4, 4), (128, 8, 3), (32, 4, 4), (64, 4, 6, 1), (128, 4, 3, 1), (64, 8, 5, 1)]
 FP8_SHAPES = [(8, 8192, 32, 8), (8, 32768, 32, 8), (32, 8192, 32, 1), (128, 8192, 32, 8)]
 FP8_SPLITS = [4, 8, 16, 32]
 # (128, 4, 3): the pointer tiles 16-token pages get, over 64-token pages (which take descriptor tiles by default).
