@@ -39,7 +39,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 # ("chunk", ORDER[, HEAD_DIM[, STAGES, PRODUCER_FIX[, OVERLAP]]]): the shipped current chunk (gluon_chunk:
 # the persistent loop with the V rows past a request zeroed), its tiles dealt round-robin (0), in rounds of
 # alternating direction (1, SNAKE) or as pairs of blocks of equal summed cost (2, PAIRS); head size 128 unless given
-# (64: a candidate, not yet in _gluon.GLUON_HEAD_DIMS); two stages, the V rows zeroed by each consumer, unless given
+# (64 too); two stages, the V rows zeroed by each consumer, unless given, whatever the module's defaults
 # (PRODUCER_FIX 1: by the producer in place, which leaves room for three stages); OVERLAP 1: FA3's order in each
 # warpgroup, the softmax under the previous tile's P x V (unlike the prototype's OVERLAP 2, the diagonal tile's mask
 # outside the loop). ("prefix", 2, STAGES[, HEAD_DIM[, PRODUCER_FIX, OVERLAP]]): the shipped prefix pass
