@@ -83,13 +83,12 @@ GPU_CONFIGS = {
 }
 # A table entry that asks for tensor descriptors -> the constants for the same work through pointer loads.
 POINTER_CONFIGS = {GPU_CONFIGS[128, False]: PagedConfig(block_n=64, block_m=256, num_warps=8, num_stages=3)}
-# Decode over pages of 64+ tokens with at most 16 Q heads per KV group: 64-token tiles through tensor descriptors,
-# four stages, each tile's row read in the loop. H200, 32 Q / 8 KV heads, 64-token pages: 3,690 GB/s at 8 x 8K and
-# 1,767 at 8 x 1K against 3,001 and 1,658 for the table's 128-token pointer tiles; with 32 Q heads per KV head the
-# pointer tiles stay ahead (2,566 against 2,092 at 32 x 8K), hence the group bound (kernels_h200_sweep_decode64.json).
-# The rows read ahead lose here (8 x 8K: 3,332 against 3,632, kernels_h200_sweep_ahead.json), two warps too (2,931;
-# kernels_h200_sweep_decode_warps.json). An fp8 cache keeps the pointer tiles: 2,027 / 2,548 / 2,811 GB/s at 8 x 8K /
-# 8 x 32K / 128 x 8K against 1,475 / 1,713 / 2,333 through descriptors (kernels_h200_sweep_p64.json).
+# Decode over pages of 64+ tokens, at most 16 Q heads per KV group, bf16/fp16 cache: 64-token descriptor tiles, four
+# stages. H200, 32 Q / 8 KV, 64-token pages: 3,690 / 1,767 GB/s at 8 x 8K / 8 x 1K against 3,001 / 1,658 for the
+# 128-token pointer tiles; with 32 Q heads per KV head those win (2,566 against 2,092 at 32 x 8K; all
+# kernels_h200_sweep_decode64.json); rows read ahead and two warps lose (kernels_h200_sweep_ahead.json,
+# kernels_h200_sweep_decode_warps.json). fp8 keeps the pointer tiles: 2,027 / 2,548 / 2,811 GB/s at 8 x 8K / 8 x 32K /
+# 128 x 8K against 1,475 / 1,713 / 2,333 (kernels_h200_sweep_p64.json).
 DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=4, tma=True)}
 DESCRIPTOR_DECODE_MAX_GROUP = 16
 # float32 tiles take twice the shared memory: 128-token prefix tiles do not fit (256 KiB of 227).
