@@ -1,5 +1,5 @@
-"""Where the Gluon kernels (``gluon_prefix``, ``gluon_chunk``) run instead of the portable ``tl`` ones: decided from
-host facts only, without importing Gluon unless it may run.
+"""Where the Gluon kernels (``gluon_prefix``, ``gluon_chunk``, ``gluon_decode``) run instead of the portable ``tl``
+ones: decided from host facts only, without importing Gluon unless it may run.
 
 Gluon is Triton's lower-level dialect (explicit layouts, warpgroup MMAs, mbarriers, warp specialization); its API
 changes between Triton releases, so a kernel written in it runs only on the release it was built and measured on
@@ -25,6 +25,7 @@ GLUON_ENV = "DCP_TRITON_GLUON"
 GLUON_TRITON = ("3.6.",)
 GLUON_HEAD_DIMS = (64, 128)  # the head sizes gluon_prefix and gluon_chunk serve (their float64 checks on the H200)
 PREFIX_PAGE = 64
+GLUON_DECODE_MIN_GROUP = 16  # gluon_decode serves decodes with more Q heads per KV group than this
 
 
 @functools.cache
@@ -87,3 +88,9 @@ def chunk_takes_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
             and all(t.stride(1) == q.shape[-1] and descriptor_ready(t, (0,)) for t in (k, v))
             and q.stride(-1) == 1 and out.stride(-1) == 1 and q.shape[0] < 2 ** 31 - 256  # 32-bit row coordinates
             and gluon_enabled(q.device))
+
+
+def decode_takes_gluon(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether a decode (``plan_paged`` asks; it also weighs the group size) can run ``gluon_decode``: what
+    ``prefix_takes_gluon`` asks of the tensors (the same producer reads the cache)."""
+    return prefix_takes_gluon(q, key_cache, value_cache, out)

@@ -72,10 +72,11 @@ SMALL_GRID_TILES = 2
 MAX_AUTO_SPLITS = 64
 
 
-def pick_num_splits(*, programs: int, max_kv_len: int, block_n: int, sms: int) -> int:
-    """Splits per request so that stage 1 fills ``sms`` SMs, from host ints only (CUDA-graph safe)."""
+def pick_num_splits(*, programs: int, max_kv_len: int, block_n: int, sms: int, per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Splits per request so that stage 1 fills ``sms`` SMs with at most ``per_sm`` programs each, from host ints
+    only (CUDA-graph safe)."""
     programs = max(programs, 1)
-    by_occupancy = PROGRAMS_PER_SM * sms // programs
+    by_occupancy = per_sm * sms // programs
     tiles = cdiv(max_kv_len, block_n)
     small_grid = min(tiles // SMALL_GRID_TILES, cdiv(SMALL_GRID_PER_SM * sms, programs))
     by_length = max(tiles // MIN_TILES_PER_SPLIT, small_grid)

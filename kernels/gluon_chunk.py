@@ -276,7 +276,8 @@ def gluon_chunk_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_pt
     (256-row pairs with ``PAIRS``);
     ``num_heads``: local Q heads; ``kv_width``: stored KV heads x head size (the descriptors' row width)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    k_smem, v_smem, ready, empty, fixed, fix_0, fix_1 = ring_buffers(dtype, STAGES, BLOCK_N, HEAD_DIM, PRODUCER_FIX)
+    k_smem, v_smem, ready, empty, fixed, fix_0, fix_1 = ring_buffers(dtype, STAGES, BLOCK_N, HEAD_DIM, PRODUCER_FIX,
+                                                                     2)
     gl.warp_specialize([
         (_attend_tiles, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, fix_0, ready, empty, fixed, query_start_loc_ptr,
                          num_tokens, num_reqs, num_q_programs, num_heads, qk_scale, 0, stride_qt, stride_qh,

@@ -1,5 +1,5 @@
-"""The pieces the two Gluon kernels (``gluon_prefix``, ``gluon_chunk``) share: where a program's block lies, the
-epilogue and the padding rows, the online-softmax steps (each tile's steps in turn, or FA3's order inside a
+"""The pieces the Gluon kernels (``gluon_prefix``, ``gluon_chunk``, ``gluon_decode``) share: where a program's block
+lies, the epilogue and the padding rows, the online-softmax steps (each tile's steps in turn, or FA3's order inside a
 warpgroup, ``overlap_tile``), the ring of K/V stages and its mbarriers, and the two ways V rows past a request's end
 are zeroed before P x V (probability 0 times a NaN there would be NaN): into a consumer's copy, or by the producer in
 place (``PRODUCER_FIX``). Imported only where ``_gluon`` allows the Gluon kernels (Triton 3.6, sm_90)."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
 
@@ -167,12 +167,80 @@ def overlap_tile(q_op, k_smem, v_smem, ready, empty, it, s, acc, p_op, m_i, l_i,
 
 
 @gluon.jit
+def load_pages(k_head, v_head, tma_rows, stride_k_tok, stride_v_tok, k_smem, v_smem, ready, empty, fixed, table_ptr,
+                stride_bt_blk, rows_per_block, n_pages, n_tiles, kv_len, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
+                PAGES: gl.constexpr, STAGES: gl.constexpr, PRODUCER_FIX: gl.constexpr):
+    """The producer: tile i is pages ``PAGES * i ..`` of the request's table (page 0 past its last page: those keys
+    are masked), one mbarrier for all its copies. It builds the descriptors it copies through (the cache's token
+    rows of this KV head as one 2-D tensor: row = page * rows_per_block + token in page), so the warp that issues
+    the copies is the one that fenced them. ``PRODUCER_FIX``: the last tile's V rows past ``kv_len`` zeroed here,
+    in place, once they landed (``fixed`` tells the consumers)."""
+    page_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, HEAD_DIM], k_head.dtype.element_ty)
+    k_desc = tma.make_tensor_descriptor(k_head, shape=[tma_rows, HEAD_DIM], strides=[stride_k_tok, 1],
+                                        block_shape=[PAGE, HEAD_DIM], layout=page_layout)
+    v_desc = tma.make_tensor_descriptor(v_head, shape=[tma_rows, HEAD_DIM], strides=[stride_v_tok, 1],
+                                        block_shape=[PAGE, HEAD_DIM], layout=page_layout)
+    for i in range(n_tiles):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier's previous phase counts as done
+        mbarrier.expect(ready.index(s), PAGES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        for j in gl.static_range(PAGES):
+            entry = i * PAGES + j
+            page = gl.load(table_ptr + entry * stride_bt_blk, mask=entry < n_pages, other=0).to(gl.int32)
+            tma.async_copy_global_to_shared(k_desc, [page * rows_per_block, 0], ready.index(s),
+                                            k_smem.index(s).slice(j * PAGE, PAGE))
+            tma.async_copy_global_to_shared(v_desc, [page * rows_per_block, 0], ready.index(s),
+                                            v_smem.index(s).slice(j * PAGE, PAGE))
+        if PRODUCER_FIX:
+            if (i + 1) * (PAGE * PAGES) > kv_len:  # the last tile: rows past the context hold anything (NaN too)
+                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                zero_tail_in_place(v_smem.index(s), kv_len - i * (PAGE * PAGES), PAGE * PAGES)
+                mbarrier.arrive(fixed.index(s), count=1)
+
+
+@gluon.jit
+def attend_overlap(q_op, k_smem, v_smem, v_fix, ready, empty, fixed, acc, m_i, l_i, n_tiles, kv_len, qk_scale,
+                   offs_m, offs_n, zero_qk, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PRODUCER_FIX: gl.constexpr,
+                   acc_layout: gl.constexpr, dtype: gl.constexpr):
+    """A consumer warpgroup's pass over the ring's ``n_tiles`` key tiles in FA3's order (``overlap_tile``): keys
+    ``0 .. n_tiles * BLOCK_N`` of which those at or past ``kv_len`` are masked (only the last tile may hold any).
+    Returns ``(acc, m_i, l_i)``, unchanged when there is no tile."""
+    last = n_tiles - 1
+    if n_tiles > 0:
+        it = 0
+        s = 0
+        mbarrier.wait(ready.index(0), 0)
+        qk = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+        if last == 0:
+            p_op, m_i, l_i, _ = softmax_probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, 0, kv_len, PAST_END,
+                                              acc_layout, dtype)
+        else:
+            p_op, m_i, l_i, _ = softmax_probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, 0, kv_len, NO_MASK,
+                                              acc_layout, dtype)
+        for i in range(1, last):
+            it, s, acc, p_op, m_i, l_i = overlap_tile(q_op, k_smem, v_smem, ready, empty, it, s, acc, p_op, m_i, l_i,
+                                                      qk_scale, offs_m, offs_n, i * BLOCK_N, kv_len, zero_qk, NO_MASK,
+                                                      STAGES, acc_layout, dtype)
+        if last > 0:
+            it, s, acc, p_op, m_i, l_i = overlap_tile(q_op, k_smem, v_smem, ready, empty, it, s, acc, p_op, m_i, l_i,
+                                                      qk_scale, offs_m, offs_n, last * BLOCK_N, kv_len, zero_qk,
+                                                      PAST_END, STAGES, acc_layout, dtype)
+        v_last, _ = v_operand(v_smem, v_fix, fixed, s, gl.to_tensor(0), last, kv_len, BLOCK_N, PRODUCER_FIX)
+        acc = warpgroup_mma(p_op, v_last, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(s), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def ring_buffers(dtype: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 PRODUCER_FIX: gl.constexpr):
-    """The ring both Gluon kernels stream K/V through: ``STAGES`` K and V tiles, their ``ready`` / ``empty``
-    mbarriers (both consumer warpgroups release a stage), and where V rows past the end get zeroed: per stage a
-    ``fixed`` mbarrier the producer arrives on (``PRODUCER_FIX``), or a V copy per consumer (``fix_0``, ``fix_1``).
-    Returns ``(k_smem, v_smem, ready, empty, fixed, fix_0, fix_1)``; the unused ones stand in for others."""
+                 PRODUCER_FIX: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The ring the Gluon kernels stream K/V through: ``STAGES`` K and V tiles, their ``ready`` / ``empty``
+    mbarriers (each of the ``CONSUMERS`` consumer warpgroups releases a stage), and where V rows past the end get
+    zeroed: per stage a ``fixed`` mbarrier the producer arrives on (``PRODUCER_FIX``), or a V copy per consumer
+    (``fix_0``, ``fix_1``). Returns ``(k_smem, v_smem, ready, empty, fixed, fix_0, fix_1)``; the unused ones stand
+    in for others."""
     smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
@@ -180,7 +248,7 @@ def ring_buffers(dtype: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexp
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)
+        mbarrier.init(empty.index(s), count=CONSUMERS)
     if PRODUCER_FIX:
         fixed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):

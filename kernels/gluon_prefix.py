@@ -22,14 +22,14 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from dcp_plugin.kernels._gluon import PREFIX_PAGE
 from dcp_plugin.kernels._launch import LOG2E, Launch, head_strides
 from dcp_plugin.kernels._schedule import flat_programs
 from dcp_plugin.kernels.gluon_parts import (
-    NO_MASK, PAST_END, find_block, head_offset, online_step, overlap_tile, ring_buffers, softmax_probs, store_rows,
-    v_operand, write_padding, zero_tail_in_place,
+    attend_overlap, find_block, head_offset, load_pages, online_step, ring_buffers, store_rows, v_operand,
+    write_padding,
 )
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup; a program's block is 2 * ROWS rows of one Q head
@@ -44,38 +44,6 @@ STAGES = 3  # key tiles in flight (two with the last tile's V copies, 192 KiB of
 # (benchmarks/results/kernels_h200_gluon_probe.json, the run at 320db48).
 PRODUCER_FIX = True
 OVERLAP = True
-
-
-@gluon.jit
-def _load_pages(k_head, v_head, tma_rows, stride_k_tok, stride_v_tok, k_smem, v_smem, ready, empty, fixed, table_ptr,
-                stride_bt_blk, rows_per_block, n_pages, n_tiles, kv_len, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
-                PAGES: gl.constexpr, STAGES: gl.constexpr, PRODUCER_FIX: gl.constexpr):
-    """The producer: tile i is pages ``PAGES * i ..`` of the request's table (page 0 past its last page: those keys
-    are masked), one mbarrier for all its copies. It builds the descriptors it copies through (the cache's token
-    rows of this KV head as one 2-D tensor: row = page * rows_per_block + token in page), so the warp that issues
-    the copies is the one that fenced them. ``PRODUCER_FIX``: the last tile's V rows past ``kv_len`` zeroed here,
-    in place, once they landed (``fixed`` tells the consumers)."""
-    page_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, HEAD_DIM], k_head.dtype.element_ty)
-    k_desc = tma.make_tensor_descriptor(k_head, shape=[tma_rows, HEAD_DIM], strides=[stride_k_tok, 1],
-                                        block_shape=[PAGE, HEAD_DIM], layout=page_layout)
-    v_desc = tma.make_tensor_descriptor(v_head, shape=[tma_rows, HEAD_DIM], strides=[stride_v_tok, 1],
-                                        block_shape=[PAGE, HEAD_DIM], layout=page_layout)
-    for i in range(n_tiles):
-        s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier's previous phase counts as done
-        mbarrier.expect(ready.index(s), PAGES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
-        for j in gl.static_range(PAGES):
-            entry = i * PAGES + j
-            page = gl.load(table_ptr + entry * stride_bt_blk, mask=entry < n_pages, other=0).to(gl.int32)
-            tma.async_copy_global_to_shared(k_desc, [page * rows_per_block, 0], ready.index(s),
-                                            k_smem.index(s).slice(j * PAGE, PAGE))
-            tma.async_copy_global_to_shared(v_desc, [page * rows_per_block, 0], ready.index(s),
-                                            v_smem.index(s).slice(j * PAGE, PAGE))
-        if PRODUCER_FIX:
-            if (i + 1) * (PAGE * PAGES) > kv_len:  # the last tile: rows past the context hold anything (NaN too)
-                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-                zero_tail_in_place(v_smem.index(s), kv_len - i * (PAGE * PAGES), PAGE * PAGES)
-                mbarrier.arrive(fixed.index(s), count=1)
 
 
 @gluon.jit
@@ -104,30 +72,9 @@ def _attend_rows(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, f
     zero_qk = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=qk_layout)
     last = n_tiles - 1
     if OVERLAP:
-        if n_tiles > 0:
-            it = 0
-            s = 0
-            mbarrier.wait(ready.index(0), 0)
-            qk = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
-            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-            if last == 0:
-                p_op, m_i, l_i, _ = softmax_probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, 0, kv_len, PAST_END,
-                                                  acc_layout, dtype)
-            else:
-                p_op, m_i, l_i, _ = softmax_probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, 0, kv_len, NO_MASK,
-                                                  acc_layout, dtype)
-            for i in range(1, last):
-                it, s, acc, p_op, m_i, l_i = overlap_tile(q_op, k_smem, v_smem, ready, empty, it, s, acc, p_op, m_i,
-                                                          l_i, qk_scale, offs_m, offs_n, i * BLOCK_N, kv_len, zero_qk,
-                                                          NO_MASK, STAGES, acc_layout, dtype)
-            if last > 0:
-                it, s, acc, p_op, m_i, l_i = overlap_tile(q_op, k_smem, v_smem, ready, empty, it, s, acc, p_op, m_i,
-                                                          l_i, qk_scale, offs_m, offs_n, last * BLOCK_N, kv_len,
-                                                          zero_qk, PAST_END, STAGES, acc_layout, dtype)
-            v_last, _ = v_operand(v_smem, v_fix, fixed, s, gl.to_tensor(0), last, kv_len, BLOCK_N, PRODUCER_FIX)
-            acc = warpgroup_mma(p_op, v_last, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(s), count=1)
+        acc, m_i, l_i = attend_overlap(q_op, k_smem, v_smem, v_fix, ready, empty, fixed, acc, m_i, l_i, n_tiles,
+                                       kv_len, qk_scale, offs_m, offs_n, zero_qk, BLOCK_N, STAGES, PRODUCER_FIX,
+                                       acc_layout, dtype)
     else:
         for i in range(last):
             s = i % STAGES
@@ -186,7 +133,7 @@ def gluon_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, contex
         n_tiles = gl.cdiv(kv_len, BLOCK_N)
         kv_head = ((q_head_start + head) // q_per_kv - kv_head_start).to(gl.int64)
         k_smem, v_smem, ready, empty, fixed, fix_0, fix_1 = ring_buffers(dtype, STAGES, BLOCK_N, HEAD_DIM,
-                                                                         PRODUCER_FIX)
+                                                                         PRODUCER_FIX, 2)
         table = block_table_ptr + seq.to(gl.int64) * stride_bt_req
         q_head = head.to(gl.int64) * stride_qh
         gl.warp_specialize([
@@ -196,7 +143,7 @@ def gluon_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, contex
             (_attend_rows, (q_ptr, out_ptr, lse_ptr, k_smem, v_smem, fix_1, ready, empty, fixed, n_tiles, kv_len,
                             m_start + ROWS, seq_start, seq_len, qk_scale, q_head, out_head, lse_head, stride_qt,
                             stride_ot, stride_lt, BLOCK_N, HEAD_DIM, STAGES, PRODUCER_FIX, OVERLAP)),
-            (_load_pages, (k_cache_ptr + kv_head * stride_k_h, v_cache_ptr + kv_head * stride_v_h, tma_rows,
+            (load_pages, (k_cache_ptr + kv_head * stride_k_h, v_cache_ptr + kv_head * stride_v_h, tma_rows,
                            stride_k_tok, stride_v_tok, k_smem, v_smem, ready, empty, fixed, table, stride_bt_blk,
                            rows_per_block, n_pages, n_tiles, kv_len, HEAD_DIM, PAGE, PAGES, STAGES, PRODUCER_FIX)),
         ], [4, 1], [232, 40])

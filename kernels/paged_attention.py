@@ -14,12 +14,12 @@ query`` programs. ``out``/``lse`` may be rank-major (``[R, T, H / R, D]``): the 
 On sm_90+ a tile that lies inside one page (pages of 64 tokens or more) comes through tensor descriptors, one TMA
 copy per K or V tile (``_paged_tile``); smaller pages are gathered token by token. A prefill step's prefix pass on
 sm_90 with Triton 3.6 (unless ``DCP_TRITON_GLUON=0``) runs ``gluon_prefix`` where ``_gluon.prefix_takes_gluon``
-allows.
+allows, and a decode with more than ``GLUON_DECODE_MIN_GROUP`` Q heads per KV group runs ``gluon_decode`` as stage
+1 where ``_gluon.decode_takes_gluon`` allows. The ``tl`` kernel's launch constants: ``_paged_config``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 
 import torch
@@ -31,8 +31,12 @@ from dcp_plugin.kernels._launch import (
     check_tensor, device_index, head_strides, next_pow2, num_sms,
 )
 from dcp_plugin.checks import FP8_DTYPES, check_kv_scales
-from dcp_plugin.kernels._gluon import prefix_takes_gluon
+from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_GROUP, decode_takes_gluon, prefix_takes_gluon
 from dcp_plugin.kernels._mode import INTERPRET
+from dcp_plugin.kernels._paged_config import (  # noqa: F401 - the tuning table is part of this module's API
+    DESCRIPTOR_DECODE_CONFIGS, DESCRIPTOR_DECODE_MAX_GROUP, GPU_CONFIGS, GPU_FP32_CONFIGS, INTERPRET_CONFIG,
+    POINTER_CONFIGS, PagedConfig, pick_config,
+)
 from dcp_plugin.kernels._paged_tile import attend_split, cache_takes_descriptors
 from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count constants are part of this module's API
     MAX_AUTO_SPLITS, MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM, find_block, flat_programs, group_head_tile, head_tiling,
@@ -50,50 +54,7 @@ _LOG2E = tl.constexpr(LOG2E)  # the kernels' copy (jit functions read only const
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 256  # explicit num_splits upper bound
 SHORT_QUERY = 8  # at most this many query rows per request: the short-query variant (speculative verify steps)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PagedConfig:
-    block_n: int  # KV tokens per tile; split boundaries are multiples of it
-    block_m: int  # most rows (query tokens x Q heads of one KV group) per tile
-    num_warps: int
-    num_stages: int
-    tma: bool = False  # on sm_90+, whole tiles of one page through tensor descriptors where the cache allows
-    rows_ahead: bool = False  # with tma: the tiles' descriptor rows read a chunk ahead (_paged_tile.TMA_CHUNK)
-    min_rows: int = 16  # rows a tile has at least (Q heads past the group masked); 64: warpgroup MMAs on sm_90
-
-
-# (padded head dim, decode) -> launch constants for Hopper; benchmarks sweep others via ``config=``. "decode" = the
-# caller promised one query row per request (max_query_len=1). D=128 decode: 128-token tiles (H200, bf16: 1.1-1.3x
-# the GB/s of 64-token tiles with one KV head per rank, e.g. 32 x 8K 2631 against 2037, within 3% elsewhere;
-# benchmarks/results/kernels_h200_tuning_sweep3.json). Longer queries (the prefix pass, 32 Q / 8 KV heads; on sm_90
-# with Triton 3.6 ``gluon_prefix`` takes one-split prefill steps over 64-token pages instead): pages of 64+,
-# 128-row tiles of 64 tokens through tensor descriptors, four warps, two stages, the rows read a chunk ahead:
-# 528 / 517 TFLOP/s at 2 x 4K rows over 32K cached / 1 x 2K over 128K, against 501 / 500 with each row read in
-# the loop (kernels_h200_sweep_prefix_ahead.json; pointer loads' best: 372 / 390, kernels_h200_sweep_tma.json);
-# smaller pages (or strides descriptors refuse): ``POINTER_CONFIGS``, 256-row tiles of 64 tokens, eight warps, 375 /
-# 394 over 16-token pages (kernels_h200_sweep_tma16.json, kernels_h200_sweep2.json).
-GPU_CONFIGS = {
-    (64, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=3),
-    (64, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=3),
-    (128, True): PagedConfig(block_n=128, block_m=64, num_warps=4, num_stages=3),
-    (128, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=2, tma=True, rows_ahead=True),
-    (256, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=2),
-    (256, False): PagedConfig(block_n=64, block_m=64, num_warps=8, num_stages=2),
-}
-# A table entry that asks for tensor descriptors -> the constants for the same work through pointer loads.
-POINTER_CONFIGS = {GPU_CONFIGS[128, False]: PagedConfig(block_n=64, block_m=256, num_warps=8, num_stages=3)}
-# Decode over pages of 64+ tokens, at most 16 Q heads per KV group, bf16/fp16 cache: 64-token descriptor tiles, four
-# stages. H200, 32 Q / 8 KV, 64-token pages: 3,690 / 1,767 GB/s at 8 x 8K / 8 x 1K against 3,001 / 1,658 for the
-# 128-token pointer tiles; with 32 Q heads per KV head those win (2,566 against 2,092 at 32 x 8K; all
-# kernels_h200_sweep_decode64.json); rows read ahead and two warps lose (kernels_h200_sweep_ahead.json,
-# kernels_h200_sweep_decode_warps.json). fp8 keeps the pointer tiles: 2,027 / 2,548 / 2,811 GB/s at 8 x 8K / 8 x 32K /
-# 128 x 8K against 1,475 / 1,713 / 2,333 (kernels_h200_sweep_p64.json).
-DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=4, tma=True)}
-DESCRIPTOR_DECODE_MAX_GROUP = 16
-# float32 tiles take twice the shared memory: 128-token prefix tiles do not fit (256 KiB of 227).
-GPU_FP32_CONFIGS = {(128, False): PagedConfig(block_n=64, block_m=128, num_warps=8, num_stages=3)}
-INTERPRET_CONFIG = PagedConfig(block_n=32, block_m=32, num_warps=1, num_stages=1)
+GLUON_DECODE_PER_SM = 1  # gluon_decode's programs per SM (its ring of three 64 KiB stages fills one)
 
 
 # Per-step sizes (and the LSE strides, which scale with them) are not specialized on: every step of an engine runs
@@ -214,27 +175,6 @@ def paged_attention_kernel(
     tl.store(lse_rows + split_off * stride_lse_s, lse, mask=row_mask)
 
 
-def pick_config(head_dim: int, *, decode: bool, dtype: torch.dtype = torch.bfloat16,
-                config: PagedConfig | None = None) -> PagedConfig:
-    """The launch constants a call uses: ``config`` if given (validated), else the table entry for q's dtype."""
-    if config is None:
-        if INTERPRET:
-            return INTERPRET_CONFIG
-        key = (min(d for d, _ in GPU_CONFIGS if d >= head_dim), decode)
-        return GPU_FP32_CONFIGS.get(key, GPU_CONFIGS[key]) if dtype == torch.float32 else GPU_CONFIGS[key]
-    if not isinstance(config, PagedConfig):
-        raise ValueError(f"config must be a PagedConfig, got {type(config).__name__}")
-    for name in ("block_n", "block_m", "min_rows"):
-        value = getattr(config, name)
-        if value < 16 or value & (value - 1):
-            raise ValueError(f"config.{name} must be a power of two >= 16 (tl.dot tiles), got {value}")
-    if config.min_rows > config.block_m:
-        raise ValueError(f"config.min_rows ({config.min_rows}) must be <= config.block_m ({config.block_m})")
-    if config.num_warps < 1 or config.num_stages < 1:
-        raise ValueError(f"config.num_warps and config.num_stages must be >= 1, got {config!r}")
-    return config
-
-
 def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, *, scale, q_head_start,
                     q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None, out=None, lse=None,
                     config: PagedConfig | None = None, k_scale=None, v_scale=None):
@@ -329,15 +269,23 @@ def split_capacity(head_dim: int, device: torch.device) -> int:
 
 def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, *, scale,
                q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None,
-               split_buffer: torch.Tensor | None = None, config: PagedConfig | None = None) -> PagedLaunch:
+               split_buffer: torch.Tensor | None = None, config: PagedConfig | None = None,
+               gluon_decode: tuple[int, int] | None = None) -> PagedLaunch:
     """``paged_attention`` prepared for tensors shaped like these (no checks). ``split_buffer``: float32 scratch of
     ``split_capacity`` elements for the split partials (default: allocated here); an automatic split count is
-    lowered until the partials fit in it."""
+    lowered until the partials fit in it. ``gluon_decode``: ``(pages, stages)`` of ``gluon_decode`` for a decode it
+    can serve, whatever the group size (benchmarks)."""
     num_tokens, num_q_heads, head_dim = q.shape
     page_size = key_cache.shape[1]
     num_reqs = context_lens.shape[0]
     decode = max_query_len == 1
     cfg = config or pick_config(head_dim, decode=decode, dtype=q.dtype)
+    if config is None and decode and decode_takes_gluon(q, key_cache, value_cache, out) \
+            and (gluon_decode is not None or min(q_per_kv, num_q_heads) > GLUON_DECODE_MIN_GROUP):
+        return _plan_gluon_decode(q, key_cache, value_cache, block_table, context_lens, out, lse, scale=scale,
+                                  q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
+                                  max_kv_len=max_kv_len, num_splits=num_splits, split_buffer=split_buffer,
+                                  tiles=gluon_decode)
     if config is None and decode and not INTERPRET and q.dtype != torch.float32 and key_cache.dtype == q.dtype \
             and min(q_per_kv, num_q_heads) <= DESCRIPTOR_DECODE_MAX_GROUP:
         cfg = DESCRIPTOR_DECODE_CONFIGS.get(next_pow2(head_dim), cfg)
@@ -357,13 +305,9 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
         block_h=block_h)
     num_q_programs = num_reqs if decode else flat_programs(num_tokens, num_reqs, block_q)
     head_programs = num_groups * head_tiles_per_group
-    row_floats = num_tokens * num_q_heads * (head_dim + 1)
     if num_splits is None:
-        num_splits = 1 if INTERPRET else pick_num_splits(
-            programs=num_q_programs * head_programs, max_kv_len=max_kv_len, block_n=cfg.block_n,
-            sms=num_sms(device_index(q)))
-        if split_buffer is not None:
-            num_splits = max(1, min(num_splits, split_buffer.numel() // max(row_floats, 1)))
+        num_splits = _auto_splits(q, programs=num_q_programs * head_programs, max_kv_len=max_kv_len,
+                                  block_n=cfg.block_n, split_buffer=split_buffer)
     if config is None and num_splits == 1 and not decode and (max_query_len or 0) > SHORT_QUERY \
             and prefix_takes_gluon(q, key_cache, value_cache, out):  # a prefill step's prefix pass on Hopper
         from dcp_plugin.kernels.gluon_prefix import plan_gluon_prefix
@@ -371,14 +315,7 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
         return PagedLaunch(plan_gluon_prefix(q, key_cache, value_cache, block_table, context_lens, query_start_loc,
                                              out, lse, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
                                              kv_head_start=kv_head_start), None, None, None, 1)
-    if num_splits == 1:
-        part_out = part_lse = None
-        out_strides = with_split_stride(head_strides(out, 3), 0)
-        lse_strides = (*head_strides(lse, 2)[1:], 0)
-    else:
-        part_out, part_lse = split_views(split_buffer, num_tokens, num_q_heads, num_splits, head_dim, q.device)
-        out_strides = (num_q_heads, 0, *part_out.stride())
-        lse_strides = (0, *part_lse.stride())
+    part_out, part_lse, out_strides, lse_strides = _split_outputs(q, out, lse, num_splits, split_buffer)
     grid = (num_q_programs + cdiv(num_tokens, block_q), head_programs, num_splits) if num_tokens else (0,)
     block_d = max(16, next_pow2(head_dim))
     kv_fp8 = key_cache.dtype in FP8_DTYPES
@@ -396,9 +333,62 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
              ROWS_AHEAD=use_tma and cfg.rows_ahead),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, scratch=use_tma,
         stand_ins=None if kv_fp8 else {8: 0, 9: 0})  # no scales: q's pointer stands in (never read)
+    return _with_reduce(stage1, part_out, part_lse, out, lse, num_splits)
+
+
+def _auto_splits(q, *, programs: int, max_kv_len: int, block_n: int, split_buffer,
+                 per_sm: int = PROGRAMS_PER_SM) -> int:
+    """``pick_num_splits`` on q's GPU (1 under the interpreter), lowered until the partials fit in
+    ``split_buffer``."""
+    if INTERPRET:
+        return 1
+    splits = pick_num_splits(programs=programs, max_kv_len=max_kv_len, block_n=block_n,
+                             sms=num_sms(device_index(q)), per_sm=per_sm)
+    if split_buffer is None:
+        return splits
+    return max(1, min(splits, split_buffer.numel() // max(q.shape[0] * q.shape[1] * (q.shape[2] + 1), 1)))
+
+
+def _split_outputs(q, out, lse, num_splits: int, split_buffer):
+    """Where stage 1 writes: ``out``/``lse`` themselves with one split, else the split partials (``split_views``):
+    ``(part_out, part_lse, out_strides, lse_strides)`` in the kernels' order (``with_split_stride``)."""
+    if num_splits == 1:
+        return None, None, with_split_stride(head_strides(out, 3), 0), (*head_strides(lse, 2)[1:], 0)
+    num_tokens, num_q_heads, head_dim = q.shape
+    part_out, part_lse = split_views(split_buffer, num_tokens, num_q_heads, num_splits, head_dim, q.device)
+    return part_out, part_lse, (num_q_heads, 0, *part_out.stride()), (0, *part_lse.stride())
+
+
+def _with_reduce(stage1: Launch, part_out, part_lse, out, lse, num_splits: int) -> PagedLaunch:
+    """Stage 1 and, with several splits, the merge of its partials (and the merge's other variant, for the
+    warm-up)."""
     if num_splits == 1:
         return PagedLaunch(stage1, None, part_out, part_lse, num_splits)
     reduce = plan_split_reduce(part_out, part_lse, out, lse)
     other = None if INTERPRET else plan_split_reduce(part_out, part_lse, out, lse,
                                                      narrow=num_splits > NARROW_SPLITS)
     return PagedLaunch(stage1, reduce, part_out, part_lse, num_splits, reduce_other=other)
+
+
+def _plan_gluon_decode(q, key_cache, value_cache, block_table, context_lens, out, lse, *, scale, q_head_start,
+                       q_per_kv, kv_head_start, max_kv_len, num_splits, split_buffer, tiles) -> PagedLaunch:
+    """``plan_paged`` for a decode ``gluon_decode`` serves: its head tiles, split count (at most
+    ``GLUON_DECODE_PER_SM`` programs per SM: one of 192 KiB of shared memory fills an SM) and stage 1."""
+    from dcp_plugin.kernels import gluon_decode
+
+    pages, stages = tiles or (gluon_decode.PAGES, gluon_decode.STAGES)
+    num_tokens, num_q_heads, head_dim = q.shape
+    first_kv_head, num_groups, head_tiles_per_group = head_tiling(
+        num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
+        block_h=gluon_decode.ROWS.value)
+    if num_splits is None:
+        num_splits = _auto_splits(q, programs=context_lens.shape[0] * num_groups * head_tiles_per_group,
+                                  max_kv_len=max_kv_len, block_n=gluon_decode.PAGE * pages,
+                                  split_buffer=split_buffer, per_sm=GLUON_DECODE_PER_SM)
+    part_out, part_lse, out_strides, lse_strides = _split_outputs(q, out, lse, num_splits, split_buffer)
+    stage1 = gluon_decode.plan_gluon_decode(
+        q, key_cache, value_cache, block_table, context_lens, scale=scale, q_head_start=q_head_start,
+        q_per_kv=q_per_kv, kv_head_start=kv_head_start, first_kv_head=first_kv_head,
+        head_tiles_per_group=head_tiles_per_group, num_groups=num_groups, num_splits=num_splits,
+        out_strides=out_strides, lse_strides=lse_strides, pages=pages, stages=stages)
+    return _with_reduce(stage1, part_out, part_lse, out, lse, num_splits)

@@ -1,7 +1,9 @@
 """Which kernels ``plan_paged`` and ``plan_extend`` prepare. The prefix pass: the Gluon one (``gluon_prefix``, sm_90
 with Triton 3.6) only for a prefill step's one-split prefix pass over 64-token pages of a head-size-64 or -128
-fp16/bf16 cache that tensor descriptors can read, unless ``DCP_TRITON_GLUON=0``; the ``tl`` kernel for everything
-else, and everywhere Gluon may not run (its float64 checks: tests/gpu/test_gluon_prefix_gpu.py). The current chunk: the Gluon
+fp16/bf16 cache that tensor descriptors can read, unless ``DCP_TRITON_GLUON=0``; the Gluon decode (``gluon_decode``)
+for a decode over such a cache with more than 16 Q heads per KV group; the ``tl`` kernel for everything else, and
+everywhere Gluon may not run (float64 checks: tests/gpu/test_gluon_prefix_gpu.py, test_gluon_decode_gpu.py). The
+current chunk: the Gluon
 one (``gluon_chunk``) for head size 64 or 128, fp16/bf16, K and V with their heads contiguous
 (tests/gpu/test_gluon_chunk_gpu.py). Here the selection itself, on CPU, both ways."""
 
@@ -16,8 +18,8 @@ from dcp_plugin.kernels.paged_attention import plan_paged
 
 
 def _plan(*, q_lens=(40, 300), ctx=(100, 700), page=64, head_dim=128, dtype=torch.bfloat16, cache_dtype=None,
-          max_query_len=300, num_splits=1, config=None, q_stride_d=1):
-    num_q_heads, num_kv_heads = 8, 2
+          max_query_len=300, num_splits=1, config=None, q_stride_d=1, heads=(8, 2), gluon_decode=None, launch=False):
+    (num_q_heads, num_kv_heads), q_per_kv = heads, heads[0] // heads[1]
     tokens = sum(q_lens)
     q = torch.zeros(tokens, num_q_heads, head_dim * q_stride_d, dtype=dtype)[..., ::q_stride_d]
     pages = [-(-c // page) for c in ctx]
@@ -33,10 +35,10 @@ def _plan(*, q_lens=(40, 300), ctx=(100, 700), page=64, head_dim=128, dtype=torc
     kc, vc = buf[..., :head_dim], buf[..., head_dim:]
     out = torch.zeros(tokens, num_q_heads, head_dim, dtype=dtype)
     lse = torch.zeros(tokens, num_q_heads)
-    launch = plan_paged(q, kc, vc, block_table, lens, qsl, out, lse, scale=0.1, q_head_start=0, q_per_kv=4,
-                        kv_head_start=0, max_kv_len=max(ctx), max_query_len=max_query_len, num_splits=num_splits,
-                        config=config)
-    return launch.stage1.kernel.__name__
+    plan = plan_paged(q, kc, vc, block_table, lens, qsl, out, lse, scale=0.1, q_head_start=0, q_per_kv=q_per_kv,
+                      kv_head_start=0, max_kv_len=max(ctx), max_query_len=max_query_len, num_splits=num_splits,
+                      config=config, gluon_decode=gluon_decode)
+    return plan if launch else plan.stage1.kernel.__name__
 
 
 def test_interpreter_and_cpu_never_take_gluon():
@@ -73,6 +75,44 @@ def test_prefill_one_split_takes_gluon():
 ], ids=["decode", "short", "unknown-len", "splits", "page16", "page128", "d256", "fp32", "fp8", "q-strided"])
 def test_everything_else_takes_tl(change):
     assert _plan(**change) == "paged_attention_kernel"
+
+
+DECODE = dict(max_query_len=1, q_lens=(1, 1))
+
+
+@pytest.mark.usefixtures("hopper")
+def test_decode_with_large_groups_takes_gluon():
+    """More than ``GLUON_DECODE_MIN_GROUP`` Q heads per KV group: ``gluon_decode`` as stage 1, over a group's heads
+    in tiles of 64, with its split partials merged by the ``tl`` merge."""
+    assert _gluon.GLUON_DECODE_MIN_GROUP == 16
+    assert _plan(**DECODE, heads=(32, 1)) == _plan(**DECODE, heads=(32, 1), head_dim=64) == "gluon_decode_kernel"
+    assert _plan(**DECODE, heads=(34, 2), dtype=torch.float16) == "gluon_decode_kernel"
+    plan = _plan(**DECODE, heads=(128, 1), num_splits=3, launch=True)
+    assert plan.stage1.grid == (2 + 1, 2, 3), "2 requests + the padding rows' program, 2 head tiles, 3 splits"
+    assert plan.reduce.kernel.__name__ == "paged_attention_reduce_kernel"
+    assert _plan(**DECODE, heads=(32, 1), num_splits=None, launch=True).reduce is None, "1 split under the interpreter"
+
+
+@pytest.mark.usefixtures("hopper")
+@pytest.mark.parametrize("change", [
+    dict(heads=(16, 1)),  # a group of 16: the tl kernel's descriptor tiles
+    dict(heads=(8, 2)),
+    dict(heads=(32, 1), page=16),
+    dict(heads=(32, 1), page=128),
+    dict(heads=(32, 1), head_dim=256),
+    dict(heads=(32, 1), dtype=torch.float32),
+    dict(heads=(32, 1), cache_dtype=torch.float8_e4m3fn),
+    dict(heads=(32, 1), q_stride_d=2),
+    dict(heads=(32, 1), config=None, max_query_len=2, q_lens=(2, 2)),  # not a decode
+], ids=["group16", "group4", "page16", "page128", "d256", "fp32", "fp8", "q-strided", "two-rows"])
+def test_other_decodes_take_tl(change):
+    assert _plan(**{**DECODE, **change}) == "paged_attention_kernel"
+
+
+@pytest.mark.usefixtures("hopper")
+def test_a_benchmark_can_ask_for_gluon_decode_at_any_group():
+    assert _plan(**DECODE, heads=(8, 2), gluon_decode=(1, 4)) == "gluon_decode_kernel"
+    assert _plan(**DECODE, heads=(8, 2), gluon_decode=(1, 4), launch=True).stage1.constexprs["PAGES"] == 1
 
 
 @pytest.mark.usefixtures("hopper")

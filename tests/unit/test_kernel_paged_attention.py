@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -307,12 +308,18 @@ def test_tensor_descriptors_only_where_the_cache_allows_them():
     assert not _selects_tma(case, tma, (kc, vc)), "K and V rows are not the same 2-D shape"
 
 
+def _gpu_tables(monkeypatch) -> None:
+    """The GPU's tuning table and selection in ``plan_paged``, on this CPU."""
+    for module in ("dcp_plugin.kernels._paged_config", "dcp_plugin.kernels.paged_attention"):
+        monkeypatch.setattr(importlib.import_module(module), "INTERPRET", False)
+
+
 def test_gpu_table_prefix_falls_back_to_pointer_tiles_where_descriptors_do_not_fit(monkeypatch):
     """The GPU table's prefix entry reads through tensor descriptors; over pages smaller than its tile the launch
     takes the pointer loads' own constants (``POINTER_CONFIGS``), not the descriptor tile shape."""
-    from dcp_plugin.kernels.paged_attention import GPU_CONFIGS, POINTER_CONFIGS, pick_config
+    from dcp_plugin.kernels.paged_attention import GPU_CONFIGS, POINTER_CONFIGS
 
-    monkeypatch.setitem(pick_config.__globals__, "INTERPRET", False)  # the GPU table, on this CPU
+    _gpu_tables(monkeypatch)
     table, pointer = GPU_CONFIGS[128, False], POINTER_CONFIGS[GPU_CONFIGS[128, False]]
     assert table.tma and not pointer.tma
     for block_size, want in ((64, table), (16, pointer)):
@@ -332,11 +339,9 @@ def test_gpu_table_prefix_falls_back_to_pointer_tiles_where_descriptors_do_not_f
 ], ids=["pages64-group4", "pages16", "group32", "pages128-group16"])
 def test_gpu_decode_takes_descriptor_tiles_over_large_pages_and_small_groups(monkeypatch, block_size, num_q_heads,
                                                                             q_per_kv, which):
-    from dcp_plugin.kernels.paged_attention import (
-        DESCRIPTOR_DECODE_CONFIGS, GPU_CONFIGS, pick_config,
-    )
+    from dcp_plugin.kernels.paged_attention import DESCRIPTOR_DECODE_CONFIGS, GPU_CONFIGS
 
-    monkeypatch.setitem(pick_config.__globals__, "INTERPRET", False)  # the GPU table, on this CPU
+    _gpu_tables(monkeypatch)
     want = DESCRIPTOR_DECODE_CONFIGS[128] if which == "descriptors" else GPU_CONFIGS[128, True]
     case = Case([1, 1], [100, 7], num_q_heads, num_q_heads // q_per_kv, q_per_kv, head_dim=128,
                 block_size=block_size, dtype=torch.float16)

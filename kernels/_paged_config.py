@@ -1,0 +1,78 @@
+"""The launch constants of ``paged_attention``'s ``tl`` kernel: the tuning table by head size and variant, the
+descriptor and pointer alternatives, and the check of a caller's own ``PagedConfig`` (benchmarks sweep others).
+Each entry's comment names the measurement that chose it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dcp_plugin.kernels._mode import INTERPRET
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PagedConfig:
+    block_n: int  # KV tokens per tile; split boundaries are multiples of it
+    block_m: int  # most rows (query tokens x Q heads of one KV group) per tile
+    num_warps: int
+    num_stages: int
+    tma: bool = False  # on sm_90+, whole tiles of one page through tensor descriptors where the cache allows
+    rows_ahead: bool = False  # with tma: the tiles' descriptor rows read a chunk ahead (_paged_tile.TMA_CHUNK)
+    min_rows: int = 16  # rows a tile has at least (Q heads past the group masked); 64: warpgroup MMAs on sm_90
+
+
+# (padded head dim, decode) -> launch constants for Hopper; benchmarks sweep others via ``config=``. "decode" = the
+# caller promised one query row per request (max_query_len=1). D=128 decode: 128-token tiles (H200, bf16: 1.1-1.3x
+# the GB/s of 64-token tiles with one KV head per rank, e.g. 32 x 8K 2631 against 2037, within 3% elsewhere;
+# benchmarks/results/kernels_h200_tuning_sweep3.json). Longer queries (the prefix pass, 32 Q / 8 KV heads; on sm_90
+# with Triton 3.6 ``gluon_prefix`` takes one-split prefill steps over 64-token pages instead): pages of 64+,
+# 128-row tiles of 64 tokens through tensor descriptors, four warps, two stages, the rows read a chunk ahead:
+# 528 / 517 TFLOP/s at 2 x 4K rows over 32K cached / 1 x 2K over 128K, against 501 / 500 with each row read in
+# the loop (kernels_h200_sweep_prefix_ahead.json; pointer loads' best: 372 / 390, kernels_h200_sweep_tma.json);
+# smaller pages (or strides descriptors refuse): ``POINTER_CONFIGS``, 256-row tiles of 64 tokens, eight warps, 375 /
+# 394 over 16-token pages (kernels_h200_sweep_tma16.json, kernels_h200_sweep2.json).
+GPU_CONFIGS = {
+    (64, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=3),
+    (64, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=3),
+    (128, True): PagedConfig(block_n=128, block_m=64, num_warps=4, num_stages=3),
+    (128, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=2, tma=True, rows_ahead=True),
+    (256, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=2),
+    (256, False): PagedConfig(block_n=64, block_m=64, num_warps=8, num_stages=2),
+}
+# A table entry that asks for tensor descriptors -> the constants for the same work through pointer loads.
+POINTER_CONFIGS = {GPU_CONFIGS[128, False]: PagedConfig(block_n=64, block_m=256, num_warps=8, num_stages=3)}
+# Decode over pages of 64+ tokens, at most 16 Q heads per KV group, bf16/fp16 cache: 64-token descriptor tiles, four
+# stages. H200, 32 Q / 8 KV, 64-token pages: 3,690 / 1,767 GB/s at 8 x 8K / 8 x 1K against 3,001 / 1,658 for the
+# 128-token pointer tiles; with 32 Q heads per KV head those win (2,566 against 2,092 at 32 x 8K; all
+# kernels_h200_sweep_decode64.json); rows read ahead and two warps lose (kernels_h200_sweep_ahead.json,
+# kernels_h200_sweep_decode_warps.json). fp8 keeps the pointer tiles: 2,027 / 2,548 / 2,811 GB/s at 8 x 8K / 8 x 32K /
+# 128 x 8K against 1,475 / 1,713 / 2,333 (kernels_h200_sweep_p64.json).
+DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=4, tma=True)}
+DESCRIPTOR_DECODE_MAX_GROUP = 16
+# float32 tiles take twice the shared memory: 128-token prefix tiles do not fit (256 KiB of 227).
+GPU_FP32_CONFIGS = {(128, False): PagedConfig(block_n=64, block_m=128, num_warps=8, num_stages=3)}
+INTERPRET_CONFIG = PagedConfig(block_n=32, block_m=32, num_warps=1, num_stages=1)
+
+
+
+
+def pick_config(head_dim: int, *, decode: bool, dtype: torch.dtype = torch.bfloat16,
+                config: PagedConfig | None = None) -> PagedConfig:
+    """The launch constants a call uses: ``config`` if given (validated), else the table entry for q's dtype."""
+    if config is None:
+        if INTERPRET:
+            return INTERPRET_CONFIG
+        key = (min(d for d, _ in GPU_CONFIGS if d >= head_dim), decode)
+        return GPU_FP32_CONFIGS.get(key, GPU_CONFIGS[key]) if dtype == torch.float32 else GPU_CONFIGS[key]
+    if not isinstance(config, PagedConfig):
+        raise ValueError(f"config must be a PagedConfig, got {type(config).__name__}")
+    for name in ("block_n", "block_m", "min_rows"):
+        value = getattr(config, name)
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"config.{name} must be a power of two >= 16 (tl.dot tiles), got {value}")
+    if config.min_rows > config.block_m:
+        raise ValueError(f"config.min_rows ({config.min_rows}) must be <= config.block_m ({config.block_m})")
+    if config.num_warps < 1 or config.num_stages < 1:
+        raise ValueError(f"config.num_warps and config.num_stages must be >= 1, got {config!r}")
+    return config
