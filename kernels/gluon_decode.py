@@ -27,8 +27,12 @@ from dcp_plugin.kernels.gluon_parts import attend_overlap, head_offset, load_pag
 
 ROWS = gl.constexpr(64)  # Q heads of one KV group per program: a warpgroup MMA's rows (the heads past it masked)
 PAGE = PREFIX_PAGE
-PAGES = 2  # pages per key tile
-STAGES = 3  # key tiles in flight
+# One page per key tile, four in flight: H200, bf16, 64-token pages, at 8 x 1K / 8 x 8K with 8 KV heads and 1 x 32K /
+# 32 x 8K / 128 x 8K with one, 18.2 / 71.4 and 19.1 / 45.8 / 131.0 us against 19.8 / 72.2 and 20.2 / 46.9 / 131.1
+# for two pages and three stages (128 x 8K, 8 KV heads: 967 against 964); 1 x 6: 20.2 / 74.3 and 20.1 / 47.4 / 134.1
+# (benchmarks/results/kernels_h200_gluon_decode.json, runs[0]).
+PAGES = 1  # pages per key tile
+STAGES = 4  # key tiles in flight
 
 
 @gluon.jit

@@ -54,7 +54,7 @@ _LOG2E = tl.constexpr(LOG2E)  # the kernels' copy (jit functions read only const
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 256  # explicit num_splits upper bound
 SHORT_QUERY = 8  # at most this many query rows per request: the short-query variant (speculative verify steps)
-GLUON_DECODE_PER_SM = 1  # gluon_decode's programs per SM (its ring of three 64 KiB stages fills one)
+GLUON_DECODE_PER_SM = 1  # gluon_decode's programs per SM (255 registers a thread: one program fills one)
 
 
 # Per-step sizes (and the LSE strides, which scale with them) are not specialized on: every step of an engine runs

@@ -92,6 +92,7 @@ def gluon_kernels() -> tuple:
     if not torch.cuda.is_available() or not gluon_enabled(torch.device("cuda")):
         return ()
     from dcp_plugin.kernels.gluon_chunk import gluon_chunk_kernel
+    from dcp_plugin.kernels.gluon_decode import gluon_decode_kernel
     from dcp_plugin.kernels.gluon_prefix import gluon_prefix_kernel
 
-    return gluon_chunk_kernel, gluon_prefix_kernel
+    return gluon_chunk_kernel, gluon_prefix_kernel, gluon_decode_kernel

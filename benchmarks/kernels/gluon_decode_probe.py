@@ -9,7 +9,8 @@ and whose unused table entries hold NaN, outputs poisoned with NaN first, CUDA-g
 layouts (a group of 32, 128 Q heads over one KV head, a rank's 8 Q heads from the middle of a group of 16, groups
 of 4 and 5, rank-major outputs, head size 64) and split counts 1, 3 and automatic. Only a config that passes is
 timed: by graph replay over L2-cold copies (``bench_kernels.py``'s inputs) on ``SWEEP_SHAPES``, and the first
-config also on every decode shape of ``bench_kernels.py`` with half and twice the automatic split count, beside
+config instead on every decode shape of ``bench_kernels.py`` and 16 Q / 1 KV heads, with half and twice the
+automatic split count too, beside
 the ``tl`` decode kernel (``DCP_TRITON_GLUON=0``) and FA3 over the same memory as 16- and 64-token pages. A call's
 configs are appended to the results file's ``runs`` with the call's provenance.
 
@@ -27,11 +28,11 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
 
-CONFIGS = [(2, 3), (2, 2), (1, 4), (1, 6), (1, 3)]  # (pages per key tile, stages); the first: gluon_decode's own
+CONFIGS = [(1, 4), (2, 3), (2, 2), (1, 6), (1, 3)]  # (pages per key tile, stages); the first: gluon_decode's own
 SWEEP_SHAPES = [(8, 1024, 32, 8), (8, 8192, 32, 8), (128, 8192, 32, 8), (1, 32768, 32, 1), (32, 8192, 32, 1),
                 (128, 8192, 32, 1)]  # (batch, context, Q heads, KV heads)
 FULL_SHAPES = [(b, c, 32, 8) for b in (1, 8, 32, 128) for c in (1024, 8192, 32768)] + [
-    (b, c, hq, hk) for hq, hk in ((32, 1), (40, 8)) for b in (1, 8, 32, 128) for c in (8192, 32768)]
+    (b, c, hq, hk) for hq, hk in ((32, 1), (40, 8), (16, 1)) for b in (1, 8, 32, 128) for c in (8192, 32768)]
 CHECK_LENS = [0, 1, 63, 64, 65, 127, 128, 129, 1000, 5000]
 # (Q heads, stored KV heads, q_head_start, q_per_kv, ranks of a rank-major output, head size)
 CHECK_LAYOUTS = [(32, 1, 0, 32, 0, 128), (128, 1, 0, 128, 0, 128), (8, 2, 8, 16, 0, 128), (32, 8, 0, 4, 2, 128),

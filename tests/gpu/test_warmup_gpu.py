@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dcp_plugin import DcpAttention, DcpWorkspace, kernels
-from dcp_plugin.kernels._gluon import PREFIX_PAGE
+from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_GROUP, PREFIX_PAGE
 from dcp_plugin.kernels.combine import combine_kernel
 from dcp_plugin.kernels.extend_attention import extend_attention_kernel
 from dcp_plugin.kernels.paged_attention import paged_attention_kernel, paged_attention_reduce_kernel
@@ -32,14 +32,17 @@ def compiled_counts() -> list[int]:
     return [len(k.device_caches[torch.cuda.current_device()][0]) for k in KERNELS]
 
 
-def reached(kernel, block_size: int) -> bool:
-    """Whether this test's steps (head size 128, bf16, K and V contiguous) run ``kernel``: where the Gluon kernels
-    serve, they take every current chunk from the ``tl`` one, and the Gluon prefix pass reads 64-token pages only."""
+def reached(kernel, block_size: int, group: int = 4) -> bool:
+    """Whether steps of head size 128, bf16, K and V contiguous, ``group`` local Q heads per KV head run ``kernel``:
+    where the Gluon kernels serve, they take every current chunk from the ``tl`` one, the Gluon prefix pass reads
+    64-token pages only, and the Gluon decode those with groups of more than ``GLUON_DECODE_MIN_GROUP``."""
     gluon = gluon_kernels()
     if not gluon:
         return True
     if kernel is extend_attention_kernel:
         return False
+    if kernel is gluon[2]:
+        return block_size == PREFIX_PAGE and group > GLUON_DECODE_MIN_GROUP
     return kernel is not gluon[1] or block_size == PREFIX_PAGE
 
 
@@ -102,6 +105,32 @@ def test_no_kernel_compiles_after_warm_up(n, comm, compile_threads, block_size, 
         assert after == before, f"serving steps compiled new variants: {before} -> {after}"
 
 
+def _one_rank_steps(case: Case, max_num_tokens: int, steps: list, heads: range) -> tuple[int, list[int]]:
+    """Warm one rank's ``DcpAttention`` up, then run ``steps`` (new tokens per request) through it, each checked
+    against float64 attention of ``heads``: the warm-up's step count and the compiled counts before the steps
+    (asserted unchanged after)."""
+    world = World(case)
+    state = RankState.create(case, world, 1, 0)
+    d = case.head_dim
+    ws = DcpWorkspace(heads=state.heads, head_dim=d, dtype=torch.bfloat16, device="cuda",
+                      max_num_tokens=max_num_tokens, comm="ag_rs", split_elements=kernels.split_capacity(
+                          d, torch.device("cuda")))
+    attn = serial(DcpAttention(heads=state.heads, tokens=state.tokens, group=None, scale=world.scale, workspace=ws))
+    like = torch.zeros(4, state.heads.num_q_heads, d, dtype=torch.bfloat16, device="cuda")
+    kv_like = torch.zeros(4, state.heads.num_kv_heads, d, dtype=torch.bfloat16, device="cuda")
+    warmed = warm_up(attn, query=like, key=kv_like, value=kv_like, key_cache=state.key_cache,
+                     value_cache=state.value_cache, output=like)
+    before = compiled_counts()
+    for step, new_tokens in enumerate(steps):
+        q, k, v, batch, positions = state.step(new_tokens)
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+        attn.forward(q, k, v, state.key_cache, state.value_cache, batch, out=out)
+        want = torch.cat([causal_attention_f64(world, b, p, heads) for b, p in enumerate(positions)])
+        assert_matches(out, want, torch.bfloat16, f"step {step}")
+    assert compiled_counts() == before, f"serving steps compiled new variants: {before} -> {compiled_counts()}"
+    return warmed, before
+
+
 def test_a_chunk_past_short_chunk_rows_compiles_nothing_after_warm_up():
     """A workspace that holds more than SHORT_CHUNK tokens: the warm-up compiles the current chunk's larger tiles
     too, so a 3,000-token prompt beside a 1,000-token one (each chunk's tiles) compiles nothing when it comes."""
@@ -111,20 +140,15 @@ def test_a_chunk_past_short_chunk_rows_compiles_nothing_after_warm_up():
     case = Case(name="warm-long-chunk", q_heads=32, kv_heads=8, head_dim=128, block_size=64,
                 requests=((0, SHORT_CHUNK + 952), (0, 1000)), dtype="bfloat16", kernels="triton", seed=6,
                 decode_steps=1, device="cuda")
-    world = World(case)
-    state = RankState.create(case, world, 1, 0)
-    ws = DcpWorkspace(heads=state.heads, head_dim=128, dtype=torch.bfloat16, device="cuda", max_num_tokens=4096,
-                      comm="ag_rs", split_elements=kernels.split_capacity(128, torch.device("cuda")))
-    attn = serial(DcpAttention(heads=state.heads, tokens=state.tokens, group=None, scale=world.scale, workspace=ws))
-    like = torch.zeros(4, state.heads.num_q_heads, 128, dtype=torch.bfloat16, device="cuda")
-    kv_like = torch.zeros(4, state.heads.num_kv_heads, 128, dtype=torch.bfloat16, device="cuda")
-    assert warm_up(attn, query=like, key=kv_like, value=kv_like, key_cache=state.key_cache,
-                   value_cache=state.value_cache, output=like) == len(STEPS) + 1
-    before = compiled_counts()
-    for step, new_tokens in enumerate([[new for _, new in case.requests], [1, 1]]):
-        q, k, v, batch, positions = state.step(new_tokens)
-        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
-        attn.forward(q, k, v, state.key_cache, state.value_cache, batch, out=out)
-        want = torch.cat([causal_attention_f64(world, b, p, range(32)) for b, p in enumerate(positions)])
-        assert_matches(out, want, torch.bfloat16, f"step {step}")
-    assert compiled_counts() == before, f"serving steps compiled new variants: {before} -> {compiled_counts()}"
+    warmed, _ = _one_rank_steps(case, 4096, [[new for _, new in case.requests], [1, 1]], range(32))
+    assert warmed == len(STEPS) + 1
+
+
+def test_one_kv_head_compiles_nothing_after_warm_up():
+    """32 Q heads over one KV head in 64-token pages: where the Gluon decode serves, decodes of one split and of
+    several, alone and after a mixed step's chunk, compile nothing after the warm-up."""
+    case = Case(name="warm-one-kv-head", q_heads=32, kv_heads=1, head_dim=128, block_size=64, requests=REQUESTS,
+                dtype="bfloat16", kernels="triton", seed=8, decode_steps=40, device="cuda")
+    _, before = _one_rank_steps(case, 512, [[new for _, new in REQUESTS]] + steps(9), range(32))
+    served = [count for kernel, count in zip(KERNELS, before) if reached(kernel, 64, group=32)]
+    assert min(served) >= 1, f"a kernel these steps run never compiled during warm-up: {before}"
