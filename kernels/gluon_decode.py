@@ -4,10 +4,11 @@ of a warpgroup MMA, against a KV split of the request's cached tokens over 64-to
 A program owns (request, tile of up to ``ROWS`` Q heads of one KV group, KV split). A producer warp copies each key
 tile's pages through TMA into a ring of shared-memory stages on mbarriers and zeroes the last tile's V rows past the
 context in place (``gluon_prefix``'s producer); one consumer warpgroup runs QK^T -> softmax -> P x V in FA3's order
-(``gluon_parts.attend_overlap``). Rows past the group are masked (a group of 4 fills 4 of the 64 rows: decode reads
-each K/V byte once, so the idle rows cost MMA time the memory stream hides). The ``tl`` decode kernel waits on its
-copies in the same instruction stream that computes, and takes 0.80x-0.91x of FA3's time with one KV head
-(benchmarks/results/kernels_h200.json).
+(``gluon_parts.attend_overlap``). Rows past the group are masked, so a group fills its share of the 64 rows: hence
+only groups of more than ``_gluon.GLUON_DECODE_MIN_GROUP`` take it. The ``tl`` decode kernel waits on its copies in
+the same instruction stream that computes, and runs at 0.80x-0.91x of FA3's speed with one KV head over 64-token
+pages (benchmarks/results/kernels_h200.json); this one, with two pages a key tile, at 0.80x-1.03x
+(kernels_h200_gluon_decode.json, runs[0]).
 
 Semantics are ``paged_attention``'s decode variant (``max_query_len == 1``): request ``b``'s row is
 ``query_start_loc[b]`` (none when the request has no row); a request with no cached tokens, and an empty split, get
