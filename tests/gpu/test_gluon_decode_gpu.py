@@ -25,11 +25,12 @@ pytestmark = [
 PAGE, PAD = 64, 5
 CTX = [0, 1, 63, 64, 65, 129, 700, 3000]  # none, one token, page edges, a key tile and one, many tiles
 # name -> (local Q heads, stored KV heads, head map): a group of 32; one of 128 (two tiles of 64 heads); a rank's
-# 24 Q heads from the middle of two groups of 32 (heads 20..43); the same over KV head 1 stored alone.
+# 24 Q heads from the middle of two groups of 32 (heads 20..43); a rank's 24 of the second group (heads 40..63) over
+# KV head 1 stored alone. Every layout has more than GLUON_DECODE_MIN_GROUP local heads in a group.
 HEADS = {"32q1kv": (32, 1, dict(q_head_start=0, q_per_kv=32, kv_head_start=0)),
          "128q1kv": (128, 1, dict(q_head_start=0, q_per_kv=128, kv_head_start=0)),
          "24of64q-2kv": (24, 2, dict(q_head_start=20, q_per_kv=32, kv_head_start=0)),
-         "8of64q-kv1": (8, 1, dict(q_head_start=40, q_per_kv=32, kv_head_start=1))}
+         "24of64q-kv1": (24, 1, dict(q_head_start=40, q_per_kv=32, kv_head_start=1))}
 
 
 @pytest.fixture(autouse=True)
