@@ -6,9 +6,8 @@ tile's pages through TMA into a ring of shared-memory stages on mbarriers and ze
 context in place (``gluon_prefix``'s producer); one consumer warpgroup runs QK^T -> softmax -> P x V in FA3's order
 (``gluon_parts.attend_overlap``). Rows past the group are masked, so a group fills its share of the 64 rows: hence
 only groups of more than ``_gluon.GLUON_DECODE_MIN_GROUP`` take it. The ``tl`` decode kernel waits on its copies in
-the same instruction stream that computes, and runs at 0.80x-0.91x of FA3's speed with one KV head over 64-token
-pages (benchmarks/results/kernels_h200.json); this one, with two pages a key tile, at 0.80x-1.03x
-(kernels_h200_gluon_decode.json, runs[0]).
+the same instruction stream that computes: with 32 Q heads over one KV head and 64-token pages it ran at 0.83x-0.92x
+of FA3's speed, this one at 0.84x-1.02x, in one run (benchmarks/results/kernels_h200_gluon_decode.json, runs[1]).
 
 Semantics are ``paged_attention``'s decode variant (``max_query_len == 1``): request ``b``'s row is
 ``query_start_loc[b]`` (none when the request has no row); a request with no cached tokens, and an empty split, get
