@@ -280,8 +280,8 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     num_reqs = context_lens.shape[0]
     decode = max_query_len == 1
     cfg = config or pick_config(head_dim, decode=decode, dtype=q.dtype)
-    if config is None and decode and decode_takes_gluon(q, key_cache, value_cache, out) \
-            and (gluon_decode is not None or min(q_per_kv, num_q_heads) > GLUON_DECODE_MIN_GROUP):
+    if config is None and decode and (gluon_decode is not None or min(q_per_kv, num_q_heads) > GLUON_DECODE_MIN_GROUP) \
+            and decode_takes_gluon(q, key_cache, value_cache, out):  # the group first: no tensor checks for most steps
         return _plan_gluon_decode(q, key_cache, value_cache, block_table, context_lens, out, lse, scale=scale,
                                   q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
                                   max_kv_len=max_kv_len, num_splits=num_splits, split_buffer=split_buffer,
