@@ -90,7 +90,17 @@ def chunk_takes_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
             and gluon_enabled(q.device))
 
 
+def head_columns(cache: torch.Tensor) -> int:
+    """Columns of a ``[blocks, page, kv_heads, D]`` cache's token rows that its KV heads span, each head read
+    ``(h * stride_h) // stride_tok`` rows and ``(h * stride_h) % stride_tok`` columns in (``gluon_decode``'s one
+    descriptor over all heads); 0 when a head's D elements do not lie within one token row."""
+    tok, head = cache.stride(1), cache.stride(2)
+    ends = [(h * head) % tok + cache.shape[3] for h in range(cache.shape[2])]
+    return max(ends) if ends and max(ends) <= tok else 0
+
+
 def decode_takes_gluon(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether a decode (``plan_paged`` asks; it also weighs the group size) can run ``gluon_decode``: what
-    ``prefix_takes_gluon`` asks of the tensors (the same producer reads the cache)."""
-    return prefix_takes_gluon(q, key_cache, value_cache, out)
+    ``prefix_takes_gluon`` asks of the tensors (the same copies read the cache), and each KV head's D elements
+    within one token row (``head_columns``)."""
+    return prefix_takes_gluon(q, key_cache, value_cache, out) and all(map(head_columns, (key_cache, value_cache)))

@@ -21,9 +21,9 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from dcp_plugin.kernels._gluon import PREFIX_PAGE
-from dcp_plugin.kernels._launch import LOG2E, Launch
-from dcp_plugin.kernels.gluon_parts import attend_overlap, head_offset, load_pages, ring_buffers
+from dcp_plugin.kernels._gluon import PREFIX_PAGE, head_columns
+from dcp_plugin.kernels._launch import LOG2E, Launch, device_index, num_sms
+from dcp_plugin.kernels.gluon_parts import attend_overlap, copy_tiles, head_offset, page_descriptors, ring_buffers
 
 ROWS = gl.constexpr(64)  # Q heads of one KV group per program: a warpgroup MMA's rows (the heads past it masked)
 PAGE = PREFIX_PAGE
@@ -33,16 +33,51 @@ PAGE = PREFIX_PAGE
 # (benchmarks/results/kernels_h200_gluon_decode.json, runs[0]).
 PAGES = 1  # pages per key tile
 STAGES = 4  # key tiles in flight
+PER_SM = 1  # programs per SM, each over work items in turn: with 255 registers a thread, one fills an SM
 
 
 @gluon.jit
-def _attend_heads(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, ready, empty, fixed, n_tiles, kv_len, token, head_lo,
-                  head_hi, qk_scale, stride_qh, out_base, lse_base, out_heads_per_rank, stride_or, stride_oh,
-                  stride_lr, stride_lh, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    """The consumer warpgroup: the tile's heads (row ``r`` = local Q head ``head_lo + r``) against the split's
-    ``n_tiles`` key tiles (keys at or past ``kv_len``, counted from the split's first key, masked), then
-    ``acc / l`` and the LSE at ``out_base``/``lse_base`` (the token's row, and the split's) plus each head's offset;
-    no key: (0, -inf)."""
+def _item(w, heads):
+    """Work item ``w`` -> (request, KV split, stored KV head, the item's local Q heads ``head_lo .. head_hi``): items
+    run split first, then head tile, then request; request ``num_reqs`` stands for the padding rows. ``heads``:
+    ``(num_reqs, num_splits, head_programs, first_kv_head, head_tiles_per_group, q_head_start, q_per_kv,
+    kv_head_start, num_q_heads)``."""
+    split = w % heads[1]
+    rest = w // heads[1]
+    pid_h = rest % heads[2]
+    kv_head = heads[3] + pid_h // heads[4]
+    group_lo = (kv_head + heads[7]) * heads[6] - heads[5]
+    head_hi = gl.minimum(group_lo + heads[6], heads[8])
+    head_lo = gl.maximum(group_lo, 0) + (pid_h % heads[4]) * ROWS
+    return rest // heads[2], split, kv_head, head_lo, head_hi
+
+
+@gluon.jit
+def _span(context_lens_ptr, query_start_loc_ptr, req, num_reqs, split, num_splits, head_lo, head_hi,
+          BLOCK_N: gl.constexpr):
+    """What item (``req``, ``split``) attends: ``(token, attend, n_tiles, split_len, tile0)``: the request's row,
+    whether the item writes it (a real request with a row and heads), its key tiles (0 unless ``attend``), its keys
+    from the split's first on (more than its tiles hold but in the last split), its first tile in the request."""
+    real = req < num_reqs
+    token = gl.load(query_start_loc_ptr + req, mask=real, other=0).to(gl.int64)
+    attend = real & (gl.load(query_start_loc_ptr + req + 1, mask=real, other=0) > token) & (head_lo < head_hi)
+    kv_len = gl.load(context_lens_ptr + req, mask=real, other=0).to(gl.int32)
+    tiles = gl.cdiv(kv_len, BLOCK_N)
+    per_split = gl.cdiv(tiles, num_splits)
+    tile0 = split * per_split
+    n_tiles = gl.where(attend, gl.maximum(gl.minimum(per_split, tiles - tile0), 0), 0)
+    return token, attend, n_tiles, kv_len - tile0 * BLOCK_N, tile0
+
+
+@gluon.jit
+def _attend_heads(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, ready, empty, fixed, n_tiles, kv_len, head_lo, head_hi,
+                  first, fix_phases, qk_scale, stride_qh, out_base, lse_base, out_heads_per_rank, stride_or,
+                  stride_oh, stride_lr, stride_lh, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  STAGES: gl.constexpr):
+    """One item in the consumer warpgroup: the tile's heads (row ``r`` = local Q head ``head_lo + r``; q at
+    ``q_ptr``, the token's row) against ``n_tiles`` key tiles from the ring's ``first`` use on (keys at or past
+    ``kv_len``, counted from the split's first key, masked), then ``acc / l`` and the LSE at ``out_base``/``lse_base``
+    (the token's row, and the split's) plus each head's offset; no key: (0, -inf). Returns the ``fixed`` parities."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_N, 16])
@@ -61,9 +96,9 @@ def _attend_heads(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, ready, empty, fixed, 
     l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, qk_layout))
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
     zero_qk = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=qk_layout)
-    acc, m_i, l_i = attend_overlap(q_op, k_smem, v_smem, v_smem.index(0), ready, empty, fixed, acc, m_i, l_i,
-                                   n_tiles, kv_len, qk_scale, offs_m, offs_n, zero_qk, BLOCK_N, STAGES, True,
-                                   acc_layout, dtype)
+    acc, m_i, l_i, fix_phases = attend_overlap(q_op, k_smem, v_smem, v_smem.index(0), ready, empty, fixed, acc, m_i,
+                                               l_i, n_tiles, kv_len, qk_scale, offs_m, offs_n, zero_qk, first,
+                                               fix_phases, BLOCK_N, STAGES, True, acc_layout, dtype)
     empty_row = l_i == 0.0
     l_acc = gl.convert_layout(gl.where(empty_row, 1.0, l_i), gl.SliceLayout(1, acc_layout))
     out = gl.convert_layout((acc / gl.expand_dims(l_acc, 1)).to(out_ptr.dtype.element_ty), io_layout)
@@ -73,6 +108,7 @@ def _attend_heads(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, ready, empty, fixed, 
     lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
     gl.store(lse_ptr + lse_base + head_offset(heads_m, out_heads_per_rank, stride_lr, stride_lh), lse,
              mask=heads_m < head_hi)
+    return fix_phases
 
 
 @gluon.jit
@@ -93,80 +129,125 @@ def _write_padding(out_ptr, lse_ptr, first, num_tokens, head_lo, head_hi, out_sp
         gl.store(lse_ptr + (t * stride_lt + lse_split) + lse_heads, minus_inf, mask=live)
 
 
+@gluon.jit
+def _consume(q_ptr, out_ptr, lse_ptr, context_lens_ptr, query_start_loc_ptr, k_smem, v_smem, ready, empty, fixed,
+             pid, num_programs, num_items, heads, num_tokens, qk_scale, stride_qt, stride_qh, out_heads_per_rank,
+             stride_or, stride_ot, stride_oh, stride_os, stride_lr, stride_lt, stride_lh, stride_ls,
+             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """The consumer warpgroup: items ``pid, pid + num_programs, ..`` in turn, the ring's uses counted across them.
+    ``heads``: ``_item``'s head-map arguments."""
+    used = gl.to_tensor(0)
+    fix_phases = gl.to_tensor(0)
+    num_reqs = heads[0]
+    num_splits = heads[1]
+    for w in range(pid, num_items, num_programs):
+        req, split, kv_head, head_lo, head_hi = _item(w, heads)
+        token, attend, n_tiles, split_len, _ = _span(context_lens_ptr, query_start_loc_ptr, req, num_reqs, split,
+                                                     num_splits, head_lo, head_hi, BLOCK_N)
+        out_split = split.to(gl.int64) * stride_os
+        lse_split = split.to(gl.int64) * stride_ls
+        if attend:
+            fix_phases = _attend_heads(q_ptr + token * stride_qt, out_ptr, lse_ptr, k_smem, v_smem, ready, empty,
+                                       fixed, n_tiles, split_len, head_lo, head_hi, used, fix_phases, qk_scale,
+                                       stride_qh, token * stride_ot + out_split, token * stride_lt + lse_split,
+                                       out_heads_per_rank, stride_or, stride_oh, stride_lr, stride_lh, BLOCK_N,
+                                       HEAD_DIM, STAGES)
+        if req >= num_reqs:
+            _write_padding(out_ptr, lse_ptr, gl.load(query_start_loc_ptr + num_reqs).to(gl.int64), num_tokens,
+                           head_lo, head_hi, out_split, lse_split, out_heads_per_rank, stride_or, stride_ot,
+                           stride_oh, stride_lr, stride_lt, stride_lh, HEAD_DIM)
+        used += n_tiles
+
+
+@gluon.jit
+def _produce(k_cache_ptr, v_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr, k_smem, v_smem, ready,
+             empty, fixed, pid, num_programs, num_items, heads, num_tokens, tma_rows, width, stride_k_tok, stride_k_h,
+             stride_v_tok, stride_v_h, stride_bt_req, stride_bt_blk, rows_per_block, HEAD_DIM: gl.constexpr,
+             PAGE: gl.constexpr, PAGES: gl.constexpr, STAGES: gl.constexpr):
+    """The producer warp: the same items' key tiles into the ring (``copy_tiles``), through one pair of descriptors
+    over every KV head's token rows (``width`` elements of each): KV head ``h`` starts ``h * stride_k_h`` elements
+    in, as ``(row, column)`` of that 2-D view."""
+    k_desc, v_desc = page_descriptors(k_cache_ptr, v_cache_ptr, tma_rows, width, stride_k_tok, stride_v_tok,
+                                      HEAD_DIM, PAGE)
+    used = gl.to_tensor(0)
+    num_reqs = heads[0]
+    num_splits = heads[1]
+    for w in range(pid, num_items, num_programs):
+        req, split, kv_head, head_lo, head_hi = _item(w, heads)
+        _, _, n_tiles, split_len, tile0 = _span(context_lens_ptr, query_start_loc_ptr, req, num_reqs, split,
+                                                num_splits, head_lo, head_hi, PAGE * PAGES)
+        k_at = kv_head * stride_k_h
+        v_at = kv_head * stride_v_h
+        table = block_table_ptr + req.to(gl.int64) * stride_bt_req + (tile0 * PAGES).to(gl.int64) * stride_bt_blk
+        copy_tiles(k_desc, v_desc, k_at // stride_k_tok, k_at % stride_k_tok, v_at // stride_v_tok,
+                   v_at % stride_v_tok, k_smem, v_smem, ready, empty, fixed, table, stride_bt_blk, rows_per_block,
+                   gl.cdiv(split_len, PAGE), n_tiles, split_len, used, PAGE, PAGES, STAGES, True)
+        used += n_tiles
+
+
 # Not specialized on, as in ``paged_attention_kernel``: per-step sizes, the split count and the strides that scale
 # with them, the block table's row stride, ``tma_rows``, and the batch tables' alignment: one variant per split-or-not
 # serves every step.
-@gluon.jit(do_not_specialize=("num_tokens", "num_reqs", "num_splits", "stride_bt_req", "stride_ot", "stride_os",
-                              "stride_lr", "stride_lt", "stride_lh", "stride_ls", "tma_rows"),
+@gluon.jit(do_not_specialize=("num_tokens", "num_reqs", "num_splits", "num_items", "stride_bt_req", "stride_ot",
+                              "stride_os", "stride_lr", "stride_lt", "stride_lh", "stride_ls", "tma_rows"),
            do_not_specialize_on_alignment=("block_table_ptr", "context_lens_ptr", "query_start_loc_ptr"))
 def gluon_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr,
                         out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, num_tokens, num_reqs, num_q_heads, num_splits,
-                        qk_scale, q_head_start, q_per_kv, kv_head_start, first_kv_head, head_tiles_per_group,
-                        stride_qt, stride_qh, stride_k_tok, stride_k_h, stride_v_tok, stride_v_h, stride_bt_req,
-                        stride_bt_blk, rows_per_block, tma_rows, out_heads_per_rank, stride_or, stride_ot, stride_oh,
-                        stride_os, stride_lr, stride_lt, stride_lh, stride_ls, HEAD_DIM: gl.constexpr,
-                        PAGE: gl.constexpr, PAGES: gl.constexpr, STAGES: gl.constexpr):
-    """Grid (num_reqs + 1, head tiles, splits): program ``num_reqs`` writes the padding rows. Head tiles as
-    ``_schedule.group_head_tile`` numbers them, ``ROWS`` heads each. ``k_scale_ptr``/``v_scale_ptr``: never read."""
-    BLOCK_N: gl.constexpr = PAGE * PAGES
-    req = gl.program_id(0)
-    pid_h = gl.program_id(1)
-    split = gl.program_id(2)
-    kv_head = first_kv_head + pid_h // head_tiles_per_group
-    group_lo = (kv_head + kv_head_start) * q_per_kv - q_head_start
-    head_hi = gl.minimum(group_lo + q_per_kv, num_q_heads)
-    head_lo = gl.maximum(group_lo, 0) + (pid_h % head_tiles_per_group) * ROWS
-    out_split = split.to(gl.int64) * stride_os
-    lse_split = split.to(gl.int64) * stride_ls
-    if req >= num_reqs:
-        _write_padding(out_ptr, lse_ptr, gl.load(query_start_loc_ptr + num_reqs).to(gl.int64), num_tokens, head_lo,
-                       head_hi, out_split, lse_split, out_heads_per_rank, stride_or, stride_ot, stride_oh, stride_lr,
-                       stride_lt, stride_lh, HEAD_DIM)
-        return
-    token = gl.load(query_start_loc_ptr + req).to(gl.int64)
-    if (gl.load(query_start_loc_ptr + req + 1) > token) & (head_lo < head_hi):
-        dtype: gl.constexpr = q_ptr.dtype.element_ty
-        kv_len = gl.load(context_lens_ptr + req).to(gl.int32)
-        tiles = gl.cdiv(kv_len, BLOCK_N)
-        per_split = gl.cdiv(tiles, num_splits)
-        tile0 = split * per_split
-        n_tiles = gl.maximum(gl.minimum(per_split, tiles - tile0), 0)
-        split_len = kv_len - tile0 * BLOCK_N  # keys from the split's first on (more than its tiles hold but last)
-        n_pages = gl.cdiv(kv_len, PAGE) - tile0 * PAGES
-        k_smem, v_smem, ready, empty, fixed, _, _ = ring_buffers(dtype, STAGES, BLOCK_N, HEAD_DIM, True, 1)
-        table = block_table_ptr + req.to(gl.int64) * stride_bt_req + (tile0 * PAGES).to(gl.int64) * stride_bt_blk
-        kv_group = kv_head.to(gl.int64)
-        gl.warp_specialize([
-            (_attend_heads, (q_ptr + token * stride_qt, out_ptr, lse_ptr, k_smem, v_smem, ready, empty, fixed,
-                             n_tiles, split_len, token, head_lo, head_hi, qk_scale, stride_qh,
-                             token * stride_ot + out_split, token * stride_lt + lse_split, out_heads_per_rank,
-                             stride_or, stride_oh, stride_lr, stride_lh, BLOCK_N, HEAD_DIM, STAGES)),
-            (load_pages, (k_cache_ptr + kv_group * stride_k_h, v_cache_ptr + kv_group * stride_v_h, tma_rows,
-                           stride_k_tok, stride_v_tok, k_smem, v_smem, ready, empty, fixed, table, stride_bt_blk,
-                           rows_per_block, n_pages, n_tiles, split_len, HEAD_DIM, PAGE, PAGES, STAGES, True)),
-        ], [1], [40])
+                        num_items, qk_scale, q_head_start, q_per_kv, kv_head_start, first_kv_head,
+                        head_tiles_per_group, head_programs, stride_qt, stride_qh, stride_k_tok, stride_k_h,
+                        stride_v_tok, stride_v_h, stride_bt_req, stride_bt_blk, rows_per_block, tma_rows, width,
+                        out_heads_per_rank, stride_or, stride_ot, stride_oh, stride_os, stride_lr, stride_lt,
+                        stride_lh, stride_ls, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, PAGES: gl.constexpr,
+                        STAGES: gl.constexpr):
+    """Grid (programs,): program ``p`` takes work items ``p, p + programs, ..`` of ``num_items`` = (num_reqs + 1)
+    x head programs x splits (``_item``; the last request's items write the padding rows), its producer warp and
+    consumer warpgroup counting the ring's uses across items, so one item's copies run under the previous item's
+    work. Head tiles as ``_schedule.group_head_tile`` numbers them, ``ROWS`` heads each. ``k_scale_ptr``/
+    ``v_scale_ptr``: never read."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    pid = gl.program_id(0)
+    num_programs = gl.num_programs(0)
+    heads = (num_reqs, num_splits, head_programs, first_kv_head, head_tiles_per_group, q_head_start, q_per_kv,
+             kv_head_start, num_q_heads)
+    k_smem, v_smem, ready, empty, fixed, _, _ = ring_buffers(dtype, STAGES, PAGE * PAGES, HEAD_DIM, True, 1)
+    gl.warp_specialize([
+        (_consume, (q_ptr, out_ptr, lse_ptr, context_lens_ptr, query_start_loc_ptr, k_smem, v_smem, ready, empty,
+                    fixed, pid, num_programs, num_items, heads, num_tokens, qk_scale, stride_qt, stride_qh,
+                    out_heads_per_rank, stride_or, stride_ot, stride_oh, stride_os, stride_lr, stride_lt, stride_lh,
+                    stride_ls, PAGE * PAGES, HEAD_DIM, STAGES)),
+        (_produce, (k_cache_ptr, v_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr, k_smem, v_smem,
+                    ready, empty, fixed, pid, num_programs, num_items, heads, num_tokens, tma_rows, width,
+                    stride_k_tok, stride_k_h, stride_v_tok, stride_v_h, stride_bt_req, stride_bt_blk, rows_per_block,
+                    HEAD_DIM, PAGE, PAGES, STAGES)),
+    ], [1], [40])
 
 
 def plan_gluon_decode(q, key_cache, value_cache, block_table, context_lens, *, scale, q_head_start, q_per_kv,
                       kv_head_start, first_kv_head, head_tiles_per_group, num_groups, num_splits, out_strides,
-                      lse_strides, pages: int = PAGES, stages: int = STAGES) -> Launch:
+                      lse_strides, pages: int = PAGES, stages: int = STAGES, programs: int | None = None) -> Launch:
     """Stage 1 of ``plan_paged``'s decode on sm_90, called like ``paged_attention_kernel``'s ``Launch``
     (``(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, k_scale, v_scale)``, where
     ``out``/``lse`` are the split partials with more than one split); ``out_strides``: ``(heads_per_rank, stride_r,
     stride_t, stride_h, stride_split, stride_d)``, ``lse_strides``: ``(stride_r, stride_t, stride_h, stride_split)``
     (``plan_paged``'s); head tiles as ``_schedule.head_tiling`` gives them for ``ROWS``; the caller checked
-    ``_gluon.decode_takes_gluon``. ``pages``, ``stages``: ``PAGES``, ``STAGES`` (benchmarks time others)."""
+    ``_gluon.decode_takes_gluon``. ``pages``, ``stages``: ``PAGES``, ``STAGES`` (benchmarks time others);
+    ``programs``: ``PER_SM`` a SM (None), a program per item (0), or at most that many (tests make programs loop)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_reqs = context_lens.shape[0]
     rows_per_block = key_cache.stride(0) // key_cache.stride(1)
     heads_per_rank, stride_or, stride_ot, stride_oh, stride_os, _ = out_strides
-    grid = (num_reqs + 1, num_groups * head_tiles_per_group, num_splits) if num_tokens and num_q_heads else (0,)
+    head_programs = num_groups * head_tiles_per_group
+    num_items = (num_reqs + 1) * head_programs * num_splits
+    if programs is None:
+        programs = num_sms(device_index(q)) * PER_SM
+    grid = (min(num_items, programs or num_items),) if num_tokens and num_q_heads else (0,)
     return Launch(
         gluon_decode_kernel, grid,
-        (num_tokens, num_reqs, num_q_heads, num_splits, float(scale) * LOG2E, q_head_start, q_per_kv, kv_head_start,
-         first_kv_head, head_tiles_per_group, q.stride(0), q.stride(1), key_cache.stride(1), key_cache.stride(2),
-         value_cache.stride(1), value_cache.stride(2), *block_table.stride(), rows_per_block,
-         rows_per_block * key_cache.shape[0], heads_per_rank, stride_or, stride_ot, stride_oh, stride_os,
-         *lse_strides),
+        (num_tokens, num_reqs, num_q_heads, num_splits, num_items, float(scale) * LOG2E, q_head_start, q_per_kv,
+         kv_head_start, first_kv_head, head_tiles_per_group, head_programs, q.stride(0), q.stride(1),
+         key_cache.stride(1), key_cache.stride(2), value_cache.stride(1), value_cache.stride(2),
+         *block_table.stride(), rows_per_block, rows_per_block * key_cache.shape[0],
+         max(head_columns(key_cache), head_columns(value_cache)), heads_per_rank, stride_or, stride_ot, stride_oh,
+         stride_os, *lse_strides),
         dict(HEAD_DIM=head_dim, PAGE=PAGE, PAGES=pages, STAGES=stages),
         num_warps=4, scratch=True, stand_ins={8: 0, 9: 0})  # no scales: q's pointer stands in (never read)

@@ -167,50 +167,72 @@ def overlap_tile(q_op, k_smem, v_smem, ready, empty, it, s, acc, p_op, m_i, l_i,
 
 
 @gluon.jit
-def load_pages(k_head, v_head, tma_rows, stride_k_tok, stride_v_tok, k_smem, v_smem, ready, empty, fixed, table_ptr,
-                stride_bt_blk, rows_per_block, n_pages, n_tiles, kv_len, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
-                PAGES: gl.constexpr, STAGES: gl.constexpr, PRODUCER_FIX: gl.constexpr):
-    """The producer: tile i is pages ``PAGES * i ..`` of the request's table (page 0 past its last page: those keys
-    are masked), one mbarrier for all its copies. It builds the descriptors it copies through (the cache's token
-    rows of this KV head as one 2-D tensor: row = page * rows_per_block + token in page), so the warp that issues
-    the copies is the one that fenced them. ``PRODUCER_FIX``: the last tile's V rows past ``kv_len`` zeroed here,
-    in place, once they landed (``fixed`` tells the consumers)."""
-    page_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, HEAD_DIM], k_head.dtype.element_ty)
-    k_desc = tma.make_tensor_descriptor(k_head, shape=[tma_rows, HEAD_DIM], strides=[stride_k_tok, 1],
+def page_descriptors(k_base, v_base, tma_rows, width, stride_k_tok, stride_v_tok, HEAD_DIM: gl.constexpr,
+                     PAGE: gl.constexpr):
+    """Tensor descriptors over a paged cache's token rows (row = page * rows_per_block + token in page), ``width``
+    elements of each, copied ``PAGE`` rows x ``HEAD_DIM`` at a time. Built by the warp that copies through them, so
+    the warp that issues the copies is the one that fenced them."""
+    page_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, HEAD_DIM], k_base.dtype.element_ty)
+    k_desc = tma.make_tensor_descriptor(k_base, shape=[tma_rows, width], strides=[stride_k_tok, 1],
                                         block_shape=[PAGE, HEAD_DIM], layout=page_layout)
-    v_desc = tma.make_tensor_descriptor(v_head, shape=[tma_rows, HEAD_DIM], strides=[stride_v_tok, 1],
+    v_desc = tma.make_tensor_descriptor(v_base, shape=[tma_rows, width], strides=[stride_v_tok, 1],
                                         block_shape=[PAGE, HEAD_DIM], layout=page_layout)
+    return k_desc, v_desc
+
+
+@gluon.jit
+def copy_tiles(k_desc, v_desc, k_row, k_col, v_row, v_col, k_smem, v_smem, ready, empty, fixed, table_ptr,
+               stride_bt_blk, rows_per_block, n_pages, n_tiles, kv_len, first, PAGE: gl.constexpr,
+               PAGES: gl.constexpr, STAGES: gl.constexpr, PRODUCER_FIX: gl.constexpr):
+    """The producer's copies of ``n_tiles`` key tiles into the ring from its ``first`` use on: tile i is pages
+    ``PAGES * i ..`` of the table at ``table_ptr`` (page 0 past its ``n_pages``: those keys are masked), rows
+    ``page * rows_per_block + k_row`` and columns from ``k_col`` (``v_row``, ``v_col`` for V), one mbarrier for all its
+    copies. ``PRODUCER_FIX``: the last tile's V rows past ``kv_len`` zeroed here, in place, once they landed
+    (``fixed`` tells the consumers)."""
     for i in range(n_tiles):
-        s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier's previous phase counts as done
+        use = first + i
+        s = use % STAGES
+        mbarrier.wait(empty.index(s), ((use // STAGES) & 1) ^ 1)  # a fresh barrier's previous phase counts as done
         mbarrier.expect(ready.index(s), PAGES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
         for j in gl.static_range(PAGES):
             entry = i * PAGES + j
             page = gl.load(table_ptr + entry * stride_bt_blk, mask=entry < n_pages, other=0).to(gl.int32)
-            tma.async_copy_global_to_shared(k_desc, [page * rows_per_block, 0], ready.index(s),
+            tma.async_copy_global_to_shared(k_desc, [page * rows_per_block + k_row, k_col], ready.index(s),
                                             k_smem.index(s).slice(j * PAGE, PAGE))
-            tma.async_copy_global_to_shared(v_desc, [page * rows_per_block, 0], ready.index(s),
+            tma.async_copy_global_to_shared(v_desc, [page * rows_per_block + v_row, v_col], ready.index(s),
                                             v_smem.index(s).slice(j * PAGE, PAGE))
         if PRODUCER_FIX:
             if (i + 1) * (PAGE * PAGES) > kv_len:  # the last tile: rows past the context hold anything (NaN too)
-                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                mbarrier.wait(ready.index(s), (use // STAGES) & 1)
                 zero_tail_in_place(v_smem.index(s), kv_len - i * (PAGE * PAGES), PAGE * PAGES)
                 mbarrier.arrive(fixed.index(s), count=1)
 
 
 @gluon.jit
+def load_pages(k_head, v_head, tma_rows, stride_k_tok, stride_v_tok, k_smem, v_smem, ready, empty, fixed, table_ptr,
+               stride_bt_blk, rows_per_block, n_pages, n_tiles, kv_len, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
+               PAGES: gl.constexpr, STAGES: gl.constexpr, PRODUCER_FIX: gl.constexpr):
+    """The producer of a program that streams one KV head's tiles once: ``copy_tiles`` through descriptors over
+    that head's token rows (``page_descriptors`` at ``k_head``/``v_head``, ``HEAD_DIM`` wide)."""
+    k_desc, v_desc = page_descriptors(k_head, v_head, tma_rows, HEAD_DIM, stride_k_tok, stride_v_tok, HEAD_DIM, PAGE)
+    copy_tiles(k_desc, v_desc, 0, 0, 0, 0, k_smem, v_smem, ready, empty, fixed, table_ptr, stride_bt_blk,
+               rows_per_block, n_pages, n_tiles, kv_len, 0, PAGE, PAGES, STAGES, PRODUCER_FIX)
+
+
+@gluon.jit
 def attend_overlap(q_op, k_smem, v_smem, v_fix, ready, empty, fixed, acc, m_i, l_i, n_tiles, kv_len, qk_scale,
-                   offs_m, offs_n, zero_qk, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PRODUCER_FIX: gl.constexpr,
-                   acc_layout: gl.constexpr, dtype: gl.constexpr):
-    """A consumer warpgroup's pass over the ring's ``n_tiles`` key tiles in FA3's order (``overlap_tile``): keys
-    ``0 .. n_tiles * BLOCK_N`` of which those at or past ``kv_len`` are masked (only the last tile may hold any).
-    Returns ``(acc, m_i, l_i)``, unchanged when there is no tile."""
+                   offs_m, offs_n, zero_qk, first, fix_phases, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   PRODUCER_FIX: gl.constexpr, acc_layout: gl.constexpr, dtype: gl.constexpr):
+    """A consumer warpgroup's pass over ``n_tiles`` key tiles of the ring from its ``first`` use on, in FA3's order
+    (``overlap_tile``): keys ``0 .. n_tiles * BLOCK_N`` of which those at or past ``kv_len`` are masked (only the
+    last tile may hold any). ``fix_phases``: ``v_operand``'s parity bits. Returns ``(acc, m_i, l_i, fix_phases)``,
+    unchanged when there is no tile."""
     last = n_tiles - 1
     if n_tiles > 0:
-        it = 0
-        s = 0
-        mbarrier.wait(ready.index(0), 0)
-        qk = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
+        it = first
+        s = first % STAGES
+        mbarrier.wait(ready.index(s), (first // STAGES) & 1)
+        qk = warpgroup_mma(q_op, k_smem.index(s).permute((1, 0)), zero_qk, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
         if last == 0:
             p_op, m_i, l_i, _ = softmax_probs(qk, m_i, l_i, qk_scale, offs_m, offs_n, 0, kv_len, PAST_END,
@@ -226,11 +248,11 @@ def attend_overlap(q_op, k_smem, v_smem, v_fix, ready, empty, fixed, acc, m_i, l
             it, s, acc, p_op, m_i, l_i = overlap_tile(q_op, k_smem, v_smem, ready, empty, it, s, acc, p_op, m_i, l_i,
                                                       qk_scale, offs_m, offs_n, last * BLOCK_N, kv_len, zero_qk,
                                                       PAST_END, STAGES, acc_layout, dtype)
-        v_last, _ = v_operand(v_smem, v_fix, fixed, s, gl.to_tensor(0), last, kv_len, BLOCK_N, PRODUCER_FIX)
+        v_last, fix_phases = v_operand(v_smem, v_fix, fixed, s, fix_phases, last, kv_len, BLOCK_N, PRODUCER_FIX)
         acc = warpgroup_mma(p_op, v_last, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(s), count=1)
-    return acc, m_i, l_i
+    return acc, m_i, l_i, fix_phases
 
 
 @gluon.jit

@@ -72,9 +72,9 @@ def _attend_rows(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, f
     zero_qk = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=qk_layout)
     last = n_tiles - 1
     if OVERLAP:
-        acc, m_i, l_i = attend_overlap(q_op, k_smem, v_smem, v_fix, ready, empty, fixed, acc, m_i, l_i, n_tiles,
-                                       kv_len, qk_scale, offs_m, offs_n, zero_qk, BLOCK_N, STAGES, PRODUCER_FIX,
-                                       acc_layout, dtype)
+        acc, m_i, l_i, _ = attend_overlap(q_op, k_smem, v_smem, v_fix, ready, empty, fixed, acc, m_i, l_i, n_tiles,
+                                          kv_len, qk_scale, offs_m, offs_n, zero_qk, 0, gl.to_tensor(0), BLOCK_N,
+                                          STAGES, PRODUCER_FIX, acc_layout, dtype)
     else:
         for i in range(last):
             s = i % STAGES

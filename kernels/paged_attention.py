@@ -54,7 +54,6 @@ _LOG2E = tl.constexpr(LOG2E)  # the kernels' copy (jit functions read only const
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 256  # explicit num_splits upper bound
 SHORT_QUERY = 8  # at most this many query rows per request: the short-query variant (speculative verify steps)
-GLUON_DECODE_PER_SM = 1  # gluon_decode's programs per SM (255 registers a thread: one program fills one)
 
 
 # Per-step sizes (and the LSE strides, which scale with them) are not specialized on: every step of an engine runs
@@ -270,11 +269,11 @@ def split_capacity(head_dim: int, device: torch.device) -> int:
 def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, *, scale,
                q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None,
                split_buffer: torch.Tensor | None = None, config: PagedConfig | None = None,
-               gluon_decode: tuple[int, int] | None = None) -> PagedLaunch:
+               gluon_decode: tuple[int, ...] | None = None) -> PagedLaunch:
     """``paged_attention`` prepared for tensors shaped like these (no checks). ``split_buffer``: float32 scratch of
     ``split_capacity`` elements for the split partials (default: allocated here); an automatic split count is
-    lowered until the partials fit in it. ``gluon_decode``: ``(pages, stages)`` of ``gluon_decode`` for a decode it
-    can serve, whatever the group size (benchmarks)."""
+    lowered until the partials fit in it. ``gluon_decode``: ``(pages, stages[, programs])`` of ``gluon_decode``
+    for a decode it can serve, whatever the group size (benchmarks)."""
     num_tokens, num_q_heads, head_dim = q.shape
     page_size = key_cache.shape[1]
     num_reqs = context_lens.shape[0]
@@ -372,11 +371,11 @@ def _with_reduce(stage1: Launch, part_out, part_lse, out, lse, num_splits: int) 
 
 def _plan_gluon_decode(q, key_cache, value_cache, block_table, context_lens, out, lse, *, scale, q_head_start,
                        q_per_kv, kv_head_start, max_kv_len, num_splits, split_buffer, tiles) -> PagedLaunch:
-    """``plan_paged`` for a decode ``gluon_decode`` serves: its head tiles, split count (at most
-    ``GLUON_DECODE_PER_SM`` programs per SM: one of 192 KiB of shared memory fills an SM) and stage 1."""
+    """``plan_paged`` for a decode ``gluon_decode`` serves: its head tiles, split count (at most ``gluon_decode.PER_SM``
+    programs per SM) and stage 1. ``tiles``: ``(pages, stages[, programs])`` of ``plan_gluon_decode``, or its own."""
     from dcp_plugin.kernels import gluon_decode
 
-    pages, stages = tiles or (gluon_decode.PAGES, gluon_decode.STAGES)
+    pages, stages, programs = (*tiles, None)[:3] if tiles else (gluon_decode.PAGES, gluon_decode.STAGES, None)
     num_tokens, num_q_heads, head_dim = q.shape
     first_kv_head, num_groups, head_tiles_per_group = head_tiling(
         num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
@@ -384,11 +383,11 @@ def _plan_gluon_decode(q, key_cache, value_cache, block_table, context_lens, out
     if num_splits is None:
         num_splits = _auto_splits(q, programs=context_lens.shape[0] * num_groups * head_tiles_per_group,
                                   max_kv_len=max_kv_len, block_n=gluon_decode.PAGE * pages,
-                                  split_buffer=split_buffer, per_sm=GLUON_DECODE_PER_SM)
+                                  split_buffer=split_buffer, per_sm=gluon_decode.PER_SM)
     part_out, part_lse, out_strides, lse_strides = _split_outputs(q, out, lse, num_splits, split_buffer)
     stage1 = gluon_decode.plan_gluon_decode(
         q, key_cache, value_cache, block_table, context_lens, scale=scale, q_head_start=q_head_start,
         q_per_kv=q_per_kv, kv_head_start=kv_head_start, first_kv_head=first_kv_head,
         head_tiles_per_group=head_tiles_per_group, num_groups=num_groups, num_splits=num_splits,
-        out_strides=out_strides, lse_strides=lse_strides, pages=pages, stages=stages)
+        out_strides=out_strides, lse_strides=lse_strides, pages=pages, stages=stages, programs=programs)
     return _with_reduce(stage1, part_out, part_lse, out, lse, num_splits)

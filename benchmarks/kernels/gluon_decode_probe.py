@@ -7,12 +7,13 @@ split partials and their merge included) against float64 attention on batches of
 5,000 tokens, so empty requests, empty splits and partial last tiles), 64-token pages whose rows past each context
 and whose unused table entries hold NaN, outputs poisoned with NaN first, CUDA-graph padding rows, several head
 layouts (a group of 32, 128 Q heads over one KV head, a rank's 8 Q heads from the middle of a group of 16, groups
-of 4 and 5, rank-major outputs, head size 64) and split counts 1, 3 and automatic. Only a config that passes is
-timed: by graph replay over L2-cold copies (``bench_kernels.py``'s inputs) on ``SWEEP_SHAPES``, and the first
-config instead on every decode shape of ``bench_kernels.py`` and 16 Q / 1 KV heads, with half and twice the
-automatic split count too, beside
-the ``tl`` decode kernel (``DCP_TRITON_GLUON=0``) and FA3 over the same memory as 16- and 64-token pages. A call's
-configs are appended to the results file's ``runs`` with the call's provenance.
+of 4 and 5, rank-major outputs, head size 64), split counts 1, 3 and automatic, and 2-3 programs over all the work
+items (each program then runs many in turn; by default one program per SM). Only a config that passes is timed,
+by graph replay over L2-cold copies (``bench_kernels.py``'s inputs), beside the same config with a program per item,
+the ``tl`` decode kernel (``DCP_TRITON_GLUON=0``) and FA3 over 16-token pages: on ``SWEEP_SHAPES``, or for the first
+config (unless ``--sweep``) on ``FULL_SHAPES`` (every decode shape of ``bench_kernels.py``, 16 Q / 1 KV heads, large
+batches of short contexts, batches of varied contexts) with half and twice the automatic split count and FA3 over
+64-token pages too. A call's configs are appended to the results file's ``runs`` with the call's provenance.
 
     python benchmarks/kernels/gluon_decode_probe.py [--name kernels_h200_gluon_decode]
 """
@@ -20,19 +21,24 @@ configs are appended to the results file's ``runs`` with the call's provenance.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1]),
+                str(Path(__file__).resolve().parents[2] / "scripts")]  # and benchmarks/, scripts/
 
-CONFIGS = [(1, 4), (2, 3), (2, 2), (1, 6), (1, 3)]  # (pages per key tile, stages); the first: gluon_decode's own
-SWEEP_SHAPES = [(8, 1024, 32, 8), (8, 8192, 32, 8), (128, 8192, 32, 8), (1, 32768, 32, 1), (32, 8192, 32, 1),
-                (128, 8192, 32, 1)]  # (batch, context, Q heads, KV heads)
+# (pages per key tile, stages); the first: gluon_decode's own
+CONFIGS = [(1, 4), (1, 3), (2, 3)]
+SWEEP_SHAPES = [(8, 1024, 32, 8), (8, 8192, 32, 8), (128, 1024, 32, 8), (128, 8192, 32, 8), (1, 32768, 32, 1),
+                (32, 8192, 32, 1), (128, 8192, 32, 1), (128, 8192, 32, 8, "mixed")]  # (batch, context, Q, KV heads)
 FULL_SHAPES = [(b, c, 32, 8) for b in (1, 8, 32, 128) for c in (1024, 8192, 32768)] + [
-    (b, c, hq, hk) for hq, hk in ((32, 1), (40, 8), (16, 1)) for b in (1, 8, 32, 128) for c in (8192, 32768)]
+    (b, c, hq, hk) for hq, hk in ((32, 1), (40, 8), (16, 1)) for b in (1, 8, 32, 128) for c in (8192, 32768)] + [
+    (256, 1024, 32, 8), (128, 1024, 16, 1), (256, 1024, 16, 1), (8, 1024, 16, 1), (128, 8192, 32, 8, "mixed"),
+    (128, 8192, 32, 1, "mixed"), (32, 32768, 32, 8, "mixed")]  # "mixed": contexts drawn from ctx / 8 .. ctx
 CHECK_LENS = [0, 1, 63, 64, 65, 127, 128, 129, 1000, 5000]
 # (Q heads, stored KV heads, q_head_start, q_per_kv, ranks of a rank-major output, head size)
 CHECK_LAYOUTS = [(32, 1, 0, 32, 0, 128), (128, 1, 0, 128, 0, 128), (8, 2, 8, 16, 0, 128), (32, 8, 0, 4, 2, 128),
@@ -78,7 +84,7 @@ def check(config) -> dict:
         kw = dict(scale=d ** -0.5, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=0,
                   max_kv_len=max(CHECK_LENS))
         ref_out, ref_lse = reference.paged_attention(q.double(), kc.double(), vc.double(), table, lens, qsl, **kw)
-        for splits in (1, 3, None):
+        for splits, programs in ((1, None), (3, None), (None, None), (1, 2), (3, 3)):  # 2-3 programs: each loops
             t = q.shape[0]
             if ranks:
                 out = torch.full((ranks, t, hq // ranks, d), float("nan"), dtype=q.dtype, device="cuda")
@@ -86,7 +92,7 @@ def check(config) -> dict:
             else:
                 out, lse = torch.full_like(q, float("nan")), torch.full((t, hq), float("nan"), device="cuda")
             launch = plan_paged(q, kc, vc, table, lens, qsl, out, lse, max_query_len=1, num_splits=splits,
-                                gluon_decode=tuple(config), **kw)
+                                gluon_decode=(*config, programs), **kw)
             assert type(launch.stage1.kernel).__name__ == "GluonJITFunction", "not the Gluon kernel"
             launch(q, kc, vc, table, lens, qsl, out, lse)
             torch.cuda.synchronize()
@@ -97,7 +103,7 @@ def check(config) -> dict:
             lse_err = (lse.double()[live] - ref_lse[live]).abs().max().item()
             empty_ok = bool((out[~live] == 0).all() and (lse[~live] == float("-inf")).all())
             nan = bool(out.isnan().any() or lse.isnan().any())
-            errors[f"{hq}q{hk}kv_from{q_head_start}_r{ranks}_d{d}_s{splits}"] = dict(
+            errors[f"{hq}q{hk}kv_from{q_head_start}_r{ranks}_d{d}_s{splits}_p{programs}"] = dict(
                 rel_err=rel, lse_max_abs=lse_err, nan=nan, padding_ok=empty_ok, splits=launch.num_splits)
     return errors
 
@@ -112,30 +118,34 @@ def time_shapes(config, shapes, full: bool) -> list[dict]:
 
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(1)
-    for batch, ctx, hq, hk in shapes:
+    for batch, ctx, hq, hk, *mixed in shapes:
         kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen)
+        if mixed:  # varied contexts: what a static deal of items over programs meets in serving
+            lens = torch.randint(ctx // 8, ctx + 1, (batch,), device="cuda", generator=gen, dtype=torch.int32)
+            kv_bytes = kv_bytes * int(lens.sum()) // (batch * ctx)
         kc64, vc64, tables64 = _as_pages(kc, vc, tables, PAGE, gen)
         out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
         kw = dict(scale=q.shape[-1] ** -0.5, q_head_start=0, q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx,
                   max_query_len=1)
         plans = {"gluon": plan_paged(q, kc64, vc64, tables64[0], lens, qsl, out, lse, gluon_decode=tuple(config), **kw)}
         auto = plans["gluon"].num_splits
+        plans["gluon_items"] = plan_paged(q, kc64, vc64, tables64[0], lens, qsl, out, lse,
+                                          gluon_decode=(*config, 0), **kw)  # the same config, a program per item
         if full:
             for name, splits in (("gluon_half", max(1, auto // 2)), ("gluon_double", min(256, 2 * auto))):
                 if splits != auto:
                     plans[name] = plan_paged(q, kc64, vc64, tables64[0], lens, qsl, out, lse, num_splits=splits,
                                              gluon_decode=tuple(config), **kw)
-            os.environ["DCP_TRITON_GLUON"] = "0"  # the tl kernel, as DCP_TRITON_GLUON=0 ships it
-            plans["tl"] = plan_paged(q, kc64, vc64, tables64[0], lens, qsl, out, lse, **kw)
-            del os.environ["DCP_TRITON_GLUON"]
+        os.environ["DCP_TRITON_GLUON"] = "0"  # the tl kernel, as DCP_TRITON_GLUON=0 ships it
+        plans["tl"] = plan_paged(q, kc64, vc64, tables64[0], lens, qsl, out, lse, **kw)
+        del os.environ["DCP_TRITON_GLUON"]
         fns = {name: [lambda i=i, p=p: p(q, kc64, vc64, tables64[i], lens, qsl, out, lse) for i in range(copies)]
                for name, p in plans.items()}
-        if full:
-            for suffix, caches in (("", (kc, vc, tables)), ("_p64", (kc64, vc64, tables64))):
-                for name, fn in kernel_peers.fa3_paged(q, *caches, lens, qsl, max_query_len=1, max_kv_len=ctx,
-                                                       causal=True).items():
-                    fns[name + suffix] = [lambda i=i, fn=fn: fn(i) for i in range(copies)]
-        row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, kv_bytes=kv_bytes,
+        for suffix, caches in (("", (kc, vc, tables)), ("_p64", (kc64, vc64, tables64)))[:2 if full else 1]:
+            for name, fn in kernel_peers.fa3_paged(q, *caches, lens, qsl, max_query_len=1, max_kv_len=ctx,
+                                                   causal=True).items():
+                fns[name + suffix] = [lambda i=i, fn=fn: fn(i) for i in range(copies)]
+        row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, kv_bytes=kv_bytes, mixed=bool(mixed),
                    splits={name: p.num_splits for name, p in plans.items()})
         for name, calls in fns.items():
             try:
@@ -163,17 +173,56 @@ def child(config: tuple, full: bool, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(result))
 
 
+def compile_only(configs) -> None:
+    """Each config compiled for sm_90 here (Triton 3.6, no GPU needed), as ``plan_paged`` plans it for a group of
+    32 and one of 4, with the report ``gluon_chunk_probe.py --compile-only`` prints."""
+    import torch
+    import triton
+    from gluon_chunk_probe import _sm90_report
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    import compile_for_hopper as ch
+    from dcp_plugin.kernels import _gluon, gluon_decode
+
+    paged_attention = importlib.import_module("dcp_plugin.kernels.paged_attention")  # the package exports a function
+
+    gluon_decode.num_sms = lambda device_index: 132  # an H100 / H200 (no GPU here to ask)
+    paged_attention.num_sms = gluon_decode.num_sms
+    _gluon.decode_takes_gluon = lambda *args: True
+    paged_attention.decode_takes_gluon = _gluon.decode_takes_gluon
+    for config in configs:
+        for hq, hk in ((32, 1), (32, 8)):
+            kc, vc = torch.zeros(2, 40, PAGE, hk, 128, dtype=torch.bfloat16)
+            q, table = torch.zeros(4, hq, 128, dtype=torch.bfloat16), torch.zeros(3, 10, dtype=torch.int32)
+            lens, qsl = torch.tensor([100, 600, 0], dtype=torch.int32), torch.arange(4, dtype=torch.int32)
+            out, lse = torch.zeros_like(q), torch.zeros(4, hq)
+            plan = paged_attention.plan_paged(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, q_head_start=0,
+                                              q_per_kv=hq // hk, kv_head_start=0, max_kv_len=600, max_query_len=1,
+                                              num_splits=3, gluon_decode=tuple(config))
+            tensors = plan.stage1.kernel_tensors((q, kc, vc, table, lens, qsl, plan.part_out, plan.part_lse, q, q))
+            _, signature, _, constants, attrs, options = ch._variant(plan.stage1, tensors)
+            compiled = triton.compile(GluonASTSource(fn=plan.stage1.kernel, signature=dict(signature),
+                                                     constexprs=constants, attrs=attrs),
+                                      target=GPUTarget("cuda", 90, 32), options=options)
+            print(config, f"{hq}q{hk}kv", _sm90_report(compiled), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--name", default="kernels_h200_gluon_decode")
-    parser.add_argument("--configs", help="e.g. '2,3 1,4' (default: CONFIGS)")
+    parser.add_argument("--configs", help="e.g. '1,4,1 1,4,0' (default: CONFIGS)")
+    parser.add_argument("--sweep", action="store_true", help="every config on SWEEP_SHAPES only")
+    parser.add_argument("--compile-only", action="store_true", help="compile for sm_90 here (no GPU) and report")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(tuple(json.loads(args.child[0])), args.child[1] == "full", args.child[2])
+    configs = [tuple(map(int, c.split(","))) for c in args.configs.split()] if args.configs else CONFIGS
+    if args.compile_only:
+        return compile_only(configs)
     from common import RESULTS, gpu_name, provenance
 
-    configs = [tuple(map(int, c.split(","))) for c in args.configs.split()] if args.configs else CONFIGS
     path = RESULTS / f"{args.name}.json"  # this call's configs join the file's earlier calls (runs[])
     record = json.loads(path.read_text()) if path.exists() else dict(gpu=gpu_name(), runs=[])
     results = []
@@ -181,11 +230,11 @@ def main() -> None:
     for n, config in enumerate(configs):
         out = Path(f"/tmp/gluon_decode_{'_'.join(map(str, config))}.json")
         out.unlink(missing_ok=True)
-        mode = "full" if n == 0 else "sweep"
+        mode = "full" if n == 0 and not args.sweep else "sweep"
         try:
             done = subprocess.run([sys.executable, __file__, "--child", json.dumps(config), mode, str(out)],
-                                  capture_output=True, text=True, timeout=CHILD_TIMEOUT_S * (2 if n == 0 else 1),
-                                  env=dict(os.environ))
+                                  capture_output=True, text=True, env=dict(os.environ),
+                                  timeout=CHILD_TIMEOUT_S * (3 if mode == "full" else 1))
             result = json.loads(out.read_text()) if out.exists() else dict(
                 config=list(config), error=(done.stdout + done.stderr)[-3000:], returncode=done.returncode)
         except subprocess.TimeoutExpired as err:

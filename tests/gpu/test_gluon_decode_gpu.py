@@ -4,7 +4,7 @@ Q heads per KV group, and equal to float64 attention there: contexts of 0 to 3,0
 rows are NaN, one split, three and the automatic count (the partials merged by the ``tl`` merge), plain and
 rank-major outputs, head maps with offsets and groups wider than one tile, rows before the first request untouched
 by one split (several: the merge writes every row, as the ``tl`` kernel's), padding rows after the last (0, -inf),
-CUDA graph replay."""
+CUDA graph replay, and 1-5 programs over all the work items (groups of 4 and 5 among them)."""
 
 from __future__ import annotations
 
@@ -122,3 +122,29 @@ def test_cuda_graph_replay(num_splits):
                                                    scale=0.1, **head_map, max_kv_len=max(CTX))
     assert_matches(out, want_out, torch.bfloat16, "out")
     assert_matches(lse, want_lse, torch.bfloat16, "lse")
+
+
+SMALL_GROUPS = {"32q8kv": (32, 8, dict(q_head_start=0, q_per_kv=4, kv_head_start=0)),
+                "40q8kv": (40, 8, dict(q_head_start=0, q_per_kv=5, kv_head_start=0))}
+
+
+@pytest.mark.parametrize("programs", [1, 2, 5])
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["split1", "split3"])
+@pytest.mark.parametrize("heads", sorted(HEADS) + sorted(SMALL_GROUPS))
+def test_programs_that_loop_over_items(heads, num_splits, programs):
+    """A program per SM takes many work items in turn (its copies for one item run under the previous item's
+    work): here 1, 2 or 5 programs over all the items, so every item boundary, ring wrap and last-tile fix is met
+    within one program; small groups too (a benchmark can ask for the kernel at any group)."""
+    num_q_heads, num_kv_heads, head_map = {**HEADS, **SMALL_GROUPS}[heads]
+    q, kc, vc, table, lens, qsl = _inputs(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, dtype=torch.bfloat16,
+                                          first_row=7)
+    out, lse = poisoned(q.shape, q.dtype, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
+    plan = plan_paged(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, **head_map, max_kv_len=max(CTX),
+                      max_query_len=1, num_splits=num_splits, gluon_decode=(1, 4, programs))
+    assert plan.stage1.kernel.__name__ == "gluon_decode_kernel" and plan.stage1.grid[0] == programs
+    plan(q, kc, vc, table, lens, qsl, out, lse)
+    want_out, want_lse = reference.paged_attention(q[7:].double(), kc.double(), vc.double(), table, lens, qsl - 7,
+                                                   scale=0.1, **head_map, max_kv_len=max(CTX))
+    assert_matches(out[7:], want_out, torch.bfloat16, "out")
+    assert_matches(lse[7:], want_lse, torch.bfloat16, "lse")
+    assert (out[-PAD:] == 0).all() and (lse[-PAD:] == float("-inf")).all(), "padding rows"

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dcp_plugin.kernels import _gluon
+from dcp_plugin.kernels._launch import num_sms
 from dcp_plugin.kernels.extend_attention import ExtendConfig, plan_extend
 from dcp_plugin.kernels.paged_attention import plan_paged
 
@@ -88,7 +89,11 @@ def test_decode_with_large_groups_takes_gluon():
     assert _plan(**DECODE, heads=(32, 1)) == _plan(**DECODE, heads=(32, 1), head_dim=64) == "gluon_decode_kernel"
     assert _plan(**DECODE, heads=(34, 2), dtype=torch.float16) == "gluon_decode_kernel"
     plan = _plan(**DECODE, heads=(128, 1), num_splits=3, launch=True)
-    assert plan.stage1.grid == (2 + 1, 2, 3), "2 requests + the padding rows' program, 2 head tiles, 3 splits"
+    items = (2 + 1) * 2 * 3  # 2 requests and the padding rows, 2 head tiles, 3 splits
+    assert plan.stage1.scalars[4] == items
+    assert plan.stage1.grid == (min(items, num_sms(0)), 1, 1), "persistent: a program per SM at most"
+    flat = _plan(**DECODE, heads=(128, 1), num_splits=3, gluon_decode=(1, 4, 0), launch=True)
+    assert flat.stage1.grid == (items, 1, 1), "not persistent: a program per item"
     assert plan.reduce.kernel.__name__ == "paged_attention_reduce_kernel"
     assert _plan(**DECODE, heads=(32, 1), num_splits=None, launch=True).reduce is None, "1 split under the interpreter"
 
@@ -197,3 +202,17 @@ def test_three_stages_need_the_producer_fix():
     with pytest.raises(ValueError, match="stages=3 needs producer_fix=True"):
         gluon_prefix.plan_gluon_prefix(q, cache, cache, table, lens, qsl, out, lse, **heads, stages=3,
                                        producer_fix=False)
+
+
+def test_head_columns_place_each_kv_head_in_one_descriptor():
+    """``gluon_decode`` reads every KV head through one descriptor over the cache's token rows: the columns its heads
+    span in vLLM's layout, in K and V cut from one buffer, and in a head-major layout (a head's rows further down,
+    column 0); a head whose D elements would cross a token row is refused (the ``tl`` kernel serves it)."""
+    nhd = torch.zeros(5, 64, 8, 128)
+    assert _gluon.head_columns(nhd) == 8 * 128
+    buf = torch.zeros(5, 64, 8, 2 * 128)
+    assert _gluon.head_columns(buf[..., :128]) == _gluon.head_columns(buf[..., 128:]) == 7 * 256 + 128
+    hnd = torch.zeros(5, 8, 64, 128).transpose(1, 2)  # [blocks, page, heads, D] view of head-major storage
+    assert hnd.stride(1) == 128 and _gluon.head_columns(hnd) == 128
+    crossing = torch.zeros(5 * 64 * 8 * 128 + 64).as_strided((5, 64, 8, 128), (64 * 8 * 128, 8 * 128, 136, 1))
+    assert _gluon.head_columns(crossing) == 0
