@@ -22,7 +22,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from dcp_plugin.kernels._gluon import PREFIX_PAGE, head_columns
-from dcp_plugin.kernels._launch import LOG2E, Launch, device_index, num_sms
+from dcp_plugin.kernels._launch import LOG2E, Launch
 from dcp_plugin.kernels.gluon_parts import attend_overlap, copy_tiles, head_offset, page_descriptors, ring_buffers
 
 ROWS = gl.constexpr(64)  # Q heads of one KV group per program: a warpgroup MMA's rows (the heads past it masked)
@@ -33,7 +33,11 @@ PAGE = PREFIX_PAGE
 # (benchmarks/results/kernels_h200_gluon_decode.json, runs[0]).
 PAGES = 1  # pages per key tile
 STAGES = 4  # key tiles in flight
-PER_SM = 1  # programs per SM, each over work items in turn: with 255 registers a thread, one fills an SM
+PER_SM = 1  # programs resident on an SM (255 registers a thread): the automatic split count fills the SMs once
+# A program per work item, not one per SM over items in turn (the ring's uses counted across items): on one H200 at
+# 5d6f50a, 128 x 8K with contexts of 1K-8K, 8 / 1 KV heads, 596.0 / 104.9 us a program per item against 631.6 /
+# 116.9 dealt over one program per SM (a static deal meets unequal items), and within 1% at most uniform shapes
+# (benchmarks/results/kernels_h200_gluon_decode.json, runs[2]: gluon_items against gluon).
 
 
 @gluon.jit
@@ -231,15 +235,14 @@ def plan_gluon_decode(q, key_cache, value_cache, block_table, context_lens, *, s
     stride_t, stride_h, stride_split, stride_d)``, ``lse_strides``: ``(stride_r, stride_t, stride_h, stride_split)``
     (``plan_paged``'s); head tiles as ``_schedule.head_tiling`` gives them for ``ROWS``; the caller checked
     ``_gluon.decode_takes_gluon``. ``pages``, ``stages``: ``PAGES``, ``STAGES`` (benchmarks time others);
-    ``programs``: ``PER_SM`` a SM (None), a program per item (0), or at most that many (tests make programs loop)."""
+    ``programs``: a program per work item (None, 0; why: at ``PER_SM``), or at most that many programs, each over
+    items in turn."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_reqs = context_lens.shape[0]
     rows_per_block = key_cache.stride(0) // key_cache.stride(1)
     heads_per_rank, stride_or, stride_ot, stride_oh, stride_os, _ = out_strides
     head_programs = num_groups * head_tiles_per_group
     num_items = (num_reqs + 1) * head_programs * num_splits
-    if programs is None:
-        programs = num_sms(device_index(q)) * PER_SM
     grid = (min(num_items, programs or num_items),) if num_tokens and num_q_heads else (0,)
     return Launch(
         gluon_decode_kernel, grid,

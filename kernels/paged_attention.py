@@ -61,15 +61,15 @@ SHORT_QUERY = 8  # at most this many query rows per request: the short-query var
 # warm-up cannot know; only a row's start depends on it). Output strides stay specialized: vectorized stores need
 # them, and the DCP core's buffers keep them multiples of 16 at every token count, so their specialization never
 # changes.
-@triton.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs", "num_splits", "stride_bt_req",
-                               "stride_lse_r", "stride_lse_t", "stride_lse_h", "stride_lse_s", "tma_rows"),
+@triton.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs", "num_splits", "head_programs",
+                               "stride_bt_req", "stride_lse_r", "stride_lse_t", "stride_lse_h", "stride_lse_s", "tma_rows"),
             # the batch tables may start mid-tensor (a mixed step's requests after its decodes); scalar loads anyway
             do_not_specialize_on_alignment=("block_table_ptr", "context_lens_ptr", "query_start_loc_ptr"))
 def paged_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr,
     out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr,
     num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs,
-    qk_scale, q_head_start, q_per_kv, kv_head_start, first_kv_head, head_tiles_per_group, num_splits,
+    qk_scale, q_head_start, q_per_kv, kv_head_start, first_kv_head, head_tiles_per_group, num_splits, head_programs,
     stride_q_t, stride_q_h, stride_q_d,
     stride_kc_blk, stride_kc_tok, stride_kc_h, stride_kc_d,
     stride_vc_blk, stride_vc_tok, stride_vc_h, stride_vc_d,
@@ -91,8 +91,12 @@ def paged_attention_kernel(
     ROWS_AHEAD: tl.constexpr,  # with USE_TMA: descriptor rows read a chunk of tiles ahead (PagedConfig.rows_ahead)
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
-    pid_q = tl.program_id(0)
-    pid_h = tl.program_id(1)
+    if DECODE:  # a request's head programs next to each other: they read the same pages (a token's KV heads are
+        pid_q = tl.program_id(0) // head_programs  # adjacent in vLLM's cache)
+        pid_h = tl.program_id(0) % head_programs
+    else:
+        pid_q = tl.program_id(0)
+        pid_h = tl.program_id(1)
     split = tl.program_id(2)
 
     # Programs past num_q_programs cover rows after query_start_loc[-1] (CUDA-graph padding) as a request with
@@ -315,15 +319,17 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
                                              out, lse, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
                                              kv_head_start=kv_head_start), None, None, None, 1)
     part_out, part_lse, out_strides, lse_strides = _split_outputs(q, out, lse, num_splits, split_buffer)
-    grid = (num_q_programs + cdiv(num_tokens, block_q), head_programs, num_splits) if num_tokens else (0,)
+    rows = num_q_programs + cdiv(num_tokens, block_q)
+    grid = ((rows * head_programs, 1, num_splits) if decode else (rows, head_programs, num_splits)) if num_tokens \
+        else (0,)
     block_d = max(16, next_pow2(head_dim))
     kv_fp8 = key_cache.dtype in FP8_DTYPES
     rows_per_block = key_cache.stride(0) // key_cache.stride(1) if use_tma else 0
     stage1 = Launch(
         paged_attention_kernel, grid,
         (num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs, float(scale) * LOG2E, q_head_start, q_per_kv,
-         kv_head_start, first_kv_head, head_tiles_per_group, num_splits, *q.stride(), *key_cache.stride(),
-         *value_cache.stride(), *block_table.stride(), *out_strides, *lse_strides, rows_per_block,
+         kv_head_start, first_kv_head, head_tiles_per_group, num_splits, head_programs, *q.stride(),
+         *key_cache.stride(), *value_cache.stride(), *block_table.stride(), *out_strides, *lse_strides, rows_per_block,
          rows_per_block * key_cache.shape[0]),
         dict(PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
              EVEN_D=block_d == head_dim, DECODE=decode,
