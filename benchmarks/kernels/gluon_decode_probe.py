@@ -148,6 +148,9 @@ def time_shapes(config, shapes, full: bool) -> list[dict]:
                 fns[name + suffix] = [lambda i=i, fn=fn: fn(i) for i in range(copies)]
         row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, kv_bytes=kv_bytes, mixed=bool(mixed),
                    splits={name: p.num_splits for name, p in plans.items()})
+        # Timed once and dropped: a shape's first timing read up to 22% slower at four shapes of runs[3] (the same
+        # launch timed again right after), so no variant is timed first any more.
+        row["dropped_first_graph_ms"] = graph_ms(next(iter(fns.values())))
         for name, calls in fns.items():
             try:
                 row[f"{name}_graph_ms"] = graph_ms(calls)
