@@ -1,19 +1,22 @@
 """Decode on Hopper in Triton's Gluon dialect: one query row per request, the Q heads of one KV group as the rows
 of a warpgroup MMA, against a KV split of the request's cached tokens over 64-token pages.
 
-A program owns (request, tile of up to ``ROWS`` Q heads of one KV group, KV split). A producer warp copies each key
-tile's pages through TMA into a ring of shared-memory stages on mbarriers and zeroes the last tile's V rows past the
-context in place (``gluon_prefix``'s producer); one consumer warpgroup runs QK^T -> softmax -> P x V in FA3's order
-(``gluon_parts.attend_overlap``). Rows past the group are masked, so a group fills its share of the 64 rows: hence
-only groups of more than ``_gluon.GLUON_DECODE_MIN_GROUP`` take it. The ``tl`` decode kernel waits on its copies in
-the same instruction stream that computes: with 32 Q heads over one KV head and 64-token pages it ran at 0.83x-0.92x
-of FA3's speed, this one at 0.84x-1.02x, in one run (benchmarks/results/kernels_h200_gluon_decode.json, runs[1]).
+The work items are (request, tile of up to ``ROWS`` Q heads of one KV group, KV split), split first, then head tile,
+so one request's KV heads are read side by side. One program per SM takes items ``p, p + programs, ..`` in turn
+(``PER_SM``): a producer warp copies each key tile's pages through TMA into a ring of shared-memory stages on
+mbarriers, through one pair of descriptors over every KV head, and zeroes an item's last V rows past its context in
+place (``gluon_parts.copy_tiles``); one consumer warpgroup runs QK^T -> softmax -> P x V in FA3's order
+(``gluon_parts.attend_overlap``). Both count the ring's uses across items, so one item's copies run under the
+previous item's work. Rows past the group are masked, so a group fills its share of the 64 rows: hence only groups
+of more than ``_gluon.GLUON_DECODE_MIN_GROUP`` take it. With 32 Q heads over one KV head it ran at 0.82x-1.02x of
+FA3's speed, the ``tl`` decode kernel at 0.83x-0.90x, in one run (benchmarks/results/kernels_h200_gluon_decode.json,
+runs[5]).
 
 Semantics are ``paged_attention``'s decode variant (``max_query_len == 1``): request ``b``'s row is
 ``query_start_loc[b]`` (none when the request has no row); a request with no cached tokens, and an empty split, get
-(0, -inf); rows past ``query_start_loc[num_reqs]`` (a CUDA graph's padding) get (0, -inf) from the last program of
-each (head tile, split). ``plan_paged`` picks it where ``_gluon.decode_takes_gluon`` allows and owns the split
-partials and their merge; with one split it writes ``out``/``lse`` (plain or rank-major) directly.
+(0, -inf); rows past ``query_start_loc[num_reqs]`` (a CUDA graph's padding) get (0, -inf) from the items of request
+``num_reqs``. ``plan_paged`` picks it where ``_gluon.decode_takes_gluon`` allows and owns the split partials and their
+merge; with one split it writes ``out``/``lse`` (plain or rank-major) directly.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from dcp_plugin.kernels._gluon import PREFIX_PAGE, head_columns
-from dcp_plugin.kernels._launch import LOG2E, Launch
+from dcp_plugin.kernels._launch import LOG2E, Launch, device_index, num_sms
 from dcp_plugin.kernels.gluon_parts import attend_overlap, copy_tiles, head_offset, page_descriptors, ring_buffers
 
 ROWS = gl.constexpr(64)  # Q heads of one KV group per program: a warpgroup MMA's rows (the heads past it masked)
@@ -33,11 +36,12 @@ PAGE = PREFIX_PAGE
 # (benchmarks/results/kernels_h200_gluon_decode.json, runs[0]).
 PAGES = 1  # pages per key tile
 STAGES = 4  # key tiles in flight
-PER_SM = 1  # programs resident on an SM (255 registers a thread): the automatic split count fills the SMs once
-# A program per work item, not one per SM over items in turn (the ring's uses counted across items): on one H200 at
-# 5d6f50a, 128 x 8K with contexts of 1K-8K, 8 / 1 KV heads, 596.0 / 104.9 us a program per item against 631.6 /
-# 116.9 dealt over one program per SM (a static deal meets unequal items), and within 1% at most uniform shapes
-# (benchmarks/results/kernels_h200_gluon_decode.json, runs[2]: gluon_items against gluon).
+PER_SM = 1  # programs per SM (255 registers a thread: one fills an SM), each over work items in turn
+# One program per SM over the items, not one per item: on one H200 (benchmarks/results/kernels_h200_gluon_decode.json,
+# runs[5], code d9e2c49; `gluon_per_sm` against `gluon`, a program per item there) 103.9 against 114.2 us at 128 x 8K
+# with contexts of 1K-8K and 32 Q / 1 KV, 43.1 against 46.7 / 26.3 against 27.9 at 256 / 128 x 1K with 16 Q / 1 KV,
+# 16.6 against 17.4 at 1 x 8K, within 1% elsewhere; over groups of 4 (which keep the tl kernel) 143.1 against 184.3 at
+# 128 x 1K, but 642.2 against 596.0 at 128 x 8K with contexts of 1K-8K: a fixed deal of unequal items.
 
 
 @gluon.jit
@@ -235,14 +239,15 @@ def plan_gluon_decode(q, key_cache, value_cache, block_table, context_lens, *, s
     stride_t, stride_h, stride_split, stride_d)``, ``lse_strides``: ``(stride_r, stride_t, stride_h, stride_split)``
     (``plan_paged``'s); head tiles as ``_schedule.head_tiling`` gives them for ``ROWS``; the caller checked
     ``_gluon.decode_takes_gluon``. ``pages``, ``stages``: ``PAGES``, ``STAGES`` (benchmarks time others);
-    ``programs``: a program per work item (None, 0; why: at ``PER_SM``), or at most that many programs, each over
-    items in turn."""
+    ``programs``: how many programs take the work items in turn (None: ``PER_SM`` a SM; 0: a program per item)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_reqs = context_lens.shape[0]
     rows_per_block = key_cache.stride(0) // key_cache.stride(1)
     heads_per_rank, stride_or, stride_ot, stride_oh, stride_os, _ = out_strides
     head_programs = num_groups * head_tiles_per_group
     num_items = (num_reqs + 1) * head_programs * num_splits
+    if programs is None:
+        programs = num_sms(device_index(q)) * PER_SM
     grid = (min(num_items, programs or num_items),) if num_tokens and num_q_heads else (0,)
     return Launch(
         gluon_decode_kernel, grid,

@@ -178,9 +178,9 @@ def main() -> None:
     _gluon.gluon_enabled = lambda device: False  # the tl selections first (DCP_TRITON_GLUON=0)
     record = collect(dtype, args.head_dim, cache_dtypes)
     if triton.__version__.startswith(_gluon.GLUON_TRITON):  # then with the Gluon kernels on (the default on sm_90)
-        from dcp_plugin.kernels import gluon_chunk
+        from dcp_plugin.kernels import gluon_chunk, gluon_decode
 
-        gluon_chunk.num_sms = lambda device_index: H100_SMS
+        gluon_chunk.num_sms = gluon_decode.num_sms = lambda device_index: H100_SMS
         _gluon.gluon_enabled = lambda device: True
         record = {**collect(dtype, args.head_dim, cache_dtypes), **record}
     target = GPUTarget("cuda", 90, 32)

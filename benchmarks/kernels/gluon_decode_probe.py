@@ -9,7 +9,7 @@ and whose unused table entries hold NaN, outputs poisoned with NaN first, CUDA-g
 layouts (a group of 32, 128 Q heads over one KV head, a rank's 8 Q heads from the middle of a group of 16, groups
 of 4 and 5, rank-major outputs, head size 64), split counts 1, 3 and automatic, and 2-3 programs over all the work
 items (each program then runs many in turn; by default one program per SM). Only a config that passes is timed,
-by graph replay over L2-cold copies (``bench_kernels.py``'s inputs), beside the same config over one program per SM,
+by graph replay over L2-cold copies (``bench_kernels.py``'s inputs), beside the same config with a program per item,
 the ``tl`` decode kernel (``DCP_TRITON_GLUON=0``) and FA3 over 16-token pages: on ``SWEEP_SHAPES``, or for the first
 config (unless ``--sweep``) on ``FULL_SHAPES`` (every decode shape of ``bench_kernels.py``, 16 Q / 1 KV heads, large
 batches of short contexts, batches of varied contexts) with half and twice the automatic split count and FA3 over
@@ -114,7 +114,6 @@ def time_shapes(config, shapes, full: bool) -> list[dict]:
     import kernel_peers
     from bench_kernels import _as_pages, _paged_setup
     from common import graph_ms
-    from dcp_plugin.kernels._launch import num_sms
     from dcp_plugin.kernels.paged_attention import plan_paged
 
     rows = []
@@ -130,8 +129,8 @@ def time_shapes(config, shapes, full: bool) -> list[dict]:
                   max_query_len=1)
         plans = {"gluon": plan_paged(q, kc64, vc64, tables64[0], lens, qsl, out, lse, gluon_decode=tuple(config), **kw)}
         auto = plans["gluon"].num_splits
-        plans["gluon_per_sm"] = plan_paged(q, kc64, vc64, tables64[0], lens, qsl, out, lse,  # items dealt over
-                                           gluon_decode=(*config, num_sms(0)), **kw)  # a program per SM
+        plans["gluon_items"] = plan_paged(q, kc64, vc64, tables64[0], lens, qsl, out, lse,
+                                          gluon_decode=(*config, 0), **kw)  # the same config, a program per item
         if full:
             for name, splits in (("gluon_half", max(1, auto // 2)), ("gluon_double", min(256, 2 * auto))):
                 if splits != auto:
@@ -187,11 +186,12 @@ def compile_only(configs) -> None:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     import compile_for_hopper as ch
-    from dcp_plugin.kernels import _gluon
+    from dcp_plugin.kernels import _gluon, gluon_decode
 
     paged_attention = importlib.import_module("dcp_plugin.kernels.paged_attention")  # the package exports a function
 
     paged_attention.num_sms = lambda device_index: 132  # an H100 / H200 (no GPU here to ask)
+    gluon_decode.num_sms = paged_attention.num_sms
     _gluon.decode_takes_gluon = lambda *args: True
     paged_attention.decode_takes_gluon = _gluon.decode_takes_gluon
     for config in configs:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dcp_plugin.kernels import _gluon
+from dcp_plugin.kernels._launch import num_sms
 from dcp_plugin.kernels.extend_attention import ExtendConfig, plan_extend
 from dcp_plugin.kernels.paged_attention import plan_paged
 
@@ -90,9 +91,11 @@ def test_decode_with_large_groups_takes_gluon():
     plan = _plan(**DECODE, heads=(128, 1), num_splits=3, launch=True)
     items = (2 + 1) * 2 * 3  # 2 requests and the padding rows, 2 head tiles, 3 splits
     assert plan.stage1.scalars[4] == items
-    assert plan.stage1.grid == (items, 1, 1), "a program per item"
+    assert plan.stage1.grid == (min(items, num_sms(0)), 1, 1), "a program per SM at most, each over items in turn"
     looping = _plan(**DECODE, heads=(128, 1), num_splits=3, gluon_decode=(1, 4, 5), launch=True)
-    assert looping.stage1.grid == (5, 1, 1), "at most 5 programs, each over items in turn"
+    assert looping.stage1.grid == (5, 1, 1), "at most 5 programs"
+    flat = _plan(**DECODE, heads=(128, 1), num_splits=3, gluon_decode=(1, 4, 0), launch=True)
+    assert flat.stage1.grid == (items, 1, 1), "a program per item"
     assert plan.reduce.kernel.__name__ == "paged_attention_reduce_kernel"
     assert _plan(**DECODE, heads=(32, 1), num_splits=None, launch=True).reduce is None, "1 split under the interpreter"
 
