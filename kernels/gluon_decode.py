@@ -208,7 +208,7 @@ def gluon_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, contex
                         stride_lh, stride_ls, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, PAGES: gl.constexpr,
                         STAGES: gl.constexpr):
     """Grid (programs,): program ``p`` takes work items ``p, p + programs, ..`` of ``num_items`` = (num_reqs + 1)
-    x head programs x splits (``_item``; the last request's items write the padding rows), its producer warp and
+    x head programs x splits (``_item``; request ``num_reqs``'s items write the padding rows), its producer warp and
     consumer warpgroup counting the ring's uses across items, so one item's copies run under the previous item's
     work. Head tiles as ``_schedule.group_head_tile`` numbers them, ``ROWS`` heads each. ``k_scale_ptr``/
     ``v_scale_ptr``: never read."""
