@@ -61,17 +61,17 @@ def _item(w, heads):
 
 
 @gluon.jit
-def _span(context_lens_ptr, query_start_loc_ptr, req, num_reqs, split, num_splits, head_lo, head_hi,
-          BLOCK_N: gl.constexpr):
+def _span(context_lens_ptr, query_start_loc_ptr, req, split, head_lo, head_hi, heads, BLOCK_N: gl.constexpr):
     """What item (``req``, ``split``) attends: ``(token, attend, n_tiles, split_len, tile0)``: the request's row,
     whether the item writes it (a real request with a row and heads), its key tiles (0 unless ``attend``), its keys
-    from the split's first on (more than its tiles hold but in the last split), its first tile in the request."""
-    real = req < num_reqs
+    from the split's first on (more than its tiles hold but in the last split), its first tile in the request.
+    ``heads``: ``_item``'s."""
+    real = req < heads[0]
     token = gl.load(query_start_loc_ptr + req, mask=real, other=0).to(gl.int64)
     attend = real & (gl.load(query_start_loc_ptr + req + 1, mask=real, other=0) > token) & (head_lo < head_hi)
     kv_len = gl.load(context_lens_ptr + req, mask=real, other=0).to(gl.int32)
     tiles = gl.cdiv(kv_len, BLOCK_N)
-    per_split = gl.cdiv(tiles, num_splits)
+    per_split = gl.cdiv(tiles, heads[1])
     tile0 = split * per_split
     n_tiles = gl.where(attend, gl.maximum(gl.minimum(per_split, tiles - tile0), 0), 0)
     return token, attend, n_tiles, kv_len - tile0 * BLOCK_N, tile0
@@ -146,12 +146,10 @@ def _consume(q_ptr, out_ptr, lse_ptr, context_lens_ptr, query_start_loc_ptr, k_s
     ``heads``: ``_item``'s head-map arguments."""
     used = gl.to_tensor(0)
     fix_phases = gl.to_tensor(0)
-    num_reqs = heads[0]
-    num_splits = heads[1]
     for w in range(pid, num_items, num_programs):
-        req, split, kv_head, head_lo, head_hi = _item(w, heads)
-        token, attend, n_tiles, split_len, _ = _span(context_lens_ptr, query_start_loc_ptr, req, num_reqs, split,
-                                                     num_splits, head_lo, head_hi, BLOCK_N)
+        req, split, _, head_lo, head_hi = _item(w, heads)
+        token, attend, n_tiles, split_len, _ = _span(context_lens_ptr, query_start_loc_ptr, req, split, head_lo,
+                                                     head_hi, heads, BLOCK_N)
         out_split = split.to(gl.int64) * stride_os
         lse_split = split.to(gl.int64) * stride_ls
         if attend:
@@ -160,8 +158,8 @@ def _consume(q_ptr, out_ptr, lse_ptr, context_lens_ptr, query_start_loc_ptr, k_s
                                        stride_qh, token * stride_ot + out_split, token * stride_lt + lse_split,
                                        out_heads_per_rank, stride_or, stride_oh, stride_lr, stride_lh, BLOCK_N,
                                        HEAD_DIM, STAGES)
-        if req >= num_reqs:
-            _write_padding(out_ptr, lse_ptr, gl.load(query_start_loc_ptr + num_reqs).to(gl.int64), num_tokens,
+        if req >= heads[0]:  # request num_reqs: the padding rows
+            _write_padding(out_ptr, lse_ptr, gl.load(query_start_loc_ptr + heads[0]).to(gl.int64), num_tokens,
                            head_lo, head_hi, out_split, lse_split, out_heads_per_rank, stride_or, stride_ot,
                            stride_oh, stride_lr, stride_lt, stride_lh, HEAD_DIM)
         used += n_tiles
@@ -169,7 +167,7 @@ def _consume(q_ptr, out_ptr, lse_ptr, context_lens_ptr, query_start_loc_ptr, k_s
 
 @gluon.jit
 def _produce(k_cache_ptr, v_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr, k_smem, v_smem, ready,
-             empty, fixed, pid, num_programs, num_items, heads, num_tokens, tma_rows, width, stride_k_tok, stride_k_h,
+             empty, fixed, pid, num_programs, num_items, heads, tma_rows, width, stride_k_tok, stride_k_h,
              stride_v_tok, stride_v_h, stride_bt_req, stride_bt_blk, rows_per_block, HEAD_DIM: gl.constexpr,
              PAGE: gl.constexpr, PAGES: gl.constexpr, STAGES: gl.constexpr):
     """The producer warp: the same items' key tiles into the ring (``copy_tiles``), through one pair of descriptors
@@ -178,12 +176,10 @@ def _produce(k_cache_ptr, v_cache_ptr, block_table_ptr, context_lens_ptr, query_
     k_desc, v_desc = page_descriptors(k_cache_ptr, v_cache_ptr, tma_rows, width, stride_k_tok, stride_v_tok,
                                       HEAD_DIM, PAGE)
     used = gl.to_tensor(0)
-    num_reqs = heads[0]
-    num_splits = heads[1]
     for w in range(pid, num_items, num_programs):
         req, split, kv_head, head_lo, head_hi = _item(w, heads)
-        _, _, n_tiles, split_len, tile0 = _span(context_lens_ptr, query_start_loc_ptr, req, num_reqs, split,
-                                                num_splits, head_lo, head_hi, PAGE * PAGES)
+        _, _, n_tiles, split_len, tile0 = _span(context_lens_ptr, query_start_loc_ptr, req, split, head_lo, head_hi,
+                                                heads, PAGE * PAGES)
         k_at = kv_head * stride_k_h
         v_at = kv_head * stride_v_h
         table = block_table_ptr + req.to(gl.int64) * stride_bt_req + (tile0 * PAGES).to(gl.int64) * stride_bt_blk
@@ -224,7 +220,7 @@ def gluon_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, contex
                     out_heads_per_rank, stride_or, stride_ot, stride_oh, stride_os, stride_lr, stride_lt, stride_lh,
                     stride_ls, PAGE * PAGES, HEAD_DIM, STAGES)),
         (_produce, (k_cache_ptr, v_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr, k_smem, v_smem,
-                    ready, empty, fixed, pid, num_programs, num_items, heads, num_tokens, tma_rows, width,
+                    ready, empty, fixed, pid, num_programs, num_items, heads, tma_rows, width,
                     stride_k_tok, stride_k_h, stride_v_tok, stride_v_h, stride_bt_req, stride_bt_blk, rows_per_block,
                     HEAD_DIM, PAGE, PAGES, STAGES)),
     ], [1], [40])
