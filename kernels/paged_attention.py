@@ -28,7 +28,7 @@ import triton.language as tl
 
 from dcp_plugin.kernels._launch import (
     INDEX_DTYPES, LOG2E, Launch, cdiv, check_head_map, check_heads_out, check_int, check_shape,
-    check_tensor, device_index, head_strides, next_pow2, num_sms,
+    check_tensor, device_index, next_pow2, num_sms,
 )
 from dcp_plugin.checks import FP8_DTYPES, check_kv_scales
 from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_GROUP, decode_takes_gluon, prefix_takes_gluon
@@ -39,12 +39,11 @@ from dcp_plugin.kernels._paged_config import (  # noqa: F401 - the tuning table 
 )
 from dcp_plugin.kernels._paged_tile import attend_split, cache_takes_descriptors
 from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count constants are part of this module's API
-    MAX_AUTO_SPLITS, MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM, find_block, flat_programs, group_head_tile, head_tiling,
-    pick_num_splits,
+    MAX_AUTO_SPLITS, MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM, SMALL_GRID_PER_SM, balanced_max_splits, balanced_split,
+    find_block, flat_programs, group_head_tile, head_tiling, pick_num_splits,
 )
 from dcp_plugin.kernels.split_kv import (
-    NARROW_SPLITS, PagedLaunch, head_offsets, paged_attention_reduce_kernel, plan_split_reduce, split_views,
-    with_split_stride,
+    PagedLaunch, auto_splits, fit_splits, head_offsets, paged_attention_reduce_kernel, split_outputs, with_reduce,
 )
 
 __all__ = ["PagedConfig", "paged_attention", "paged_attention_kernel", "paged_attention_reduce_kernel", "plan_paged",
@@ -62,7 +61,8 @@ SHORT_QUERY = 8  # at most this many query rows per request: the short-query var
 # them, and the DCP core's buffers keep them multiples of 16 at every token count, so their specialization never
 # changes.
 @triton.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs", "num_splits", "head_programs",
-                               "stride_bt_req", "stride_lse_r", "stride_lse_t", "stride_lse_h", "stride_lse_s", "tma_rows"),
+                               "stride_bt_req", "stride_lse_r", "stride_lse_t", "stride_lse_h", "stride_lse_s", "tma_rows",
+                               "split_slots", "small_slots"),
             # the batch tables may start mid-tensor (a mixed step's requests after its decodes); scalar loads anyway
             do_not_specialize_on_alignment=("block_table_ptr", "context_lens_ptr", "query_start_loc_ptr"))
 def paged_attention_kernel(
@@ -76,7 +76,7 @@ def paged_attention_kernel(
     stride_bt_req, stride_bt_blk,
     out_heads_per_rank, stride_o_r, stride_o_t, stride_o_h, stride_o_s, stride_o_d,
     stride_lse_r, stride_lse_t, stride_lse_h, stride_lse_s,
-    rows_per_block, tma_rows,
+    rows_per_block, tma_rows, split_slots, small_slots,
     PAGE_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -89,6 +89,7 @@ def paged_attention_kernel(
     FP8_VIA_FP16: tl.constexpr,  # bf16 q over an fp8 cache: compute in fp16 (below)
     USE_TMA: tl.constexpr,  # whole tiles of one page through tensor descriptors (``cache_takes_descriptors``)
     ROWS_AHEAD: tl.constexpr,  # with USE_TMA: descriptor rows read a chunk of tiles ahead (PagedConfig.rows_ahead)
+    BALANCED: tl.constexpr = False,  # DECODE: each request's own split count (_schedule.balanced_split)
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     if DECODE:  # a request's head programs next to each other: they read the same pages (a token's KV heads are
@@ -98,6 +99,9 @@ def paged_attention_kernel(
         pid_q = tl.program_id(0)
         pid_h = tl.program_id(1)
     split = tl.program_id(2)
+    if BALANCED:  # program row pid_q is a work row: (request, split) pairs, then the padding rows
+        pid_q, split, req_splits = balanced_split(context_lens_ptr, num_reqs, pid_q, split_slots, small_slots,
+                                                  head_programs, num_splits, BLOCK_N)
 
     # Programs past num_q_programs cover rows after query_start_loc[-1] (CUDA-graph padding) as a request with
     # no cached tokens, so every row of out/lse is written, with (0, -inf) there.
@@ -142,7 +146,10 @@ def paged_attention_kernel(
         qk_scale = qk_scale * tl.exp2(q_shift)
     # This split's whole tiles of the request's cached tokens.
     num_tiles = (context_len + BLOCK_N - 1) // BLOCK_N
-    tiles_per_split = (num_tiles + num_splits - 1) // num_splits
+    if BALANCED:
+        tiles_per_split = (num_tiles + req_splits - 1) // req_splits
+    else:
+        tiles_per_split = (num_tiles + num_splits - 1) // num_splits
     kv_start = split * tiles_per_split * BLOCK_N
     kv_end = tl.minimum(context_len, kv_start + tiles_per_split * BLOCK_N)
 
@@ -176,6 +183,11 @@ def paged_attention_kernel(
              mask=row_mask[:, None] & dim_mask[None, :])
     lse_rows = lse_ptr + token * stride_lse_t + head_offsets(head, out_heads_per_rank, stride_lse_r, stride_lse_h)
     tl.store(lse_rows + split_off * stride_lse_s, lse, mask=row_mask)
+    if BALANCED:  # the request's last split marks the splits it does not take as empty, for the merge to skip
+        if split == req_splits - 1:
+            for empty in range(req_splits, num_splits):
+                tl.store(lse_rows + empty * stride_lse_s, tl.full([BLOCK_M], float("-inf"), tl.float32),
+                         mask=row_mask)
 
 
 def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, *, scale, q_head_start,
@@ -273,11 +285,13 @@ def split_capacity(head_dim: int, device: torch.device) -> int:
 def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, *, scale,
                q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None,
                split_buffer: torch.Tensor | None = None, config: PagedConfig | None = None,
-               gluon_decode: tuple[int, ...] | None = None) -> PagedLaunch:
+               gluon_decode: tuple[int, ...] | None = None, split_slots: int | None = None) -> PagedLaunch:
     """``paged_attention`` prepared for tensors shaped like these (no checks). ``split_buffer``: float32 scratch of
     ``split_capacity`` elements for the split partials (default: allocated here); an automatic split count is
     lowered until the partials fit in it. ``gluon_decode``: ``(pages, stages[, programs])`` of ``gluon_decode``
-    for a decode it can serve, whatever the group size (benchmarks)."""
+    for a decode it can serve, whatever the group size (benchmarks). A decode the ``tl`` kernel serves with automatic
+    splits takes each request's own split count (``_schedule.balanced_split``) over ``split_slots`` programs (default
+    ``PROGRAMS_PER_SM`` a SM; under the interpreter, one split unless given)."""
     num_tokens, num_q_heads, head_dim = q.shape
     page_size = key_cache.shape[1]
     num_reqs = context_lens.shape[0]
@@ -308,9 +322,16 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
         block_h=block_h)
     num_q_programs = num_reqs if decode else flat_programs(num_tokens, num_reqs, block_q)
     head_programs = num_groups * head_tiles_per_group
+    balanced = decode and num_splits is None and (split_slots is not None or not INTERPRET)
+    slots = 1
+    if balanced:
+        slots = split_slots or PROGRAMS_PER_SM * num_sms(device_index(q))
+        num_splits = fit_splits(q, balanced_max_splits(max_kv_len=max_kv_len, block_n=cfg.block_n, slots=slots,
+                                                       head_programs=head_programs), split_buffer)
+        balanced = num_splits > 1
     if num_splits is None:
-        num_splits = _auto_splits(q, programs=num_q_programs * head_programs, max_kv_len=max_kv_len,
-                                  block_n=cfg.block_n, split_buffer=split_buffer)
+        num_splits = auto_splits(q, programs=num_q_programs * head_programs, max_kv_len=max_kv_len,
+                                 block_n=cfg.block_n, split_buffer=split_buffer)
     if config is None and num_splits == 1 and not decode and (max_query_len or 0) > SHORT_QUERY \
             and prefix_takes_gluon(q, key_cache, value_cache, out):  # a prefill step's prefix pass on Hopper
         from dcp_plugin.kernels.gluon_prefix import plan_gluon_prefix
@@ -318,8 +339,8 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
         return PagedLaunch(plan_gluon_prefix(q, key_cache, value_cache, block_table, context_lens, query_start_loc,
                                              out, lse, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
                                              kv_head_start=kv_head_start), None, None, None, 1)
-    part_out, part_lse, out_strides, lse_strides = _split_outputs(q, out, lse, num_splits, split_buffer)
-    rows = num_q_programs + cdiv(num_tokens, block_q)
+    part_out, part_lse, out_strides, lse_strides = split_outputs(q, out, lse, num_splits, split_buffer)
+    rows = num_q_programs + cdiv(num_tokens, block_q) + (cdiv(slots, head_programs) if balanced else 0)
     grid = ((rows * head_programs, 1, num_splits) if decode else (rows, head_programs, num_splits)) if num_tokens \
         else (0,)
     block_d = max(16, next_pow2(head_dim))
@@ -330,49 +351,15 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
         (num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs, float(scale) * LOG2E, q_head_start, q_per_kv,
          kv_head_start, first_kv_head, head_tiles_per_group, num_splits, head_programs, *q.stride(),
          *key_cache.stride(), *value_cache.stride(), *block_table.stride(), *out_strides, *lse_strides, rows_per_block,
-         rows_per_block * key_cache.shape[0]),
+         rows_per_block * key_cache.shape[0], slots, max(1, slots * SMALL_GRID_PER_SM // PROGRAMS_PER_SM)),
         dict(PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
              EVEN_D=block_d == head_dim, DECODE=decode,
              DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
              KV_FP8=kv_fp8, FP8_VIA_FP16=kv_fp8 and q.dtype == torch.bfloat16, USE_TMA=use_tma,
-             ROWS_AHEAD=use_tma and cfg.rows_ahead),
+             ROWS_AHEAD=use_tma and cfg.rows_ahead, BALANCED=balanced),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, scratch=use_tma,
         stand_ins=None if kv_fp8 else {8: 0, 9: 0})  # no scales: q's pointer stands in (never read)
-    return _with_reduce(stage1, part_out, part_lse, out, lse, num_splits)
-
-
-def _auto_splits(q, *, programs: int, max_kv_len: int, block_n: int, split_buffer,
-                 per_sm: int = PROGRAMS_PER_SM) -> int:
-    """``pick_num_splits`` on q's GPU (1 under the interpreter), lowered until the partials fit in
-    ``split_buffer``."""
-    if INTERPRET:
-        return 1
-    splits = pick_num_splits(programs=programs, max_kv_len=max_kv_len, block_n=block_n,
-                             sms=num_sms(device_index(q)), per_sm=per_sm)
-    if split_buffer is None:
-        return splits
-    return max(1, min(splits, split_buffer.numel() // max(q.shape[0] * q.shape[1] * (q.shape[2] + 1), 1)))
-
-
-def _split_outputs(q, out, lse, num_splits: int, split_buffer):
-    """Where stage 1 writes: ``out``/``lse`` themselves with one split, else the split partials (``split_views``):
-    ``(part_out, part_lse, out_strides, lse_strides)`` in the kernels' order (``with_split_stride``)."""
-    if num_splits == 1:
-        return None, None, with_split_stride(head_strides(out, 3), 0), (*head_strides(lse, 2)[1:], 0)
-    num_tokens, num_q_heads, head_dim = q.shape
-    part_out, part_lse = split_views(split_buffer, num_tokens, num_q_heads, num_splits, head_dim, q.device)
-    return part_out, part_lse, (num_q_heads, 0, *part_out.stride()), (0, *part_lse.stride())
-
-
-def _with_reduce(stage1: Launch, part_out, part_lse, out, lse, num_splits: int) -> PagedLaunch:
-    """Stage 1 and, with several splits, the merge of its partials (and the merge's other variant, for the
-    warm-up)."""
-    if num_splits == 1:
-        return PagedLaunch(stage1, None, part_out, part_lse, num_splits)
-    reduce = plan_split_reduce(part_out, part_lse, out, lse)
-    other = None if INTERPRET else plan_split_reduce(part_out, part_lse, out, lse,
-                                                     narrow=num_splits > NARROW_SPLITS)
-    return PagedLaunch(stage1, reduce, part_out, part_lse, num_splits, reduce_other=other)
+    return with_reduce(stage1, part_out, part_lse, out, lse, num_splits)
 
 
 def _plan_gluon_decode(q, key_cache, value_cache, block_table, context_lens, out, lse, *, scale, q_head_start,
@@ -387,13 +374,13 @@ def _plan_gluon_decode(q, key_cache, value_cache, block_table, context_lens, out
         num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
         block_h=gluon_decode.ROWS.value)
     if num_splits is None:
-        num_splits = _auto_splits(q, programs=context_lens.shape[0] * num_groups * head_tiles_per_group,
-                                  max_kv_len=max_kv_len, block_n=gluon_decode.PAGE * pages,
-                                  split_buffer=split_buffer, per_sm=gluon_decode.PER_SM)
-    part_out, part_lse, out_strides, lse_strides = _split_outputs(q, out, lse, num_splits, split_buffer)
+        num_splits = auto_splits(q, programs=context_lens.shape[0] * num_groups * head_tiles_per_group,
+                                 max_kv_len=max_kv_len, block_n=gluon_decode.PAGE * pages,
+                                 split_buffer=split_buffer, per_sm=gluon_decode.PER_SM)
+    part_out, part_lse, out_strides, lse_strides = split_outputs(q, out, lse, num_splits, split_buffer)
     stage1 = gluon_decode.plan_gluon_decode(
         q, key_cache, value_cache, block_table, context_lens, scale=scale, q_head_start=q_head_start,
         q_per_kv=q_per_kv, kv_head_start=kv_head_start, first_kv_head=first_kv_head,
         head_tiles_per_group=head_tiles_per_group, num_groups=num_groups, num_splits=num_splits,
         out_strides=out_strides, lse_strides=lse_strides, pages=pages, stages=stages, programs=programs)
-    return _with_reduce(stage1, part_out, part_lse, out, lse, num_splits)
+    return with_reduce(stage1, part_out, part_lse, out, lse, num_splits)

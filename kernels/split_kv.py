@@ -12,9 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_plugin.kernels._launch import LOG2E, Launch, cdiv, every_variant_wanted, head_strides, next_pow2
+from dcp_plugin.kernels._launch import (
+    LOG2E, Launch, cdiv, device_index, every_variant_wanted, head_strides, next_pow2, num_sms,
+)
 from dcp_plugin.kernels._mode import INTERPRET
-from dcp_plugin.kernels._schedule import MAX_AUTO_SPLITS
+from dcp_plugin.kernels._schedule import MAX_AUTO_SPLITS, PROGRAMS_PER_SM, pick_num_splits
 
 _LOG2E = tl.constexpr(LOG2E)
 # The merge's two variants on a GPU, by the splits one step of its loop covers: the wide one takes any automatic split
@@ -49,11 +51,11 @@ def paged_attention_reduce_kernel(
     ELEMENTWISE: tl.constexpr = False,
 ):
     """Merge the splits of BLOCK_H heads of one token by LSE, BLOCK_S splits per step with a running maximum, so
-    any split count runs the same compiled kernel. A step's LSE and partial loads do not wait on each other (stage 1
-    writes every split, an empty one as (0, -inf)): a batch-1 decode's merge is one memory round trip.
+    any split count runs the same compiled kernel.
     ``ELEMENTWISE`` (the narrow variant): a step's BLOCK_S splits are unrolled and merged one after the other into
     each thread's own (head, dim) elements, so no sum or maximum crosses threads (the ``[S, H, D]`` sum over splits
-    went through shared memory with bank conflicts in 84% of its traffic, Nsight Compute)."""
+    went through shared memory with bank conflicts in 84% of its traffic, Nsight Compute). An empty split's partial
+    is never read (a balanced decode writes only the LSE of the splits a request does not take; NaN is read)."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
@@ -72,8 +74,8 @@ def paged_attention_reduce_kernel(
             for j in tl.static_range(BLOCK_S):
                 live = head_mask & (tl.zeros([BLOCK_H], tl.int32) + s_start + j < num_splits)  # [H]
                 lse = tl.load(lse_row + (s_start + j) * stride_pl_s, mask=live, other=float("-inf"))
-                part = tl.load(part_rows + (s_start + j) * stride_po_s, mask=live[:, None] & dim_mask[None, :],
-                               other=0.0)
+                part = tl.load(part_rows + (s_start + j) * stride_po_s,
+                               mask=(live & (lse != float("-inf")))[:, None] & dim_mask[None, :], other=0.0)
                 new_max = tl.maximum(lse_max, lse)
                 max_safe = tl.where(new_max == float("-inf"), 0.0, new_max)
                 alpha = tl.exp2((lse_max - max_safe) * _LOG2E)
@@ -94,7 +96,7 @@ def paged_attention_reduce_kernel(
             alpha = tl.exp2((lse_max - max_safe) * _LOG2E)  # 0 while nothing was seen
             weight = tl.exp2((lse - max_safe[None, :]) * _LOG2E)  # exactly 0 for an empty split (its O is 0)
             part = tl.load(part_base + split[:, None, None] * stride_po_s,
-                           mask=(split < num_splits)[:, None, None] & hd_mask[None, :, :], other=0.0)  # [S, H, D]
+                           mask=(lse != float("-inf"))[:, :, None] & hd_mask[None, :, :], other=0.0)  # [S, H, D]
             acc = acc * alpha[:, None] + tl.sum(part * weight[:, :, None], 0)
             total = total * alpha + tl.sum(weight, 0)
             lse_max = new_max
@@ -174,3 +176,41 @@ def with_split_stride(strides: tuple, split_stride: int) -> tuple:
     """(heads_per_rank, stride_r, stride_t, stride_h, stride_d) -> the kernel's order with the split stride."""
     heads_per_rank, stride_r, stride_t, stride_h, stride_d = strides
     return heads_per_rank, stride_r, stride_t, stride_h, split_stride, stride_d
+
+
+def auto_splits(q, *, programs: int, max_kv_len: int, block_n: int, split_buffer,
+                per_sm: int = PROGRAMS_PER_SM) -> int:
+    """``pick_num_splits`` on q's GPU (1 under the interpreter), lowered until the partials fit in
+    ``split_buffer``."""
+    if INTERPRET:
+        return 1
+    return fit_splits(q, pick_num_splits(programs=programs, max_kv_len=max_kv_len, block_n=block_n,
+                                         sms=num_sms(device_index(q)), per_sm=per_sm), split_buffer)
+
+
+def fit_splits(q, splits: int, split_buffer) -> int:
+    """``splits``, lowered until the partials of ``q``'s rows fit in ``split_buffer`` (None: any)."""
+    if split_buffer is None:
+        return splits
+    return max(1, min(splits, split_buffer.numel() // max(q.shape[0] * q.shape[1] * (q.shape[2] + 1), 1)))
+
+
+def split_outputs(q, out, lse, num_splits: int, split_buffer):
+    """Where stage 1 writes: ``out``/``lse`` themselves with one split, else the split partials (``split_views``):
+    ``(part_out, part_lse, out_strides, lse_strides)`` in the kernels' order (``with_split_stride``)."""
+    if num_splits == 1:
+        return None, None, with_split_stride(head_strides(out, 3), 0), (*head_strides(lse, 2)[1:], 0)
+    num_tokens, num_q_heads, head_dim = q.shape
+    part_out, part_lse = split_views(split_buffer, num_tokens, num_q_heads, num_splits, head_dim, q.device)
+    return part_out, part_lse, (num_q_heads, 0, *part_out.stride()), (0, *part_lse.stride())
+
+
+def with_reduce(stage1: Launch, part_out, part_lse, out, lse, num_splits: int) -> PagedLaunch:
+    """Stage 1 and, with several splits, the merge of its partials (and the merge's other variant, for the
+    warm-up)."""
+    if num_splits == 1:
+        return PagedLaunch(stage1, None, part_out, part_lse, num_splits)
+    reduce = plan_split_reduce(part_out, part_lse, out, lse)
+    other = None if INTERPRET else plan_split_reduce(part_out, part_lse, out, lse,
+                                                     narrow=num_splits > NARROW_SPLITS)
+    return PagedLaunch(stage1, reduce, part_out, part_lse, num_splits, reduce_other=other)

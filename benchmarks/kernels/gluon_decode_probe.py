@@ -186,12 +186,12 @@ def compile_only(configs) -> None:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     import compile_for_hopper as ch
-    from dcp_plugin.kernels import _gluon, gluon_decode
+    from dcp_plugin.kernels import _gluon, gluon_decode, split_kv
 
     paged_attention = importlib.import_module("dcp_plugin.kernels.paged_attention")  # the package exports a function
 
     paged_attention.num_sms = lambda device_index: 132  # an H100 / H200 (no GPU here to ask)
-    gluon_decode.num_sms = paged_attention.num_sms
+    gluon_decode.num_sms = split_kv.num_sms = paged_attention.num_sms
     _gluon.decode_takes_gluon = lambda *args: True
     paged_attention.decode_takes_gluon = _gluon.decode_takes_gluon
     for config in configs:

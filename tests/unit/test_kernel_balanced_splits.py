@@ -1,0 +1,99 @@
+"""A decode's balanced splits (``_schedule.balanced_split``) under the Triton interpreter: each request takes its own
+split count from its share of the step's work, checked against the float64 reference, with the split partials'
+buffer poisoned so that a partial the merge should skip (a split a request does not take) turns the output NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcp_plugin.kernels import reference
+from dcp_plugin.kernels.paged_attention import plan_paged
+from tests.kernel_checks import assert_matches, poisoned
+from tests.unit.test_kernel_paged_attention import Case, _heads, _inputs
+
+
+def _plan(case: Case, slots: int, q, caches, tables, out, lse, split_elements: int = 1 << 16):
+    key_cache, value_cache = caches
+    block_table, context_lens, query_start_loc = tables
+    return plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse,
+                      scale=case.head_dim ** -0.5, **_heads(case), max_kv_len=max(case.ctx_lens), max_query_len=1,
+                      split_buffer=poisoned((split_elements,), torch.float32), split_slots=slots)
+
+
+CASES = {
+    # One long context among short and empty ones, padding rows after the last request.
+    "gqa2-long-among-short-padded": (Case([1] * 5, [640, 32, 0, 64, 1], 4, 2, 2, pad_rows=3), 8),
+    "gqa4-fp16-d128-many-slots": (Case([1] * 4, [1100, 7, 300, 33], 8, 2, 4, head_dim=128,
+                                       dtype=torch.float16, layout="kv_last_dim"), 40),
+    # A DCP rank's heads: the gathered Q heads 6-11 of 12 over stored KV heads 1-2.
+    "dcp-12q3kv-rank1-hnd": (Case([1] * 3, [1, 630, 130], 6, 2, 4, q_head_start=6, kv_head_start=1,
+                                  layout="hnd"), 6),
+    "mqa8-one-request-all-slots": (Case([1], [2000], 8, 1, 8), 16),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_balanced_decode_matches_reference(name):
+    case, slots = CASES[name]
+    q, key_cache, value_cache, *tables = _inputs(case, seed=5)
+    out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
+    plan = _plan(case, slots, q, (key_cache, value_cache), tables, out, lse)
+    assert plan.stage1.constexprs["BALANCED"] and plan.num_splits > 1, "the case does not reach the balanced path"
+    plan(q, key_cache, value_cache, *tables, out, lse)
+    want_out, want_lse = reference.paged_attention(q.double(), key_cache.double(), value_cache.double(), *tables,
+                                                   scale=case.head_dim ** -0.5, **_heads(case),
+                                                   max_kv_len=max(case.ctx_lens))
+    assert_matches(out, want_out, case.dtype, f"{name} out")
+    assert_matches(lse, want_lse, case.dtype, f"{name} lse")
+
+
+def test_balanced_decode_into_rank_major_outputs():
+    case = Case([1] * 4, [500, 0, 40, 9], 8, 2, 4, pad_rows=1)
+    q, key_cache, value_cache, *tables = _inputs(case, seed=6)
+    ranks, num_tokens = 2, q.shape[0]
+    out = poisoned((ranks, num_tokens, 4, case.head_dim), torch.float32)
+    lse = poisoned((ranks, num_tokens, 4), torch.float32)
+    plan = _plan(case, 8, q, (key_cache, value_cache), tables, out, lse)
+    assert plan.stage1.constexprs["BALANCED"]
+    plan(q, key_cache, value_cache, *tables, out, lse)
+    want_out, want_lse = reference.paged_attention(q.double(), key_cache.double(), value_cache.double(), *tables,
+                                                   scale=case.head_dim ** -0.5, **_heads(case), max_kv_len=500)
+    assert_matches(out.transpose(0, 1).reshape(num_tokens, 8, -1), want_out, torch.float32, "rank-major out")
+    assert_matches(lse.transpose(0, 1).reshape(num_tokens, 8), want_lse, torch.float32, "rank-major lse")
+
+
+# Interpreter tiles of 32 tokens; 4 Q heads over 2 KV heads: 2 head programs. Slots 8 (small grid: 8 * 2 / 4 = 4).
+# Contexts 640 / 32 / 0 / 64 / 1 are 20 / 1 / 0 / 2 / 1 tiles, 24 in all, work 24 x 2 = 48: a split's target is
+# max(cdiv(48, 8), 2, min(cdiv(48, 4), 8)) = 8 tiles, so request 0 takes cdiv(20, 8) = 3 splits, every other one
+# (the empty one too, its split empty) one; at most min(64, cdiv(20, 2), cdiv(8, 2)) = 4 splits a request.
+# Four contexts of 640 tokens: work 160, target 20, one split each.
+@pytest.mark.parametrize(("ctx_lens", "splits_taken", "max_splits"), [
+    ([640, 32, 0, 64, 1], [3, 1, 0, 1, 1], 4),
+    ([640, 640, 640, 640], [1, 1, 1, 1], 4),
+], ids=["long-among-short", "equal"])
+def test_each_request_takes_its_share_of_the_splits(ctx_lens, splits_taken, max_splits):
+    case = Case([1] * len(ctx_lens), ctx_lens, 4, 2, 2)
+    q, key_cache, value_cache, *tables = _inputs(case, seed=7)
+    out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
+    plan = _plan(case, 8, q, (key_cache, value_cache), tables, out, lse)
+    assert plan.num_splits == max_splits
+    head_programs, rows = 2, 4 + len(ctx_lens) + q.shape[0]  # cdiv(slots, head programs) + requests + tokens
+    assert plan.stage1.grid[0] == rows * head_programs
+    plan.stage1(q, key_cache, value_cache, *tables, plan.part_out, plan.part_lse, None, None)
+    written = ~torch.isnan(plan.part_lse)
+    assert written.all(), "a split's LSE was left unwritten"
+    taken = torch.isfinite(plan.part_lse).sum(-1)  # [tokens, heads]: the splits holding keys
+    assert taken.tolist() == [[n] * 4 for n in splits_taken]
+
+
+def test_explicit_splits_and_tiny_contexts_keep_the_uniform_split():
+    case = Case([1, 1], [300, 20], 4, 2, 2)
+    q, key_cache, value_cache, *tables = _inputs(case, seed=8)
+    out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
+    explicit = plan_paged(q, key_cache, value_cache, *tables, out, lse, scale=0.1, **_heads(case), max_kv_len=300,
+                          max_query_len=1, num_splits=3, split_slots=8)
+    assert not explicit.stage1.constexprs["BALANCED"] and explicit.num_splits == 3
+    tiny = plan_paged(q, key_cache, value_cache, *tables, out, lse, scale=0.1, **_heads(case), max_kv_len=40,
+                      max_query_len=1, split_slots=8)  # two tiles: one split
+    assert not tiny.stage1.constexprs["BALANCED"] and tiny.num_splits == 1
