@@ -341,8 +341,8 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
                                              kv_head_start=kv_head_start), None, None, None, 1)
     part_out, part_lse, out_strides, lse_strides = split_outputs(q, out, lse, num_splits, split_buffer)
     rows = num_q_programs + cdiv(num_tokens, block_q) + (cdiv(slots, head_programs) if balanced else 0)
-    grid = ((rows * head_programs, 1, num_splits) if decode else (rows, head_programs, num_splits)) if num_tokens \
-        else (0,)
+    grid = ((rows * head_programs, 1, 1 if balanced else num_splits) if decode else (rows, head_programs, num_splits)) \
+        if num_tokens else (0,)
     block_d = max(16, next_pow2(head_dim))
     kv_fp8 = key_cache.dtype in FP8_DTYPES
     rows_per_block = key_cache.stride(0) // key_cache.stride(1) if use_tma else 0

@@ -79,7 +79,7 @@ def test_each_request_takes_its_share_of_the_splits(ctx_lens, splits_taken, max_
     plan = _plan(case, 8, q, (key_cache, value_cache), tables, out, lse)
     assert plan.num_splits == max_splits
     head_programs, rows = 2, 4 + len(ctx_lens) + q.shape[0]  # cdiv(slots, head programs) + requests + tokens
-    assert plan.stage1.grid[0] == rows * head_programs
+    assert plan.stage1.grid == (rows * head_programs, 1, 1), "a program per (work row, head program), no more"
     plan.stage1(q, key_cache, value_cache, *tables, plan.part_out, plan.part_lse, None, None)
     written = ~torch.isnan(plan.part_lse)
     assert written.all(), "a split's LSE was left unwritten"
