@@ -108,16 +108,9 @@ def _load(name: str) -> dict:
     return json.loads((RESULTS / name).read_text())
 
 
-# A later run of bench_kernels.py (--only prefix,prefill,decode_fp8, with the Gluon kernels' schedules and the fp8
-# decode tiles chosen since) whose sections replace kernels_h200.json's; every row's ratio still comes from one run.
-KERNELS_LATER = ("kernels_h200_gluon_defaults.json", ("prefill", "prefix", "decode_fp8"))
-
-
 def _kernels() -> dict:
-    """kernels_h200.json with ``KERNELS_LATER``'s sections."""
-    name, sections = KERNELS_LATER
-    later = _load(name)
-    return {**_load("kernels_h200.json"), **{section: later[section] for section in sections}}
+    """kernels_h200.json: every section from one run of bench_kernels.py, its peers in the same process."""
+    return _load("kernels_h200.json")
 
 
 def _dcp2_throughput(vllm_dcp: dict) -> dict[str, dict[str, float]]:
@@ -173,8 +166,7 @@ def headline_rows(vllm_dcp: dict, kernels: dict, one: dict) -> list[str]:
         f"- **Kernels against FlashAttention-3**: decode {min(fa3):.2f}x-{max(fa3):.2f}x over {len(fa3)} shapes, "
         f"causal prefill {min(prefill):.2f}x-{max(prefill):.2f}x"
         + (f", prefix pass {span(prefix)} over 64-token pages" if prefix else "")
-        + f" ([tables]({page}#kernels-one-h200), `benchmarks/results/kernels_h200.json`, prefill and prefix "
-        f"`{KERNELS_LATER[0]}`).",
+        + f" ([tables]({page}#kernels-one-h200), `benchmarks/results/kernels_h200.json`).",
     ]
 
 
