@@ -53,6 +53,13 @@ _LOG2E = tl.constexpr(LOG2E)  # the kernels' copy (jit functions read only const
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 256  # explicit num_splits upper bound
 SHORT_QUERY = 8  # at most this many query rows per request: the short-query variant (speculative verify steps)
+# Balanced splits (each request its own split count) are opt-in: ``plan_paged(split_slots=BALANCED_SLOTS)``, the
+# GPU's PROGRAMS_PER_SM programs a SM. On one H200, CUDA-graph replay, 32 Q / 8 KV, 16-token pages, split count planned
+# for a 40K bound (benchmarks/results/kernels_h200_balanced_decode.json): 104 against 210 us (FA3 82) for 32 decodes of
+# 512-768 tokens beside 8 of 2K-8K, 134 against 795 (FA3 127) for one 32K context among 63 of 1K; but 252 against 185
+# (FA3 186) at 256 x 640 and 171 against 144 at 128 x 1K, equal contexts: each program's search over the batch, the
+# partials and the merge cost more than equal contexts gain. So the default keeps one count for every request.
+BALANCED_SLOTS = 0  # split_slots=0: PROGRAMS_PER_SM programs for each of the GPU's SMs
 
 
 # Per-step sizes (and the LSE strides, which scale with them) are not specialized on: every step of an engine runs
@@ -61,8 +68,8 @@ SHORT_QUERY = 8  # at most this many query rows per request: the short-query var
 # them, and the DCP core's buffers keep them multiples of 16 at every token count, so their specialization never
 # changes.
 @triton.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs", "num_splits", "head_programs",
-                               "stride_bt_req", "stride_lse_r", "stride_lse_t", "stride_lse_h", "stride_lse_s", "tma_rows",
-                               "split_slots", "small_slots"),
+                               "stride_bt_req", "stride_lse_r", "stride_lse_t", "stride_lse_h", "stride_lse_s",
+                               "tma_rows", "split_slots", "small_slots"),
             # the batch tables may start mid-tensor (a mixed step's requests after its decodes); scalar loads anyway
             do_not_specialize_on_alignment=("block_table_ptr", "context_lens_ptr", "query_start_loc_ptr"))
 def paged_attention_kernel(
@@ -289,9 +296,9 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     """``paged_attention`` prepared for tensors shaped like these (no checks). ``split_buffer``: float32 scratch of
     ``split_capacity`` elements for the split partials (default: allocated here); an automatic split count is
     lowered until the partials fit in it. ``gluon_decode``: ``(pages, stages[, programs])`` of ``gluon_decode``
-    for a decode it can serve, whatever the group size (benchmarks). A decode the ``tl`` kernel serves with automatic
-    splits takes each request's own split count (``_schedule.balanced_split``) over ``split_slots`` programs (default
-    ``PROGRAMS_PER_SM`` a SM; under the interpreter, one split unless given)."""
+    for a decode it can serve, whatever the group size (benchmarks). ``split_slots``: a decode the ``tl`` kernel
+    serves with automatic splits takes each request's own split count (``_schedule.balanced_split``) over that many
+    programs (``BALANCED_SLOTS``); None keeps one count for every request."""
     num_tokens, num_q_heads, head_dim = q.shape
     page_size = key_cache.shape[1]
     num_reqs = context_lens.shape[0]
@@ -322,7 +329,7 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
         block_h=block_h)
     num_q_programs = num_reqs if decode else flat_programs(num_tokens, num_reqs, block_q)
     head_programs = num_groups * head_tiles_per_group
-    balanced = decode and num_splits is None and (split_slots is not None or not INTERPRET)
+    balanced = decode and num_splits is None and split_slots is not None
     slots = 1
     if balanced:
         slots = split_slots or PROGRAMS_PER_SM * num_sms(device_index(q))

@@ -87,7 +87,7 @@ def test_each_request_takes_its_share_of_the_splits(ctx_lens, splits_taken, max_
     assert taken.tolist() == [[n] * 4 for n in splits_taken]
 
 
-def test_explicit_splits_and_tiny_contexts_keep_the_uniform_split():
+def test_explicit_splits_tiny_contexts_and_the_default_keep_the_uniform_split():
     case = Case([1, 1], [300, 20], 4, 2, 2)
     q, key_cache, value_cache, *tables = _inputs(case, seed=8)
     out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
@@ -97,3 +97,6 @@ def test_explicit_splits_and_tiny_contexts_keep_the_uniform_split():
     tiny = plan_paged(q, key_cache, value_cache, *tables, out, lse, scale=0.1, **_heads(case), max_kv_len=40,
                       max_query_len=1, split_slots=8)  # two tiles: one split
     assert not tiny.stage1.constexprs["BALANCED"] and tiny.num_splits == 1
+    default = plan_paged(q, key_cache, value_cache, *tables, out, lse, scale=0.1, **_heads(case), max_kv_len=300,
+                         max_query_len=1)  # opt-in: serving keeps one count for every request
+    assert not default.stage1.constexprs["BALANCED"]
