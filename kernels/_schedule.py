@@ -84,7 +84,7 @@ def pick_num_splits(*, programs: int, max_kv_len: int, block_n: int, sms: int, p
     return cdiv(tiles, cdiv(tiles, splits)) if tiles else 1  # as few splits as give the same tiles per split
 
 
-# A decode's balanced splits (``balanced_split``, opt-in: ``paged_attention.BALANCED_SLOTS`` says why): the split
+# A decode's balanced splits (``balanced_split``, a GPU's decodes on the ``tl`` kernel): the split
 # count of each request is its own, from its share of the step's work, so one long context among short ones is cut
 # into many splits and a short one into few, where one count for every request (``pick_num_splits``, sized for the
 # longest) left one program reading a long context alone.

@@ -26,7 +26,9 @@ from triton.experimental.gluon import language as gl
 
 from dcp_plugin.kernels._gluon import PREFIX_PAGE, head_columns
 from dcp_plugin.kernels._launch import LOG2E, Launch, device_index, num_sms
+from dcp_plugin.kernels._schedule import head_tiling
 from dcp_plugin.kernels.gluon_parts import attend_overlap, copy_tiles, head_offset, page_descriptors, ring_buffers
+from dcp_plugin.kernels.split_kv import PagedLaunch, auto_splits, split_outputs, with_reduce
 
 ROWS = gl.constexpr(64)  # Q heads of one KV group per program: a warpgroup MMA's rows (the heads past it masked)
 PAGE = PREFIX_PAGE
@@ -255,3 +257,26 @@ def plan_gluon_decode(q, key_cache, value_cache, block_table, context_lens, *, s
          stride_os, *lse_strides),
         dict(HEAD_DIM=head_dim, PAGE=PAGE, PAGES=pages, STAGES=stages),
         num_warps=4, scratch=True, stand_ins={8: 0, 9: 0})  # no scales: q's pointer stands in (never read)
+
+
+def plan_paged_gluon_decode(q, key_cache, value_cache, block_table, context_lens, out, lse, *, scale,
+                            q_head_start, q_per_kv, kv_head_start, max_kv_len, num_splits, split_buffer,
+                            tiles) -> PagedLaunch:
+    """``plan_paged`` for a decode ``gluon_decode`` serves: its head tiles, split count (at most ``PER_SM``
+    programs per SM) and stage 1. ``tiles``: ``(pages, stages[, programs])`` of ``plan_gluon_decode``, or its own."""
+    pages, stages, programs = (*tiles, None)[:3] if tiles else (PAGES, STAGES, None)
+    num_tokens, num_q_heads, head_dim = q.shape
+    first_kv_head, num_groups, head_tiles_per_group = head_tiling(
+        num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
+        block_h=ROWS.value)
+    if num_splits is None:
+        num_splits = auto_splits(q, programs=context_lens.shape[0] * num_groups * head_tiles_per_group,
+                                 max_kv_len=max_kv_len, block_n=PAGE * pages,
+                                 split_buffer=split_buffer, per_sm=PER_SM)
+    part_out, part_lse, _, out_strides, lse_strides = split_outputs(q, out, lse, num_splits, split_buffer)
+    stage1 = plan_gluon_decode(
+        q, key_cache, value_cache, block_table, context_lens, scale=scale, q_head_start=q_head_start,
+        q_per_kv=q_per_kv, kv_head_start=kv_head_start, first_kv_head=first_kv_head,
+        head_tiles_per_group=head_tiles_per_group, num_groups=num_groups, num_splits=num_splits,
+        out_strides=out_strides, lse_strides=lse_strides, pages=pages, stages=stages, programs=programs)
+    return with_reduce(stage1, part_out, part_lse, out, lse, num_splits)

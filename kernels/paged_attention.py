@@ -43,7 +43,8 @@ from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count const
     find_block, flat_programs, group_head_tile, head_tiling, pick_num_splits,
 )
 from dcp_plugin.kernels.split_kv import (
-    PagedLaunch, auto_splits, fit_splits, head_offsets, paged_attention_reduce_kernel, split_outputs, with_reduce,
+    NARROW_SPLITS, PagedLaunch, auto_splits, fit_splits, head_offsets, paged_attention_reduce_kernel, split_outputs,
+    with_reduce,
 )
 
 __all__ = ["PagedConfig", "paged_attention", "paged_attention_kernel", "paged_attention_reduce_kernel", "plan_paged",
@@ -53,13 +54,10 @@ _LOG2E = tl.constexpr(LOG2E)  # the kernels' copy (jit functions read only const
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 256  # explicit num_splits upper bound
 SHORT_QUERY = 8  # at most this many query rows per request: the short-query variant (speculative verify steps)
-# Balanced splits (each request its own split count) are opt-in: ``plan_paged(split_slots=BALANCED_SLOTS)``, the
-# GPU's PROGRAMS_PER_SM programs a SM. On one H200, CUDA-graph replay, 32 Q / 8 KV, 16-token pages, split count planned
-# for a 40K bound (benchmarks/results/kernels_h200_balanced_decode.json): 104 against 210 us (FA3 82) for 32 decodes of
-# 512-768 tokens beside 8 of 2K-8K, 134 against 795 (FA3 127) for one 32K context among 63 of 1K; but 252 against 185
-# (FA3 186) at 256 x 640 and 171 against 144 at 128 x 1K, equal contexts: each program's search over the batch, the
-# partials and the merge cost more than equal contexts gain. So the default keeps one count for every request.
-BALANCED_SLOTS = 0  # split_slots=0: PROGRAMS_PER_SM programs for each of the GPU's SMs
+# A decode on a GPU takes balanced splits (each request its own split count, ``_schedule.balanced_split``) over
+# PROGRAMS_PER_SM programs a SM: one count for every request, sized for the longest context (a captured graph's
+# bound), left a long context to one program among many short ones (benchmarks/results/
+# kernels_h200_balanced_decode.json).
 
 
 # Per-step sizes (and the LSE strides, which scale with them) are not specialized on: every step of an engine runs
@@ -71,10 +69,11 @@ BALANCED_SLOTS = 0  # split_slots=0: PROGRAMS_PER_SM programs for each of the GP
                                "stride_bt_req", "stride_lse_r", "stride_lse_t", "stride_lse_h", "stride_lse_s",
                                "tma_rows", "split_slots", "small_slots"),
             # the batch tables may start mid-tensor (a mixed step's requests after its decodes); scalar loads anyway
-            do_not_specialize_on_alignment=("block_table_ptr", "context_lens_ptr", "query_start_loc_ptr"))
+            do_not_specialize_on_alignment=("block_table_ptr", "context_lens_ptr", "query_start_loc_ptr",
+                                            "part_lse_ptr", "split_counts_ptr"))
 def paged_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr,
-    out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, part_out_ptr, part_lse_ptr, split_counts_ptr,
     num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs,
     qk_scale, q_head_start, q_per_kv, kv_head_start, first_kv_head, head_tiles_per_group, num_splits, head_programs,
     stride_q_t, stride_q_h, stride_q_d,
@@ -96,7 +95,9 @@ def paged_attention_kernel(
     FP8_VIA_FP16: tl.constexpr,  # bf16 q over an fp8 cache: compute in fp16 (below)
     USE_TMA: tl.constexpr,  # whole tiles of one page through tensor descriptors (``cache_takes_descriptors``)
     ROWS_AHEAD: tl.constexpr,  # with USE_TMA: descriptor rows read a chunk of tiles ahead (PagedConfig.rows_ahead)
-    BALANCED: tl.constexpr = False,  # DECODE: each request's own split count (_schedule.balanced_split)
+    BALANCED: tl.constexpr = False,  # DECODE: each request's own split count (_schedule.balanced_split); out/lse
+    # are then the final outputs, written by a request of one split, and part_out/part_lse ([T, Hq, num_splits, D]
+    # and [T, Hq, num_splits]) take the partials of the others, split_counts ([T]) every token's split count
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     if DECODE:  # a request's head programs next to each other: they read the same pages (a token's KV heads are
@@ -126,6 +127,9 @@ def paged_attention_kernel(
     context_len = tl.load(context_lens_ptr + req, mask=~is_tail, other=0).to(tl.int32)
     if (q_block < 0) | (q_block * BLOCK_Q >= q_end - q_start):
         return
+    if BALANCED:  # a decode's token row: q_start + q_block
+        if (split == 0) & (pid_h == 0):
+            tl.store(split_counts_ptr + q_start + q_block, req_splits)
 
     kv_head, tile_lo, head_hi = group_head_tile(pid_h, first_kv_head, head_tiles_per_group, q_head_start, q_per_kv,
                                                 kv_head_start, num_q_heads, BLOCK_H)
@@ -183,18 +187,22 @@ def paged_attention_kernel(
     if KV_FP8:
         out = out * tl.load(v_scale_ptr)
     lse = (m_i + tl.log2(l_safe)) / _LOG2E
-    split_off = split.to(tl.int64)
-    out_rows = out_ptr + token * stride_o_t + head_offsets(head, out_heads_per_rank, stride_o_r, stride_o_h) \
-        + split_off * stride_o_s
-    tl.store(out_rows[:, None] + dims[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & dim_mask[None, :])
+    out_rows = out_ptr + token * stride_o_t + head_offsets(head, out_heads_per_rank, stride_o_r, stride_o_h)
     lse_rows = lse_ptr + token * stride_lse_t + head_offsets(head, out_heads_per_rank, stride_lse_r, stride_lse_h)
-    tl.store(lse_rows + split_off * stride_lse_s, lse, mask=row_mask)
-    if BALANCED:  # the request's last split marks the splits it does not take as empty, for the merge to skip
-        if split == req_splits - 1:
-            for empty in range(req_splits, num_splits):
-                tl.store(lse_rows + empty * stride_lse_s, tl.full([BLOCK_M], float("-inf"), tl.float32),
-                         mask=row_mask)
+    out_mask = row_mask[:, None] & dim_mask[None, :]
+    if BALANCED:
+        if req_splits > 1:  # this split's partial, in [T, Hq, num_splits, D] and [T, Hq, num_splits]
+            part_row = (token * num_q_heads + head) * num_splits + split
+            tl.store(part_out_ptr + part_row[:, None] * head_dim + dims[None, :], out, mask=out_mask)
+            tl.store(part_lse_ptr + part_row, lse, mask=row_mask)
+        else:  # the request's only split: the final output, no merge
+            tl.store(out_rows[:, None] + dims[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(lse_rows, lse, mask=row_mask)
+    else:
+        split_off = split.to(tl.int64)
+        tl.store(out_rows[:, None] + split_off * stride_o_s + dims[None, :] * stride_o_d,
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(lse_rows + split_off * stride_lse_s, lse, mask=row_mask)
 
 
 def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, *, scale, q_head_start,
@@ -298,7 +306,8 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     lowered until the partials fit in it. ``gluon_decode``: ``(pages, stages[, programs])`` of ``gluon_decode``
     for a decode it can serve, whatever the group size (benchmarks). ``split_slots``: a decode the ``tl`` kernel
     serves with automatic splits takes each request's own split count (``_schedule.balanced_split``) over that many
-    programs (``BALANCED_SLOTS``); None keeps one count for every request."""
+    programs; None: ``PROGRAMS_PER_SM`` per SM on a GPU, none under the interpreter (one split, as ``auto_splits``);
+    0: one count for every request."""
     num_tokens, num_q_heads, head_dim = q.shape
     page_size = key_cache.shape[1]
     num_reqs = context_lens.shape[0]
@@ -306,10 +315,12 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     cfg = config or pick_config(head_dim, decode=decode, dtype=q.dtype)
     if config is None and decode and (gluon_decode is not None or min(q_per_kv, num_q_heads) > GLUON_DECODE_MIN_GROUP) \
             and decode_takes_gluon(q, key_cache, value_cache, out):  # the group first: no tensor checks for most steps
-        return _plan_gluon_decode(q, key_cache, value_cache, block_table, context_lens, out, lse, scale=scale,
-                                  q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
-                                  max_kv_len=max_kv_len, num_splits=num_splits, split_buffer=split_buffer,
-                                  tiles=gluon_decode)
+        from dcp_plugin.kernels.gluon_decode import plan_paged_gluon_decode
+
+        return plan_paged_gluon_decode(q, key_cache, value_cache, block_table, context_lens, out, lse, scale=scale,
+                                       q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
+                                       max_kv_len=max_kv_len, num_splits=num_splits, split_buffer=split_buffer,
+                                       tiles=gluon_decode)
     if config is None and decode and not INTERPRET and q.dtype != torch.float32 and key_cache.dtype == q.dtype \
             and min(q_per_kv, num_q_heads) <= DESCRIPTOR_DECODE_MAX_GROUP:
         cfg = DESCRIPTOR_DECODE_CONFIGS.get(next_pow2(head_dim), cfg)
@@ -329,12 +340,11 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
         block_h=block_h)
     num_q_programs = num_reqs if decode else flat_programs(num_tokens, num_reqs, block_q)
     head_programs = num_groups * head_tiles_per_group
-    balanced = decode and num_splits is None and split_slots is not None
-    slots = 1
+    slots = split_slots if split_slots is not None else 0 if INTERPRET else PROGRAMS_PER_SM * num_sms(device_index(q))
+    balanced = decode and num_splits is None and slots > 0
     if balanced:
-        slots = split_slots or PROGRAMS_PER_SM * num_sms(device_index(q))
         num_splits = fit_splits(q, balanced_max_splits(max_kv_len=max_kv_len, block_n=cfg.block_n, slots=slots,
-                                                       head_programs=head_programs), split_buffer)
+                                                       head_programs=head_programs), split_buffer, counted=True)
         balanced = num_splits > 1
     if num_splits is None:
         num_splits = auto_splits(q, programs=num_q_programs * head_programs, max_kv_len=max_kv_len,
@@ -346,7 +356,8 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
         return PagedLaunch(plan_gluon_prefix(q, key_cache, value_cache, block_table, context_lens, query_start_loc,
                                              out, lse, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
                                              kv_head_start=kv_head_start), None, None, None, 1)
-    part_out, part_lse, out_strides, lse_strides = split_outputs(q, out, lse, num_splits, split_buffer)
+    part_out, part_lse, counts, out_strides, lse_strides = split_outputs(q, out, lse, num_splits, split_buffer,
+                                                                         balanced=balanced)
     rows = num_q_programs + cdiv(num_tokens, block_q) + (cdiv(slots, head_programs) if balanced else 0)
     grid = ((rows * head_programs, 1, 1 if balanced else num_splits) if decode else (rows, head_programs, num_splits)) \
         if num_tokens else (0,)
@@ -358,36 +369,18 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
         (num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs, float(scale) * LOG2E, q_head_start, q_per_kv,
          kv_head_start, first_kv_head, head_tiles_per_group, num_splits, head_programs, *q.stride(),
          *key_cache.stride(), *value_cache.stride(), *block_table.stride(), *out_strides, *lse_strides, rows_per_block,
-         rows_per_block * key_cache.shape[0], slots, max(1, slots * SMALL_GRID_PER_SM // PROGRAMS_PER_SM)),
+         rows_per_block * key_cache.shape[0], max(slots, 1), max(1, slots * SMALL_GRID_PER_SM // PROGRAMS_PER_SM)),
         dict(PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
              EVEN_D=block_d == head_dim, DECODE=decode,
              DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
              KV_FP8=kv_fp8, FP8_VIA_FP16=kv_fp8 and q.dtype == torch.bfloat16, USE_TMA=use_tma,
              ROWS_AHEAD=use_tma and cfg.rows_ahead, BALANCED=balanced),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, scratch=use_tma,
-        stand_ins=None if kv_fp8 else {8: 0, 9: 0})  # no scales: q's pointer stands in (never read)
-    return with_reduce(stage1, part_out, part_lse, out, lse, num_splits)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, scratch=use_tma,  # q's pointer stands in for what is
+        stand_ins=({} if kv_fp8 else {8: 0, 9: 0}) | ({} if balanced else {10: 0, 11: 0, 12: 0}))  # never read
+    if not balanced:
+        return with_reduce(stage1, part_out, part_lse, out, lse, num_splits, stage1_extra=(None, None, None))
+    # The merge's variant by the splits a request takes on average: about slots / (requests x head programs).
+    return with_reduce(stage1, part_out, part_lse, out, lse, num_splits, split_counts=counts,
+                       stage1_extra=(part_out, part_lse, counts),
+                       narrow=num_reqs * head_programs * NARROW_SPLITS >= slots)
 
-
-def _plan_gluon_decode(q, key_cache, value_cache, block_table, context_lens, out, lse, *, scale, q_head_start,
-                       q_per_kv, kv_head_start, max_kv_len, num_splits, split_buffer, tiles) -> PagedLaunch:
-    """``plan_paged`` for a decode ``gluon_decode`` serves: its head tiles, split count (at most ``gluon_decode.PER_SM``
-    programs per SM) and stage 1. ``tiles``: ``(pages, stages[, programs])`` of ``plan_gluon_decode``, or its own."""
-    from dcp_plugin.kernels import gluon_decode
-
-    pages, stages, programs = (*tiles, None)[:3] if tiles else (gluon_decode.PAGES, gluon_decode.STAGES, None)
-    num_tokens, num_q_heads, head_dim = q.shape
-    first_kv_head, num_groups, head_tiles_per_group = head_tiling(
-        num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
-        block_h=gluon_decode.ROWS.value)
-    if num_splits is None:
-        num_splits = auto_splits(q, programs=context_lens.shape[0] * num_groups * head_tiles_per_group,
-                                 max_kv_len=max_kv_len, block_n=gluon_decode.PAGE * pages,
-                                 split_buffer=split_buffer, per_sm=gluon_decode.PER_SM)
-    part_out, part_lse, out_strides, lse_strides = split_outputs(q, out, lse, num_splits, split_buffer)
-    stage1 = gluon_decode.plan_gluon_decode(
-        q, key_cache, value_cache, block_table, context_lens, scale=scale, q_head_start=q_head_start,
-        q_per_kv=q_per_kv, kv_head_start=kv_head_start, first_kv_head=first_kv_head,
-        head_tiles_per_group=head_tiles_per_group, num_groups=num_groups, num_splits=num_splits,
-        out_strides=out_strides, lse_strides=lse_strides, pages=pages, stages=stages, programs=programs)
-    return with_reduce(stage1, part_out, part_lse, out, lse, num_splits)

@@ -39,7 +39,7 @@ def head_offsets(head, heads_per_rank, stride_r, stride_h):
 @triton.jit(do_not_specialize=("num_splits", "stride_pl_t", "stride_pl_h", "stride_lse_r", "stride_lse_t",
                                "stride_lse_h"))
 def paged_attention_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, split_counts_ptr,
     num_q_heads, num_splits, head_dim,
     stride_po_t, stride_po_h, stride_po_s, stride_po_d,
     stride_pl_t, stride_pl_h, stride_pl_s,
@@ -49,14 +49,21 @@ def paged_attention_reduce_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     ELEMENTWISE: tl.constexpr = False,
+    COUNTED: tl.constexpr = False,  # a balanced decode's partials: each token's own split count (below)
 ):
     """Merge the splits of BLOCK_H heads of one token by LSE, BLOCK_S splits per step with a running maximum, so
     any split count runs the same compiled kernel.
     ``ELEMENTWISE`` (the narrow variant): a step's BLOCK_S splits are unrolled and merged one after the other into
     each thread's own (head, dim) elements, so no sum or maximum crosses threads (the ``[S, H, D]`` sum over splits
-    went through shared memory with bank conflicts in 84% of its traffic, Nsight Compute). An empty split's partial
-    is never read (a balanced decode writes only the LSE of the splits a request does not take; NaN is read)."""
+    went through shared memory with bank conflicts in 84% of its traffic, Nsight Compute). The partial of a split
+    whose LSE is -inf (no keys) is never read.
+    ``COUNTED`` (a balanced decode): token ``t`` has ``split_counts[t]`` splits, the rest of its partials unwritten;
+    with one, stage 1 wrote ``out``/``lse`` itself and there is nothing to merge."""
     token = tl.program_id(0).to(tl.int64)
+    if COUNTED:
+        num_splits = tl.load(split_counts_ptr + token)
+        if num_splits == 1:
+            return
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
     head_mask = heads < num_q_heads
@@ -122,17 +129,18 @@ def reduce_tiling(num_splits: int, num_heads: int, *, narrow: bool | None = None
     return (min(NARROW_HEADS, next_pow2(num_heads)), NARROW_SPLITS, True) if narrow else (1, REDUCE_SPLITS, False)
 
 
-def plan_split_reduce(part_out, part_lse, out, lse, *, narrow: bool | None = None) -> Launch:
+def plan_split_reduce(part_out, part_lse, out, lse, *, narrow: bool | None = None, counted: bool = False) -> Launch:
     """The merge of ``S`` split partials (``split_views``) into ``out [T, H, D]``/``lse [T, H]`` (plain or
-    rank-major); call it with ``(part_out, part_lse, out, lse)``. ``narrow``: ``reduce_tiling``'s."""
+    rank-major); call it with ``(part_out, part_lse, out, lse, split_counts)``: ``split_counts`` ``[T]`` int32 with
+    ``counted`` (each token's own split count), else None. ``narrow``: ``reduce_tiling``'s."""
     num_tokens, num_heads, num_splits, head_dim = part_out.shape
     block_d = max(16, next_pow2(head_dim))
     heads, splits, elementwise = reduce_tiling(num_splits, num_heads, narrow=narrow)
     return Launch(paged_attention_reduce_kernel, (num_tokens, cdiv(num_heads, heads)),
                   (num_heads, num_splits, head_dim, *part_out.stride(), *part_lse.stride(),
                    *head_strides(out, 3), *head_strides(lse, 2)[1:]),
-                  dict(BLOCK_H=heads, BLOCK_D=block_d, BLOCK_S=splits, ELEMENTWISE=elementwise),
-                  num_warps=4 if block_d <= 128 else 8)
+                  dict(BLOCK_H=heads, BLOCK_D=block_d, BLOCK_S=splits, ELEMENTWISE=elementwise, COUNTED=counted),
+                  num_warps=4 if block_d <= 128 else 8, stand_ins=None if counted else {4: 0})
 
 
 class PagedLaunch:
@@ -140,36 +148,47 @@ class PagedLaunch:
     block_table, context_lens, query_start_loc, out, lse)`` and, for an fp8 cache, ``k_scale, v_scale``. With
     several splits, stage 1 writes the partials into buffers the plan holds and stage 2 merges them into
     ``out``/``lse``; inside ``every_variant()`` (the warm-up) the merge's other variant (``reduce_other``) runs
-    first on the same partials, so a later step that picks it finds it compiled."""
+    first on the same partials, so a later step that picks it finds it compiled. ``split_counts`` (a balanced
+    decode): stage 1 writes ``out``/``lse`` for the tokens of one split, the partials and each token's split count
+    for the rest, and the merge reads those counts."""
 
-    __slots__ = ("stage1", "reduce", "reduce_other", "part_out", "part_lse", "num_splits")
+    __slots__ = ("stage1", "reduce", "reduce_other", "part_out", "part_lse", "num_splits", "split_counts",
+                 "_extra")
 
     def __init__(self, stage1: Launch, reduce: Launch | None, part_out, part_lse, num_splits: int,
-                 reduce_other: Launch | None = None) -> None:
+                 reduce_other: Launch | None = None, split_counts=None, stage1_extra: tuple = ()) -> None:
         self.stage1, self.reduce, self.part_out, self.part_lse = stage1, reduce, part_out, part_lse
-        self.num_splits, self.reduce_other = num_splits, reduce_other
+        self.num_splits, self.reduce_other, self.split_counts = num_splits, reduce_other, split_counts
+        self._extra = stage1_extra  # stage 1's trailing tensors: the tl kernel's partials and counts (or stand-ins)
 
     def __call__(self, q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse,
                  k_scale=None, v_scale=None) -> None:
         if self.reduce is None:
             self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, k_scale,
-                        v_scale)
+                        v_scale, *self._extra)
             return
-        self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc, self.part_out,
-                    self.part_lse, k_scale, v_scale)
+        counts = self.split_counts
+        if counts is None:
+            self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc, self.part_out,
+                        self.part_lse, k_scale, v_scale, *self._extra)
+        else:
+            self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, k_scale,
+                        v_scale, *self._extra)
         if self.reduce_other is not None and every_variant_wanted():
-            self.reduce_other(self.part_out, self.part_lse, out, lse)  # the same merge: the next line rewrites it
-        self.reduce(self.part_out, self.part_lse, out, lse)
+            self.reduce_other(self.part_out, self.part_lse, out, lse, counts)  # the same merge: rewritten next
+        self.reduce(self.part_out, self.part_lse, out, lse, counts)
 
 
 def split_views(buffer, num_tokens: int, num_heads: int, num_splits: int, head_dim: int, device):
-    """``[T, H, S, D]`` partial outputs and ``[T, H, S]`` LSEs, carved from ``buffer`` (or new)."""
+    """``[T, H, S, D]`` partial outputs, ``[T, H, S]`` LSEs and ``[T]`` int32 split counts, carved from ``buffer``
+    (float32; or new)."""
     out_size, lse_size = num_tokens * num_heads * num_splits * head_dim, num_tokens * num_heads * num_splits
-    if buffer is None or buffer.numel() < out_size + lse_size:
-        buffer = torch.empty(out_size + lse_size, dtype=torch.float32, device=device)
+    if buffer is None or buffer.numel() < out_size + lse_size + num_tokens:
+        buffer = torch.empty(out_size + lse_size + num_tokens, dtype=torch.float32, device=device)
     part_out = buffer[:out_size].view(num_tokens, num_heads, num_splits, head_dim)
     part_lse = buffer[out_size:out_size + lse_size].view(num_tokens, num_heads, num_splits)
-    return part_out, part_lse
+    counts = buffer[out_size + lse_size:out_size + lse_size + num_tokens].view(torch.int32)
+    return part_out, part_lse, counts
 
 
 def with_split_stride(strides: tuple, split_stride: int) -> tuple:
@@ -188,29 +207,41 @@ def auto_splits(q, *, programs: int, max_kv_len: int, block_n: int, split_buffer
                                          sms=num_sms(device_index(q)), per_sm=per_sm), split_buffer)
 
 
-def fit_splits(q, splits: int, split_buffer) -> int:
-    """``splits``, lowered until the partials of ``q``'s rows fit in ``split_buffer`` (None: any)."""
+def fit_splits(q, splits: int, split_buffer, *, counted: bool = False) -> int:
+    """``splits``, lowered until the partials of ``q``'s rows (and with ``counted`` their split counts) fit in
+    ``split_buffer`` (None: any)."""
     if split_buffer is None:
         return splits
-    return max(1, min(splits, split_buffer.numel() // max(q.shape[0] * q.shape[1] * (q.shape[2] + 1), 1)))
+    per_split = max(q.shape[0] * q.shape[1] * (q.shape[2] + 1), 1)
+    return max(1, min(splits, (split_buffer.numel() - counted * q.shape[0]) // per_split))
 
 
-def split_outputs(q, out, lse, num_splits: int, split_buffer):
-    """Where stage 1 writes: ``out``/``lse`` themselves with one split, else the split partials (``split_views``):
-    ``(part_out, part_lse, out_strides, lse_strides)`` in the kernels' order (``with_split_stride``)."""
+def split_outputs(q, out, lse, num_splits: int, split_buffer, *, balanced: bool = False):
+    """Where stage 1 writes: ``(part_out, part_lse, split_counts, out_strides, lse_strides)``, the strides in the
+    kernels' order (``with_split_stride``) of ``out``/``lse`` themselves with one split, else of the split partials
+    (``split_views``), but of ``out``/``lse`` for a ``balanced`` decode (its one-split tokens go there)."""
+    plain = with_split_stride(head_strides(out, 3), 0), (*head_strides(lse, 2)[1:], 0)
     if num_splits == 1:
-        return None, None, with_split_stride(head_strides(out, 3), 0), (*head_strides(lse, 2)[1:], 0)
+        return None, None, None, *plain
     num_tokens, num_q_heads, head_dim = q.shape
-    part_out, part_lse = split_views(split_buffer, num_tokens, num_q_heads, num_splits, head_dim, q.device)
-    return part_out, part_lse, (num_q_heads, 0, *part_out.stride()), (0, *part_lse.stride())
+    part_out, part_lse, counts = split_views(split_buffer, num_tokens, num_q_heads, num_splits, head_dim, q.device)
+    if balanced:
+        return part_out, part_lse, counts, *plain
+    return part_out, part_lse, None, (num_q_heads, 0, *part_out.stride()), (0, *part_lse.stride())
 
 
-def with_reduce(stage1: Launch, part_out, part_lse, out, lse, num_splits: int) -> PagedLaunch:
+def with_reduce(stage1: Launch, part_out, part_lse, out, lse, num_splits: int, split_counts=None,
+                stage1_extra: tuple = (), narrow: bool | None = None) -> PagedLaunch:
     """Stage 1 and, with several splits, the merge of its partials (and the merge's other variant, for the
-    warm-up)."""
+    warm-up); ``split_counts`` for a balanced decode (the merge reads them). ``narrow``: the merge's variant
+    (None: by the split count, ``reduce_tiling``)."""
     if num_splits == 1:
-        return PagedLaunch(stage1, None, part_out, part_lse, num_splits)
-    reduce = plan_split_reduce(part_out, part_lse, out, lse)
-    other = None if INTERPRET else plan_split_reduce(part_out, part_lse, out, lse,
-                                                     narrow=num_splits > NARROW_SPLITS)
-    return PagedLaunch(stage1, reduce, part_out, part_lse, num_splits, reduce_other=other)
+        return PagedLaunch(stage1, None, part_out, part_lse, num_splits, stage1_extra=stage1_extra)
+    counted = split_counts is not None
+    if narrow is None or INTERPRET:
+        narrow = None if INTERPRET else num_splits <= NARROW_SPLITS
+    reduce = plan_split_reduce(part_out, part_lse, out, lse, counted=counted, narrow=narrow)
+    other = None if INTERPRET else plan_split_reduce(part_out, part_lse, out, lse, counted=counted,
+                                                     narrow=not narrow)
+    return PagedLaunch(stage1, reduce, part_out, part_lse, num_splits, reduce_other=other, split_counts=split_counts,
+                       stage1_extra=stage1_extra)

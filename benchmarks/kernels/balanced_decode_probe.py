@@ -24,7 +24,7 @@ import kernel_peers  # noqa: E402
 from bench_kernels import ERROR_BOUND, _paged_error, _paged_setup  # noqa: E402
 from common import gpu_name, graph_ms, save  # noqa: E402
 
-from dcp_plugin.kernels.paged_attention import BALANCED_SLOTS, plan_paged, split_capacity  # noqa: E402
+from dcp_plugin.kernels.paged_attention import plan_paged, split_capacity  # noqa: E402
 from dcp_plugin.kernels.split_kv import auto_splits  # noqa: E402
 
 GRAPH_BOUND = 40960  # a 40K-token model's block table: what a captured decode graph plans for
@@ -69,7 +69,7 @@ def time_batch(name: str, spec: str, hq: int, hk: int, gen) -> dict:
     for bound_name, bound in (("", longest), ("_graph_bound", max(longest, GRAPH_BOUND))):
         kw = dict(scale=q.shape[-1] ** -0.5, q_head_start=0, q_per_kv=hq // hk, kv_head_start=0, max_kv_len=bound,
                   max_query_len=1, split_buffer=scratch)
-        balanced = plan_paged(q, kc, vc, tables[0], lens, qsl, out, lse, split_slots=BALANCED_SLOTS, **kw)
+        balanced = plan_paged(q, kc, vc, tables[0], lens, qsl, out, lse, **kw)  # the default on a GPU
         consts = balanced.stage1.constexprs
         head_programs = hk * -(-(hq // hk) // consts["BLOCK_H"])
         uniform_splits = auto_splits(q, programs=batch * head_programs, max_kv_len=bound, block_n=consts["BLOCK_N"],

@@ -1,8 +1,11 @@
 """A decode's balanced splits (``_schedule.balanced_split``) under the Triton interpreter: each request takes its own
 split count from its share of the step's work, checked against the float64 reference, with the split partials'
-buffer poisoned so that a partial the merge should skip (a split a request does not take) turns the output NaN."""
+buffer poisoned so that a partial the merge should skip (a split a request does not take, the partials of a request
+of one split, which stage 1 writes to the output itself) turns the output NaN."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -30,6 +33,8 @@ CASES = {
     "dcp-12q3kv-rank1-hnd": (Case([1] * 3, [1, 630, 130], 6, 2, 4, q_head_start=6, kv_head_start=1,
                                   layout="hnd"), 6),
     "mqa8-one-request-all-slots": (Case([1], [2000], 8, 1, 8), 16),
+    # Every request in one split: stage 1 writes the outputs and the merge leaves them.
+    "gqa2-equal-one-split-each": (Case([1] * 4, [640] * 4, 4, 2, 2, pad_rows=2), 8),
 }
 
 
@@ -80,14 +85,20 @@ def test_each_request_takes_its_share_of_the_splits(ctx_lens, splits_taken, max_
     assert plan.num_splits == max_splits
     head_programs, rows = 2, 4 + len(ctx_lens) + q.shape[0]  # cdiv(slots, head programs) + requests + tokens
     assert plan.stage1.grid == (rows * head_programs, 1, 1), "a program per (work row, head program), no more"
-    plan.stage1(q, key_cache, value_cache, *tables, plan.part_out, plan.part_lse, None, None)
-    written = ~torch.isnan(plan.part_lse)
-    assert written.all(), "a split's LSE was left unwritten"
-    taken = torch.isfinite(plan.part_lse).sum(-1)  # [tokens, heads]: the splits holding keys
-    assert taken.tolist() == [[n] * 4 for n in splits_taken]
+    plan.stage1(q, key_cache, value_cache, *tables, out, lse, None, None, plan.part_out, plan.part_lse,
+                plan.split_counts)
+    assert plan.split_counts.tolist() == [max(n, 1) for n in splits_taken], "each token's split count"
+    for token, taken in enumerate(splits_taken):
+        if taken > 1:  # partials of the splits it takes, nothing past them (still the poison); out left to the merge
+            assert not torch.isnan(plan.part_lse[token, :, :taken]).any(), "a taken split's LSE was left unwritten"
+            assert torch.isnan(plan.part_lse[token, :, taken:]).all(), "a split the request does not take was written"
+            assert torch.isnan(out[token]).all()
+        else:  # one split (or none): the final output, written by stage 1 alone
+            assert not torch.isnan(out[token]).any() and not torch.isnan(lse[token]).any()
+            assert torch.isinf(lse[token]).all() == (ctx_lens[token] == 0)
 
 
-def test_explicit_splits_tiny_contexts_and_the_default_keep_the_uniform_split():
+def test_explicit_splits_tiny_contexts_and_the_interpreter_default_keep_the_uniform_split():
     case = Case([1, 1], [300, 20], 4, 2, 2)
     q, key_cache, value_cache, *tables = _inputs(case, seed=8)
     out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
@@ -97,6 +108,19 @@ def test_explicit_splits_tiny_contexts_and_the_default_keep_the_uniform_split():
     tiny = plan_paged(q, key_cache, value_cache, *tables, out, lse, scale=0.1, **_heads(case), max_kv_len=40,
                       max_query_len=1, split_slots=8)  # two tiles: one split
     assert not tiny.stage1.constexprs["BALANCED"] and tiny.num_splits == 1
+    off = plan_paged(q, key_cache, value_cache, *tables, out, lse, scale=0.1, **_heads(case), max_kv_len=300,
+                     max_query_len=1, split_slots=0)
+    assert not off.stage1.constexprs["BALANCED"]
     default = plan_paged(q, key_cache, value_cache, *tables, out, lse, scale=0.1, **_heads(case), max_kv_len=300,
-                         max_query_len=1)  # opt-in: serving keeps one count for every request
-    assert not default.stage1.constexprs["BALANCED"]
+                         max_query_len=1)  # the interpreter: one split, as the uniform count gives there
+    assert not default.stage1.constexprs["BALANCED"] and default.num_splits == 1
+
+
+def test_the_gpu_default_is_balanced(monkeypatch):
+    monkeypatch.setattr(sys.modules[plan_paged.__module__], "INTERPRET", False)  # the plan only: nothing launches
+    case = Case([1, 1], [3000, 20], 4, 2, 2)
+    q, key_cache, value_cache, *tables = _inputs(case, seed=8)
+    out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
+    plan = plan_paged(q, key_cache, value_cache, *tables, out, lse, scale=0.1, **_heads(case), max_kv_len=3000,
+                      max_query_len=1)
+    assert plan.stage1.constexprs["BALANCED"] and plan.split_counts is not None

@@ -38,7 +38,7 @@ def test_both_variants_merge_any_split_count_like_float64(narrow, splits):
     tokens, heads, head_dim = 3, 5, 80  # 5 heads: the narrow variant's second program holds one; 80 of 128 dims
     part_out, part_lse = partials(tokens, heads, splits, head_dim, seed=splits)
     out, lse = poisoned((tokens, heads, head_dim), torch.float32), poisoned((tokens, heads), torch.float32)
-    plan_split_reduce(part_out, part_lse, out, lse, narrow=narrow)(part_out, part_lse, out, lse)
+    plan_split_reduce(part_out, part_lse, out, lse, narrow=narrow)(part_out, part_lse, out, lse, None)
     want_out, want_lse = merged_f64(part_out, part_lse)
     assert_matches(out, want_out, torch.float32, f"merged out, {splits} splits")
     assert_matches(lse, want_lse, torch.float32, f"merged lse, {splits} splits")
@@ -46,11 +46,32 @@ def test_both_variants_merge_any_split_count_like_float64(narrow, splits):
 
 
 @pytest.mark.parametrize("narrow", [True, False], ids=["narrow", "wide"])
+def test_counted_merge_reads_each_tokens_own_splits_and_leaves_one_split_tokens(narrow):
+    """A balanced decode's merge: token t merges its first counts[t] splits (the rest poison, never read); a token
+    of one split already holds its output (stage 1 wrote it), which the merge must leave as it is."""
+    tokens, heads, splits, head_dim = 4, 5, 70, 64
+    part_out, part_lse = partials(tokens, heads, splits, head_dim, seed=11)
+    counts = torch.tensor([3, 1, 70, 9], dtype=torch.int32)
+    for t, n in enumerate(counts.tolist()):
+        part_out[t, :, n:], part_lse[t, :, n:] = float("nan"), float("nan")
+    out, lse = poisoned((tokens, heads, head_dim), torch.float32), poisoned((tokens, heads), torch.float32)
+    out[1], lse[1] = 7.0, 3.0  # the one-split token's final output
+    plan_split_reduce(part_out, part_lse, out, lse, narrow=narrow, counted=True)(part_out, part_lse, out, lse, counts)
+    for t, n in enumerate(counts.tolist()):
+        if n == 1:
+            assert (out[t] == 7.0).all() and (lse[t] == 3.0).all(), "the merge rewrote a one-split token"
+            continue
+        want_out, want_lse = merged_f64(part_out[t:t + 1, :, :n], part_lse[t:t + 1, :, :n])
+        assert_matches(out[t:t + 1], want_out, torch.float32, f"token {t}, {n} splits: out")
+        assert_matches(lse[t:t + 1], want_lse, torch.float32, f"token {t}, {n} splits: lse")
+
+
+@pytest.mark.parametrize("narrow", [True, False], ids=["narrow", "wide"])
 def test_a_nan_split_makes_its_token_and_head_nan_and_no_other(narrow):
     part_out, part_lse = partials(2, 5, 6, 64, seed=3)
     part_lse[1, 2, 4] = float("nan")  # one split of token 1, head 2 (the narrow variant's second program holds it)
     out, lse = poisoned((2, 5, 64), torch.float32), poisoned((2, 5), torch.float32)
-    plan_split_reduce(part_out, part_lse, out, lse, narrow=narrow)(part_out, part_lse, out, lse)
+    plan_split_reduce(part_out, part_lse, out, lse, narrow=narrow)(part_out, part_lse, out, lse, None)
     assert torch.isnan(out[1, 2]).all() and torch.isnan(lse[1, 2])
     keep = torch.ones(2, 5, dtype=torch.bool)
     keep[1, 2] = False
@@ -66,7 +87,7 @@ def test_both_variants_write_a_rank_major_output(narrow, heads):
     part_out, part_lse = partials(tokens, heads, 3, head_dim, seed=1)
     out = poisoned((ranks, tokens, heads // ranks, head_dim), torch.float16)
     lse = poisoned((ranks, tokens, heads // ranks), torch.float32)
-    plan_split_reduce(part_out, part_lse, out, lse, narrow=narrow)(part_out, part_lse, out, lse)
+    plan_split_reduce(part_out, part_lse, out, lse, narrow=narrow)(part_out, part_lse, out, lse, None)
     want_out, want_lse = merged_f64(part_out, part_lse)
     plain = out.permute(1, 0, 2, 3).reshape(tokens, heads, head_dim)  # global head h at [h // (H / R), t, h % ...]
     assert_matches(plain, want_out, torch.float16, "rank-major out")
