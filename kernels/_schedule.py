@@ -88,46 +88,58 @@ def pick_num_splits(*, programs: int, max_kv_len: int, block_n: int, sms: int, p
 # count of each request is its own, from its share of the step's work, so one long context among short ones is cut
 # into many splits and a short one into few, where one count for every request (``pick_num_splits``, sized for the
 # longest) left one program reading a long context alone.
-# Programs: one per (work row, head program); a work row is one (request, split); ``cdiv(slots, head_programs) +
-# num_reqs + num_tokens`` rows cover every request's splits and the padding rows whatever the contexts.
-BALANCE_BLOCK = tl.constexpr(128)  # requests a step of ``balanced_split``'s loops reads
+# Programs: one per (work row, head program); a work row is one (request, split), for the requests with a query row
+# (a decode's requests have at most one), then one per row after ``query_start_loc[num_reqs]`` (padding): the splits
+# number at most ``slots / head_programs`` plus the requests with a row, so ``cdiv(slots, head_programs) +
+# num_tokens`` rows cover them whatever the contexts. Every program finds its row with two reads of the batch's
+# lengths (one for ``BALANCE_BLOCK`` requests or fewer): the search is each program's fixed cost.
+BALANCE_BLOCK = tl.constexpr(256)  # requests a step of ``balanced_split``'s loops reads
 _SMALL_TILES = tl.constexpr(SMALL_GRID_TILES)  # the jit function's copies (it reads only constexpr globals)
 _MIN_TILES = tl.constexpr(MIN_TILES_PER_SPLIT)
 
 
 @triton.jit
-def balanced_split(context_lens_ptr, num_reqs, work, slots, small_slots, head_programs, max_splits,
-                   BLOCK_N: tl.constexpr):
+def _request_tiles(context_lens_ptr, query_start_loc_ptr, r, num_reqs, BLOCK_N: tl.constexpr):
+    """Tiles of requests ``r`` (a block of indices); 0 for a request without a query row or past the batch."""
+    live = r < num_reqs
+    lens = tl.load(context_lens_ptr + r, mask=live, other=0).to(tl.int32)
+    first = tl.load(query_start_loc_ptr + r, mask=live, other=0)
+    rows = tl.load(query_start_loc_ptr + r + 1, mask=live, other=0) - first
+    return tl.where(rows > 0, (lens + BLOCK_N - 1) // BLOCK_N, 0), live & (rows > 0)
+
+
+@triton.jit
+def balanced_split(context_lens_ptr, query_start_loc_ptr, num_reqs, work, slots, small_slots, head_programs,
+                   max_splits, BLOCK_N: tl.constexpr):
     """Work row ``work`` -> ``(request, split, splits of that request)``; past the last request's last split, row
     ``num_reqs + i`` with one split: the ``i``-th row after ``query_start_loc[num_reqs]`` (padding). A request of
-    ``t`` tiles takes ``min(cdiv(t, target), max_splits)`` splits (at least one), where ``target`` tiles a split is
-    ``pick_num_splits``' rule over the step's whole work ``w`` (tiles x head programs): at least ``SMALL_GRID_TILES``,
-    ``cdiv(w, slots)`` (no more programs than ``slots``) and, up to ``MIN_TILES_PER_SPLIT``, ``cdiv(w, small_slots)``.
-    Hence the splits of all requests number at most ``slots / head_programs + num_reqs``."""
+    ``t`` tiles with a query row takes ``min(cdiv(t, target), max_splits)`` splits (at least one; none without a
+    row), where ``target`` tiles a split is ``pick_num_splits``' rule over the step's whole work ``w`` (tiles x head
+    programs): at least ``SMALL_GRID_TILES``, ``cdiv(w, slots)`` (no more programs than ``slots``) and, up to
+    ``MIN_TILES_PER_SPLIT``, ``cdiv(w, small_slots)``."""
     total = tl.full([], 0, tl.int32)
     for r0 in range(0, num_reqs, BALANCE_BLOCK):
-        r = r0 + tl.arange(0, BALANCE_BLOCK)
-        lens = tl.load(context_lens_ptr + r, mask=r < num_reqs, other=0).to(tl.int32)
-        total += tl.sum((lens + BLOCK_N - 1) // BLOCK_N, 0)
+        tiles, _ = _request_tiles(context_lens_ptr, query_start_loc_ptr, r0 + tl.arange(0, BALANCE_BLOCK), num_reqs,
+                                  BLOCK_N)
+        total += tl.sum(tiles, 0)
     weight = total * head_programs
     target = tl.maximum(tl.maximum((weight + slots - 1) // slots, _SMALL_TILES),
                         tl.minimum((weight + small_slots - 1) // small_slots, _MIN_TILES))
     seen = tl.full([], 0, tl.int32)
-    req = tl.full([], -1, tl.int32)
-    split = tl.full([], 0, tl.int32)
-    count = tl.full([], 1, tl.int32)
+    found = tl.full([], 0, tl.int64)  # the hit request's (r << 32) | (first work row << 8) | splits
     for r0 in range(0, num_reqs, BALANCE_BLOCK):
         r = r0 + tl.arange(0, BALANCE_BLOCK)
-        tiles = (tl.load(context_lens_ptr + r, mask=r < num_reqs, other=0).to(tl.int32) + BLOCK_N - 1) // BLOCK_N
-        splits = tl.where(r < num_reqs, tl.minimum(tl.maximum((tiles + target - 1) // target, 1), max_splits), 0)
+        tiles, takes = _request_tiles(context_lens_ptr, query_start_loc_ptr, r, num_reqs, BLOCK_N)
+        splits = tl.where(takes, tl.minimum(tl.maximum((tiles + target - 1) // target, 1), max_splits), 0)
         end = tl.cumsum(splits, 0) + seen  # past request r's last work row
         hit = (end - splits <= work) & (work < end)
-        found = tl.sum(hit.to(tl.int32), 0) > 0
-        req = tl.where(found, tl.sum(tl.where(hit, r, 0), 0), req)
-        split = tl.where(found, work - tl.sum(tl.where(hit, end - splits, 0), 0), split)
-        count = tl.where(found, tl.sum(tl.where(hit, splits, 0), 0), count)
+        found += tl.sum(tl.where(hit, (r.to(tl.int64) << 32) | ((end - splits).to(tl.int64) << 8) | splits, 0), 0)
         seen += tl.sum(splits, 0)
-    return tl.where(req < 0, num_reqs + work - seen, req), split, count
+    req = (found >> 32).to(tl.int32)
+    hit_any = found != 0
+    return (tl.where(hit_any, req, num_reqs + work - seen),
+            tl.where(hit_any, work - ((found >> 8) & 0xFFFFFF).to(tl.int32), 0),
+            tl.where(hit_any, (found & 0xFF).to(tl.int32), 1))
 
 
 def balanced_max_splits(*, max_kv_len: int, block_n: int, slots: int, head_programs: int) -> int:

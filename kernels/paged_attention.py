@@ -108,8 +108,8 @@ def paged_attention_kernel(
         pid_h = tl.program_id(1)
     split = tl.program_id(2)
     if BALANCED:  # program row pid_q is a work row: (request, split) pairs, then the padding rows
-        pid_q, split, req_splits = balanced_split(context_lens_ptr, num_reqs, pid_q, split_slots, small_slots,
-                                                  head_programs, num_splits, BLOCK_N)
+        pid_q, split, req_splits = balanced_split(context_lens_ptr, query_start_loc_ptr, num_reqs, pid_q,
+                                                  split_slots, small_slots, head_programs, num_splits, BLOCK_N)
 
     # Programs past num_q_programs cover rows after query_start_loc[-1] (CUDA-graph padding) as a request with
     # no cached tokens, so every row of out/lse is written, with (0, -inf) there.
@@ -358,7 +358,7 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
                                              kv_head_start=kv_head_start), None, None, None, 1)
     part_out, part_lse, counts, out_strides, lse_strides = split_outputs(q, out, lse, num_splits, split_buffer,
                                                                          balanced=balanced)
-    rows = num_q_programs + cdiv(num_tokens, block_q) + (cdiv(slots, head_programs) if balanced else 0)
+    rows = cdiv(slots, head_programs) + num_tokens if balanced else num_q_programs + cdiv(num_tokens, block_q)
     grid = ((rows * head_programs, 1, 1 if balanced else num_splits) if decode else (rows, head_programs, num_splits)) \
         if num_tokens else (0,)
     block_d = max(16, next_pow2(head_dim))

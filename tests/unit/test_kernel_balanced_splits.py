@@ -33,6 +33,8 @@ CASES = {
     "dcp-12q3kv-rank1-hnd": (Case([1] * 3, [1, 630, 130], 6, 2, 4, q_head_start=6, kv_head_start=1,
                                   layout="hnd"), 6),
     "mqa8-one-request-all-slots": (Case([1], [2000], 8, 1, 8), 16),
+    # A request without a query row (a padded batch's) takes no work row; 5 padding rows.
+    "gqa2-a-request-without-a-row": (Case([1, 0, 1, 1], [900, 700, 0, 45], 4, 2, 2, pad_rows=5), 8),
     # Every request in one split: stage 1 writes the outputs and the merge leaves them.
     "gqa2-equal-one-split-each": (Case([1] * 4, [640] * 4, 4, 2, 2, pad_rows=2), 8),
 }
@@ -83,7 +85,7 @@ def test_each_request_takes_its_share_of_the_splits(ctx_lens, splits_taken, max_
     out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
     plan = _plan(case, 8, q, (key_cache, value_cache), tables, out, lse)
     assert plan.num_splits == max_splits
-    head_programs, rows = 2, 4 + len(ctx_lens) + q.shape[0]  # cdiv(slots, head programs) + requests + tokens
+    head_programs, rows = 2, 4 + q.shape[0]  # cdiv(slots, head programs) + tokens
     assert plan.stage1.grid == (rows * head_programs, 1, 1), "a program per (work row, head program), no more"
     plan.stage1(q, key_cache, value_cache, *tables, out, lse, None, None, plan.part_out, plan.part_lse,
                 plan.split_counts)
