@@ -144,8 +144,8 @@ def test_write_kv_cache_high_slots(dtype):
     kc, vc = buf[..., :head_dim], buf[..., head_dim:]
     k, v = (torch.randn(300, num_heads, head_dim, device="cuda").to(dtype) for _ in range(2))
     total = num_blocks * block_size
-    slots = torch.randperm(total, device="cuda")[:256]
-    slots[:64] = torch.arange(total - 64, total, device="cuda")
+    slots = torch.randperm(total - 64, device="cuda")[:256]  # distinct from the last 64 (a slot written twice
+    slots[:64] = torch.arange(total - 64, total, device="cuda")  # would hold only its second row)
     slots[64::5] = -1
     write_kv_cache(k, v, kc, vc, slots)
     mine = slots >= 0
