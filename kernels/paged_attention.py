@@ -127,8 +127,8 @@ def paged_attention_kernel(
     context_len = tl.load(context_lens_ptr + req, mask=~is_tail, other=0).to(tl.int32)
     if (q_block < 0) | (q_block * BLOCK_Q >= q_end - q_start):
         return
-    if BALANCED:  # a decode's token row: q_start + q_block
-        if (split == 0) & (pid_h == 0):
+    if BALANCED:  # a decode's token row: q_start + q_block (with one split at most there are no counts)
+        if (split == 0) & (pid_h == 0) & (num_splits > 1):
             tl.store(split_counts_ptr + q_start + q_block, req_splits)
 
     kv_head, tile_lo, head_hi = group_head_tile(pid_h, first_kv_head, head_tiles_per_group, q_head_start, q_per_kv,
@@ -345,7 +345,7 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     if balanced:
         num_splits = fit_splits(q, balanced_max_splits(max_kv_len=max_kv_len, block_n=cfg.block_n, slots=slots,
                                                        head_programs=head_programs), split_buffer, counted=True)
-        balanced = num_splits > 1
+        # One split too (tiny contexts): every decode then runs the one compiled variant, which writes out directly.
     if num_splits is None:
         num_splits = auto_splits(q, programs=num_q_programs * head_programs, max_kv_len=max_kv_len,
                                  block_n=cfg.block_n, split_buffer=split_buffer)
@@ -379,6 +379,8 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
         stand_ins=({} if kv_fp8 else {8: 0, 9: 0}) | ({} if balanced else {10: 0, 11: 0, 12: 0}))  # never read
     if not balanced:
         return with_reduce(stage1, part_out, part_lse, out, lse, num_splits, stage1_extra=(None, None, None))
+    if num_splits == 1:
+        return with_reduce(stage1, None, None, out, lse, 1, stage1_extra=(part_out, part_lse, counts))
     # The merge's variant by the splits a request takes on average: about slots / (requests x head programs).
     return with_reduce(stage1, part_out, part_lse, out, lse, num_splits, split_counts=counts,
                        stage1_extra=(part_out, part_lse, counts),

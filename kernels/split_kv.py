@@ -219,13 +219,15 @@ def fit_splits(q, splits: int, split_buffer, *, counted: bool = False) -> int:
 def split_outputs(q, out, lse, num_splits: int, split_buffer, *, balanced: bool = False):
     """Where stage 1 writes: ``(part_out, part_lse, split_counts, out_strides, lse_strides)``, the strides in the
     kernels' order (``with_split_stride``) of ``out``/``lse`` themselves with one split, else of the split partials
-    (``split_views``), but of ``out``/``lse`` for a ``balanced`` decode (its one-split tokens go there)."""
+    (``split_views``), but of ``out``/``lse`` for a ``balanced`` decode (its one-split tokens go there; its views
+    are there with one split too)."""
     plain = with_split_stride(head_strides(out, 3), 0), (*head_strides(lse, 2)[1:], 0)
-    if num_splits == 1:
+    if num_splits == 1 and not balanced:
         return None, None, None, *plain
     num_tokens, num_q_heads, head_dim = q.shape
-    part_out, part_lse, counts = split_views(split_buffer, num_tokens, num_q_heads, num_splits, head_dim, q.device)
-    if balanced:
+    part_out, part_lse, counts = split_views(split_buffer, num_tokens, num_q_heads, num_splits * (num_splits > 1),
+                                             head_dim, q.device)
+    if balanced:  # with one split, empty views (never touched) of the dtypes the kernel's one variant takes
         return part_out, part_lse, counts, *plain
     return part_out, part_lse, None, (num_q_heads, 0, *part_out.stride()), (0, *part_lse.stride())
 

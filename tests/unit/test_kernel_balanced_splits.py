@@ -100,22 +100,38 @@ def test_each_request_takes_its_share_of_the_splits(ctx_lens, splits_taken, max_
             assert torch.isinf(lse[token]).all() == (ctx_lens[token] == 0)
 
 
-def test_explicit_splits_tiny_contexts_and_the_interpreter_default_keep_the_uniform_split():
+def test_explicit_splits_the_opt_out_and_the_interpreter_default_keep_the_uniform_split():
     case = Case([1, 1], [300, 20], 4, 2, 2)
     q, key_cache, value_cache, *tables = _inputs(case, seed=8)
     out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
     explicit = plan_paged(q, key_cache, value_cache, *tables, out, lse, scale=0.1, **_heads(case), max_kv_len=300,
                           max_query_len=1, num_splits=3, split_slots=8)
     assert not explicit.stage1.constexprs["BALANCED"] and explicit.num_splits == 3
-    tiny = plan_paged(q, key_cache, value_cache, *tables, out, lse, scale=0.1, **_heads(case), max_kv_len=40,
-                      max_query_len=1, split_slots=8)  # two tiles: one split
-    assert not tiny.stage1.constexprs["BALANCED"] and tiny.num_splits == 1
     off = plan_paged(q, key_cache, value_cache, *tables, out, lse, scale=0.1, **_heads(case), max_kv_len=300,
                      max_query_len=1, split_slots=0)
     assert not off.stage1.constexprs["BALANCED"]
     default = plan_paged(q, key_cache, value_cache, *tables, out, lse, scale=0.1, **_heads(case), max_kv_len=300,
                          max_query_len=1)  # the interpreter: one split, as the uniform count gives there
     assert not default.stage1.constexprs["BALANCED"] and default.num_splits == 1
+
+
+def test_tiny_contexts_take_the_balanced_kernel_in_one_split():
+    """Contexts of at most two tiles: one split, no partials, but the same compiled kernel as every other decode
+    (so serving never needs the uniform decode variant): its partial and count arguments are empty float32 / int32
+    views of the split buffer, which nothing may write."""
+    case = Case([1, 1, 1], [40, 0, 17], 4, 2, 2, pad_rows=2)
+    q, key_cache, value_cache, *tables = _inputs(case, seed=9)
+    out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
+    scratch = poisoned((256,), torch.float32)
+    plan = plan_paged(q, key_cache, value_cache, *tables, out, lse, scale=case.head_dim ** -0.5, **_heads(case),
+                      max_kv_len=40, max_query_len=1, split_buffer=scratch, split_slots=8)
+    assert plan.stage1.constexprs["BALANCED"] and plan.num_splits == 1 and plan.reduce is None
+    plan(q, key_cache, value_cache, *tables, out, lse)
+    assert torch.isnan(scratch).all(), "a one-split decode wrote into the split buffer"
+    want_out, want_lse = reference.paged_attention(q.double(), key_cache.double(), value_cache.double(), *tables,
+                                                   scale=case.head_dim ** -0.5, **_heads(case), max_kv_len=40)
+    assert_matches(out, want_out, case.dtype, "out")
+    assert_matches(lse, want_lse, case.dtype, "lse")
 
 
 def test_the_gpu_default_is_balanced(monkeypatch):
