@@ -4,7 +4,8 @@ Stage 1 runs one program per (query block, head tile, KV split). A tile's rows a
 request times ``BLOCK_H`` Q heads of ONE KV group, so each K/V tile is loaded once for every Q head that reads it,
 and a tile never mixes two KV heads whatever the group size or the offset of the first Q head. A request's cached
 tokens are cut into ``num_splits`` ranges of whole ``BLOCK_N`` tiles; with one split stage 1 writes ``out``/``lse``
-directly, otherwise it writes fp32 partials that stage 2 merges by LSE. Softmax runs in base 2 with
+directly, otherwise it writes fp32 partials that stage 2 merges by LSE. A decode on a GPU cuts each request into
+its own number of splits instead (``BALANCED``, ``_schedule.balanced_split``). Softmax runs in base 2 with
 ``scale * log2(e)`` folded into one multiplier; LSE is stored in natural log.
 
 Three compiled variants serve every step of a serving engine: decode (one query row per request, one program per
