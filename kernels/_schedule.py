@@ -91,8 +91,8 @@ def pick_num_splits(*, programs: int, max_kv_len: int, block_n: int, sms: int, p
 # Programs: one per (work row, head program); a work row is one (request, split), for the requests with a query row
 # (a decode's requests have at most one), then one per row after ``query_start_loc[num_reqs]`` (padding): the splits
 # number at most ``slots / head_programs`` plus the requests with a row, so ``cdiv(slots, head_programs) +
-# num_tokens`` rows cover them whatever the contexts. Every program finds its row with two reads of the batch's
-# lengths (one for ``BALANCE_BLOCK`` requests or fewer): the search is each program's fixed cost.
+# num_tokens`` rows cover them whatever the contexts. Every program finds its row in two passes over the batch's
+# lengths, ``BALANCE_BLOCK`` requests a read: the search is each program's fixed cost.
 BALANCE_BLOCK = tl.constexpr(256)  # requests a step of ``balanced_split``'s loops reads
 _SMALL_TILES = tl.constexpr(SMALL_GRID_TILES)  # the jit function's copies (it reads only constexpr globals)
 _MIN_TILES = tl.constexpr(MIN_TILES_PER_SPLIT)
