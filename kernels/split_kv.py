@@ -60,8 +60,8 @@ def paged_attention_reduce_kernel(
     ``COUNTED`` (a balanced decode): token ``t`` has ``split_counts[t]`` splits, the rest of its partials unwritten;
     with one, stage 1 wrote ``out``/``lse`` itself and there is nothing to merge."""
     token = tl.program_id(0).to(tl.int64)
-    if COUNTED:
-        num_splits = tl.load(split_counts_ptr + token)
+    if COUNTED:  # at most the plan's count: a count left unwritten (a bug) cannot send the loop out of the buffer
+        num_splits = tl.minimum(tl.load(split_counts_ptr + token), num_splits)
         if num_splits == 1:
             return
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)

@@ -33,8 +33,9 @@ CASES = {
     "dcp-12q3kv-rank1-hnd": (Case([1] * 3, [1, 630, 130], 6, 2, 4, q_head_start=6, kv_head_start=1,
                                   layout="hnd"), 6),
     "mqa8-one-request-all-slots": (Case([1], [2000], 8, 1, 8), 16),
-    # A request without a query row (a padded batch's) takes no work row; 5 padding rows.
-    "gqa2-a-request-without-a-row": (Case([1, 0, 1, 1], [900, 700, 0, 45], 4, 2, 2, pad_rows=5), 8),
+    # Requests without a query row (a padded batch's) take no work row: counting their 700 tokens would give the
+    # others 7 work rows, and with the 6 padding rows 13, past the grid's cdiv(8, 2) + 8 tokens = 12.
+    "gqa2-requests-without-a-row": (Case([1, 0, 0, 1], [900, 700, 700, 45], 4, 2, 2, pad_rows=6), 8),
     # Every request in one split: stage 1 writes the outputs and the merge leaves them.
     "gqa2-equal-one-split-each": (Case([1] * 4, [640] * 4, 4, 2, 2, pad_rows=2), 8),
 }
