@@ -380,8 +380,6 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
         stand_ins=({} if kv_fp8 else {8: 0, 9: 0}) | ({} if balanced else {10: 0, 11: 0, 12: 0}))  # never read
     if not balanced:
         return with_reduce(stage1, part_out, part_lse, out, lse, num_splits, stage1_extra=(None, None, None))
-    if num_splits == 1:
-        return with_reduce(stage1, None, None, out, lse, 1, stage1_extra=(part_out, part_lse, counts))
     # The merge's variant by the splits a request takes on average: about slots / (requests x head programs).
     return with_reduce(stage1, part_out, part_lse, out, lse, num_splits, split_counts=counts,
                        stage1_extra=(part_out, part_lse, counts),

@@ -163,31 +163,28 @@ class PagedLaunch:
 
     def __call__(self, q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse,
                  k_scale=None, v_scale=None) -> None:
-        if self.reduce is None:
-            self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, k_scale,
-                        v_scale, *self._extra)
-            return
         counts = self.split_counts
-        if counts is None:
-            self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc, self.part_out,
-                        self.part_lse, k_scale, v_scale, *self._extra)
-        else:
-            self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, k_scale,
-                        v_scale, *self._extra)
+        to_out = self.reduce is None or counts is not None  # stage 1 writes out/lse (a balanced decode: some rows)
+        self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc,
+                    out if to_out else self.part_out, lse if to_out else self.part_lse, k_scale, v_scale, *self._extra)
+        if self.reduce is None:
+            return
         if self.reduce_other is not None and every_variant_wanted():
             self.reduce_other(self.part_out, self.part_lse, out, lse, counts)  # the same merge: rewritten next
         self.reduce(self.part_out, self.part_lse, out, lse, counts)
 
 
-def split_views(buffer, num_tokens: int, num_heads: int, num_splits: int, head_dim: int, device):
-    """``[T, H, S, D]`` partial outputs, ``[T, H, S]`` LSEs and ``[T]`` int32 split counts, carved from ``buffer``
-    (float32; or new)."""
+def split_views(buffer, num_tokens: int, num_heads: int, num_splits: int, head_dim: int, device, *,
+                counted: bool = False):
+    """``[T, H, S, D]`` partial outputs, ``[T, H, S]`` LSEs and, with ``counted``, ``[T]`` int32 split counts (else
+    None), carved from ``buffer`` (float32; or new)."""
     out_size, lse_size = num_tokens * num_heads * num_splits * head_dim, num_tokens * num_heads * num_splits
-    if buffer is None or buffer.numel() < out_size + lse_size + num_tokens:
-        buffer = torch.empty(out_size + lse_size + num_tokens, dtype=torch.float32, device=device)
+    size = out_size + lse_size + counted * num_tokens
+    if buffer is None or buffer.numel() < size:
+        buffer = torch.empty(size, dtype=torch.float32, device=device)
     part_out = buffer[:out_size].view(num_tokens, num_heads, num_splits, head_dim)
     part_lse = buffer[out_size:out_size + lse_size].view(num_tokens, num_heads, num_splits)
-    counts = buffer[out_size + lse_size:out_size + lse_size + num_tokens].view(torch.int32)
+    counts = buffer[out_size + lse_size:size].view(torch.int32) if counted else None
     return part_out, part_lse, counts
 
 
@@ -226,7 +223,7 @@ def split_outputs(q, out, lse, num_splits: int, split_buffer, *, balanced: bool 
         return None, None, None, *plain
     num_tokens, num_q_heads, head_dim = q.shape
     part_out, part_lse, counts = split_views(split_buffer, num_tokens, num_q_heads, num_splits * (num_splits > 1),
-                                             head_dim, q.device)
+                                             head_dim, q.device, counted=balanced)
     if balanced:  # with one split, empty views (never touched) of the dtypes the kernel's one variant takes
         return part_out, part_lse, counts, *plain
     return part_out, part_lse, None, (num_q_heads, 0, *part_out.stride()), (0, *part_lse.stride())
@@ -240,8 +237,10 @@ def with_reduce(stage1: Launch, part_out, part_lse, out, lse, num_splits: int, s
     if num_splits == 1:
         return PagedLaunch(stage1, None, part_out, part_lse, num_splits, stage1_extra=stage1_extra)
     counted = split_counts is not None
-    if narrow is None or INTERPRET:
-        narrow = None if INTERPRET else num_splits <= NARROW_SPLITS
+    if INTERPRET:
+        narrow = None  # reduce_tiling's interpreter tiling
+    elif narrow is None:
+        narrow = num_splits <= NARROW_SPLITS
     reduce = plan_split_reduce(part_out, part_lse, out, lse, counted=counted, narrow=narrow)
     other = None if INTERPRET else plan_split_reduce(part_out, part_lse, out, lse, counted=counted,
                                                      narrow=not narrow)
