@@ -221,6 +221,10 @@ def main() -> None:
                         "(e.g. 64x256x8x2, 64x128x4x2x1x1; AHEAD: descriptor rows read a chunk ahead)")
     parser.add_argument("--decode-configs", help="replace the decode candidates: BNxWxS[xTMA[xAHEAD[xROWS]]],... "
                         "(e.g. 64x4x3x1x1, 64x4x4x1x0x64)")
+    parser.add_argument("--fp8-configs", help="replace the fp8 decode candidates, as --decode-configs")
+    parser.add_argument("--decode-shapes", help="replace the decode shapes: BATCHxCTXxHQxHK,... (also fp8's)")
+    parser.add_argument("--splits", help="replace the fixed split counts timed beside the automatic one (decode and "
+                        "fp8): N,N,... or 'none' for the automatic one alone")
     parser.add_argument("--prefill-configs", help="replace the D=128 prefill candidates: BMxBNxWxSxTMA,... "
                         "(TMA 0/1, e.g. 128x128x8x3x1)")
     parser.add_argument("--prefill-shapes", help="replace the prefill shapes: SEQSxLEN,... (e.g. 16x1024,2x4096)")
@@ -230,6 +234,12 @@ def main() -> None:
         PREFILL_SHAPES[:] = [tuple(int(x) for x in c.split("x")) for c in args.prefill_shapes.split(",")]
     if args.decode_configs:
         DECODE_CONFIGS[:] = [tuple(int(x) for x in c.split("x")) for c in args.decode_configs.split(",")]
+    if args.fp8_configs:
+        FP8_CONFIGS[:] = [tuple(int(x) for x in c.split("x")) for c in args.fp8_configs.split(",")]
+    if args.decode_shapes:
+        DECODE_SHAPES[:] = FP8_SHAPES[:] = [tuple(int(x) for x in c.split("x")) for c in args.decode_shapes.split(",")]
+    if args.splits:
+        DECODE_SPLITS[:] = FP8_SPLITS[:] = [] if args.splits == "none" else [int(x) for x in args.splits.split(",")]
     if args.prefix_configs:
         PREFIX_CONFIGS[:] = [tuple(int(x) for x in c.split("x")) for c in args.prefix_configs.split(",")]
     if args.prefill_configs:
