@@ -61,6 +61,10 @@ from_repo() {  # pytest run from /tmp names files relative to /tmp (../<checkout
   sed -u "s#\(^\| \)$rel/#\1#g"
 }
 
+results_here() {  # the scripts run from /tmp: a relative --out benchmarks/results/x.json lands where pack_results looks
+  mkdir -p /tmp/benchmarks && ln -sfn "$repo/benchmarks/results" /tmp/benchmarks/results
+}
+
 pack_results() {  # pack_results SINCE ARCHIVE: every file under benchmarks/results newer than SINCE, one tarball
   # (the device returns a limited number of files; copying every result file once lost a run's own): unpack it
   # into benchmarks/results/ on the host.

@@ -77,6 +77,7 @@ case "$stage" in
     fi
     export PYTHONPATH=/tmp/dcp${PYTHONPATH:+:$PYTHONPATH}
     cd /tmp
+    results_here
     for script in "$@"; do
       if [[ $script == tests/* ]]; then
         DCP_TRITON_REQUIRE_VLLM=1 PYTHONPATH=$PYTHONPATH:$repo python3 -m pytest -q -m gpu -p no:cacheprovider \
@@ -97,6 +98,7 @@ case "$stage" in
     python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/dcp_base /tmp/dcp_base_src \
       >"$OUT/install_base.log" 2>&1 || { cat "$OUT/install_base.log"; exit 1; }
     cd /tmp
+    results_here
     for script in "$@"; do
       # shellcheck disable=SC2086  # "name.py --flag value": word splitting is wanted
       PYTHONPATH=/tmp/dcp_base${PYTHONPATH:+:$PYTHONPATH} DCP_TRITON_COMMIT=$(cat "$base/REV") \
