@@ -1,7 +1,7 @@
 """The README's CPU server command, as written, serves the demo model on dcp-triton: one start of vLLM's
 OpenAI-compatible server (its flags read from README.md, the model path pointed at the test's converted copy and a
 free port added), a completion and a chat request through the ``openai`` client, the answers checked, the server
-stopped. Under a minute on 2 cores (36 s to ready, eager as the README says), most of it the start-up."""
+stopped. Under a minute on 2 cores (eager, as the README says), most of it the server's start-up."""
 
 from __future__ import annotations
 
