@@ -5,6 +5,9 @@ import triton
 import triton.language as tl
 
 from dcp_plugin.kernels._launch import descriptor_ready, next_pow2, tma_available
+from dcp_plugin.kernels._mode import INTERPRET
+
+_INTERPRET = tl.constexpr(INTERPRET)
 
 # Tiles whose descriptor rows are read at once (``tile_rows``). A copy whose coordinates come from a load in the same
 # loop iteration is an indirect load to Triton's pipeliner, which then keeps one tile in flight whatever
@@ -122,8 +125,8 @@ def attend_cached_tile(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc,
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
     if KV_FP8:  # dequantize in registers (the scales are applied to scores and output)
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
+        k = widen_fp8(k, q.dtype)
+        v = widen_fp8(v, q.dtype)
     scores = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
     if MASK_TOKENS:
         scores = tl.where(pos_mask[None, :], scores, float("-inf"))
@@ -135,6 +138,24 @@ def attend_cached_tile(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc,
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, l_i, m_new
+
+
+@triton.jit
+def widen_fp8(x, dtype: tl.constexpr):
+    """``x.to(dtype)``. An fp8 tile widening to fp16 on a GPU goes through an opaque conversion instead (inline
+    assembly Triton cannot see through): Triton would otherwise move the tile's shared-memory round trip to before
+    ``.to``, and an 8-bit tile read as P x V's second operand (along its tokens) comes out of shared memory a byte
+    at a time (benchmarks/kernels/fp8_decode_sass.py counts the loop). e4m3: the hardware's paired conversion;
+    e5m2: the byte is the top half of its fp16 value."""
+    if (not _INTERPRET) and (dtype == tl.float16) and (x.dtype == tl.float8e4nv):
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+    if (not _INTERPRET) and (dtype == tl.float16) and (x.dtype == tl.float8e5):
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 z; mov.b32 z, 0; prmt.b32 $0, z, $2, 0x5040; prmt.b32 $1, z, $2, 0x7060; }",
+            "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+    return x.to(dtype)
 
 
 def cache_takes_descriptors(key_cache, value_cache, head_dim: int, block_n: int) -> bool:

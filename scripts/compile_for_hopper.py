@@ -193,7 +193,8 @@ def main() -> None:
         compiled = triton.compile(src, target=target, options=options)
         usage = resource_usage(compiled.asm["cubin"])
         loop = main_loop(cuobjdump(compiled.asm["cubin"], "-sass"))
-        rows.append(dict(kernel=name, constants={k: str(v) for k, v in constants.items()}, **options, **usage,
+        rows.append(dict(kernel=name, constants={k: str(v) for k, v in constants.items()},
+                         kv_cache=dict(signature).get("key_cache_ptr"), **options, **usage,
                          shared=compiled.metadata.shared, main_loop=loop,
                          seconds=round(time.perf_counter() - began, 1)))
         print(f"{name:30s} regs {usage.get('registers', '?'):>3} local {usage.get('local_bytes', '?'):>4} "
