@@ -243,10 +243,11 @@ class Launch:
                  "_aligned", "_tail", "_device")
 
     def __init__(self, kernel, grid: tuple, scalars: tuple, constexprs: dict, *, num_warps: int,
-                 num_stages: int = 1, scratch: bool = False, stand_ins: dict[int, int] | None = None) -> None:
+                 num_stages: int = 1, scratch: bool = False, stand_ins: dict[int, int] | None = None,
+                 maxnreg: int | None = None) -> None:
         self.kernel, self.grid, self.scalars, self.constexprs = kernel, tuple(grid) + (1,) * (3 - len(grid)), \
             scalars, constexprs
-        self.options = {"num_warps": num_warps, "num_stages": num_stages}
+        self.options = {"num_warps": num_warps, "num_stages": num_stages} | ({"maxnreg": maxnreg} if maxnreg else {})
         self._stand_ins = tuple(stand_ins.items()) if stand_ins else ()
         self._compiled = None
         self._aligned = None

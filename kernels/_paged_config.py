@@ -20,6 +20,10 @@ class PagedConfig:
     tma: bool = False  # on sm_90+, whole tiles of one page through tensor descriptors where the cache allows
     rows_ahead: bool = False  # with tma: the tiles' descriptor rows read a chunk ahead (_paged_tile.TMA_CHUNK)
     min_rows: int = 16  # rows a tile has at least (Q heads past the group masked); 64: warpgroup MMAs on sm_90
+    # An fp8 cache's tiles widened to fp16 before their shared-memory round trip (``_paged_tile.widen_fp8``): 0 none
+    # (V then reaches P x V a byte at a time), 1 V, 2 K and V. Other caches ignore it.
+    fp8_widen: int = 0
+    max_registers: int = 0  # a cap on registers per thread (Triton's maxnreg), for more programs per SM; 0: none
 
 
 # (padded head dim, decode) -> launch constants for Hopper; benchmarks sweep others via ``config=``. "decode" = the
@@ -73,6 +77,10 @@ def pick_config(head_dim: int, *, decode: bool, dtype: torch.dtype = torch.bfloa
             raise ValueError(f"config.{name} must be a power of two >= 16 (tl.dot tiles), got {value}")
     if config.min_rows > config.block_m:
         raise ValueError(f"config.min_rows ({config.min_rows}) must be <= config.block_m ({config.block_m})")
+    if config.fp8_widen not in (0, 1, 2):
+        raise ValueError(f"config.fp8_widen must be 0 (none), 1 (V) or 2 (K and V), got {config.fp8_widen!r}")
+    if config.max_registers and not 24 <= config.max_registers <= 255:
+        raise ValueError(f"config.max_registers must be 0 (no cap) or 24..255, got {config.max_registers!r}")
     if config.num_warps < 1 or config.num_stages < 1:
         raise ValueError(f"config.num_warps and config.num_stages must be >= 1, got {config!r}")
     return config

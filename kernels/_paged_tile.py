@@ -46,7 +46,7 @@ def _row_here(table_ptr, n_start, stride_bt_blk, rows_per_block, PAGE_SIZE: tl.c
 def attend_split(q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, kv_start, kv_end, dims, dim_mask, qk_scale,
                  stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d, stride_bt_blk,
                  rows_per_block, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, USE_TMA: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_WIDEN: tl.constexpr, USE_TMA: tl.constexpr,
                  ROWS_AHEAD: tl.constexpr):
     """The online softmax of ``q`` [BLOCK_M, BLOCK_D] over cached tokens ``[kv_start, kv_end)`` (a split starts on a
     tile boundary): ``(acc, l_i, m_i)``, scores in base-2 units. ``ROWS_AHEAD`` (with ``USE_TMA``): descriptor rows
@@ -68,7 +68,7 @@ def attend_split(q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, kv_start,
                     kv_end, pick_row(rows_ahead, j, TMA_CHUNK), dims, dim_mask, qk_scale, stride_kc_blk,
                     stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d, stride_bt_blk,
                     PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASK_TOKENS=False, EVEN_D=EVEN_D,
-                    DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, USE_TMA=USE_TMA)
+                    DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, FP8_WIDEN=FP8_WIDEN, USE_TMA=USE_TMA)
     else:
         for n_start in range(kv_start, full_end, BLOCK_N):
             acc, l_i, m_i = attend_cached_tile(
@@ -76,14 +76,14 @@ def attend_split(q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, kv_start,
                 _row_here(table_ptr, n_start, stride_bt_blk, rows_per_block, PAGE_SIZE, BLOCK_N, USE_TMA), dims,
                 dim_mask, qk_scale, stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok,
                 stride_vc_d, stride_bt_blk, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASK_TOKENS=False, EVEN_D=EVEN_D,
-                DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, USE_TMA=USE_TMA)
+                DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, FP8_WIDEN=FP8_WIDEN, USE_TMA=USE_TMA)
     for n_start in range(full_end, kv_end, BLOCK_N):
         acc, l_i, m_i = attend_cached_tile(
             acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, n_start, kv_end,
             _row_here(table_ptr, n_start, stride_bt_blk, rows_per_block, PAGE_SIZE, BLOCK_N, USE_TMA), dims,
             dim_mask, qk_scale, stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d,
             stride_bt_blk, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASK_TOKENS=True, EVEN_D=EVEN_D,
-            DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, USE_TMA=USE_TMA)
+            DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, FP8_WIDEN=FP8_WIDEN, USE_TMA=USE_TMA)
 
     return acc, l_i, m_i
 
@@ -93,7 +93,7 @@ def attend_cached_tile(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc,
                        dims, dim_mask, qk_scale, stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk,
                        stride_vc_tok, stride_vc_d, stride_bt_blk, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                        MASK_TOKENS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       KV_FP8: tl.constexpr, USE_TMA: tl.constexpr):
+                       KV_FP8: tl.constexpr, FP8_WIDEN: tl.constexpr, USE_TMA: tl.constexpr):
     """One online-softmax step over cached tokens ``n_start + [0, BLOCK_N)``; scores in base-2 units.
     ``MASK_TOKENS``: the tile may pass ``kv_end`` (it always holds at least one token before it). ``USE_TMA``: the
     tile lies inside one page (``BLOCK_N`` divides ``PAGE_SIZE``) and comes through the tensor descriptors from
@@ -125,8 +125,14 @@ def attend_cached_tile(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc,
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
     if KV_FP8:  # dequantize in registers (the scales are applied to scores and output)
-        k = widen_fp8(k, q.dtype)
-        v = widen_fp8(v, q.dtype)
+        if FP8_WIDEN == 2:  # FP8_WIDEN: PagedConfig.fp8_widen
+            k = widen_fp8(k, q.dtype)
+        else:
+            k = k.to(q.dtype)
+        if FP8_WIDEN >= 1:
+            v = widen_fp8(v, q.dtype)
+        else:
+            v = v.to(q.dtype)
     scores = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
     if MASK_TOKENS:
         scores = tl.where(pos_mask[None, :], scores, float("-inf"))

@@ -94,6 +94,7 @@ def paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,  # the cache holds value / scale in fp8: scale the scores by k_scale, the output by v_scale
     FP8_VIA_FP16: tl.constexpr,  # bf16 q over an fp8 cache: compute in fp16 (below)
+    FP8_WIDEN: tl.constexpr,  # fp8 tiles widened before their shared-memory round trip: 0 none, 1 V, 2 K and V
     USE_TMA: tl.constexpr,  # whole tiles of one page through tensor descriptors (``cache_takes_descriptors``)
     ROWS_AHEAD: tl.constexpr,  # with USE_TMA: descriptor rows read a chunk of tiles ahead (PagedConfig.rows_ahead)
     BALANCED: tl.constexpr = False,  # DECODE: each request's own split count (_schedule.balanced_split); out/lse
@@ -180,7 +181,7 @@ def paged_attention_kernel(
         q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, kv_start, kv_end, dims, dim_mask, qk_scale,
         stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d, stride_bt_blk,
         rows_per_block, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
-        KV_FP8=KV_FP8, USE_TMA=USE_TMA, ROWS_AHEAD=ROWS_AHEAD)
+        KV_FP8=KV_FP8, FP8_WIDEN=FP8_WIDEN, USE_TMA=USE_TMA, ROWS_AHEAD=ROWS_AHEAD)
 
     # No cached tokens: acc = 0, l_i = 0, m_i = -inf -> (0, -inf). A NaN input leaves l_i NaN: NaN out and lse.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -374,9 +375,11 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
         dict(PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
              EVEN_D=block_d == head_dim, DECODE=decode,
              DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-             KV_FP8=kv_fp8, FP8_VIA_FP16=kv_fp8 and q.dtype == torch.bfloat16, USE_TMA=use_tma,
+             KV_FP8=kv_fp8, FP8_VIA_FP16=kv_fp8 and q.dtype == torch.bfloat16, FP8_WIDEN=cfg.fp8_widen * kv_fp8,
+             USE_TMA=use_tma,
              ROWS_AHEAD=use_tma and cfg.rows_ahead, BALANCED=balanced),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, scratch=use_tma,  # q's pointer stands in for what is
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=None if INTERPRET else cfg.max_registers,
+        scratch=use_tma,  # q's pointer stands in for what is
         stand_ins=({} if kv_fp8 else {8: 0, 9: 0}) | ({} if balanced else {10: 0, 11: 0, 12: 0}))  # never read
     if not balanced:
         return with_reduce(stage1, part_out, part_lse, out, lse, num_splits, stage1_extra=(None, None, None))

@@ -5,7 +5,7 @@ the same config over a bf16 cache.
 
 A decode of 8 requests, 32 Q / 8 KV heads, head size 128, bf16 queries over an e4m3 (or bf16) cache of 64-token
 pages, planned by ``plan_paged`` as an sm_90 GPU would plan it; configs as ``sweep_kernels.py --fp8-configs`` names
-them (``BNxWxSxTMAxAHEADxROWS``; ``default``: the kernels' own table). Needs Triton 3.6 (the device's) and
+them (``BNxWxSxTMAxAHEADxROWS[xWIDEN[xREGS]]``; ``default``: the kernels' own table). Needs Triton 3.6 (the device's) and
 ``TRITON_INTERPRET=0``; writes ``benchmarks/results/<--name>.json``.
 
     TRITON_INTERPRET=0 python benchmarks/kernels/fp8_decode_sass.py [--configs default,128x4x3x0x0x64]
@@ -44,9 +44,10 @@ CONFIGS = "default,128x4x3x0x0x64,64x4x4x1x0x64,64x4x6x1x0x64,128x4x2x0x0x64"
 def parse(name: str) -> PagedConfig | None:
     if name == "default":
         return None
-    bn, warps, stages, tma, ahead, rows = (int(x) for x in name.split("x"))
+    bn, warps, stages, tma, ahead, rows, *more = (int(x) for x in name.split("x"))
+    widen, regs = (*more, 0, 0)[:2]
     return PagedConfig(block_n=bn, block_m=64, num_warps=warps, num_stages=stages, tma=bool(tma),
-                       rows_ahead=bool(ahead), min_rows=rows)
+                       rows_ahead=bool(ahead), min_rows=rows, fp8_widen=widen, max_registers=regs)
 
 
 def decode_loop(config: PagedConfig | None, cache_dtype: torch.dtype) -> dict:
@@ -75,7 +76,7 @@ def decode_loop(config: PagedConfig | None, cache_dtype: torch.dtype) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", default=CONFIGS, help="comma-separated: default or BNxWxSxTMAxAHEADxROWS")
+    parser.add_argument("--configs", default=CONFIGS, help="comma-separated: default or BNxWxSxTMAxAHEADxROWS[xWIDEN[xREGS]]")
     parser.add_argument("--name", default="hopper_sass_sm90_fp8_decode", help="results file stem")
     args = parser.parse_args()
     rows = []

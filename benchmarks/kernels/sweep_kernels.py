@@ -7,9 +7,11 @@ default (``None``: the kernels' own table) first, so a row's gain is read agains
   specialization, which gained nothing, before it became this option);
 - ``prefix``: ``paged_attention`` configs ``(block_n, block_m, num_warps, num_stages[, tma[, rows_ahead]])`` on the
   DCP prefix pass;
-- ``decode`` / ``fp8``: decode configs ``(block_n, num_warps, num_stages[, tma[, rows_ahead[, min_rows]]])``
-  crossed with split counts, graph replay, GB/s of cache bytes read (bf16 / e4m3 cache); ``min_rows`` 64 pads a
-  tile's Q heads to 64 rows, which ``tl.dot`` runs as warpgroup MMAs on sm_90.
+- ``decode`` / ``fp8``: decode configs ``(block_n, num_warps, num_stages[, tma[, rows_ahead[, min_rows[,
+  fp8_widen[, max_registers]]]]])`` crossed with split counts, graph replay, GB/s of cache bytes read (bf16 / e4m3 cache);
+  ``min_rows`` 64 pads a tile's Q heads to 64 rows, which ``tl.dot`` runs as warpgroup MMAs on sm_90; ``fp8_widen``
+  (``PagedConfig.fp8_widen``): 1 widens an fp8 cache's V tiles to fp16 before their shared-memory round trip, 2 K's
+  too; ``max_registers`` caps registers per thread (0: no cap).
 
 ``--page`` sets the cache's page size for both (16, vLLM's default, unless given; ``tma``: whole tiles of one page
 through tensor descriptors, which needs pages of at least ``block_n`` tokens).
@@ -42,7 +44,7 @@ from dcp_plugin.kernels import extend_attention, paged_attention  # noqa: E402
 def sweep_decode(shapes, splits_list, configs, *, fp8: bool = False) -> list[dict]:
     """Tuning data: graph-replay time of each launch config (None: the table's) crossed with each split count
     (None: the automatic one); ``config`` is recorded as ``[block_n, num_warps, num_stages, tma, rows_ahead,
-    min_rows]``. ``fp8``: over an e4m3 cache (GB/s of its bytes)."""
+    min_rows, fp8_widen, max_registers]``. ``fp8``: over an e4m3 cache (GB/s of its bytes)."""
     from dcp_plugin.kernels.paged_attention import PagedConfig, pick_config
 
     rows = []
@@ -50,7 +52,8 @@ def sweep_decode(shapes, splits_list, configs, *, fp8: bool = False) -> list[dic
     auto_cfg = pick_config(HEAD_DIM, decode=True)
     cfgs = [None, *(PagedConfig(block_n=c[0], block_m=auto_cfg.block_m, num_warps=c[1], num_stages=c[2],
                                 tma=len(c) > 3 and bool(c[3]), rows_ahead=len(c) > 4 and bool(c[4]),
-                                min_rows=c[5] if len(c) > 5 else 16)
+                                min_rows=c[5] if len(c) > 5 else 16, fp8_widen=c[6] if len(c) > 6 else 0,
+                                max_registers=c[7] if len(c) > 7 else 0)
                     for c in configs)]
     for batch, ctx, hq, hk in shapes:
         kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen, page=PAGE_SIZE[0])
@@ -68,7 +71,8 @@ def sweep_decode(shapes, splits_list, configs, *, fp8: bool = False) -> list[dic
                                     num_splits=splits, out=out, config=cfg, **scales)
                 row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, fp8=fp8, splits=splits, page=PAGE_SIZE[0],
                            config=None if cfg is None else [cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.tma,
-                                                            cfg.rows_ahead, cfg.min_rows])
+                                                            cfg.rows_ahead, cfg.min_rows, cfg.fp8_widen,
+                                                            cfg.max_registers])
                 try:
                     out.fill_(float("nan"))
                     call(0)
@@ -189,7 +193,8 @@ def best(rows: list[dict], key: str, group) -> dict:
 
 
 # Candidates. prefill: (block_m, block_n, num_warps, num_stages, tma); prefix: (block_n, block_m, num_warps,
-# num_stages[, tma[, rows_ahead]]); decode: (block_n, num_warps, num_stages[, tma[, rows_ahead[, min_rows]]]).
+# num_stages[, tma[, rows_ahead]]); decode: (block_n, num_warps, num_stages[, tma[, rows_ahead[, min_rows[,
+# fp8_widen[, max_registers]]]]]).
 PREFILL_CONFIGS = {
     128: [(128, 128, 8, 3, False), (128, 64, 8, 3, True), (128, 128, 8, 2, True), (128, 64, 8, 4, True)],
     64: [(128, 128, 8, 3, True), (128, 64, 4, 3, True), (128, 128, 4, 3, True), (128, 64, 4, 4, False)],
@@ -219,8 +224,9 @@ def main() -> None:
     parser.add_argument("--page", type=int, default=16, help="page size of the prefix and decode sweeps' caches")
     parser.add_argument("--prefix-configs", help="replace the prefix candidates: BNxBMxWxS[xTMA[xAHEAD]],... "
                         "(e.g. 64x256x8x2, 64x128x4x2x1x1; AHEAD: descriptor rows read a chunk ahead)")
-    parser.add_argument("--decode-configs", help="replace the decode candidates: BNxWxS[xTMA[xAHEAD[xROWS]]],... "
-                        "(e.g. 64x4x3x1x1, 64x4x4x1x0x64)")
+    parser.add_argument("--decode-configs", help="replace the decode candidates: "
+                        "BNxWxS[xTMA[xAHEAD[xROWS[xWIDEN[xREGS]]]]],... (e.g. 64x4x3x1x1, 64x4x4x1x0x64, "
+                        "128x4x3x0x0x16x1x168)")
     parser.add_argument("--fp8-configs", help="replace the fp8 decode candidates, as --decode-configs")
     parser.add_argument("--decode-shapes", help="replace the decode shapes: BATCHxCTXxHQxHK,... (also fp8's)")
     parser.add_argument("--splits", help="replace the fixed split counts timed beside the automatic one (decode and "
