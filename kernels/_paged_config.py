@@ -29,8 +29,12 @@ class PagedConfig:
 # (padded head dim, decode) -> launch constants for Hopper; benchmarks sweep others via ``config=``. "decode" = the
 # caller promised one query row per request (max_query_len=1). D=128 decode: 128-token tiles (H200, bf16: 1.1-1.3x
 # the GB/s of 64-token tiles with one KV head per rank, e.g. 32 x 8K 2631 against 2037, within 3% elsewhere;
-# benchmarks/results/kernels_h200_tuning_sweep3.json). Longer queries (the prefix pass, 32 Q / 8 KV heads; on sm_90
-# with Triton 3.6 ``gluon_prefix`` takes one-split prefill steps over 64-token pages instead): pages of 64+,
+# benchmarks/results/kernels_h200_tuning_sweep3.json); over an fp8 cache V widened to fp16 before its shared-memory
+# round trip (``fp8_widen=1``): 38.1 / 67.0 / 206.4 / 771.6 us at 1 x 32K / 8 x 8K / 8 x 32K / 128 x 8K (32 Q / 8 KV,
+# 64-token pages) against 40.9 / 73.7 / 232.5 / 873.1 with V read a byte at a time; K widened too (2) was slower:
+# 103 KiB of shared memory, two programs an SM (kernels_h200_sweep_fp8_regs.json, _widen.json). Longer queries
+# (the prefix pass, 32 Q / 8 KV heads; on sm_90 with Triton 3.6 ``gluon_prefix`` takes one-split prefill steps over
+# 64-token pages instead): pages of 64+,
 # 128-row tiles of 64 tokens through tensor descriptors, four warps, two stages, the rows read a chunk ahead:
 # 528 / 517 TFLOP/s at 2 x 4K rows over 32K cached / 1 x 2K over 128K, against 501 / 500 with each row read in
 # the loop (kernels_h200_sweep_prefix_ahead.json; pointer loads' best: 372 / 390, kernels_h200_sweep_tma.json);
@@ -39,7 +43,7 @@ class PagedConfig:
 GPU_CONFIGS = {
     (64, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=3),
     (64, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=3),
-    (128, True): PagedConfig(block_n=128, block_m=64, num_warps=4, num_stages=3),
+    (128, True): PagedConfig(block_n=128, block_m=64, num_warps=4, num_stages=3, fp8_widen=1),
     (128, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=2, tma=True, rows_ahead=True),
     (256, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=2),
     (256, False): PagedConfig(block_n=64, block_m=64, num_warps=8, num_stages=2),
@@ -52,7 +56,10 @@ POINTER_CONFIGS = {GPU_CONFIGS[128, False]: PagedConfig(block_n=64, block_m=256,
 # kernels_h200_sweep_decode64.json); rows read ahead and two warps lose (kernels_h200_sweep_ahead.json,
 # kernels_h200_sweep_decode_warps.json). fp8 keeps the pointer tiles: 2,027 / 2,548 / 2,811 GB/s at 8 x 8K / 8 x 32K /
 # 128 x 8K against 1,475 / 1,713 / 2,333 (kernels_h200_sweep_p64.json).
-DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=4, tma=True)}
+# Capped at 128 registers (135 uncapped: three programs an SM, four capped): 45.7 / 76.3 / 982.9 us at 1 x 32K / 8 x
+# 8K / 128 x 8K against 55.0 / 92.8 / 1,015.0 (kernels_h200_sweep_fp8_regs.json, 32 Q / 8 KV).
+DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=4, tma=True,
+                                              max_registers=128)}
 DESCRIPTOR_DECODE_MAX_GROUP = 16
 # float32 tiles take twice the shared memory: 128-token prefix tiles do not fit (256 KiB of 227).
 GPU_FP32_CONFIGS = {(128, False): PagedConfig(block_n=64, block_m=128, num_warps=8, num_stages=3)}

@@ -113,10 +113,13 @@ def balanced_split(context_lens_ptr, query_start_loc_ptr, num_reqs, work, slots,
                    max_splits, BLOCK_N: tl.constexpr):
     """Work row ``work`` -> ``(request, split, splits of that request)``; past the last request's last split, row
     ``num_reqs + i`` with one split: the ``i``-th row after ``query_start_loc[num_reqs]`` (padding). A request of
-    ``t`` tiles with a query row takes ``min(cdiv(t, target), max_splits)`` splits (at least one; none without a
-    row), where ``target`` tiles a split is ``pick_num_splits``' rule over the step's whole work ``w`` (tiles x head
-    programs): at least ``SMALL_GRID_TILES``, ``cdiv(w, slots)`` (no more programs than ``slots``) and, up to
-    ``MIN_TILES_PER_SPLIT``, ``cdiv(w, small_slots)``."""
+    ``t`` tiles with a query row takes ``t / target`` splits rounded to the nearest whole number (halves down), at
+    least one and at most ``max_splits`` (none without a row), where ``target`` tiles a split is
+    ``pick_num_splits``' rule over the step's whole work ``w`` (tiles x head programs): at least
+    ``SMALL_GRID_TILES``, ``cdiv(w, slots)`` (about ``slots`` programs) and, up to ``MIN_TILES_PER_SPLIT``,
+    ``cdiv(w, small_slots)``. Rounded up instead, equal contexts overshot ``slots`` by up to a program per request
+    and head program: 8 x 32K over 64-token tiles took 9 splits, 576 programs for 528 slots, a second wave of 48
+    (benchmarks/results/kernels_h200_sweep_fp8_regs.json)."""
     total = tl.full([], 0, tl.int32)
     for r0 in range(0, num_reqs, BALANCE_BLOCK):
         tiles, _ = _request_tiles(context_lens_ptr, query_start_loc_ptr, r0 + tl.arange(0, BALANCE_BLOCK), num_reqs,
@@ -130,7 +133,7 @@ def balanced_split(context_lens_ptr, query_start_loc_ptr, num_reqs, work, slots,
     for r0 in range(0, num_reqs, BALANCE_BLOCK):
         r = r0 + tl.arange(0, BALANCE_BLOCK)
         tiles, takes = _request_tiles(context_lens_ptr, query_start_loc_ptr, r, num_reqs, BLOCK_N)
-        splits = tl.where(takes, tl.minimum(tl.maximum((tiles + target - 1) // target, 1), max_splits), 0)
+        splits = tl.where(takes, tl.minimum(tl.maximum((2 * tiles + target - 1) // (2 * target), 1), max_splits), 0)
         end = tl.cumsum(splits, 0) + seen  # past request r's last work row
         hit = (end - splits <= work) & (work < end)
         found += tl.sum(tl.where(hit, (r.to(tl.int64) << 32) | ((end - splits).to(tl.int64) << 8) | splits, 0), 0)

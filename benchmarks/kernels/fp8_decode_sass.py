@@ -5,8 +5,8 @@ the same config over a bf16 cache.
 
 A decode of 8 requests, 32 Q / 8 KV heads, head size 128, bf16 queries over an e4m3 (or bf16) cache of 64-token
 pages, planned by ``plan_paged`` as an sm_90 GPU would plan it; configs as ``sweep_kernels.py --fp8-configs`` names
-them (``BNxWxSxTMAxAHEADxROWS[xWIDEN[xREGS]]``; ``default``: the kernels' own table). Needs Triton 3.6 (the device's) and
-``TRITON_INTERPRET=0``; writes ``benchmarks/results/<--name>.json``.
+them (``BNxWxSxTMAxAHEADxROWS[xWIDEN[xREGS]]``; ``default``: the kernels' own table). Needs Triton 3.6 (the
+device's) and ``TRITON_INTERPRET=0``; writes ``benchmarks/results/<--name>.json``.
 
     TRITON_INTERPRET=0 python benchmarks/kernels/fp8_decode_sass.py [--configs default,128x4x3x0x0x64]
 """
@@ -76,7 +76,8 @@ def decode_loop(config: PagedConfig | None, cache_dtype: torch.dtype) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", default=CONFIGS, help="comma-separated: default or BNxWxSxTMAxAHEADxROWS[xWIDEN[xREGS]]")
+    parser.add_argument("--configs", default=CONFIGS,
+                        help="comma-separated: default or BNxWxSxTMAxAHEADxROWS[xWIDEN[xREGS]]")
     parser.add_argument("--name", default="hopper_sass_sm90_fp8_decode", help="results file stem")
     args = parser.parse_args()
     rows = []

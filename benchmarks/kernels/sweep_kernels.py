@@ -8,10 +8,10 @@ default (``None``: the kernels' own table) first, so a row's gain is read agains
 - ``prefix``: ``paged_attention`` configs ``(block_n, block_m, num_warps, num_stages[, tma[, rows_ahead]])`` on the
   DCP prefix pass;
 - ``decode`` / ``fp8``: decode configs ``(block_n, num_warps, num_stages[, tma[, rows_ahead[, min_rows[,
-  fp8_widen[, max_registers]]]]])`` crossed with split counts, graph replay, GB/s of cache bytes read (bf16 / e4m3 cache);
-  ``min_rows`` 64 pads a tile's Q heads to 64 rows, which ``tl.dot`` runs as warpgroup MMAs on sm_90; ``fp8_widen``
-  (``PagedConfig.fp8_widen``): 1 widens an fp8 cache's V tiles to fp16 before their shared-memory round trip, 2 K's
-  too; ``max_registers`` caps registers per thread (0: no cap).
+  fp8_widen[, max_registers]]]]])`` crossed with split counts, graph replay, GB/s of cache bytes read (bf16 / e4m3
+  cache); ``min_rows`` 64 pads a tile's Q heads to 64 rows, which ``tl.dot`` runs as warpgroup MMAs on sm_90;
+  ``fp8_widen`` (``PagedConfig.fp8_widen``): 1 widens an fp8 cache's V tiles to fp16 before their shared-memory
+  round trip, 2 K's too; ``max_registers`` caps registers per thread (0: no cap).
 
 ``--page`` sets the cache's page size for both (16, vLLM's default, unless given; ``tma``: whole tiles of one page
 through tensor descriptors, which needs pages of at least ``block_n`` tokens).

@@ -73,13 +73,15 @@ def test_balanced_decode_into_rank_major_outputs():
 
 # Interpreter tiles of 32 tokens; 4 Q heads over 2 KV heads: 2 head programs. Slots 8 (small grid: 8 * 2 / 4 = 4).
 # Contexts 640 / 32 / 0 / 64 / 1 are 20 / 1 / 0 / 2 / 1 tiles, 24 in all, work 24 x 2 = 48: a split's target is
-# max(cdiv(48, 8), 2, min(cdiv(48, 4), 8)) = 8 tiles, so request 0 takes cdiv(20, 8) = 3 splits, every other one
-# (the empty one too, its split empty) one; at most min(64, cdiv(20, 2), cdiv(8, 2)) = 4 splits a request.
+# max(cdiv(48, 8), 2, min(cdiv(48, 4), 8)) = 8 tiles, so request 0 takes 20 / 8 = 2.5 -> 2 splits (halves round
+# down), every other one (the empty one too, its split empty) one; at most min(64, cdiv(20, 2), cdiv(8, 2)) = 4 splits
+# a request. Contexts 700 / 32 (22 / 1 tiles, work 46, target 8): 22 / 8 = 2.75 -> 3 splits.
 # Four contexts of 640 tokens: work 160, target 20, one split each.
 @pytest.mark.parametrize(("ctx_lens", "splits_taken", "max_splits"), [
-    ([640, 32, 0, 64, 1], [3, 1, 0, 1, 1], 4),
+    ([640, 32, 0, 64, 1], [2, 1, 0, 1, 1], 4),
+    ([700, 32], [3, 1], 4),
     ([640, 640, 640, 640], [1, 1, 1, 1], 4),
-], ids=["long-among-short", "equal"])
+], ids=["long-among-short", "rounded-up", "equal"])
 def test_each_request_takes_its_share_of_the_splits(ctx_lens, splits_taken, max_splits):
     case = Case([1] * len(ctx_lens), ctx_lens, 4, 2, 2)
     q, key_cache, value_cache, *tables = _inputs(case, seed=7)

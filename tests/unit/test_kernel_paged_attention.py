@@ -331,7 +331,8 @@ def test_gpu_table_prefix_falls_back_to_pointer_tiles_where_descriptors_do_not_f
         consts = launch.stage1.constexprs
         assert (consts["BLOCK_Q"] * consts["BLOCK_H"], consts["BLOCK_N"], consts["USE_TMA"]) == \
             (want.block_m, want.block_n, want.tma), block_size
-        assert launch.stage1.options == {"num_warps": want.num_warps, "num_stages": want.num_stages}
+        assert launch.stage1.options == {"num_warps": want.num_warps, "num_stages": want.num_stages} | (
+        {"maxnreg": want.max_registers} if want.max_registers else {})
 
 
 @pytest.mark.parametrize(("block_size", "num_q_heads", "q_per_kv", "which"), [
@@ -351,4 +352,5 @@ def test_gpu_decode_takes_descriptor_tiles_over_large_pages_and_small_groups(mon
                         num_splits=1)
     consts = launch.stage1.constexprs
     assert (consts["BLOCK_N"], consts["USE_TMA"], consts["DECODE"]) == (want.block_n, want.tma, True)
-    assert launch.stage1.options == {"num_warps": want.num_warps, "num_stages": want.num_stages}
+    assert launch.stage1.options == {"num_warps": want.num_warps, "num_stages": want.num_stages} | (
+        {"maxnreg": want.max_registers} if want.max_registers else {})
