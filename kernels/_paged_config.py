@@ -54,12 +54,17 @@ POINTER_CONFIGS = {GPU_CONFIGS[128, False]: PagedConfig(block_n=64, block_m=256,
 # stages. H200, 32 Q / 8 KV, 64-token pages: 3,690 / 1,767 GB/s at 8 x 8K / 8 x 1K against 3,001 / 1,658 for the
 # 128-token pointer tiles; with 32 Q heads per KV head those win (2,566 against 2,092 at 32 x 8K; all
 # kernels_h200_sweep_decode64.json); rows read ahead and two warps lose (kernels_h200_sweep_ahead.json,
-# kernels_h200_sweep_decode_warps.json). fp8 keeps the pointer tiles: 2,027 / 2,548 / 2,811 GB/s at 8 x 8K / 8 x 32K /
-# 128 x 8K against 1,475 / 1,713 / 2,333 (kernels_h200_sweep_p64.json).
+# kernels_h200_sweep_decode_warps.json).
 # Capped at 128 registers (135 uncapped: three programs an SM, four capped): 45.7 / 76.3 / 982.9 us at 1 x 32K / 8 x
 # 8K / 128 x 8K against 55.0 / 92.8 / 1,015.0 (kernels_h200_sweep_fp8_regs.json, 32 Q / 8 KV).
 DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=4, tma=True,
                                               max_registers=128)}
+# The same over an fp8 cache: six stages, V widened, 96 registers (five programs an SM). 32 Q / 8 KV, 64-token pages:
+# 36.3 / 57.0 / 179.7 / 664.8 us at 1 x 32K / 8 x 8K / 8 x 32K / 128 x 8K against 37.4 / 66.8 / 207.5 / 770.6 for the
+# 128-token pointer tiles (V widened too), 20.3 against 18.5 at 8 x 1K (kernels_h200_sweep_defaults.json; the same
+# ranking in kernels_h200_sweep_fp8_regs.json).
+FP8_DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=6, tma=True,
+                                                  fp8_widen=1, max_registers=96)}
 DESCRIPTOR_DECODE_MAX_GROUP = 16
 # float32 tiles take twice the shared memory: 128-token prefix tiles do not fit (256 KiB of 227).
 GPU_FP32_CONFIGS = {(128, False): PagedConfig(block_n=64, block_m=128, num_warps=8, num_stages=3)}

@@ -35,8 +35,8 @@ from dcp_plugin.checks import FP8_DTYPES, check_kv_scales
 from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_GROUP, decode_takes_gluon, prefix_takes_gluon
 from dcp_plugin.kernels._mode import INTERPRET
 from dcp_plugin.kernels._paged_config import (  # noqa: F401 - the tuning table is part of this module's API
-    DESCRIPTOR_DECODE_CONFIGS, DESCRIPTOR_DECODE_MAX_GROUP, GPU_CONFIGS, GPU_FP32_CONFIGS, INTERPRET_CONFIG,
-    POINTER_CONFIGS, PagedConfig, pick_config,
+    DESCRIPTOR_DECODE_CONFIGS, DESCRIPTOR_DECODE_MAX_GROUP, FP8_DESCRIPTOR_DECODE_CONFIGS, GPU_CONFIGS,
+    GPU_FP32_CONFIGS, INTERPRET_CONFIG, POINTER_CONFIGS, PagedConfig, pick_config,
 )
 from dcp_plugin.kernels._paged_tile import attend_split, cache_takes_descriptors
 from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count constants are part of this module's API
@@ -323,9 +323,10 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
                                        q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
                                        max_kv_len=max_kv_len, num_splits=num_splits, split_buffer=split_buffer,
                                        tiles=gluon_decode)
-    if config is None and decode and not INTERPRET and q.dtype != torch.float32 and key_cache.dtype == q.dtype \
+    if config is None and decode and not INTERPRET and q.dtype != torch.float32 \
             and min(q_per_kv, num_q_heads) <= DESCRIPTOR_DECODE_MAX_GROUP:
-        cfg = DESCRIPTOR_DECODE_CONFIGS.get(next_pow2(head_dim), cfg)
+        table = FP8_DESCRIPTOR_DECODE_CONFIGS if key_cache.dtype in FP8_DTYPES else DESCRIPTOR_DECODE_CONFIGS
+        cfg = table.get(next_pow2(head_dim), cfg)
     use_tma = cfg.tma and cache_takes_descriptors(key_cache, value_cache, head_dim, cfg.block_n)
     if config is None and cfg.tma and not use_tma:  # the same work through pointer loads
         cfg = POINTER_CONFIGS.get(cfg, pick_config(head_dim, decode=decode, dtype=q.dtype))

@@ -1,6 +1,6 @@
 """An fp8 KV cache on the GPU: the Triton write stores exactly the reference's bytes (quantize, clamp), and paged
-attention over an fp8 cache (bf16/fp16 queries, automatic and forced splits) equals float64 attention over the
-dequantized cache."""
+attention over an fp8 cache (bf16/fp16 queries, automatic and forced splits, NaN in the rows past each context)
+equals float64 attention over the dequantized cache."""
 
 from __future__ import annotations
 
@@ -57,6 +57,10 @@ def test_paged_attention_over_an_fp8_cache(fp8, dtype, head_dim, num_splits, blo
     buf = (raw * 0.1 / scale_row).to(FP8[fp8])
     kc, vc = buf[..., :head_dim], buf[..., head_dim:]
     table = shuffled_block_table(pages, generator=gen, first_page=3, fill=0)
+    for b, c in enumerate(ctx):  # a last page's rows past the context hold NaN: they must add exactly nothing
+        if c % block_size:
+            kc[table[b, c // block_size], c % block_size:] = float("nan")
+            vc[table[b, c // block_size], c % block_size:] = float("nan")
     lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     heads = dict(scale=head_dim**-0.5, q_head_start=0, q_per_kv=8, kv_head_start=0, max_kv_len=max(ctx))

@@ -335,18 +335,23 @@ def test_gpu_table_prefix_falls_back_to_pointer_tiles_where_descriptors_do_not_f
         {"maxnreg": want.max_registers} if want.max_registers else {})
 
 
+@pytest.mark.parametrize("cache", ["fp16", "e4m3"])
 @pytest.mark.parametrize(("block_size", "num_q_heads", "q_per_kv", "which"), [
     (64, 8, 4, "descriptors"), (16, 8, 4, "table"), (64, 32, 32, "table"), (128, 16, 16, "descriptors"),
 ], ids=["pages64-group4", "pages16", "group32", "pages128-group16"])
 def test_gpu_decode_takes_descriptor_tiles_over_large_pages_and_small_groups(monkeypatch, block_size, num_q_heads,
-                                                                            q_per_kv, which):
-    from dcp_plugin.kernels.paged_attention import DESCRIPTOR_DECODE_CONFIGS, GPU_CONFIGS
+                                                                            q_per_kv, which, cache):
+    """An fp8 cache takes its own descriptor tiles (``FP8_DESCRIPTOR_DECODE_CONFIGS``), V widened either way."""
+    from dcp_plugin.kernels.paged_attention import DESCRIPTOR_DECODE_CONFIGS, FP8_DESCRIPTOR_DECODE_CONFIGS, GPU_CONFIGS
 
     _gpu_tables(monkeypatch)
-    want = DESCRIPTOR_DECODE_CONFIGS[128] if which == "descriptors" else GPU_CONFIGS[128, True]
+    descriptors = FP8_DESCRIPTOR_DECODE_CONFIGS if cache == "e4m3" else DESCRIPTOR_DECODE_CONFIGS
+    want = descriptors[128] if which == "descriptors" else GPU_CONFIGS[128, True]
     case = Case([1, 1], [100, 7], num_q_heads, num_q_heads // q_per_kv, q_per_kv, head_dim=128,
                 block_size=block_size, dtype=torch.float16)
     q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case)
+    if cache == "e4m3":
+        key_cache, value_cache = key_cache.to(torch.float8_e4m3fn), value_cache.to(torch.float8_e4m3fn)
     launch = plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, torch.empty_like(q),
                         torch.empty(q.shape[:2]), scale=0.1, **_heads(case), max_kv_len=100, max_query_len=1,
                         num_splits=1)
@@ -354,3 +359,4 @@ def test_gpu_decode_takes_descriptor_tiles_over_large_pages_and_small_groups(mon
     assert (consts["BLOCK_N"], consts["USE_TMA"], consts["DECODE"]) == (want.block_n, want.tma, True)
     assert launch.stage1.options == {"num_warps": want.num_warps, "num_stages": want.num_stages} | (
         {"maxnreg": want.max_registers} if want.max_registers else {})
+    assert consts["FP8_WIDEN"] == (1 if cache == "e4m3" else 0)
