@@ -36,13 +36,17 @@ def decode_rows(kernels: dict) -> list[str]:
     bandwidth measured in the same run; the ratio in bold where dcp-triton leads FA3. vLLM's Triton kernels get
     columns when the run had them (they travel only with vLLM's whole bundle, not with the FA3-only one)."""
     peers = all(k in r for r in kernels["decode"] for k in DECODE_PEERS)
+    p64 = all("ours_p64_graph_pct_copy" in r for r in kernels["decode"])  # 64-token pages: what vLLM runs it over
     rows = ["| decode, % of copy bandwidth (graph) | dcp-triton | FA3 | dcp-triton / FA3 |"
+            + (" dcp-triton, 64-token pages | / FA3 |" if p64 else "")
             + (" vLLM unified (TRITON_ATTN) | vLLM split-KV decode |" if peers else ""),
-            "|---|---|---|---|" + ("---|---|" if peers else "")]
+            "|---|---|---|---|" + ("---|---|" if p64 else "") + ("---|---|" if peers else "")]
     for r in kernels["decode"]:
         ours, fa3 = r["ours_graph_pct_copy"], r["fa3_graph_pct_copy"]
         rows.append(f"| {r['batch']} x {r['ctx'] // 1024}K, {r['q_heads']} Q / {r['kv_heads']} KV | {ours:.1f} | "
                     f"{fa3:.1f} | {ratio(ours, fa3)} |"
+                    + (f" {r['ours_p64_graph_pct_copy']:.1f} | {ratio(r['ours_p64_graph_pct_copy'], fa3)} |"
+                       if p64 else "")
                     + "".join(f" {r[k]:.1f} |" for k in DECODE_PEERS if peers))
     return rows
 
@@ -150,6 +154,8 @@ def headline_rows(vllm_dcp: dict, kernels: dict, one: dict) -> list[str]:
     beside = ("each model's backends in one run" if fa_beside and len(vs_tr) == len(graphs)
               else "each model's dcp-triton and FLASH_ATTN in one run" if fa_beside else "backends from several runs")
     fa3 = [r["ours_graph_pct_copy"] / r["fa3_graph_pct_copy"] for r in kernels["decode"]]
+    fa3_p64 = [r["ours_p64_graph_pct_copy"] / r["fa3_graph_pct_copy"] for r in kernels["decode"]
+               if "ours_p64_graph_pct_copy" in r]
     prefill = [r["ours_tflops"] / r["fa3_tflops"] for r in kernels["prefill"]]
     prefix = [r["ours_tflops"] / r["fa3_tflops"] for r in kernels.get("prefix", []) if r.get("page") == 64]
     meta, page = vllm_dcp["meta"], "docs/performance.md"
@@ -163,7 +169,8 @@ def headline_rows(vllm_dcp: dict, kernels: dict, one: dict) -> list[str]:
         f"{len(graphs)} loads with CUDA graphs, one {kernels['gpu']}, "
         f"{' and '.join(models)} heads, {beside} ([table]({page}#inside-vllm-one-h200), "
         "`benchmarks/results/vllm_one_h200.json`).",
-        f"- **Kernels against FlashAttention-3**: decode {min(fa3):.2f}x-{max(fa3):.2f}x over {len(fa3)} shapes, "
+        f"- **Kernels against FlashAttention-3**: decode {min(fa3):.2f}x-{max(fa3):.2f}x over {len(fa3)} shapes"
+        + (f" ({span(fa3_p64)} over the 64-token pages dcp-triton asks vLLM for)" if fa3_p64 else "") + ", "
         f"causal prefill {min(prefill):.2f}x-{max(prefill):.2f}x"
         + (f", prefix pass {span(prefix)} over 64-token pages" if prefix else "")
         + f" ([tables]({page}#kernels-one-h200), `benchmarks/results/kernels_h200.json`).",
