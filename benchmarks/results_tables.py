@@ -1,10 +1,11 @@
-"""The README's headline numbers and docs/performance.md's tables, generated from the committed results, so the
-pages cannot drift from them (``tests/unit/test_readme_tables.py`` checks every generated block).
+"""The README's headline numbers and the tables of docs/performance.md and docs/kernels.md, generated from the
+committed results, so the pages cannot drift from them (``tests/unit/test_readme_tables.py`` checks every generated
+block).
 
 A page marks each block ``<!-- generated: NAME -->`` ... ``<!-- end generated -->`` (NAME a key of ``blocks()``).
 
     python benchmarks/results_tables.py           # prints every block
-    python benchmarks/results_tables.py --write   # rewrites the blocks in README.md and docs/performance.md
+    python benchmarks/results_tables.py --write   # rewrites the blocks in README.md and docs/*.md (PAGES)
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PAGES = ("README.md", "docs/performance.md")  # relative to the repository root
+PAGES = ("README.md", "docs/performance.md", "docs/kernels.md")  # relative to the repository root
 DECODE_PEERS = ("vllm_unified_graph_pct_copy", "vllm_decode_graph_pct_copy")
 
 
@@ -158,7 +159,7 @@ def headline_rows(vllm_dcp: dict, kernels: dict, one: dict) -> list[str]:
                if "ours_p64_graph_pct_copy" in r]
     prefill = [r["ours_tflops"] / r["fa3_tflops"] for r in kernels["prefill"]]
     prefix = [r["ours_tflops"] / r["fa3_tflops"] for r in kernels.get("prefix", []) if r.get("page") == 64]
-    meta, page = vllm_dcp["meta"], "docs/performance.md"
+    meta, page, kernel_page = vllm_dcp["meta"], "docs/performance.md", "docs/kernels.md"
     model = f"{meta['config']['num_attention_heads']} Q / {meta['config']['num_key_value_heads']} KV heads"
     return [
         f"- **{dcp2 / dcp1:.1f}x the KV cache at DCP = 2**: {dcp2:,} tokens against {dcp1:,} at DCP = 1, inside vLLM "
@@ -173,7 +174,7 @@ def headline_rows(vllm_dcp: dict, kernels: dict, one: dict) -> list[str]:
         + (f" ({span(fa3_p64)} over the 64-token pages dcp-triton asks vLLM for)" if fa3_p64 else "") + ", "
         f"causal prefill {min(prefill):.2f}x-{max(prefill):.2f}x"
         + (f", prefix pass {span(prefix)} over 64-token pages" if prefix else "")
-        + f" ([tables]({page}#kernels-one-h200), `benchmarks/results/kernels_h200.json`).",
+        + f" ([tables]({kernel_page}#kernels-one-h200), `benchmarks/results/kernels_h200.json`).",
     ]
 
 
