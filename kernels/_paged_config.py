@@ -32,10 +32,10 @@ class PagedConfig:
 # benchmarks/results/kernels_h200_tuning_sweep3.json); over an fp8 cache V widened to fp16 before its shared-memory
 # round trip (``fp8_widen=1``): 38.1 / 67.0 / 206.4 / 771.6 us at 1 x 32K / 8 x 8K / 8 x 32K / 128 x 8K (32 Q / 8 KV,
 # 64-token pages) against 40.9 / 73.7 / 232.5 / 873.1 with V read a byte at a time; K widened too (2) was slower:
-# 103 KiB of shared memory, two programs an SM (kernels_h200_sweep_fp8_regs.json, _widen.json). Longer queries
-# (the prefix pass, 32 Q / 8 KV heads; on sm_90 with Triton 3.6 ``gluon_prefix`` takes one-split prefill steps over
-# 64-token pages instead): pages of 64+,
-# 128-row tiles of 64 tokens through tensor descriptors, four warps, two stages, the rows read a chunk ahead:
+# 103 KiB of shared memory, two programs an SM (kernels_h200_sweep_fp8_regs.json, kernels_h200_sweep_fp8_widen.json).
+# Longer queries (the prefix pass, 32 Q / 8 KV heads; on sm_90 with Triton 3.6 ``gluon_prefix`` takes one-split
+# prefill steps over 64-token pages instead): pages of 64+, 128-row tiles of 64 tokens through tensor descriptors,
+# four warps, two stages, the rows read a chunk ahead:
 # 528 / 517 TFLOP/s at 2 x 4K rows over 32K cached / 1 x 2K over 128K, against 501 / 500 with each row read in
 # the loop (kernels_h200_sweep_prefix_ahead.json; pointer loads' best: 372 / 390, kernels_h200_sweep_tma.json);
 # smaller pages (or strides descriptors refuse): ``POINTER_CONFIGS``, 256-row tiles of 64 tokens, eight warps, 375 /
