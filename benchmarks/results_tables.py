@@ -171,7 +171,8 @@ def headline_rows(vllm_dcp: dict, kernels: dict, one: dict) -> list[str]:
         f"{' and '.join(models)} heads, {beside} ([table]({page}#inside-vllm-one-h200), "
         "`benchmarks/results/vllm_one_h200.json`).",
         f"- **Kernels against FlashAttention-3**: decode {min(fa3):.2f}x-{max(fa3):.2f}x over {len(fa3)} shapes"
-        + (f" ({span(fa3_p64)} over the 64-token pages dcp-triton asks vLLM for)" if fa3_p64 else "") + ", "
+        + (f" ({span(fa3_p64)} over the 64-token pages dcp-triton asks vLLM for, FA3 over its 16)"
+           if fa3_p64 else "") + ", "
         f"causal prefill {min(prefill):.2f}x-{max(prefill):.2f}x"
         + (f", prefix pass {span(prefix)} over 64-token pages" if prefix else "")
         + f" ([tables]({kernel_page}#kernels-one-h200), `benchmarks/results/kernels_h200.json`).",

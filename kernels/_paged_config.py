@@ -32,7 +32,7 @@ class PagedConfig:
 # benchmarks/results/kernels_h200_tuning_sweep3.json); over an fp8 cache V widened to fp16 before its shared-memory
 # round trip (``fp8_widen=1``): 38.1 / 67.0 / 206.4 / 771.6 us at 1 x 32K / 8 x 8K / 8 x 32K / 128 x 8K (32 Q / 8 KV,
 # 64-token pages) against 40.9 / 73.7 / 232.5 / 873.1 with V read a byte at a time; K widened too (2) was slower:
-# 103 KiB of shared memory, two programs an SM (kernels_h200_sweep_fp8_regs.json, kernels_h200_sweep_fp8_widen.json).
+# 100.5 KiB of shared memory, two programs an SM (kernels_h200_sweep_fp8_regs.json).
 # Longer queries (the prefix pass, 32 Q / 8 KV heads; on sm_90 with Triton 3.6 ``gluon_prefix`` takes one-split
 # prefill steps over 64-token pages instead): pages of 64+, 128-row tiles of 64 tokens through tensor descriptors,
 # four warps, two stages, the rows read a chunk ahead:
@@ -59,10 +59,11 @@ POINTER_CONFIGS = {GPU_CONFIGS[128, False]: PagedConfig(block_n=64, block_m=256,
 # 8K / 128 x 8K against 55.0 / 92.8 / 1,015.0 (kernels_h200_sweep_fp8_regs.json, 32 Q / 8 KV).
 DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=4, tma=True,
                                               max_registers=128)}
-# The same over an fp8 cache: six stages, V widened, 96 registers (five programs an SM). 32 Q / 8 KV, 64-token pages:
-# 36.3 / 57.0 / 179.7 / 664.8 us at 1 x 32K / 8 x 8K / 8 x 32K / 128 x 8K against 37.4 / 66.8 / 207.5 / 770.6 for the
-# 128-token pointer tiles (V widened too), 20.3 against 18.5 at 8 x 1K (kernels_h200_sweep_defaults.json; the same
-# ranking in kernels_h200_sweep_fp8_regs.json).
+# The same over an fp8 cache: six stages, V widened, 96 registers (four programs an SM, by shared memory). 32 Q / 8
+# KV, 64-token pages: 36.3 / 57.0 / 179.7 / 664.8 us at 1 x 32K / 8 x 8K / 8 x 32K / 128 x 8K against 37.4 / 66.8 /
+# 207.5 / 770.6 for the 128-token pointer tiles (V widened too), 20.3 against 18.5 at 8 x 1K
+# (kernels_h200_sweep_defaults.json; kernels_h200_sweep_fp8_regs.json ranks them alike at 1 x 32K, 8 x 8K and 128 x
+# 8K, and had 8 x 32K at 247.9 against 206.4 with split counts still rounded up).
 FP8_DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=6, tma=True,
                                                   fp8_widen=1, max_registers=96)}
 DESCRIPTOR_DECODE_MAX_GROUP = 16

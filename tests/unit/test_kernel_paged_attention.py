@@ -332,7 +332,7 @@ def test_gpu_table_prefix_falls_back_to_pointer_tiles_where_descriptors_do_not_f
         assert (consts["BLOCK_Q"] * consts["BLOCK_H"], consts["BLOCK_N"], consts["USE_TMA"]) == \
             (want.block_m, want.block_n, want.tma), block_size
         assert launch.stage1.options == {"num_warps": want.num_warps, "num_stages": want.num_stages} | (
-        {"maxnreg": want.max_registers} if want.max_registers else {})
+            {"maxnreg": want.max_registers} if want.max_registers else {})
 
 
 @pytest.mark.parametrize("cache", ["fp16", "e4m3"])
@@ -358,5 +358,5 @@ def test_gpu_decode_takes_descriptor_tiles_over_large_pages_and_small_groups(mon
     consts = launch.stage1.constexprs
     assert (consts["BLOCK_N"], consts["USE_TMA"], consts["DECODE"]) == (want.block_n, want.tma, True)
     assert launch.stage1.options == {"num_warps": want.num_warps, "num_stages": want.num_stages} | (
-        {"maxnreg": want.max_registers} if want.max_registers else {})
+            {"maxnreg": want.max_registers} if want.max_registers else {})
     assert consts["FP8_WIDEN"] == (1 if cache == "e4m3" else 0)
