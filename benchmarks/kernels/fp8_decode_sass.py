@@ -23,7 +23,7 @@ if os.environ.get("TRITON_INTERPRET", "0") != "0":
     sys.exit("run with TRITON_INTERPRET=0: the kernels must be defined for the compiler, not the interpreter")
 os.environ["TRITON_INTERPRET"] = "0"
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "benchmarks")]
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "kernels")]
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -32,6 +32,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import compile_for_hopper as hopper  # noqa: E402
 from common import repo_relative, save  # noqa: E402
+from sweep_kernels import decode_config  # noqa: E402
 from dcp_plugin.kernels import _paged_tile, split_kv  # noqa: E402
 from dcp_plugin.kernels._paged_config import PagedConfig  # noqa: E402
 
@@ -44,10 +45,7 @@ CONFIGS = "default,128x4x3x0x0x64,64x4x4x1x0x64,64x4x6x1x0x64,128x4x2x0x0x64"
 def parse(name: str) -> PagedConfig | None:
     if name == "default":
         return None
-    bn, warps, stages, tma, ahead, rows, *more = (int(x) for x in name.split("x"))
-    widen, regs = (*more, 0, 0)[:2]
-    return PagedConfig(block_n=bn, block_m=64, num_warps=warps, num_stages=stages, tma=bool(tma),
-                       rows_ahead=bool(ahead), min_rows=rows, fp8_widen=widen, max_registers=regs)
+    return decode_config(tuple(int(x) for x in name.split("x")), block_m=64)
 
 
 def decode_loop(config: PagedConfig | None, cache_dtype: torch.dtype) -> dict:

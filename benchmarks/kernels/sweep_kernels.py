@@ -41,20 +41,26 @@ from common import gpu_name, graph_ms, median_ms, repo_relative, save  # noqa: E
 from dcp_plugin.kernels import extend_attention, paged_attention  # noqa: E402
 
 
+def decode_config(fields: tuple, *, block_m: int):
+    """A decode candidate ``(block_n, num_warps, num_stages[, tma[, rows_ahead[, min_rows[, fp8_widen[,
+    max_registers]]]]])`` (``--decode-configs``' ``BNxWxS...``, split at ``x``) as a ``PagedConfig``."""
+    from dcp_plugin.kernels.paged_attention import PagedConfig
+
+    bn, warps, stages, tma, ahead, rows, widen, regs = (*fields, *(0, 0, 16, 0, 0)[len(fields) - 3:])
+    return PagedConfig(block_n=bn, block_m=block_m, num_warps=warps, num_stages=stages, tma=bool(tma),
+                       rows_ahead=bool(ahead), min_rows=rows, fp8_widen=widen, max_registers=regs)
+
+
 def sweep_decode(shapes, splits_list, configs, *, fp8: bool = False) -> list[dict]:
     """Tuning data: graph-replay time of each launch config (None: the table's) crossed with each split count
     (None: the automatic one); ``config`` is recorded as ``[block_n, num_warps, num_stages, tma, rows_ahead,
     min_rows, fp8_widen, max_registers]``. ``fp8``: over an e4m3 cache (GB/s of its bytes)."""
-    from dcp_plugin.kernels.paged_attention import PagedConfig, pick_config
+    from dcp_plugin.kernels.paged_attention import pick_config
 
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(3)
-    auto_cfg = pick_config(HEAD_DIM, decode=True)
-    cfgs = [None, *(PagedConfig(block_n=c[0], block_m=auto_cfg.block_m, num_warps=c[1], num_stages=c[2],
-                                tma=len(c) > 3 and bool(c[3]), rows_ahead=len(c) > 4 and bool(c[4]),
-                                min_rows=c[5] if len(c) > 5 else 16, fp8_widen=c[6] if len(c) > 6 else 0,
-                                max_registers=c[7] if len(c) > 7 else 0)
-                    for c in configs)]
+    block_m = pick_config(HEAD_DIM, decode=True).block_m
+    cfgs = [None, *(decode_config(c, block_m=block_m) for c in configs)]
     for batch, ctx, hq, hk in shapes:
         kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen, page=PAGE_SIZE[0])
         scales = {}
