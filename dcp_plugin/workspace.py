@@ -21,6 +21,7 @@ class StepViews:
     chunk_lse: torch.Tensor  # [T, H]
     lse: torch.Tensor  # [T, H]: the LSE of the answer (computed, never returned)
     splits: torch.Tensor | None  # float32 split-KV partials of the prefix pass (None: no room reserved)
+    split_sync: torch.Tensor | None  # int32 split counters of a decode whose last split merges, zero between launches
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,6 +111,11 @@ class DcpWorkspace:
                              lse_total=(t * hg, torch.float32), mine=(t * h * d, dtype))
         self.buffers = {name: torch.empty(_round_up(size, _ALIGN), dtype=dt, device=self.device)
                         for name, (size, dt) in sizes.items()}
+        # A decode's split counters (``plan_paged``'s ``split_sync``): a (token, head program) each, at most a head
+        # program per gathered Q head; zero once here, and every launch leaves them zero.
+        if split_elements:
+            self.buffers["split_sync"] = torch.zeros(t * heads.num_group_q_heads, dtype=torch.int32,
+                                                     device=self.device)
 
     @property
     def nbytes(self) -> int:
@@ -123,7 +129,8 @@ class DcpWorkspace:
         t, h, d, n = num_tokens, self.heads.num_q_heads, self.head_dim, self.heads.dcp_size
         b = self.buffers
         common = dict(chunk_out=_view(b["chunk_out"], t, h, d), chunk_lse=_view(b["chunk_lse"], t, h),
-                      lse=_view(b["lse"], t, h), splits=b["splits"] if b["splits"].numel() else None)
+                      lse=_view(b["lse"], t, h), splits=b["splits"] if b["splits"].numel() else None,
+                      split_sync=b.get("split_sync"))
         if n == 1:
             return SingleRankViews(**common, prefix_out=_view(b["prefix_out"], t, h, d),
                               prefix_lse=_view(b["prefix_lse"], t, h))

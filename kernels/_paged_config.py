@@ -24,6 +24,8 @@ class PagedConfig:
     # (V then reaches P x V a byte at a time), 1 V, 2 K and V. Other caches ignore it.
     fp8_widen: int = 0
     max_registers: int = 0  # a cap on registers per thread (Triton's maxnreg), for more programs per SM; 0: none
+    # A balanced decode's splits merged by the last of them to finish (``LAST_MERGES``), not by a second launch.
+    last_split_merges: bool = False
 
 
 # (padded head dim, decode) -> launch constants for Hopper; benchmarks sweep others via ``config=``. "decode" = the
@@ -41,11 +43,12 @@ class PagedConfig:
 # smaller pages (or strides descriptors refuse): ``POINTER_CONFIGS``, 256-row tiles of 64 tokens, eight warps, 375 /
 # 394 over 16-token pages (kernels_h200_sweep_tma16.json, kernels_h200_sweep2.json).
 GPU_CONFIGS = {
-    (64, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=3),
+    (64, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=3, last_split_merges=True),
     (64, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=3),
-    (128, True): PagedConfig(block_n=128, block_m=64, num_warps=4, num_stages=3, fp8_widen=1),
+    (128, True): PagedConfig(block_n=128, block_m=64, num_warps=4, num_stages=3, fp8_widen=1,
+                             last_split_merges=True),
     (128, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=2, tma=True, rows_ahead=True),
-    (256, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=2),
+    (256, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=2, last_split_merges=True),
     (256, False): PagedConfig(block_n=64, block_m=64, num_warps=8, num_stages=2),
 }
 # A table entry that asks for tensor descriptors -> the constants for the same work through pointer loads.
@@ -58,14 +61,14 @@ POINTER_CONFIGS = {GPU_CONFIGS[128, False]: PagedConfig(block_n=64, block_m=256,
 # Capped at 128 registers (135 uncapped: three programs an SM, four capped): 45.7 / 76.3 / 982.9 us at 1 x 32K / 8 x
 # 8K / 128 x 8K against 55.0 / 92.8 / 1,015.0 (kernels_h200_sweep_fp8_regs.json, 32 Q / 8 KV).
 DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=4, tma=True,
-                                              max_registers=128)}
+                                              max_registers=128, last_split_merges=True)}
 # The same over an fp8 cache: six stages, V widened, 96 registers (four programs an SM, by shared memory). 32 Q / 8
 # KV, 64-token pages: 36.3 / 57.0 / 179.7 / 664.8 us at 1 x 32K / 8 x 8K / 8 x 32K / 128 x 8K against 37.4 / 66.8 /
 # 207.5 / 770.6 for the 128-token pointer tiles (V widened too), 20.3 against 18.5 at 8 x 1K
 # (kernels_h200_sweep_defaults.json; kernels_h200_sweep_fp8_regs.json ranks them alike at 1 x 32K, 8 x 8K and 128 x
 # 8K, and had 8 x 32K at 247.9 against 206.4 with split counts still rounded up).
 FP8_DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=6, tma=True,
-                                                  fp8_widen=1, max_registers=96)}
+                                                  fp8_widen=1, max_registers=96, last_split_merges=True)}
 DESCRIPTOR_DECODE_MAX_GROUP = 16
 # float32 tiles take twice the shared memory: 128-token prefix tiles do not fit (256 KiB of 227).
 GPU_FP32_CONFIGS = {(128, False): PagedConfig(block_n=64, block_m=128, num_warps=8, num_stages=3)}

@@ -44,8 +44,8 @@ from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count const
     find_block, flat_programs, group_head_tile, head_tiling, pick_num_splits,
 )
 from dcp_plugin.kernels.split_kv import (
-    NARROW_SPLITS, PagedLaunch, auto_splits, fit_splits, head_offsets, paged_attention_reduce_kernel, split_outputs,
-    with_reduce,
+    NARROW_SPLITS, PagedLaunch, auto_splits, fit_splits, head_offsets, merge_split_rows, paged_attention_reduce_kernel,
+    split_outputs, sync_counters, with_reduce,
 )
 
 __all__ = ["PagedConfig", "paged_attention", "paged_attention_kernel", "paged_attention_reduce_kernel", "plan_paged",
@@ -71,10 +71,10 @@ SHORT_QUERY = 8  # at most this many query rows per request: the short-query var
                                "tma_rows", "split_slots", "small_slots"),
             # the batch tables may start mid-tensor (a mixed step's requests after its decodes); scalar loads anyway
             do_not_specialize_on_alignment=("block_table_ptr", "context_lens_ptr", "query_start_loc_ptr",
-                                            "part_lse_ptr", "split_counts_ptr"))
+                                            "part_lse_ptr", "split_counts_ptr", "split_sync_ptr"))
 def paged_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr,
-    out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, part_out_ptr, part_lse_ptr, split_counts_ptr,
+    out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, part_out_ptr, part_lse_ptr, split_counts_ptr, split_sync_ptr,
     num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs,
     qk_scale, q_head_start, q_per_kv, kv_head_start, first_kv_head, head_tiles_per_group, num_splits, head_programs,
     stride_q_t, stride_q_h, stride_q_d,
@@ -100,6 +100,8 @@ def paged_attention_kernel(
     BALANCED: tl.constexpr = False,  # DECODE: each request's own split count (_schedule.balanced_split); out/lse
     # are then the final outputs, written by a request of one split, and part_out/part_lse ([T, Hq, num_splits, D]
     # and [T, Hq, num_splits]) take the partials of the others, split_counts ([T]) every token's split count
+    LAST_MERGES: tl.constexpr = False,  # BALANCED: the last split of a (token, head program) to finish merges its
+    # splits (split_sync: [T x head_programs] int32 counters, zero between launches); no merge launch, no counts
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     if DECODE:  # a request's head programs next to each other: they read the same pages (a token's KV heads are
@@ -129,7 +131,7 @@ def paged_attention_kernel(
     context_len = tl.load(context_lens_ptr + req, mask=~is_tail, other=0).to(tl.int32)
     if (q_block < 0) | (q_block * BLOCK_Q >= q_end - q_start):
         return
-    if BALANCED:  # a decode's token row: q_start + q_block (with one split at most there are no counts)
+    if BALANCED and not LAST_MERGES:  # a decode's token row: q_start + q_block (one split at most: no counts)
         if (split == 0) & (pid_h == 0) & (num_splits > 1):
             tl.store(split_counts_ptr + q_start + q_block, req_splits)
 
@@ -197,6 +199,18 @@ def paged_attention_kernel(
             part_row = (token * num_q_heads + head) * num_splits + split
             tl.store(part_out_ptr + part_row[:, None] * head_dim + dims[None, :], out, mask=out_mask)
             tl.store(part_lse_ptr + part_row, lse, mask=row_mask)
+            if LAST_MERGES:
+                # Every thread's partial stored before one thread counts this split done (release, GPU scope); the
+                # program that counts last reads every split's partial (acquire) and writes the answer.
+                tl.debug_barrier()
+                sync = split_sync_ptr + (q_start + q_block) * head_programs + pid_h
+                if tl.atomic_add(sync, 1, sem="acq_rel", scope="gpu") == req_splits - 1:
+                    tl.store(sync, 0)  # zero again for the next launch (stream order)
+                    out, lse = merge_split_rows(part_out_ptr, part_lse_ptr, part_row - split, req_splits, dims,
+                                                row_mask, dim_mask, head_dim, BLOCK_M, BLOCK_D)
+                    tl.store(out_rows[:, None] + dims[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty),
+                             mask=out_mask)
+                    tl.store(lse_rows, lse, mask=row_mask)
         else:  # the request's only split: the final output, no merge
             tl.store(out_rows[:, None] + dims[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.store(lse_rows, lse, mask=row_mask)
@@ -302,14 +316,17 @@ def split_capacity(head_dim: int, device: torch.device) -> int:
 def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, *, scale,
                q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None,
                split_buffer: torch.Tensor | None = None, config: PagedConfig | None = None,
-               gluon_decode: tuple[int, ...] | None = None, split_slots: int | None = None) -> PagedLaunch:
+               gluon_decode: tuple[int, ...] | None = None, split_slots: int | None = None,
+               split_sync: torch.Tensor | None = None) -> PagedLaunch:
     """``paged_attention`` prepared for tensors shaped like these (no checks). ``split_buffer``: float32 scratch of
     ``split_capacity`` elements for the split partials (default: allocated here); an automatic split count is
     lowered until the partials fit in it. ``gluon_decode``: ``(pages, stages[, programs])`` of ``gluon_decode``
     for a decode it can serve, whatever the group size (benchmarks). ``split_slots``: a decode the ``tl`` kernel
     serves with automatic splits takes each request's own split count (``_schedule.balanced_split``) over that many
     programs; None: ``PROGRAMS_PER_SM`` per SM on a GPU, none under the interpreter (one split, as ``auto_splits``);
-    0: one count for every request."""
+    0: one count for every request. ``split_sync``: int32 counters, zero (``split_sync_elements``), for a balanced
+    decode whose config has ``last_split_merges`` (default: ``split_kv.sync_counters``); too few: the merge runs
+    apart."""
     num_tokens, num_q_heads, head_dim = q.shape
     page_size = key_cache.shape[1]
     num_reqs = context_lens.shape[0]
@@ -361,6 +378,10 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
                                              kv_head_start=kv_head_start), None, None, None, 1)
     part_out, part_lse, counts, out_strides, lse_strides = split_outputs(q, out, lse, num_splits, split_buffer,
                                                                          balanced=balanced)
+    last_merges = balanced and num_splits > 1 and cfg.last_split_merges
+    if last_merges and split_sync is None:
+        split_sync = sync_counters(q.device, num_tokens * head_programs)
+    last_merges = last_merges and split_sync.numel() >= num_tokens * head_programs
     rows = cdiv(slots, head_programs) + num_tokens if balanced else num_q_programs + cdiv(num_tokens, block_q)
     grid = ((rows * head_programs, 1, 1 if balanced else num_splits) if decode else (rows, head_programs, num_splits)) \
         if num_tokens else (0,)
@@ -378,14 +399,18 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
              DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
              KV_FP8=kv_fp8, FP8_VIA_FP16=kv_fp8 and q.dtype == torch.bfloat16, FP8_WIDEN=cfg.fp8_widen * kv_fp8,
              USE_TMA=use_tma,
-             ROWS_AHEAD=use_tma and cfg.rows_ahead, BALANCED=balanced),
+             ROWS_AHEAD=use_tma and cfg.rows_ahead, BALANCED=balanced, LAST_MERGES=last_merges),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=None if INTERPRET else cfg.max_registers,
         scratch=use_tma,  # q's pointer stands in for what is
-        stand_ins=({} if kv_fp8 else {8: 0, 9: 0}) | ({} if balanced else {10: 0, 11: 0, 12: 0}))  # never read
+        stand_ins=({} if kv_fp8 else {8: 0, 9: 0}) | ({13: 0} if balanced and not last_merges else {})
+        | ({} if balanced else {10: 0, 11: 0, 12: 0, 13: 0}))  # never read
     if not balanced:
-        return with_reduce(stage1, part_out, part_lse, out, lse, num_splits, stage1_extra=(None, None, None))
+        return with_reduce(stage1, part_out, part_lse, out, lse, num_splits, stage1_extra=(None, None, None, None))
+    if last_merges:  # stage 1 merges: no second launch
+        return PagedLaunch(stage1, None, part_out, part_lse, num_splits, stage1_extra=(part_out, part_lse, counts,
+                                                                                      split_sync))
     # The merge's variant by the splits a request takes on average: about slots / (requests x head programs).
     return with_reduce(stage1, part_out, part_lse, out, lse, num_splits, split_counts=counts,
-                       stage1_extra=(part_out, part_lse, counts),
+                       stage1_extra=(part_out, part_lse, counts, None),
                        narrow=num_reqs * head_programs * NARROW_SPLITS >= slots)
 

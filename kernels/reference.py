@@ -237,7 +237,7 @@ def plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_h
 
 def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, *, scale,
                q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None,
-               split_buffer=None, config=None):
+               split_buffer=None, config=None, split_sync=None):
     return functools.partial(_paged_launch, dict(scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
                                                  kv_head_start=kv_head_start, max_kv_len=max_kv_len,
                                                  max_query_len=max_query_len))

@@ -36,6 +36,32 @@ def head_offsets(head, heads_per_rank, stride_r, stride_h):
 
 
 
+@triton.jit
+def merge_split_rows(part_out_ptr, part_lse_ptr, first_row, num_splits, dims, row_mask, dim_mask, head_dim,
+                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``(out, lse)`` of ``BLOCK_M`` rows merged by LSE from their ``num_splits`` partials (row ``r``'s at partial
+    rows ``first_row[r] + s``, ``[rows, head_dim]`` float32 and ``[rows]``), one split after the other with a
+    running maximum: the split pass's own merge (``LAST_MERGES``). The partials of other programs are read from L2
+    (``.cg``), never from a stale L1 line. Every split empty: (0, -inf); a NaN LSE gives NaN."""
+    lse_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(part_lse_ptr + first_row + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(part_out_ptr + (first_row + s)[:, None] * head_dim + dims[None, :],
+                       mask=(row_mask & (lse != float("-inf")))[:, None] & dim_mask[None, :], other=0.0,
+                       cache_modifier=".cg")
+        new_max = tl.maximum(lse_max, lse)
+        max_safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+        alpha = tl.exp2((lse_max - max_safe) * _LOG2E)
+        weight = tl.exp2((lse - max_safe) * _LOG2E)
+        acc = acc * alpha[:, None] + part * weight[:, None]
+        total = total * alpha + weight
+        lse_max = new_max
+    total_safe = tl.where(total == 0.0, 1.0, total)
+    return acc / total_safe[:, None], tl.where(total == 0.0, float("-inf"), lse_max + tl.log(total_safe))
+
+
 @triton.jit(do_not_specialize=("num_splits", "stride_pl_t", "stride_pl_h", "stride_lse_r", "stride_lse_t",
                                "stride_lse_h"))
 def paged_attention_reduce_kernel(
@@ -172,6 +198,26 @@ class PagedLaunch:
         if self.reduce_other is not None and every_variant_wanted():
             self.reduce_other(self.part_out, self.part_lse, out, lse, counts)  # the same merge: rewritten next
         self.reduce(self.part_out, self.part_lse, out, lse, counts)
+
+
+# Split counters of standalone launches whose last split merges (``plan_paged`` without ``split_sync``): one zeroed
+# buffer per device and stream, grown when a launch needs more, and every launch leaves them zero. A superseded
+# buffer is kept: a CUDA graph captured over it holds its address. Engines pass their workspace's own.
+_SYNC: dict[tuple[str, int | None, int], torch.Tensor] = {}
+_SYNC_SUPERSEDED: list[torch.Tensor] = []
+
+
+def sync_counters(device: torch.device, count: int) -> torch.Tensor:
+    """At least ``count`` zeroed int32 split counters on ``device`` for launches on its current stream."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    buffer = _SYNC.get(key)
+    if buffer is None or buffer.numel() < count:
+        if buffer is not None:
+            _SYNC_SUPERSEDED.append(buffer)
+        buffer = _SYNC[key] = torch.zeros(max(count, 2 * (buffer.numel() if buffer is not None else 0)),
+                                          dtype=torch.int32, device=device)
+    return buffer
 
 
 def split_views(buffer, num_tokens: int, num_heads: int, num_splits: int, head_dim: int, device, *,

@@ -8,10 +8,11 @@ default (``None``: the kernels' own table) first, so a row's gain is read agains
 - ``prefix``: ``paged_attention`` configs ``(block_n, block_m, num_warps, num_stages[, tma[, rows_ahead]])`` on the
   DCP prefix pass;
 - ``decode`` / ``fp8``: decode configs ``(block_n, num_warps, num_stages[, tma[, rows_ahead[, min_rows[,
-  fp8_widen[, max_registers]]]]])`` crossed with split counts, graph replay, GB/s of cache bytes read (bf16 / e4m3
+  fp8_widen[, max_registers[, last_split_merges]]]]]])`` crossed with split counts, graph replay, GB/s of cache bytes read (bf16 / e4m3
   cache); ``min_rows`` 64 pads a tile's Q heads to 64 rows, which ``tl.dot`` runs as warpgroup MMAs on sm_90;
   ``fp8_widen`` (``PagedConfig.fp8_widen``): 1 widens an fp8 cache's V tiles to fp16 before their shared-memory
-  round trip, 2 K's too; ``max_registers`` caps registers per thread (0: no cap).
+  round trip, 2 K's too; ``max_registers`` caps registers per thread (0: no cap); ``last_split_merges`` 1: a
+  balanced decode's last split to finish merges them (no merge launch).
 
 ``--page`` sets the cache's page size for both (16, vLLM's default, unless given; ``tma``: whole tiles of one page
 through tensor descriptors, which needs pages of at least ``block_n`` tokens).
@@ -43,18 +44,20 @@ from dcp_plugin.kernels import extend_attention, paged_attention  # noqa: E402
 
 def decode_config(fields: tuple, *, block_m: int):
     """A decode candidate ``(block_n, num_warps, num_stages[, tma[, rows_ahead[, min_rows[, fp8_widen[,
-    max_registers]]]]])`` (``--decode-configs``' ``BNxWxS...``, split at ``x``) as a ``PagedConfig``."""
+    max_registers[, last_split_merges]]]]]])`` (``--decode-configs``' ``BNxWxS...``, split at ``x``) as a
+    ``PagedConfig``."""
     from dcp_plugin.kernels.paged_attention import PagedConfig
 
-    bn, warps, stages, tma, ahead, rows, widen, regs = (*fields, *(0, 0, 16, 0, 0)[len(fields) - 3:])
+    bn, warps, stages, tma, ahead, rows, widen, regs, merges = (*fields, *(0, 0, 16, 0, 0, 0)[len(fields) - 3:])
     return PagedConfig(block_n=bn, block_m=block_m, num_warps=warps, num_stages=stages, tma=bool(tma),
-                       rows_ahead=bool(ahead), min_rows=rows, fp8_widen=widen, max_registers=regs)
+                       rows_ahead=bool(ahead), min_rows=rows, fp8_widen=widen, max_registers=regs,
+                       last_split_merges=bool(merges))
 
 
 def sweep_decode(shapes, splits_list, configs, *, fp8: bool = False) -> list[dict]:
     """Tuning data: graph-replay time of each launch config (None: the table's) crossed with each split count
     (None: the automatic one); ``config`` is recorded as ``[block_n, num_warps, num_stages, tma, rows_ahead,
-    min_rows, fp8_widen, max_registers]``. ``fp8``: over an e4m3 cache (GB/s of its bytes)."""
+    min_rows, fp8_widen, max_registers, last_split_merges]``. ``fp8``: over an e4m3 cache (GB/s of its bytes)."""
     from dcp_plugin.kernels.paged_attention import pick_config
 
     rows = []
@@ -78,7 +81,7 @@ def sweep_decode(shapes, splits_list, configs, *, fp8: bool = False) -> list[dic
                 row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, fp8=fp8, splits=splits, page=PAGE_SIZE[0],
                            config=None if cfg is None else [cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.tma,
                                                             cfg.rows_ahead, cfg.min_rows, cfg.fp8_widen,
-                                                            cfg.max_registers])
+                                                            cfg.max_registers, cfg.last_split_merges])
                 try:
                     out.fill_(float("nan"))
                     call(0)
@@ -200,7 +203,7 @@ def best(rows: list[dict], key: str, group) -> dict:
 
 # Candidates. prefill: (block_m, block_n, num_warps, num_stages, tma); prefix: (block_n, block_m, num_warps,
 # num_stages[, tma[, rows_ahead]]); decode: (block_n, num_warps, num_stages[, tma[, rows_ahead[, min_rows[,
-# fp8_widen[, max_registers]]]]]).
+# fp8_widen[, max_registers[, last_split_merges]]]]]]).
 PREFILL_CONFIGS = {
     128: [(128, 128, 8, 3, False), (128, 64, 8, 3, True), (128, 128, 8, 2, True), (128, 64, 8, 4, True)],
     64: [(128, 128, 8, 3, True), (128, 64, 4, 3, True), (128, 128, 4, 3, True), (128, 64, 4, 4, False)],
@@ -231,8 +234,8 @@ def main() -> None:
     parser.add_argument("--prefix-configs", help="replace the prefix candidates: BNxBMxWxS[xTMA[xAHEAD]],... "
                         "(e.g. 64x256x8x2, 64x128x4x2x1x1; AHEAD: descriptor rows read a chunk ahead)")
     parser.add_argument("--decode-configs", help="replace the decode candidates: "
-                        "BNxWxS[xTMA[xAHEAD[xROWS[xWIDEN[xREGS]]]]],... (e.g. 64x4x3x1x1, 64x4x4x1x0x64, "
-                        "128x4x3x0x0x16x1x168)")
+                        "BNxWxS[xTMA[xAHEAD[xROWS[xWIDEN[xREGS[xMERGE]]]]]],... (e.g. 64x4x3x1x1, 64x4x4x1x0x64, "
+                        "128x4x3x0x0x16x1x168; MERGE 1: the last split merges, no merge launch)")
     parser.add_argument("--fp8-configs", help="replace the fp8 decode candidates, as --decode-configs")
     parser.add_argument("--decode-shapes", help="replace the decode shapes: BATCHxCTXxHQxHK,... (also fp8's)")
     parser.add_argument("--splits", help="replace the fixed split counts timed beside the automatic one (decode and "

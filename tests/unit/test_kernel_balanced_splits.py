@@ -5,23 +5,27 @@ of one split, which stage 1 writes to the output itself) turns the output NaN.""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
 import torch
 
 from dcp_plugin.kernels import reference
-from dcp_plugin.kernels.paged_attention import plan_paged
+from dcp_plugin.kernels.paged_attention import INTERPRET_CONFIG, plan_paged
 from tests.kernel_checks import assert_matches, poisoned
 from tests.unit.test_kernel_paged_attention import Case, _heads, _inputs
 
 
-def _plan(case: Case, slots: int, q, caches, tables, out, lse, split_elements: int = 1 << 16):
+def _plan(case: Case, slots: int, q, caches, tables, out, lse, split_elements: int = 1 << 16, **kwargs):
     key_cache, value_cache = caches
     block_table, context_lens, query_start_loc = tables
     return plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse,
                       scale=case.head_dim ** -0.5, **_heads(case), max_kv_len=max(case.ctx_lens), max_query_len=1,
-                      split_buffer=poisoned((split_elements,), torch.float32), split_slots=slots)
+                      split_buffer=poisoned((split_elements,), torch.float32), split_slots=slots, **kwargs)
+
+
+LAST_MERGES = dataclasses.replace(INTERPRET_CONFIG, last_split_merges=True)
 
 
 CASES = {
@@ -41,19 +45,42 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("last_merges", [False, True], ids=["merge-launch", "last-split-merges"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_balanced_decode_matches_reference(name):
+def test_balanced_decode_matches_reference(name, last_merges):
+    """Twice on the same buffers (a graph's replays): with ``last_split_merges`` the split counters must be zero
+    again after each launch, or the second launch's last split never merges (its rows stay NaN)."""
     case, slots = CASES[name]
     q, key_cache, value_cache, *tables = _inputs(case, seed=5)
-    out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
-    plan = _plan(case, slots, q, (key_cache, value_cache), tables, out, lse)
-    assert plan.stage1.constexprs["BALANCED"] and plan.num_splits > 1, "the case does not reach the balanced path"
-    plan(q, key_cache, value_cache, *tables, out, lse)
+    sync = torch.zeros(q.shape[0] * q.shape[1], dtype=torch.int32)
+    config = LAST_MERGES if last_merges else None
     want_out, want_lse = reference.paged_attention(q.double(), key_cache.double(), value_cache.double(), *tables,
                                                    scale=case.head_dim ** -0.5, **_heads(case),
                                                    max_kv_len=max(case.ctx_lens))
-    assert_matches(out, want_out, case.dtype, f"{name} out")
-    assert_matches(lse, want_lse, case.dtype, f"{name} lse")
+    out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
+    plan = _plan(case, slots, q, (key_cache, value_cache), tables, out, lse, config=config, split_sync=sync)
+    assert plan.stage1.constexprs["BALANCED"] and plan.num_splits > 1, "the case does not reach the balanced path"
+    assert plan.stage1.constexprs["LAST_MERGES"] == last_merges and (plan.reduce is None) == last_merges
+    for launch in range(2):
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        plan(q, key_cache, value_cache, *tables, out, lse)
+        assert_matches(out, want_out, case.dtype, f"{name} out, launch {launch}")
+        assert_matches(lse, want_lse, case.dtype, f"{name} lse, launch {launch}")
+        assert not sync.any(), "a split counter was left non-zero"
+
+
+def test_last_split_merges_needs_a_counter_per_row_and_head_program():
+    """Counters for fewer than (tokens x head programs): the merge launch instead, never a counter out of bounds."""
+    case, slots = CASES["gqa2-long-among-short-padded"]
+    q, key_cache, value_cache, *tables = _inputs(case, seed=5)
+    out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
+    short = torch.zeros(q.shape[0] * 2 - 1, dtype=torch.int32)  # 2 head programs
+    plan = _plan(case, slots, q, (key_cache, value_cache), tables, out, lse, config=LAST_MERGES, split_sync=short)
+    assert not plan.stage1.constexprs["LAST_MERGES"] and plan.reduce is not None
+    fits = _plan(case, slots, q, (key_cache, value_cache), tables, out, lse, config=LAST_MERGES,
+                 split_sync=torch.zeros(q.shape[0] * 2, dtype=torch.int32))
+    assert fits.stage1.constexprs["LAST_MERGES"] and fits.reduce is None
 
 
 def test_balanced_decode_into_rank_major_outputs():
@@ -91,7 +118,7 @@ def test_each_request_takes_its_share_of_the_splits(ctx_lens, splits_taken, max_
     head_programs, rows = 2, 4 + q.shape[0]  # cdiv(slots, head programs) + tokens
     assert plan.stage1.grid == (rows * head_programs, 1, 1), "a program per (work row, head program), no more"
     plan.stage1(q, key_cache, value_cache, *tables, out, lse, None, None, plan.part_out, plan.part_lse,
-                plan.split_counts)
+                plan.split_counts, None)
     assert plan.split_counts.tolist() == [max(n, 1) for n in splits_taken], "each token's split count"
     for token, taken in enumerate(splits_taken):
         if taken > 1:  # partials of the splits it takes, nothing past them (still the poison); out left to the merge
