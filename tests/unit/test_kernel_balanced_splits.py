@@ -36,7 +36,7 @@ CASES = {
     # A DCP rank's heads: the gathered Q heads 6-11 of 12 over stored KV heads 1-2.
     "dcp-12q3kv-rank1-hnd": (Case([1] * 3, [1, 630, 130], 6, 2, 4, q_head_start=6, kv_head_start=1,
                                   layout="hnd"), 6),
-    "mqa8-one-request-all-slots": (Case([1], [2000], 8, 1, 8), 16),
+    "mqa8-one-request-all-slots": (Case([1], [2000], 8, 1, 8), 8),
     # Requests without a query row (a padded batch's) take no work row: counting their 700 tokens would give the
     # others 7 work rows, and with the 6 padding rows 13, past the grid's cdiv(8, 2) + 8 tokens = 12.
     "gqa2-requests-without-a-row": (Case([1, 0, 0, 1], [900, 700, 700, 45], 4, 2, 2, pad_rows=6), 8),
@@ -81,6 +81,18 @@ def test_last_split_merges_needs_a_counter_per_row_and_head_program():
     fits = _plan(case, slots, q, (key_cache, value_cache), tables, out, lse, config=LAST_MERGES,
                  split_sync=torch.zeros(q.shape[0] * 2, dtype=torch.int32))
     assert fits.stage1.constexprs["LAST_MERGES"] and fits.reduce is None
+
+
+def test_many_splits_a_request_keep_the_merge_launch():
+    """One program merging dozens of splits is slower than a merge launch: the last split merges only where a
+    request takes at most ``LAST_MERGE_SPLITS`` splits, by the plan's bound or on average over the slots."""
+    case = Case([1], [2000], 4, 2, 2)  # 63 tiles of 32 tokens, 2 head programs
+    q, key_cache, value_cache, *tables = _inputs(case, seed=5)
+    out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
+    many = _plan(case, 64, q, (key_cache, value_cache), tables, out, lse, config=LAST_MERGES)
+    assert many.num_splits == 32 and not many.stage1.constexprs["LAST_MERGES"]  # 64 slots / 2 head programs
+    few = _plan(case, 16, q, (key_cache, value_cache), tables, out, lse, config=LAST_MERGES)
+    assert few.num_splits == 8 and few.stage1.constexprs["LAST_MERGES"]
 
 
 def test_balanced_decode_into_rank_major_outputs():
