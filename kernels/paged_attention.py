@@ -44,8 +44,8 @@ from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count const
     find_block, flat_programs, group_head_tile, head_tiling, pick_num_splits,
 )
 from dcp_plugin.kernels.split_kv import (
-    LAST_MERGE_SPLITS, NARROW_SPLITS, PagedLaunch, auto_splits, fit_splits, head_offsets, merge_split_rows,
-    paged_attention_reduce_kernel, split_outputs, sync_counters, with_reduce,
+    LAST_MERGE_PROGRAMS, LAST_MERGE_SPLITS, NARROW_SPLITS, PagedLaunch, auto_splits, fit_splits, head_offsets,
+    merge_split_rows, paged_attention_reduce_kernel, split_outputs, sync_counters, with_reduce,
 )
 
 __all__ = ["PagedConfig", "paged_attention", "paged_attention_kernel", "paged_attention_reduce_kernel", "plan_paged",
@@ -378,9 +378,11 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
                                              kv_head_start=kv_head_start), None, None, None, 1)
     part_out, part_lse, counts, out_strides, lse_strides = split_outputs(q, out, lse, num_splits, split_buffer,
                                                                          balanced=balanced)
-    # The last split merges where a request takes few splits: by the plan's bound, or on average over the slots.
-    last_merges = balanced and num_splits > 1 and cfg.last_split_merges \
-        and min(num_splits, cdiv(slots, max(num_reqs * head_programs, 1))) <= LAST_MERGE_SPLITS
+    # The last split merges where a request takes few splits (the plan's bound, or on average over the slots) and
+    # the step has enough (token, head program)s (``split_kv.LAST_MERGE_SPLITS``).
+    programs = num_reqs * head_programs
+    last_merges = balanced and num_splits > 1 and cfg.last_split_merges and programs >= LAST_MERGE_PROGRAMS \
+        and min(num_splits, cdiv(slots, max(programs, 1))) <= LAST_MERGE_SPLITS
     if last_merges and split_sync is None:
         split_sync = sync_counters(q.device, num_tokens * head_programs)
     last_merges = last_merges and split_sync.numel() >= num_tokens * head_programs

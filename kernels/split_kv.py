@@ -27,13 +27,15 @@ _LOG2E = tl.constexpr(LOG2E)
 REDUCE_SPLITS = MAX_AUTO_SPLITS
 NARROW_SPLITS = 8
 NARROW_HEADS = 4  # (token, head)s of one program in the narrow variant: 8 splits x 128 dims is little work
-_MERGE_SPLITS = tl.constexpr(MAX_AUTO_SPLITS)  # a balanced decode's most splits (``balanced_max_splits``)
-MERGE_UNROLL = tl.constexpr(4)  # partials a step of ``merge_split_rows`` loads side by side
-# A balanced decode's last split merges (``PagedConfig.last_split_merges``) where its requests take at most this many
-# splits (the plan's bound) or this many on average: one program reading many splits' partials took longer than a
-# merge launch spreading them over (token, head) programs (1 x 8K, 32 splits: 30.4 against 19.9 us, H200,
-# benchmarks/results/kernels_h200_sweep_last_merges.json).
+# A balanced decode's last split merges (``PagedConfig.last_split_merges``) where its requests take at most
+# LAST_MERGE_SPLITS splits (the plan's bound, or on average over the slots) and the step has at least
+# LAST_MERGE_PROGRAMS (token, head program)s: one program reads a (token, head program)'s partials one split after
+# the other, which took longer than a merge launch spreading them over (token, head)s where a request takes many
+# splits (1 x 8K, 32 splits: 30.4 against 19.9 us) or one request takes 8 (1 x 1K: 13.4 against 12.2 us), and
+# saved the launch elsewhere (8 / 32 / 128 x 1K: 19.2 / 44.3 / 137.1 against 20.0 / 45.1 / 139.2 us; H200, 32 Q /
+# 8 KV, 64-token pages, benchmarks/results/kernels_h200_sweep_last_merges.json).
 LAST_MERGE_SPLITS = 8
+LAST_MERGE_PROGRAMS = 64
 
 
 @triton.jit
@@ -46,28 +48,28 @@ def head_offsets(head, heads_per_rank, stride_r, stride_h):
 @triton.jit
 def merge_split_rows(part_out_ptr, part_lse_ptr, first_row, num_splits, dims, row_mask, dim_mask, head_dim,
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``(out, lse)`` of ``BLOCK_M`` rows merged by LSE from their ``num_splits`` (at most ``_MERGE_SPLITS``)
-    partials, row ``r``'s at partial rows ``first_row[r] + s`` (``[rows, head_dim]`` float32 and ``[rows]``): the
-    split pass's own merge (``LAST_MERGES``). Every LSE in one load, then the partials ``MERGE_UNROLL`` at a time,
-    their loads independent of one another (one after the other, a split's LSE then its partial, each waited for,
-    took longer than a merge launch: benchmarks/results/kernels_h200_sweep_last_merges.json). Read from L2
-    (``.cg``): they are other programs' writes. An empty split's partial is 0 with weight 0; every split empty:
-    (0, -inf); a NaN LSE gives NaN."""
-    splits = tl.arange(0, _MERGE_SPLITS)
-    lse_all = tl.load(part_lse_ptr + first_row[None, :] + splits[:, None],
-                      mask=(splits < num_splits)[:, None] & row_mask[None, :], other=float("-inf"),
-                      cache_modifier=".cg")  # [S, M]
-    lse_max = tl.max(lse_all, 0)
-    max_safe = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = tl.sum(tl.exp2((lse_all - max_safe[None, :]) * _LOG2E), 0)  # NaN with any NaN LSE
+    """``(out, lse)`` of ``BLOCK_M`` rows merged by LSE from their ``num_splits`` partials (row ``r``'s at partial
+    rows ``first_row[r] + s``, ``[rows, head_dim]`` float32 and ``[rows]``), one split after the other with a
+    running maximum: the split pass's own merge (``LAST_MERGES``). The partials of other programs are read from L2
+    (``.cg``), never from a stale L1 line. Every split empty: (0, -inf); a NaN LSE gives NaN. Every LSE in one
+    load, then the partials four at a time with their loads independent of one another, was slower than the merge
+    launch at 4-8 splits (8 x 1K: 21.4 against 20.1 us in one run, where this loop took 19.2 against 20.0 in
+    another; benchmarks/results/kernels_h200_sweep_last_merges_unrolled.json)."""
+    lse_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s0 in range(0, num_splits, MERGE_UNROLL):
-        for j in tl.static_range(MERGE_UNROLL):
-            live = row_mask & (tl.zeros([BLOCK_M], tl.int32) + s0 + j < num_splits)
-            lse = tl.load(part_lse_ptr + first_row + s0 + j, mask=live, other=float("-inf"), cache_modifier=".cg")
-            part = tl.load(part_out_ptr + (first_row + s0 + j)[:, None] * head_dim + dims[None, :],
-                           mask=live[:, None] & dim_mask[None, :], other=0.0, cache_modifier=".cg")
-            acc += part * tl.exp2((lse - max_safe) * _LOG2E)[:, None]
+    for s in range(0, num_splits):
+        lse = tl.load(part_lse_ptr + first_row + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(part_out_ptr + (first_row + s)[:, None] * head_dim + dims[None, :],
+                       mask=(row_mask & (lse != float("-inf")))[:, None] & dim_mask[None, :], other=0.0,
+                       cache_modifier=".cg")
+        new_max = tl.maximum(lse_max, lse)
+        max_safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+        alpha = tl.exp2((lse_max - max_safe) * _LOG2E)
+        weight = tl.exp2((lse - max_safe) * _LOG2E)
+        acc = acc * alpha[:, None] + part * weight[:, None]
+        total = total * alpha + weight
+        lse_max = new_max
     total_safe = tl.where(total == 0.0, 1.0, total)
     return acc / total_safe[:, None], tl.where(total == 0.0, float("-inf"), lse_max + tl.log(total_safe))
 

@@ -47,9 +47,11 @@ CASES = {
 
 @pytest.mark.parametrize("last_merges", [False, True], ids=["merge-launch", "last-split-merges"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_balanced_decode_matches_reference(name, last_merges):
+def test_balanced_decode_matches_reference(name, last_merges, monkeypatch):
     """Twice on the same buffers (a graph's replays): with ``last_split_merges`` the split counters must be zero
-    again after each launch, or the second launch's last split never merges (its rows stay NaN)."""
+    again after each launch, or the second launch's last split never merges (its rows stay NaN). These small steps
+    have fewer (token, head program)s than the GPU's bound asks for: lifted here."""
+    monkeypatch.setattr(sys.modules[plan_paged.__module__], "LAST_MERGE_PROGRAMS", 1)
     case, slots = CASES[name]
     q, key_cache, value_cache, *tables = _inputs(case, seed=5)
     sync = torch.zeros(q.shape[0] * q.shape[1], dtype=torch.int32)
@@ -70,8 +72,9 @@ def test_balanced_decode_matches_reference(name, last_merges):
         assert not sync.any(), "a split counter was left non-zero"
 
 
-def test_last_split_merges_needs_a_counter_per_row_and_head_program():
+def test_last_split_merges_needs_a_counter_per_row_and_head_program(monkeypatch):
     """Counters for fewer than (tokens x head programs): the merge launch instead, never a counter out of bounds."""
+    monkeypatch.setattr(sys.modules[plan_paged.__module__], "LAST_MERGE_PROGRAMS", 1)
     case, slots = CASES["gqa2-long-among-short-padded"]
     q, key_cache, value_cache, *tables = _inputs(case, seed=5)
     out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
@@ -83,16 +86,25 @@ def test_last_split_merges_needs_a_counter_per_row_and_head_program():
     assert fits.stage1.constexprs["LAST_MERGES"] and fits.reduce is None
 
 
-def test_many_splits_a_request_keep_the_merge_launch():
-    """One program merging dozens of splits is slower than a merge launch: the last split merges only where a
-    request takes at most ``LAST_MERGE_SPLITS`` splits, by the plan's bound or on average over the slots."""
-    case = Case([1], [2000], 4, 2, 2)  # 63 tiles of 32 tokens, 2 head programs
-    q, key_cache, value_cache, *tables = _inputs(case, seed=5)
-    out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
-    many = _plan(case, 64, q, (key_cache, value_cache), tables, out, lse, config=LAST_MERGES)
-    assert many.num_splits == 32 and not many.stage1.constexprs["LAST_MERGES"]  # 64 slots / 2 head programs
-    few = _plan(case, 16, q, (key_cache, value_cache), tables, out, lse, config=LAST_MERGES)
-    assert few.num_splits == 8 and few.stage1.constexprs["LAST_MERGES"]
+def test_the_last_split_merges_only_few_splits_of_many_programs():
+    """One program merging a (token, head program)'s splits one after the other is slower than a merge launch where
+    a request takes many splits or the step has few (token, head program)s: the last split merges only where a
+    request takes at most ``LAST_MERGE_SPLITS`` (by the plan's bound or on average over the slots) and the step
+    has at least ``LAST_MERGE_PROGRAMS`` (token, head program)s. Plans only: nothing launches."""
+    def plan(ctx_lens, slots):
+        case = Case([1] * len(ctx_lens), ctx_lens, 4, 2, 2)  # 2 head programs, 32-token tiles
+        q, key_cache, value_cache, *tables = _inputs(case, seed=5)
+        return _plan(case, slots, q, (key_cache, value_cache), tables, poisoned(q.shape, case.dtype),
+                     poisoned(q.shape[:2], torch.float32), split_elements=1 << 21, config=LAST_MERGES)
+
+    few = plan([256] * 32, 256)  # 64 programs; 8 tiles: at most 4 splits a request
+    assert few.num_splits == 4 and few.stage1.constexprs["LAST_MERGES"] and few.reduce is None
+    assert not plan([256] * 31, 256).stage1.constexprs["LAST_MERGES"], "62 (token, head program)s"
+    # 32 x 2000 tokens: 63 tiles, up to 32 splits by the bound, 4 on average over 256 slots -> merges; over 2048
+    # slots 32 on average -> the merge launch.
+    assert plan([2000] * 32, 256).stage1.constexprs["LAST_MERGES"]
+    many = plan([2000] * 32, 2048)
+    assert many.num_splits == 32 and not many.stage1.constexprs["LAST_MERGES"] and many.reduce is not None
 
 
 def test_balanced_decode_into_rank_major_outputs():
