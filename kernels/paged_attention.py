@@ -21,19 +21,17 @@ allows, and a decode with more than ``GLUON_DECODE_MIN_GROUP`` Q heads per KV gr
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 import triton
 import triton.language as tl
 
 from dcp_plugin.kernels._launch import (
-    INDEX_DTYPES, LOG2E, Launch, cdiv, check_head_map, check_heads_out, check_int, check_shape,
-    check_tensor, device_index, next_pow2, num_sms,
+    LOG2E, Launch, cdiv, device_index, every_variant_wanted, next_pow2, num_sms,
 )
-from dcp_plugin.checks import FP8_DTYPES, check_kv_scales
+from dcp_plugin.checks import FP8_DTYPES
 from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_GROUP, decode_takes_gluon, prefix_takes_gluon
 from dcp_plugin.kernels._mode import INTERPRET
+from dcp_plugin.kernels._paged_checks import MAX_HEAD_DIM, MAX_SPLITS, checked_outputs  # noqa: F401
 from dcp_plugin.kernels._paged_config import (  # noqa: F401 - the tuning table is part of this module's API
     DESCRIPTOR_DECODE_CONFIGS, DESCRIPTOR_DECODE_MAX_GROUP, FP8_DESCRIPTOR_DECODE_CONFIGS, GPU_CONFIGS,
     GPU_FP32_CONFIGS, INTERPRET_CONFIG, POINTER_CONFIGS, PagedConfig, pick_config,
@@ -52,8 +50,6 @@ __all__ = ["PagedConfig", "paged_attention", "paged_attention_kernel", "paged_at
            "split_capacity"]
 
 _LOG2E = tl.constexpr(LOG2E)  # the kernels' copy (jit functions read only constexpr globals)
-MAX_HEAD_DIM = 256
-MAX_SPLITS = 256  # explicit num_splits upper bound
 SHORT_QUERY = 8  # at most this many query rows per request: the short-query variant (speculative verify steps)
 # A decode on a GPU takes balanced splits (each request its own split count, ``_schedule.balanced_split``) over
 # PROGRAMS_PER_SM programs a SM: one count for every request, sized for the longest context (a captured graph's
@@ -255,46 +251,11 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
         ...                            q_head_start=0, q_per_kv=4, kv_head_start=0, max_kv_len=4096,
         ...                            max_query_len=1)
     """
-    check_tensor("q", q, ndim=3)
-    device = q.device
-    num_tokens, num_q_heads, head_dim = q.shape
-    check_tensor("key_cache", key_cache, ndim=4, dtypes=(q.dtype, *FP8_DTYPES), device=device)
-    check_tensor("value_cache", value_cache, ndim=4, dtypes=(key_cache.dtype,), device=device)
-    check_kv_scales(key_cache.dtype, k_scale, v_scale, device)
-    check_shape("key_cache", key_cache, (None, None, None, head_dim))
-    check_shape("value_cache", value_cache, tuple(key_cache.shape))
-    _, page_size, num_kv_heads, _ = key_cache.shape
-    check_tensor("context_lens", context_lens, ndim=1, dtypes=INDEX_DTYPES, device=device)
-    num_reqs = context_lens.shape[0]
-    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=device)
-    check_shape("query_start_loc", query_start_loc, (num_reqs + 1,))
-    check_tensor("block_table", block_table, ndim=2, dtypes=INDEX_DTYPES, device=device)
-    if block_table.shape[0] < num_reqs:
-        raise ValueError(f"block_table has {block_table.shape[0]} rows but context_lens has {num_reqs} requests")
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim {head_dim} (q.shape[-1]) is not supported; use 1..{MAX_HEAD_DIM}")
-    if page_size < 1:
-        raise ValueError(f"key_cache block size (dim 1) must be >= 1, got {page_size}")
-    if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not scale > 0:
-        raise ValueError(f"scale must be a positive float, got {scale!r}")
-    check_head_map(num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv,
-                   kv_head_start=kv_head_start, num_kv_heads=num_kv_heads, kv_name="key_cache")
-    check_int("max_kv_len", max_kv_len, low=0, high=block_table.shape[1] * page_size)
-    if max_query_len is not None:
-        check_int("max_query_len", max_query_len, low=0)
-    if num_splits is not None:
-        check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
-    if out is None:
-        out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=device)
-    check_heads_out("out", out, (num_tokens, num_q_heads, head_dim), device)
-    if lse is None:
-        lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=device)
-        if out.dim() == 4:
-            lse = lse.view(num_tokens, out.shape[0], -1).transpose(0, 1)
-    check_heads_out("lse", lse, (num_tokens, num_q_heads), device, dtypes=(torch.float32,))
-    if (out.dim() == 4) != (lse.dim() == 3) or out.dim() == 4 and out.shape[0] != lse.shape[0]:
-        raise ValueError(f"out {tuple(out.shape)} and lse {tuple(lse.shape)} must both be plain ([T, Hq, ...]) or "
-                         "both rank-major over the same number of ranks")
+    out, lse = checked_outputs(q, key_cache, value_cache, block_table, context_lens, query_start_loc, scale=scale,
+                               q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
+                               max_kv_len=max_kv_len, max_query_len=max_query_len, num_splits=num_splits, out=out,
+                               lse=lse, k_scale=k_scale, v_scale=v_scale)
+    head_dim = q.shape[-1]
     cfg = None if config is None else pick_config(head_dim, decode=max_query_len == 1, dtype=q.dtype, config=config)
     launch = plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, scale=scale,
                         q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
@@ -392,29 +353,40 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     block_d = max(16, next_pow2(head_dim))
     kv_fp8 = key_cache.dtype in FP8_DTYPES
     rows_per_block = key_cache.stride(0) // key_cache.stride(1) if use_tma else 0
-    stage1 = Launch(
-        paged_attention_kernel, grid,
-        (num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs, float(scale) * LOG2E, q_head_start, q_per_kv,
-         kv_head_start, first_kv_head, head_tiles_per_group, num_splits, head_programs, *q.stride(),
-         *key_cache.stride(), *value_cache.stride(), *block_table.stride(), *out_strides, *lse_strides, rows_per_block,
-         rows_per_block * key_cache.shape[0], max(slots, 1), max(1, slots * SMALL_GRID_PER_SM // PROGRAMS_PER_SM)),
-        dict(PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-             EVEN_D=block_d == head_dim, DECODE=decode,
-             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-             KV_FP8=kv_fp8, FP8_VIA_FP16=kv_fp8 and q.dtype == torch.bfloat16, FP8_WIDEN=cfg.fp8_widen * kv_fp8,
-             USE_TMA=use_tma,
-             ROWS_AHEAD=use_tma and cfg.rows_ahead, BALANCED=balanced, LAST_MERGES=last_merges),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=None if INTERPRET else cfg.max_registers,
-        scratch=use_tma,  # q's pointer stands in for what is
-        stand_ins=({} if kv_fp8 else {8: 0, 9: 0}) | ({13: 0} if balanced and not last_merges else {})
-        | ({} if balanced else {10: 0, 11: 0, 12: 0, 13: 0}))  # never read
+    def stage1_launch(last: bool) -> Launch:
+        return Launch(
+            paged_attention_kernel, grid,
+            (num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs, float(scale) * LOG2E, q_head_start,
+             q_per_kv, kv_head_start, first_kv_head, head_tiles_per_group, num_splits, head_programs, *q.stride(),
+             *key_cache.stride(), *value_cache.stride(), *block_table.stride(), *out_strides, *lse_strides,
+             rows_per_block, rows_per_block * key_cache.shape[0], max(slots, 1),
+             max(1, slots * SMALL_GRID_PER_SM // PROGRAMS_PER_SM)),
+            dict(PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+                 EVEN_D=block_d == head_dim, DECODE=decode,
+                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                 KV_FP8=kv_fp8, FP8_VIA_FP16=kv_fp8 and q.dtype == torch.bfloat16, FP8_WIDEN=cfg.fp8_widen * kv_fp8,
+                 USE_TMA=use_tma,
+                 ROWS_AHEAD=use_tma and cfg.rows_ahead, BALANCED=balanced, LAST_MERGES=last),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=None if INTERPRET else cfg.max_registers,
+            scratch=use_tma,  # q's pointer stands in for what is
+            stand_ins=({} if kv_fp8 else {8: 0, 9: 0}) | ({13: 0} if balanced and not last else {})
+            | ({} if balanced else {10: 0, 11: 0, 12: 0, 13: 0}))  # never read
+
+    stage1 = stage1_launch(last_merges)
     if not balanced:
         return with_reduce(stage1, part_out, part_lse, out, lse, num_splits, stage1_extra=(None, None, None, None))
+    # The warm-up's steps are small: with ``every_variant()`` the other choice of LAST_MERGES runs first too (on the
+    # same buffers, rewritten next), so a step of either kind finds its kernel compiled.
+    other = None
+    if num_splits > 1 and cfg.last_split_merges and every_variant_wanted():
+        sync = split_sync if split_sync is not None else sync_counters(q.device, num_tokens * head_programs)
+        if sync.numel() >= num_tokens * head_programs:
+            other = (stage1_launch(not last_merges), (part_out, part_lse, counts, None if last_merges else sync))
     if last_merges:  # stage 1 merges: no second launch
         return PagedLaunch(stage1, None, part_out, part_lse, num_splits, stage1_extra=(part_out, part_lse, counts,
-                                                                                      split_sync))
+                                                                                      split_sync), stage1_other=other)
     # The merge's variant by the splits a request takes on average: about slots / (requests x head programs).
     return with_reduce(stage1, part_out, part_lse, out, lse, num_splits, split_counts=counts,
-                       stage1_extra=(part_out, part_lse, counts, None),
+                       stage1_extra=(part_out, part_lse, counts, None), stage1_other=other,
                        narrow=num_reqs * head_programs * NARROW_SPLITS >= slots)
 

@@ -191,17 +191,23 @@ class PagedLaunch:
     for the rest, and the merge reads those counts."""
 
     __slots__ = ("stage1", "reduce", "reduce_other", "part_out", "part_lse", "num_splits", "split_counts",
-                 "_extra")
+                 "_extra", "stage1_other")
 
     def __init__(self, stage1: Launch, reduce: Launch | None, part_out, part_lse, num_splits: int,
-                 reduce_other: Launch | None = None, split_counts=None, stage1_extra: tuple = ()) -> None:
+                 reduce_other: Launch | None = None, split_counts=None, stage1_extra: tuple = (),
+                 stage1_other: tuple | None = None) -> None:
         self.stage1, self.reduce, self.part_out, self.part_lse = stage1, reduce, part_out, part_lse
         self.num_splits, self.reduce_other, self.split_counts = num_splits, reduce_other, split_counts
         self._extra = stage1_extra  # stage 1's trailing tensors: the tl kernel's partials and counts (or stand-ins)
+        self.stage1_other = stage1_other  # (launch, its trailing tensors): the other LAST_MERGES choice (warm-up)
 
     def __call__(self, q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse,
                  k_scale=None, v_scale=None) -> None:
         counts = self.split_counts
+        if self.stage1_other is not None and every_variant_wanted():  # writes out/lse, rewritten next
+            launch, extra = self.stage1_other
+            launch(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, k_scale,
+                   v_scale, *extra)
         to_out = self.reduce is None or counts is not None  # stage 1 writes out/lse (a balanced decode: some rows)
         self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc,
                     out if to_out else self.part_out, lse if to_out else self.part_lse, k_scale, v_scale, *self._extra)
@@ -288,7 +294,7 @@ def split_outputs(q, out, lse, num_splits: int, split_buffer, *, balanced: bool 
 
 
 def with_reduce(stage1: Launch, part_out, part_lse, out, lse, num_splits: int, split_counts=None,
-                stage1_extra: tuple = (), narrow: bool | None = None) -> PagedLaunch:
+                stage1_extra: tuple = (), narrow: bool | None = None, stage1_other: tuple | None = None) -> PagedLaunch:
     """Stage 1 and, with several splits, the merge of its partials (and the merge's other variant, for the
     warm-up); ``split_counts`` for a balanced decode (the merge reads them). ``narrow``: the merge's variant
     (None: by the split count, ``reduce_tiling``)."""
@@ -303,4 +309,4 @@ def with_reduce(stage1: Launch, part_out, part_lse, out, lse, num_splits: int, s
     other = None if INTERPRET else plan_split_reduce(part_out, part_lse, out, lse, counted=counted,
                                                      narrow=not narrow)
     return PagedLaunch(stage1, reduce, part_out, part_lse, num_splits, reduce_other=other, split_counts=split_counts,
-                       stage1_extra=stage1_extra)
+                       stage1_extra=stage1_extra, stage1_other=stage1_other)

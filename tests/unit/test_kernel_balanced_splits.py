@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dcp_plugin.kernels import reference
+from dcp_plugin.kernels._launch import every_variant
 from dcp_plugin.kernels.paged_attention import INTERPRET_CONFIG, plan_paged
 from tests.kernel_checks import assert_matches, poisoned
 from tests.unit.test_kernel_paged_attention import Case, _heads, _inputs
@@ -196,3 +197,28 @@ def test_the_gpu_default_is_balanced(monkeypatch):
     plan = plan_paged(q, key_cache, value_cache, *tables, out, lse, scale=0.1, **_heads(case), max_kv_len=3000,
                       max_query_len=1)
     assert plan.stage1.constexprs["BALANCED"] and plan.split_counts is not None
+
+
+@pytest.mark.parametrize("last_merges", [False, True], ids=["merge-launch", "last-split-merges"])
+def test_the_warm_up_runs_both_choices_of_the_last_split_merge(last_merges, monkeypatch):
+    """The warm-up's steps are small (few (token, head program)s): inside ``every_variant()`` a balanced decode
+    launches the other choice of ``LAST_MERGES`` first, so a serving step of either kind finds its kernel compiled;
+    the answer and the counters are those of the plan's own choice."""
+    monkeypatch.setattr(sys.modules[plan_paged.__module__], "LAST_MERGE_PROGRAMS", 1 if last_merges else 10 ** 6)
+    case, slots = CASES["gqa2-long-among-short-padded"]
+    q, key_cache, value_cache, *tables = _inputs(case, seed=5)
+    sync = torch.zeros(q.shape[0] * q.shape[1], dtype=torch.int32)
+    out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
+    with every_variant():
+        plan = _plan(case, slots, q, (key_cache, value_cache), tables, out, lse, config=LAST_MERGES, split_sync=sync)
+        assert plan.stage1.constexprs["LAST_MERGES"] == last_merges
+        assert plan.stage1_other[0].constexprs["LAST_MERGES"] != last_merges
+        plan(q, key_cache, value_cache, *tables, out, lse)
+    assert not sync.any(), "a split counter was left non-zero"
+    want_out, want_lse = reference.paged_attention(q.double(), key_cache.double(), value_cache.double(), *tables,
+                                                   scale=case.head_dim ** -0.5, **_heads(case),
+                                                   max_kv_len=max(case.ctx_lens))
+    assert_matches(out, want_out, case.dtype, "out")
+    assert_matches(lse, want_lse, case.dtype, "lse")
+    assert _plan(case, slots, q, (key_cache, value_cache), tables, out, lse, config=LAST_MERGES,
+                 split_sync=sync).stage1_other is None, "outside the warm-up only the plan's own choice"
