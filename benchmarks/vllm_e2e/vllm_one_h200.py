@@ -164,6 +164,8 @@ def run_job(job: dict, model_dir: Path, repeats: int) -> dict:
     if job["kind"] == "startup":
         return result
     for i, (name, load) in enumerate(LOADS.items()):
+        if job.get("loads") and name not in job["loads"]:  # --loads: these only (each keeps its seeds)
+            continue
         run_load(llm, name, load, seed=1000 * i)  # warm-up: same shapes, other prompts
         count = max(repeats, load.get("min_repeats", 0))
         runs = [run_load(llm, name, load, seed=1000 * i + r + 1) for r in range(count)]
@@ -325,6 +327,8 @@ def main() -> None:
                         "cache of its own (a first start on a machine; default: the machine's cache)")
     parser.add_argument("--startup", action="store_true", help="also the start-up jobs (engine start alone, cold "
                         "and warm: dcp-triton, also with compile-ahead on 8 threads; FLASH_ATTN)")
+    parser.add_argument("--loads", help=f"comma-separated loads the throughput jobs run (default all: "
+                        f"{','.join(LOADS)})")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -337,8 +341,11 @@ def main() -> None:
     if args.smoke:
         shrink_for_smoke()
         args.only = "llama8-dcp-triton-eager" + (",profile-dcp-triton-eager" if args.profile else "")
+    loads = args.loads.split(",") if args.loads else []
+    if set(loads) - set(LOADS):
+        parser.error(f"--loads: unknown {sorted(set(loads) - set(LOADS))}; the loads are {','.join(LOADS)}")
     patterns = args.only.split(",")
-    chosen = [dict(j, smoke=args.smoke, block_size=args.block_size)
+    chosen = [dict(j, smoke=args.smoke, block_size=args.block_size, loads=loads)
               for j in jobs(args.profile, args.startup, args.profile_load, args.profile_model)
               if any(fnmatch.fnmatch(j["name"], p) for p in patterns)]
     if args.list or not chosen:

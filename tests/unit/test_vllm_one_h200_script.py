@@ -73,6 +73,21 @@ def test_small_batch_runs_at_least_min_repeats_and_the_summary_keeps_the_best(mo
     assert summary["loads"]["llama8/small-batch"]["eager"] == {"dcp_triton": round(best, 1)}
 
 
+def test_loads_runs_only_the_loads_named_with_their_own_seeds(monkeypatch):
+    seeds = []
+    monkeypatch.setattr(bench, "run_load", lambda llm, name, load, seed: seeds.append((name, seed)) or dict(
+        load=name, elapsed_s=1.0, output_tokens=10))
+    monkeypatch.setitem(sys.modules, "vllm", type(sys)("vllm"))
+    sys.modules["vllm"].LLM = lambda **kwargs: object()
+    job = dict(name="llama8-dcp-triton-graphs", model="llama8", backend="dcp-triton", mode="graphs",
+               kind="throughput", loads=["small-batch", "mixed"])
+    result = bench.run_job(job, Path("/nonexistent"), repeats=1)
+    assert sorted(result["runs"]) == ["mixed", "small-batch"]
+    index = list(bench.LOADS)
+    assert {name for name, _ in seeds} == {"small-batch", "mixed"}
+    assert all(seed // 1000 == index.index(name) for name, seed in seeds), "a load's seeds moved with --loads"
+
+
 def test_startup_summary_names_each_job_by_its_start_up_seconds():
     results = [dict(j, init_s=10.0 + i) for i, j in enumerate(bench.startup_jobs())]
     results.append(dict(name="llama8-FLASH_ATTN-eager", model="llama8", backend="FLASH_ATTN", mode="eager",
