@@ -21,6 +21,7 @@ profiler) -> ``profile`` in the results, keyed
 ``<backend>/<mode>`` (``<backend>/<mode>/<load>`` for another load, ``<model>/`` first for another model).
 
     python benchmarks/vllm_e2e/vllm_one_h200.py --only 'llama8-*-graphs' --name vllm_one_h200_graphs
+    python benchmarks/vllm_e2e/vllm_one_h200.py --only 'llama8-*-graphs' --loads small-batch,mixed  # these only
     python benchmarks/vllm_e2e/vllm_one_h200.py --merge benchmarks/results/vllm_one_h200_*.json  # -> vllm_one_h200.json
 
 Results: ``benchmarks/results/<name>.json``: ``summary.loads.<model>/<load>.<mode>`` = ``{"dcp_triton": tok/s,
