@@ -197,7 +197,9 @@ def paged_attention_kernel(
             tl.store(part_lse_ptr + part_row, lse, mask=row_mask)
             if LAST_MERGES:
                 # Every thread's partial stored before one thread counts this split done (release, GPU scope); the
-                # program that counts last reads every split's partial (acquire) and writes the answer.
+                # program that counts last reads every split's partial (acquire) and writes the answer. Triton runs
+                # a scalar atomic in one thread and hands its result to the others through a barrier, so their
+                # reads follow the acquire.
                 tl.debug_barrier()
                 sync = split_sync_ptr + (q_start + q_block) * head_programs + pid_h
                 if tl.atomic_add(sync, 1, sem="acq_rel", scope="gpu") == req_splits - 1:
@@ -285,9 +287,9 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     for a decode it can serve, whatever the group size (benchmarks). ``split_slots``: a decode the ``tl`` kernel
     serves with automatic splits takes each request's own split count (``_schedule.balanced_split``) over that many
     programs; None: ``PROGRAMS_PER_SM`` per SM on a GPU, none under the interpreter (one split, as ``auto_splits``);
-    0: one count for every request. ``split_sync``: int32 counters, zero (``split_sync_elements``), for a balanced
-    decode whose config has ``last_split_merges`` (default: ``split_kv.sync_counters``); too few: the merge runs
-    apart."""
+    0: one count for every request. ``split_sync``: int32 counters, zero, at least tokens x head programs (the
+    workspace's ``split_sync``), for a balanced decode whose config has ``last_split_merges`` (default:
+    ``split_kv.sync_counters``); too few: the merge runs apart."""
     num_tokens, num_q_heads, head_dim = q.shape
     page_size = key_cache.shape[1]
     num_reqs = context_lens.shape[0]
@@ -339,14 +341,12 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
                                              kv_head_start=kv_head_start), None, None, None, 1)
     part_out, part_lse, counts, out_strides, lse_strides = split_outputs(q, out, lse, num_splits, split_buffer,
                                                                          balanced=balanced)
-    # The last split merges where a request takes few splits (the plan's bound, or on average over the slots) and
-    # the step has enough (token, head program)s (``split_kv.LAST_MERGE_SPLITS``).
-    programs = num_reqs * head_programs
-    last_merges = balanced and num_splits > 1 and cfg.last_split_merges and programs >= LAST_MERGE_PROGRAMS \
-        and min(num_splits, cdiv(slots, max(programs, 1))) <= LAST_MERGE_SPLITS
-    if last_merges and split_sync is None:
-        split_sync = sync_counters(q.device, num_tokens * head_programs)
-    last_merges = last_merges and split_sync.numel() >= num_tokens * head_programs
+    # The last split merges where the plan's bound keeps every request within a few splits and the step has enough
+    # (token, head program)s (``split_kv.LAST_MERGE_SPLITS``).
+    mergeable = balanced and num_splits > 1 and cfg.last_split_merges
+    sync = sync_counters(q.device, num_tokens * head_programs) if mergeable and split_sync is None else split_sync
+    mergeable = mergeable and sync.numel() >= num_tokens * head_programs
+    last_merges = mergeable and num_reqs * head_programs >= LAST_MERGE_PROGRAMS and num_splits <= LAST_MERGE_SPLITS
     rows = cdiv(slots, head_programs) + num_tokens if balanced else num_q_programs + cdiv(num_tokens, block_q)
     grid = ((rows * head_programs, 1, 1 if balanced else num_splits) if decode else (rows, head_programs, num_splits)) \
         if num_tokens else (0,)
@@ -377,14 +377,11 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
         return with_reduce(stage1, part_out, part_lse, out, lse, num_splits, stage1_extra=(None, None, None, None))
     # The warm-up's steps are small: with ``every_variant()`` the other choice of LAST_MERGES runs first too (on the
     # same buffers, rewritten next), so a step of either kind finds its kernel compiled.
-    other = None
-    if num_splits > 1 and cfg.last_split_merges and every_variant_wanted():
-        sync = split_sync if split_sync is not None else sync_counters(q.device, num_tokens * head_programs)
-        if sync.numel() >= num_tokens * head_programs:
-            other = (stage1_launch(not last_merges), (part_out, part_lse, counts, None if last_merges else sync))
+    other = (stage1_launch(not last_merges), (part_out, part_lse, counts, None if last_merges else sync)) \
+        if mergeable and every_variant_wanted() else None
     if last_merges:  # stage 1 merges: no second launch
         return PagedLaunch(stage1, None, part_out, part_lse, num_splits, stage1_extra=(part_out, part_lse, counts,
-                                                                                      split_sync), stage1_other=other)
+                                                                                      sync), stage1_other=other)
     # The merge's variant by the splits a request takes on average: about slots / (requests x head programs).
     return with_reduce(stage1, part_out, part_lse, out, lse, num_splits, split_counts=counts,
                        stage1_extra=(part_out, part_lse, counts, None), stage1_other=other,

@@ -27,13 +27,13 @@ _LOG2E = tl.constexpr(LOG2E)
 REDUCE_SPLITS = MAX_AUTO_SPLITS
 NARROW_SPLITS = 8
 NARROW_HEADS = 4  # (token, head)s of one program in the narrow variant: 8 splits x 128 dims is little work
-# A balanced decode's last split merges (``PagedConfig.last_split_merges``) where its requests take at most
-# LAST_MERGE_SPLITS splits (the plan's bound, or on average over the slots) and the step has at least
-# LAST_MERGE_PROGRAMS (token, head program)s: one program reads a (token, head program)'s partials one split after
-# the other, which took longer than a merge launch spreading them over (token, head)s where a request takes many
-# splits (1 x 8K, 32 splits: 30.4 against 19.9 us) or one request takes 8 (1 x 1K: 13.4 against 12.2 us), and
-# saved the launch elsewhere (8 / 32 / 128 x 1K: 19.2 / 44.3 / 137.1 against 20.0 / 45.1 / 139.2 us; H200, 32 Q /
-# 8 KV, 64-token pages, benchmarks/results/kernels_h200_sweep_last_merges.json).
+# A balanced decode's last split merges (``PagedConfig.last_split_merges``) where the plan's bound keeps every request
+# within LAST_MERGE_SPLITS splits (an average would not: one long context among short ones takes dozens) and the step
+# has at least LAST_MERGE_PROGRAMS (token, head program)s: one program reads a (token, head program)'s partials one
+# split after the other, which took longer than a merge launch spreading them over (token, head)s where a request
+# takes many splits (1 x 8K, 32 splits: 30.4 against 19.9 us) or one request takes 8 (1 x 1K: 13.4 against 12.2 us),
+# and saved the launch elsewhere (8 / 32 / 128 x 1K: 19.2 / 44.3 / 137.1 against 20.0 / 45.1 / 139.2 us; H200, 32 Q
+# / 8 KV, 64-token pages, benchmarks/results/kernels_h200_sweep_last_merges.json).
 LAST_MERGE_SPLITS = 8
 LAST_MERGE_PROGRAMS = 64
 
@@ -53,8 +53,9 @@ def merge_split_rows(part_out_ptr, part_lse_ptr, first_row, num_splits, dims, ro
     running maximum: the split pass's own merge (``LAST_MERGES``). The partials of other programs are read from L2
     (``.cg``), never from a stale L1 line. Every split empty: (0, -inf); a NaN LSE gives NaN. Every LSE in one
     load, then the partials four at a time with their loads independent of one another, was slower than the merge
-    launch at 4-8 splits (8 x 1K: 21.4 against 20.1 us in one run, where this loop took 19.2 against 20.0 in
-    another; benchmarks/results/kernels_h200_sweep_last_merges_unrolled.json)."""
+    launch at 4-8 splits over 64-token pages (8 x 1K: 21.4 against 20.1 us in one run, where this loop took 19.2
+    against 20.0 in another; benchmarks/results/kernels_h200_sweep_last_merges_unrolled.json; over 16-token pages
+    it gained, 20.9 against 21.6 us, ..._unrolled_p16.json)."""
     lse_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)

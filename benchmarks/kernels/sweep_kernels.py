@@ -9,7 +9,8 @@ default (``None``: the kernels' own table) first, so a row's gain is read agains
   DCP prefix pass;
 - ``decode`` / ``fp8``: decode configs ``(block_n, num_warps, num_stages[, tma[, rows_ahead[, min_rows[,
   fp8_widen[, max_registers[, last_split_merges]]]]]])`` crossed with split counts, graph replay, GB/s of cache
-  bytes read (bf16 / e4m3 cache); ``min_rows`` 64 pads a tile's Q heads to 64 rows, which ``tl.dot`` runs as warpgroup MMAs on sm_90;
+  bytes read (bf16 / e4m3 cache); ``min_rows`` 64 pads a tile's Q heads to 64 rows, which ``tl.dot`` runs as
+  warpgroup MMAs on sm_90;
   ``fp8_widen`` (``PagedConfig.fp8_widen``): 1 widens an fp8 cache's V tiles to fp16 before their shared-memory
   round trip, 2 K's too; ``max_registers`` caps registers per thread (0: no cap); ``last_split_merges`` 1: a
   balanced decode's last split to finish merges them (no merge launch).

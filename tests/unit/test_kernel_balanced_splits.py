@@ -37,13 +37,18 @@ CASES = {
     # A DCP rank's heads: the gathered Q heads 6-11 of 12 over stored KV heads 1-2.
     "dcp-12q3kv-rank1-hnd": (Case([1] * 3, [1, 630, 130], 6, 2, 4, q_head_start=6, kv_head_start=1,
                                   layout="hnd"), 6),
-    "mqa8-one-request-all-slots": (Case([1], [2000], 8, 1, 8), 8),
+    "mqa8-one-request-all-slots": (Case([1], [2000], 8, 1, 8), 16),
     # Requests without a query row (a padded batch's) take no work row: counting their 700 tokens would give the
     # others 7 work rows, and with the 6 padding rows 13, past the grid's cdiv(8, 2) + 8 tokens = 12.
     "gqa2-requests-without-a-row": (Case([1, 0, 0, 1], [900, 700, 700, 45], 4, 2, 2, pad_rows=6), 8),
     # Every request in one split: stage 1 writes the outputs and the merge leaves them.
     "gqa2-equal-one-split-each": (Case([1] * 4, [640] * 4, 4, 2, 2, pad_rows=2), 8),
 }
+
+
+# Cases whose plan allows a request more than LAST_MERGE_SPLITS splits (gqa4: 35 tiles over 20 slots a head
+# program; mqa8: 63 tiles over 16 slots): the last-split-merges config keeps the merge launch there.
+MANY_SPLITS = {"gqa4-fp16-d128-many-slots", "mqa8-one-request-all-slots"}
 
 
 @pytest.mark.parametrize("last_merges", [False, True], ids=["merge-launch", "last-split-merges"])
@@ -63,7 +68,8 @@ def test_balanced_decode_matches_reference(name, last_merges, monkeypatch):
     out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
     plan = _plan(case, slots, q, (key_cache, value_cache), tables, out, lse, config=config, split_sync=sync)
     assert plan.stage1.constexprs["BALANCED"] and plan.num_splits > 1, "the case does not reach the balanced path"
-    assert plan.stage1.constexprs["LAST_MERGES"] == last_merges and (plan.reduce is None) == last_merges
+    merges = last_merges and name not in MANY_SPLITS
+    assert plan.stage1.constexprs["LAST_MERGES"] == merges and (plan.reduce is None) == merges
     for launch in range(2):
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
@@ -101,21 +107,22 @@ def test_the_last_split_merges_only_few_splits_of_many_programs():
     few = plan([256] * 32, 256)  # 64 programs; 8 tiles: at most 4 splits a request
     assert few.num_splits == 4 and few.stage1.constexprs["LAST_MERGES"] and few.reduce is None
     assert not plan([256] * 31, 256).stage1.constexprs["LAST_MERGES"], "62 (token, head program)s"
-    # 32 x 2000 tokens: 63 tiles, up to 32 splits by the bound, 4 on average over 256 slots -> merges; over 2048
-    # slots 32 on average -> the merge launch.
-    assert plan([2000] * 32, 256).stage1.constexprs["LAST_MERGES"]
-    many = plan([2000] * 32, 2048)
+    # 2000 tokens: 63 tiles, up to 32 splits by the bound. The bound decides, not the average over the slots (4
+    # here): one long context among short ones would take dozens of splits, merged one after the other.
+    many = plan([2000] + [256] * 31, 256)
     assert many.num_splits == 32 and not many.stage1.constexprs["LAST_MERGES"] and many.reduce is not None
 
 
-def test_balanced_decode_into_rank_major_outputs():
+@pytest.mark.parametrize("last_merges", [False, True], ids=["merge-launch", "last-split-merges"])
+def test_balanced_decode_into_rank_major_outputs(last_merges, monkeypatch):
+    monkeypatch.setattr(sys.modules[plan_paged.__module__], "LAST_MERGE_PROGRAMS", 1)
     case = Case([1] * 4, [500, 0, 40, 9], 8, 2, 4, pad_rows=1)
     q, key_cache, value_cache, *tables = _inputs(case, seed=6)
     ranks, num_tokens = 2, q.shape[0]
     out = poisoned((ranks, num_tokens, 4, case.head_dim), torch.float32)
     lse = poisoned((ranks, num_tokens, 4), torch.float32)
-    plan = _plan(case, 8, q, (key_cache, value_cache), tables, out, lse)
-    assert plan.stage1.constexprs["BALANCED"]
+    plan = _plan(case, 8, q, (key_cache, value_cache), tables, out, lse, config=LAST_MERGES if last_merges else None)
+    assert plan.stage1.constexprs["BALANCED"] and plan.stage1.constexprs["LAST_MERGES"] == last_merges
     plan(q, key_cache, value_cache, *tables, out, lse)
     want_out, want_lse = reference.paged_attention(q.double(), key_cache.double(), value_cache.double(), *tables,
                                                    scale=case.head_dim ** -0.5, **_heads(case), max_kv_len=500)
@@ -212,8 +219,14 @@ def test_the_warm_up_runs_both_choices_of_the_last_split_merge(last_merges, monk
     with every_variant():
         plan = _plan(case, slots, q, (key_cache, value_cache), tables, out, lse, config=LAST_MERGES, split_sync=sync)
         assert plan.stage1.constexprs["LAST_MERGES"] == last_merges
-        assert plan.stage1_other[0].constexprs["LAST_MERGES"] != last_merges
+        launch, extra = plan.stage1_other
+        assert launch.constexprs["LAST_MERGES"] != last_merges
+        calls = []
+        plan.stage1_other = (lambda *args: calls.append(1) or launch(*args)), extra
         plan(q, key_cache, value_cache, *tables, out, lse)
+    assert calls == [1], "the warm-up did not launch the other choice"
+    plan(q, key_cache, value_cache, *tables, out, lse)
+    assert calls == [1], "the other choice launched outside the warm-up"
     assert not sync.any(), "a split counter was left non-zero"
     want_out, want_lse = reference.paged_attention(q.double(), key_cache.double(), value_cache.double(), *tables,
                                                    scale=case.head_dim ** -0.5, **_heads(case),
