@@ -55,7 +55,7 @@ VLLM_MATRIX := 0.26.0 0.33.0
 vllm-matrix-venvs: $(TORCH_STAMP)
 	bash scripts/test_vllm_matrix.sh --install-only $(VLLM_MATRIX)
 
-test-vllm-matrix: $(STAMP)
+test-vllm-matrix: $(STAMP) vllm-matrix-venvs
 	bash scripts/test_vllm_matrix.sh $(VLLM_MATRIX)
 
 # The SGLang adapter's tests against the Python packages of these SGLang releases (each in its own venv beside .venv,
@@ -65,7 +65,7 @@ SGLANG_MATRIX := 0.5.17 0.5.23
 sglang-matrix-venvs: $(TORCH_STAMP)
 	bash scripts/test_sglang_matrix.sh --install-only $(SGLANG_MATRIX)
 
-test-sglang-matrix: $(STAMP)
+test-sglang-matrix: $(STAMP) sglang-matrix-venvs
 	bash scripts/test_sglang_matrix.sh $(SGLANG_MATRIX)
 
 # The built wheel, installed into a fresh venv with torch from .venv: its entry point and the `dcp-triton` command.
