@@ -99,7 +99,9 @@ def run_case(rank: int, config, comm: str, interleave: int, kernels: str, batch:
 def rank_main(rank: int, workdir: str, model: str) -> None:
     verdicts = {}
     try:
-        os.environ.update(HF_HUB_OFFLINE="1")
+        # vLLM's CPU worker names the ranks' shared-memory group before it starts them; its communicator reads the
+        # name wherever vLLM's compiled ops are loaded (as they are after another test imported them).
+        os.environ.update(HF_HUB_OFFLINE="1", VLLM_DIST_IDENT=f"dcp-test-{os.path.basename(workdir)}")
         from vllm.config import set_current_vllm_config
         from vllm.distributed.parallel_state import ensure_model_parallel_initialized, init_distributed_environment
         from vllm.engine.arg_utils import EngineArgs
