@@ -375,15 +375,16 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     stage1 = stage1_launch(last_merges)
     if not balanced:
         return with_reduce(stage1, part_out, part_lse, out, lse, num_splits, stage1_extra=(None, None, None, None))
+    def extra(last: bool) -> tuple:  # a balanced stage 1's trailing tensors: the counters only where it merges
+        return part_out, part_lse, counts, sync if last else None
+
     # The warm-up's steps are small: with ``every_variant()`` the other choice of LAST_MERGES runs first too (on the
     # same buffers, rewritten next), so a step of either kind finds its kernel compiled.
-    other = (stage1_launch(not last_merges), (part_out, part_lse, counts, None if last_merges else sync)) \
-        if mergeable and every_variant_wanted() else None
+    other = (stage1_launch(not last_merges), extra(not last_merges)) if mergeable and every_variant_wanted() else None
     if last_merges:  # stage 1 merges: no second launch
-        return PagedLaunch(stage1, None, part_out, part_lse, num_splits, stage1_extra=(part_out, part_lse, counts,
-                                                                                      sync), stage1_other=other)
+        return PagedLaunch(stage1, None, part_out, part_lse, num_splits, stage1_extra=extra(True), stage1_other=other)
     # The merge's variant by the splits a request takes on average: about slots / (requests x head programs).
     return with_reduce(stage1, part_out, part_lse, out, lse, num_splits, split_counts=counts,
-                       stage1_extra=(part_out, part_lse, counts, None), stage1_other=other,
+                       stage1_extra=extra(False), stage1_other=other,
                        narrow=num_reqs * head_programs * NARROW_SPLITS >= slots)
 
