@@ -19,7 +19,8 @@ import torch
 import triton
 
 from dcp_plugin.batch import DcpBatch, DcpBatchBuffers
-from dcp_plugin.kernels._launch import compile_ahead, compile_threads, every_variant, launches_run
+from dcp_plugin.kernels._compile_ahead import compile_ahead, compile_workers
+from dcp_plugin.kernels._launch import every_variant, launches_run
 from dcp_plugin.kernels._mode import INTERPRET
 from dcp_plugin.kernels.extend_attention import SHORT_CHUNK
 
@@ -48,11 +49,16 @@ def steps_for(attention) -> tuple:
     return (*STEPS, LONG_CHUNK)
 
 
-def warmed_up_line(steps: int, seconds: float, dcp_size: int, dtype, compiles: dict | None = None) -> str:
-    """The adapters' log line once a warm-up ran: its step kinds and seconds (its share of an engine's start), and
-    ``compiles`` (``counting_compiles``): kernel variants Triton built and those it found in its cache."""
+def warmed_up_line(steps: int, seconds: float, dcp_size: int, dtype, compiles: dict | None = None,
+                   ahead: dict | None = None) -> str:
+    """The adapters' log line once a warm-up ran: its step kinds and seconds (its share of an engine's start),
+    ``compiles`` (``counting_compiles``): kernel variants built here and those found in Triton's cache, and ``ahead``
+    (``compile_ahead``'s report): variants the worker processes compiled first."""
     counted = "" if compiles is None else (f"; {compiles['built']} kernel variants built in "
                                            f"{compiles['build_s']:.1f} s, {compiles['cached']} from Triton's cache")
+    if ahead:
+        counted += (f"; compile-ahead: {ahead['variants']} variants on {ahead['workers']} worker processes"
+                    + (f", {ahead['failed']} failed" if ahead["failed"] else ""))
     return (f"dcp-triton: compiled the kernels of {steps} step kinds before serving in {seconds:.1f} s "
             f"(dcp_size={dcp_size}, {dtype}{counted})")
 
@@ -85,20 +91,22 @@ def counting_compiles():
 
 def timed_warm_up(attention, *, dcp_size: int, **tensors) -> str:
     """``warm_up`` timed and its compiles counted: the adapters' log line (``warmed_up_line``)."""
-    began = time.perf_counter()
+    began, ahead = time.perf_counter(), {}
     with counting_compiles() as compiles:
-        steps = warm_up(attention, **tensors)
-    return warmed_up_line(steps, time.perf_counter() - began, dcp_size, tensors["query"].dtype, compiles)
+        steps = warm_up(attention, report=ahead, **tensors)
+    return warmed_up_line(steps, time.perf_counter() - began, dcp_size, tensors["query"].dtype, compiles, ahead)
 
 
 def warm_up(attention, *, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
             value_cache: torch.Tensor, output: torch.Tensor, k_scale: torch.Tensor | None = None,
-            v_scale: torch.Tensor | None = None) -> int:
+            v_scale: torch.Tensor | None = None, report: dict | None = None) -> int:
     """Run one dummy step of each kind in ``steps_for(attention)``; returns the number of steps run.
 
     ``query``/``key``/``value``/``output``: tensors shaped and strided like the layer's real ones (any number of
     rows; only their strides, dtype and device are used); ``key_cache``/``value_cache``: the layer's cache views;
-    ``k_scale``/``v_scale``: its scales when the cache is fp8.
+    ``k_scale``/``v_scale``: its scales when the cache is fp8. On a GPU the steps are first recorded and their kernel
+    variants compiled by worker processes side by side (``compile_workers``; ``report`` receives what
+    ``compile_ahead`` reports), then run.
     """
     device = query.device
     # Built into persistent buffers, as engines build their batches: on a GPU that runs (and compiles) the kernel
@@ -107,10 +115,10 @@ def warm_up(attention, *, query: torch.Tensor, key: torch.Tensor, value: torch.T
     buffers = DcpBatchBuffers(max(len(requests) for requests in steps), device)
     args = dict(query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache, output=output,
                 k_scale=k_scale, v_scale=v_scale)
-    threads = compile_threads() if device.type == "cuda" else 0
+    workers = compile_workers() if device.type == "cuda" else 0
     with every_variant():  # also the variants other sizes of a step kind pick (the split merge's two)
-        if threads:  # the steps once with every kernel compiled side by side and none launched, then for real
-            with compile_ahead(threads):
+        if workers:  # the steps once with every kernel compiled side by side and none launched, then for real
+            with compile_ahead(workers, report=report):
                 _run_steps(attention, steps, buffers, **args)
         return _run_steps(attention, steps, buffers, **args)
 

@@ -8,7 +8,6 @@ DCP core builds each ``Launch`` once per step and replays it for every layer, so
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import contextvars
 import functools
@@ -145,15 +144,21 @@ def _fast_launch_supported() -> bool:
 
 FAST_LAUNCH = _fast_launch_supported()
 
-# Compile-ahead: inside ``compile_ahead()`` a ``Launch`` hands its variant to Triton's compiler and launches nothing;
-# ``triton.AsyncCompileMode`` compiles the variants submitted on a thread pool and waits for them all on exit, so a
-# warm-up compiles its variants side by side instead of one after the other. Then their launchers, side by side too:
-# Triton builds a C module per kernel signature with the host's compiler at a variant's first launch (one after the
-# other, in the launching thread), and caches it. Threads from $DCP_TRITON_COMPILE_THREADS (0, the default:
-# compile-ahead off, each variant compiles at its first launch).
-COMPILE_THREADS_ENV = "DCP_TRITON_COMPILE_THREADS"
+# Compile-ahead (``dcp_plugin.kernels._compile_ahead``): while a warm-up records its kernel variants, a ``Launch``
+# hands its variant to Triton's compiler (``kernel.warmup``) and launches nothing.
 _COMPILE_ONLY = contextvars.ContextVar("dcp_triton_compile_only", default=False)
-_SUBMITTED: contextvars.ContextVar[list | None] = contextvars.ContextVar("dcp_triton_submitted", default=None)
+
+
+def compile_only() -> bool:
+    return _COMPILE_ONLY.get()
+
+
+def set_compile_only(value: bool) -> contextvars.Token:
+    return _COMPILE_ONLY.set(value)
+
+
+def reset_compile_only(token: contextvars.Token) -> None:
+    _COMPILE_ONLY.reset(token)
 
 
 @contextlib.contextmanager
@@ -182,41 +187,6 @@ def every_variant():
 
 def every_variant_wanted() -> bool:
     return _EVERY_VARIANT.get()
-
-
-def compile_threads() -> int:
-    """Threads ``compile_ahead`` may use here: $DCP_TRITON_COMPILE_THREADS, and 0 where nothing compiles ahead (the
-    interpreter, a Triton without ``AsyncCompileMode``)."""
-    value = os.environ.get(COMPILE_THREADS_ENV, "0").strip() or "0"
-    if not value.isdigit():
-        raise ValueError(f"{COMPILE_THREADS_ENV} must be a whole number of threads (0: off), got {value!r}")
-    return 0 if INTERPRET or not hasattr(triton, "AsyncCompileMode") else int(value)
-
-
-@contextlib.contextmanager
-def compile_ahead(threads: int, make_launcher=None):
-    """Within: every ``Launch`` submits its kernel variant for compilation on ``threads`` threads and launches
-    nothing (outputs are left as they were); on exit every submitted variant is compiled and its launcher built
-    (``make_launcher(src, metadata)``: Triton's driver's launcher class unless given), so later launches of those
-    variants find both in Triton's cache."""
-    submitted: list = []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
-        with triton.AsyncCompileMode(pool):
-            tokens = _COMPILE_ONLY.set(True), _SUBMITTED.set(submitted)
-            try:
-                yield
-            finally:
-                _COMPILE_ONLY.reset(tokens[0])
-                _SUBMITTED.reset(tokens[1])
-        kernels = (getattr(f, "result", lambda f=f: f)() for f in submitted)  # a future, or a kernel compiled before
-        compiled = list({id(k): k for k in kernels if hasattr(k, "metadata")}.values())
-        if compiled:
-            if make_launcher is None:
-                from triton.runtime.driver import driver
-
-                make_launcher = driver.active.launcher_cls
-            for built in [pool.submit(make_launcher, k.src, k.metadata) for k in compiled]:
-                built.result()  # a launcher that cannot build fails the warm-up here, as its first launch would
 
 
 class Launch:
@@ -269,11 +239,8 @@ class Launch:
             tensors = list(tensors)
             for unread, stand_in in self._stand_ins:
                 tensors[unread] = tensors[stand_in]
-        if _COMPILE_ONLY.get():  # compile_ahead: submit this variant, launch nothing
-            future = self.kernel.warmup(*tensors, *self.scalars, grid=self.grid, **self.constexprs, **self.options)
-            submitted = _SUBMITTED.get()
-            if submitted is not None and future is not None:
-                submitted.append(future)
+        if _COMPILE_ONLY.get():  # compile_ahead: hand this variant to Triton's compiler, launch nothing
+            self.kernel.warmup(*tensors, *self.scalars, grid=self.grid, **self.constexprs, **self.options)
             return
         if self.scratch:  # Triton keeps the allocator per thread (a ContextVar): set it in the launching thread
             triton.set_allocator(_scratch)

@@ -90,20 +90,21 @@ def jobs(profile: bool, startup: bool = False, profile_load: str = "small-batch"
 
 def startup_jobs() -> list[dict]:
     """Engine start-up alone (llama8, no loads), per mode and backend: ``cold`` into empty caches of its own
-    (Triton's, vLLM's, inductor's: a machine's first start, whichever job ran before), dcp-triton's also with the
-    warm-up's compile-ahead on 8 threads (``cold-threads8``), then ``warm`` over the cold job's filled caches (what
-    is left once nothing compiles)."""
+    (Triton's, vLLM's, inductor's: a machine's first start, whichever job ran before), dcp-triton's with its default
+    compile-ahead (worker processes) and without (``cold-serial``: each variant compiled at its first launch), then
+    ``warm`` over the cold job's filled caches (what is left once nothing compiles). ``compile_workers``: the
+    ``DCP_TRITON_COMPILE_WORKERS`` a job sets (``None``: the default)."""
     out = []
     for mode in MODES:
         base = dict(model="llama8", mode=mode, kind="startup")
         for backend, tag in (("dcp-triton", "dcp"), ("FLASH_ATTN", "fa")):
             name = f"startup-{backend}-{mode}"
             out += [dict(base, name=f"{name}-cold", backend=backend, caches=f"{tag}-{mode}", empty_cache=True,
-                         compile_threads=0)]
+                         compile_workers=None)]
             if backend == "dcp-triton":
-                out += [dict(base, name=f"{name}-cold-threads8", backend=backend, caches=f"{tag}-{mode}-threads8",
-                             empty_cache=True, compile_threads=8)]
-            out += [dict(base, name=f"{name}-warm", backend=backend, caches=f"{tag}-{mode}", compile_threads=0)]
+                out += [dict(base, name=f"{name}-cold-serial", backend=backend, caches=f"{tag}-{mode}-serial",
+                             empty_cache=True, compile_workers=0)]
+            out += [dict(base, name=f"{name}-warm", backend=backend, caches=f"{tag}-{mode}", compile_workers=None)]
     return out
 
 
@@ -266,6 +267,12 @@ def child(spec_path: str) -> None:
     os._exit(0)  # no engine shutdown races at exit
 
 
+def warmup_lines(log: str) -> list[str]:
+    """dcp-triton's warm-up log lines (its compiles, built and from Triton's cache, and the compile-ahead's workers)."""
+    marker = "dcp-triton: compiled the kernels of"
+    return [line[line.index(marker):][:400] for line in log.splitlines() if marker in line]
+
+
 def warmup_seconds(log: str) -> list[float]:
     """dcp-triton's warm-up inside a start-up, from its log lines (``dcp_plugin.warmup.warmed_up_line``, one per
     worker process)."""
@@ -302,8 +309,10 @@ def job_env(job: dict, work: Path, *, smoke: bool, cold_triton_cache: bool) -> d
         root = work / f"startup-caches-{job['caches']}"
         if job.get("empty_cache"):
             shutil.rmtree(root, ignore_errors=True)
-        env.update({var: str(root / sub) for var, sub in STARTUP_CACHES.items()},
-                   DCP_TRITON_COMPILE_THREADS=str(job["compile_threads"]))
+        env.update({var: str(root / sub) for var, sub in STARTUP_CACHES.items()})
+        env.pop("DCP_TRITON_COMPILE_WORKERS", None)
+        if job["compile_workers"] is not None:
+            env["DCP_TRITON_COMPILE_WORKERS"] = str(job["compile_workers"])
     return env
 
 
@@ -327,7 +336,7 @@ def main() -> None:
     parser.add_argument("--cold-triton-cache", action="store_true", help="each job compiles into an empty Triton "
                         "cache of its own (a first start on a machine; default: the machine's cache)")
     parser.add_argument("--startup", action="store_true", help="also the start-up jobs (engine start alone, cold "
-                        "and warm: dcp-triton, also with compile-ahead on 8 threads; FLASH_ATTN)")
+                        "and warm: dcp-triton, also without its compile-ahead workers; FLASH_ATTN)")
     parser.add_argument("--loads", help=f"comma-separated loads the throughput jobs run (default all: "
                         f"{','.join(LOADS)})")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -382,6 +391,7 @@ def main() -> None:
         result = json.loads(out.read_text())
         result["wall_s"] = round(time.monotonic() - t, 1)
         result["warmup_s"] = warmup_seconds(text)
+        result["warmup_lines"] = warmup_lines(text)
         result["init_breakdown"] = init_breakdown(text)
         result["backend_line"] = next((line[-240:] for line in text.splitlines()
                                        if "dcp-triton attention: backend=" in line

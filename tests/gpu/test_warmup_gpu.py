@@ -4,12 +4,16 @@ ranks as threads on one GPU), both comm modes; every step is also checked agains
 
 from __future__ import annotations
 
+import contextlib
 import random
+import threading
 
 import pytest
 import torch
+import triton
+import triton.runtime.build
 
-from dcp_plugin import DcpAttention, DcpWorkspace, kernels
+from dcp_plugin import DcpAttention, DcpWorkspace, kernels, warmup
 from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_GROUP, PREFIX_PAGE
 from dcp_plugin.kernels.combine import combine_kernel
 from dcp_plugin.kernels.extend_attention import extend_attention_kernel
@@ -55,14 +59,17 @@ def steps(seed: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("block_size", [16, 64])  # 64: what the vLLM backend asks for on sm_90+ (descriptor tiles)
-@pytest.mark.parametrize("compile_threads", [0, 4], ids=["serial", "compile-ahead"])
+@pytest.mark.parametrize("workers", [0, 4], ids=["serial", "compile-ahead"])
 @pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
 @pytest.mark.parametrize("n", [1, 2])
-def test_no_kernel_compiles_after_warm_up(n, comm, compile_threads, block_size, monkeypatch):
-    monkeypatch.setenv("DCP_TRITON_COMPILE_THREADS", str(compile_threads))
-    if compile_threads:  # compile again (from Triton's disk cache at most), through the thread pool
+def test_no_kernel_compiles_after_warm_up(n, comm, workers, block_size, monkeypatch, tmp_path):
+    monkeypatch.setenv("DCP_TRITON_COMPILE_WORKERS", str(workers))
+    built_after_ahead = []  # (rank, kernel) compiled or launcher built in this process after the workers finished
+    if workers:  # into an empty Triton cache, from nothing compiled in this process: the workers compile it all
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
         for kernel in KERNELS:
             kernel.device_caches[torch.cuda.current_device()][0].clear()
+        watch_builds(monkeypatch, built_after_ahead)
     case = Case(name=f"warm-{n}-{comm}", q_heads=32, kv_heads=8, kv_replication="replicated", tp=4 * n if n > 1 else 1,
                 head_dim=128, block_size=block_size, requests=REQUESTS, comm=comm, dtype="bfloat16", kernels="triton",
                 seed=5,
@@ -83,8 +90,11 @@ def test_no_kernel_compiles_after_warm_up(n, comm, compile_threads, block_size, 
                                    workspace=ws))
         like = torch.zeros(4, state.heads.num_q_heads, 128, dtype=torch.bfloat16, device="cuda")
         kv_like = torch.zeros(4, state.heads.num_kv_heads, 128, dtype=torch.bfloat16, device="cuda")
+        report = {}
         warm_up(attn, query=like, key=kv_like, value=kv_like, key_cache=state.key_cache,
-                value_cache=state.value_cache, output=like)
+                value_cache=state.value_cache, output=like, report=report)
+        if workers:
+            assert report["variants"] >= 5 and report["workers"] == workers and report["failed"] == 0, report
         exchange.barrier.wait()
         before = compiled_counts()
         group_heads = range(state.heads.group_q_head_start,
@@ -103,6 +113,35 @@ def test_no_kernel_compiles_after_warm_up(n, comm, compile_threads, block_size, 
         served = [count for kernel, count in zip(KERNELS, before) if reached(kernel, block_size)]
         assert min(served) >= 1, f"a kernel these steps run never compiled during warm-up: {before}"
         assert after == before, f"serving steps compiled new variants: {before} -> {after}"
+    assert built_after_ahead == [], f"compiled in the engine's process after the workers: {built_after_ahead}"
+
+
+def watch_builds(monkeypatch, built: list) -> None:
+    """After each thread's compile-ahead ends (the warm-up's real pass, the steps), record in ``built`` every kernel
+    variant Triton compiles rather than finds in its cache and every launcher (C module) it builds."""
+    ahead_done = set()
+    real = warmup.compile_ahead
+
+    @contextlib.contextmanager
+    def marked(*args, **kwargs):
+        with real(*args, **kwargs):
+            yield
+        ahead_done.add(threading.get_ident())
+
+    def listener(*, src, cache_hit, **kwargs):
+        if threading.get_ident() in ahead_done and not cache_hit:
+            built.append(getattr(getattr(src, "fn", None), "__name__", repr(src)))
+
+    build = triton.runtime.build._build
+
+    def counted_build(name, *args, **kwargs):
+        if threading.get_ident() in ahead_done:
+            built.append(f"launcher {name}")
+        return build(name, *args, **kwargs)
+
+    monkeypatch.setattr(warmup, "compile_ahead", marked)
+    monkeypatch.setattr(triton.knobs.compilation, "listener", listener)
+    monkeypatch.setattr(triton.runtime.build, "_build", counted_build)
 
 
 def _one_rank_steps(case: Case, max_num_tokens: int, steps: list, heads: range) -> tuple[int, list[int]]:

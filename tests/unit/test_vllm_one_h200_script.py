@@ -1,5 +1,6 @@
 """The CPU-checkable parts of benchmarks/vllm_e2e/vllm_one_h200.py: the start-up jobs (which Triton cache each one
-compiles into, which it empties, how many compile threads it gets), the runs per load, and their summary."""
+compiles into, which it empties, whether its warm-up compiles ahead in worker processes), the runs per load, and
+their summary."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def test_startup_jobs_are_listed_only_when_asked_for():
     assert both[:len(plain)] == plain
     assert sorted(both[len(plain):]) == sorted(
         f"startup-{b}-{mode}{suffix}" for mode in bench.MODES
-        for b, suffix in [("dcp-triton", "-cold"), ("dcp-triton", "-cold-threads8"), ("dcp-triton", "-warm"),
+        for b, suffix in [("dcp-triton", "-cold"), ("dcp-triton", "-cold-serial"), ("dcp-triton", "-warm"),
                           ("FLASH_ATTN", "-cold"), ("FLASH_ATTN", "-warm")])
 
 
@@ -37,17 +38,17 @@ def test_cold_jobs_start_from_empty_caches_and_the_warm_job_reuses_the_cold_ones
             warm_env = bench.job_env(warm, tmp_path, smoke=False, cold_triton_cache=False)
             assert all(warm_env[var] == cold_env[var] for var in bench.STARTUP_CACHES)
             assert all(m.exists() for m in markers)
-            assert (cold_env["DCP_TRITON_COMPILE_THREADS"], warm_env["DCP_TRITON_COMPILE_THREADS"]) == ("0", "0")
+            assert "DCP_TRITON_COMPILE_WORKERS" not in cold_env and "DCP_TRITON_COMPILE_WORKERS" not in warm_env
             bench.job_env(cold, tmp_path, smoke=False, cold_triton_cache=False)  # a second cold start
             assert not any(m.exists() for m in markers)
-        threads8 = bench.job_env(by_name[f"startup-dcp-triton-{mode}-cold-threads8"], tmp_path, smoke=False,
-                                 cold_triton_cache=False)
-        assert threads8["DCP_TRITON_COMPILE_THREADS"] == "8"
+        serial = bench.job_env(by_name[f"startup-dcp-triton-{mode}-cold-serial"], tmp_path, smoke=False,
+                               cold_triton_cache=False)
+        assert serial["DCP_TRITON_COMPILE_WORKERS"] == "0"
         dcp_cold = bench.job_env(by_name[f"startup-dcp-triton-{mode}-cold"], tmp_path, smoke=False,
                                  cold_triton_cache=False)
         fa_cold = bench.job_env(by_name[f"startup-FLASH_ATTN-{mode}-cold"], tmp_path, smoke=False,
                                 cold_triton_cache=False)
-        assert len({threads8["TRITON_CACHE_DIR"], dcp_cold["TRITON_CACHE_DIR"], fa_cold["TRITON_CACHE_DIR"]}) == 3
+        assert len({serial["TRITON_CACHE_DIR"], dcp_cold["TRITON_CACHE_DIR"], fa_cold["TRITON_CACHE_DIR"]}) == 3
 
 
 def test_small_batch_runs_at_least_min_repeats_and_the_summary_keeps_the_best(monkeypatch):
@@ -116,12 +117,17 @@ def test_profile_jobs_run_the_load_asked_for_and_key_their_results_by_it():
         f"mqa16/{b}/{mode}/decode-heavy" for b in ("dcp-triton", "FLASH_ATTN") for mode in bench.MODES)
 
 
-def test_the_warm_up_seconds_come_from_the_adapters_log_line():
+def test_the_warm_up_seconds_and_lines_come_from_the_adapters_log_line():
     from dcp_plugin.warmup import warmed_up_line
 
     log = ("INFO 12-01 [impl.py:165] " + warmed_up_line(10, 12.34, 1, "torch.bfloat16") + "\n"
            "(Worker pid=7) INFO " + warmed_up_line(10, 3.0, 2, "torch.bfloat16") + "\nINFO other 5.0 s\n")
     assert bench.warmup_seconds(log) == [12.3, 3.0]
+    ahead = warmed_up_line(10, 4.5, 1, "torch.bfloat16", {"built": 0, "build_s": 0.0, "cached": 19},
+                           {"variants": 19, "workers": 8, "failed": 0})
+    assert ahead.endswith("0 kernel variants built in 0.0 s, 19 from Triton's cache; compile-ahead: 19 variants on 8 "
+                          "worker processes)")
+    assert bench.warmup_lines("INFO 12-01 [impl.py:165] " + ahead + "\nINFO other\n") == [ahead]
 
 
 def test_vllms_start_up_stages_come_from_its_log_lines():
