@@ -57,8 +57,8 @@ def warmed_up_line(steps: int, seconds: float, dcp_size: int, dtype, compiles: d
     counted = "" if compiles is None else (f"; {compiles['built']} kernel variants built in "
                                            f"{compiles['build_s']:.1f} s, {compiles['cached']} from Triton's cache")
     if ahead:
-        counted += (f"; compile-ahead: {ahead['variants']} variants on {ahead['workers']} worker processes"
-                    + (f", {ahead['failed']} failed" if ahead["failed"] else ""))
+        counted += (f"; compile-ahead: {ahead['compiled']} of {ahead['variants']} variants on {ahead['workers']} "
+                    "worker processes" + (f", {ahead['failed']} failed: {ahead['reason']}" if ahead["failed"] else ""))
     return (f"dcp-triton: compiled the kernels of {steps} step kinds before serving in {seconds:.1f} s "
             f"(dcp_size={dcp_size}, {dtype}{counted})")
 
@@ -104,9 +104,9 @@ def warm_up(attention, *, query: torch.Tensor, key: torch.Tensor, value: torch.T
 
     ``query``/``key``/``value``/``output``: tensors shaped and strided like the layer's real ones (any number of
     rows; only their strides, dtype and device are used); ``key_cache``/``value_cache``: the layer's cache views;
-    ``k_scale``/``v_scale``: its scales when the cache is fp8. On a GPU the steps are first recorded and their kernel
-    variants compiled by worker processes side by side (``compile_workers``; ``report`` receives what
-    ``compile_ahead`` reports), then run.
+    ``k_scale``/``v_scale``: its scales when the cache is fp8. With compile-ahead on (``compile_workers``, a GPU's)
+    the steps are first recorded and their kernel variants compiled by worker processes side by side (``report``
+    receives what ``compile_ahead`` reports), then run.
     """
     device = query.device
     # Built into persistent buffers, as engines build their batches: on a GPU that runs (and compiles) the kernel

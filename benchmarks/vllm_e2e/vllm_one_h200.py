@@ -90,10 +90,10 @@ def jobs(profile: bool, startup: bool = False, profile_load: str = "small-batch"
 
 def startup_jobs() -> list[dict]:
     """Engine start-up alone (llama8, no loads), per mode and backend: ``cold`` into empty caches of its own
-    (Triton's, vLLM's, inductor's: a machine's first start, whichever job ran before), dcp-triton's with its default
-    compile-ahead (worker processes) and without (``cold-serial``: each variant compiled at its first launch), then
-    ``warm`` over the cold job's filled caches (what is left once nothing compiles). ``compile_workers``: the
-    ``DCP_TRITON_COMPILE_WORKERS`` a job sets (``None``: the default)."""
+    (Triton's, vLLM's, inductor's: a machine's first start, whichever job ran before), dcp-triton's by default and
+    with its compile-ahead on 8 worker processes (``cold-workers8``), then ``warm`` over the cold job's filled caches
+    (what is left once nothing compiles). ``compile_workers``: the ``DCP_TRITON_COMPILE_WORKERS`` a job sets
+    (``None``: the default)."""
     out = []
     for mode in MODES:
         base = dict(model="llama8", mode=mode, kind="startup")
@@ -102,8 +102,8 @@ def startup_jobs() -> list[dict]:
             out += [dict(base, name=f"{name}-cold", backend=backend, caches=f"{tag}-{mode}", empty_cache=True,
                          compile_workers=None)]
             if backend == "dcp-triton":
-                out += [dict(base, name=f"{name}-cold-serial", backend=backend, caches=f"{tag}-{mode}-serial",
-                             empty_cache=True, compile_workers=0)]
+                out += [dict(base, name=f"{name}-cold-workers8", backend=backend, caches=f"{tag}-{mode}-workers8",
+                             empty_cache=True, compile_workers=8)]
             out += [dict(base, name=f"{name}-warm", backend=backend, caches=f"{tag}-{mode}", compile_workers=None)]
     return out
 
@@ -336,7 +336,7 @@ def main() -> None:
     parser.add_argument("--cold-triton-cache", action="store_true", help="each job compiles into an empty Triton "
                         "cache of its own (a first start on a machine; default: the machine's cache)")
     parser.add_argument("--startup", action="store_true", help="also the start-up jobs (engine start alone, cold "
-                        "and warm: dcp-triton, also without its compile-ahead workers; FLASH_ATTN)")
+                        "and warm: dcp-triton, also with compile-ahead on 8 worker processes; FLASH_ATTN)")
     parser.add_argument("--loads", help=f"comma-separated loads the throughput jobs run (default all: "
                         f"{','.join(LOADS)})")
     parser.add_argument("--child", help=argparse.SUPPRESS)

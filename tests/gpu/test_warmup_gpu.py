@@ -93,8 +93,11 @@ def test_no_kernel_compiles_after_warm_up(n, comm, workers, block_size, monkeypa
         report = {}
         warm_up(attn, query=like, key=kv_like, value=kv_like, key_cache=state.key_cache,
                 value_cache=state.value_cache, output=like, report=report)
-        if workers:
-            assert report["variants"] >= 5 and report["workers"] == workers and report["failed"] == 0, report
+        if workers:  # into an empty cache: the workers compiled (ranks as threads may share the variants)
+            assert report["failed"] == 0 and report["compiled"] >= 1, report
+            assert report["workers"] == min(workers, report["compiled"]), report
+            if n == 1:
+                assert report["compiled"] == report["variants"] >= 5, report
         exchange.barrier.wait()
         before = compiled_counts()
         group_heads = range(state.heads.group_q_head_start,

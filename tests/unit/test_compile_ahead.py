@@ -19,7 +19,7 @@ from dcp_plugin.kernels import _compile_ahead
 from dcp_plugin.kernels._compile_ahead import compile_workers
 
 SCRIPT = textwrap.dedent("""
-    import json, logging, os, sys, tempfile
+    import json, logging, os, stat, sys, tempfile
     os.environ["TRITON_INTERPRET"] = "0"  # the kernels defined for the compiler (no GPU would pick the interpreter)
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()
     import torch, triton
@@ -42,6 +42,21 @@ SCRIPT = textwrap.dedent("""
         slots = torch.zeros(4, dtype=torch.int64)
         return plan_write_kv(k, k, cache, cache, slots), (k, k, cache, cache, slots, None, None)
 
+    def ask(launch, args):  # what Launch does in compile-only mode, outside it too
+        launch.kernel.warmup(*launch.kernel_tensors(args), *launch.scalars, grid=launch.grid, **launch.constexprs,
+                             **launch.options)
+
+    # A ptxas that names another (older, still working) version: what this process's Triton keys compiles on (the
+    # version it read first) is not what a new process reads once TRITON_PTXAS_PATH points there (as torch.compile
+    # points it at torch's ptxas).
+    from triton.backends.nvidia.compiler import get_ptxas
+    ptxas = get_ptxas(90).path  # the ptxas Triton runs for sm_90 (which of its two depends on the release)
+    other = os.path.join(tempfile.mkdtemp(), "ptxas")
+    with open(other, "w") as f:
+        f.write('#!/bin/sh\\nif [ "$1" = --version ]; then echo "Cuda compilation tools, release 12.8, V12.8.93"; '
+                f'exit 0; fi\\nexec {ptxas} "$@"\\n')
+    os.chmod(other, stat.S_IRWXU)
+
     launches = [write_kv(torch.float16, 8), write_kv(torch.float32, 8), write_kv(torch.float16, 2)]
     hits, heard, out = [], [], {}
     triton.knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
@@ -57,30 +72,48 @@ SCRIPT = textwrap.dedent("""
             launch(*args)
             launch(*args)  # the same variant again: recorded once
         with _launch.launches_run():  # a compile asked for outside compile-only mode: not recorded, compiled here
-            launch, args = launches[2]
-            launch.kernel.warmup(*launch.kernel_tensors(args), *launch.scalars, grid=launch.grid,
-                                 **launch.constexprs, **launch.options)
+            ask(*launches[2])
+        os.environ["TRITON_PTXAS_PATH"] = os.environ["TRITON_PTXAS_BLACKWELL_PATH"] = other
     out["report"], out["heard"], out["hook_back"] = report, list(heard), triton.knobs.runtime.jit_cache_hook is before
     out["compiled_during"] = list(hits)
     hits.clear()
-    for launch, args in launches:  # now Triton's dispatch compiles each (compile-only: no launch on this CPU)
+    for launch, args in launches:  # now Triton's dispatch compiles each (no launch on this CPU)
         launch.kernel.device_caches[0][0].clear()
-    token = _launch.set_compile_only(True)
-    for launch, args in launches:
-        launch(*args)
+        ask(launch, args)
     out["hits_after"] = list(hits)
-    launch, args = write_kv(torch.float16, 4)  # recorded nowhere: Triton builds it
     hits.clear()
-    launch(*args)
+    ask(*write_kv(torch.float16, 4))  # recorded nowhere: Triton builds it
     out["control"] = list(hits)
-    _launch.reset_compile_only(token)
+
+    again = {}
+    with _compile_ahead.compile_ahead(2, launchers=False, report=again):  # all in Triton's cache: no worker starts
+        for launch, args in launches[:2]:
+            launch.kernel.device_caches[0][0].clear()
+            launch(*args)
+    out["again"] = again
+
+    # A kernel whose source changes between the recording and the worker's import: the worker compiles nothing
+    # where this process would not look, and names the part of the key that differs.
+    probe_dir = tempfile.mkdtemp()
+    probe = ("import triton\\nimport triton.language as tl\\n\\n\\n"
+             "@triton.jit\\ndef probe_kernel(x, N: tl.constexpr):\\n")
+    with open(os.path.join(probe_dir, "ahead_probe.py"), "w") as f:
+        f.write(probe + "    tl.store(x + tl.arange(0, N), tl.zeros([N], tl.float32))\\n")
+    sys.path.insert(0, probe_dir)
+    import ahead_probe
+    moved = {}
+    with _compile_ahead.compile_ahead(1, launchers=False, report=moved):
+        _launch.Launch(ahead_probe.probe_kernel, (1,), (), {"N": 16}, num_warps=1)(torch.zeros(16))
+        with open(os.path.join(probe_dir, "ahead_probe.py"), "w") as f:
+            f.write(probe + "    tl.store(x + tl.arange(0, N), tl.zeros([N], tl.float32) + 1.0)\\n")
+    out["moved"] = moved
 
     failing = {}
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    sys.executable = "/bin/false"  # a worker that exits at once, with status 1
     with _compile_ahead.compile_ahead(1, launchers=False, report=failing):
-        class Missing:
-            module, name = "no_such_module_here", "kernel"
-        triton.knobs.runtime.jit_cache_hook(fn=Missing, compile={"specialization_data": "{}"}, is_manual_warmup=True)
+        launch, args = write_kv(torch.float16, 16)
+        launch(*args)
     out["failing"] = failing
     print("RESULT " + json.dumps(out))
 """)
@@ -98,10 +131,17 @@ def run():
 
 def test_recorded_variants_are_compiled_by_the_workers_under_the_key_triton_looks_up(run):
     out, _ = run
-    assert out["report"] == {"variants": 2, "workers": 2, "failed": 0}
+    assert out["report"] == {"variants": 2, "compiled": 2, "workers": 2, "failed": 0}
     assert out["compiled_during"] == [False]  # only the variant asked for in launches_run compiled in the parent
-    assert out["hits_after"] == [True, True, True]  # the workers' two and the parent's one, all from Triton's cache
+    # the workers' two and the parent's one, all from Triton's cache, although a new process's ptxas names another
+    # version than this process keyed its compiles on
+    assert out["hits_after"] == [True, True, True]
     assert out["control"] == [False]  # a variant nobody compiled ahead is built: the check above can fail
+
+
+def test_variants_already_in_tritons_cache_start_no_worker(run):
+    out, _ = run
+    assert out["again"] == {"variants": 2, "compiled": 0, "workers": 0, "failed": 0}
 
 
 def test_a_hook_set_before_hears_what_is_not_recorded_and_is_back_afterwards(run):
@@ -112,24 +152,26 @@ def test_a_hook_set_before_hears_what_is_not_recorded_and_is_back_afterwards(run
 
 def test_a_failing_worker_is_reported_in_one_warning_and_nothing_raises(run):
     out, stderr = run
-    assert out["failing"] == {"variants": 1, "workers": 1, "failed": 1}
-    warning = [x for x in stderr.splitlines() if "compile-ahead workers failed" in x]
-    assert len(warning) == 1 and "no_such_module_here" in warning[0], stderr[-2000:]
+    assert out["failing"] == {"variants": 1, "compiled": 1, "workers": 1, "failed": 1, "reason": "exit status 1"}
+    warnings = [x for x in stderr.splitlines() if "compile-ahead workers failed" in x]
+    assert len([x for x in warnings if x.endswith("launch instead): exit status 1")]) == 1, stderr[-2000:]
+    assert len(warnings) == 2  # and one for the worker of the test above
 
 
-@pytest.mark.parametrize(("value", "want"), [("0", 0), ("6", 6), (" 3 ", 3)])
-def test_worker_count_from_the_environment(monkeypatch, value, want):
+def test_a_worker_whose_key_would_differ_compiles_nothing_and_names_the_part(run):
+    out, _ = run
+    assert out["moved"] == {"variants": 1, "compiled": 1, "workers": 1, "failed": 1, "reason": (
+        "RuntimeError: probe_kernel: the cache key's source part differs from the engine process's")}
+
+
+@pytest.mark.parametrize(("value", "want"), [(None, 0), ("", 0), ("0", 0), ("6", 6), (" 3 ", 3)])
+def test_worker_count_from_the_environment_off_by_default(monkeypatch, value, want):
     monkeypatch.setattr(_compile_ahead, "INTERPRET", False)
-    monkeypatch.setenv(_compile_ahead.WORKERS_ENV, value)
+    if value is None:
+        monkeypatch.delenv(_compile_ahead.WORKERS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(_compile_ahead.WORKERS_ENV, value)
     assert compile_workers() == want
-
-
-def test_default_worker_count_is_one_per_cpu_up_to_eight_and_none_with_one(monkeypatch):
-    monkeypatch.setattr(_compile_ahead, "INTERPRET", False)
-    monkeypatch.delenv(_compile_ahead.WORKERS_ENV, raising=False)
-    for cpus, want in ((1, 0), (2, 2), (16, 8)):
-        monkeypatch.setattr(_compile_ahead.os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
-        assert compile_workers() == want
 
 
 def test_worker_count_refuses_what_is_not_a_count_and_is_off_under_the_interpreter(monkeypatch):

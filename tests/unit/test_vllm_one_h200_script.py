@@ -19,7 +19,7 @@ def test_startup_jobs_are_listed_only_when_asked_for():
     assert both[:len(plain)] == plain
     assert sorted(both[len(plain):]) == sorted(
         f"startup-{b}-{mode}{suffix}" for mode in bench.MODES
-        for b, suffix in [("dcp-triton", "-cold"), ("dcp-triton", "-cold-serial"), ("dcp-triton", "-warm"),
+        for b, suffix in [("dcp-triton", "-cold"), ("dcp-triton", "-cold-workers8"), ("dcp-triton", "-warm"),
                           ("FLASH_ATTN", "-cold"), ("FLASH_ATTN", "-warm")])
 
 
@@ -41,14 +41,14 @@ def test_cold_jobs_start_from_empty_caches_and_the_warm_job_reuses_the_cold_ones
             assert "DCP_TRITON_COMPILE_WORKERS" not in cold_env and "DCP_TRITON_COMPILE_WORKERS" not in warm_env
             bench.job_env(cold, tmp_path, smoke=False, cold_triton_cache=False)  # a second cold start
             assert not any(m.exists() for m in markers)
-        serial = bench.job_env(by_name[f"startup-dcp-triton-{mode}-cold-serial"], tmp_path, smoke=False,
-                               cold_triton_cache=False)
-        assert serial["DCP_TRITON_COMPILE_WORKERS"] == "0"
+        workers8 = bench.job_env(by_name[f"startup-dcp-triton-{mode}-cold-workers8"], tmp_path, smoke=False,
+                                 cold_triton_cache=False)
+        assert workers8["DCP_TRITON_COMPILE_WORKERS"] == "8"
         dcp_cold = bench.job_env(by_name[f"startup-dcp-triton-{mode}-cold"], tmp_path, smoke=False,
                                  cold_triton_cache=False)
         fa_cold = bench.job_env(by_name[f"startup-FLASH_ATTN-{mode}-cold"], tmp_path, smoke=False,
                                 cold_triton_cache=False)
-        assert len({serial["TRITON_CACHE_DIR"], dcp_cold["TRITON_CACHE_DIR"], fa_cold["TRITON_CACHE_DIR"]}) == 3
+        assert len({workers8["TRITON_CACHE_DIR"], dcp_cold["TRITON_CACHE_DIR"], fa_cold["TRITON_CACHE_DIR"]}) == 3
 
 
 def test_small_batch_runs_at_least_min_repeats_and_the_summary_keeps_the_best(monkeypatch):
@@ -124,9 +124,12 @@ def test_the_warm_up_seconds_and_lines_come_from_the_adapters_log_line():
            "(Worker pid=7) INFO " + warmed_up_line(10, 3.0, 2, "torch.bfloat16") + "\nINFO other 5.0 s\n")
     assert bench.warmup_seconds(log) == [12.3, 3.0]
     ahead = warmed_up_line(10, 4.5, 1, "torch.bfloat16", {"built": 0, "build_s": 0.0, "cached": 19},
-                           {"variants": 19, "workers": 8, "failed": 0})
-    assert ahead.endswith("0 kernel variants built in 0.0 s, 19 from Triton's cache; compile-ahead: 19 variants on 8 "
-                          "worker processes)")
+                           {"variants": 19, "compiled": 19, "workers": 8, "failed": 0})
+    assert ahead.endswith("0 kernel variants built in 0.0 s, 19 from Triton's cache; compile-ahead: 19 of 19 variants "
+                          "on 8 worker processes)")
+    failed = warmed_up_line(10, 9.0, 1, "torch.bfloat16", None, {"variants": 19, "compiled": 19, "workers": 8,
+                                                                   "failed": 8, "reason": "exit status 1"})
+    assert failed.endswith("; compile-ahead: 19 of 19 variants on 8 worker processes, 8 failed: exit status 1)")
     assert bench.warmup_lines("INFO 12-01 [impl.py:165] " + ahead + "\nINFO other\n") == [ahead]
 
 
