@@ -86,32 +86,33 @@ class StepInputs:
         return batch.local_context_lens, batch.max_local_context_len
 
     def prepare_prefix(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, q_head_start: int,
-                       splits: torch.Tensor | None, sync: torch.Tensor | None = None) -> Prepared:
+                       views: StepViews) -> Prepared:
         """Step 3, queries ``q`` against this rank's cache into ``(out, lse)``: one ``paged_attention`` launch, or in
         a mixed step the leading decodes' own launch and the rest's (``DecodesFirst``). Called with the whole step's
-        tables."""
+        tables; split-KV partials and counters in ``views`` (``splits``, ``split_sync``)."""
         batch = self.batch
         lens, max_len = self.prefix_lens()
         nd = batch.num_decodes
         tables = (batch.block_table, lens, batch.query_start_loc)
         if self.decode or not 0 < nd < batch.num_reqs:
-            return self._paged(q, tables, out, lse, batch.max_query_len, max_len, q_head_start, splits, sync)
+            return self._paged(q, tables, out, lse, batch.max_query_len, max_len, q_head_start, views)
         # Each launch writes its own rows; the decodes' rows of a rank-major out ([N, T, H, D]) are out[:, :nd].
         decodes = (batch.block_table[:nd], lens[:nd], batch.query_start_loc[:nd + 1])
         rest = (batch.block_table[nd:], lens[nd:], batch.query_start_loc[nd:])
         rank_major = out.dim() == 4
         first_out, first_lse = (out[:, :nd], lse[:, :nd]) if rank_major else (out[:nd], lse[:nd])
         return DecodesFirst(
-            decodes=self._paged(q[:nd], decodes, first_out, first_lse, 1, max_len, q_head_start, splits, sync),
-            rest=self._paged(q, rest, out, lse, batch.max_query_len, max_len, q_head_start, splits, sync),
+            decodes=self._paged(q[:nd], decodes, first_out, first_lse, 1, max_len, q_head_start, views),
+            rest=self._paged(q, rest, out, lse, batch.max_query_len, max_len, q_head_start, views),
             num_decodes=nd, decode_tables=decodes, rest_tables=rest, rank_major=rank_major)
 
-    def _paged(self, q, tables, out, lse, max_query_len: int, max_kv_len: int, q_head_start: int, splits, sync):
+    def _paged(self, q, tables, out, lse, max_query_len: int, max_kv_len: int, q_head_start: int, views: StepViews):
         heads = self.heads
         return self.kernels.plan_paged(q, self.key_cache, self.value_cache, *tables, out, lse, scale=self.scale,
                                        q_head_start=q_head_start, q_per_kv=heads.q_per_kv,
                                        kv_head_start=heads.kv_head_start, max_kv_len=max_kv_len,
-                                       max_query_len=max_query_len, split_buffer=splits, split_sync=sync)
+                                       max_query_len=max_query_len, split_buffer=views.splits,
+                                       split_sync=views.split_sync)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -155,8 +156,7 @@ class GatheredPrefix:
 
     @classmethod
     def prepare(cls, step: StepInputs, views: GatheredViews, out: torch.Tensor, lse: torch.Tensor) -> GatheredPrefix:
-        launch = step.prepare_prefix(views.q_group, out, lse, q_head_start=step.heads.group_q_head_start,
-                                     splits=views.splits, sync=views.split_sync)
+        launch = step.prepare_prefix(views.q_group, out, lse, q_head_start=step.heads.group_q_head_start, views=views)
         return cls(group=step.group, q_send=views.q_send, q_all=views.q_all, q_group=views.q_group, launch=launch,
                    block_table=step.batch.block_table, lens=step.prefix_lens()[0],
                    query_start_loc=step.batch.query_start_loc, out=out, lse=lse)
@@ -221,8 +221,7 @@ class SingleRankPlan(_WriteAndChunk):
                         views.chunk_lse)
         return cls(write=step.prepare_write(), slot_mapping=batch.slot_mapping,
                    chunk=step.prepare_chunk(views.chunk_out, views.chunk_lse), query_start_loc=batch.query_start_loc,
-                   prefix=step.prepare_prefix(step.q, out, lse, q_head_start=step.heads.q_head_start,
-                                              splits=views.splits, sync=views.split_sync),
+                   prefix=step.prepare_prefix(step.q, out, lse, q_head_start=step.heads.q_head_start, views=views),
                    block_table=batch.block_table, prefix_lens=step.prefix_lens()[0],
                    merge=None if decode else step.kernels.plan_combine(*merge_inputs, step.out, views.lse),
                    merge_inputs=merge_inputs, views=views)
