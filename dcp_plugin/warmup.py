@@ -57,8 +57,9 @@ def warmed_up_line(steps: int, seconds: float, dcp_size: int, dtype, compiles: d
     counted = "" if compiles is None else (f"; {compiles['built']} kernel variants built in "
                                            f"{compiles['build_s']:.1f} s, {compiles['cached']} from Triton's cache")
     if ahead:
-        counted += (f"; compile-ahead: {ahead['compiled']} of {ahead['variants']} variants on {ahead['workers']} "
-                    "worker processes" + (f", {ahead['failed']} failed: {ahead['reason']}" if ahead["failed"] else ""))
+        counted += (f"; compile-ahead: {ahead['variants']} variants, {ahead['missing']} not in Triton's cache, "
+                    f"{ahead['compiled']} compiled by {ahead['workers']} worker processes"
+                    + (f", {ahead['failed']} failed: {ahead['reason']}" if ahead["failed"] else ""))
     return (f"dcp-triton: compiled the kernels of {steps} step kinds before serving in {seconds:.1f} s "
             f"(dcp_size={dcp_size}, {dtype}{counted})")
 
@@ -117,7 +118,7 @@ def warm_up(attention, *, query: torch.Tensor, key: torch.Tensor, value: torch.T
                 k_scale=k_scale, v_scale=v_scale)
     workers = compile_workers() if device.type == "cuda" else 0
     with every_variant():  # also the variants other sizes of a step kind pick (the split merge's two)
-        if workers:  # the steps once with every kernel compiled side by side and none launched, then for real
+        if workers:  # the steps recorded, the variants Triton's cache lacks compiled side by side, then for real
             with compile_ahead(workers, report=report):
                 _run_steps(attention, steps, buffers, **args)
         return _run_steps(attention, steps, buffers, **args)

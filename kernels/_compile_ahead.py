@@ -1,14 +1,17 @@
-"""Compile-ahead in worker processes: the warm-up's kernel variants are compiled side by side before it launches any.
+"""Compile-ahead in worker processes (off by default): the warm-up's kernel variants compiled side by side.
 
 Inside ``compile_ahead(workers)`` a ``Launch`` asks Triton for its variant (``kernel.warmup``), and Triton's
 ``jit_cache_hook`` stops the compile before it starts: the variant's specialization is recorded instead, in
-Triton's own serialization (the one ``JITFunction.preload`` reads). On exit the variants Triton's cache lacks are
-shared out to up to ``workers`` Python processes (``python -m dcp_plugin.kernels._compile_ahead``): each imports the
-variants' modules, compiles them for this GPU with ``triton.compile`` under the cache keys this process computed
-(``_Plan``; checked) and builds each launcher (a C module, from the host's compiler) into the same cache. The
-warm-up's steps then run for real and find every variant there. Threads do not do this: a warm-up on 8 threads
-(Triton's ``AsyncCompileMode``) made an eager engine start 34.8 s against 37.9 s. A worker that fails is said in one
-warning line, and its variants compile at their first launch, as without compile-ahead.
+Triton's own serialization (the one ``JITFunction.preload`` reads). Only dcp-triton's kernels are recorded; the
+kernels the warm-up runs for real (``launches_run``) compile in this process as usual. On exit the variants Triton's
+cache lacks are shared out to up to ``workers`` Python processes (``python -m dcp_plugin.kernels._compile_ahead``):
+each imports the variants' modules, compiles them for this GPU with ``triton.compile`` under this process's backend
+hash and cache-invalidating environment (``_Plan``), checks that each lands under the cache key this process
+computed, and builds its launcher (a C module, from the host's compiler) into the same cache. The warm-up's steps
+then run for real and look every variant up there. Anything that fails (a worker, a variant, this process's
+planning) is said in one warning line and costs only the speed: what no worker compiled compiles at its first launch,
+as without compile-ahead. Threads (Triton's ``AsyncCompileMode``, which this replaced) made an eager engine start
+34.8 s against 37.9 s; what the processes gain inside an engine is not measured.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 
 import triton
 
@@ -30,6 +35,8 @@ from dcp_plugin.kernels import _launch
 from dcp_plugin.kernels._mode import INTERPRET
 
 WORKERS_ENV = "DCP_TRITON_COMPILE_WORKERS"
+WORKER_TIMEOUT_S = 600  # a worker still compiling then is stopped (its variants compile at their first launch)
+_RECORDED_PACKAGES = ("dcp_plugin.",)  # whose kernels are recorded (others compile as usual)
 _log = logging.getLogger("dcp_plugin")
 
 
@@ -41,19 +48,24 @@ def hook_supported() -> bool:
 
 def compile_workers() -> int:
     """Worker processes for the warm-up's compile-ahead: $DCP_TRITON_COMPILE_WORKERS (unset or 0, the default: off,
-    each variant compiles at its first launch); 0 where nothing compiles (the interpreter) or this Triton cannot hand
-    a compile over."""
+    each variant compiles at its first launch). Each engine process (each rank) starts its own. 0 where nothing
+    compiles (the interpreter), where this Triton cannot hand a compile over, and where a worker could not reproduce
+    this process's compile: a stages-inspection hook changes the compiled code, ``always_compile`` recompiles
+    whatever the cache holds."""
     value = os.environ.get(WORKERS_ENV, "").strip() or "0"
     if not value.isdigit():
         raise ValueError(f"{WORKERS_ENV} must be a whole number of worker processes (0: off), got {value!r}")
     if INTERPRET or not hook_supported() or getattr(triton.knobs.runtime, "add_stages_inspection_hook", None):
-        return 0  # a stages-inspection hook keys compiles on what a new process cannot see
+        return 0
+    if getattr(getattr(triton.knobs, "compilation", None), "always_compile", False):
+        return 0
     return int(value)
 
 
-# One hook for every thread (Triton keeps one): it records for the recorder of the calling thread's context, if
-# that thread is inside ``compile_ahead`` and in compile-only mode, and hands every other compile to the hook that
-# was set before the first ``compile_ahead`` began (ranks run as threads in one process each have a recorder).
+# One hook for every thread (Triton keeps one): it records for the list of the calling thread's context, if that
+# thread is inside ``compile_ahead`` and in compile-only mode and the kernel is dcp-triton's, and hands every other
+# compile to the hook that was set before the first ``compile_ahead`` began (ranks run as threads in one process
+# each have their own list).
 _RECORDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("dcp_triton_recording", default=None)
 _installed = {"users": 0, "before": None}
 _install_lock = threading.Lock()
@@ -61,7 +73,8 @@ _install_lock = threading.Lock()
 
 def _hook(*, fn, compile, is_manual_warmup, **kwargs):
     recording = _RECORDING.get()
-    if recording is not None and is_manual_warmup and _launch.compile_only():
+    if recording is not None and is_manual_warmup and _launch.compile_only() and \
+            str(fn.module).startswith(_RECORDED_PACKAGES):
         variant = {"module": fn.module, "name": fn.name, "spec": compile["specialization_data"]}
         if variant not in recording:
             recording.append(variant)
@@ -77,16 +90,18 @@ def _install(on: bool) -> None:
             _installed["before"], runtime.jit_cache_hook = runtime.jit_cache_hook, _hook
         _installed["users"] += 1 if on else -1
         if not on and not _installed["users"]:
-            runtime.jit_cache_hook, _installed["before"] = _installed["before"], None
+            if runtime.jit_cache_hook is _hook:  # else someone set another since: theirs stays
+                runtime.jit_cache_hook = _installed["before"]
+            _installed["before"] = None
 
 
 @contextlib.contextmanager
 def compile_ahead(workers: int, *, launchers: bool = True, report: dict | None = None):
     """Within: every ``Launch`` records its kernel variant and launches nothing (``launches_run`` lifts that); on
     exit the variants missing from Triton's cache are compiled by up to ``workers`` processes (with ``launchers``,
-    their launchers built too). ``report``, when given, receives ``variants`` (recorded), ``compiled`` (by the
-    workers), ``workers`` (started), ``failed`` (workers that failed) and the first failure's last line
-    (``reason``)."""
+    their launchers built too). ``report``, when given, receives ``variants`` (recorded), ``missing`` (not in the
+    cache, handed to the workers), ``compiled`` (by them), ``workers`` (started), ``failed`` (workers that failed or
+    ran out of time) and, after a failure, its last line (``reason``)."""
     variants: list = []
     _install(True)
     tokens = _RECORDING.set(variants), _launch.set_compile_only(True)
@@ -96,20 +111,66 @@ def compile_ahead(workers: int, *, launchers: bool = True, report: dict | None =
         _launch.reset_compile_only(tokens[1])
         _RECORDING.reset(tokens[0])
         _install(False)
-    plan = _Plan(triton.runtime.driver.active.get_current_target()) if variants else None
-    missing = [dict(v, key=key) for v in variants if not plan.cached(key := plan.key(v))] if plan else []
-    procs, failed = _compile_elsewhere(missing, workers, plan, launchers), []
-    for proc in procs:
-        with proc.stderr:
-            err = proc.stderr.read()
-        if proc.wait() != 0:
-            failed.append(err.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"])
-    if failed:
-        _log.warning("dcp-triton: %d of %d compile-ahead workers failed (their kernel variants compile at their first "
-                     "launch instead): %s", len(failed), len(procs), failed[0][0])
+    outcome = dict(variants=len(variants), missing=0, compiled=0, workers=0, failed=0)
+    if variants and workers > 0:
+        try:
+            with tempfile.TemporaryDirectory(prefix="dcp-triton-compile-") as scratch:
+                _compile_elsewhere(variants, workers, launchers, scratch, outcome)
+        except Exception as error:  # planning in this process failed: nothing lost but the speed
+            outcome.update(failed=outcome["failed"] + 1, reason=f"{type(error).__name__}: {error}")
+    if outcome["failed"]:
+        reason = outcome["reason"].strip()
+        outcome["reason"] = reason.splitlines()[-1][-200:] if reason else "?"
+        _log.warning("dcp-triton: compile-ahead compiled %d of the %d kernel variants it was to (the rest compile at "
+                     "their first launch): %s", outcome["compiled"], outcome["missing"], outcome["reason"])
     if report is not None:
-        report.update(variants=len(variants), compiled=len(missing), workers=len(procs), failed=len(failed),
-                      **({"reason": failed[0][0][-160:]} if failed else {}))
+        report.update(outcome)
+
+
+def _compile_elsewhere(variants: list, workers: int, launchers: bool, scratch: str, outcome: dict) -> None:
+    """Hand the variants Triton's cache lacks to up to ``workers`` processes and wait for them; ``outcome`` counts."""
+    plan = _Plan(triton.runtime.driver.active.get_current_target())
+    missing = [dict(v, key=key) for v in variants if not plan.cached(key := plan.key(v))]
+    outcome["missing"] = len(missing)
+    if not missing:
+        return
+    # The workers find every module where this process found it (its sys.path first), and compile into its cache.
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=triton.knobs.cache.dir,
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    count = min(workers, len(missing))
+    started = []
+    try:
+        for i in range(count):
+            work, done = os.path.join(scratch, f"work{i}.json"), os.path.join(scratch, f"done{i}.json")
+            with open(work, "w") as f:
+                json.dump({"target": [plan.target.backend, plan.target.arch, plan.target.warp_size],
+                           "launchers": launchers, "backend_hash": plan.backend_hash, "env_vars": plan.env_vars,
+                           "variants": missing[i::count]}, f)
+            started.append((subprocess.Popen([sys.executable, "-m", __name__, work, done], stdin=subprocess.DEVNULL,
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True),
+                            done))
+            outcome["workers"] += 1
+        deadline = time.monotonic() + WORKER_TIMEOUT_S
+        for proc, done in started:
+            try:
+                _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+                err = f"{err}\nstopped after {WORKER_TIMEOUT_S} s"
+            result = {"compiled": 0, "reason": None}
+            if os.path.exists(done):
+                with open(done) as f:
+                    result = json.load(f)
+            outcome["compiled"] += result["compiled"]
+            if proc.returncode != 0:
+                outcome["failed"] += 1
+                outcome.setdefault("reason", result["reason"] or err or f"exit status {proc.returncode}")
+    finally:
+        for proc, _ in started:  # after an error here: no worker outlives the warm-up
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 class _Plan:
@@ -132,8 +193,7 @@ class _Plan:
         src, options = _source(variant)
         options = self.backend.parse_options(options)
         digest = hashlib.sha256(get_cache_key(src, self.backend, options, self.env_vars).encode()).hexdigest()
-        return {"hash": digest, "file": f"{src.name[:150]}.json", "parts": key_parts(src, self.backend, options,
-                                                                                     self.env_vars)}
+        return {"hash": digest, "file": f"{src.name[:150]}.json", "parts": key_parts(src, options)}
 
     @staticmethod
     def cached(key: dict) -> bool:
@@ -142,36 +202,13 @@ class _Plan:
         return key["file"] in (get_cache_manager(key["hash"]).get_group(key["file"]) or {})
 
 
-def key_parts(src, backend, options, env_vars) -> dict:
-    """The parts of Triton's cache key (``get_cache_key``), each hashed: where a worker's key differs, which part."""
+def key_parts(src, options) -> dict:
+    """The parts of Triton's cache key (``get_cache_key``) that a worker derives itself, each hashed: where its
+    key would differ, which part (the backend's hash and the environment it takes from the engine's process)."""
     from triton.runtime.cache import triton_key
 
-    parts = {"triton": triton_key(), "source": src.hash(), "backend": backend.hash(), "options": options.hash(),
-             "environment": str(sorted(env_vars.items()))}
+    parts = {"triton": triton_key(), "source": src.hash(), "options": options.hash()}
     return {name: hashlib.sha256(str(part).encode()).hexdigest()[:16] for name, part in parts.items()}
-
-
-def _compile_elsewhere(variants: list, workers: int, plan, launchers: bool) -> list:
-    """Start up to ``workers`` processes, each handed its share of ``variants``: the started processes."""
-    if not variants or workers < 1:
-        return []
-    # The workers find every module where this process found it (its sys.path first), and compile into its cache.
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=triton.knobs.cache.dir,
-               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    count = min(workers, len(variants))
-    procs = []
-    for i in range(count):
-        proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, env=env, text=True)
-        work = {"target": [plan.target.backend, plan.target.arch, plan.target.warp_size], "launchers": launchers,
-                "backend_hash": plan.backend_hash, "env_vars": plan.env_vars, "variants": variants[i::count]}
-        try:
-            proc.stdin.write(json.dumps(work))
-            proc.stdin.close()
-        except OSError:  # it died before it read its share: its exit status says so
-            proc.kill()
-        procs.append(proc)
-    return procs
 
 
 def _source(variant: dict):
@@ -203,28 +240,45 @@ def _source(variant: dict):
     return source(fn, signature, constexprs, attrs), options
 
 
-def _worker() -> None:
-    """A worker: compile the share read from stdin (JSON) as the process that recorded it would, checking that each
-    lands under the key that process computed, and build each launcher."""
+def _worker(work_path: str, done_path: str) -> None:
+    """A worker: compile its share (``work_path``, JSON) as the process that recorded it would, each variant checked
+    to land under the key that process computed, and build each launcher; every variant is tried. Writes
+    ``{"compiled", "reason"}`` to ``done_path``; exits 1 when a variant failed."""
+    from triton._C.libtriton import get_cache_invalidating_env_vars
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
 
-    work = json.loads(sys.stdin.read())
+    with open(work_path) as f:
+        work = json.load(f)
     target = GPUTarget(*work["target"])
     backend = make_backend(target)
+    if get_cache_invalidating_env_vars() != work["env_vars"]:
+        raise RuntimeError("the cache-invalidating environment differs from the engine process's")
     backend_hash = work["backend_hash"]
     type(backend).hash = lambda self: backend_hash  # the recording process's (see _Plan)
+    compiled, reasons = 0, []
     for variant in work["variants"]:
-        src, options = _source(variant)
-        parts = key_parts(src, backend, backend.parse_options(options), work["env_vars"])
-        differ = [name for name, part in parts.items() if part != variant["key"]["parts"][name]]
-        if differ:  # compiled here it would land where the engine's process does not look
-            raise RuntimeError(f"{variant['name']}: the cache key's {' and '.join(differ)} part differs from the "
-                               "engine process's")
-        kernel = triton.compile(src, target=target, options=options, _env_vars=work["env_vars"])
-        if work["launchers"]:
-            triton.runtime.driver.active.launcher_cls(kernel.src, kernel.metadata)
+        try:
+            src, options = _source(variant)
+            parts = key_parts(src, backend.parse_options(options))
+            differ = [name for name, part in parts.items() if part != variant["key"]["parts"][name]]
+            if differ:  # compiled here it would land where the engine's process does not look
+                raise RuntimeError(f"{variant['name']}: the cache key's {' and '.join(differ)} "
+                                   f"{'parts differ' if len(differ) > 1 else 'part differs'} from the engine process's")
+            kernel = triton.compile(src, target=target, options=options, _env_vars=work["env_vars"])
+            if kernel.hash != variant["key"]["hash"]:
+                raise RuntimeError(f"{variant['name']}: compiled under another cache key than the engine process's")
+            if work["launchers"]:
+                triton.runtime.driver.active.launcher_cls(kernel.src, kernel.metadata)
+            compiled += 1
+        except Exception as error:  # the rest of the share still compiles
+            reasons.append(f"{type(error).__name__}: {error}".strip().splitlines()[-1])
+    with open(done_path, "w") as f:
+        json.dump({"compiled": compiled, "reason": reasons[0] if reasons else None}, f)
+    sys.exit(1 if reasons else 0)
 
 
 if __name__ == "__main__":
-    _worker()
+    import dcp_plugin.kernels  # noqa: F401 - torch, Triton and the kernels' package
+
+    _worker(sys.argv[1], sys.argv[2])

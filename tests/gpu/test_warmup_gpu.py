@@ -1,6 +1,8 @@
 """After ``warm_up``, no step a serving engine sends compiles a kernel: decodes of any batch and context, speculative
 verify steps, chunked prefills over a cached prefix, fresh prompts, mixed steps, at DCP = 1 and DCP = 2 (two
-ranks as threads on one GPU), both comm modes; every step is also checked against float64 attention."""
+ranks as threads on one GPU), both comm modes, with the kernels compiled at their first launch or ahead by worker
+processes (into an empty Triton cache: nothing compiles in this process after them, also when ptxas moved); every
+step is also checked against float64 attention."""
 
 from __future__ import annotations
 
@@ -63,13 +65,34 @@ def steps(seed: int) -> list[list[int]]:
 @pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
 @pytest.mark.parametrize("n", [1, 2])
 def test_no_kernel_compiles_after_warm_up(n, comm, workers, block_size, monkeypatch, tmp_path):
+    no_compiles_after_warm_up(n, comm, workers, block_size, monkeypatch, tmp_path)
+
+
+def test_compile_ahead_keys_its_variants_as_this_process_does_when_ptxas_moved(monkeypatch, tmp_path):
+    """As torch.compile (inductor) may inside an engine: ``TRITON_PTXAS_PATH`` points at another ptxas after this
+    process's Triton has read (and cached) the first one's version, which keys its compiles. A worker, a new
+    process, would read the other; compile-ahead must still land every variant where this process looks."""
+    from triton.backends.nvidia.compiler import get_ptxas, get_ptxas_version
+
+    get_ptxas_version(90)  # read and cached here, as the engine's first compile does
+    other = tmp_path / "ptxas"
+    other.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo "Cuda compilation tools, release 12.8, V12.8.93"; '
+                     f'exit 0; fi\nexec {get_ptxas(90).path} "$@"\n')
+    other.chmod(0o755)
+    monkeypatch.setenv("TRITON_PTXAS_PATH", str(other))
+    monkeypatch.setenv("TRITON_PTXAS_BLACKWELL_PATH", str(other))
+    (tmp_path / "cache").mkdir()
+    no_compiles_after_warm_up(1, "ag_rs", 4, 64, monkeypatch, tmp_path / "cache")
+
+
+def no_compiles_after_warm_up(n, comm, workers, block_size, monkeypatch, cache_dir) -> None:
     monkeypatch.setenv("DCP_TRITON_COMPILE_WORKERS", str(workers))
-    built_after_ahead = []  # (rank, kernel) compiled or launcher built in this process after the workers finished
+    built = {"recording": [], "after": []}  # compiled or a launcher built in this process: while recording / after
     if workers:  # into an empty Triton cache, from nothing compiled in this process: the workers compile it all
-        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(cache_dir))
         for kernel in KERNELS:
             kernel.device_caches[torch.cuda.current_device()][0].clear()
-        watch_builds(monkeypatch, built_after_ahead)
+        watch_builds(monkeypatch, built)
     case = Case(name=f"warm-{n}-{comm}", q_heads=32, kv_heads=8, kv_replication="replicated", tp=4 * n if n > 1 else 1,
                 head_dim=128, block_size=block_size, requests=REQUESTS, comm=comm, dtype="bfloat16", kernels="triton",
                 seed=5,
@@ -94,10 +117,10 @@ def test_no_kernel_compiles_after_warm_up(n, comm, workers, block_size, monkeypa
         warm_up(attn, query=like, key=kv_like, value=kv_like, key_cache=state.key_cache,
                 value_cache=state.value_cache, output=like, report=report)
         if workers:  # into an empty cache: the workers compiled (ranks as threads may share the variants)
-            assert report["failed"] == 0 and report["compiled"] >= 1, report
-            assert report["workers"] == min(workers, report["compiled"]), report
+            assert report["failed"] == 0 and report["compiled"] == report["missing"] >= 1, report
+            assert report["workers"] == min(workers, report["missing"]), report
             if n == 1:
-                assert report["compiled"] == report["variants"] >= 5, report
+                assert report["missing"] == report["variants"] >= 5, report
         exchange.barrier.wait()
         before = compiled_counts()
         group_heads = range(state.heads.group_q_head_start,
@@ -116,30 +139,39 @@ def test_no_kernel_compiles_after_warm_up(n, comm, workers, block_size, monkeypa
         served = [count for kernel, count in zip(KERNELS, before) if reached(kernel, block_size)]
         assert min(served) >= 1, f"a kernel these steps run never compiled during warm-up: {before}"
         assert after == before, f"serving steps compiled new variants: {before} -> {after}"
-    assert built_after_ahead == [], f"compiled in the engine's process after the workers: {built_after_ahead}"
+    assert built["after"] == [], f"compiled in the engine's process after the workers: {built['after']}"
+    # while recording, only the kernel whose output the host reads (launches_run) compiles here
+    assert set(built["recording"]) <= {"batch_lengths_kernel"}, built["recording"]
 
 
-def watch_builds(monkeypatch, built: list) -> None:
-    """After each thread's compile-ahead ends (the warm-up's real pass, the steps), record in ``built`` every kernel
-    variant Triton compiles rather than finds in its cache and every launcher (C module) it builds."""
-    ahead_done = set()
+def watch_builds(monkeypatch, built: dict) -> None:
+    """Record in ``built`` every kernel variant Triton compiles in this process rather than finds in its cache, and
+    every launcher (C module) it builds: under ``recording`` while a thread's compile-ahead records, under ``after``
+    once it has ended (the warm-up's real pass, the steps)."""
+    recording, ahead_done = set(), set()
     real = warmup.compile_ahead
 
     @contextlib.contextmanager
     def marked(*args, **kwargs):
+        recording.add(threading.get_ident())
         with real(*args, **kwargs):
             yield
+        recording.discard(threading.get_ident())
         ahead_done.add(threading.get_ident())
 
+    def phase():
+        me = threading.get_ident()
+        return "after" if me in ahead_done else "recording" if me in recording else None
+
     def listener(*, src, cache_hit, **kwargs):
-        if threading.get_ident() in ahead_done and not cache_hit:
-            built.append(getattr(getattr(src, "fn", None), "__name__", repr(src)))
+        if phase() and not cache_hit:
+            built[phase()].append(getattr(getattr(src, "fn", None), "__name__", repr(src)))
 
     build = triton.runtime.build._build
 
     def counted_build(name, *args, **kwargs):
-        if threading.get_ident() in ahead_done:
-            built.append(f"launcher {name}")
+        if phase() == "after":  # while recording, the batch lengths kernel's launcher may build
+            built["after"].append(f"launcher {name}")
         return build(name, *args, **kwargs)
 
     monkeypatch.setattr(warmup, "compile_ahead", marked)

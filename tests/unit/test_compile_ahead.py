@@ -92,21 +92,61 @@ SCRIPT = textwrap.dedent("""
             launch(*args)
     out["again"] = again
 
-    # A kernel whose source changes between the recording and the worker's import: the worker compiles nothing
-    # where this process would not look, and names the part of the key that differs.
+    # Kernels of another package: compiled here as usual, even in compile-only mode, never recorded.
     probe_dir = tempfile.mkdtemp()
     probe = ("import triton\\nimport triton.language as tl\\n\\n\\n"
              "@triton.jit\\ndef probe_kernel(x, N: tl.constexpr):\\n")
     with open(os.path.join(probe_dir, "ahead_probe.py"), "w") as f:
-        f.write(probe + "    tl.store(x + tl.arange(0, N), tl.zeros([N], tl.float32))\\n")
+        f.write(probe + "    tl.store(x + tl.arange(0, N), tl.zeros([N], tl.float32))\\n"
+                "\\n\\ndef make():\\n    @triton.jit\\n    def nested(x):\\n        tl.store(x, 1.0)\\n"
+                "    return nested\\n")
     sys.path.insert(0, probe_dir)
     import ahead_probe
+    nested = ahead_probe.make()  # before the module's file changes below
+    foreign = {}
+    hits.clear()
+    with _compile_ahead.compile_ahead(1, launchers=False, report=foreign):
+        _launch.Launch(ahead_probe.probe_kernel, (1,), (), {"N": 8}, num_warps=1)(torch.zeros(8))
+    out["foreign"], out["foreign_hits"] = foreign, list(hits)
+
+    # With the probe's module recorded too: its source changes between the recording and the worker's import. The
+    # worker compiles nothing where this process would not look, names the part of the key that differs, and still
+    # compiles the rest of its share.
+    _compile_ahead._RECORDED_PACKAGES = ("dcp_plugin.", "ahead_probe")
     moved = {}
     with _compile_ahead.compile_ahead(1, launchers=False, report=moved):
         _launch.Launch(ahead_probe.probe_kernel, (1,), (), {"N": 16}, num_warps=1)(torch.zeros(16))
+        write_kv(torch.float16, 32)[0](*write_kv(torch.float16, 32)[1])
         with open(os.path.join(probe_dir, "ahead_probe.py"), "w") as f:
             f.write(probe + "    tl.store(x + tl.arange(0, N), tl.zeros([N], tl.float32) + 1.0)\\n")
     out["moved"] = moved
+
+    # A kernel this process cannot name for a worker (defined inside a function): planning fails, nothing raises.
+    unnamed = {}
+    with _compile_ahead.compile_ahead(1, launchers=False, report=unnamed):
+        _launch.Launch(nested, (1,), (), {}, num_warps=1)(torch.zeros(1))
+    out["unnamed"] = unnamed
+
+    # An error inside the block: it propagates, the hook before is back, compile-only mode is off.
+    try:
+        with _compile_ahead.compile_ahead(2, launchers=False):
+            raise KeyError("inside")
+    except KeyError:
+        out["raised"] = [triton.knobs.runtime.jit_cache_hook is before, _launch.compile_only()]
+
+    # Two threads recording at once (ranks as threads): each its own variants, the hook before back afterwards.
+    import threading
+    reports = [{}, {}]
+
+    def rank(i):
+        with _compile_ahead.compile_ahead(1, launchers=False, report=reports[i]):
+            launch, args = write_kv((torch.float16, torch.float32)[i], 24)  # variants no step above compiled
+            launch(*args)
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    out["threads"] = reports + [triton.knobs.runtime.jit_cache_hook is before]
 
     failing = {}
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -131,17 +171,17 @@ def run():
 
 def test_recorded_variants_are_compiled_by_the_workers_under_the_key_triton_looks_up(run):
     out, _ = run
-    assert out["report"] == {"variants": 2, "compiled": 2, "workers": 2, "failed": 0}
+    assert out["report"] == {"variants": 2, "missing": 2, "compiled": 2, "workers": 2, "failed": 0}
     assert out["compiled_during"] == [False]  # only the variant asked for in launches_run compiled in the parent
-    # the workers' two and the parent's one, all from Triton's cache, although a new process's ptxas names another
-    # version than this process keyed its compiles on
+    # the workers' two from Triton's cache, although a new process's ptxas names another version than this process
+    # keyed its compiles on (the third, the parent's own, from the cache too)
     assert out["hits_after"] == [True, True, True]
     assert out["control"] == [False]  # a variant nobody compiled ahead is built: the check above can fail
 
 
 def test_variants_already_in_tritons_cache_start_no_worker(run):
     out, _ = run
-    assert out["again"] == {"variants": 2, "compiled": 0, "workers": 0, "failed": 0}
+    assert out["again"] == {"variants": 2, "missing": 0, "compiled": 0, "workers": 0, "failed": 0}
 
 
 def test_a_hook_set_before_hears_what_is_not_recorded_and_is_back_afterwards(run):
@@ -150,18 +190,42 @@ def test_a_hook_set_before_hears_what_is_not_recorded_and_is_back_afterwards(run
     assert out["hook_back"] is True
 
 
+def test_another_packages_kernel_compiles_as_usual_and_is_not_recorded(run):
+    out, _ = run
+    assert out["foreign"] == {"variants": 0, "missing": 0, "compiled": 0, "workers": 0, "failed": 0}
+    assert out["foreign_hits"] == [False]
+
+
+def test_a_variant_whose_key_would_differ_is_not_compiled_and_the_rest_of_the_share_is(run):
+    out, _ = run
+    assert out["moved"] == {"variants": 2, "missing": 2, "compiled": 1, "workers": 1, "failed": 1, "reason": (
+        "RuntimeError: probe_kernel: the cache key's source part differs from the engine process's")}
+
+
+def test_a_variant_this_process_cannot_name_fails_the_compile_ahead_not_the_warm_up(run):
+    out, _ = run
+    unnamed = out["unnamed"]
+    assert (unnamed["variants"], unnamed["workers"], unnamed["failed"]) == (1, 0, 1)
+    assert unnamed["reason"].startswith("AttributeError"), unnamed
+
+
+def test_an_error_inside_the_block_propagates_and_leaves_nothing_behind(run):
+    out, _ = run
+    assert out["raised"] == [True, False]
+
+
+def test_ranks_as_threads_record_their_own_variants(run):
+    out, _ = run
+    assert out["threads"] == [{"variants": 1, "missing": 1, "compiled": 1, "workers": 1, "failed": 0}] * 2 + [True]
+
+
 def test_a_failing_worker_is_reported_in_one_warning_and_nothing_raises(run):
     out, stderr = run
-    assert out["failing"] == {"variants": 1, "compiled": 1, "workers": 1, "failed": 1, "reason": "exit status 1"}
-    warnings = [x for x in stderr.splitlines() if "compile-ahead workers failed" in x]
-    assert len([x for x in warnings if x.endswith("launch instead): exit status 1")]) == 1, stderr[-2000:]
-    assert len(warnings) == 2  # and one for the worker of the test above
-
-
-def test_a_worker_whose_key_would_differ_compiles_nothing_and_names_the_part(run):
-    out, _ = run
-    assert out["moved"] == {"variants": 1, "compiled": 1, "workers": 1, "failed": 1, "reason": (
-        "RuntimeError: probe_kernel: the cache key's source part differs from the engine process's")}
+    assert out["failing"] == {"variants": 1, "missing": 1, "compiled": 0, "workers": 1, "failed": 1,
+                              "reason": "exit status 1"}
+    warnings = [x for x in stderr.splitlines() if "compile-ahead compiled" in x]
+    assert any(x.endswith("(the rest compile at their first launch): exit status 1") for x in warnings), stderr
+    assert len(warnings) == 3  # one each for the failures above
 
 
 @pytest.mark.parametrize(("value", "want"), [(None, 0), ("", 0), ("0", 0), ("6", 6), (" 3 ", 3)])

@@ -124,12 +124,13 @@ def test_the_warm_up_seconds_and_lines_come_from_the_adapters_log_line():
            "(Worker pid=7) INFO " + warmed_up_line(10, 3.0, 2, "torch.bfloat16") + "\nINFO other 5.0 s\n")
     assert bench.warmup_seconds(log) == [12.3, 3.0]
     ahead = warmed_up_line(10, 4.5, 1, "torch.bfloat16", {"built": 0, "build_s": 0.0, "cached": 19},
-                           {"variants": 19, "compiled": 19, "workers": 8, "failed": 0})
-    assert ahead.endswith("0 kernel variants built in 0.0 s, 19 from Triton's cache; compile-ahead: 19 of 19 variants "
-                          "on 8 worker processes)")
-    failed = warmed_up_line(10, 9.0, 1, "torch.bfloat16", None, {"variants": 19, "compiled": 19, "workers": 8,
-                                                                   "failed": 8, "reason": "exit status 1"})
-    assert failed.endswith("; compile-ahead: 19 of 19 variants on 8 worker processes, 8 failed: exit status 1)")
+                           {"variants": 19, "missing": 19, "compiled": 19, "workers": 8, "failed": 0})
+    assert ahead.endswith("0 kernel variants built in 0.0 s, 19 from Triton's cache; compile-ahead: 19 variants, 19 "
+                          "not in Triton's cache, 19 compiled by 8 worker processes)")
+    report = {"variants": 19, "missing": 19, "compiled": 0, "workers": 8, "failed": 8, "reason": "exit status 1"}
+    failed = warmed_up_line(10, 9.0, 1, "torch.bfloat16", None, report)
+    assert failed.endswith("; compile-ahead: 19 variants, 19 not in Triton's cache, 0 compiled by 8 worker processes, "
+                           "8 failed: exit status 1)")
     assert bench.warmup_lines("INFO 12-01 [impl.py:165] " + ahead + "\nINFO other\n") == [ahead]
 
 
