@@ -154,6 +154,13 @@ def headline_rows(vllm_dcp: dict, kernels: dict, one: dict) -> list[str]:
         ")" if len(vs_tr) == len(graphs) else f" where it ran beside dcp-triton, {len(vs_tr)} loads)")
     beside = ("each model's backends in one run" if fa_beside and len(vs_tr) == len(graphs)
               else "each model's dcp-triton and FLASH_ATTN in one run" if fa_beside else "backends from several runs")
+    eager = [(k.split("/")[0], t["eager"]["dcp_triton"] / t["eager"]["flash_attn"])
+             for k, t in one["summary"]["loads"].items() if t.get("eager", {}).get("flash_attn")]
+    behind = [ONE_MODELS.get(m, m) for m in dict.fromkeys(m for m, _ in eager)
+              if all(r < 1 for model, r in eager if model == m)]
+    eager_text = "" if not eager else (
+        f"; eager (`--enforce-eager`): {span([r for _, r in eager])} FLASH_ATTN's over {len(eager)} loads"
+        + (f", the {' and '.join(behind)} model behind it on every load" if behind else ""))
     fa3 = [r["ours_graph_pct_copy"] / r["fa3_graph_pct_copy"] for r in kernels["decode"]]
     fa3_p64 = [r["ours_p64_graph_pct_copy"] / r["fa3_graph_pct_copy"] for r in kernels["decode"]
                if "ours_p64_graph_pct_copy" in r]
@@ -168,7 +175,7 @@ def headline_rows(vllm_dcp: dict, kernels: dict, one: dict) -> list[str]:
         f"([details]({page}#dcp--2-inside-vllm-two-h200s), `benchmarks/results/vllm_dcp_2xh200.json`).",
         f"- **{min(vs_fa):.2f}x-{max(vs_fa):.2f}x the output tokens/s of vLLM's FLASH_ATTN**{triton} over "
         f"{len(graphs)} loads with CUDA graphs, one {kernels['gpu']}, "
-        f"{' and '.join(models)} heads, {beside} ([table]({page}#inside-vllm-one-h200), "
+        f"{' and '.join(models)} heads, {beside}{eager_text} ([table]({page}#inside-vllm-one-h200), "
         "`benchmarks/results/vllm_one_h200.json`).",
         f"- **Kernels against FlashAttention-3**: decode {min(fa3):.2f}x-{max(fa3):.2f}x over {len(fa3)} shapes"
         + (f" ({span(fa3_p64)} over the 64-token pages dcp-triton asks vLLM for, FA3 over its 16)"
