@@ -54,9 +54,11 @@ def choose_kernels(*, engine: str) -> KernelChoice:
     ``DCP_TRITON_KERNELS=triton`` runs the Triton kernels interpreted on CPU. ``engine``: the host's name, for the
     messages."""
     from dcp_plugin import kernels
+    from dcp_plugin.kernels._compile_ahead import compile_workers
     from dcp_plugin.kernels._gluon import gluon_asked
 
     gluon_asked()  # DCP_TRITON_GLUON: refused here, at the engine's start, when it is neither 0 nor 1
+    compile_workers()  # DCP_TRITON_COMPILE_WORKERS likewise, when it is not a whole number
     asked = os.environ.get(KERNELS_ENV, "").strip().lower()
     name = asked or ("reference" if kernels.INTERPRET else "triton")
     if name == "reference":

@@ -238,6 +238,15 @@ def test_worker_count_from_the_environment_off_by_default(monkeypatch, value, wa
     assert compile_workers() == want
 
 
+def test_a_bad_worker_count_is_refused_when_the_engine_starts(monkeypatch):
+    from dcp_plugin.kernel_choice import choose_kernels
+
+    monkeypatch.setenv(_compile_ahead.WORKERS_ENV, "-2")
+    with pytest.raises(ValueError, match="DCP_TRITON_COMPILE_WORKERS must be a whole number of worker processes "
+                                         r"\(0: off\), got '-2'"):
+        choose_kernels(engine="vLLM")
+
+
 def test_worker_count_refuses_what_is_not_a_count_and_is_off_under_the_interpreter(monkeypatch):
     monkeypatch.setattr(_compile_ahead, "INTERPRET", False)
     monkeypatch.setenv(_compile_ahead.WORKERS_ENV, "many")
