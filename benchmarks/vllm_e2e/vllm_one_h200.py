@@ -36,7 +36,6 @@ import fnmatch
 import json
 import os
 import random
-import re
 import shutil
 import subprocess
 import sys
@@ -45,6 +44,8 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
 import common  # noqa: E402
+import vllm_startup  # noqa: E402
+from vllm_startup import STARTUP_CACHES, init_breakdown, warmup_lines, warmup_seconds  # noqa: E402, F401
 
 VOCAB = 8192
 MODELS = {
@@ -89,23 +90,8 @@ def jobs(profile: bool, startup: bool = False, profile_load: str = "small-batch"
 
 
 def startup_jobs() -> list[dict]:
-    """Engine start-up alone (llama8, no loads), per mode and backend: ``cold`` into empty caches of its own
-    (Triton's, vLLM's, inductor's: a machine's first start, whichever job ran before), dcp-triton's by default and
-    with its compile-ahead on 8 worker processes (``cold-workers8``), then ``warm`` over the cold job's filled caches
-    (what is left once nothing compiles). ``compile_workers``: the ``DCP_TRITON_COMPILE_WORKERS`` a job sets
-    (``None``: the default)."""
-    out = []
-    for mode in MODES:
-        base = dict(model="llama8", mode=mode, kind="startup")
-        for backend, tag in (("dcp-triton", "dcp"), ("FLASH_ATTN", "fa")):
-            name = f"startup-{backend}-{mode}"
-            out += [dict(base, name=f"{name}-cold", backend=backend, caches=f"{tag}-{mode}", empty_cache=True,
-                         compile_workers=None)]
-            if backend == "dcp-triton":
-                out += [dict(base, name=f"{name}-cold-workers8", backend=backend, caches=f"{tag}-{mode}-workers8",
-                             empty_cache=True, compile_workers=8)]
-            out += [dict(base, name=f"{name}-warm", backend=backend, caches=f"{tag}-{mode}", compile_workers=None)]
-    return out
+    """The start-up jobs of every mode (``vllm_startup.startup_jobs``)."""
+    return vllm_startup.startup_jobs(MODES)
 
 
 def prompts(count: int, length: int, seed: int) -> list[list[int]]:
@@ -267,37 +253,6 @@ def child(spec_path: str) -> None:
     os._exit(0)  # no engine shutdown races at exit
 
 
-def warmup_lines(log: str) -> list[str]:
-    """dcp-triton's warm-up log lines (its compiles, built and from Triton's cache, and the compile-ahead's workers)."""
-    marker = "dcp-triton: compiled the kernels of"
-    return [line[line.index(marker):][:400] for line in log.splitlines() if marker in line]
-
-
-def warmup_seconds(log: str) -> list[float]:
-    """dcp-triton's warm-up inside a start-up, from its log lines (``dcp_plugin.warmup.warmed_up_line``, one per
-    worker process)."""
-    return [float(s) for s in re.findall(r"step kinds before serving in ([0-9.]+) s", log)]
-
-
-# vLLM's own start-up lines (0.26): where an engine's start goes, per job (``init_breakdown``).
-INIT_LINES = {
-    "model_load_s": r"Model loading took .*? and ([0-9.]+) seconds",
-    "torch_compile_s": r"torch\.compile took ([0-9.]+) s in total",
-    "graph_capture_s": r"Graph capturing finished in ([0-9.]+) secs",
-    "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s",
-}
-
-
-def init_breakdown(log: str) -> dict:
-    """The seconds of each of vLLM's start-up stages that the log names (``INIT_LINES``; the first of each)."""
-    found = {key: re.search(pattern, log) for key, pattern in INIT_LINES.items()}
-    return {key: float(m[1]) for key, m in found.items() if m}
-
-
-# Every cache an engine start fills, by the variable that places it (vLLM's compile cache lives under its root).
-STARTUP_CACHES = {"TRITON_CACHE_DIR": "triton", "VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
-
-
 def job_env(job: dict, work: Path, *, smoke: bool, cold_triton_cache: bool) -> dict:
     """The environment of ``job``'s process; a start-up job's cold caches are emptied here."""
     env = dict(os.environ, DCP_TRITON_KERNELS="reference" if smoke else "triton", VLLM_USE_FLASHINFER_SAMPLER="0")
@@ -309,10 +264,7 @@ def job_env(job: dict, work: Path, *, smoke: bool, cold_triton_cache: bool) -> d
         root = work / f"startup-caches-{job['caches']}"
         if job.get("empty_cache"):
             shutil.rmtree(root, ignore_errors=True)
-        env.update({var: str(root / sub) for var, sub in STARTUP_CACHES.items()})
-        env.pop("DCP_TRITON_COMPILE_WORKERS", None)
-        if job["compile_workers"] is not None:
-            env["DCP_TRITON_COMPILE_WORKERS"] = str(job["compile_workers"])
+        vllm_startup.set_caches(env, job, root)
     return env
 
 
