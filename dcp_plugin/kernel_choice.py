@@ -56,8 +56,10 @@ def choose_kernels(*, engine: str) -> KernelChoice:
     from dcp_plugin import kernels
     from dcp_plugin.kernels._compile_ahead import compile_workers
     from dcp_plugin.kernels._gluon import gluon_asked
+    from dcp_plugin.kernels._pdl import pdl_asked
 
     gluon_asked()  # DCP_TRITON_GLUON: refused here, at the engine's start, when it is neither 0 nor 1
+    pdl_asked()  # DCP_TRITON_PDL likewise
     compile_workers()  # DCP_TRITON_COMPILE_WORKERS likewise, when it is not a whole number
     asked = os.environ.get(KERNELS_ENV, "").strip().lower()
     name = asked or ("reference" if kernels.INTERPRET else "triton")

@@ -207,6 +207,9 @@ class Launch:
     that is not fp8 has no scales, a combine without an extra partial has none). Whatever the caller passes there
     (``None``, as a rule) is replaced by tensor argument ``j``: a real pointer of fixed dtype and alignment, so the
     compiled variant is always the same one (``None`` would compile another).
+
+    ``pdl``: launched as a programmatic dependent launch (``_pdl``); the kernel must then take ``PDL=True`` and call
+    ``wait_for_previous_grid`` before its first load.
     """
 
     __slots__ = ("kernel", "grid", "scalars", "constexprs", "options", "scratch", "_stand_ins", "_compiled",
@@ -214,10 +217,13 @@ class Launch:
 
     def __init__(self, kernel, grid: tuple, scalars: tuple, constexprs: dict, *, num_warps: int,
                  num_stages: int = 1, scratch: bool = False, stand_ins: dict[int, int] | None = None,
-                 maxnreg: int | None = None) -> None:
+                 maxnreg: int | None = None, pdl: bool = False) -> None:
         self.kernel, self.grid, self.scalars, self.constexprs = kernel, tuple(grid) + (1,) * (3 - len(grid)), \
             scalars, constexprs
-        self.options = {"num_warps": num_warps, "num_stages": num_stages} | ({"maxnreg": maxnreg} if maxnreg else {})
+        self.options = {"num_warps": num_warps, "num_stages": num_stages} | ({"maxnreg": maxnreg} if maxnreg else {}) \
+            | ({"launch_pdl": True} if pdl else {})
+        if pdl and constexprs.get("PDL") is not True:
+            raise ValueError(f"{kernel.__name__}: a PDL launch needs the kernel's PDL=True (wait_for_previous_grid)")
         self._stand_ins = tuple(stand_ins.items()) if stand_ins else ()
         self._compiled = None
         self._aligned = None

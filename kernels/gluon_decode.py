@@ -27,7 +27,10 @@ from triton.experimental.gluon import language as gl
 from dcp_plugin.kernels._gluon import PREFIX_PAGE, head_columns
 from dcp_plugin.kernels._launch import LOG2E, Launch, device_index, num_sms
 from dcp_plugin.kernels._schedule import head_tiling
-from dcp_plugin.kernels.gluon_parts import attend_overlap, copy_tiles, head_offset, page_descriptors, ring_buffers
+from dcp_plugin.kernels._pdl import pdl_for
+from dcp_plugin.kernels.gluon_parts import (
+    attend_overlap, copy_tiles, head_offset, page_descriptors, ring_buffers, wait_for_previous_grid,
+)
 from dcp_plugin.kernels.split_kv import PagedLaunch, auto_splits, split_outputs, with_reduce
 
 ROWS = gl.constexpr(64)  # Q heads of one KV group per program: a warpgroup MMA's rows (the heads past it masked)
@@ -204,12 +207,13 @@ def gluon_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, contex
                         stride_v_tok, stride_v_h, stride_bt_req, stride_bt_blk, rows_per_block, tma_rows, width,
                         out_heads_per_rank, stride_or, stride_ot, stride_oh, stride_os, stride_lr, stride_lt,
                         stride_lh, stride_ls, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, PAGES: gl.constexpr,
-                        STAGES: gl.constexpr):
+                        STAGES: gl.constexpr, PDL: gl.constexpr = False):
     """Grid (programs,): program ``p`` takes work items ``p, p + programs, ..`` of ``num_items`` = (num_reqs + 1)
     x head programs x splits (``_item``; request ``num_reqs``'s items write the padding rows), its producer warp and
     consumer warpgroup counting the ring's uses across items, so one item's copies run under the previous item's
     work. Head tiles as ``_schedule.group_head_tile`` numbers them, ``ROWS`` heads each. ``k_scale_ptr``/
-    ``v_scale_ptr``: never read."""
+    ``v_scale_ptr``: never read. ``PDL``: launched as a programmatic dependent launch (``_pdl``)."""
+    wait_for_previous_grid(PDL)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     pid = gl.program_id(0)
     num_programs = gl.num_programs(0)
@@ -247,6 +251,7 @@ def plan_gluon_decode(q, key_cache, value_cache, block_table, context_lens, *, s
     if programs is None:
         programs = num_sms(device_index(q)) * PER_SM
     grid = (min(num_items, programs or num_items),) if num_tokens and num_q_heads else (0,)
+    pdl = pdl_for(q.device)
     return Launch(
         gluon_decode_kernel, grid,
         (num_tokens, num_reqs, num_q_heads, num_splits, num_items, float(scale) * LOG2E, q_head_start, q_per_kv,
@@ -255,8 +260,8 @@ def plan_gluon_decode(q, key_cache, value_cache, block_table, context_lens, *, s
          *block_table.stride(), rows_per_block, rows_per_block * key_cache.shape[0],
          max(head_columns(key_cache), head_columns(value_cache)), heads_per_rank, stride_or, stride_ot, stride_oh,
          stride_os, *lse_strides),
-        dict(HEAD_DIM=head_dim, PAGE=PAGE, PAGES=pages, STAGES=stages),
-        num_warps=4, scratch=True, stand_ins={8: 0, 9: 0})  # no scales: q's pointer stands in (never read)
+        dict(HEAD_DIM=head_dim, PAGE=PAGE, PAGES=pages, STAGES=stages, PDL=pdl),
+        num_warps=4, scratch=True, stand_ins={8: 0, 9: 0}, pdl=pdl)  # no scales: q's pointer stands in (never read)
 
 
 def plan_paged_gluon_decode(q, key_cache, value_cache, block_table, context_lens, out, lse, *, scale,

@@ -14,6 +14,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 
 @gluon.jit
+def wait_for_previous_grid(PDL: gl.constexpr):
+    """``_pdl.wait_for_previous_grid`` in Gluon: with ``PDL``, wait until the previous kernel's writes are visible,
+    then let the next kernel launch. Call it before the kernel's first load."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+
+@gluon.jit
 def find_block(query_start_loc_ptr, num_reqs, pid, BLOCK: gl.constexpr):
     """``_schedule.find_block`` in Gluon: ``(request, block within it)`` of program ``pid``."""
     lo = 0

@@ -37,6 +37,7 @@ from dcp_plugin.kernels._paged_config import (  # noqa: F401 - the tuning table 
     GPU_FP32_CONFIGS, INTERPRET_CONFIG, POINTER_CONFIGS, PagedConfig, pick_config,
 )
 from dcp_plugin.kernels._paged_tile import attend_split, cache_takes_descriptors
+from dcp_plugin.kernels._pdl import pdl_for, wait_for_previous_grid
 from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count constants are part of this module's API
     MAX_AUTO_SPLITS, MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM, SMALL_GRID_PER_SM, balanced_max_splits, balanced_split,
     find_block, flat_programs, group_head_tile, head_tiling, pick_num_splits,
@@ -98,7 +99,9 @@ def paged_attention_kernel(
     # and [T, Hq, num_splits]) take the partials of the others, split_counts ([T]) every token's split count
     LAST_MERGES: tl.constexpr = False,  # BALANCED: the last split of a (token, head program) to finish merges its
     # splits (split_sync: [T x head_programs] int32 counters, zero between launches); no merge launch, no counts
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent launch (_pdl)
 ):
+    wait_for_previous_grid(PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     if DECODE:  # a request's head programs next to each other: they read the same pages (a token's KV heads are
         pid_q = tl.program_id(0) // head_programs  # adjacent in vLLM's cache)
@@ -353,6 +356,8 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     block_d = max(16, next_pow2(head_dim))
     kv_fp8 = key_cache.dtype in FP8_DTYPES
     rows_per_block = key_cache.stride(0) // key_cache.stride(1) if use_tma else 0
+    pdl = pdl_for(q.device)
+
     def stage1_launch(last: bool) -> Launch:
         return Launch(
             paged_attention_kernel, grid,
@@ -366,9 +371,9 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                  KV_FP8=kv_fp8, FP8_VIA_FP16=kv_fp8 and q.dtype == torch.bfloat16, FP8_WIDEN=cfg.fp8_widen * kv_fp8,
                  USE_TMA=use_tma,
-                 ROWS_AHEAD=use_tma and cfg.rows_ahead, BALANCED=balanced, LAST_MERGES=last),
+                 ROWS_AHEAD=use_tma and cfg.rows_ahead, BALANCED=balanced, LAST_MERGES=last, PDL=pdl),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=None if INTERPRET else cfg.max_registers,
-            scratch=use_tma,  # q's pointer stands in for what is
+            pdl=pdl, scratch=use_tma,  # q's pointer stands in for what is
             stand_ins=({} if kv_fp8 else {8: 0, 9: 0}) | ({13: 0} if balanced and not last else {})
             | ({} if balanced else {10: 0, 11: 0, 12: 0, 13: 0}))  # never read
 

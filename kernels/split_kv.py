@@ -16,6 +16,7 @@ from dcp_plugin.kernels._launch import (
     LOG2E, Launch, cdiv, device_index, every_variant_wanted, head_strides, next_pow2, num_sms,
 )
 from dcp_plugin.kernels._mode import INTERPRET
+from dcp_plugin.kernels._pdl import pdl_for, wait_for_previous_grid
 from dcp_plugin.kernels._schedule import MAX_AUTO_SPLITS, PROGRAMS_PER_SM, pick_num_splits
 
 _LOG2E = tl.constexpr(LOG2E)
@@ -89,6 +90,7 @@ def paged_attention_reduce_kernel(
     BLOCK_S: tl.constexpr,
     ELEMENTWISE: tl.constexpr = False,
     COUNTED: tl.constexpr = False,  # a balanced decode's partials: each token's own split count (below)
+    PDL: tl.constexpr = False,  # a programmatic dependent launch (_pdl): stage 1 may still be finishing
 ):
     """Merge the splits of BLOCK_H heads of one token by LSE, BLOCK_S splits per step with a running maximum, so
     any split count runs the same compiled kernel.
@@ -98,6 +100,7 @@ def paged_attention_reduce_kernel(
     whose LSE is -inf (no keys) is never read.
     ``COUNTED`` (a balanced decode): token ``t`` has ``split_counts[t]`` splits, the rest of its partials unwritten;
     with one, stage 1 wrote ``out``/``lse`` itself and there is nothing to merge."""
+    wait_for_previous_grid(PDL)
     token = tl.program_id(0).to(tl.int64)
     if COUNTED:  # at most the plan's count: a count left unwritten (a bug) cannot send the loop out of the buffer
         num_splits = tl.minimum(tl.load(split_counts_ptr + token), num_splits)
@@ -175,11 +178,13 @@ def plan_split_reduce(part_out, part_lse, out, lse, *, narrow: bool | None = Non
     num_tokens, num_heads, num_splits, head_dim = part_out.shape
     block_d = max(16, next_pow2(head_dim))
     heads, splits, elementwise = reduce_tiling(num_splits, num_heads, narrow=narrow)
+    pdl = pdl_for(part_out.device)
     return Launch(paged_attention_reduce_kernel, (num_tokens, cdiv(num_heads, heads)),
                   (num_heads, num_splits, head_dim, *part_out.stride(), *part_lse.stride(),
                    *head_strides(out, 3), *head_strides(lse, 2)[1:]),
-                  dict(BLOCK_H=heads, BLOCK_D=block_d, BLOCK_S=splits, ELEMENTWISE=elementwise, COUNTED=counted),
-                  num_warps=4 if block_d <= 128 else 8, stand_ins=None if counted else {4: 0})
+                  dict(BLOCK_H=heads, BLOCK_D=block_d, BLOCK_S=splits, ELEMENTWISE=elementwise, COUNTED=counted,
+                       PDL=pdl),
+                  num_warps=4 if block_d <= 128 else 8, stand_ins=None if counted else {4: 0}, pdl=pdl)
 
 
 class PagedLaunch:

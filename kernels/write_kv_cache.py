@@ -15,6 +15,7 @@ import triton.language as tl
 from dcp_plugin.checks import CACHE_DTYPES, check_kv_scales
 from dcp_plugin.kernels._launch import INDEX_DTYPES, Launch, cdiv, check_shape, check_tensor, next_pow2
 from dcp_plugin.kernels._mode import INTERPRET
+from dcp_plugin.kernels._pdl import pdl_for, wait_for_previous_grid
 
 _MAX_TILE_ELEMENTS = 4096  # heads x head-dim elements one program moves; bounds registers per program
 
@@ -31,7 +32,9 @@ def write_kv_cache_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FP8_MAX: tl.constexpr,  # > 0: the cache is fp8, store clamp(value / scale, +-FP8_MAX)
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent launch (_pdl)
 ):
+    wait_for_previous_grid(PDL)
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -108,7 +111,8 @@ def plan_write_kv(k, v, key_cache, value_cache, slot_mapping) -> Launch:
     grid = (slot_mapping.shape[0], cdiv(num_heads, block_h)) if num_heads and head_dim else (0,)
     scalars = (num_heads, head_dim, *k.stride(), *v.stride(), *key_cache.stride(), *value_cache.stride())
     fp8_max = torch.finfo(key_cache.dtype).max if key_cache.dtype.itemsize == 1 else 0.0
+    pdl = pdl_for(k.device)
     # A cache in the model dtype has no scales: slot_mapping's pointer stands in for them (never read).
     return Launch(write_kv_cache_kernel, grid, scalars,
-                  dict(PAGE_SIZE=key_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d, FP8_MAX=fp8_max),
-                  num_warps=4, stand_ins=None if fp8_max else {5: 4, 6: 4})
+                  dict(PAGE_SIZE=key_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d, FP8_MAX=fp8_max, PDL=pdl),
+                  num_warps=4, stand_ins=None if fp8_max else {5: 4, 6: 4}, pdl=pdl)

@@ -175,6 +175,9 @@ def main() -> None:
         module.num_sms = lambda device_index: H100_SMS
     for module in (_paged_tile, sys.modules[kernels.extend_attention.__module__]):  # what an sm_90 GPU answers
         module.tma_available = lambda device: True
+    for module in (sys.modules[kernels.paged_attention.__module__], split_kv,
+                   sys.modules[kernels.write_kv_cache.__module__]):  # programmatic dependent launches: sm_90 takes them
+        module.pdl_for = lambda device: True
     dtype, cache_dtypes = getattr(torch, args.dtype), (None, torch.float8_e4m3fn, torch.float8_e5m2)
     _gluon.gluon_enabled = lambda device: False  # the tl selections first (DCP_TRITON_GLUON=0)
     record = collect(dtype, args.head_dim, cache_dtypes)
@@ -182,6 +185,7 @@ def main() -> None:
         from dcp_plugin.kernels import gluon_chunk, gluon_decode
 
         gluon_chunk.num_sms = gluon_decode.num_sms = lambda device_index: H100_SMS
+        gluon_decode.pdl_for = lambda device: True
         _gluon.gluon_enabled = lambda device: True
         record = {**collect(dtype, args.head_dim, cache_dtypes), **record}
     target = GPUTarget("cuda", 90, 32)
@@ -196,6 +200,7 @@ def main() -> None:
         rows.append(dict(kernel=name, constants={k: str(v) for k, v in constants.items()},
                          kv_cache=dict(signature).get("key_cache_ptr"), **options, **usage,
                          shared=compiled.metadata.shared, main_loop=loop,
+                         pdl_wait="griddepcontrol.wait" in compiled.asm["ptx"],
                          seconds=round(time.perf_counter() - began, 1)))
         print(f"{name:30s} regs {usage.get('registers', '?'):>3} local {usage.get('local_bytes', '?'):>4} "
               f"smem {compiled.metadata.shared:6d} loop {loop.get('instructions', '-'):>4} {options} "

@@ -40,6 +40,12 @@ def test_every_serving_variant_compiles_for_sm90_without_spills(tmp_path):
     descriptors = {r["kernel"] for r in rows if r["constants"].get("USE_TMA") == "True"}
     assert {"extend_attention_kernel", "paged_attention_kernel"} <= descriptors, \
         "the Hopper selections (tensor descriptors) were not compiled"
+    # A decode step's kernels take programmatic dependent launches on sm_90 (kernels/_pdl.py): each such variant is
+    # compiled for one and waits for the previous kernel before its first load; the others neither.
+    pdl_kernels = {"write_kv_cache_kernel", "paged_attention_kernel", "paged_attention_reduce_kernel",
+                   "gluon_decode_kernel"}
+    assert all(r.get("launch_pdl") is True and r["pdl_wait"] for r in rows if r["kernel"] in pdl_kernels)
+    assert not [r for r in rows if r["kernel"] not in pdl_kernels and (r.get("launch_pdl") or r["pdl_wait"])]
     spilled = [r for r in rows if r.get("local_bytes", 0)]
     assert not spilled, f"register spills: {spilled}"
     assert all("registers" in r for r in rows), "cuobjdump reported no resource usage"
