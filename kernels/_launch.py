@@ -208,8 +208,8 @@ class Launch:
     (``None``, as a rule) is replaced by tensor argument ``j``: a real pointer of fixed dtype and alignment, so the
     compiled variant is always the same one (``None`` would compile another).
 
-    ``pdl``: launched as a programmatic dependent launch (``_pdl``); the kernel must then take ``PDL=True`` and call
-    ``wait_for_previous_grid`` before its first load.
+    ``pdl``: launched as a programmatic dependent launch (``_pdl``); the kernel must then take a ``PDL`` above 0 and
+    call ``wait_for_previous_grid`` before its first load.
     """
 
     __slots__ = ("kernel", "grid", "scalars", "constexprs", "options", "scratch", "_stand_ins", "_compiled",
@@ -217,13 +217,13 @@ class Launch:
 
     def __init__(self, kernel, grid: tuple, scalars: tuple, constexprs: dict, *, num_warps: int,
                  num_stages: int = 1, scratch: bool = False, stand_ins: dict[int, int] | None = None,
-                 maxnreg: int | None = None, pdl: bool = False) -> None:
+                 maxnreg: int | None = None, pdl: int = 0) -> None:
         self.kernel, self.grid, self.scalars, self.constexprs = kernel, tuple(grid) + (1,) * (3 - len(grid)), \
             scalars, constexprs
         self.options = {"num_warps": num_warps, "num_stages": num_stages} | ({"maxnreg": maxnreg} if maxnreg else {}) \
             | ({"launch_pdl": True} if pdl else {})
-        if pdl and constexprs.get("PDL") is not True:
-            raise ValueError(f"{kernel.__name__}: a PDL launch needs the kernel's PDL=True (wait_for_previous_grid)")
+        if pdl and not constexprs.get("PDL", 0) > 0:
+            raise ValueError(f"{kernel.__name__}: a PDL launch needs the kernel's PDL above 0 (wait_for_previous_grid)")
         self._stand_ins = tuple(stand_ins.items()) if stand_ins else ()
         self._compiled = None
         self._aligned = None

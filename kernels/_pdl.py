@@ -4,14 +4,14 @@ the launch starting only then.
 
 Every kernel launched this way calls ``wait_for_previous_grid`` before its first load: ``griddepcontrol.wait``
 returns once the previous grid has finished and its writes are visible, whatever that kernel was (one of ours, an
-engine's GEMM, a collective). It then signals that the next kernel may launch (``griddepcontrol.launch_dependents``:
-a hint; a kernel that does not signal lets the next one launch when its programs exit). So the results are those
-of launches one after the other; only the gap between kernels shrinks. A kernel launched without PDL is ordered
-as always, and these instructions are no-ops there.
+engine's GEMM, a collective). So the results are those of launches one after the other; only the gap between
+kernels shrinks. A kernel signals when the next one may launch (``griddepcontrol.launch_dependents``, a hint; one
+that never signals lets the next launch as its programs exit): where, is the kernel's ``PDL`` value (``TRIGGER``).
+A kernel launched without PDL is ordered as always.
 
 Used where the GPU is sm_90+, the kernels are compiled (not the interpreter) and Triton has the instructions
-(``triton.language.extra.cuda.gdc_wait``); ``DCP_TRITON_PDL=0`` turns it off, ``programmatic_launches(False)`` too
-within a block (benchmarks time both in one process).
+(``triton.language.extra.cuda.gdc_wait``); ``DCP_TRITON_PDL=0`` turns it off, ``programmatic_launches`` sets it
+within a block (benchmarks time the choices in one process).
 """
 
 from __future__ import annotations
@@ -46,10 +46,23 @@ def pdl_asked() -> bool:
     return value == "1"
 
 
+# A kernel's ``PDL`` constexpr: 0 not launched with PDL; else it waits for the previous grid first and lets the next
+# one launch: at its start (TRIGGER["start"]), after its main loop (["end"]), or as its programs exit (["exit"]).
+TRIGGER = {"start": 1, "end": 2, "exit": 3}
+# Where each role's kernel signals: "stage1" a decode's split pass, "short" the small kernels around it (the cache
+# write, the merge), whose next kernel may start its programs early.
+DEFAULT_TRIGGERS = {"stage1": "start", "short": "start"}
+
+
 @contextlib.contextmanager
-def programmatic_launches(on: bool):
-    """Within: launches prepared here use PDL where ``on`` and the device allows it, never where not ``on``."""
-    token = _OVERRIDE.set(bool(on))
+def programmatic_launches(on: bool, **triggers: str):
+    """Within: launches prepared here use PDL where ``on`` and the device allows it (whatever ``DCP_TRITON_PDL``
+    says), never where not ``on``; ``triggers``: a role's ``TRIGGER`` key, or "off" (that role launched without)."""
+    unknown = {role: t for role, t in triggers.items() if role not in DEFAULT_TRIGGERS or t not in (*TRIGGER, "off")}
+    if unknown:
+        raise ValueError(f"programmatic_launches: roles {list(DEFAULT_TRIGGERS)}, each one of "
+                         f"{[*TRIGGER, 'off']}; got {unknown}")
+    token = _OVERRIDE.set((bool(on), {**DEFAULT_TRIGGERS, **triggers}))
     try:
         yield
     finally:
@@ -61,20 +74,29 @@ def _device_allows(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def pdl_for(device: torch.device) -> bool:
-    """Whether kernels launched on ``device`` now use PDL."""
+def pdl_for(device: torch.device, role: str = "short") -> int:
+    """The ``PDL`` constexpr of a ``role`` kernel launched on ``device`` now (0: launched without PDL)."""
     if INTERPRET or gdc_wait is None or device.type != "cuda":
-        return False
-    override = _OVERRIDE.get()
-    if override is False or (override is None and not pdl_asked()):
-        return False
-    return _device_allows(device.index if device.index is not None else torch.cuda.current_device())
+        return 0
+    on, triggers = _OVERRIDE.get() or (None, DEFAULT_TRIGGERS)
+    if on is False or (on is None and not pdl_asked()) or triggers[role] == "off":
+        return 0
+    return TRIGGER[triggers[role]] if _device_allows(
+        device.index if device.index is not None else torch.cuda.current_device()) else 0
 
 
 @triton.jit
 def wait_for_previous_grid(PDL: tl.constexpr):
-    """With ``PDL`` (the kernel was launched with it): wait until the previous kernel's writes are visible, then let
-    the next kernel launch. Call it before the kernel's first load."""
-    if PDL:
+    """With ``PDL`` (the kernel was launched with it): wait until the previous kernel's writes are visible, and
+    with ``TRIGGER["start"]`` let the next kernel launch. Call it before the kernel's first load."""
+    if PDL > 0:
         gdc_wait()
+    if PDL == 1:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def main_loop_done(PDL: tl.constexpr):
+    """With ``TRIGGER["end"]``: let the next kernel launch (call it after the kernel's main loop)."""
+    if PDL == 2:
         gdc_launch_dependents()

@@ -207,7 +207,7 @@ def gluon_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, contex
                         stride_v_tok, stride_v_h, stride_bt_req, stride_bt_blk, rows_per_block, tma_rows, width,
                         out_heads_per_rank, stride_or, stride_ot, stride_oh, stride_os, stride_lr, stride_lt,
                         stride_lh, stride_ls, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, PAGES: gl.constexpr,
-                        STAGES: gl.constexpr, PDL: gl.constexpr = False):
+                        STAGES: gl.constexpr, PDL: gl.constexpr = 0):
     """Grid (programs,): program ``p`` takes work items ``p, p + programs, ..`` of ``num_items`` = (num_reqs + 1)
     x head programs x splits (``_item``; request ``num_reqs``'s items write the padding rows), its producer warp and
     consumer warpgroup counting the ring's uses across items, so one item's copies run under the previous item's
@@ -251,7 +251,7 @@ def plan_gluon_decode(q, key_cache, value_cache, block_table, context_lens, *, s
     if programs is None:
         programs = num_sms(device_index(q)) * PER_SM
     grid = (min(num_items, programs or num_items),) if num_tokens and num_q_heads else (0,)
-    pdl = pdl_for(q.device)
+    pdl = pdl_for(q.device, "stage1")
     return Launch(
         gluon_decode_kernel, grid,
         (num_tokens, num_reqs, num_q_heads, num_splits, num_items, float(scale) * LOG2E, q_head_start, q_per_kv,

@@ -15,10 +15,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 @gluon.jit
 def wait_for_previous_grid(PDL: gl.constexpr):
-    """``_pdl.wait_for_previous_grid`` in Gluon: with ``PDL``, wait until the previous kernel's writes are visible,
-    then let the next kernel launch. Call it before the kernel's first load."""
-    if PDL:
+    """``_pdl.wait_for_previous_grid`` in Gluon: with ``PDL`` above 0, wait until the previous kernel's writes are
+    visible, and with 1 let the next kernel launch. Call it before the kernel's first load. (A persistent kernel's
+    main loop ends at its exit: 2 signals nothing, as 3.)"""
+    if PDL > 0:
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    if PDL == 1:
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
                                   pack=1)
 

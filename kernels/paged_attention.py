@@ -37,7 +37,7 @@ from dcp_plugin.kernels._paged_config import (  # noqa: F401 - the tuning table 
     GPU_FP32_CONFIGS, INTERPRET_CONFIG, POINTER_CONFIGS, PagedConfig, pick_config,
 )
 from dcp_plugin.kernels._paged_tile import attend_split, cache_takes_descriptors
-from dcp_plugin.kernels._pdl import pdl_for, wait_for_previous_grid
+from dcp_plugin.kernels._pdl import main_loop_done, pdl_for, wait_for_previous_grid
 from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count constants are part of this module's API
     MAX_AUTO_SPLITS, MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM, SMALL_GRID_PER_SM, balanced_max_splits, balanced_split,
     find_block, flat_programs, group_head_tile, head_tiling, pick_num_splits,
@@ -99,7 +99,7 @@ def paged_attention_kernel(
     # and [T, Hq, num_splits]) take the partials of the others, split_counts ([T]) every token's split count
     LAST_MERGES: tl.constexpr = False,  # BALANCED: the last split of a (token, head program) to finish merges its
     # splits (split_sync: [T x head_programs] int32 counters, zero between launches); no merge launch, no counts
-    PDL: tl.constexpr = False,  # launched as a programmatic dependent launch (_pdl)
+    PDL: tl.constexpr = 0,  # above 0: a programmatic dependent launch (_pdl.TRIGGER says where it signals)
 ):
     wait_for_previous_grid(PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
@@ -183,6 +183,7 @@ def paged_attention_kernel(
         stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d, stride_bt_blk,
         rows_per_block, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
         KV_FP8=KV_FP8, FP8_WIDEN=FP8_WIDEN, USE_TMA=USE_TMA, ROWS_AHEAD=ROWS_AHEAD)
+    main_loop_done(PDL)
 
     # No cached tokens: acc = 0, l_i = 0, m_i = -inf -> (0, -inf). A NaN input leaves l_i NaN: NaN out and lse.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -356,7 +357,7 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     block_d = max(16, next_pow2(head_dim))
     kv_fp8 = key_cache.dtype in FP8_DTYPES
     rows_per_block = key_cache.stride(0) // key_cache.stride(1) if use_tma else 0
-    pdl = pdl_for(q.device)
+    pdl = pdl_for(q.device, "stage1")
 
     def stage1_launch(last: bool) -> Launch:
         return Launch(

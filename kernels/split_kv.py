@@ -90,7 +90,7 @@ def paged_attention_reduce_kernel(
     BLOCK_S: tl.constexpr,
     ELEMENTWISE: tl.constexpr = False,
     COUNTED: tl.constexpr = False,  # a balanced decode's partials: each token's own split count (below)
-    PDL: tl.constexpr = False,  # a programmatic dependent launch (_pdl): stage 1 may still be finishing
+    PDL: tl.constexpr = 0,  # above 0: a programmatic dependent launch (_pdl): stage 1 may still be finishing
 ):
     """Merge the splits of BLOCK_H heads of one token by LSE, BLOCK_S splits per step with a running maximum, so
     any split count runs the same compiled kernel.

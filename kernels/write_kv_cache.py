@@ -32,7 +32,7 @@ def write_kv_cache_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FP8_MAX: tl.constexpr,  # > 0: the cache is fp8, store clamp(value / scale, +-FP8_MAX)
-    PDL: tl.constexpr = False,  # launched as a programmatic dependent launch (_pdl)
+    PDL: tl.constexpr = 0,  # above 0: a programmatic dependent launch (_pdl)
 ):
     wait_for_previous_grid(PDL)
     token = tl.program_id(0).to(tl.int64)

@@ -38,7 +38,7 @@ from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction 
 
 import dcp_plugin as dp  # noqa: E402
 from dcp_plugin import kernels  # noqa: E402
-from dcp_plugin.kernels import _gluon, _launch, _paged_tile, split_kv  # noqa: E402
+from dcp_plugin.kernels import _gluon, _launch, _paged_tile, _pdl, split_kv  # noqa: E402
 from dcp_plugin.warmup import warm_up  # noqa: E402
 
 H100_SMS = 132
@@ -95,6 +95,11 @@ def _variant(launch, tensors) -> tuple:
         signature[name] = "constexpr"
     frozen = tuple(sorted((k, str(v)) for k, v in constants.items()))
     return (fn.__name__, tuple(signature.items()), frozen, constants, attrs, dict(launch.options))
+
+
+def _sm90_pdl(device, role: str = "short") -> int:
+    """``_pdl.pdl_for`` as an sm_90 GPU answers it by default."""
+    return _pdl.TRIGGER[_pdl.DEFAULT_TRIGGERS[role]]
 
 
 def collect(dtype: torch.dtype, head_dim: int, cache_dtypes: tuple) -> dict:
@@ -177,7 +182,7 @@ def main() -> None:
         module.tma_available = lambda device: True
     for module in (sys.modules[kernels.paged_attention.__module__], split_kv,
                    sys.modules[kernels.write_kv_cache.__module__]):  # programmatic dependent launches: sm_90 takes them
-        module.pdl_for = lambda device: True
+        module.pdl_for = _sm90_pdl
     dtype, cache_dtypes = getattr(torch, args.dtype), (None, torch.float8_e4m3fn, torch.float8_e5m2)
     _gluon.gluon_enabled = lambda device: False  # the tl selections first (DCP_TRITON_GLUON=0)
     record = collect(dtype, args.head_dim, cache_dtypes)
@@ -185,7 +190,7 @@ def main() -> None:
         from dcp_plugin.kernels import gluon_chunk, gluon_decode
 
         gluon_chunk.num_sms = gluon_decode.num_sms = lambda device_index: H100_SMS
-        gluon_decode.pdl_for = lambda device: True
+        gluon_decode.pdl_for = _sm90_pdl
         _gluon.gluon_enabled = lambda device: True
         record = {**collect(dtype, args.head_dim, cache_dtypes), **record}
     target = GPUTarget("cuda", 90, 32)

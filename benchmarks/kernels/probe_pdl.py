@@ -1,6 +1,7 @@
-"""Programmatic dependent launch (``kernels/_pdl.py``) on and off, side by side in one process: decode's CUDA-graph
-replay time over L2-cold copies at the kernel table's shapes, over 16- and 64-token pages, with and without the
-cache write before it (a decode layer's kernels: write, split pass, merge), against FA3 over 16-token pages.
+"""Programmatic dependent launch (``kernels/_pdl.py``) off and in each of ``MODES``, side by side in one process:
+decode's CUDA-graph replay time over L2-cold copies at the kernel table's shapes, over 64-token pages (the default
+mode over 16-token pages too), with and without the cache write before it (a decode layer's kernels: write, split
+pass, merge), against FA3 over 16-token pages.
 
 Each variant is timed in ``--rounds`` rounds, the variants taking turns within a round; a row keeps each one's best
 (``<name>_us``) and every round's time (``<name>_runs``). Every output is compared with float64 attention first,
@@ -30,14 +31,17 @@ from dcp_plugin.kernels._pdl import programmatic_launches  # noqa: E402
 from dcp_plugin.kernels.paged_attention import plan_paged  # noqa: E402
 import kernel_peers  # noqa: E402
 
+# name: (stage 1's trigger, the cache write's and the merge's), ``_pdl.TRIGGER`` keys or "off" (launched without).
+MODES = {"start": ("start", "start"), "end": ("end", "start"), "exit": ("exit", "start"), "merge": ("off", "start"),
+         "end_exit": ("end", "exit")}
 SHAPES = [(b, c, 32, 8) for b in (1, 8, 32, 128) for c in (1024, 8192, 32768)] \
     + [(b, c, hq, hk) for hq, hk in ((32, 1), (40, 8)) for b in (1, 8, 32, 128) for c in (8192, 32768)]
 
 
-def _variants(q, caches: dict, lens, qsl, ctx: int) -> tuple[dict, torch.Tensor]:
-    """``({name: (fn(i), check)}, out)``: the decode (and the cache write before it) over each page size, PDL on
-    and off; ``check``: (key_cache, value_cache, tables) to compare the output against, or None (a write moves the
-    cache)."""
+def _variants(q, caches: dict, lens, qsl, ctx: int, modes: dict) -> tuple[dict, torch.Tensor]:
+    """``({name: (fn(i), check)}, out)``: the decode (and the cache write before it) over each page size, PDL off
+    and in each of ``modes`` (over 16-token pages only the first); ``check``: (key_cache, value_cache, tables) to
+    compare the output against, or None (a write moves the cache)."""
     batch, hq, _ = q.shape
     hk = next(iter(caches.values()))[0].shape[2]
     out = torch.empty_like(q)
@@ -50,11 +54,12 @@ def _variants(q, caches: dict, lens, qsl, ctx: int) -> tuple[dict, torch.Tensor]
         # Each request's last cached token: the slot a decode step writes before attending.
         last = (ctx - 1) // page
         slots = [tables[i][:, last].long() * page + (ctx - 1) % page for i in range(tables.shape[0])]
-        for pdl in (False, True):
-            with programmatic_launches(pdl):
+        for mode in ["off", *modes][: 2 if page < 64 else None]:
+            stage1, short = modes.get(mode, ("off", "off"))
+            with programmatic_launches(mode != "off", stage1=stage1, short=short):
                 launch = plan_paged(q, kc, vc, tables[0], lens, qsl, out, lse, **kwargs)
                 write = plan_write_kv(new_kv[0], new_kv[1], kc, vc, slots[0])
-            tag = f"p{page}_{'pdl' if pdl else 'off'}"
+            tag = f"p{page}_{mode}"
 
             def decode(i=0, launch=launch, kc=kc, vc=vc, tables=tables):
                 launch(q, kc, vc, tables[i], lens, qsl, out, lse)
@@ -68,11 +73,11 @@ def _variants(q, caches: dict, lens, qsl, ctx: int) -> tuple[dict, torch.Tensor]
     return found, out
 
 
-def probe(shape, rounds: int, gen) -> dict:
+def probe(shape, rounds: int, gen, modes: dict) -> dict:
     batch, ctx, hq, hk = shape
     kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen)
     caches = {16: (kc, vc, tables), 64: _as_pages(kc, vc, tables, 64, gen)}
-    variants, out = _variants(q, caches, lens, qsl, ctx)
+    variants, out = _variants(q, caches, lens, qsl, ctx, modes)
     row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, kv_bytes=kv_bytes, copies=copies)
     for name, (fn, check) in variants.items():
         if check is not None:  # before any write moves the cache
@@ -98,24 +103,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", help="BATCHxCTXxHQxHK,... (default: the kernel table's decode shapes)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES)}")
     parser.add_argument("--name", default="kernels_h200_pdl", help="results file stem under benchmarks/results/")
     args = parser.parse_args()
+    modes = {name: MODES[name] for name in args.modes.split(",")}
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows, wrong = [], []
     for shape in shapes:
-        row = probe(shape, args.rounds, gen)
+        row = probe(shape, args.rounds, gen, modes)
         rows.append(row)
         wrong += [k for k, v in row.items() if k.endswith("_rel_err") and not (v <= ERROR_BOUND)]
         times = {k[:-3]: round(v, 1) for k, v in row.items() if k.endswith("_us")}
         print(json.dumps(dict(shape="x".join(map(str, shape)), **times)), flush=True)
-        save(args.name, dict(gpu=gpu_name(), rounds=args.rounds, rows=rows))
+        save(args.name, dict(gpu=gpu_name(), rounds=args.rounds, modes=modes, rows=rows))
         torch.cuda.empty_cache()
-    for row in rows:
-        fa3 = row.get("fa3_us", math.nan)
-        print(f"{row['batch']:4d} x {row['ctx']:6d} {row['q_heads']}/{row['kv_heads']}: decode p64 "
-              f"{row['decode_p64_off_us']:6.1f} -> {row['decode_p64_pdl_us']:6.1f} us with PDL (FA3 {fa3:6.1f}); "
-              f"layer p64 {row['layer_p64_off_us']:6.1f} -> {row['layer_p64_pdl_us']:6.1f}")
+    for kind in ("decode", "layer"):
+        print(f"{kind}, 64-token pages, us: off / " + " / ".join(modes) + " (FA3 over 16, decode only)")
+        for row in rows:
+            times = " / ".join(f"{row.get(f'{kind}_p64_{m}_us', math.nan):6.1f}" for m in ("off", *modes))
+            fa3 = f" ({row.get('fa3_us', math.nan):6.1f})" if kind == "decode" else ""
+            print(f"{row['batch']:4d} x {row['ctx']:6d} {row['q_heads']}/{row['kv_heads']}: {times}{fa3}")
     if wrong:
         print(f"WRONG (relative error above {ERROR_BOUND} or NaN): {wrong}")
     sys.exit(1 if wrong else 0)

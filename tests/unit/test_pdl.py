@@ -64,11 +64,11 @@ def test_a_bad_switch_is_refused_when_the_engine_starts(monkeypatch):
 
 
 def test_a_pdl_launch_needs_a_kernel_that_waits():
-    with pytest.raises(ValueError, match="write_kv_cache_kernel: a PDL launch needs the kernel's PDL=True"):
+    with pytest.raises(ValueError, match="write_kv_cache_kernel: a PDL launch needs the kernel's PDL above 0"):
         Launch(write_kv_cache_kernel, (1,), (), dict(PAGE_SIZE=16, BLOCK_H=1, BLOCK_D=128, FP8_MAX=0.0),
                num_warps=4, pdl=True)
-    launch = Launch(write_kv_cache_kernel, (1,), (), dict(PAGE_SIZE=16, BLOCK_H=1, BLOCK_D=128, FP8_MAX=0.0, PDL=True),
-                    num_warps=4, pdl=True)
+    launch = Launch(write_kv_cache_kernel, (1,), (), dict(PAGE_SIZE=16, BLOCK_H=1, BLOCK_D=128, FP8_MAX=0.0, PDL=1),
+                    num_warps=4, pdl=1)
     assert launch.options["launch_pdl"] is True
 
 
@@ -97,9 +97,21 @@ def test_a_decode_layers_launches_ask_for_pdl_on_sm90(monkeypatch):
     paged_module, write_module = (importlib.import_module(f"dcp_plugin.kernels.{name}")
                                   for name in ("paged_attention", "write_kv_cache"))
     for module in (paged_module, split_kv, write_module):  # the CPU tensors' device answers as an sm_90 GPU
-        monkeypatch.setattr(module, "pdl_for", lambda device: _pdl.pdl_for(CUDA))
+        monkeypatch.setattr(module, "pdl_for", lambda device, role="short": _pdl.pdl_for(CUDA, role))
     on = launches()
-    assert all(launch.options.get("launch_pdl") is True and launch.constexprs["PDL"] is True for launch in on)
+    assert all(launch.options.get("launch_pdl") is True and launch.constexprs["PDL"] > 0 for launch in on)
     monkeypatch.setenv(_pdl.PDL_ENV, "0")
     off = launches()
     assert not any(launch.options.get("launch_pdl") or launch.constexprs["PDL"] for launch in off)
+
+
+@pytest.mark.usefixtures("hopper")
+def test_each_role_signals_where_it_is_told():
+    assert _pdl.pdl_for(CUDA, "stage1") == _pdl.TRIGGER[_pdl.DEFAULT_TRIGGERS["stage1"]]
+    with _pdl.programmatic_launches(True, stage1="end", short="exit"):
+        assert (_pdl.pdl_for(CUDA, "stage1"), _pdl.pdl_for(CUDA, "short")) == (2, 3)
+    with _pdl.programmatic_launches(True, stage1="off"):
+        assert (_pdl.pdl_for(CUDA, "stage1"), _pdl.pdl_for(CUDA, "short")) == (0, 1)
+    with pytest.raises(ValueError, match=r"roles \['stage1', 'short'\], each one of \['start', 'end', 'exit', 'off'\]"):
+        with _pdl.programmatic_launches(True, stage2="end"):
+            pass
