@@ -9,9 +9,9 @@ from pathlib import Path
 
 def startup_jobs(modes: tuple[str, ...]) -> list[dict]:
     """Engine start-up alone (llama8, no loads), per mode and backend: ``cold`` into empty caches of its own
-    (Triton's, vLLM's, inductor's: a machine's first start, whichever job ran before), dcp-triton's by default and
-    with its compile-ahead on 8 worker processes (``cold-workers8``), then ``warm`` over the cold job's filled caches
-    (what is left once nothing compiles). ``compile_workers``: the ``DCP_TRITON_COMPILE_WORKERS`` a job sets
+    (Triton's, vLLM's, inductor's: a machine's first start, whichever job ran before), dcp-triton's by default
+    (compile-ahead on up to 8 worker processes) and with each variant compiled at its first launch in the engine's
+    process (``cold-serial``), then ``warm`` over the cold job's filled caches (what is left once nothing compiles). ``compile_workers``: the ``DCP_TRITON_COMPILE_WORKERS`` a job sets
     (``None``: the default)."""
     out = []
     for mode in modes:
@@ -21,8 +21,8 @@ def startup_jobs(modes: tuple[str, ...]) -> list[dict]:
             out += [dict(base, name=f"{name}-cold", backend=backend, caches=f"{tag}-{mode}", empty_cache=True,
                          compile_workers=None)]
             if backend == "dcp-triton":
-                out += [dict(base, name=f"{name}-cold-workers8", backend=backend, caches=f"{tag}-{mode}-workers8",
-                             empty_cache=True, compile_workers=8)]
+                out += [dict(base, name=f"{name}-cold-serial", backend=backend, caches=f"{tag}-{mode}-serial",
+                             empty_cache=True, compile_workers=0)]
             out += [dict(base, name=f"{name}-warm", backend=backend, caches=f"{tag}-{mode}", compile_workers=None)]
     return out
 

@@ -228,14 +228,17 @@ def test_a_failing_worker_is_reported_in_one_warning_and_nothing_raises(run):
     assert len(warnings) == 3  # one each for the failures above
 
 
-@pytest.mark.parametrize(("value", "want"), [(None, 0), ("", 0), ("0", 0), ("6", 6), (" 3 ", 3)])
-def test_worker_count_from_the_environment_off_by_default(monkeypatch, value, want):
+@pytest.mark.parametrize(("value", "want"), [(None, 5), ("", 5), ("0", 0), ("6", 6), (" 3 ", 3), ("12", 12)])
+def test_worker_count_from_the_environment_eight_at_most_by_default(monkeypatch, value, want):
     monkeypatch.setattr(_compile_ahead, "INTERPRET", False)
+    monkeypatch.setattr(_compile_ahead.os, "sched_getaffinity", lambda pid: set(range(5)))  # five CPUs
     if value is None:
         monkeypatch.delenv(_compile_ahead.WORKERS_ENV, raising=False)
     else:
         monkeypatch.setenv(_compile_ahead.WORKERS_ENV, value)
     assert compile_workers() == want
+    monkeypatch.setattr(_compile_ahead.os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert compile_workers() == (8 if not (value or "").strip() else want)
 
 
 def test_a_bad_worker_count_is_refused_when_the_engine_starts(monkeypatch):

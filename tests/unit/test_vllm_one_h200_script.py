@@ -19,7 +19,7 @@ def test_startup_jobs_are_listed_only_when_asked_for():
     assert both[:len(plain)] == plain
     assert sorted(both[len(plain):]) == sorted(
         f"startup-{b}-{mode}{suffix}" for mode in bench.MODES
-        for b, suffix in [("dcp-triton", "-cold"), ("dcp-triton", "-cold-workers8"), ("dcp-triton", "-warm"),
+        for b, suffix in [("dcp-triton", "-cold"), ("dcp-triton", "-cold-serial"), ("dcp-triton", "-warm"),
                           ("FLASH_ATTN", "-cold"), ("FLASH_ATTN", "-warm")])
 
 
@@ -41,14 +41,14 @@ def test_cold_jobs_start_from_empty_caches_and_the_warm_job_reuses_the_cold_ones
             assert "DCP_TRITON_COMPILE_WORKERS" not in cold_env and "DCP_TRITON_COMPILE_WORKERS" not in warm_env
             bench.job_env(cold, tmp_path, smoke=False, cold_triton_cache=False)  # a second cold start
             assert not any(m.exists() for m in markers)
-        workers8 = bench.job_env(by_name[f"startup-dcp-triton-{mode}-cold-workers8"], tmp_path, smoke=False,
-                                 cold_triton_cache=False)
-        assert workers8["DCP_TRITON_COMPILE_WORKERS"] == "8"
+        serial = bench.job_env(by_name[f"startup-dcp-triton-{mode}-cold-serial"], tmp_path, smoke=False,
+                               cold_triton_cache=False)
+        assert serial["DCP_TRITON_COMPILE_WORKERS"] == "0"
         dcp_cold = bench.job_env(by_name[f"startup-dcp-triton-{mode}-cold"], tmp_path, smoke=False,
                                  cold_triton_cache=False)
         fa_cold = bench.job_env(by_name[f"startup-FLASH_ATTN-{mode}-cold"], tmp_path, smoke=False,
                                 cold_triton_cache=False)
-        assert len({workers8["TRITON_CACHE_DIR"], dcp_cold["TRITON_CACHE_DIR"], fa_cold["TRITON_CACHE_DIR"]}) == 3
+        assert len({serial["TRITON_CACHE_DIR"], dcp_cold["TRITON_CACHE_DIR"], fa_cold["TRITON_CACHE_DIR"]}) == 3
 
 
 def test_small_batch_runs_at_least_min_repeats_and_the_summary_keeps_the_best(monkeypatch):
