@@ -16,8 +16,8 @@ One job per (model, backend, mode) in its own process (the engines never share t
 otherwise (graphs: FULL_AND_PIECEWISE over vLLM's capture sizes; engine core in its own process). ``--profile``
 adds one in-process engine per backend and mode (the model ``--profile-model`` names, llama8 unless told; the
 load ``--profile-load`` names, small-batch unless told): host time per step in the metadata builder's ``build``
-and in the attention layers' ``forward`` (perf_counter around vLLM's calls) and GPU time per kernel (torch
-profiler) -> ``profile`` in the results, keyed
+and in the attention layers' ``forward`` (perf_counter around vLLM's calls; for dcp-triton also its parts,
+``PARTS``) and GPU time per kernel (torch profiler) -> ``profile`` in the results, keyed
 ``<backend>/<mode>`` (``<backend>/<mode>/<load>`` for another load, ``<model>/`` first for another model).
 
     python benchmarks/vllm_e2e/vllm_one_h200.py --only 'llama8-*-graphs' --name vllm_one_h200_graphs
@@ -194,7 +194,22 @@ def install_timers(backend: str) -> dict:
 
     timed(cls.get_builder_cls(), "build", "build")
     timed(cls.get_impl_cls(), "forward", "forward")
+    if backend == "dcp-triton":  # where its forward's and build's host time goes (``parts_us_per_step``)
+        from dcp_plugin import DcpAttention, DcpBatch
+        from dcp_plugin.kernels._launch import Launch
+
+        timers.update({key: [0.0, 0] for key in PARTS})
+        timed(DcpBatch, "build", "batch")  # a classmethod, called on the class: the wrapper calls it bound
+        timed(DcpAttention, "forward", "core")
+        timed(DcpAttention, "_plan", "plan")
+        timed(Launch, "__call__", "launch")
     return timers
+
+
+# dcp-triton's parts, timed inside its ``build`` and ``forward``: the batch it builds (``DcpBatch.build``), its core's
+# forward (``DcpAttention.forward``), of which the step's launches prepared by its first layer (``_plan``), and every
+# kernel launch (``Launch.__call__``, a few hundred ns of timer each).
+PARTS = ("batch", "core", "plan", "launch")
 
 
 def profile_load(llm, timers: dict, name: str) -> dict:
@@ -208,15 +223,18 @@ def profile_load(llm, timers: dict, name: str) -> dict:
         t[:] = [0.0, 0]
     run = run_load(llm, name, load, seed=8)  # timers only: the profiler's own host cost stays out
     (build_s, steps), (forward_s, calls) = timers["build"], timers["forward"]
+    steps = max(steps, 1)
+    parts = {key: dict(us_per_step=total * 1e6 / steps, calls_per_step=count / steps)
+             for key, (total, count) in timers.items() if key in PARTS}
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         run_load(llm, name, load, seed=9)
     kernels = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
                       if e.device_time_total > 0), key=lambda x: -x[1])[:15]
-    steps = max(steps, 1)
     return dict(run=run, steps=steps, step_ms=run["elapsed_s"] * 1e3 / steps, build_us_per_step=build_s * 1e6 / steps,
                 forward_calls_per_step=calls / steps, forward_us_per_step=forward_s * 1e6 / steps,
-                kernels_ms=[dict(name=k[:90], ms=round(ms, 3), count=c) for k, ms, c in kernels])
+                kernels_ms=[dict(name=k[:90], ms=round(ms, 3), count=c) for k, ms, c in kernels],
+                **({"parts": parts} if parts else {}))
 
 
 def summarise(results: list[dict]) -> dict:
