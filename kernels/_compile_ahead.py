@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 
+import torch
 import triton
 
 from dcp_plugin.kernels import _launch
@@ -46,13 +47,13 @@ def hook_supported() -> bool:
     return runtime is not None and hasattr(runtime, "jit_cache_hook")
 
 
-DEFAULT_WORKERS = 8  # unset: this many, at most the CPUs this process may run on
+DEFAULT_WORKERS = 8  # unset: this many, at most this process's share of its CPUs (``compile_workers``)
 
 
 def compile_workers() -> int:
     """Worker processes for the warm-up's compile-ahead: $DCP_TRITON_COMPILE_WORKERS (0: off, each variant compiles
-    at its first launch; unset: ``DEFAULT_WORKERS``, at most this process's CPUs). Each engine process (each rank)
-    starts its own. 0 where nothing compiles (the interpreter), where this Triton cannot hand a compile over, and
+    at its first launch; unset: ``DEFAULT_WORKERS``, at most the CPUs this process may run on over the GPUs it sees,
+    at least 1: each engine process, each rank, starts its own, and a host's ranks start together). 0 where nothing compiles (the interpreter), where this Triton cannot hand a compile over, and
     where a worker could not reproduce this process's compile: a stages-inspection hook changes the compiled code,
     ``always_compile`` recompiles whatever the cache holds. Inside vLLM on one H200 (32 Q / 8 KV, CUDA graphs, an
     empty Triton cache) 8 workers took the engine's start from 70.7 to 55.2 s, its warm-up from 19.3 to 9.3 s
@@ -67,7 +68,7 @@ def compile_workers() -> int:
     if value:
         return int(value)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(DEFAULT_WORKERS, cpus)
+    return max(1, min(DEFAULT_WORKERS, cpus // max(1, torch.cuda.device_count())))
 
 
 # One hook for every thread (Triton keeps one): it records for the list of the calling thread's context, if that

@@ -232,6 +232,7 @@ def test_a_failing_worker_is_reported_in_one_warning_and_nothing_raises(run):
 def test_worker_count_from_the_environment_eight_at_most_by_default(monkeypatch, value, want):
     monkeypatch.setattr(_compile_ahead, "INTERPRET", False)
     monkeypatch.setattr(_compile_ahead.os, "sched_getaffinity", lambda pid: set(range(5)))  # five CPUs
+    monkeypatch.setattr(_compile_ahead.torch.cuda, "device_count", lambda: 1)
     if value is None:
         monkeypatch.delenv(_compile_ahead.WORKERS_ENV, raising=False)
     else:
@@ -239,6 +240,10 @@ def test_worker_count_from_the_environment_eight_at_most_by_default(monkeypatch,
     assert compile_workers() == want
     monkeypatch.setattr(_compile_ahead.os, "sched_getaffinity", lambda pid: set(range(64)))
     assert compile_workers() == (8 if not (value or "").strip() else want)
+    monkeypatch.setattr(_compile_ahead.torch.cuda, "device_count", lambda: 8)  # eight ranks on 64 CPUs, then on 12
+    assert compile_workers() == (8 if not (value or "").strip() else want)
+    monkeypatch.setattr(_compile_ahead.os, "sched_getaffinity", lambda pid: set(range(12)))
+    assert compile_workers() == (1 if not (value or "").strip() else want)
 
 
 def test_a_bad_worker_count_is_refused_when_the_engine_starts(monkeypatch):
