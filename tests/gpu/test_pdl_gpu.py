@@ -62,8 +62,8 @@ def _run(layers, table, lens, qsl, slots, *, pdl: bool, graph: bool):
 
     if graph:
         run()  # compiled before the capture
-        for out in outs:
-            out.fill_(float("nan"))
+        for t in (*outs, *lses):  # what the replay must write again
+            t.fill_(float("nan"))
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             run()
