@@ -8,6 +8,7 @@ calls unchecked internals whose inputs were checked when the step was prepared.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -61,3 +62,10 @@ def check_kv_scales(cache_dtype: torch.dtype, k_scale, v_scale, device: torch.de
             raise ValueError(f"{name} is on {scale.device} but the KV cache is on {device}")
     return True
 
+
+def env_switch(name: str, *, on: str, off: str) -> bool:
+    """The switch ``$name``: 1 (``on``, the default) or 0 (``off``); any other value is refused with both meanings."""
+    value = os.environ.get(name, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 1 ({on}, the default) or 0 ({off}), got {value!r}")
+    return value == "1"

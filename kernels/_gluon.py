@@ -12,11 +12,11 @@ tests/gpu/test_gluon_*_gpu.py).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 
+from dcp_plugin.checks import env_switch
 from dcp_plugin.kernels._launch import descriptor_ready
 from dcp_plugin.kernels._mode import INTERPRET
 from dcp_plugin.kernels._paged_tile import cache_takes_descriptors
@@ -55,11 +55,7 @@ def gluon_supported(device: torch.device) -> bool:
 
 def gluon_asked() -> bool:
     """``DCP_TRITON_GLUON``: 1 (the default) or 0; any other value is refused (the engine adapters ask at start)."""
-    value = os.environ.get(GLUON_ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{GLUON_ENV} must be 1 (the Gluon kernels where they apply, the default) or 0 (the tl "
-                         f"kernels only), got {value!r}")
-    return value == "1"
+    return env_switch(GLUON_ENV, on="the Gluon kernels where they apply", off="the tl kernels only")
 
 
 def gluon_enabled(device: torch.device) -> bool:

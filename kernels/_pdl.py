@@ -19,12 +19,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from dcp_plugin.checks import env_switch
 from dcp_plugin.kernels._mode import INTERPRET
 
 PDL_ENV = "DCP_TRITON_PDL"
@@ -39,11 +39,8 @@ _OVERRIDE = contextvars.ContextVar("dcp_triton_pdl", default=None)
 
 def pdl_asked() -> bool:
     """``DCP_TRITON_PDL``: 1 (the default) or 0; any other value is refused (the engine adapters ask at start)."""
-    value = os.environ.get(PDL_ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{PDL_ENV} must be 1 (programmatic dependent launches on sm_90+, the default) or 0 "
-                         f"(every kernel launched after the previous one has finished), got {value!r}")
-    return value == "1"
+    return env_switch(PDL_ENV, on="programmatic dependent launches on sm_90+",
+                      off="every kernel launched after the previous one has finished")
 
 
 # A kernel's ``PDL`` constexpr: 0 not launched with PDL; else it waits for the previous grid first and lets the next
