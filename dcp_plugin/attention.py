@@ -14,7 +14,8 @@ from dcp_plugin.checks import FLOAT_DTYPES, FP8_DTYPES, check_kv_scales, check_s
 from dcp_plugin.group import DcpGroup, buffered
 from dcp_plugin.kernel_choice import KernelName, kernels_named
 from dcp_plugin.layout import HeadLayout, TokenLayout, check_same_position
-from dcp_plugin.step_plan import StepInputs, StepPlan, plan_step
+from dcp_plugin.kernels._launch import every_variant_wanted
+from dcp_plugin.step_plan import StepInputs, StepPlan, decode_signature, plan_step
 from dcp_plugin.workspace import DcpWorkspace
 
 CommMode = Literal["ag_rs", "a2a"]
@@ -38,7 +39,8 @@ class DcpAttention:
 
     A step's launches are prepared once (a step plan, ``dcp_plugin.step_plan``, cached on the batch) and replayed by
     every layer with the same tensor shapes; inputs are checked when a plan is made, so the per-layer cost is the
-    launches alone.
+    launches alone. A decode step over the same batch buffers as the last decode step, its shards within the same
+    bound (``step_plan.decode_signature``), replays that step's plan: steady decoding prepares nothing.
 
     Example::
 
@@ -92,6 +94,7 @@ class DcpAttention:
         # hashes and compares it as cheaply as an int.
         self._plan_key = sys.intern(f"{heads!r} {tokens!r} scale={self.scale!r} comm={comm} kernels={kernels} "
                                     f"workspace={id(workspace) if workspace else id(self)}")
+        self._last_decode: tuple | None = None  # (key, decode_signature, plan) of the last decode step planned
 
     def forward(
         self,
@@ -128,10 +131,22 @@ class DcpAttention:
         plan: StepPlan | None = batch.plans.get(key) if isinstance(batch, DcpBatch) else None
         if plan is None:
             self._check_inputs(q, k, v, key_cache, value_cache, batch, out, k_scale, v_scale)
-            plan = self._plan(q, k, v, key_cache, value_cache, batch, out, write_kv)
-            batch.plans[key] = plan
+            plan = batch.plans[key] = self._step_plan(key, q, k, v, key_cache, value_cache, batch, out, write_kv)
         plan.run(q, k, v, key_cache, value_cache, out, k_scale, v_scale)
         return out
+
+    def _step_plan(self, key: tuple, q, k, v, key_cache, value_cache, batch, out, write_kv: bool) -> StepPlan:
+        """The step's plan: a decode step like the last one planned here (the same key, the same batch buffers, its
+        shards within the same bound: ``decode_signature``) replays that plan, launches prepared and kernels bound;
+        any other step gets a new one."""
+        signature = decode_signature(batch) if batch.max_query_len == 1 else None
+        last = self._last_decode
+        if signature is not None and last is not None and last[0] == key and last[1] == signature:
+            return last[2]
+        plan = self._plan(q, k, v, key_cache, value_cache, batch, out, write_kv)
+        if signature is not None and not every_variant_wanted():  # a warm-up's plan runs extra variants: not kept
+            self._last_decode = (key, signature, plan)
+        return plan
 
     def _plan(self, q, k, v, key_cache, value_cache, batch, out, write_kv: bool) -> StepPlan:
         """Prepare the step's launches (first layer of a step with these shapes, inputs checked)."""

@@ -39,6 +39,26 @@ from dcp_plugin.workspace import A2aViews, AgRsViews, GatheredViews, SingleRankV
 # A prepared launch (a kernel's plan_*: Launch or PagedLaunch, or a reference twin): called with the tensors only.
 Prepared = Callable[..., None]
 Collectives = DcpGroup | BufferedGroup  # a DCP group with the *_into collectives (dcp_plugin.group.buffered)
+# A decode step's prefix pass is planned for its longest local shard rounded up to DECODE_BOUND_STEP tokens (the bound
+# only tunes the split count): the decode steps that follow, over an engine's persistent buffers, then ask for the same
+# plan, and DcpAttention replays it instead of preparing it again (``decode_signature``).
+DECODE_BOUND_STEP = 256
+
+
+def decode_bound(batch: DcpBatch) -> int:
+    """The bound a decode step's prefix pass is planned for: ``max_local_seq_len`` rounded up to
+    ``DECODE_BOUND_STEP``, at most the tokens the block table addresses."""
+    capacity = batch.block_table.shape[1] * batch.tokens.block_size
+    return min(capacity, -(-batch.max_local_seq_len // DECODE_BOUND_STEP) * DECODE_BOUND_STEP)
+
+
+def decode_signature(batch: DcpBatch) -> tuple:
+    """Everything a decode step's plan reads from its batch: decode steps of equal signature (and equal layer
+    tensors' shapes, ``DcpAttention``'s key) have equal plans. The batch tensors enter by address, shape, strides and
+    dtype: an engine's persistent buffers, refreshed in place, keep them from step to step."""
+    return (batch.num_reqs, batch.num_tokens, decode_bound(batch),
+            *((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (batch.query_start_loc, batch.block_table,
+                                                                     batch.slot_mapping, batch.local_seq_lens)))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,10 +99,11 @@ class StepInputs:
 
     def prefix_lens(self) -> tuple[torch.Tensor, int]:
         """The local tokens the prefix pass reads per request, and their rank-invariant bound: in a decode step the
-        whole local shard (this step's token is written first), otherwise the context cached before this step."""
+        whole local shard (this step's token is written first; ``decode_bound``), otherwise the context cached before
+        this step."""
         batch = self.batch
         if self.decode:
-            return batch.local_seq_lens, batch.max_local_seq_len
+            return batch.local_seq_lens, decode_bound(batch)
         return batch.local_context_lens, batch.max_local_context_len
 
     def prepare_prefix(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, q_head_start: int,
