@@ -5,16 +5,17 @@ One rank of a DCP = 2 group (the e2e model's shape after TP = 2: 8 local Q heads
 host so it can be left out. Host times are CPU timers around calls while the GPU works through the queue (no
 synchronisation inside the timed loop), medians of repeated runs.
 
-- per layer: ``DcpAttention.forward`` of a decode step replayed by LAYERS layers (a step's plan is built by its
-  first layer; that first call is reported apart), minus the time spent inside the stand-in collectives;
+- per layer: ``DcpAttention.forward`` of a decode step replayed by LAYERS layers, minus the time spent inside the
+  stand-in collectives; the first layer's call apart, once preparing the step's plan and once replaying the last
+  decode step's (the next step over the same batch tensors);
 - per launch: each prepared launch of the step alone (paged attention, its split reduce, the combine, the cache
   write, the current chunk), and the checked public functions for comparison;
 - allocations per layer (CUDA caching-allocator count) and the bytes each collective moves;
 - a mixed step (many decodes plus one long chunk over a long context) against the decode-only and chunk-only steps,
   GPU time by CUDA events.
 
-Writes ``benchmarks/results/host_overhead_h200.json`` (``summary.forward_host_us_dcp2_decode``, merged into the
-file's other keys) and prints a table.
+Writes ``benchmarks/results/host_overhead_h200.json`` (``summary.forward_host_us_dcp2_decode`` and
+``summary.first_layer_host_us_planned_replayed``, merged into the file's other keys) and prints a table.
 
     python benchmarks/dcp/bench_host_overhead.py [--quick]
 """
@@ -106,16 +107,23 @@ def make_step(batch: int, ctx: int, query_len: int, gen, *, n: int = N, comm: st
 
 def host_per_layer(attn, args, batch, group, out, repeats: int) -> dict:
     """Median host µs per layer (minus the stand-in collectives) over ``repeats`` runs of LAYERS layers, the first
-    layer's (plan-building) µs, and CUDA allocations per layer."""
+    layer's µs when it prepares the step's plan and when it replays the last decode step's (a step over the same
+    batch tensors, as an engine's persistent buffers give), and CUDA allocations per layer."""
     attn.forward(*args, batch, out=out)  # compile, plan
     torch.cuda.synchronize()
-    per_layer, first = [], []
+    per_layer, first, steady = [], [], []
     allocs_before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
     for _ in range(repeats):
         batch.plans.clear()
+        attn._last_decode = None  # a step unlike the last decode step: its first layer prepares the plan
         began = time.perf_counter()
         attn.forward(*args, batch, out=out)
         first.append(time.perf_counter() - began)
+        batch.plans.clear()  # the next step over the same tensors: its first layer replays that plan
+        group_s = group.host_s if group else 0.0
+        began = time.perf_counter()
+        attn.forward(*args, batch, out=out)
+        steady.append(time.perf_counter() - began - ((group.host_s - group_s) if group else 0.0))
         group_s = group.host_s if group else 0.0
         began = time.perf_counter()
         for _ in range(LAYERS):
@@ -124,8 +132,10 @@ def host_per_layer(attn, args, batch, group, out, repeats: int) -> dict:
         per_layer.append(elapsed / LAYERS)
         torch.cuda.synchronize()
     allocs = torch.cuda.memory_stats().get("allocation.all.allocated", 0) - allocs_before
-    return {"forward_host_us": statistics.median(per_layer) * 1e6, "first_layer_host_us": statistics.median(first) * 1e6,
-            "allocations_per_layer": allocs / (repeats * (LAYERS + 1))}
+    return {"forward_host_us": statistics.median(per_layer) * 1e6,
+            "first_layer_host_us": statistics.median(first) * 1e6,
+            "first_layer_replayed_host_us": statistics.median(steady) * 1e6,
+            "allocations_per_layer": allocs / (repeats * (LAYERS + 2))}
 
 
 def host_per_launch(plan, args, out, repeats: int = 200) -> dict:
@@ -221,7 +231,8 @@ def main() -> None:
                     row["collective_bytes_per_layer"] = dict(group.bytes)
                 rows.append(row)
                 print(f"{comm:5s} dcp {n} batch {batch:3d}: forward {row['forward_host_us']:6.1f} us/layer "
-                      f"(first layer {row['first_layer_host_us']:6.1f}), allocs/layer "
+                      f"(first layer {row['first_layer_host_us']:6.1f}, replaying the last step's plan "
+                      f"{row['first_layer_replayed_host_us']:6.1f}), allocs/layer "
                       f"{row['allocations_per_layer']:.2f}, launches {row['per_launch_host_us']}", flush=True)
     attn, inputs, step, _, _ = make_step(4, 2048, 64, gen, comm="a2a")  # a chunked-prefill step: its launches
     out = torch.empty_like(inputs[0])
@@ -240,6 +251,10 @@ def main() -> None:
                              "forward_host_us_dcp2_decode_by_batch": {f"{r['comm']}_b{r['batch']}":
                                                                       round(r["forward_host_us"], 1)
                                                                       for r in rows if r["dcp"] == N},
+                             "first_layer_host_us_planned_replayed": {
+                                 f"{r['comm']}_dcp{r['dcp']}_b{r['batch']}":
+                                     [round(r["first_layer_host_us"], 1), round(r["first_layer_replayed_host_us"], 1)]
+                                 for r in rows},
                              "mixed_over_decode_plus_chunk": mixed["mixed_over_sum"]})
 
 
