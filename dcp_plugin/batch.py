@@ -179,17 +179,20 @@ class DcpBatchBuffers:
         self.buffers = {name: torch.zeros(max_num_reqs, dtype=torch.int32, device=self.device)
                         for name in self.NAMES}
         self._launches: dict[tuple, object] = {}  # (num_reqs, dcp_size, dcp_rank, interleave) -> prepared launch
+        self._views: dict[int, dict[str, torch.Tensor]] = {}  # num_reqs -> the buffers' first num_reqs entries
 
     def derive(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, tokens: TokenLayout,
                num_reqs: int) -> dict[str, torch.Tensor]:
         """The four per-request tensors of a batch of ``num_reqs`` requests, written into these buffers: on a GPU
         by one kernel launch (kept per batch size and layout, so a step of a size seen before replays it), on CPU
         by torch ops."""
-        views = {name: self.buffers[name][:num_reqs] for name in self.NAMES}
+        views = self._views.get(num_reqs)
+        if views is None:  # made once per batch size: slicing a tensor costs microseconds of host time
+            views = self._views[num_reqs] = {name: self.buffers[name][:num_reqs] for name in self.NAMES}
         if self.device.type != "cuda":
             for name, t in _derive(query_start_loc, seq_lens, tokens).items():
                 views[name].copy_(t)
-            return views
+            return dict(views)  # the caller's own dict: the cached one stays as it is
         key = (num_reqs, tokens.dcp_size, tokens.dcp_rank, tokens.interleave)
         launch = self._launches.get(key)
         if launch is None:
@@ -198,7 +201,7 @@ class DcpBatchBuffers:
             launch = self._launches[key] = plan_batch_lengths(num_reqs, dcp_size=tokens.dcp_size,
                                                               dcp_rank=tokens.dcp_rank, interleave=tokens.interleave)
         launch(query_start_loc, seq_lens, *views.values())
-        return views
+        return dict(views)
 
     def check(self, num_reqs: int, device: torch.device) -> None:
         if num_reqs > self.max_num_reqs:

@@ -115,10 +115,13 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
             )
         num_reqs = cm.num_reqs
         # Host arithmetic on a few hundred ints: numpy views of vLLM's CPU tensors (a torch op on a small CPU
-        # tensor costs microseconds of dispatch each).
+        # tensor costs microseconds of dispatch each, and so does a slice: none where the length is already right).
         query_start_loc_cpu = cm.query_start_loc_cpu.numpy()[: num_reqs + 1]
         num_tokens = int(query_start_loc_cpu[-1])  # real tokens, without padding rows
-        query_lens_cpu = np.diff(query_start_loc_cpu)
+        # A step of one token per request (num_tokens requests of at most one token each) needs no per-request
+        # query lengths: each is 1.
+        one_each = cm.max_query_len == 1 and num_tokens == num_reqs
+        query_lens_cpu = None if one_each else np.diff(query_start_loc_cpu)
         max_context_len = None
         if cm.seq_lens_cpu_upper_bound is not None and num_reqs > 0:
             # Host data, identical on every rank: a rank-invariant bound for the skip-the-prefix decision (V2 keeps
@@ -126,10 +129,14 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
             # When max_seq_len exceeds it, the contexts are bounded by max_seq_len alone: V1's draft metadata leaves
             # the bound short (extend_all_queries_by_N adds N to seq_lens and max_seq_len only); FULL-graph capture
             # (both runners) passes max_model_len, and so do V2's draft-model steps (0.33 spec_decode/speculator.py).
-            upper = cm.seq_lens_cpu_upper_bound.numpy()[:num_reqs]
-            if int(upper.max()) < cm.max_seq_len:
-                max_context_len = max(0, cm.max_seq_len - int(query_lens_cpu.min()))
+            upper_max = int(cm.seq_lens_cpu_upper_bound.numpy()[:num_reqs].max())
+            if upper_max < cm.max_seq_len:
+                min_query_len = 1 if one_each else int(query_lens_cpu.min())
+                max_context_len = max(0, cm.max_seq_len - min_query_len)
+            elif one_each:
+                max_context_len = max(0, upper_max - 1)
             else:
+                upper = cm.seq_lens_cpu_upper_bound.numpy()[:num_reqs]
                 max_context_len = max(0, int((upper - query_lens_cpu).max()))
         max_seq_len = cm.max_seq_len
         if cm.max_query_len in (1, self.uniform_query_len) and self._full_decode_graphs():
@@ -141,10 +148,10 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
                 max_context_len = max(max_context_len or 0, capacity - cm.max_query_len)
         batch = DcpBatch.build(
             num_decodes=leading_decodes(query_start_loc_cpu) if cm.max_query_len > 1 else 0,
-            query_start_loc=cm.query_start_loc[: num_reqs + 1],
-            seq_lens=cm.seq_lens[:num_reqs],
+            query_start_loc=_first(cm.query_start_loc, num_reqs + 1),
+            seq_lens=_first(cm.seq_lens, num_reqs),
             block_table=cm.block_table_tensor,
-            slot_mapping=cm.slot_mapping[:num_tokens],
+            slot_mapping=_first(cm.slot_mapping, num_tokens),
             tokens=self.tokens,
             max_query_len=cm.max_query_len,
             max_seq_len=max_seq_len,
@@ -153,3 +160,7 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
         )
         return DcpTritonMetadata(batch=batch, num_actual_tokens=cm.num_actual_tokens)
 
+
+def _first(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t[:n]``, or ``t`` itself when it has ``n`` entries (vLLM's eager steps pass them cut to size already)."""
+    return t if t.shape[0] == n else t[:n]

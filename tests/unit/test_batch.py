@@ -87,6 +87,23 @@ def test_buffers_keep_addresses_and_refresh_values():
     assert second.local_seq_lens.tolist() == [_owned_count(n, plain.tokens, 1) for n in (7, 21, 2)]
 
 
+def test_buffers_serve_batch_sizes_in_any_order():
+    # Views of the buffers are kept per batch size: a size seen before, after another, still gets its own length
+    # and this step's values.
+    buffers = DcpBatchBuffers(8, "cpu")
+    two = _args(query_start_loc=_i32([0, 1, 2]), seq_lens=_i32([9, 30]),
+                block_table=torch.zeros(2, 4, dtype=torch.int32), slot_mapping=torch.full((2,), -1, dtype=torch.int64))
+    steps = [_args(), two, _args(query_start_loc=_i32([0, 1, 2, 3]), seq_lens=_i32([7, 21, 2]),
+                                 slot_mapping=torch.full((3,), -1, dtype=torch.int64))]
+    for step in steps:
+        built, plain = DcpBatch.build(**step, buffers=buffers), DcpBatch.build(**step)
+        for name in DcpBatchBuffers.NAMES:
+            assert getattr(built, name).tolist() == getattr(plain, name).tolist(), name
+    derived = buffers.derive(steps[0]["query_start_loc"], steps[0]["seq_lens"], steps[0]["tokens"], 3)
+    derived.clear()  # the caller's own dict
+    assert len(buffers.derive(steps[0]["query_start_loc"], steps[0]["seq_lens"], steps[0]["tokens"], 3)) == 4
+
+
 def test_buffers_refuse_what_they_cannot_hold():
     with pytest.raises(ValueError, match="the batch has 3 requests but the buffers hold max_num_reqs=2"):
         DcpBatch.build(**_args(), buffers=DcpBatchBuffers(2, "cpu"))

@@ -126,6 +126,21 @@ def test_padding_rows_and_requests_are_cut(monkeypatch):
     assert torch.equal(meta.batch.slot_mapping, cm.slot_mapping[:14])
 
 
+@pytest.mark.parametrize("case", ["exact bound", "short bound", "padded", "a request without tokens"])
+def test_a_decode_steps_context_bound(monkeypatch, case):
+    """At most one token per request: the rank-invariant context bound equals the longest context when vLLM's host
+    bound is exact (with padding requests, or a request of no new tokens, too), and is max_seq_len - 1 when that
+    bound falls short of max_seq_len (a draft's extended steps)."""
+    contexts = [3, 250, 17, 64]
+    query_lens = [1, 0, 1, 1] if case == "a request without tokens" else [1] * 4
+    cm = common_metadata(query_lens, contexts, dcp=2, rank=1, interleave=1, pad_reqs=2 if case == "padded" else 0)
+    if case == "short bound":
+        cm.max_seq_len = 256  # within the block table (8 pages of 16 per rank)
+    batch = make_builder(monkeypatch, dcp=2, rank=1, interleave=1).build(0, cm).batch
+    assert batch.max_context_len == (255 if case == "short bound" else 250)
+    assert batch.num_tokens == sum(query_lens) and batch.context_lens.tolist()[:4] == contexts
+
+
 def test_unsharded_kv_group_runs_at_dcp_1(monkeypatch):
     """A replicated draft's KV-cache group (dcp_sharded=False) inside a DCP=2 process group."""
     cm = common_metadata([1, 3], [50, 9], dcp=1, rank=0, interleave=1)
