@@ -1,7 +1,7 @@
 """Where a prepared launch's host time goes (one GPU): the pieces of Launch.__call__ timed alone.
 For tuning kernels/_launch.py's replay path; prints µs, no file.
 H200: bash scripts/device/run_h200.sh bench benchmarks/kernels/probe_launch.py"""
-import statistics, time, torch, triton
+import math, statistics, time, torch, triton
 from dcp_plugin.kernels import _launch, plan_write_kv
 def t(fn, n=300):
     fn(); torch.cuda.synchronize(); xs = []
@@ -19,6 +19,7 @@ c = L._compiled
 print("triton", triton.__version__, "FAST", _launch.FAST_LAUNCH, "compiled kept", c is not None)
 print("Launch call", t(lambda: L(*args)))
 print("alignment", t(lambda: _launch._alignment([a.data_ptr() for a in args])))
+print("gcd", t(lambda: math.gcd(*[a.data_ptr() for a in args]) % 16))
 print("knobs hook", t(lambda: triton.knobs.runtime.launch_enter_hook))
 print("stream", t(lambda: _launch._current_stream(0)))
 if c is not None:

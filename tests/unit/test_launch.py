@@ -1,6 +1,7 @@
 """Launch's compile-only mode: while compile-ahead records a warm-up's variants a prepared launch hands its kernel
 variant to Triton's compiler (``kernel.warmup``, stand-ins in place) and launches nothing; launches_run restores
-launching."""
+launching. And its replay of a kept kernel, which must follow the tensors' 16-byte alignment as Triton's dispatch
+does."""
 
 from __future__ import annotations
 
@@ -44,3 +45,59 @@ def test_in_compile_only_mode_a_launch_compiles_and_launches_nothing():
     kind, grid, args, kwargs = kernel.calls[0]
     assert grid == (3, 1, 1) and args == (a, a, 7, 0.5) and kwargs == options  # the stand-in is in place
     assert kernel.calls[1][2] == (a, a, 7, 0.5) and kernel.calls[1][3] == options
+
+
+class _Compiled:
+    """Stands in for the compiled kernel Triton's dispatch returns: ``run`` records each direct replay."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.replays = []
+
+    def run(self, *args):
+        self.replays.append(args)
+
+
+class _CompilingKernel(_RecordingKernel):
+    """A ``@triton.jit`` stand-in whose dispatch returns one compiled kernel, as Triton's does."""
+
+    def __init__(self):
+        super().__init__()
+        self.compiled = _Compiled()
+
+    def __getitem__(self, grid):
+        def dispatch(*args, **kwargs):
+            self.calls.append(("launch", grid, args, kwargs))
+            return self.compiled
+
+        return dispatch
+
+
+def test_a_kept_kernel_replays_only_for_the_alignment_it_was_compiled_for(monkeypatch):
+    # Triton specializes pointer arguments on 16-byte alignment: a launch replays the kernel its first call compiled
+    # (addresses passed as ints) while every tensor keeps that call's alignment, and otherwise asks the dispatch.
+    monkeypatch.setattr(_launch, "FAST_LAUNCH", True)
+    monkeypatch.setattr(_launch, "_current_stream", lambda device: 0)
+    monkeypatch.setattr(_launch, "_launch_hooks", lambda: False)
+    memory = [torch.zeros(256, dtype=torch.int8) for _ in range(4)]
+    aligned = [m[:64] for m in memory]
+    shifted = [m[8:72] for m in memory]  # 8 bytes past a 16-byte boundary: aligned to 8, not 16
+    assert all(t.data_ptr() % 16 == 0 for t in aligned) and all(t.data_ptr() % 16 == 8 for t in shifted)
+
+    def dispatches_and_replays(first, *later):
+        kernel = _CompilingKernel()
+        launch = Launch(kernel, (2,), (5,), {}, num_warps=4)
+        for tensors in (first, *later):
+            launch(*tensors)
+        # A replay's arguments: the grid (3), stream, function, metadata, three hooks, the addresses, the scalar 5.
+        replayed = [args[9:-1] for args in kernel.compiled.replays]
+        return len(kernel.calls), replayed
+
+    # Compiled for aligned tensors: other aligned ones replay; one shifted tensor goes to the dispatch.
+    calls, replayed = dispatches_and_replays(aligned[:2], aligned[2:], [shifted[0], aligned[1]], aligned[:2])
+    assert calls == 2
+    assert replayed == [tuple(t.data_ptr() for t in aligned[2:]), tuple(t.data_ptr() for t in aligned[:2])]
+    # Compiled with its first tensor shifted: the same pattern replays; all aligned is another variant.
+    calls, replayed = dispatches_and_replays([shifted[0], aligned[1]], [shifted[2], aligned[3]], aligned[:2])
+    assert calls == 2 and replayed == [(shifted[2].data_ptr(), aligned[3].data_ptr())]
