@@ -129,14 +129,14 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
             # When max_seq_len exceeds it, the contexts are bounded by max_seq_len alone: V1's draft metadata leaves
             # the bound short (extend_all_queries_by_N adds N to seq_lens and max_seq_len only); FULL-graph capture
             # (both runners) passes max_model_len, and so do V2's draft-model steps (0.33 spec_decode/speculator.py).
-            upper_max = int(cm.seq_lens_cpu_upper_bound.numpy()[:num_reqs].max())
+            upper = cm.seq_lens_cpu_upper_bound.numpy()[:num_reqs]
+            upper_max = int(upper.max())
             if upper_max < cm.max_seq_len:
                 min_query_len = 1 if one_each else int(query_lens_cpu.min())
                 max_context_len = max(0, cm.max_seq_len - min_query_len)
             elif one_each:
                 max_context_len = max(0, upper_max - 1)
             else:
-                upper = cm.seq_lens_cpu_upper_bound.numpy()[:num_reqs]
                 max_context_len = max(0, int((upper - query_lens_cpu).max()))
         max_seq_len = cm.max_seq_len
         if cm.max_query_len in (1, self.uniform_query_len) and self._full_decode_graphs():
