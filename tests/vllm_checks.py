@@ -94,23 +94,29 @@ def cpu_args(i: int) -> list[str]:
 
 
 def generate_speculative(tmp: Path, variants: dict[str, tuple[Path, dict | None]]) -> dict[str, tuple[dict, str]]:
-    """Run ``tests/integration/vllm_generate.py`` once per variant, all at once: the dcp-triton engine of a model
-    (reference kernels, the ``repeats`` scenario) with a ``speculative_config`` or none. Returns, per variant, the
-    engine's results and its log; a failed run fails the caller with the log's end."""
+    """The dcp-triton engine of a model (reference kernels, the ``repeats`` scenario) with a ``speculative_config`` or
+    none, one ``generate_side_by_side`` run per variant. Returns, per variant, the engine's results and its log."""
+    runs = {}
+    for name, (model, spec) in variants.items():
+        extra = ["--speculative-config", json.dumps(spec)] if spec else []
+        runs[name] = (model, ["--backends", "dcp-triton", "--kernels", "reference", "--scenarios", "repeats", *extra])
+    return {name: (result["dcp-triton"], log) for name, (result, log) in generate_side_by_side(tmp, runs).items()}
+
+
+def generate_side_by_side(tmp: Path, runs: dict[str, tuple[Path, list[str]]]) -> dict[str, tuple[dict, str]]:
+    """Run ``tests/integration/vllm_generate.py MODEL OUT [args]`` once per named run, all at once, each pinned to a
+    CPU of its own (``cpu_args``). Returns, per run, its results (per backend) and its log; a failed run fails the
+    caller with the log's end."""
     import subprocess
-    import sys
 
     runner = Path(__file__).parent / "integration" / "vllm_generate.py"
     env = {k: v for k, v in os.environ.items() if k not in ("DCP_TRITON_CPU", "DCP_TRITON_KERNELS")}
     env.update(HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     procs = {}
-    for i, (name, (model, spec)) in enumerate(variants.items()):
-        extra = ["--speculative-config", json.dumps(spec)] if spec else []
-        extra += cpu_args(i)
+    for i, (name, (model, args)) in enumerate(runs.items()):
         with open(tmp / f"{name}.log", "w") as sink:
             procs[name] = subprocess.Popen(
-                [sys.executable, str(runner), str(model), str(tmp / f"{name}.json"), "--backends", "dcp-triton",
-                 "--kernels", "reference", "--scenarios", "repeats", *extra],
+                [sys.executable, str(runner), str(model), str(tmp / f"{name}.json"), *args, *cpu_args(i)],
                 stdout=sink, stderr=subprocess.STDOUT, env=env)
     results = {}
     for name, proc in procs.items():
@@ -120,5 +126,29 @@ def generate_speculative(tmp: Path, variants: dict[str, tuple[Path, dict | None]
             proc.kill()
         log = (tmp / f"{name}.log").read_text()
         assert proc.returncode == 0, f"{name} failed:\n{log[-6000:]}"
-        results[name] = (json.loads((tmp / f"{name}.json").read_text())["dcp-triton"], log)
+        results[name] = (json.loads((tmp / f"{name}.json").read_text()), log)
     return results
+
+
+# A hybrid model: Mamba2 layers beside full-attention ones, whose KV-cache group vLLM gives a block size that makes an
+# attention page as large as a layer's recurrent state (256 tokens on vllm-cpu); vllm-cpu runs it in float32.
+TINY_GRANITE_HYBRID = dict(
+    model_type="granitemoehybrid", architectures=["GraniteMoeHybridForCausalLM"], vocab_size=512, hidden_size=256,
+    intermediate_size=512, num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "attention"],
+    num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1,
+    mamba_d_state=64, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256, mamba_conv_bias=True,
+    mamba_proj_bias=False, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=256,
+    position_embedding_type="rope", max_position_embeddings=4096, initializer_range=0.2, bos_token_id=1,
+    eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+)
+
+
+def write_random_model(path: Path, config: dict, *, seed: int = 0) -> Path:
+    """A random-weight checkpoint of ``config`` (``benchmarks/common.py``'s ``save_random_model``; float32, atomic).
+    ``initializer_range=0.2`` (as in ``TINY_GRANITE_HYBRID``) makes attention far from uniform
+    (``write_random_llama``)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    from common import save_random_model
+
+    return save_random_model(config, path, seed=seed)

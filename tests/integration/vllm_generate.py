@@ -2,8 +2,10 @@
 
     python tests/integration/vllm_generate.py MODEL_DIR OUT.json --backends CPU_ATTN,dcp-triton [--kernels triton]
         [--scenarios batch,chunked,prefix] [--speculative-config '{"method": "ngram", ...}'] [--cpu N]
+        [--dtype bfloat16] [--no-prefix-caching]
 
-Per backend, one engine (enforce_eager, float32, prefix caching on, max_num_batched_tokens=64) runs the scenarios
+Per backend, one engine (enforce_eager, float32 unless --dtype, prefix caching on unless --no-prefix-caching,
+max_num_batched_tokens=64) runs the scenarios
 in order (default the first three): ``batch`` (4 prompts of 5..130 tokens, 16 tokens each, prefill and decode
 mixed across steps), ``chunked`` (one 300-token prompt: 5 prefill chunks, each attending to the cached earlier
 chunks), ``prefix`` (two prompts sharing 3 blocks + 5 tokens, the second served from the prefix cache) and
@@ -68,8 +70,8 @@ def run_backend(args, backend: str) -> dict:
     if args.speculative_config:  # the counters need vLLM's stats on
         extra = dict(speculative_config=json.loads(args.speculative_config), disable_log_stats=False)
     llm = LLM(
-        model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", seed=0,
-        max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=MAX_BATCHED_TOKENS, enable_prefix_caching=True,
+        model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype=args.dtype, seed=0,
+        max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=MAX_BATCHED_TOKENS, enable_prefix_caching=not args.no_prefix_caching,
         block_size=args.block_size, kv_cache_memory_bytes=128 << 20, attention_backend=backend, **extra,
     )
     init_s = time.perf_counter() - started
@@ -104,6 +106,9 @@ def main() -> None:
     parser.add_argument("--backends", default="CPU_ATTN,dcp-triton")
     parser.add_argument("--kernels", choices=("triton", "reference"), default="triton")
     parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--dtype", default="float32", help="the model dtype (vLLM's CPU GDN layers take bfloat16 "
+                        "only)")
+    parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--scenarios", default="batch,chunked,prefix", help="comma-separated, in run order; also: "
                         "repeats")
     parser.add_argument("--speculative-config", default=None, help="vLLM's speculative_config as JSON")
