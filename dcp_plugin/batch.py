@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dcp_plugin.checks import check_int, check_tensor
+from dcp_plugin.checks import check_chunk_mask, check_int, check_tensor
 from dcp_plugin.layout import TokenLayout
 
 
@@ -23,7 +23,8 @@ class DcpBatch:
     cached prefix, so DCP attention skips its collectives) and ``max_local_context_len`` bounds
     ``local_context_lens`` (``max_local_seq_len`` bounds ``local_seq_lens``) on every rank of the group.
     ``num_decodes``: how many leading requests have exactly one new token (0 when unknown); a mixed step runs their
-    prefix pass apart, with the decode kernel. Build it with ``DcpBatch.build``.
+    prefix pass apart, with the decode kernel. ``chunk_mask``: which of its own new tokens each new token sees (a
+    speculative verify step's tree), ``None`` for causal. Build it with ``DcpBatch.build``.
     """
 
     tokens: TokenLayout
@@ -43,6 +44,7 @@ class DcpBatch:
     max_local_context_len: int
     max_local_seq_len: int
     num_decodes: int = 0
+    chunk_mask: torch.Tensor | None = None
     # Prepared launches of this step (DcpAttention.forward), shared by the layers with equal settings and shapes.
     plans: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -64,6 +66,7 @@ class DcpBatch:
         max_context_len: int | None = None,
         num_decodes: int | None = None,
         buffers: DcpBatchBuffers | None = None,
+        chunk_mask: torch.Tensor | None = None,
     ) -> DcpBatch:
         """Derive every per-step quantity once.
 
@@ -82,6 +85,10 @@ class DcpBatch:
                 first); computed here when the tensors are read anyway, else 0 (the step then runs as one pass).
             buffers: persistent buffers for the derived tensors (``DcpBatchBuffers``): every batch built with
                 them keeps the same device addresses, so a CUDA graph captured over one step replays on the next.
+            chunk_mask: bool or uint8 ``[>= num_reqs, M, M]`` (``M >= max_query_len``): new token ``i`` of request
+                ``b`` sees new token ``j`` of it where ``chunk_mask[b, i, j]`` is true (a speculative verify step's
+                tree: a draft token sees its ancestors and itself); ``None``: where ``j <= i``. It applies to the
+                current chunk only: every new token sees the request's whole cached context.
 
         Example::
 
@@ -132,6 +139,8 @@ class DcpBatch:
                 raise ValueError(f"num_decodes={num_decodes}, but the batch starts with only "
                                  f"{leading_decodes(query_start_loc.cpu())} single-token requests")
 
+        if chunk_mask is not None:
+            check_chunk_mask(chunk_mask, num_reqs, hints["max_query_len"], device)
         max_local_context_len = tokens.max_local_len(hints["max_context_len"])
         max_local_seq_len = tokens.max_local_len(hints["max_seq_len"])
         pages_needed = -(-max_local_seq_len // tokens.block_size)
@@ -155,6 +164,7 @@ class DcpBatch:
             max_local_context_len=max_local_context_len,
             max_local_seq_len=max_local_seq_len,
             num_decodes=num_decodes or 0,
+            chunk_mask=chunk_mask,
         )
 
 

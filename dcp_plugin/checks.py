@@ -44,6 +44,15 @@ def check_tensor(name: str, t, *, ndim: int, dtypes=FLOAT_DTYPES, device: torch.
         raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
 
 
+def check_chunk_mask(chunk_mask, num_reqs: int, max_query_len: int, device: torch.device | None) -> None:
+    """A current chunk's mask: bool or uint8 ``[>= num_reqs, M, M]`` with ``M >= max_query_len``, on ``device``."""
+    check_tensor("chunk_mask", chunk_mask, ndim=3, dtypes=(torch.bool, torch.uint8), device=device)
+    rows, m, n = chunk_mask.shape
+    if rows < num_reqs or m != n or m < max_query_len:
+        raise ValueError(f"chunk_mask has shape {tuple(chunk_mask.shape)}; it needs [>= {num_reqs} requests, M, M] "
+                         f"with M >= max_query_len={max_query_len}")
+
+
 def check_kv_scales(cache_dtype: torch.dtype, k_scale, v_scale, device: torch.device) -> bool:
     """An fp8 cache needs ``k_scale`` and ``v_scale`` (float32 tensors of one element on ``device``; the cache holds
     value / scale); any other cache takes neither. Returns whether the cache is quantized."""

@@ -89,13 +89,13 @@ class StepInputs:
         return self.kernels.plan_write_kv(self.k, self.v, self.key_cache, self.value_cache, self.batch.slot_mapping)
 
     def prepare_chunk(self, out: torch.Tensor, lse: torch.Tensor) -> Prepared | None:
-        """Step 2 into ``(out, lse)``; none in a decode step."""
+        """Step 2 into ``(out, lse)``, causal or by the batch's ``chunk_mask``; none in a decode step."""
         if self.decode:
             return None
         heads, batch = self.heads, self.batch
         return self.kernels.plan_extend(self.q, self.k, self.v, out, lse, batch.query_start_loc, batch.max_query_len,
                                         scale=self.scale, q_head_start=heads.q_head_start, q_per_kv=heads.q_per_kv,
-                                        kv_head_start=heads.kv_head_start)
+                                        kv_head_start=heads.kv_head_start, chunk_mask=batch.chunk_mask)
 
     def prefix_lens(self) -> tuple[torch.Tensor, int]:
         """The local tokens the prefix pass reads per request, and their rank-invariant bound: in a decode step the

@@ -38,15 +38,18 @@ STEPS = (
     ((1, 4096), (1, 4096), (4, 3)),  # the same with the decodes' contexts in several splits
 )
 LONG_CHUNK = ((SHORT_CHUNK + 1, 0),)  # a chunk past SHORT_CHUNK rows: the current chunk's larger tiles
+TREE_VERIFY = ((3, 1), (3, 5))  # verify rows whose proposals form trees: the current chunk under a chunk_mask
 
 
-def steps_for(attention) -> tuple:
-    """``STEPS``, and ``LONG_CHUNK`` where a step can reach it: the GPU's Triton kernels (the interpreter and the
-    torch references tile every chunk alike) and a workspace that holds it (none: the layer sizes its own)."""
+def steps_for(attention, *, trees: bool = False) -> tuple:
+    """``STEPS``, ``LONG_CHUNK`` where a step can reach it (the GPU's Triton kernels: the interpreter and the torch
+    references tile every chunk alike; and a workspace that holds it, or none: the layer sizes its own), and
+    ``TREE_VERIFY`` when an engine verifies draft trees (``trees``)."""
     workspace = attention.workspace
+    steps = STEPS + ((TREE_VERIFY,) if trees else ())
     if attention.kernels != "triton" or INTERPRET or not (workspace is None or workspace.fits(SHORT_CHUNK + 1)):
-        return STEPS
-    return (*STEPS, LONG_CHUNK)
+        return steps
+    return (*steps, LONG_CHUNK)
 
 
 def warmed_up_line(steps: int, seconds: float, dcp_size: int, dtype, compiles: dict | None = None,
@@ -90,18 +93,18 @@ def counting_compiles():
         compilation.listener = before
 
 
-def timed_warm_up(attention, *, dcp_size: int, **tensors) -> str:
+def timed_warm_up(attention, *, dcp_size: int, trees: bool = False, **tensors) -> str:
     """``warm_up`` timed and its compiles counted: the adapters' log line (``warmed_up_line``)."""
     began, ahead = time.perf_counter(), {}
     with counting_compiles() as compiles:
-        steps = warm_up(attention, report=ahead, **tensors)
+        steps = warm_up(attention, report=ahead, trees=trees, **tensors)
     return warmed_up_line(steps, time.perf_counter() - began, dcp_size, tensors["query"].dtype, compiles, ahead)
 
 
 def warm_up(attention, *, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
             value_cache: torch.Tensor, output: torch.Tensor, k_scale: torch.Tensor | None = None,
-            v_scale: torch.Tensor | None = None, report: dict | None = None) -> int:
-    """Run one dummy step of each kind in ``steps_for(attention)``; returns the number of steps run.
+            v_scale: torch.Tensor | None = None, report: dict | None = None, trees: bool = False) -> int:
+    """Run one dummy step of each kind in ``steps_for(attention, trees=trees)``; returns the number of steps run.
 
     ``query``/``key``/``value``/``output``: tensors shaped and strided like the layer's real ones (any number of
     rows; only their strides, dtype and device are used); ``key_cache``/``value_cache``: the layer's cache views;
@@ -112,7 +115,7 @@ def warm_up(attention, *, query: torch.Tensor, key: torch.Tensor, value: torch.T
     device = query.device
     # Built into persistent buffers, as engines build their batches: on a GPU that runs (and compiles) the kernel
     # that derives the per-request lengths (dcp_plugin.kernels.batch_lengths) too.
-    steps = steps_for(attention)
+    steps = steps_for(attention, trees=trees)
     buffers = DcpBatchBuffers(max(len(requests) for requests in steps), device)
     args = dict(query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache, output=output,
                 k_scale=k_scale, v_scale=v_scale)
@@ -133,7 +136,8 @@ def _run_steps(attention, steps, buffers, *, query, key, value, key_cache, value
         seq_lens = [rows + context for rows, context in requests]
         width = max(1, -(-tokens.max_local_len(max(seq_lens)) // tokens.block_size))
         with launches_run():  # the host reads what the batch's kernel derives
-            batch = _build(requests, seq_lens, num_tokens, width, tokens, buffers, device)
+            batch = _build(requests, seq_lens, num_tokens, width, tokens, buffers, device,
+                           tree=requests is TREE_VERIFY)
         q, k, v, out = (_like(t, num_tokens) for t in (query, key, value, output))
         attention.forward(q, k, v, key_cache, value_cache, batch, out=out, write_kv=True, k_scale=k_scale,
                           v_scale=v_scale)
@@ -141,7 +145,9 @@ def _run_steps(attention, steps, buffers, *, query, key, value, key_cache, value
     return run
 
 
-def _build(requests, seq_lens, num_tokens, width, tokens, buffers, device) -> DcpBatch:
+def _build(requests, seq_lens, num_tokens, width, tokens, buffers, device, *, tree: bool) -> DcpBatch:
+    rows = max(r for r, _ in requests)
+    mask = torch.ones(len(requests), rows, rows, dtype=torch.bool, device=device).tril() if tree else None
     return DcpBatch.build(
         query_start_loc=torch.tensor([0, *_cumsum(rows for rows, _ in requests)], dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
@@ -149,6 +155,7 @@ def _build(requests, seq_lens, num_tokens, width, tokens, buffers, device) -> Dc
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
         tokens=tokens,
         buffers=buffers,
+        chunk_mask=mask,
     )
 
 

@@ -211,14 +211,17 @@ class Launch:
 
     ``pdl``: launched as a programmatic dependent launch (``_pdl``); the kernel must then take a ``PDL`` above 0 and
     call ``wait_for_previous_grid`` before its first load.
+
+    ``bound``: tensors fixed when the launch is prepared, passed after the call's tensors (a step's own inputs that
+    its callers do not carry, as the current chunk's tree mask).
     """
 
     __slots__ = ("kernel", "grid", "scalars", "constexprs", "options", "scratch", "_stand_ins", "_compiled",
-                 "_aligned", "_all_aligned", "_tail", "_device")
+                 "_aligned", "_all_aligned", "_tail", "_device", "_bound")
 
     def __init__(self, kernel, grid: tuple, scalars: tuple, constexprs: dict, *, num_warps: int,
                  num_stages: int = 1, scratch: bool = False, stand_ins: dict[int, int] | None = None,
-                 maxnreg: int | None = None, pdl: int = 0) -> None:
+                 maxnreg: int | None = None, pdl: int = 0, bound: tuple = ()) -> None:
         self.kernel, self.grid, self.scalars, self.constexprs = kernel, tuple(grid) + (1,) * (3 - len(grid)), \
             scalars, constexprs
         self.options = {"num_warps": num_warps, "num_stages": num_stages} | ({"maxnreg": maxnreg} if maxnreg else {}) \
@@ -231,10 +234,13 @@ class Launch:
         self._all_aligned = False  # the kept kernel was compiled with every tensor 16-byte aligned (the rule)
         self._tail = scalars + tuple(constexprs.values())  # the compiled launcher takes every parameter, in order
         self._device = None
+        self._bound = tuple(bound)
         self.scratch = scratch  # the kernel builds tensor descriptors on the device: it needs Triton's allocator
 
     def kernel_tensors(self, tensors: tuple) -> tuple | list:
-        """The tensor arguments the kernel receives for a call's ``tensors``: its stand-ins in place."""
+        """The tensor arguments the kernel receives for a call's ``tensors``: its bound tensors after them, its
+        stand-ins in place."""
+        tensors = (*tensors, *self._bound)
         if not self._stand_ins:
             return tensors
         tensors = list(tensors)
@@ -243,6 +249,8 @@ class Launch:
         return tensors
 
     def __call__(self, *tensors) -> None:
+        if self._bound:
+            tensors = (*tensors, *self._bound)
         if self._stand_ins:  # kernel_tensors, inline: this is the per-layer path
             tensors = list(tensors)
             for unread, stand_in in self._stand_ins:

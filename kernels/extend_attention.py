@@ -4,8 +4,10 @@ Flash-attention forward, one program per (query block, local Q head); query bloc
 varlen batch (``_schedule``), so a step of many one-token rows and one long chunk launches about one program per
 row plus the chunk's blocks. Key blocks strictly below the
 query block's first row need no mask (the off-diagonal part); the keys inside the query block's own rows form the
-diagonal part, masked causally. Softmax runs in base 2 with ``scale * log2(e)`` folded into one multiplier; the
-LSE is converted to natural log once, at the end. On sm_90 with Triton 3.6 (unless ``DCP_TRITON_GLUON=0``),
+diagonal part, masked causally. A step may instead bring a mask of its own (``chunk_mask``: a speculative verify
+step's tree, where a draft token sees its ancestors only): every key block of the sequence is then read and masked
+by it. Softmax runs in base 2 with ``scale * log2(e)`` folded into one multiplier; the LSE is converted
+to natural log once, at the end. On sm_90 with Triton 3.6 (unless ``DCP_TRITON_GLUON=0``),
 ``plan_extend`` runs the persistent Gluon kernel (``gluon_chunk``) where ``_gluon.chunk_takes_gluon`` allows.
 """
 
@@ -18,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dcp_plugin.checks import check_chunk_mask
 from dcp_plugin.kernels._launch import (
     INDEX_DTYPES, LOG2E, Launch, check_head_map, check_int, check_out, check_shape, check_tensor,
     descriptor_ready, next_pow2, tma_available,
@@ -61,11 +64,13 @@ INTERPRET_CONFIG = ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=
 
 @triton.jit
 def _attend_key_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, n_start, seq_len, offs_m, offs_n, offs_d,
-                      qk_scale, stride_kt, stride_kd, stride_vt, stride_vd,
+                      qk_scale, stride_kt, stride_kd, stride_vt, stride_vd, mask_base, stride_mi, stride_mj,
                       HEAD_DIM: tl.constexpr, IS_DIAGONAL: tl.constexpr, MASK_KV: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, USE_MASK: tl.constexpr):
     """One online-softmax step over keys ``n_start + offs_n``; scores in base-2 units. ``USE_TMA``: the tiles come
-    through the sequence's tensor descriptors, which read rows past its end as zeros, as the masked loads do."""
+    through the sequence's tensor descriptors, which read rows past its end as zeros, as the masked loads do.
+    ``USE_MASK``: the step's own mask (``mask_base``: the sequence's ``[rows, keys]``) decides which keys a row sees;
+    a row may then see none in a block, so the running maximum stays -inf safely (0 stands in for it)."""
     offs_kn = n_start + offs_n  # int32: positions inside one sequence
     if USE_TMA:
         k = k_desc.load([tl.cast(n_start, tl.int32), 0])  # [BLOCK_N, BLOCK_D]; descriptor offsets are 32-bit
@@ -81,6 +86,17 @@ def _attend_key_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, n_start,
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
+    if USE_MASK:
+        seen = tl.load(mask_base + offs_m[:, None] * stride_mi + offs_kn[None, :] * stride_mj,
+                       mask=(offs_m < seq_len)[:, None] & (offs_kn < seq_len)[None, :], other=0)
+        qk = tl.where(seen != 0, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: exp2(-inf) = 0
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk * qk_scale - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        return acc, l_i, m_new
     if IS_DIAGONAL:
         # Rows past the sequence end see masked (zero) keys too; they are never stored.
         qk = tl.where(offs_m[:, None] >= offs_kn[None, :], qk, float("-inf"))
@@ -97,18 +113,20 @@ def _attend_key_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, n_start,
 # Per-step sizes are not specialized on: one compiled variant serves every step.
 @triton.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs"))
 def extend_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_ptr, mask_ptr,
     num_tokens, num_reqs, num_q_programs, qk_scale, q_head_start, q_per_kv, kv_head_start,
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     stride_lt, stride_lh,
+    stride_mb, stride_mi, stride_mj,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, USE_MASK: tl.constexpr,
 ):
     """Grid (num_q_programs + 1, local Q heads); the last program of each head writes (0, -inf) to the padding rows
-    past query_start_loc[num_reqs], however many (a CUDA graph's padding: a few rows, as a rule)."""
+    past query_start_loc[num_reqs], however many (a CUDA graph's padding: a few rows, as a rule). ``USE_MASK``: row
+    ``i`` of sequence ``b`` sees its key ``j`` where ``mask[b, i, j]`` is nonzero (uint8), instead of ``j <= i``."""
     LN2: tl.constexpr = 0.6931471805599453
     # Reversed: the tail (cheap) and each sequence's last query blocks (the most keys) start first.
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -158,25 +176,42 @@ def extend_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Keys [0, m_start) all lie below every row of this block and inside the sequence: no mask.
-    for n_start in range(0, m_start, BLOCK_N):
-        acc, l_i, m_i = _attend_key_block(
-            acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, n_start, seq_len, offs_m, offs_n, offs_d, qk_scale,
-            stride_kt, stride_kd, stride_vt, stride_vd,
-            HEAD_DIM=HEAD_DIM, IS_DIAGONAL=False, MASK_KV=BLOCK_D != HEAD_DIM, DOT_PRECISION=DOT_PRECISION,
-            USE_TMA=USE_TMA,
-        )
-    for n_start in range(m_start, tl.minimum(m_start + BLOCK_M, seq_len), BLOCK_N):
-        acc, l_i, m_i = _attend_key_block(
-            acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, n_start, seq_len, offs_m, offs_n, offs_d, qk_scale,
-            stride_kt, stride_kd, stride_vt, stride_vd,
-            HEAD_DIM=HEAD_DIM, IS_DIAGONAL=True, MASK_KV=True, DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA,
-        )
+    mask_base = mask_ptr + seq.to(tl.int64) * stride_mb
+    if USE_MASK:  # the step's mask decides, over all the sequence's keys (a verify step's few)
+        for n_start in range(0, seq_len, BLOCK_N):
+            acc, l_i, m_i = _attend_key_block(
+                acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, n_start, seq_len, offs_m, offs_n, offs_d,
+                qk_scale, stride_kt, stride_kd, stride_vt, stride_vd, mask_base, stride_mi, stride_mj,
+                HEAD_DIM=HEAD_DIM, IS_DIAGONAL=False, MASK_KV=True, DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA,
+                USE_MASK=True,
+            )
+    else:
+        # Keys [0, m_start) all lie below every row of this block and inside the sequence: no mask.
+        for n_start in range(0, m_start, BLOCK_N):
+            acc, l_i, m_i = _attend_key_block(
+                acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, n_start, seq_len, offs_m, offs_n, offs_d,
+                qk_scale, stride_kt, stride_kd, stride_vt, stride_vd, mask_base, stride_mi, stride_mj,
+                HEAD_DIM=HEAD_DIM, IS_DIAGONAL=False, MASK_KV=BLOCK_D != HEAD_DIM, DOT_PRECISION=DOT_PRECISION,
+                USE_TMA=USE_TMA, USE_MASK=False,
+            )
+        for n_start in range(m_start, tl.minimum(m_start + BLOCK_M, seq_len), BLOCK_N):
+            acc, l_i, m_i = _attend_key_block(
+                acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, n_start, seq_len, offs_m, offs_n, offs_d,
+                qk_scale, stride_kt, stride_kd, stride_vt, stride_vd, mask_base, stride_mi, stride_mj,
+                HEAD_DIM=HEAD_DIM, IS_DIAGONAL=True, MASK_KV=True, DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA,
+                USE_MASK=False,
+            )
 
-    out = acc / l_i[:, None]
+    if USE_MASK:  # a row whose mask shows it no key: (0, -inf), the empty set's convention
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    else:
+        out = acc / l_i[:, None]
+        lse = (m_i + tl.log2(l_i)) * LN2
     tl.store(out_head + q_rows[:, None] * stride_ot + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & d_mask[None, :])
-    tl.store(lse_head + q_rows * stride_lt, (m_i + tl.log2(l_i)) * LN2, mask=m_mask)
+    tl.store(lse_head + q_rows * stride_lt, lse, mask=m_mask)
 
 
 def _pick_config(head_dim: int, dtype: torch.dtype, config: ExtendConfig | None,
@@ -197,7 +232,7 @@ def _pick_config(head_dim: int, dtype: torch.dtype, config: ExtendConfig | None,
 
 
 def extend_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
-                     out=None, lse=None, config: ExtendConfig | None = None):
+                     out=None, lse=None, chunk_mask=None, config: ExtendConfig | None = None):
     """Causal attention of each sequence's queries to that sequence's own new keys (the DCP current chunk).
 
     ``q``: ``[T, Hq, D]`` (this rank's local Q heads), ``k``/``v``: ``[T, Hk, D]`` (the stored KV heads), all one
@@ -207,8 +242,10 @@ def extend_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_s
     grid covers any mix of lengths). Local Q head ``i`` reads KV head ``(q_head_start + i) // q_per_kv -
     kv_head_start``. D in 64/80/96/128/256.
     Returns ``(out [T, Hq, D], lse [T, Hq] float32, natural log)``; ``out`` (any float dtype, defaults to q's) and
-    ``lse`` are written in place when given. Rows past ``query_start_loc[B]`` get (0, -inf). ``config`` overrides the
-    tile table (benchmarks only).
+    ``lse`` are written in place when given. Rows past ``query_start_loc[B]`` get (0, -inf). ``chunk_mask``
+    (bool or uint8 ``[>= B, M, M]`` with ``M >= max_query_len``, on q's device): query row ``i`` of sequence ``b``
+    sees key row ``j`` where ``chunk_mask[b, i, j]`` is true, instead of ``j <= i`` (a speculative tree); a row
+    that sees no key gets (0, -inf). ``config`` overrides the tile table (benchmarks only).
 
     Example (rank with local Q heads 8..15 of a 32 Q / 2 KV model, k holding KV heads 0..1):
     ``o, l = extend_attention(q, k, v, cu, 4096, scale=128**-0.5, q_head_start=8, q_per_kv=16, kv_head_start=0)``
@@ -230,6 +267,8 @@ def extend_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_s
         raise ValueError(f"scale must be a positive float, got {scale!r}")
     check_head_map(num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv,
                    kv_head_start=kv_head_start, num_kv_heads=k.shape[1], kv_name="k")
+    if chunk_mask is not None:
+        check_chunk_mask(chunk_mask, query_start_loc.shape[0] - 1, max_query_len, device)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
     else:
@@ -240,18 +279,18 @@ def extend_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_s
         check_out("lse", lse, (num_tokens, num_q_heads), device, dtypes=(torch.float32,))
     cfg = _pick_config(head_dim, q.dtype, config, max_query_len)  # a given config is checked here
     plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, scale=scale, q_head_start=q_head_start,
-                q_per_kv=q_per_kv, kv_head_start=kv_head_start, config=None if config is None else cfg)(
-        q, k, v, out, lse, query_start_loc)
+                q_per_kv=q_per_kv, kv_head_start=kv_head_start, chunk_mask=chunk_mask,
+                config=None if config is None else cfg)(q, k, v, out, lse, query_start_loc)
     return out, lse
 
 
 def plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
-                config: ExtendConfig | None = None) -> Launch:
+                chunk_mask=None, config: ExtendConfig | None = None) -> Launch:
     """``extend_attention`` prepared for tensors shaped like these (no checks): call it with ``(q, k, v, out, lse,
     query_start_loc)``. ``max_query_len`` picks the tiles (``SHORT_CHUNK``); the grid covers any mix of sequence
-    lengths."""
+    lengths. ``chunk_mask`` is bound to the launch (the step's own tensor, read at every call)."""
     num_tokens, num_q_heads, head_dim = q.shape
-    if config is None and chunk_takes_gluon(q, k, v, out):  # sm_90, Triton 3.6, unless DCP_TRITON_GLUON=0
+    if config is None and chunk_mask is None and chunk_takes_gluon(q, k, v, out):  # sm_90, Triton 3.6 (DCP_TRITON_GLUON)
         from dcp_plugin.kernels.gluon_chunk import plan_gluon_chunk
 
         return plan_gluon_chunk(q, k, v, out, lse, query_start_loc, scale=scale, q_head_start=q_head_start,
@@ -260,14 +299,17 @@ def plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_h
     num_reqs = query_start_loc.shape[0] - 1
     num_q_programs = flat_programs(num_tokens, num_reqs, cfg.block_m)
     grid = (num_q_programs + 1, num_q_heads) if num_tokens and num_q_heads else (0,)  # + 1: the padding rows
+    # Without a mask the kernel never reads mask_ptr: query_start_loc stands in (a fixed pointer type, one variant).
+    mask = query_start_loc if chunk_mask is None else chunk_mask.view(torch.uint8)
+    mask_strides = (0, 0, 0) if chunk_mask is None else mask.stride()
     scalars = (num_tokens, num_reqs, num_q_programs, float(scale) * LOG2E, q_head_start, q_per_kv, kv_head_start,
-               *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride())
+               *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *mask_strides)
     # fp32 inputs: exact fp32 products (TF32 would cost ~1e-3 relative error).
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                      USE_TMA=cfg.tma and _tma_ok(q, k, v, head_dim))
+                      USE_TMA=cfg.tma and _tma_ok(q, k, v, head_dim), USE_MASK=chunk_mask is not None)
     return Launch(extend_attention_kernel, grid, scalars, constexprs, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages, scratch=constexprs["USE_TMA"])
+                  num_stages=cfg.num_stages, scratch=constexprs["USE_TMA"], bound=(mask,))
 
 
 def _tma_ok(q, k, v, head_dim: int) -> bool:

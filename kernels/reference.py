@@ -87,11 +87,12 @@ def _from_cache(values: torch.Tensor, acc: torch.dtype, scale) -> torch.Tensor:
 
 
 def extend_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
-                     out=None, lse=None):
+                     out=None, lse=None, chunk_mask=None):
     """Causal attention of each sequence's queries to that sequence's own new keys.
 
     ``q [T, Hq, D]``, ``k/v [T, Hk, D]``, ``query_start_loc [B + 1]``: sequence
-    ``b`` is rows ``query_start_loc[b]:query_start_loc[b + 1]``; query row ``i`` of it sees key rows ``0..i`` of it.
+    ``b`` is rows ``query_start_loc[b]:query_start_loc[b + 1]``; query row ``i`` of it sees key rows ``0..i`` of it,
+    or, given ``chunk_mask`` (``[>= B, M, M]``), the key rows ``j`` where ``chunk_mask[b, i, j]`` is true.
     Returns ``(out [T, Hq, D], lse [T, Hq])``.
     """
     acc = _acc_dtype(q)
@@ -99,11 +100,14 @@ def extend_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_s
     out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse_acc = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
     bounds = query_start_loc.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for b, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         if end == start:
             continue
         n = end - start
-        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        if chunk_mask is None:
+            mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        else:
+            mask = chunk_mask[b, :n, :n].bool()
         o, l = _attend(q[start:end].to(acc), k[start:end, kv].to(acc), v[start:end, kv].to(acc), scale, mask)
         out_acc[start:end], lse_acc[start:end] = o, l
     return _finish(out_acc, lse_acc, q, out, lse)
@@ -228,10 +232,10 @@ def _write_launch(k, v, key_cache, value_cache, slot_mapping, k_scale=None, v_sc
 
 
 def plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
-                config=None):
+                chunk_mask=None, config=None):
     def launch(q, k, v, out, lse, query_start_loc):
         extend_attention(q, k, v, query_start_loc, max_query_len, scale=scale, q_head_start=q_head_start,
-                         q_per_kv=q_per_kv, kv_head_start=kv_head_start, out=out, lse=lse)
+                         q_per_kv=q_per_kv, kv_head_start=kv_head_start, out=out, lse=lse, chunk_mask=chunk_mask)
     return launch
 
 

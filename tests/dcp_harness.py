@@ -73,6 +73,19 @@ def causal_attention_f64(world: World, request: int, positions: torch.Tensor, q_
                                               scale=world.scale, q_per_kv=world.q_per_kv, q_head_start=q_heads.start)
 
 
+def tree_attention_f64(world: World, request: int, positions: torch.Tensor, tree: torch.Tensor,
+                       q_heads: range) -> torch.Tensor:
+    """Single-rank attention of a verify step's new tokens at ``positions`` (consecutive, after the request's
+    cached context) whose ``tree`` ``[T, T]`` says which of them each sees: every cached token and those."""
+    context = int(positions[0])
+    visible = torch.zeros(len(positions), context + len(positions), dtype=torch.bool)
+    visible[:, :context] = True
+    visible[:, context:] = tree
+    q = world.queries[request][positions][:, q_heads.start:q_heads.stop]
+    return kernel_checks.attention_f64(q, world.keys[request], world.values[request], visible, scale=world.scale,
+                                       q_per_kv=world.q_per_kv, q_head_start=q_heads.start)
+
+
 @dataclass
 class RankState:
     """One rank's sharded paged cache (shuffled pages, poisoned with NaN where nothing was written)."""
@@ -121,8 +134,9 @@ class RankState:
         self.key_cache[page, row] = self.world.keys[request][positions][:, self._kv_slice()].to(dtype)
         self.value_cache[page, row] = self.world.values[request][positions][:, self._kv_slice()].to(dtype)
 
-    def step(self, new_tokens: list[int]):
-        """Inputs of one step adding ``new_tokens[b]`` tokens to request ``b``: (q, k, v, batch, positions)."""
+    def step(self, new_tokens: list[int], chunk_mask: torch.Tensor | None = None):
+        """Inputs of one step adding ``new_tokens[b]`` tokens to request ``b``: (q, k, v, batch, positions).
+        ``chunk_mask``: the batch's (``DcpBatch.build``)."""
         dtype = getattr(torch, self.case.dtype)
         heads, kv = self.heads, self._kv_slice()
         q_heads = slice(heads.q_head_start, heads.q_head_start + heads.num_q_heads)
@@ -145,6 +159,7 @@ class RankState:
             block_table=self.block_table,
             slot_mapping=torch.cat(slots),
             tokens=self.tokens,
+            chunk_mask=None if chunk_mask is None else chunk_mask.to(device),
         )
         return q, k, v, batch, positions
 

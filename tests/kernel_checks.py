@@ -45,13 +45,20 @@ def causal_attention_f64(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     q_head_start + H - 1``; ``keys``/``values``: ``[L, KV, D]``, the whole sequence (every KV head). Query ``t``
     sees keys ``0 .. positions[t]``; global Q head ``g`` reads KV head ``g // q_per_kv``. Returns ``[T, H, D]``.
     """
-    device = q.device
     last = int(positions.max()) + 1
-    kv = torch.arange(q_head_start, q_head_start + q.shape[1], device=device) // q_per_kv
+    visible = torch.arange(last, device=q.device)[None, :] <= positions.to(q.device)[:, None]  # [T, L]
+    return attention_f64(q, keys, values, visible, scale=scale, q_per_kv=q_per_kv, q_head_start=q_head_start)
+
+
+def attention_f64(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, *, scale: float,
+                  q_per_kv: int, q_head_start: int = 0) -> torch.Tensor:
+    """Float64 attention of queries ``q`` ``[T, H, D]`` to the keys ``visible`` ``[T, L]`` shows each of them, among
+    the sequence's first ``L`` (``keys``/``values`` ``[>= L, KV, D]``); heads as in ``causal_attention_f64``."""
+    last = visible.shape[1]
+    kv = torch.arange(q_head_start, q_head_start + q.shape[1], device=q.device) // q_per_kv
     k, v = keys[:last][:, kv].double(), values[:last][:, kv].double()  # [L, H, D]
     scores = torch.einsum("thd,lhd->htl", q.double(), k) * scale
-    visible = torch.arange(last, device=device)[None, :] <= positions.to(device)[:, None]  # [T, L]
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    probs = torch.softmax(scores.masked_fill(~visible.to(q.device), float("-inf")), dim=-1)
     return torch.einsum("htl,lhd->thd", probs, v)
 
 

@@ -6,6 +6,11 @@ cached prefix; 0..k of the proposals are then accepted, so the next step's conte
 rejected positions' K/V are already in the cache: the next step writes its tokens over them. Here a rejected
 position gets new random q/k/v (another token), so a step that read a stale cache entry fails the check.
 
+With ``trees`` a request's proposals form a tree instead of a chain (EAGLE with several candidates per step, n-gram
+speculation): a proposal sees its ancestors only, which the step's ``chunk_mask`` says, and the accepted ones are
+those of one branch. The tree's first branch is the leading proposals in order (the rest hang anywhere), so what is
+accepted already lies in the leading positions, as an engine's move of the accepted tokens leaves it.
+
 A case runs a first step (cached contexts with decodes, verify rows, fresh prompts and prefill chunks), then
 several steps with random proposal and acceptance counts, drawn identically on every rank. Rows are ordered as vLLM
 orders them: decodes and verify rows first (single-token rows before or after verify rows), prefill chunks last, so
@@ -21,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from dcp_plugin import DcpAttention
-from tests.dcp_harness import Case, RankState, World, causal_attention_f64, serial
+from tests.dcp_harness import Case, RankState, World, causal_attention_f64, serial, tree_attention_f64
 from tests.kernel_checks import assert_matches
 
 
@@ -38,6 +43,7 @@ class VerifyCase(Case):
     chunk: int = 7
     quiet_steps: tuple[int, ...] = ()
     expect: tuple[str, ...] = ("verify", "rejected")
+    trees: bool = False
 
 
 # (kind, cached context, first-step tokens) per request, in batch order; expected step kinds
@@ -102,6 +108,34 @@ def next_step(case: VerifyCase, step: int, rng: random.Random) -> list[int]:
     return tokens
 
 
+def draft_tree(size: int, branch: int, rng: random.Random) -> torch.Tensor:
+    """``[size, size]`` bool: which of a verify step's ``size`` tokens each sees (its ancestors and itself) in a
+    random tree whose nodes ``0..branch - 1`` form its first branch, every other node's parent an earlier node."""
+    seen = torch.zeros(size, size, dtype=torch.bool)
+    for node in range(size):
+        seen[node, node] = True
+        if node:
+            parent = node - 1 if node < branch else rng.randrange(node)
+            seen[node] |= seen[parent]
+    return seen
+
+
+def step_masks(case: VerifyCase, new_tokens: list[int], kept: list[int], rng: random.Random):
+    """A step's ``chunk_mask`` (``[requests, M, M]``) and each request's tree (``None``: causal), for ``trees``
+    cases; ``(None, [None] * requests)`` otherwise. ``kept[b]``: request ``b``'s accepted tokens (its first branch)."""
+    if not case.trees:
+        return None, [None] * len(new_tokens)
+    size = max(new_tokens)
+    mask = torch.ones(len(new_tokens), size, size, dtype=torch.bool).tril()
+    trees = []
+    for b, (kind, t) in enumerate(zip(case.kinds, new_tokens)):
+        tree = draft_tree(t, kept[b], rng) if kind == "spec" and t > 1 else None
+        if tree is not None:
+            mask[b, :t, :t] = tree
+        trees.append(tree)
+    return mask, trees
+
+
 def run_verify_case(case: VerifyCase, n: int, rank: int, group, gather_heads) -> int:
     """Every step of ``case`` on this rank, each checked against float64 attention over the accepted tokens."""
     world = World(case)
@@ -115,16 +149,22 @@ def run_verify_case(case: VerifyCase, n: int, rank: int, group, gather_heads) ->
     for step in range(case.steps + 1):
         if step:
             new_tokens = next_step(case, step, rng)
-        q, k, v, batch, positions = state.step(new_tokens)
-        seen |= step_kinds(case, batch, new_tokens)
+        # The accepted proposals and the first token of each request (drawn before the step: a tree's first branch)
+        accepted = [1 + rng.randint(0, t - 1) if kind == "spec" and t > 1 else t
+                    for kind, t in zip(case.kinds, new_tokens)]
+        chunk_mask, trees = step_masks(case, new_tokens, accepted, rng)
+        q, k, v, batch, positions = state.step(new_tokens, chunk_mask)
+        seen |= step_kinds(case, batch, new_tokens) | ({"tree"} if any(t is not None for t in trees) else set())
         out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
         attn.forward(q, k, v, state.key_cache, state.value_cache, batch, out=out)
-        want = torch.cat([causal_attention_f64(world, b, p, group_heads) for b, p in enumerate(positions)])
+        want = torch.cat([causal_attention_f64(world, b, p, group_heads) if tree is None
+                          else tree_attention_f64(world, b, p, tree, group_heads)
+                          for b, (p, tree) in enumerate(zip(positions, trees))])
         assert_matches(gather_heads(out), want, q.dtype, f"{case.name} (N={n}) step {step} tokens {new_tokens}")
         for b, kind in enumerate(case.kinds):
             if kind != "spec" or new_tokens[b] == 1:
                 continue
-            kept = 1 + rng.randint(0, new_tokens[b] - 1)  # the accepted proposals and the first token
+            kept = accepted[b]
             if kept < new_tokens[b]:
                 state.lens[b] -= new_tokens[b] - kept
                 redraw(world, case, b, range(state.lens[b], state.lens[b] + new_tokens[b] - kept),

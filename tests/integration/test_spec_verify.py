@@ -1,6 +1,7 @@
 """Speculative-decoding verify steps under DCP equal float64 causal attention, on DCP = 1, 2, 4 gloo processes
 (the cases and their runner: tests/verify_steps.py). Both head layouts, both comm modes, interleave 1 and 16 (block
-size 16), reference kernels; a few small cases run the Triton kernels (interpreter).
+size 16), reference kernels; draft trees (the batch's chunk_mask); a few small cases run the Triton kernels
+(interpreter).
 """
 
 from __future__ import annotations
@@ -22,11 +23,18 @@ def cases(n: int) -> list[VerifyCase]:
                 for mix in MIXES:
                     made.append(verify_case(f"{layout}-{comm}-I{interleave}-{mix}", mix, seed=len(made) + 100 * n,
                                             comm=comm, interleave=interleave, **heads))
+    # Draft trees (a proposal sees its ancestors: the batch's chunk_mask), each layout with one comm mode.
+    for layout, heads in head_layouts(n).items():
+        comm = "a2a" if layout == "replicated" else "ag_rs"
+        made.append(verify_case(f"trees-{layout}-{comm}", "verify-first", seed=len(made) + 100 * n, comm=comm,
+                                trees=True, expect=("verify", "rejected", "tree"), **heads))
     # One small case on the Triton kernels under the interpreter (fp32/fp16: it computes bf16 products wrongly).
     mix, layout, steps = ("verify-only", "tp", 3) if n == 1 else ("decodes-first", "replicated", 2)
     made.append(verify_case(f"triton-{layout}-{mix}", mix, seed=7 * n, kernels="triton", head_dim=32, steps=steps,
                             comm="a2a" if n == 2 else "ag_rs", interleave=16 if n == 2 else 1,
                             dtype="float16" if n == 2 else "float32", **head_layouts(n)[layout]))
+    made.append(verify_case("triton-trees-replicated", "verify-only", seed=11 * n, kernels="triton", head_dim=32,
+                            steps=2, trees=True, expect=("verify", "tree"), **head_layouts(n)["replicated"]))
     return made
 
 

@@ -184,3 +184,58 @@ def test_tensor_descriptors_only_where_the_tensors_allow_them():
     assert not _use_tma(torch.randn(9, 64, 1).transpose(1, 2), TMA), "stride along D is not 1"
     assert not _use_tma(torch.randn(9 * 64 + 1)[1:].view(9, 1, 64), TMA), "base not 16-byte aligned"
     assert not _use_tma(torch.randn(9, 1, 80), TMA), "head dim not a power of two"
+
+
+def tree_masks(num_reqs: int, size: int, *, generator: torch.Generator) -> torch.Tensor:
+    """``[num_reqs, size, size]`` bool: per request a random tree over ``size`` nodes, node 0 its root and each other
+    node's parent an earlier node (a speculative verify step's draft tree); node ``i`` sees its ancestors and itself."""
+    masks = torch.zeros(num_reqs, size, size, dtype=torch.bool)
+    for b in range(num_reqs):
+        for i in range(size):
+            masks[b, i, i] = True
+            if i:
+                parent = int(torch.randint(0, i, (1,), generator=generator))
+                masks[b, i] |= masks[b, parent]
+    return masks
+
+
+def _check_masked(lengths, mask, *, num_q_heads=4, num_kv_heads=2, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    t, d = sum(lengths), 64
+    q, k, v = (torch.randn(t, h, d, generator=gen).to(dtype) for h in (num_q_heads, num_kv_heads, num_kv_heads))
+    cu = _cu(lengths)
+    heads = dict(q_head_start=0, q_per_kv=num_q_heads // num_kv_heads, kv_head_start=0)
+    out, lse = poisoned(q.shape, dtype), poisoned(q.shape[:2], torch.float32)
+    extend_attention(q, k, v, cu, max(lengths), scale=d**-0.5, out=out, lse=lse, chunk_mask=mask, **heads)
+    want_out, want_lse = reference.extend_attention(q.double(), k.double(), v.double(), cu, max(lengths),
+                                                    scale=d**-0.5, chunk_mask=mask, **heads)
+    assert_matches(out, want_out, dtype, "out")
+    assert_matches(lse, want_lse, dtype, "lse")
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("lengths", [[5, 5, 5], [3, 8, 1], [40]], ids=["uniform5", "ragged", "three_key_blocks"])
+def test_tree_masks(lengths, dtype):
+    """A verify step's draft trees (a token sees its ancestors): the mask, wider than any request, replaces the causal
+    one; 40 rows span three of the interpreter's 16-key blocks."""
+    size = max(lengths) + 2
+    mask = tree_masks(len(lengths), size, generator=torch.Generator().manual_seed(len(lengths)))
+    causal = torch.ones(size, size, dtype=torch.bool).tril()
+    assert all(not torch.equal(m[:n, :n], causal[:n, :n]) for m, n in zip(mask, lengths) if n > 2)  # real trees
+    _check_masked(lengths, mask, dtype=dtype)
+
+
+def test_a_mask_decides_alone_rows_that_see_nothing_get_zero_and_minus_inf():
+    """A mask may show a row keys after it (it is not intersected with causality), keys only in a later block than
+    its first, or no key at all: (0, -inf), the empty set's convention, with no NaN."""
+    lengths = [40, 3]
+    mask = torch.zeros(2, 40, 40, dtype=torch.bool)
+    mask[0, 35, [20, 39]] = True  # nothing in keys 0-15: the first block is empty for this row
+    mask[0, 2, 30] = True  # a key after the row
+    mask[0, 10] = True  # every key
+    mask[1, 1, :3] = True  # request 1: rows 0 and 2 see nothing
+    out, lse = _check_masked(lengths, mask)
+    for row in (0, 1, 3, 40, 42):
+        assert torch.equal(out[row], torch.zeros_like(out[row])) and torch.isneginf(lse[row]).all()
+    assert torch.isfinite(lse[35]).all() and torch.isfinite(lse[2]).all()

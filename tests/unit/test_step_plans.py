@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dcp_plugin import DcpAttention, DcpBatch, DcpBatchBuffers, DcpWorkspace
+from dcp_plugin.kernels import reference
 from dcp_plugin.step_plan import A2aPlan, AgRsPlan, ChunkOnlyPlan, SingleRankPlan
 from dcp_plugin.warmup import STEPS, warm_up
 from dcp_plugin.workspace import packed_width, unpack
@@ -144,8 +145,15 @@ def test_packed_rows_are_16_element_multiples_and_unpack_round_trips(dtype):
         assert torch.equal(again_out, values) and torch.equal(again_lse, lses)  # LSE bits never touch O
 
 
-def test_warm_up_runs_every_step_kind_and_leaves_the_cache_alone():
+@pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])
+def test_warm_up_runs_every_step_kind_and_leaves_the_cache_alone(trees, monkeypatch):
+    """Every step kind (with ``trees``, a verify step under a chunk_mask too: its own current-chunk variant), on
+    two ranks, and no slot of the cache written."""
     case = Case(name="warm", q_heads=4, kv_heads=2, head_dim=16, requests=((3, 1),), seed=9)
+    masks = []
+    real = reference.plan_extend
+    monkeypatch.setattr(reference, "plan_extend", lambda *a, chunk_mask=None, **k: masks.append(chunk_mask) or
+                        real(*a, chunk_mask=chunk_mask, **k))
 
     def rank_fn(rank, exchange):
         state = RankState.create(case, World(case), 2, rank)
@@ -155,12 +163,13 @@ def test_warm_up_runs_every_step_kind_and_leaves_the_cache_alone():
         q = torch.zeros(5, 2, 16)
         kv = torch.zeros(5, 2, 16)
         steps = warm_up(attn, query=q, key=kv, value=kv, key_cache=state.key_cache, value_cache=state.value_cache,
-                        output=torch.zeros(5, 2, 16))
+                        output=torch.zeros(5, 2, 16), trees=trees)
         for cache, saved in zip((state.key_cache, state.value_cache), before):
             assert torch.equal(cache.nan_to_num(7.0), saved.nan_to_num(7.0)), "warm-up wrote the KV cache"
         return steps
 
-    assert run_threads(2, rank_fn) == [len(STEPS)] * 2
+    assert run_threads(2, rank_fn) == [len(STEPS) + trees] * 2
+    assert sum(mask is not None for mask in masks) == 2 * trees  # the tree step's chunk, once per rank
 
 
 def test_warm_up_covers_every_kind():
