@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The SGLang adapter's tests (tests/unit/test_sglang_adapter_matrix.py, tests/integration/test_sglang_dcp.py; and
-# tests/unit/test_sglang_one_h200_script.py, whose engine settings are checked against SGLang's ServerArgs there)
+# The SGLang adapter's tests (tests/unit/test_sglang_adapter_matrix.py, tests/unit/test_sglang_speculative.py,
+# tests/integration/test_sglang_dcp.py; and tests/unit/test_sglang_one_h200_script.py, whose engine settings are
+# checked against SGLang's ServerArgs there)
 # against SGLang's Python package, on a machine without GPU. Each version gets its own venv holding that SGLang
 # installed without its dependencies (they pin CUDA torch, sglang-kernel, FlashInfer...), the few light packages
 # its imports need that .venv lacks, and a torchvision stand-in (tests/sglang_env/torchvision_stub.py: PyPI's
@@ -44,7 +45,7 @@ for version in "$@"; do
     fi
     echo "== sglang $version"
     DCP_TRITON_EXPECT_SGLANG="sglang==$version" TRITON_INTERPRET=1 "$venv/bin/python" -m pytest -q \
-        -p no:cacheprovider tests/unit/test_sglang_adapter_matrix.py tests/integration/test_sglang_dcp.py \
-        tests/unit/test_sglang_one_h200_script.py || failed=1
+        -p no:cacheprovider tests/unit/test_sglang_adapter_matrix.py tests/unit/test_sglang_speculative.py \
+        tests/integration/test_sglang_dcp.py tests/unit/test_sglang_one_h200_script.py || failed=1
 done
 exit "$failed"

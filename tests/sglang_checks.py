@@ -2,13 +2,19 @@
 ``PagedTokenToKVPoolAllocator``, ``RadixAttention`` layers, ``ForwardBatch`` per step, ``ServerArgs``) around the
 dcp-triton backend, fed with a case's random sequences and checked against float64 causal attention.
 
+A hybrid case (``hybrid=True``) builds a hybrid model's objects instead: SGLang's ``HybridReqToTokenPool`` (with its
+``MambaPool``) and ``HybridLinearKVPool``, full-attention layers at model layer ids 1 and 3 (linear attention at 0
+and 2), and the backend inside SGLang's ``HybridLinearAttnBackend``, through which every layer runs.
+
 The model runner is the one stand-in (``runner``): SGLang's ``ModelRunner`` loads weights and initialises CUDA
 and sgl-kernel, none of which exists here; the stand-in carries the attributes the backend reads, each set from
-the SGLang objects above.
+the SGLang objects above. In a hybrid case the wrapper's linear-attention backend is a stand-in too (SGLang's GDN
+backend needs CUDA's runtime context); no linear layer runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -20,12 +26,15 @@ from tests.kernel_checks import assert_matches
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
           "intermediate_size": 512, "vocab_size": 512, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
+HYBRID_FULL_LAYERS = (1, 3)  # model layer ids of a hybrid case's full-attention layers (0 and 2: linear attention)
 
 
 @dataclass(frozen=True)
 class SgCase:
     """One configuration: ``requests`` are ``(cached context, new tokens)``; the context is prefilled first (an
-    extend step of its own), then the new tokens extend it (a cached prefix), then ``decode_steps`` decode steps."""
+    extend step of its own), then the new tokens extend it (a cached prefix), then ``decode_steps`` decode steps.
+    ``speculative`` (``tests.sglang_spec_checks.SPECULATION``) replaces the decode steps by ``verify_steps`` verify
+    steps of ``draft_tokens`` tokens per request, chains or trees, accepting some of each request's drafts."""
 
     name: str
     q_heads: int
@@ -40,6 +49,10 @@ class SgCase:
     kernels: str = "reference"  # the backend's kernels, whatever DCP_TRITON_KERNELS says
     seed: int = 0
     device: str = "cpu"
+    hybrid: bool = False
+    speculative: str = ""
+    draft_tokens: int = 4
+    verify_steps: int = 0
 
 
 def server_args(argv: list[str]):
@@ -61,23 +74,21 @@ class SglangRank:
     def __init__(self, case: SgCase, n: int, rank: int, group, args) -> None:
         from sglang.srt.layers.radix_attention import RadixAttention
         from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
         from dcp_plugin.adapters.sglang.backend import DcpTritonAttnBackend
 
-        self.case, self.n, self.world = case, n, World(case)
+        room = case.decode_steps + case.verify_steps * case.draft_tokens
+        self.case, self.n, self.world = case, n, World(dataclasses.replace(case, decode_steps=room))
         tp = case.tp or n
         topo = topology.build(total_q_heads=case.q_heads, total_kv_heads=case.kv_heads, tp_rank=rank, tp_size=tp,
                               dcp_size=n, group=group, comm=case.comm)
         self.heads = topo.heads
         dtype = getattr(torch, case.dtype)
-        capacity = 8 * n * case.page_size * -(-sum(sum(r) + case.decode_steps for r in case.requests) // n)
-        self.req_pool = ReqToTokenPool(size=len(case.requests), max_context_len=256, device="cpu",
-                                       enable_memory_saver=False)
-        self.pool = MHATokenToKVPool(size=capacity, page_size=case.page_size, dtype=dtype,
-                                     head_num=self.heads.num_kv_heads, head_dim=case.head_dim, layer_num=2,
-                                     device="cpu", enable_memory_saver=False)
-        for buffer in (*self.pool.k_buffer, *self.pool.v_buffer):
+        # Room for every token and a verify window's over-allocation, in whole widened pages per request.
+        capacity = 8 * n * case.page_size * -(-sum(sum(r) + room + case.draft_tokens for r in case.requests) // n)
+        layer_ids = HYBRID_FULL_LAYERS if case.hybrid else (0, 1)
+        self.req_pool, self.pool = _pools(case, capacity, dtype, self.heads.num_kv_heads, layer_ids)
+        for buffer in (*self.kv_pool.k_buffer, *self.kv_pool.v_buffer):
             buffer.fill_(float("nan"))  # a row read but never written turns the output NaN
         # SGLang's choice: pages of page_size * dcp widened slots, or single slots at page size 1 without DCP.
         if case.page_size * n > 1:
@@ -87,22 +98,28 @@ class SglangRank:
             self.allocator = TokenToKVPoolAllocator(capacity, dtype=dtype, device="cpu", kvcache=self.pool,
                                                     need_sort=False)
         self.layers = torch.nn.ModuleList(
-            RadixAttention(self.heads.num_q_heads, case.head_dim, self.world.scale, self.heads.num_kv_heads, layer_id=i)
-            for i in range(2))
+            RadixAttention(self.heads.num_q_heads, case.head_dim, self.world.scale, self.heads.num_kv_heads,
+                           layer_id=i) for i in layer_ids)
         self.runner = SimpleNamespace(
             model_config=SimpleNamespace(num_attention_heads=case.q_heads, get_total_num_kv_heads=lambda: case.kv_heads,
                                          head_dim=case.head_dim, v_head_dim=case.head_dim, attention_chunk_size=None,
-                                         is_encoder_decoder=False),
+                                         is_encoder_decoder=False, hf_config=None, hf_text_config=None),
             dtype=dtype, kv_cache_dtype=dtype, token_to_kv_pool=self.pool, req_to_token_pool=self.req_pool,
             model=self.layers, is_draft_worker=False, use_mla_backend=False, sliding_window_size=None,
             server_args=args, page_size=case.page_size,
         )
-        backend_cls = DcpTritonAttnBackend
-        self.backend = backend_cls(self.runner, topology=topo)
+        self.backend = DcpTritonAttnBackend(self.runner, topology=topo)
         self.backend._output_like = lambda q: torch.full_like(q, float("nan"))  # unwritten rows fail
         self.backend.kernels = case.kernels  # before the first layer binds its DcpAttention
-        self.lens = [0] * len(case.requests)  # tokens of each request in the cache
-        self.slots = [[] for _ in case.requests]  # widened slot of each cached position
+        # What runs every layer: the backend itself, or SGLang's hybrid wrapper around it.
+        self.attn = _hybrid_wrapper(self.backend, layer_ids) if case.hybrid else self.backend
+        self.lens = [0] * len(case.requests)  # committed tokens of each request
+        self.slots = [[] for _ in case.requests]  # widened slot of each allocated position (past lens: a window)
+
+    @property
+    def kv_pool(self):
+        """The MHA pool holding the full-attention layers' buffers (a hybrid pool's inner one)."""
+        return getattr(self.pool, "full_kv_pool", self.pool)
 
     def _qkv(self, b: int, positions: torch.Tensor):
         h, dtype = self.heads, getattr(torch, self.case.dtype)
@@ -110,32 +127,47 @@ class SglangRank:
         kv = slice(h.kv_head_start, h.kv_head_start + h.num_kv_heads)
         return q.to(dtype), self.world.keys[b][positions][:, kv].to(dtype), self.world.values[b][positions][:, kv].to(dtype)
 
+    def reserve(self, want: dict[int, int]) -> torch.Tensor:
+        """Slots of each request ``b`` up to position ``want[b]`` from SGLang's allocator (those not allocated yet),
+        recorded in its request table; returns the new ones."""
+        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+        reqs = [b for b in sorted(want) if want[b] > len(self.slots[b])]
+        if not reqs:
+            return torch.zeros(0, dtype=torch.int64)
+        have = torch.tensor([len(self.slots[b]) for b in reqs])
+        upto = torch.tensor([want[b] for b in reqs])
+        last = torch.tensor([self.slots[b][-1] if self.slots[b] else -1 for b in reqs])
+        if not isinstance(self.allocator, PagedTokenToKVPoolAllocator):
+            loc = self.allocator.alloc(int((upto - have).sum()))
+        elif bool(((upto - have) == 1).all()) and bool((have > 0).all()):
+            loc = self.allocator.alloc_decode(upto, upto, last)
+        else:
+            loc = self.allocator.alloc_extend(have, have, upto, upto, last, int((upto - have).sum()))
+        assert loc is not None, "the allocator ran out of pages"
+        start = 0
+        for b, lo, hi in zip(reqs, have.tolist(), upto.tolist()):
+            self.req_pool.req_to_token[b, lo:hi] = loc[start:start + hi - lo].to(torch.int32)
+            self.slots[b] += loc[start:start + hi - lo].tolist()
+            start += hi - lo
+        return loc
+
     def allocate(self, new: dict[int, int]):
         """Allocate this step's slots with SGLang's allocator, record them in its request table and describe the step
         as SGLang's ``ForwardBatch`` (decode when every request adds one token to a cached prefix)."""
-        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
         reqs = sorted(new)
         prefix = torch.tensor([self.lens[b] for b in reqs])
         counts = torch.tensor([new[b] for b in reqs])
         seq = prefix + counts
-        last = torch.tensor([self.slots[b][-1] if self.slots[b] else -1 for b in reqs])
         decode = all(new[b] == 1 and self.lens[b] > 0 for b in reqs)
-        if not isinstance(self.allocator, PagedTokenToKVPoolAllocator):
-            loc = self.allocator.alloc(int(counts.sum()))
-        elif decode:
-            loc = self.allocator.alloc_decode(seq, seq, last)
-        else:
-            loc = self.allocator.alloc_extend(prefix, prefix, seq, seq, last, int(counts.sum()))
-        assert loc is not None, "the allocator ran out of pages"
+        self.reserve({b: self.lens[b] + new[b] for b in reqs})
+        loc = torch.cat([torch.tensor(self.slots[b][self.lens[b]:self.lens[b] + new[b]], dtype=torch.int64)
+                         for b in reqs])
         positions = [torch.arange(self.lens[b], self.lens[b] + new[b]) for b in reqs]
-        start = 0
-        for b, p in zip(reqs, positions):
-            self.req_pool.req_to_token[b, p] = loc[start:start + len(p)].to(torch.int32)
-            self.slots[b] += loc[start:start + len(p)].tolist()
-            self.lens[b] += len(p)
-            start += len(p)
+        for b in reqs:
+            self.lens[b] += new[b]
         fields = dict(seq_lens_cpu=seq, positions=torch.cat(positions))
         if not decode:
             fields.update(extend_num_tokens=int(counts.sum()), extend_seq_lens=counts, extend_prefix_lens=prefix,
@@ -152,25 +184,77 @@ class SglangRank:
         outs = []
         for layer in self.layers:
             q, k, v = (torch.cat(t) for t in zip(*(self._qkv(b, p) for b, p in positions.items())))
-            outs.append(self.backend.forward(q.flatten(1), k, v, layer, fb).view(q.shape))
+            outs.append(self.attn.forward(q.flatten(1), k, v, layer, fb).view(q.shape))
         return outs
 
     def step(self, new: dict[int, int]):
         """One eager step adding ``new[b]`` tokens to request ``b``: ``(outputs per layer, positions per request)``."""
         fb, positions = self.allocate(new)
-        self.backend.init_forward_metadata(fb)
+        self.attn.init_forward_metadata(fb)
         return self.forward(fb, positions), positions
 
-    def check_cache(self, layer_id: int = 0) -> None:
-        """Each token this rank owns sits at row ``widened slot // N`` of SGLang's pool (SGLang's placement)."""
+    def check_cache(self) -> None:
+        """Each committed token this rank owns sits at row ``widened slot // N`` of SGLang's pool (SGLang's
+        placement), in every full-attention layer."""
         h, n = self.heads, self.n
         kv = slice(h.kv_head_start, h.kv_head_start + h.num_kv_heads)
-        for b, slots in enumerate(self.slots):
-            for pos, slot in enumerate(slots):
-                if pos % n == h.dcp_rank:
-                    row = self.pool.k_buffer[layer_id][slot // n]
-                    want = self.world.keys[b][pos][kv].to(row.dtype)
-                    assert torch.equal(row, want), f"request {b} position {pos}: not at row {slot // n}"
+        for layer in self.layers:
+            for b, slots in enumerate(self.slots):
+                for pos, slot in enumerate(slots[:self.lens[b]]):
+                    if pos % n == h.dcp_rank:
+                        row = self.pool.get_key_buffer(layer.layer_id)[slot // n]
+                        want = self.world.keys[b][pos][kv].to(row.dtype)
+                        assert torch.equal(row, want), f"request {b} position {pos}: not at row {slot // n}"
+
+
+def _pools(case: SgCase, capacity: int, dtype: torch.dtype, kv_heads: int, layer_ids: tuple[int, ...]):
+    """SGLang's request and KV pools of a case: ``(ReqToTokenPool, MHATokenToKVPool)``, or a hybrid model's
+    ``(HybridReqToTokenPool, HybridLinearKVPool)`` whose Mamba state serves the layers between ``layer_ids``; the
+    KV pool copies KV rows (SGLang's ``move_kv_cache``) when the case speculates, as SGLang builds it then."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+    reqs = len(case.requests)
+    if not case.hybrid:
+        return (ReqToTokenPool(size=reqs, max_context_len=256, device="cpu", enable_memory_saver=False),
+                MHATokenToKVPool(size=capacity, page_size=case.page_size, dtype=dtype, head_num=kv_heads,
+                                 head_dim=case.head_dim, layer_num=len(layer_ids), device="cpu",
+                                 enable_memory_saver=False, enable_kv_cache_copy=bool(case.speculative)))
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+
+    linear = [i for i in range(max(layer_ids) + 1) if i not in layer_ids]
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=64, n_groups=2, num_heads=8, head_dim=8,
+                                    state_size=8, conv_kernel=4)
+    params = Mamba2CacheParams(shape=shape, layers=linear, dtype=Mamba2StateDType(conv=dtype, temporal=dtype))
+    req_pool = HybridReqToTokenPool(size=reqs, mamba_size=reqs, mamba_spec_state_size=reqs, max_context_len=256,
+                                    device="cpu", enable_memory_saver=False, cache_params=params,
+                                    mamba_layer_ids=linear, enable_mamba_extra_buffer=False,
+                                    enable_overlap_schedule=False)
+    pool = HybridLinearKVPool(size=capacity, dtype=dtype, page_size=case.page_size, head_num=kv_heads,
+                              head_dim=case.head_dim, full_attention_layer_ids=list(layer_ids), device="cpu",
+                              mamba_pool=req_pool.mamba_pool, enable_memory_saver=False,
+                              enable_kv_cache_copy=bool(case.speculative))
+    return req_pool, pool
+
+
+def _hybrid_wrapper(backend, layer_ids: tuple[int, ...]):
+    """SGLang's ``HybridLinearAttnBackend`` around ``backend``, its linear-attention side a stand-in that refuses to
+    run (no linear layer runs here)."""
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+    from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
+
+    class LinearStandIn(AttentionBackend):
+        needs_cpu_seq_lens = False
+
+        def init_forward_metadata(self, forward_batch) -> None:
+            pass
+
+        def forward_decode(self, *args, **kwargs):
+            raise AssertionError("a full-attention layer reached the linear-attention backend")
+
+        forward_extend = forward_decode
+
+    return HybridLinearAttnBackend(backend, LinearStandIn(), list(layer_ids))
 
 
 def schedule(case: SgCase) -> list[dict[int, int]]:
@@ -184,10 +268,13 @@ def schedule(case: SgCase) -> list[dict[int, int]]:
 def run_sglang_case(case: SgCase, n: int, rank: int, group, gather_heads, *, args=None) -> int:
     """Run ``case`` on this rank through the SGLang backend and check every layer's gathered output of every step
     against float64 attention (the same verdict on every rank). Returns the number of checked steps."""
+    from tests import sglang_spec_checks
+
     if args is None:
-        if n not in _ARGS:
-            _ARGS[n] = server_args(config_argv(n))
-        args = _ARGS[n]
+        key = (n, case.speculative)
+        if key not in _ARGS:
+            _ARGS[key] = server_args(config_argv(n) + sglang_spec_checks.argv(case))
+        args = _ARGS[key]
     state = SglangRank(case, n, rank, group if n > 1 else None, args)
     group_heads = range(state.heads.group_q_head_start, state.heads.group_q_head_start + state.heads.num_group_q_heads)
     steps = schedule(case)
@@ -196,12 +283,13 @@ def run_sglang_case(case: SgCase, n: int, rank: int, group, gather_heads, *, arg
         want = torch.cat([causal_attention_f64(state.world, b, p, group_heads) for b, p in positions.items()])
         for layer_id, out in enumerate(outs):
             assert_matches(gather_heads(out), want, out.dtype, f"{case.name} (N={n}) step {index} layer {layer_id}")
+    checked = len(steps) + sglang_spec_checks.run_verify_steps(state, gather_heads, group_heads)
     state.check_cache()
-    return len(steps)
+    return checked
 
 
 _CONFIG_DIRS: dict[int, str] = {}
-_ARGS: dict[int, object] = {}
+_ARGS: dict[tuple, object] = {}
 
 
 def config_argv(n: int) -> list[str]:
@@ -216,4 +304,3 @@ def config_argv(n: int) -> list[str]:
         _CONFIG_DIRS[n] = folder
     return ["--model-path", _CONFIG_DIRS[n], "--device", "cpu", "--tp-size", str(n), "--dcp-size", str(n),
             "--attention-backend", "dcp-triton"]
-

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from dcp_plugin.adapters.sglang import compat, metadata, support, topology as topology_mod
+from dcp_plugin.adapters.sglang import compat, metadata, speculative, support, topology as topology_mod
+from dcp_plugin.adapters.sglang.tree_moves import TreeMoves
 from dcp_plugin.attention import DcpAttention
 from dcp_plugin.kernel_choice import check_kernel_dtype, choose_kernels, gluon_state, kernels_named
 from dcp_plugin.layout import TokenLayout
@@ -25,7 +27,13 @@ class DcpTritonAttnBackend(AttentionBackend):
     unsupported setting raises one ``ValueError`` naming its option. Per step ``init_forward_metadata`` turns the
     ``ForwardBatch`` into a ``DcpBatch`` (``metadata.StepBuilder``); per layer ``forward_extend`` /
     ``forward_decode`` write the step's K/V this rank owns into SGLang's KV pool and run ``DcpAttention``.
-    Decode steps replay from SGLang's CUDA graphs (``init_cuda_graph_state`` / ``init_forward_metadata_out_graph``).
+    Decode steps, and a speculative run's verify steps, replay from SGLang's CUDA graphs (``init_cuda_graph_state``
+    / ``init_forward_metadata_out_graph``).
+
+    Hybrid models (Qwen3.5, Qwen3-Next: linear-attention layers beside full attention): SGLang wraps this backend in
+    its ``HybridLinearAttnBackend``, which hands it the full-attention layers only and reads ``token_to_kv_pool`` /
+    ``req_to_token_pool`` off it; the KV pool is SGLang's ``HybridLinearKVPool``, which maps a layer's model index to
+    its buffers. Speculative decoding: the target's ``verify_mask`` is a draft-tree buffer (``speculative``).
     ``topology`` overrides what SGLang's parallel context says (tests running ranks as gloo processes).
     """
 
@@ -39,12 +47,28 @@ class DcpTritonAttnBackend(AttentionBackend):
         self._gluon = gluon_state(choice)
         self.topology = topology or topology_mod.from_sglang(model_runner)
         heads = self.topology.heads
-        support.check([problem for layer in attention_layers(model_runner.model)
-                       for problem in support.layer_problems(layer, heads)])
-        self.pool = model_runner.token_to_kv_pool
+        layers = attention_layers(model_runner.model)
+        support.check([problem for layer in layers for problem in support.layer_problems(layer, heads)])
+        # What SGLang's hybrid wrapper and speculative workers read off a full-attention backend.
+        self.token_to_kv_pool = self.pool = model_runner.token_to_kv_pool
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.kv_index_translator = getattr(model_runner, "kv_index_translator", None)
+        self.max_context_len = self.req_to_token_pool.req_to_token.shape[1]
         self.tokens = TokenLayout(dcp_size=heads.dcp_size, dcp_rank=heads.dcp_rank, interleave=1,
                                   block_size=self.pool.page_size)
-        self.steps = metadata.StepBuilder(tokens=self.tokens, req_to_token=model_runner.req_to_token_pool.req_to_token)
+        self.steps = metadata.StepBuilder(tokens=self.tokens, req_to_token=self.req_to_token_pool.req_to_token)
+        self.speculation = speculative.from_runner(model_runner)
+        self._trees = speculative.VerifyTrees(self.speculation.draft_tokens, self.req_to_token_pool.size,
+                                              self.pool.device) if self.speculation.verifies else None
+        self._moves = None
+        if self.speculation.trees and heads.dcp_size > 1:  # accepted branches move across the group's ranks
+            self._moves = TreeMoves(
+                dcp_size=heads.dcp_size, dcp_rank=heads.dcp_rank, page_size=self.tokens.block_size,
+                layer_ids=[layer.layer_id for layer in layers],
+                max_tokens=self.req_to_token_pool.size * self.speculation.draft_tokens,
+                kv_heads=heads.num_kv_heads, head_dim=model_runner.model_config.head_dim, dtype=model_runner.dtype,
+                device=self.pool.device, cache_views=self._cache_views)
+            getattr(self.pool, "full_kv_pool", self.pool).move_kv_cache = self._moves.move  # this pool object only
         head_dim = model_runner.model_config.head_dim
         max_tokens = max(compat.resolved_server_arg(model_runner, name) or 0
                          for name in ("max_prefill_tokens", "chunked_prefill_size", "cuda_graph_max_bs")) or 8192
@@ -54,7 +78,7 @@ class DcpTritonAttnBackend(AttentionBackend):
                                           head_dim, torch.device(self.pool.device)))
         self._attention: dict[float, DcpAttention] = {}
         self._caches: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._warmed = False
+        self._warmed = [False]  # shared by step_view()s
         self.forward_metadata = None
         t = self.topology
         logger.info(
@@ -68,27 +92,45 @@ class DcpTritonAttnBackend(AttentionBackend):
     # Per step.
     def init_forward_metadata(self, forward_batch) -> None:
         self.forward_metadata = self.steps.build(forward_batch)
+        self._verify_window(forward_batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        self.steps.init_decode_graphs(max_bs)
+        if self._trees is not None:
+            self._trees = self._trees.grown(max_bs)
+        self.steps.init_graphs(max_bs, max_num_tokens, verify_tokens=self.speculation.draft_tokens,
+                               trees=None if self._trees is None else self._trees.buffer)
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
-        if self.steps.graph is not None and forward_batch.forward_mode.is_decode():
-            self.forward_metadata = self.steps.build_decode_graph(forward_batch)
+        mode = forward_batch.forward_mode
+        if self.steps.graph is not None and (mode.is_decode() or mode.is_target_verify()):
+            self.forward_metadata = self.steps.build_graph(forward_batch)
         else:
             self.forward_metadata = self.steps.build(forward_batch)
+        self._verify_window(forward_batch)
+
+    def _verify_window(self, forward_batch) -> None:
+        if self._moves is not None and forward_batch.forward_mode.is_target_verify():
+            self._moves.set_window(forward_batch.out_cache_loc)
+
+    @property
+    def verify_mask(self):
+        """SGLang's ``VerifyMask`` over this backend's draft-tree buffer (speculative targets), else None."""
+        return None if self._trees is None else self._trees.verify_mask
+
+    def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
+        """Nothing to redo: a verify step's metadata reads the draft trees when it is built."""
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1  # a padded request reads one cached token (slot 0's page), never an empty shard
 
     # Per layer.
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        return self._forward(q, k, v, layer, save_kv_cache, kwargs)
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        return self._forward(q, k, v, layer, save_kv_cache, kwargs)
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
 
-    def _forward(self, q, k, v, layer, save_kv_cache: bool, extra: dict) -> torch.Tensor:
+    def _forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool, extra: dict) -> torch.Tensor:
         used = sorted(name for name, value in extra.items() if value is not None)
         if used:
             raise ValueError(f"layer {layer.layer_id}: {', '.join(used)} (attention sinks, score mods): not supported "
@@ -103,13 +145,22 @@ class DcpTritonAttnBackend(AttentionBackend):
         out = self._output_like(q3)
         key_cache, value_cache = self._cache_views(layer.layer_id)
         attention = self._attention.get(layer.scaling) or self._bind(layer.scaling)
-        if not self._warmed and self._compiled and not torch.cuda.is_current_stream_capturing():
+        if not self._warmed[0] and self._compiled and not torch.cuda.is_current_stream_capturing():
             self._warm_up(attention, q3, k3, v3, key_cache, value_cache, out)
         n = batch.num_tokens
+        if self._moves is not None and forward_batch.forward_mode.is_target_verify():
+            self._moves.keep(layer.layer_id, k3[:n], v3[:n])
         attention.forward(q3[:n], k3[:n], v3[:n], key_cache, value_cache, batch, out=out[:n], write_kv=save_kv_cache)
         if n < out.shape[0]:
             out[n:].zero_()
         return out.view(-1, heads.num_q_heads * head_dim)
+
+    def step_view(self) -> DcpTritonAttnBackend:
+        """This backend with a ``forward_metadata`` of its own, everything else shared (its workspace, layers'
+        launches, warm-up): one per draft decode step (``draft.DcpTritonDraftSteps``)."""
+        view = copy.copy(self)
+        view.forward_metadata = None
+        return view
 
     def _output_like(self, q: torch.Tensor) -> torch.Tensor:
         return q.new_empty(q.shape)
@@ -139,9 +190,9 @@ class DcpTritonAttnBackend(AttentionBackend):
 
     def _warm_up(self, attention, q, k, v, key_cache, value_cache, out) -> None:
         """Compile every kernel variant before serving (SGLang's warm-up forward reaches here first)."""
-        self._warmed = True
-        logger.info(timed_warm_up(attention, dcp_size=self.tokens.dcp_size, query=q, key=k, value=v,
-                                  key_cache=key_cache, value_cache=value_cache, output=out))
+        self._warmed[0] = True
+        logger.info(timed_warm_up(attention, dcp_size=self.tokens.dcp_size, trees=self.speculation.trees, query=q,
+                                  key=k, value=v, key_cache=key_cache, value_cache=value_cache, output=out))
 
 
 def attention_layers(model) -> list:

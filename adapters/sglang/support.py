@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dcp_plugin.adapters.sglang import speculative
 from dcp_plugin.checks import FLOAT_DTYPES
 
 
@@ -23,9 +24,7 @@ def runner_problems(model_runner) -> list[str]:
     if getattr(config, "attention_chunk_size", None) is not None:
         problems.append(f"attention_chunk_size={config.attention_chunk_size} (the model's config): chunked local "
                         "attention is not supported; supported: full-context attention")
-    if compat.resolved_server_arg(model_runner, "speculative_algorithm") is not None:
-        problems.append("--speculative-algorithm: speculative decoding (tree/verify masks) is not supported by "
-                        "dcp-triton's SGLang backend; supported: no speculative decoding")
+    problems += speculative.problems(speculative.from_runner(model_runner))
     if compat.resolved_server_arg(model_runner, "enable_two_batch_overlap"):
         problems.append("--enable-two-batch-overlap: two micro-batches would share dcp-triton's attention workspace; "
                         "supported: off")
@@ -39,13 +38,21 @@ def runner_problems(model_runner) -> list[str]:
     if head_dim not in SUPPORTED_HEAD_DIMS or v_head_dim != head_dim:
         problems.append(f"head_dim={head_dim} (v_head_dim={v_head_dim}): supported: equal K/V head sizes in "
                         f"{list(SUPPORTED_HEAD_DIMS)}")
-    pool = model_runner.token_to_kv_pool
-    if type(pool).__name__ != "MHATokenToKVPool":
-        problems.append(f"KV pool {type(pool).__name__} (hybrid, sliding-window, quantized or unified-memory "
-                        "pools): supported: SGLang's plain MHATokenToKVPool")
-    elif getattr(pool, "kv_cache_layout", None) not in (None, "NHD", "HND", "nhd", "hnd"):
-        problems.append(f"KV cache layout {pool.kv_cache_layout}: supported: NHD, HND")
+    problems += pool_problems(model_runner.token_to_kv_pool)
     return problems
+
+
+def pool_problems(pool) -> list[str]:
+    """An MHA pool of SGLang's plain kind, or a hybrid model's pool (``HybridLinearKVPool``: linear-attention state
+    beside one), in an NHD or HND layout."""
+    mha = getattr(pool, "full_kv_pool", None) if type(pool).__name__ == "HybridLinearKVPool" else pool
+    if type(mha).__name__ != "MHATokenToKVPool":
+        inner = f" holding {type(mha).__name__}" if mha is not pool else ""
+        return [f"KV pool {type(pool).__name__}{inner} (sliding-window, quantized, MLA, sparse or unified-memory "
+                "pools): supported: SGLang's MHATokenToKVPool, alone or in a hybrid model's HybridLinearKVPool"]
+    if getattr(mha, "kv_cache_layout", None) not in (None, "NHD", "HND", "nhd", "hnd"):
+        return [f"KV cache layout {mha.kv_cache_layout}: supported: NHD, HND"]
+    return []
 
 
 def layer_problems(layer, heads) -> list[str]:

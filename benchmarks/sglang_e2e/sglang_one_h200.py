@@ -216,14 +216,15 @@ def job_env(job: dict) -> dict:
     return env
 
 
-def run_one(job: dict, spec: dict, work: Path) -> dict:
-    """One job in its own process; its log in ``work``; its results, or ``error`` with the log's tail."""
+def run_one(job: dict, spec: dict, work: Path, *, script: str = __file__) -> dict:
+    """One job in its own process (``script --child SPEC``: this one, or another benchmark's that reuses this runner);
+    its log in ``work``; its results, or ``error`` with the log's tail."""
     spec_path, out, log = (work / f"{job['name']}{ext}" for ext in (".spec.json", ".json", ".log"))
     spec_path.write_text(json.dumps(dict(spec, job=job, out=str(out))))
     out.unlink(missing_ok=True)
     began = time.monotonic()
     with open(log, "w") as sink:  # its own process group, so the scheduler processes it starts end with it
-        proc = subprocess.Popen([sys.executable, __file__, "--child", str(spec_path)], stdout=sink,
+        proc = subprocess.Popen([sys.executable, script, "--child", str(spec_path)], stdout=sink,
                                 stderr=subprocess.STDOUT, cwd=work, process_group=0, env=job_env(job))
         try:
             code = proc.wait(timeout=JOB_TIMEOUT_S)

@@ -3,7 +3,7 @@ one vLLM engine.
 
     python benchmarks/vllm_e2e/vllm_e2e_engine.py SPEC.json
 
-``SPEC["kind"]``: ``build`` (``LlamaForCausalLM(config)`` with transformers' default init, saved in float32) or
+``SPEC["kind"]``: ``build`` (the config's model, a Llama by default, with transformers' init, saved in float32) or
 ``engine`` (one ``vllm.LLM`` with ``SPEC["engine"]`` as its arguments, then ``SPEC["tasks"]`` in order). The result
 (gzipped JSON at ``SPEC["out"]``) is rewritten after every task, so a job cut short keeps what it finished.
 ``SPEC["log"]`` (the runner sets it) is this job's own log, which the engine's workers write too: the KV-cache
@@ -27,8 +27,9 @@ import vllm_e2e_report as report  # noqa: E402
 
 
 def build(spec: dict) -> None:
-    """The job's checkpoint (``common.save_random_llama``: float32, atomic; kept when already built)."""
-    common.save_random_llama(spec["config"], spec["model_dir"], seed=spec.get("seed", 0))
+    """The job's checkpoint (``common.save_random_model``: float32, atomic; kept when already built): a Llama, or the
+    model its config's ``model_type`` names."""
+    common.save_random_model({"model_type": "llama", **spec["config"]}, spec["model_dir"], seed=spec.get("seed", 0))
 
 
 def run_engine(spec: dict) -> None:

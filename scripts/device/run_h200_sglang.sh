@@ -11,8 +11,9 @@
 #                     backends after SGLang's own plugin loading, and one JIT build of SGLang's RoPE kernel (nvcc,
 #                     cached in /tmp/sgl-jit for the bench call) -> $OUT/install_check.log
 #   stage "bench":    carry nothing -> dcp-triton installed afresh, then benchmarks/sglang_e2e/sglang_one_h200.py with the
-#                     given arguments, SGLang from /tmp/sgl; BENCH_TIMEOUT_S=N stops it with SIGINT after N s (its job
-#                     processes end with it; what it saved stays)
+#                     given arguments (or the script a first argument ending in .py names, from the repository root:
+#                     benchmarks/sglang_e2e/sglang_spec_gpu.py), SGLang from /tmp/sgl; BENCH_TIMEOUT_S=N stops it with
+#                     SIGINT after N s (its job processes end with it; what it saved stays)
 #   e.g.  bash scripts/device/run_h200_sglang.sh part       carry .gpu-bundle/sglang-part-00
 #         bash scripts/device/run_h200_sglang.sh install    carry .gpu-bundle/sglang-part-01
 #         BENCH_TIMEOUT_S=540 bash scripts/device/run_h200_sglang.sh bench --budget-s 400
@@ -103,9 +104,11 @@ case "$stage" in
   bench)
     test -f "$sgl/.installed" || { echo "SGLang is not installed in $sgl: part and install calls first" >&2; exit 1; }
     install_dcp "$OUT/install.log" || exit 1
+    script=benchmarks/sglang_e2e/sglang_one_h200.py
+    if [[ ${1:-} == *.py ]]; then script=$1; shift; fi
     cd /tmp || exit 1
     PYTHONPATH=/tmp/dcp:$sgl timeout -s INT -k 75 "${BENCH_TIMEOUT_S:-0}" \
-      python3 "$repo/benchmarks/sglang_e2e/sglang_one_h200.py" "$@" 2>&1 | tee "$OUT/bench.log"
+      python3 "$repo/$script" "$@" 2>&1 | tee "$OUT/bench.log"
     if compgen -G "$DCP_BENCH_WORK/*.log" >/dev/null; then
       (cd "$DCP_BENCH_WORK" && tar czf "$OUT/sglang_job_logs.tar.gz" -- *.log)
     fi

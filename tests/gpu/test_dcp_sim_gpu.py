@@ -42,14 +42,20 @@ VERIFY = [(n, layout, comm, interleave, "long") for n in (2, 4) for layout in ("
           for comm in ("ag_rs", "a2a") for interleave in (1, 16)]
 VERIFY += [(2, layout, comm, 16, mix) for layout in ("tp", "replicated") for comm in ("ag_rs", "a2a")
            for mix in ("decodes-first", "verify-only")]
+# Draft trees (the batch's chunk_mask): the long mix and verify rows only, both layouts, N = 2 and 4.
+VERIFY += [(n, layout, "a2a" if layout == "replicated" else "ag_rs", 1, f"{mix}-trees") for n in (2, 4)
+           for layout in ("tp", "replicated") for mix in ("long", "verify-only")]
 
 
 @pytest.mark.parametrize("n, layout, comm, interleave, mix", VERIFY,
                          ids=["N{}-{}-{}-I{}-{}".format(*c) for c in VERIFY])
 def test_verify_steps(n, layout, comm, interleave, mix):
     name = f"N{n}-{layout}-{comm}-I{interleave}-{mix}"
-    case = verify_case(name, mix, seed=zlib.crc32(name.encode()), comm=comm, interleave=interleave, head_dim=128,
-                       dtype="bfloat16", kernels="triton", device="cuda", **head_layouts(n)[layout])
+    trees = mix.endswith("-trees")
+    case = verify_case(name, mix.removesuffix("-trees"), seed=zlib.crc32(name.encode()), comm=comm,
+                       interleave=interleave, head_dim=128, dtype="bfloat16", kernels="triton", device="cuda",
+                       trees=trees, **({"expect": ("verify", "rejected", "tree")} if trees else {}),
+                       **head_layouts(n)[layout])
     assert _threads(case, n, run_verify_case) == [case.steps + 1] * n
 
 

@@ -39,6 +39,34 @@ def _check_extend(head_dim, dtype):
     assert_matches(lse, want_lse, dtype, "lse")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_extend_attention_under_draft_trees(head_dim, dtype):
+    """Verify steps whose drafts form trees (the chunk's mask): 64 requests of up to 16 drafts, and one 300-row
+    request whose mask spans several key blocks (a row seeing keys of a later block only), vs float64."""
+    from tests.unit.test_kernel_extend_attention import tree_masks
+
+    lengths = [16] * 40 + [5, 11, 1] * 8 + [300]
+    size = max(lengths)
+    gen = torch.Generator().manual_seed(head_dim)
+    mask = tree_masks(len(lengths) - 1, 16, generator=gen)
+    mask = torch.cat([torch.nn.functional.pad(mask, (0, size - 16, 0, size - 16)),
+                      torch.rand(1, size, size, generator=gen) < 0.05]).cuda()
+    mask[-1].fill_diagonal_(True)
+    mask[-1, 299, :250] = False
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    t = sum(lengths)
+    q = torch.randn(t, 8, head_dim, device="cuda").to(dtype)
+    k, v = (torch.randn(t, 2, head_dim, device="cuda").to(dtype) for _ in range(2))
+    out, lse = poisoned(q.shape, dtype, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
+    heads = dict(q_head_start=8, q_per_kv=16, kv_head_start=0)
+    extend_attention(q, k, v, cu, size, scale=head_dim**-0.5, out=out, lse=lse, chunk_mask=mask, **heads)
+    want_out, want_lse = reference.extend_attention(q.double(), k.double(), v.double(), cu, size,
+                                                    scale=head_dim**-0.5, chunk_mask=mask, **heads)
+    assert_matches(out, want_out, dtype, "out")
+    assert_matches(lse, want_lse, dtype, "lse")
+
+
 @pytest.mark.parametrize("num_parts", [2, 3, 8])
 def test_combine_partials_bf16_packed_with_extra(num_parts):
     t, h, d = 3000, 5, 128

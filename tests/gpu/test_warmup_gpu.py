@@ -226,3 +226,36 @@ def test_one_kv_head_compiles_nothing_after_warm_up():
     _, before = _one_rank_steps(case, 512, [[new for _, new in REQUESTS]] + steps(9), range(32))
     served = [count for kernel, count in zip(KERNELS, before) if reached(kernel, 64, group=32)]
     assert min(served) >= 1, f"a kernel these steps run never compiled during warm-up: {before}"
+
+
+def test_draft_tree_verify_steps_compile_nothing_after_a_warm_up_for_trees():
+    """An engine that verifies draft trees warms up with ``trees=True``: its verify steps (the current chunk under
+    the batch's chunk_mask, beside decodes and chunks) then compile nothing."""
+    from tests.dcp_harness import tree_attention_f64
+    from tests.verify_steps import next_step, step_masks, verify_case
+
+    case = verify_case("warm-trees", "decodes-first", seed=4, head_dim=128, dtype="bfloat16", kernels="triton",
+                       device="cuda", trees=True, q_heads=32, kv_heads=8, kv_replication="replicated")
+    world, rng = World(case), random.Random(5)
+    state = RankState.create(case, world, 1, 0)
+    ws = DcpWorkspace(heads=state.heads, head_dim=128, dtype=torch.bfloat16, device="cuda", max_num_tokens=512,
+                      comm="ag_rs", split_elements=kernels.split_capacity(128, torch.device("cuda")))
+    attn = serial(DcpAttention(heads=state.heads, tokens=state.tokens, group=None, scale=world.scale, workspace=ws))
+    like = torch.zeros(4, 32, 128, dtype=torch.bfloat16, device="cuda")
+    kv_like = torch.zeros(4, 8, 128, dtype=torch.bfloat16, device="cuda")
+    warm_up(attn, query=like, key=kv_like, value=kv_like, key_cache=state.key_cache, value_cache=state.value_cache,
+            output=like, trees=True)
+    before = compiled_counts()
+    new_tokens = [new for _, new in case.requests]
+    for step in range(4):
+        if step:
+            new_tokens = next_step(case, step, rng)
+        chunk_mask, trees = step_masks(case, new_tokens, [1] * len(new_tokens), rng)
+        q, k, v, batch, positions = state.step(new_tokens, chunk_mask)
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+        attn.forward(q, k, v, state.key_cache, state.value_cache, batch, out=out)
+        want = torch.cat([causal_attention_f64(world, b, p, range(32)) if t is None
+                          else tree_attention_f64(world, b, p, t, range(32))
+                          for b, (p, t) in enumerate(zip(positions, trees))])
+        assert_matches(out, want, torch.bfloat16, f"step {step}")
+    assert compiled_counts() == before, f"tree verify steps compiled new variants: {before} -> {compiled_counts()}"

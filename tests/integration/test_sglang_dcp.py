@@ -6,6 +6,10 @@ prefix, decode steps), and the backend writes the tokens it owns into SGLang's `
 placement and runs DCP attention over ``TorchDcpGroup``. Every layer's output, gathered across ranks, must match
 float64 causal attention over the full sequences; each rank's pool must hold its tokens at SGLang's rows.
 
+Hybrid models (``hybrid``: SGLang's hybrid pools and its ``HybridLinearAttnBackend`` around the backend) and
+speculative verify steps (``speculative``: EAGLE chains and trees, n-gram trees in SGLang's full-mask layout;
+tests/sglang_spec_checks.py) run the same way, the seeds' workload among them.
+
 Head layouts: the seeds' topology (32 Q / 2 KV heads at TP 4, DCP 4: ranks 0-1 read KV head 0, ranks 2-3 KV head
 1) and 12 Q / 3 KV heads at TP 2, DCP 2, where each rank stores all 3 KV heads and rank 0's Q heads 0-5 read KV
 heads 0 and 1: a KV-head count the DCP size neither divides nor is divided by, which SGLang's own Triton DCP maps
@@ -31,12 +35,26 @@ CASES = {
         SgCase(name="gqa4-p64-ag_rs", q_heads=8, kv_heads=2, page_size=64, requests=MIXED),
         SgCase(name="triton-12q3kv-p2", q_heads=12, kv_heads=3, page_size=2, requests=((3, 2), (0, 3)),
                decode_steps=1, kernels="triton"),
+        SgCase(name="hybrid-12q3kv-p2-eagle-chain", q_heads=12, kv_heads=3, page_size=2, requests=MIXED, hybrid=True,
+               speculative="eagle-chain", decode_steps=0, verify_steps=3),
+        SgCase(name="eagle-tree-p1-a2a", q_heads=8, kv_heads=2, requests=MIXED, comm="a2a", speculative="eagle-tree",
+               draft_tokens=6, decode_steps=0, verify_steps=3),
+        SgCase(name="ngram-full-p4", q_heads=8, kv_heads=2, page_size=4, requests=MIXED, speculative="ngram-full",
+               draft_tokens=5, decode_steps=0, verify_steps=3),
     ],
     4: [
         SgCase(name="seeds-32q2kv-p1-ag_rs", q_heads=32, kv_heads=2, requests=MIXED),
         SgCase(name="seeds-32q2kv-p2-a2a", q_heads=32, kv_heads=2, page_size=2, requests=MIXED, comm="a2a"),
         SgCase(name="seeds-32q2kv-p64-a2a", q_heads=32, kv_heads=2, page_size=64, requests=MIXED, comm="a2a"),
         SgCase(name="triton-seeds-32q2kv-p1", q_heads=32, kv_heads=2, requests=((5, 2), (0, 2)), decode_steps=1,
+               kernels="triton"),
+        # The seeds' workload: Qwen3.5's layout (hybrid pools, 32 Q / 2 KV heads at TP 4, DCP 4) with MTP drafts.
+        SgCase(name="seeds-hybrid-32q2kv-p1-eagle-chain", q_heads=32, kv_heads=2, requests=MIXED, hybrid=True,
+               speculative="eagle-chain", decode_steps=0, verify_steps=3),
+        SgCase(name="seeds-hybrid-32q2kv-p2-eagle-tree-a2a", q_heads=32, kv_heads=2, page_size=2, requests=MIXED,
+               hybrid=True, comm="a2a", speculative="eagle-tree", draft_tokens=6, decode_steps=0, verify_steps=2),
+        SgCase(name="triton-seeds-hybrid-32q2kv-eagle-tree", q_heads=32, kv_heads=2, requests=((5, 2), (0, 2)),
+               hybrid=True, speculative="eagle-tree", draft_tokens=5, decode_steps=0, verify_steps=2,
                kernels="triton"),
     ],
 }

@@ -270,13 +270,13 @@ def test_unsupported_settings_are_refused_at_start_up_by_name(option):
     assert option in str(error.value) and "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("flag", ["--speculative-algorithm", "--enable-two-batch-overlap"])
-def test_speculative_decoding_and_two_batch_overlap_are_refused(monkeypatch, flag):
+@pytest.mark.parametrize("flag, value", [("--speculative-algorithm", "DFLASH"), ("--enable-two-batch-overlap", True)])
+def test_other_speculative_algorithms_and_two_batch_overlap_are_refused(monkeypatch, flag, value):
     from dcp_plugin.adapters.sglang import support
 
     state = SglangRank(SgCase(name="refusal", q_heads=8, kv_heads=2), 1, 0, None, server_args(config_argv(1)))
     name = flag[2:].replace("-", "_")
-    monkeypatch.setattr(compat, "resolved_server_arg", lambda runner, arg: "NGRAM" if arg == name else None)
+    monkeypatch.setattr(compat, "resolved_server_arg", lambda runner, arg: value if arg == name else None)
     (problem,) = support.runner_problems(state.runner)
     assert problem.startswith(flag) and "supported:" in problem
 

@@ -148,3 +148,55 @@ def test_native_ops_make_sglangs_layers_dispatch_to_forward_native(monkeypatch):
     bench.use_native_ops()
     assert Probe()._forward_method.__func__ is RMSNorm.forward_native
     assert SiluProbe()._forward_method.__func__ is SiluAndMul.forward_native
+
+
+SPEC_SCRIPT = SCRIPT.parent / "sglang_spec_gpu.py"
+
+
+def test_spec_script_dry_run_needs_no_torch_and_its_kwargs_are_server_args_fields(tmp_path):
+    """benchmarks/sglang_e2e/sglang_spec_gpu.py: its ``--dry-run`` imports neither torch nor SGLang; the hybrid
+    model is Qwen3.5's attention layout (16 Q / 2 KV heads of size 256) under SGLang's ``full_attention_interval``;
+    the speculative jobs name their draft checkpoint, and every engine argument is a ServerArgs field (where SGLang
+    is installed)."""
+    done = subprocess.run([sys.executable, "-X", "importtime", str(SPEC_SCRIPT), "--dry-run"], capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, DCP_BENCH_WORK=str(tmp_path / "work")))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not imported_modules(done.stderr) & {"torch", "transformers", "sglang", "triton"}
+    plan = json.loads(done.stdout)
+    q3n = plan["models"]["q3n"]
+    assert (q3n["num_attention_heads"], q3n["num_key_value_heads"], q3n["head_dim"]) == (16, 2, 256)
+    full = [i for i in range(q3n["num_hidden_layers"]) if (i + 1) % q3n["full_attention_interval"] == 0]
+    assert full == [i for i, kind in enumerate(q3n["layer_types"]) if kind == "full_attention"] == [3, 7]
+    engines = {j["name"]: j["engine"] for j in plan["jobs"]}
+    assert engines["q3n-dcp-triton-chain"]["speculative_eagle_topk"] == 1
+    assert engines["llama-fp32-dcp-triton-tree"]["speculative_eagle_topk"] == 4
+    assert engines["llama-fp32-dcp-triton-tree"]["speculative_draft_model_path"].endswith("llama")
+    assert engines["llama-fp32-dcp-triton-tree"]["disable_cuda_graph"] is True
+    assert not (tmp_path / "work").exists()
+    server_args = pytest.importorskip("sglang.srt.server_args")
+    cls = server_args.ServerArgs
+    fields = ({f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls)
+              else set(inspect.signature(cls).parameters))
+    for name, engine in engines.items():
+        assert set(engine) <= fields, (name, set(engine) - fields)
+
+
+def test_spec_script_summary_compares_each_job_with_its_reference():
+    sys.path.insert(0, str(SPEC_SCRIPT.parent))
+    import sglang_spec_gpu as spec
+
+    def job(name, greedy, verify=None, tok_s=100.0):
+        return dict(name=name, init_s=1.0, greedy=greedy, verify_steps=verify, load=dict(output_tok_s=tok_s))
+
+    results = [job("q3n-dcp-triton", [[1, 2, 3]]), job("q3n-triton", [[1, 2, 4]]),
+               job("q3n-dcp-triton-chain", [[1, 2, 3]], verify=[2], tok_s=150.0),
+               dict(name="llama-fp32-dcp-triton", error="timeout")]
+    summary = spec.summarise(results)
+    rows = summary["jobs"]
+    assert summary["failed"] == ["llama-fp32-dcp-triton"]
+    assert rows["q3n-dcp-triton"]["versus"] == "q3n-triton"
+    assert rows["q3n-dcp-triton"]["greedy"]["first_difference"] == [2]
+    chain = rows["q3n-dcp-triton-chain"]
+    assert chain["versus"] == "q3n-dcp-triton" and chain["greedy"]["equal"] == 1 and chain["speedup"] == 1.5
+    assert chain["mean_accepted_length"] == 1.5  # 3 tokens over 2 verify steps
+    assert "versus" not in rows["q3n-triton"]

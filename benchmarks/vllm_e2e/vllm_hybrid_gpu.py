@@ -1,0 +1,198 @@
+"""A hybrid model (Gated-DeltaNet layers beside full attention, the seeds' Qwen3.5 family) on dcp-triton in vLLM 0.26.
+
+The model is a random Qwen3-Next (``CONFIG``: 8 layers, every fourth full attention with 16 Q / 2 KV heads of head
+size 256, as Qwen3.5's; GDN layers with 4 key / 8 value heads; MoE of 8 experts; one MTP layer), built on the
+machine in float32 with its multi-token-prediction weights (``common.save_random_model``) and served in bf16 (vLLM's
+GDN kernels take no float32). vLLM gives the full-attention layers a KV-cache group of their own whose block size
+makes a page as large as a GDN layer's state, and hands dcp-triton only those layers. Jobs, each one engine in its
+own process, CUDA graphs on (vLLM's default FULL_AND_PIECEWISE), one GPU, in run order:
+
+  q3n-dcp-triton, q3n-FLASH_ATTN, q3n-TRITON_ATTN      no speculation
+  q3n-mtp-dcp-triton, q3n-mtp-FLASH_ATTN               MTP drafts (``qwen3_next_mtp``, 2 tokens; the draft's
+                                                       attention layer on the same backend)
+
+Tasks per job: teacher-forced prompt logprobs (``LOGPROB_PROMPTS``), then greedy tokens with their top-2 logprobs of
+``GREEDY`` prompts, all at once and timed after a warm-up (vLLM's speculative counters over that run). The summary
+compares dcp-triton's prompt logprobs and greedy tokens with FLASH_ATTN's, beside TRITON_ATTN's against FLASH_ATTN's
+(how far two vLLM backends part in bf16), each MTP job's greedy tokens with its backend's plain job, and gives the
+attention block size each engine ran with.
+
+    python benchmarks/vllm_e2e/vllm_hybrid_gpu.py --budget-s 520      # the GPU machine, after run_h200.sh's unpack
+    python benchmarks/vllm_e2e/vllm_hybrid_gpu.py --plan               # the order and estimated times; no vLLM
+    python benchmarks/vllm_e2e/vllm_hybrid_gpu.py --summarise          # here, from the tarball that came back
+
+Results: ``benchmarks/results/<name>.json / .md`` and ``<name>_jobs.tar.gz`` (every job's log and raw result).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import e2e_runner as runner  # noqa: E402
+import vllm_dcp_e2e as dcp_e2e  # noqa: E402
+import vllm_e2e_report as report  # noqa: E402
+import vllm_spec_dcp as spec_dcp  # noqa: E402
+from e2e_runner import Job  # noqa: E402
+from vllm_gpu_e2e import ENGINE_SCRIPT, GRAPH_SIZES  # noqa: E402
+
+MODEL = "qwen3next-h256"
+FULL_EVERY = 4
+CONFIG = dict(
+    model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], vocab_size=8192, hidden_size=1024,
+    intermediate_size=2048, num_hidden_layers=8,
+    layer_types=["full_attention" if (i + 1) % FULL_EVERY == 0 else "linear_attention" for i in range(8)],
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=4, linear_num_value_heads=8,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=8,
+    num_experts_per_tok=2, moe_intermediate_size=512, shared_expert_intermediate_size=512, decoder_sparse_step=1,
+    norm_topk_prob=True, mlp_only_layers=[], max_position_embeddings=16384, rms_norm_eps=1e-6, rope_theta=10000.0,
+    partial_rotary_factor=0.25, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, initializer_range=0.1,
+    num_nextn_predict_layers=1,
+)
+MTP = {"method": "qwen3_next_mtp", "num_speculative_tokens": 2}
+LOGPROB_PROMPTS = dict(count=8, min_len=64, max_len=4000, seed=21)
+GREEDY = dict(count=16, min_len=100, max_len=3000, seed=22)
+WARMUP = dict(count=4, min_len=100, max_len=3000, seed=23)
+MAX_TOKENS = 64
+REFERENCE = "FLASH_ATTN"
+# name, backend, speculation; in run order
+ENGINES = [("q3n-dcp-triton", "dcp-triton", False), (f"q3n-{REFERENCE}", REFERENCE, False),
+           ("q3n-TRITON_ATTN", "TRITON_ATTN", False), ("q3n-mtp-dcp-triton", "dcp-triton", True),
+           (f"q3n-mtp-{REFERENCE}", REFERENCE, True)]
+ESTIMATE_S = {"build": 40, "engine": 100}
+BLOCK_SIZE = re.compile(r"Setting attention block size to (\d+) tokens")
+
+
+def catalogue(work: Path, raw: Path) -> list[Job]:
+    """The build, then every engine job in run order."""
+    model_dir = work / "models" / MODEL
+    build = Job(f"build-{MODEL}", {"kind": "build", "model_dir": str(model_dir), "seed": 0, "config": CONFIG}, 240,
+                estimate_s=ESTIMATE_S["build"], group="build")
+    vocab = CONFIG["vocab_size"]
+    tasks = [{"name": "logprobs", "type": "logprobs", "prompts": LOGPROB_PROMPTS},
+             {"name": "greedy", "type": "spec_decode", "max_tokens": MAX_TOKENS,
+              "prompt_ids": report.make_prompts(vocab=vocab, **GREEDY),
+              "warmup_ids": report.make_prompts(vocab=vocab, **WARMUP)}]
+    jobs = [build]
+    for name, backend, mtp in ENGINES:
+        kwargs = dict(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=8192,
+                      kv_cache_memory_bytes=4 << 30, gpu_memory_utilization=0.5, attention_backend=backend,
+                      max_num_seqs=64, disable_log_stats=False,
+                      compilation_config={"cudagraph_capture_sizes": GRAPH_SIZES})
+        if mtp:
+            kwargs["speculative_config"] = dict(MTP)
+        spec = {"kind": "engine", "model": MODEL, "backend": backend, "dtype": "bfloat16", "mode": "graphs",
+                "method": "mtp" if mtp else None, "vocab": vocab, "engine": kwargs, "tasks": tasks,
+                "out": str(raw / f"{name}.json.gz")}
+        jobs.append(Job(name, spec, 3 * ESTIMATE_S["engine"], [build.name], exclusive=True, gpus=1,
+                        env=dict(dcp_e2e.NO_MULTICAST), estimate_s=ESTIMATE_S["engine"],
+                        group="mtp" if mtp else "plain"))
+    return jobs
+
+
+def logprob_diffs(ours: dict, ref: dict) -> dict:
+    """|difference| of the prompt tokens' logprobs, position by position (the same prompts, teacher-forced)."""
+    diffs = [abs(a - b) for x, y in zip(ours["token_logprobs"], ref["token_logprobs"]) for a, b in zip(x, y)]
+    return {"positions": len(diffs), "max_abs": max(diffs), "median_abs": statistics.median(diffs),
+            "top1_agree": sum(a == b for x, y in zip(ours["top1_ids"], ref["top1_ids"]) for a, b in zip(x, y))}
+
+
+def analyse(jobs: dict[str, dict]) -> dict:
+    """Per job: status, the block size, tok/s and acceptance; against FLASH_ATTN's plain job: prompt logprobs and
+    greedy tokens (dcp-triton's and TRITON_ATTN's); MTP jobs against their backend's plain job."""
+    tasks = {name: (job.get("result") or {}).get("tasks") or {} for name, job in jobs.items()}
+    plain = {spec["backend"]: name for name, job in jobs.items() if (spec := job["spec"]).get("method") is None
+             and spec.get("kind") == "engine"}
+    rows = {}
+    for name, job in jobs.items():
+        spec = job["spec"]
+        if spec.get("kind") != "engine":
+            continue
+        log = Path(job["log"]).read_text(errors="replace") if job.get("log") and Path(job["log"]).exists() else ""
+        sizes = sorted({int(m) for m in BLOCK_SIZE.findall(log)})
+        row = {"status": job.get("status"), "backend": spec["backend"], "method": spec["method"],
+               "block_size": sizes[-1] if sizes else None, "dcp_triton_ran": bool(job.get("backend_line"))}
+        greedy = tasks[name].get("greedy")
+        if greedy is not None:
+            row.update(output_tok_s=greedy["output_tok_s"], **spec_dcp.acceptance(greedy["spec_decode"]))
+        versus = plain.get(REFERENCE) if spec["method"] is None else plain.get(spec["backend"])
+        if versus and versus != name and greedy is not None and tasks[versus].get("greedy") is not None:
+            row["versus"] = versus
+            row["greedy"] = spec_dcp.compare_greedy(greedy, tasks[versus]["greedy"])
+            if spec["method"] is None and "logprobs" in tasks[name] and "logprobs" in tasks[versus]:
+                row["logprobs"] = logprob_diffs(tasks[name]["logprobs"], tasks[versus]["logprobs"])
+        rows[name] = row
+    return {"jobs": rows}
+
+
+def write_summary(summary: dict, meta: dict, results: Path, name: str) -> list[Path]:
+    results.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = results / f"{name}.json", results / f"{name}.md"
+    json_path.write_text(json.dumps({"summary": summary, "meta": meta}, indent=1))
+    lines = [f"# A hybrid model (Qwen3-Next, GDN + attention) on dcp-triton ({meta.get('vllm')}, {meta.get('gpu')}, "
+             "bf16, CUDA graphs)", "",
+             "| job | versus | block size | prompt logprobs max / median abs diff | greedy = versus | acceptance | "
+             "output tok/s |", "|---|---|---|---|---|---|---|"]
+
+    def fmt(value, pattern="{:.3f}"):
+        return "-" if value is None else pattern.format(value)
+
+    for job, row in summary["jobs"].items():
+        lp, greedy = row.get("logprobs"), row.get("greedy")
+        logprobs = "-" if lp is None else f"{lp['max_abs']:.3f} / {lp['median_abs']:.4f} ({lp['positions']})"
+        same = "-" if greedy is None else f"{greedy['identical']}/{greedy['prompts']}" + (
+            "" if not greedy["divergences"] else " (first at gaps " + ", ".join(
+                f"{d['ref_top2_gap']:.3f}" for d in greedy["divergences"]) + ")")
+        lines.append(f"| {job} | {row.get('versus', '-')} | {row['block_size'] or '-'} | {logprobs} | {same} | "
+                     f"{fmt(row.get('acceptance_rate'))} | {fmt(row.get('output_tok_s'), '{:,.0f}')} |")
+    md_path.write_text("\n".join(lines) + "\n")
+    return [json_path, md_path]
+
+
+def summarise(args, paths: dict[str, Path], jobs: dict[str, dict]) -> list[Path]:
+    meta = next(({k: r["result"].get(k) for k in ("gpu", "vllm", "torch")} for r in jobs.values() if r["result"]),
+                {})
+    meta.update(model=MODEL, config=CONFIG, mtp=MTP, logprob_prompts=LOGPROB_PROMPTS, greedy=GREEDY,
+                max_tokens=MAX_TOKENS, reference=REFERENCE)
+    return write_summary(analyse(jobs), meta, paths["results"], args.name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = runner.parser_for(__doc__, name="vllm_hybrid_h100", work_dir="/tmp/dcp_vllm_hybrid")
+    for flag, text in (("--plan", "print the job order and estimated times, and exit"),
+                       ("--summarise", "run nothing: rewrite the summary from the results in --work-dir or the "
+                                       "tarball; needs no vLLM and no GPU")):
+        parser.add_argument(flag, action="store_true", help=text)
+    args = parser.parse_args(argv)
+    paths = runner.state_paths(args.results_dir, args.work_dir / "logs", args.work_dir / "raw", args.work_dir)
+    pack = paths["results"] / f"{args.name}_jobs.tar.gz"
+    all_jobs = catalogue(paths["work"], paths["raw"])
+    chosen = runner.select_only(all_jobs, args.only) if args.only else [j for j in all_jobs
+                                                                          if j.spec["kind"] == "engine"]
+    if args.list:
+        runner.print_list(runner.with_needs(all_jobs, chosen))
+        return
+
+    def job_runner(jobs: list[Job], **options) -> runner.Runner:
+        return runner.Runner(args, jobs, all_jobs, paths, engine_script=ENGINE_SCRIPT, pack=pack,
+                             summarise=lambda found: summarise(args, paths, found), **options)
+
+    runner.unpack(pack, {"raw": paths["raw"], "logs": paths["logs"]})
+    if args.summarise:
+        job_runner([]).write_summary()
+        return
+    jobs = runner.with_needs(all_jobs, chosen, pending_only=not args.force)
+    if args.plan:
+        dcp_e2e.print_plan(jobs, gpus=1, parallel=1, budget_s=args.budget_s)
+        return
+    runner.require(spec_dcp.REQUIRED_MODULES)
+    args.jobs = 1
+    runner.run_jobs(job_runner(jobs, gpu_ids=runner.visible_gpus()), paths["results"] / f"{args.name}.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""The SGLang adapter under speculative decoding and with hybrid models, against whichever supported SGLang is installed
+(``make test-sglang-matrix``): the draft model's multi-step decode read exactly where SGLang's own draft kernel reads
+and equal to float64 attention, SGLang's draft-backend factory building dcp-triton's backends, the CUDA-graph hooks
+of verify steps (and of decode steps SGLang pads), the start-up checks. DCP = 2 and 4:
+``tests/integration/test_sglang_dcp.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("sglang", reason="SGLang runs in its own venv: make test-sglang-matrix")
+
+from dcp_plugin.adapters.sglang import compat, support  # noqa: E402
+from dcp_plugin.adapters.sglang.draft import DcpTritonDraftSteps, DraftSteps  # noqa: E402
+from dcp_plugin.layout import TokenLayout  # noqa: E402
+from tests.kernel_checks import assert_matches, attention_f64  # noqa: E402
+from tests.sglang_checks import SgCase, SglangRank, config_argv, server_args  # noqa: E402
+from tests import sglang_spec_checks  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugins_loaded():
+    """SGLang's own plugin loader, as every SGLang process runs it (dcp-triton's hooks applied)."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+
+
+def _drafting(page: int, topk: int, steps: int, lengths: tuple[int, ...], **fields):
+    """An SglangRank at DCP = 1 whose requests were prefilled with ``lengths`` tokens, and their draft windows
+    allocated and laid out as SGLang's ``prepare_for_draft`` does (the prefix's last partial page copied into each
+    branch's first page when pages are wider than a token and ``topk > 1``): ``(state, draft steps' ForwardBatch
+    stand-in, DraftSteps)``."""
+    from sglang.srt.speculative.eagle_worker_common import duplicate_prefix_tail_to_draft_branches
+
+    case = SgCase(name="draft", q_heads=4, kv_heads=1, page_size=page, requests=tuple((n, 0) for n in lengths),
+                  decode_steps=topk * steps + page, speculative="eagle-tree", **fields)  # a pool that copies rows
+    state = SglangRank(case, 1, 0, None, server_args(config_argv(1)))
+    state.step({b: n for b, n in enumerate(lengths)})
+    seq = torch.tensor(lengths)
+    tokens = TokenLayout(dcp_size=1, dcp_rank=0, interleave=1, block_size=page)
+    steps_of = DraftSteps(tokens=tokens, req_to_token=state.req_pool.req_to_token, topk=topk, num_steps=steps)
+    base, span = steps_of.layout(seq)
+    state.reserve({b: int(base[b] + topk * span[b]) for b in range(len(lengths))})
+    if steps_of.paged:
+        rows = state.req_pool.req_to_token[torch.arange(len(lengths))].long()
+        duplicate_prefix_tail_to_draft_branches(state.pool, rows, base, seq % page, span // page, topk, page)
+    fb = SimpleNamespace(batch_size=len(lengths), seq_lens=seq, seq_lens_cpu=seq,
+                         req_pool_indices=torch.arange(len(lengths)))
+    return state, fb, steps_of
+
+
+def _sglang_draft_rows(state, fb, topk: int, steps: int, page: int) -> list[list[torch.Tensor]]:
+    """The slots SGLang's own ``generate_draft_decode_kv_indices`` gives each row (``b * topk + t``) of each draft
+    step to attend (its Triton kernel, interpreted)."""
+    from sglang.kernels.ops.speculative.cache_locs import generate_draft_decode_kv_indices
+
+    bs, rows = fb.batch_size, fb.batch_size * topk
+    req_to_token = state.req_pool.req_to_token
+    kv_indices = torch.full((steps, rows * (int(fb.seq_lens.max()) + steps)), -1, dtype=torch.int64)
+    kv_indptr = torch.zeros(steps, rows + 1, dtype=torch.int32)
+    positions = fb.seq_lens.repeat_interleave(topk)
+    names = inspect.signature(generate_draft_decode_kv_indices.fn).parameters
+    stride = {"row_stride" if "row_stride" in names else "pool_len": req_to_token.shape[1]}
+    pow2 = lambda n: 1 << max(0, (n - 1).bit_length())  # noqa: E731
+    generate_draft_decode_kv_indices[(steps, bs, topk)](
+        req_pool_indices=fb.req_pool_indices, req_to_token=req_to_token, paged_kernel_lens=fb.seq_lens,
+        kv_indices=kv_indices, kv_indptr=kv_indptr, positions=positions, kv_indices_stride=kv_indices.shape[1],
+        kv_indptr_stride=kv_indptr.shape[1], bs_upper=pow2(bs), iter_upper=pow2(steps), num_tokens_upper=pow2(rows),
+        page_size=page, **stride)
+    return [[kv_indices[i, int(kv_indptr[i, r]):int(kv_indptr[i, r]) + int(positions[r]) + i + 1]
+             for r in range(rows)] for i in range(steps - 1)]
+
+
+DRAFT_LAYOUTS = [(1, 1, 3), (1, 4, 3), (4, 1, 3), (4, 3, 4), (2, 2, 5), (8, 2, 3)]
+
+
+@pytest.mark.parametrize("page, topk, steps", DRAFT_LAYOUTS, ids=[f"p{p}-topk{k}-steps{s}" for p, k, s in DRAFT_LAYOUTS])
+def test_draft_steps_read_what_sglangs_draft_kernel_reads(page, topk, steps):
+    """Every row of every draft decode step attends the K/V SGLang's own draft kernel gives it (gathered through
+    each one's indices from a pool of random values), whether the branches lie contiguously past the prefix or in
+    pages of their own after a copy of the prefix's last partial page."""
+    state, fb, steps_of = _drafting(page, topk, steps, (1, 5, page + 3, 2 * page + 1))
+    cache = state.kv_pool.k_buffer[0]
+    cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(page * 31 + topk)))
+    if steps_of.paged:  # the prefix tails again, into the random pool: what SGLang's copy leaves
+        from sglang.srt.speculative.eagle_worker_common import duplicate_prefix_tail_to_draft_branches
+
+        base, span = steps_of.layout(fb.seq_lens)
+        rows = state.req_pool.req_to_token[torch.arange(fb.batch_size)].long()
+        duplicate_prefix_tail_to_draft_branches(state.pool, rows, base, fb.seq_lens % page, span // page, topk, page)
+    theirs = _sglang_draft_rows(state, fb, topk, steps, page)
+    for i, batch in enumerate(steps_of.build(fb)):
+        for r in range(fb.batch_size * topk):
+            length = int(batch.seq_lens[r])
+            positions = torch.arange(length)
+            ours = batch.block_table[r, positions // page].long() * page + positions % page
+            assert len(theirs[i][r]) == length
+            assert torch.equal(cache[ours], cache[theirs[i][r]]), f"step {i} row {r}"
+            assert int(batch.slot_mapping[r]) == int(theirs[i][r][-1])  # the step writes the token it reads last
+
+
+@pytest.mark.parametrize("page, topk, kernels", [(1, 1, "reference"), (1, 3, "reference"), (4, 3, "reference"),
+                                                 (2, 2, "triton")])
+def test_draft_steps_match_float64_attention(page, topk, kernels):
+    """The multi-step draft decode through ``DcpTritonDraftSteps`` on SGLang's objects: each step writes each
+    branch's new token and attends the prefix and the branch's tokens so far, equal to float64 attention."""
+    steps, lengths = 4, (3, 7, 2 * page + 1)
+    state, fb, _ = _drafting(page, topk, steps, lengths, kernels=kernels)
+    state.runner.is_draft_worker = True
+    drafts = DcpTritonDraftSteps(state.runner, topk, steps, topology=state.backend.topology)
+    for backend in drafts.attn_backends:
+        backend.kernels = kernels
+        backend._output_like = lambda q: torch.full_like(q, float("nan"))
+    drafts.init_forward_metadata(fb)
+    world, heads, d = state.world, state.heads, state.case.head_dim
+    gen = torch.Generator().manual_seed(page + topk)
+    rows = len(lengths) * topk
+    dk, dv, dq = (torch.randn(steps - 1, rows, n, d, generator=gen, dtype=torch.float64) for n in (1, 1, 4))
+    for i, backend in enumerate(drafts.attn_backends):
+        q, k, v = dq[i].float(), dk[i].float(), dv[i].float()
+        out = backend.forward_decode(q.flatten(1), k, v, state.layers[0], fb).view(q.shape)
+        for r in range(rows):
+            b = r // topk
+            keys = torch.cat([world.keys[b][:lengths[b]], dk[:i + 1, r]])
+            values = torch.cat([world.values[b][:lengths[b]], dv[:i + 1, r]])
+            want = attention_f64(dq[i, r:r + 1], keys, values, torch.ones(1, len(keys), dtype=torch.bool),
+                                 scale=world.scale, q_per_kv=4)
+            assert_matches(out[r:r + 1], want, torch.float32, f"step {i} row {r}")
+
+
+def _factory(runner, topk: int, steps: int):
+    """SGLang's ``DraftBackendFactory`` for ``runner`` (no ``--speculative-draft-attention-backend``), and a maker of
+    the configuration it reads in force (0.5.23: a context of its own; 0.5.17: published, then reset)."""
+    from sglang.srt import runtime_context
+    from sglang.srt.speculative.draft_utils import DraftBackendFactory
+
+    if "server_args" in inspect.signature(DraftBackendFactory.__init__).parameters:
+        @contextlib.contextmanager
+        def published():
+            runtime_context.publish(runner.server_args, role="test")
+            try:
+                yield
+            finally:
+                runtime_context.reset_context()
+
+        return DraftBackendFactory(runner.server_args, runner, topk, steps), published
+    runner.draft_attention_backend = None
+    context = runtime_context.create_context(runner.server_args, role="test")
+    return DraftBackendFactory(runner, topk, steps), lambda: runtime_context.use_context(context)
+
+
+def test_sglangs_draft_backend_factory_builds_dcp_tritons(monkeypatch):
+    """With ``--attention-backend dcp-triton`` SGLang's ``DraftBackendFactory`` (which lists its built-in backends
+    only) builds dcp-triton's multi-step draft decode and draft extend backends (the hook registered with SGLang's
+    plugins), at DCP = 1 over the draft runner's pool; a name it knows neither way is still refused by SGLang."""
+    from dcp_plugin.adapters.sglang import topology
+    from dcp_plugin.adapters.sglang.backend import DcpTritonAttnBackend
+
+    state = SglangRank(SgCase(name="factory", q_heads=8, kv_heads=2, page_size=2), 1, 0, None,
+                       server_args(config_argv(1)))
+    runner = state.runner
+    runner.is_draft_worker = True
+    monkeypatch.setattr(topology, "from_sglang", lambda runner: state.backend.topology)  # no SGLang runtime here
+    factory, context = _factory(runner, topk=2, steps=4)
+    with context():
+        steps, extend = factory.create_decode_backend(), factory.create_draft_extend_backend()
+    assert isinstance(steps, DcpTritonDraftSteps) and len(steps.attn_backends) == 3
+    assert all(isinstance(b, DcpTritonAttnBackend) and b.tokens.dcp_size == 1 for b in steps.attn_backends)
+    assert len({id(b.workspace) for b in steps.attn_backends}) == 1  # one workspace for every step
+    assert type(extend) is DcpTritonAttnBackend and extend.verify_mask is None  # a draft verifies nothing
+    assert steps.attn_backends[0].get_cuda_graph_seq_len_fill_value() == 1
+    factory.draft_attn_backend = "dcp-tritonn"  # --speculative-draft-attention-backend
+    with context(), pytest.raises(ValueError, match="EAGLE is not supported in decode attention backend dcp-tritonn"):
+        factory.create_decode_backend()
+
+
+def _padded(fb, bs: int, per_request: int):
+    """SGLang's replay view of ``fb`` for a CUDA graph captured at ``bs`` requests: the per-request tensors padded
+    (seq_len 1, request slot 0), ``out_cache_loc`` and ``spec_info`` the real requests'."""
+    real = fb.batch_size
+    pad = bs - real
+    return SimpleNamespace(
+        batch_size=bs, forward_mode=fb.forward_mode, spec_info=fb.spec_info, out_cache_loc=fb.out_cache_loc,
+        seq_lens=torch.cat([fb.seq_lens, torch.ones(pad, dtype=fb.seq_lens.dtype)]),
+        req_pool_indices=torch.cat([fb.req_pool_indices, torch.zeros(pad, dtype=fb.req_pool_indices.dtype)]),
+        seq_lens_cpu=None, positions=torch.cat([fb.positions, torch.zeros(pad * per_request, dtype=torch.int64)]))
+
+
+@pytest.mark.parametrize("speculative", ["", "eagle-chain", "eagle-tree", "ngram-full"])
+def test_graph_steps_replay_padded_batches_on_fixed_addresses(speculative):
+    """SGLang's CUDA-graph hooks for decode steps (no speculation) and verify steps: ``init_cuda_graph_state``, then
+    ``init_forward_metadata_out_graph`` at capture and at every replay, each a batch of 3 requests padded to the
+    captured 4 (SGLang's replay view). A replay refreshes the captured batch's buffers in place (the draft trees
+    too), its padded tokens write nothing; running the captured step again (what a replay does) gives the new step's
+    answer for the real requests."""
+    from tests.dcp_harness import causal_attention_f64, tree_attention_f64
+
+    case = SgCase(name="graphs", q_heads=8, kv_heads=2, page_size=2, requests=((5, 0), (9, 0), (2, 0)),
+                  speculative=speculative, draft_tokens=4, verify_steps=4, decode_steps=4)
+    state = SglangRank(case, 1, 0, None, server_args(config_argv(1) + sglang_spec_checks.argv(case)))
+    state.step({0: 5, 1: 9, 2: 2})
+    backend, d = state.backend, case.draft_tokens if speculative else 1
+    backend.init_cuda_graph_state(4, 4 * d)
+    captured, addresses = None, None
+    rng = __import__("random").Random(3)
+    layout = "full" if speculative.endswith("full") else "qlen"
+    for step in range(4):
+        if speculative:
+            fb, positions, masks = sglang_spec_checks.verify_batch(state, trees="chain" not in speculative,
+                                                                   layout=layout, rng=rng)
+        else:
+            (fb, positions), masks = state.allocate({0: 1, 1: 1, 2: 1}), [None] * 3
+        backend.init_forward_metadata_out_graph(_padded(fb, 4, d), in_capture=step == 0)
+        batch = backend.forward_metadata
+        tensors = (batch.seq_lens, batch.block_table, batch.slot_mapping, batch.chunk_mask)
+        if step == 0:
+            captured, addresses = batch, [None if t is None else t.data_ptr() for t in tensors]
+        assert [None if t is None else t.data_ptr() for t in tensors] == addresses
+        assert bool((batch.slot_mapping[3 * d:] == -1).all())  # the padded request writes nothing
+        backend.forward_metadata = captured  # a graph replays the captured step's launches
+        q, k, v = (torch.cat(t) for t in zip(*(state._qkv(b, p) for b, p in positions.items())))
+        q, k, v = (torch.cat([t, torch.zeros(d, *t.shape[1:])]) for t in (q, k, v))
+        out = backend.forward_decode(q.flatten(1), k, v, state.layers[0], fb).view(q.shape)
+        want = torch.cat([causal_attention_f64(state.world, b, p, range(8)) if m is None
+                          else tree_attention_f64(state.world, b, p, m, range(8))
+                          for (b, p), m in zip(positions.items(), masks)])
+        assert_matches(out[:3 * d], want, out.dtype, f"replay {step}")
+        if speculative:
+            sglang_spec_checks.commit(state, positions, [sglang_spec_checks.accepted_path(m, d, rng) for m in masks],
+                                      fb.out_cache_loc, rng)
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "STANDALONE", "NGRAM"])
+def test_sglangs_speculative_algorithms_are_accepted(monkeypatch, algorithm):
+    state = SglangRank(SgCase(name="spec", q_heads=8, kv_heads=2), 1, 0, None, server_args(config_argv(1)))
+    monkeypatch.setattr(compat, "resolved_server_arg", lambda runner, arg: algorithm if arg == "speculative_algorithm"
+                        else None)
+    assert support.runner_problems(state.runner) == []
+
+
+def test_a_hybrid_models_pool_is_accepted_and_its_full_attention_buffers_read():
+    """SGLang's ``HybridLinearKVPool`` around an ``MHATokenToKVPool``: accepted; the backend reads a layer's cache
+    through the pool's map of model layer ids (layer 3 is the pool's second full-attention layer) and sets what
+    SGLang's hybrid wrapper reads off it."""
+    state = SglangRank(SgCase(name="hybrid", q_heads=8, kv_heads=2, page_size=2, hybrid=True), 1, 0, None,
+                       server_args(config_argv(1)))
+    assert support.runner_problems(state.runner) == []
+    key_cache, _ = state.backend._cache_views(3)
+    assert key_cache.data_ptr() == state.kv_pool.k_buffer[1].data_ptr()
+    wrapper = state.attn
+    assert wrapper.token_to_kv_pool is state.pool and wrapper.req_to_token_pool is state.req_pool
+    assert state.backend.max_context_len == state.req_pool.req_to_token.shape[1]
+
+
+def test_a_hybrid_pool_around_another_pool_is_refused():
+    state = SglangRank(SgCase(name="hybrid", q_heads=8, kv_heads=2, hybrid=True), 1, 0, None,
+                       server_args(config_argv(1)))
+    state.pool.full_kv_pool = SimpleNamespace()  # e.g. SGLang's MXFP8 or sparse pools
+    (problem,) = support.runner_problems(state.runner)
+    assert problem.startswith("KV pool HybridLinearKVPool holding SimpleNamespace") and "supported:" in problem
+
+
+def test_a_speculative_target_hands_sglang_a_draft_tree_buffer():
+    """SGLang's EAGLE worker writes each verify step's draft trees into the target backend's ``verify_mask`` in its
+    ``QLEN_ONLY`` layout (no prefix columns); a graph's batch sizes grow it. A target without speculation, and any
+    draft runner, has none."""
+    from sglang.srt.speculative.eagle_utils import TreeMaskMode
+
+    case = SgCase(name="trees", q_heads=8, kv_heads=2, speculative="eagle-tree", draft_tokens=6)
+    state = SglangRank(case, 1, 0, None, server_args(config_argv(1) + sglang_spec_checks.argv(case)))
+    mask = state.backend.verify_mask
+    assert mask.mode == TreeMaskMode.QLEN_ONLY and mask.is_read and mask.max_bs == state.req_pool.size
+    assert mask.buffer.dtype == torch.bool and mask.buffer.numel() == mask.max_bs * 36
+    state.backend.init_cuda_graph_state(16, 16 * 6)
+    assert state.backend.verify_mask.max_bs == 16 and state.backend.verify_mask.buffer.numel() == 16 * 36
+    assert state.attn.verify_mask is state.backend.verify_mask
+    plain = SglangRank(SgCase(name="plain", q_heads=8, kv_heads=2), 1, 0, None, server_args(config_argv(1)))
+    assert plain.backend.verify_mask is None

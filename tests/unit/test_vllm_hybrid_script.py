@@ -1,0 +1,88 @@
+"""The CPU-checkable parts of benchmarks/vllm_e2e/vllm_hybrid_gpu.py: the CLI without torch or vLLM, the job
+catalogue (a Qwen3-Next of Qwen3.5's attention layout, MTP drafts, the backends it is compared with) and the summary
+of the jobs' results."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e"
+sys.path.insert(0, str(BENCH))
+import vllm_hybrid_gpu as bench  # noqa: E402
+
+
+def cli(*args: str) -> list[str]:
+    done = subprocess.run([sys.executable, "-X", "importtime", str(BENCH / "vllm_hybrid_gpu.py"), *args],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    heavy = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "|" in line} & {
+        "torch", "vllm", "transformers"}
+    assert not heavy, f"{args} imported {heavy}"
+    return done.stdout.splitlines()
+
+
+def test_list_plan_and_summarise_run_without_torch_or_vllm(tmp_path):
+    work = ["--work-dir", str(tmp_path / "w"), "--results-dir", str(tmp_path / "r")]
+    names = [line.split()[0] for line in cli("--list", *work)]
+    assert names == [f"build-{bench.MODEL}", "q3n-dcp-triton", "q3n-FLASH_ATTN", "q3n-TRITON_ATTN",
+                     "q3n-mtp-dcp-triton", "q3n-mtp-FLASH_ATTN"]
+    assert cli("--plan", *work)[-1].startswith("estimated wall time:")
+    assert cli("--summarise", *work) == [] and (tmp_path / "r" / "vllm_hybrid_h100.md").exists()
+
+
+def test_the_model_is_qwen35s_attention_layout_with_mtp_and_engines_differ_only_in_backend(tmp_path):
+    config = bench.CONFIG
+    assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
+        "full_attention"]
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (16, 2, 256)
+    assert config["num_nextn_predict_layers"] == 1
+    jobs = {j.name: j for j in bench.catalogue(tmp_path / "w", tmp_path / "raw")}
+    engines = {name: job.spec["engine"] for name, job in jobs.items() if job.spec["kind"] == "engine"}
+    assert {e["attention_backend"] for e in engines.values()} == {"dcp-triton", "FLASH_ATTN", "TRITON_ATTN"}
+    assert all(e["dtype"] == "bfloat16" and "enforce_eager" not in e for e in engines.values())  # CUDA graphs
+    assert [n for n, e in engines.items() if "speculative_config" in e] == ["q3n-mtp-dcp-triton",
+                                                                          "q3n-mtp-FLASH_ATTN"]
+    assert engines["q3n-mtp-dcp-triton"]["speculative_config"]["method"] == "qwen3_next_mtp"
+    plain = dict(engines["q3n-dcp-triton"], attention_backend=None)
+    assert all(dict(e, attention_backend=None) == plain for n, e in engines.items() if "mtp" not in n)
+
+
+def _found(tmp_path: Path) -> dict:
+    """Three plain jobs and one MTP job as the runner hands them to ``summarise``: dcp-triton and TRITON_ATTN part
+    from FLASH_ATTN at one prompt token and one greedy token; MTP leaves dcp-triton's tokens as they were."""
+    jobs = {j.name: j for j in bench.catalogue(tmp_path / "w", tmp_path / "raw")}
+    log = tmp_path / "q3n.log"
+    log.write_text("INFO Setting attention block size to 576 tokens to ensure that attention page size is ...\n")
+
+    def result(lp, tokens, counters=None):
+        greedy = {"tokens": tokens, "top2_logprobs": [[[-0.5, -0.7]] * len(t) for t in tokens], "output_tok_s": 10.0,
+                  "spec_decode": counters or {}}
+        logprobs = {"token_logprobs": lp, "top1_ids": [[1] * len(x) for x in lp]}
+        return {"tasks": {"logprobs": logprobs, "greedy": greedy}, "gpu": "H100", "vllm": "0.26.0"}
+
+    data = {"q3n-FLASH_ATTN": result([[-1.0, -2.0]], [[5, 6, 7]]),
+            "q3n-dcp-triton": result([[-1.0, -2.25]], [[5, 6, 8]]),
+            "q3n-TRITON_ATTN": result([[-1.125, -2.0]], [[5, 6, 7]]),
+            "q3n-mtp-dcp-triton": result([[-1.0, -2.25]], [[5, 6, 8]], {
+                "vllm:spec_decode_num_drafts": 4, "vllm:spec_decode_num_draft_tokens": 8,
+                "vllm:spec_decode_num_accepted_tokens": 2, "vllm:spec_decode_num_accepted_tokens_per_pos": [2, 0]})}
+    return {name: {"spec": jobs[name].spec, "result": r, "status": "ok", "log": str(log), "backend_line": "x"}
+            for name, r in data.items()}
+
+
+def test_summary_compares_with_flash_attn_beside_triton_attn_and_mtp_with_plain(tmp_path):
+    rows = bench.analyse(_found(tmp_path))["jobs"]
+    ours, triton, mtp = rows["q3n-dcp-triton"], rows["q3n-TRITON_ATTN"], rows["q3n-mtp-dcp-triton"]
+    assert ours["versus"] == triton["versus"] == "q3n-FLASH_ATTN" and mtp["versus"] == "q3n-dcp-triton"
+    assert ours["logprobs"]["max_abs"] == 0.25 and triton["logprobs"]["max_abs"] == 0.125
+    assert ours["greedy"]["identical"] == 0 and ours["greedy"]["divergences"][0]["step"] == 2
+    assert triton["greedy"]["identical"] == 1 and mtp["greedy"]["identical"] == 1
+    assert mtp["acceptance_rate"] == 0.25 and mtp["mean_acceptance_length"] == 1.5
+    assert {row["block_size"] for row in rows.values()} == {576} and "versus" not in rows["q3n-FLASH_ATTN"]
+    written = bench.write_summary({"jobs": rows}, {"vllm": "0.26.0", "gpu": "H100"}, tmp_path / "r", "t")
+    table = written[1].read_text()
+    assert "| q3n-dcp-triton | q3n-FLASH_ATTN | 576 | 0.250 / 0.1250 (2) | 0/1 (first at gaps 0.200) |" in table
+    assert json.loads(written[0].read_text())["summary"]["jobs"]["q3n-mtp-dcp-triton"]["greedy"]["identical"] == 1
