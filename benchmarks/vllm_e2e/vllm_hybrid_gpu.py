@@ -18,6 +18,7 @@ compares dcp-triton's prompt logprobs and greedy tokens with FLASH_ATTN's, besid
 attention block size each engine ran with.
 
     python benchmarks/vllm_e2e/vllm_hybrid_gpu.py --budget-s 520      # the GPU machine, after run_h200.sh's unpack
+                                                                       # and moe calls (vLLM's MoE extension)
     python benchmarks/vllm_e2e/vllm_hybrid_gpu.py --plan               # the order and estimated times; no vLLM
     python benchmarks/vllm_e2e/vllm_hybrid_gpu.py --summarise          # here, from the tarball that came back
 
@@ -42,16 +43,17 @@ from vllm_gpu_e2e import ENGINE_SCRIPT, GRAPH_SIZES  # noqa: E402
 
 MODEL = "qwen3next-h256"
 FULL_EVERY = 4
+# vLLM's Qwen3-Next runs MoE layers only, which need vLLM's MoE extension on the GPU machine: make_moe_ext.sh.
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+           decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[])
 CONFIG = dict(
     model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], vocab_size=8192, hidden_size=1024,
     intermediate_size=2048, num_hidden_layers=8,
     layer_types=["full_attention" if (i + 1) % FULL_EVERY == 0 else "linear_attention" for i in range(8)],
     num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=4, linear_num_value_heads=8,
-    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=8,
-    num_experts_per_tok=2, moe_intermediate_size=512, shared_expert_intermediate_size=512, decoder_sparse_step=1,
-    norm_topk_prob=True, mlp_only_layers=[], max_position_embeddings=16384, rms_norm_eps=1e-6, rope_theta=10000.0,
-    partial_rotary_factor=0.25, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, initializer_range=0.1,
-    num_nextn_predict_layers=1,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=16384,
+    rms_norm_eps=1e-6, rope_theta=10000.0, partial_rotary_factor=0.25, tie_word_embeddings=False, bos_token_id=1,
+    eos_token_id=2, initializer_range=0.1, num_nextn_predict_layers=1, **MOE,
 )
 MTP = {"method": "qwen3_next_mtp", "num_speculative_tokens": 2}
 LOGPROB_PROMPTS = dict(count=8, min_len=64, max_len=4000, seed=21)
@@ -82,7 +84,8 @@ def catalogue(work: Path, raw: Path) -> list[Job]:
         kwargs = dict(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=8192,
                       kv_cache_memory_bytes=4 << 30, gpu_memory_utilization=0.5, attention_backend=backend,
                       max_num_seqs=64, disable_log_stats=False,
-                      compilation_config={"cudagraph_capture_sizes": GRAPH_SIZES})
+                      compilation_config={"cudagraph_capture_sizes": GRAPH_SIZES},
+                      additional_config={"gdn_prefill_backend": "triton"})  # FlashInfer's is not in the bundle
         if mtp:
             kwargs["speculative_config"] = dict(MTP)
         spec = {"kind": "engine", "model": MODEL, "backend": backend, "dtype": "bfloat16", "mode": "graphs",

@@ -18,6 +18,8 @@
 #                  first), so what it wrote comes back inside the 10-minute limit. Scripts that need no vLLM
 #                  (benchmarks/kernels/probe_*.py) need no unpack call and carry nothing (bench_kernels.py then
 #                  measures no vLLM / FA3 peers).
+#   stage "moe":    carry .gpu-bundle/moe (scripts/device/make_moe_ext.sh: vLLM's MoE extension, 40 MiB) -> kept in
+#                  /tmp; the next bench call unpacks it beside vLLM (MoE models: vllm_e2e/vllm_hybrid_gpu.py)
 #   stage "ab":     carry .gpu-bundle/base (scripts/device/make_base_tree.sh REV) -> each benchmark script given runs
 #                  twice in this call, first over REV's dcp-triton (results named *_base, provenance REV), then over
 #                  this tree's: an A/B of two commits on one machine. Scripts that need vLLM need it unpacked and
@@ -29,7 +31,7 @@
 # packages that the install maps into it) would shadow the installed package for any child Python process.
 # Logs land in $OUT, and every file the benchmarks wrote under benchmarks/results/ in $OUT/results_new.tar.gz.
 set -uo pipefail
-stage=${1:?usage: run_h200.sh unpack|tests|bench|ab [arguments...]}
+stage=${1:?usage: run_h200.sh unpack|tests|bench|moe|ab [arguments...]}
 shift
 source "$(dirname "$0")/_device.sh"
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
@@ -65,9 +67,14 @@ case "$stage" in
           "${serial[@]}" "${targets[@]}" 2>&1; } | from_repo | tee "$OUT/gpu_tests.log"
     fi
     ;;
+  moe)
+    cp "$repo/.gpu-bundle/moe/moe.tar.gz" /tmp/ || exit 1
+    echo "vLLM's MoE extension kept in /tmp: the next bench call unpacks it"
+    ;;
   bench)
     install_dcp "$OUT/install.log" || exit 1
     join_core || exit 1
+    if test -f /tmp/moe.tar.gz && vllm_unpacked; then tar xzf /tmp/moe.tar.gz -C /tmp/vs || exit 1; fi
     if test -f "$repo/.gpu-bundle/extra/setup.sh" && vllm_unpacked; then source "$repo/.gpu-bundle/extra/setup.sh"; fi
     rm -rf /tmp/site-server
     if compgen -G "$repo/.gpu-bundle/server/*.whl" >/dev/null; then  # the OpenAI server's wheels, when carried
