@@ -19,6 +19,7 @@ chain with q3n-dcp-triton and of the tree with its float32 reference, and gives 
 accepted length (SGLang's ``spec_verify_ct``) and output tokens/s.
 
     python benchmarks/sglang_e2e/sglang_spec_gpu.py --budget-s 480   # the GPU machine: run_h200_sglang.sh bench
+    python benchmarks/sglang_e2e/sglang_spec_gpu.py --tp 2 --budget-s 480   # two GPUs: every job at DCP = 2
     python benchmarks/sglang_e2e/sglang_spec_gpu.py --dry-run        # no GPU, no SGLang: jobs and engine kwargs
 """
 
@@ -63,11 +64,19 @@ LOAD = dict(requests=16, prompt_len=1024, output_len=128)
 OUTPUT_LEN = 64
 
 
-def engine_kwargs(job: dict, models: dict[str, Path]) -> dict:
-    """``sglang.Engine(**kwargs)`` of one job (ServerArgs fields of SGLang 0.5.17 and 0.5.23)."""
+def models_for(tp: int) -> dict[str, dict]:
+    """The checkpoints' configs: ``MODELS``, or at ``tp`` 2 (DCP = 2 on two GPUs) each with one KV head, which both
+    TP ranks then hold, as SGLang's DCP needs (SGLang 0.5.17's models split KV heads by TP)."""
+    return MODELS if tp == 1 else {name: dict(config, num_key_value_heads=1) for name, config in MODELS.items()}
+
+
+def engine_kwargs(job: dict, models: dict[str, Path], tp: int = 1) -> dict:
+    """``sglang.Engine(**kwargs)`` of one job (ServerArgs fields of SGLang 0.5.17 and 0.5.23); ``tp`` 2: DCP = 2."""
     kwargs = dict(model_path=str(models[job["model"]]), skip_tokenizer_init=True, dtype=one.DTYPES[job["dtype"]],
                   attention_backend=job["backend"], random_seed=0, context_length=8192, mem_fraction_static=0.7,
                   log_level="info", sampling_backend="pytorch", disable_flashinfer_autotune=True)
+    if tp > 1:
+        kwargs.update(tp_size=tp, dcp_size=tp)
     if job["dtype"] == "fp32":
         kwargs["disable_cuda_graph"] = True
     if job.get("spec"):
@@ -77,11 +86,11 @@ def engine_kwargs(job: dict, models: dict[str, Path]) -> dict:
     return kwargs
 
 
-def run_job(job: dict, models: dict[str, Path]) -> dict:
+def run_job(job: dict, models: dict[str, Path], tp: int) -> dict:
     import sglang
 
     began = time.perf_counter()
-    engine = sglang.Engine(**engine_kwargs(job, models))
+    engine = sglang.Engine(**engine_kwargs(job, models, tp))
     result = dict(job, init_s=round(time.perf_counter() - began, 1))
     try:
         params = dict(max_new_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
@@ -114,7 +123,7 @@ def summarise(results: list[dict]) -> dict:
 
 def child(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    result = run_job(spec["job"], {name: Path(p) for name, p in spec["models"].items()})
+    result = run_job(spec["job"], {name: Path(p) for name, p in spec["models"].items()}, spec["tp"])
     Path(spec["out"]).write_text(json.dumps(result))
     os._exit(0)
 
@@ -126,6 +135,7 @@ def main() -> None:
     parser.add_argument("--name", default="sglang_spec_h100", help="results file stem")
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--dry-run", action="store_true", help="print the jobs and engine kwargs; run none")
+    parser.add_argument("--tp", type=int, choices=(1, 2), default=1, help="2: every job at tp = DCP = 2 (two GPUs)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -135,22 +145,25 @@ def main() -> None:
         print("\n".join(j["name"] for j in JOBS) if args.list else f"--only {args.only!r} matches no job")
         sys.exit(0 if args.list else 2)
     work = Path(os.environ.get("DCP_BENCH_WORK", "/tmp/dcp_sglang_spec"))
-    paths = {name: work / name for name in MODELS}
+    models = models_for(args.tp)
+    paths = {name: work / (name if args.tp == 1 else f"{name}-kv1") for name in models}
+    if args.tp == 2 and args.name == "sglang_spec_h100":
+        args.name = "sglang_spec_2xh100"
     if args.dry_run:
-        print(json.dumps(dict(models=MODELS, jobs=[dict(j, engine=engine_kwargs(j, paths)) for j in chosen]),
-                         indent=1))
+        print(json.dumps(dict(models=models, jobs=[dict(j, engine=engine_kwargs(j, paths, args.tp))
+                                                   for j in chosen]), indent=1))
         return
     work.mkdir(parents=True, exist_ok=True)
     for name in {m for j in chosen for m in (j["model"], (j.get("spec") or {}).get("draft")) if m}:
-        common.save_random_model(MODELS[name], paths[name], seed=0)
-    spec = dict(models={name: str(p) for name, p in paths.items()})
+        common.save_random_model(models[name], paths[name], seed=0)
+    spec = dict(models={name: str(p) for name, p in paths.items()}, tp=args.tp)
     began, results, path = time.monotonic(), [], None
     for job in chosen:
         if args.budget_s and time.monotonic() - began > args.budget_s:
             print(f"not started (budget): {job['name']}", flush=True)
             continue
         results.append(one.run_one(job, spec, work, script=__file__))
-        path = common.save(args.name, dict(summary=summarise(results), models=MODELS, jobs=results))
+        path = common.save(args.name, dict(summary=summarise(results), models=models, tp=args.tp, jobs=results))
         print(f"[{time.strftime('%H:%M:%S')}] {job['name']} done", flush=True)
     print(json.dumps(summarise(results), indent=1))
     print(f"wrote {common.repo_relative(path)}" if path else "no results")

@@ -5,20 +5,24 @@ size 256, as Qwen3.5's; GDN layers with 4 key / 8 value heads; MoE of 8 experts;
 machine in float32 with its multi-token-prediction weights (``common.save_random_model``) and served in bf16 (vLLM's
 GDN kernels take no float32). vLLM gives the full-attention layers a KV-cache group of their own whose block size
 makes a page as large as a GDN layer's state, and hands dcp-triton only those layers. Jobs, each one engine in its
-own process, CUDA graphs on (vLLM's default FULL_AND_PIECEWISE), one GPU, in run order:
+own process, CUDA graphs on (vLLM's default FULL_AND_PIECEWISE), one GPU, in run order (``ENGINES``):
 
   q3n-dcp-triton, q3n-FLASH_ATTN, q3n-TRITON_ATTN      no speculation
   q3n-mtp-dcp-triton, q3n-mtp-FLASH_ATTN               MTP drafts (``qwen3_next_mtp``, 2 tokens; the draft's
                                                        attention layer on the same backend)
 
+``--tp 2``: the DCP = 2 set on two GPUs (``ENGINES_TP2``, the model with one KV head: vLLM's DCP needs more TP ranks
+than KV heads), dcp-triton and FLASH_ATTN at DCP = 2 and dcp-triton with MTP drafts against dcp-triton at DCP = 1.
+
 Tasks per job: teacher-forced prompt logprobs (``LOGPROB_PROMPTS``), then greedy tokens with their top-2 logprobs of
 ``GREEDY`` prompts, all at once and timed after a warm-up (vLLM's speculative counters over that run). The summary
-compares dcp-triton's prompt logprobs and greedy tokens with FLASH_ATTN's, beside TRITON_ATTN's against FLASH_ATTN's
-(how far two vLLM backends part in bf16), each MTP job's greedy tokens with its backend's plain job, and gives the
-attention block size each engine ran with.
+compares each job with the one it names: dcp-triton's prompt logprobs and greedy tokens with FLASH_ATTN's, beside
+TRITON_ATTN's against FLASH_ATTN's (how far two vLLM backends part in bf16), each MTP job's greedy tokens with its
+backend's plain job, and gives the attention block size each engine ran with.
 
     python benchmarks/vllm_e2e/vllm_hybrid_gpu.py --budget-s 520      # the GPU machine, after run_h200.sh's unpack
                                                                        # and moe calls (vLLM's MoE extension)
+    python benchmarks/vllm_e2e/vllm_hybrid_gpu.py --tp 2 --budget-s 520  # two GPUs (run_2xh200.sh's unpack first)
     python benchmarks/vllm_e2e/vllm_hybrid_gpu.py --plan               # the order and estimated times; no vLLM
     python benchmarks/vllm_e2e/vllm_hybrid_gpu.py --summarise          # here, from the tarball that came back
 
@@ -60,19 +64,26 @@ LOGPROB_PROMPTS = dict(count=8, min_len=64, max_len=4000, seed=21)
 GREEDY = dict(count=16, min_len=100, max_len=3000, seed=22)
 WARMUP = dict(count=4, min_len=100, max_len=3000, seed=23)
 MAX_TOKENS = 64
-REFERENCE = "FLASH_ATTN"
-# name, backend, speculation; in run order
-ENGINES = [("q3n-dcp-triton", "dcp-triton", False), (f"q3n-{REFERENCE}", REFERENCE, False),
-           ("q3n-TRITON_ATTN", "TRITON_ATTN", False), ("q3n-mtp-dcp-triton", "dcp-triton", True),
-           (f"q3n-mtp-{REFERENCE}", REFERENCE, True)]
+# name, backend, MTP drafts, DCP size, the job it is compared with; in run order. One GPU (tp = 1):
+ENGINES = [("q3n-dcp-triton", "dcp-triton", False, 1, "q3n-FLASH_ATTN"), ("q3n-FLASH_ATTN", "FLASH_ATTN", False, 1, None),
+           ("q3n-TRITON_ATTN", "TRITON_ATTN", False, 1, "q3n-FLASH_ATTN"),
+           ("q3n-mtp-dcp-triton", "dcp-triton", True, 1, "q3n-dcp-triton"),
+           ("q3n-mtp-FLASH_ATTN", "FLASH_ATTN", True, 1, "q3n-FLASH_ATTN")]
+# Two GPUs (tp = 2; one KV head, so that vLLM allows DCP = 2): dcp-triton and FLASH_ATTN sharding the cache, and
+# dcp-triton at DCP = 1 as the reference of both.
+ENGINES_TP2 = [("q3n-tp2-dcp1-dcp-triton", "dcp-triton", False, 1, None),
+               ("q3n-tp2-dcp2-dcp-triton", "dcp-triton", False, 2, "q3n-tp2-dcp1-dcp-triton"),
+               ("q3n-tp2-dcp2-FLASH_ATTN", "FLASH_ATTN", False, 2, "q3n-tp2-dcp1-dcp-triton"),
+               ("q3n-tp2-dcp2-mtp-dcp-triton", "dcp-triton", True, 2, "q3n-tp2-dcp2-dcp-triton")]
 ESTIMATE_S = {"build": 40, "engine": 100}
 BLOCK_SIZE = re.compile(r"Setting attention block size to (\d+) tokens")
 
 
-def catalogue(work: Path, raw: Path) -> list[Job]:
-    """The build, then every engine job in run order."""
-    model_dir = work / "models" / MODEL
-    build = Job(f"build-{MODEL}", {"kind": "build", "model_dir": str(model_dir), "seed": 0, "config": CONFIG}, 240,
+def catalogue(work: Path, raw: Path, *, tp: int = 1) -> list[Job]:
+    """The build, then every engine job in run order (``tp``: 1, or 2 for the DCP = 2 set on two GPUs)."""
+    model, config = (MODEL, CONFIG) if tp == 1 else (f"{MODEL}-kv1", dict(CONFIG, num_key_value_heads=1))
+    model_dir = work / "models" / model
+    build = Job(f"build-{model}", {"kind": "build", "model_dir": str(model_dir), "seed": 0, "config": config}, 240,
                 estimate_s=ESTIMATE_S["build"], group="build")
     vocab = CONFIG["vocab_size"]
     tasks = [{"name": "logprobs", "type": "logprobs", "prompts": LOGPROB_PROMPTS},
@@ -80,18 +91,18 @@ def catalogue(work: Path, raw: Path) -> list[Job]:
               "prompt_ids": report.make_prompts(vocab=vocab, **GREEDY),
               "warmup_ids": report.make_prompts(vocab=vocab, **WARMUP)}]
     jobs = [build]
-    for name, backend, mtp in ENGINES:
+    for name, backend, mtp, dcp, versus in ENGINES if tp == 1 else ENGINES_TP2:
         kwargs = dict(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=8192,
                       kv_cache_memory_bytes=4 << 30, gpu_memory_utilization=0.5, attention_backend=backend,
-                      max_num_seqs=64, disable_log_stats=False,
-                      compilation_config={"cudagraph_capture_sizes": GRAPH_SIZES},
+                      max_num_seqs=64, disable_log_stats=False, tensor_parallel_size=tp,
+                      decode_context_parallel_size=dcp, compilation_config={"cudagraph_capture_sizes": GRAPH_SIZES},
                       additional_config={"gdn_prefill_backend": "triton"})  # FlashInfer's is not in the bundle
         if mtp:
             kwargs["speculative_config"] = dict(MTP)
-        spec = {"kind": "engine", "model": MODEL, "backend": backend, "dtype": "bfloat16", "mode": "graphs",
-                "method": "mtp" if mtp else None, "vocab": vocab, "engine": kwargs, "tasks": tasks,
-                "out": str(raw / f"{name}.json.gz")}
-        jobs.append(Job(name, spec, 3 * ESTIMATE_S["engine"], [build.name], exclusive=True, gpus=1,
+        spec = {"kind": "engine", "model": model, "backend": backend, "dtype": "bfloat16", "mode": "graphs",
+                "method": "mtp" if mtp else None, "dcp": dcp, "versus": versus, "vocab": vocab, "engine": kwargs,
+                "tasks": tasks, "out": str(raw / f"{name}.json.gz")}
+        jobs.append(Job(name, spec, 3 * ESTIMATE_S["engine"], [build.name], exclusive=True, gpus=tp,
                         env=dict(dcp_e2e.NO_MULTICAST), estimate_s=ESTIMATE_S["engine"],
                         group="mtp" if mtp else "plain"))
     return jobs
@@ -105,11 +116,9 @@ def logprob_diffs(ours: dict, ref: dict) -> dict:
 
 
 def analyse(jobs: dict[str, dict]) -> dict:
-    """Per job: status, the block size, tok/s and acceptance; against FLASH_ATTN's plain job: prompt logprobs and
-    greedy tokens (dcp-triton's and TRITON_ATTN's); MTP jobs against their backend's plain job."""
+    """Per job: status, the block size, tok/s and acceptance; against the job it names (``versus``): greedy tokens,
+    and prompt logprobs where neither drafts."""
     tasks = {name: (job.get("result") or {}).get("tasks") or {} for name, job in jobs.items()}
-    plain = {spec["backend"]: name for name, job in jobs.items() if (spec := job["spec"]).get("method") is None
-             and spec.get("kind") == "engine"}
     rows = {}
     for name, job in jobs.items():
         spec = job["spec"]
@@ -122,11 +131,12 @@ def analyse(jobs: dict[str, dict]) -> dict:
         greedy = tasks[name].get("greedy")
         if greedy is not None:
             row.update(output_tok_s=greedy["output_tok_s"], **spec_dcp.acceptance(greedy["spec_decode"]))
-        versus = plain.get(REFERENCE) if spec["method"] is None else plain.get(spec["backend"])
-        if versus and versus != name and greedy is not None and tasks[versus].get("greedy") is not None:
+        versus = spec["versus"]
+        if versus in tasks and greedy is not None and tasks[versus].get("greedy") is not None:
             row["versus"] = versus
             row["greedy"] = spec_dcp.compare_greedy(greedy, tasks[versus]["greedy"])
-            if spec["method"] is None and "logprobs" in tasks[name] and "logprobs" in tasks[versus]:
+            if spec["method"] is None and jobs[versus]["spec"]["method"] is None and "logprobs" in tasks[name] \
+                    and "logprobs" in tasks[versus]:
                 row["logprobs"] = logprob_diffs(tasks[name]["logprobs"], tasks[versus]["logprobs"])
         rows[name] = row
     return {"jobs": rows}
@@ -160,7 +170,7 @@ def summarise(args, paths: dict[str, Path], jobs: dict[str, dict]) -> list[Path]
     meta = next(({k: r["result"].get(k) for k in ("gpu", "vllm", "torch")} for r in jobs.values() if r["result"]),
                 {})
     meta.update(model=MODEL, config=CONFIG, mtp=MTP, logprob_prompts=LOGPROB_PROMPTS, greedy=GREEDY,
-                max_tokens=MAX_TOKENS, reference=REFERENCE)
+                max_tokens=MAX_TOKENS, tp=args.tp)
     return write_summary(analyse(jobs), meta, paths["results"], args.name)
 
 
@@ -170,10 +180,14 @@ def main(argv: list[str] | None = None) -> None:
                        ("--summarise", "run nothing: rewrite the summary from the results in --work-dir or the "
                                        "tarball; needs no vLLM and no GPU")):
         parser.add_argument(flag, action="store_true", help=text)
+    parser.add_argument("--tp", type=int, choices=(1, 2), default=1, help="1: one GPU (default); 2: the DCP = 2 "
+                        "set on two GPUs")
     args = parser.parse_args(argv)
+    if args.tp == 2 and args.name == "vllm_hybrid_h100":
+        args.name = "vllm_hybrid_2xh100"
     paths = runner.state_paths(args.results_dir, args.work_dir / "logs", args.work_dir / "raw", args.work_dir)
     pack = paths["results"] / f"{args.name}_jobs.tar.gz"
-    all_jobs = catalogue(paths["work"], paths["raw"])
+    all_jobs = catalogue(paths["work"], paths["raw"], tp=args.tp)
     chosen = runner.select_only(all_jobs, args.only) if args.only else [j for j in all_jobs
                                                                           if j.spec["kind"] == "engine"]
     if args.list:
@@ -190,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     jobs = runner.with_needs(all_jobs, chosen, pending_only=not args.force)
     if args.plan:
-        dcp_e2e.print_plan(jobs, gpus=1, parallel=1, budget_s=args.budget_s)
+        dcp_e2e.print_plan(jobs, gpus=args.tp, parallel=1, budget_s=args.budget_s)
         return
     runner.require(spec_dcp.REQUIRED_MODULES)
     args.jobs = 1

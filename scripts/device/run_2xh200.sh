@@ -15,13 +15,17 @@
 #          the last stopped while the machine is warm).
 #   spec:  like e2e (after it, on the same warm machine), for benchmarks/vllm_e2e/vllm_spec_dcp.py: speculative
 #          decoding.
+#   moe:   carry .gpu-bundle/moe (scripts/device/make_moe_ext.sh: vLLM's MoE extension) -> kept in /tmp for a hybrid
+#          call, which unpacks it beside vLLM.
+#   hybrid: like e2e, for benchmarks/vllm_e2e/vllm_hybrid_gpu.py --tp 2 (a hybrid GDN model at DCP = 2; a moe call
+#          first).
 #   e.g.  bash scripts/device/run_2xh200.sh unpack       carry .gpu-bundle/core-part, then
 #         bash scripts/device/run_2xh200.sh check        carry .gpu-bundle/core-rest, then
 #         bash scripts/device/run_2xh200.sh e2e --budget-s 540    carry .gpu-bundle/extra
 # Everything runs from /tmp: in the repository root, its dcp_plugin/ folder (without the kernels/ and adapters/
 # packages that the install maps into it) would shadow the installed package for child processes.
 set -uo pipefail
-stage=${1:?usage: run_2xh200.sh unpack|check|e2e|spec [arguments...]}
+stage=${1:?usage: run_2xh200.sh unpack|check|e2e|spec|moe|hybrid [arguments...]}
 shift
 source "$(dirname "$0")/_device.sh"
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
@@ -57,17 +61,26 @@ case "$stage" in
       --out "$OUT/host_overhead_h200.json"
     wait
     ;;
-  e2e|spec)
+  moe)
+    cp "$repo/.gpu-bundle/moe/moe.tar.gz" /tmp/ || exit 1
+    echo "vLLM's MoE extension kept in /tmp: a hybrid call unpacks it"
+    ;;
+  e2e|spec|hybrid)
     install_dcp /tmp/logs/install.log || exit 1
     join_core || exit 1
     vllm_unpacked || { echo "vLLM is not unpacked in /tmp/vs: first an unpack call carrying" \
       ".gpu-bundle/core-part, then carry .gpu-bundle/core-rest with this one (or a check call)" >&2; exit 1; }
+    if test -f /tmp/moe.tar.gz; then tar xzf /tmp/moe.tar.gz -C /tmp/vs || exit 1; fi
     source "$repo/.gpu-bundle/extra/setup.sh"
     export PYTHONPATH=/tmp/dcp:$PYTHONPATH
     cd /tmp
-    script=vllm_dcp_e2e.py
-    test "$stage" = spec && script=vllm_spec_dcp.py
-    python3 "$repo/benchmarks/vllm_e2e/$script" --mirror "$OUT" "$@" 2>&1 | tee "/tmp/logs/$stage.log" | tail -n 60
+    case "$stage" in
+      e2e) script=(vllm_dcp_e2e.py) ;;
+      spec) script=(vllm_spec_dcp.py) ;;
+      hybrid) script=(vllm_hybrid_gpu.py --tp 2) ;;
+    esac
+    python3 "$repo/benchmarks/vllm_e2e/${script[0]}" "${script[@]:1}" --mirror "$OUT" "$@" 2>&1 \
+      | tee "/tmp/logs/$stage.log" | tail -n 60
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

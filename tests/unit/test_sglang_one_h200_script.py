@@ -200,3 +200,13 @@ def test_spec_script_summary_compares_each_job_with_its_reference():
     assert chain["versus"] == "q3n-dcp-triton" and chain["greedy"]["equal"] == 1 and chain["speedup"] == 1.5
     assert chain["mean_accepted_length"] == 1.5  # 3 tokens over 2 verify steps
     assert "versus" not in rows["q3n-triton"]
+
+
+def test_spec_script_two_gpu_set_runs_every_job_at_dcp_2_on_one_kv_head(tmp_path):
+    done = subprocess.run([sys.executable, str(SPEC_SCRIPT), "--dry-run", "--tp", "2"], capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, DCP_BENCH_WORK=str(tmp_path / "work")))
+    assert done.returncode == 0, done.stderr[-2000:]
+    plan = json.loads(done.stdout)
+    assert {config["num_key_value_heads"] for config in plan["models"].values()} == {1}
+    assert all((j["engine"]["tp_size"], j["engine"]["dcp_size"]) == (2, 2) for j in plan["jobs"])
+    assert all(j["engine"]["model_path"].endswith("-kv1") for j in plan["jobs"])

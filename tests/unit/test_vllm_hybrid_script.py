@@ -86,3 +86,18 @@ def test_summary_compares_with_flash_attn_beside_triton_attn_and_mtp_with_plain(
     table = written[1].read_text()
     assert "| q3n-dcp-triton | q3n-FLASH_ATTN | 576 | 0.250 / 0.1250 (2) | 0/1 (first at gaps 0.200) |" in table
     assert json.loads(written[0].read_text())["summary"]["jobs"]["q3n-mtp-dcp-triton"]["greedy"]["identical"] == 1
+
+
+def test_the_two_gpu_set_shards_the_cache_of_a_one_kv_head_model(tmp_path):
+    """``--tp 2``: vLLM allows DCP = 2 at tp = 2 only with fewer KV heads than ranks: the model keeps one; each DCP = 2
+    job is compared with dcp-triton at DCP = 1 (MTP drafts with dcp-triton at DCP = 2)."""
+    jobs = {j.name: j.spec for j in bench.catalogue(tmp_path / "w", tmp_path / "raw", tp=2)}
+    build = jobs.pop(f"build-{bench.MODEL}-kv1")
+    assert build["config"]["num_key_value_heads"] == 1 and build["config"]["num_attention_heads"] == 16
+    assert all(s["engine"]["tensor_parallel_size"] == 2 for s in jobs.values())
+    assert {n: (s["engine"]["decode_context_parallel_size"], s["versus"]) for n, s in jobs.items()} == {
+        "q3n-tp2-dcp1-dcp-triton": (1, None), "q3n-tp2-dcp2-dcp-triton": (2, "q3n-tp2-dcp1-dcp-triton"),
+        "q3n-tp2-dcp2-FLASH_ATTN": (2, "q3n-tp2-dcp1-dcp-triton"),
+        "q3n-tp2-dcp2-mtp-dcp-triton": (2, "q3n-tp2-dcp2-dcp-triton")}
+    assert cli("--tp", "2", "--plan", "--work-dir", str(tmp_path / "w"), "--results-dir", str(tmp_path / "r"))[0] \
+        .endswith("[2 GPUs, 1 jobs at once]")
