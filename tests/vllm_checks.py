@@ -51,6 +51,19 @@ def write_random_llama(path: Path, *, seed: int = 0, **overrides) -> Path:
     return save_random_llama({**TINY_LLAMA, "initializer_range": 0.2, **overrides}, path, seed=seed)
 
 
+def script_output(script: Path, *args: str, heavy: tuple[str, ...] = ("torch", "vllm", "transformers")) -> list[str]:
+    """A benchmark script's output lines for ``args``; it must succeed without importing any of ``heavy`` (the CLI
+    paths that need no GPU: listing, planning, summarising)."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-X", "importtime", str(script), *args], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "|" in line}
+    assert not imported & set(heavy), f"{args} imported {imported & set(heavy)}"
+    return done.stdout.splitlines()
+
+
 def cpu_platform_if_unspecified(monkeypatch) -> None:
     """vLLM's CUDA build on a machine without GPU resolves no platform (and so no device type, which ``VllmConfig``
     needs); vLLM's CPU platform stands in for it."""

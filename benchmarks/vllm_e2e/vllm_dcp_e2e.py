@@ -180,6 +180,37 @@ def print_plan(jobs: list[Job], *, gpus: int, parallel: int, budget_s: float | N
     print(f"estimated wall time: {max(ends, default=0):.0f} s")
 
 
+def one_engine_at_a_time(args, all_jobs: list[Job], summarise: runner.Summarise, *, gpu_ids: list[str],
+                         plan_gpus: int, required: tuple[str, ...]) -> None:
+    """The rest of a catalogue script's main once its options are parsed (``vllm_spec_dcp.py``,
+    ``vllm_hybrid_gpu.py``): ``--list``, ``--summarise`` (no vLLM, no GPU), ``--plan`` (``plan_gpus``), else the
+    pending jobs of ``--only`` (every engine job by default) with their builds, one engine at a time on ``gpu_ids``.
+    ``summarise(found)`` writes the summary; results and logs pack into ``<name>_jobs.tar.gz``."""
+    paths = runner.state_paths(args.results_dir, args.work_dir / "logs", args.work_dir / "raw", args.work_dir)
+    pack = paths["results"] / f"{args.name}_jobs.tar.gz"
+    chosen = runner.select_only(all_jobs, args.only) if args.only else [j for j in all_jobs
+                                                                          if j.spec["kind"] == "engine"]
+    if args.list:
+        runner.print_list(runner.with_needs(all_jobs, chosen))
+        return
+
+    def job_runner(jobs: list[Job], **options) -> runner.Runner:
+        return runner.Runner(args, jobs, all_jobs, paths, engine_script=ENGINE_SCRIPT, pack=pack,
+                             summarise=summarise, **options)
+
+    runner.unpack(pack, {"raw": paths["raw"], "logs": paths["logs"]})  # what an earlier machine finished
+    if args.summarise:
+        job_runner([]).write_summary()
+        return
+    jobs = runner.with_needs(all_jobs, chosen, pending_only=not args.force)
+    if args.plan:
+        print_plan(jobs, gpus=plan_gpus, parallel=1, budget_s=args.budget_s)
+        return
+    runner.require(required)
+    args.jobs = 1  # one engine job at a time (at tp = 2 each takes both GPUs)
+    runner.run_jobs(job_runner(jobs, gpu_ids=gpu_ids), paths["results"] / f"{args.name}.md")
+
+
 def summarise(args, paths: dict[str, Path], jobs: dict[str, dict]) -> list[Path]:
     summary = dcp_report.analyse(jobs)
     meta = next(({k: r["result"].get(k) for k in ("gpu", "vllm", "torch")} for r in jobs.values() if r["result"]),

@@ -43,7 +43,7 @@ import vllm_dcp_e2e as dcp_e2e  # noqa: E402
 import vllm_e2e_report as report  # noqa: E402
 import vllm_spec_dcp as spec_dcp  # noqa: E402
 from e2e_runner import Job  # noqa: E402
-from vllm_gpu_e2e import ENGINE_SCRIPT, GRAPH_SIZES  # noqa: E402
+from vllm_gpu_e2e import GRAPH_SIZES  # noqa: E402
 
 MODEL = "qwen3next-h256"
 FULL_EVERY = 4
@@ -143,17 +143,11 @@ def analyse(jobs: dict[str, dict]) -> dict:
 
 
 def write_summary(summary: dict, meta: dict, results: Path, name: str) -> list[Path]:
-    results.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = results / f"{name}.json", results / f"{name}.md"
-    json_path.write_text(json.dumps({"summary": summary, "meta": meta}, indent=1))
     lines = [f"# A hybrid model (Qwen3-Next, GDN + attention) on dcp-triton ({meta.get('vllm')}, {meta.get('gpu')}, "
              "bf16, CUDA graphs)", "",
              "| job | versus | block size | prompt logprobs max / median abs diff | greedy = versus | acceptance | "
              "output tok/s |", "|---|---|---|---|---|---|---|"]
-
-    def fmt(value, pattern="{:.3f}"):
-        return "-" if value is None else pattern.format(value)
-
+    fmt = spec_dcp.fmt
     for job, row in summary["jobs"].items():
         lp, greedy = row.get("logprobs"), row.get("greedy")
         logprobs = "-" if lp is None else f"{lp['max_abs']:.3f} / {lp['median_abs']:.4f} ({lp['positions']})"
@@ -162,8 +156,7 @@ def write_summary(summary: dict, meta: dict, results: Path, name: str) -> list[P
                 f"{d['ref_top2_gap']:.3f}" for d in greedy["divergences"]) + ")")
         lines.append(f"| {job} | {row.get('versus', '-')} | {row['block_size'] or '-'} | {logprobs} | {same} | "
                      f"{fmt(row.get('acceptance_rate'))} | {fmt(row.get('output_tok_s'), '{:,.0f}')} |")
-    md_path.write_text("\n".join(lines) + "\n")
-    return [json_path, md_path]
+    return spec_dcp.write_files(summary, meta, results, name, lines)
 
 
 def summarise(args, paths: dict[str, Path], jobs: dict[str, dict]) -> list[Path]:
@@ -186,30 +179,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.tp == 2 and args.name == "vllm_hybrid_h100":
         args.name = "vllm_hybrid_2xh100"
     paths = runner.state_paths(args.results_dir, args.work_dir / "logs", args.work_dir / "raw", args.work_dir)
-    pack = paths["results"] / f"{args.name}_jobs.tar.gz"
-    all_jobs = catalogue(paths["work"], paths["raw"], tp=args.tp)
-    chosen = runner.select_only(all_jobs, args.only) if args.only else [j for j in all_jobs
-                                                                          if j.spec["kind"] == "engine"]
-    if args.list:
-        runner.print_list(runner.with_needs(all_jobs, chosen))
-        return
-
-    def job_runner(jobs: list[Job], **options) -> runner.Runner:
-        return runner.Runner(args, jobs, all_jobs, paths, engine_script=ENGINE_SCRIPT, pack=pack,
-                             summarise=lambda found: summarise(args, paths, found), **options)
-
-    runner.unpack(pack, {"raw": paths["raw"], "logs": paths["logs"]})
-    if args.summarise:
-        job_runner([]).write_summary()
-        return
-    jobs = runner.with_needs(all_jobs, chosen, pending_only=not args.force)
-    if args.plan:
-        dcp_e2e.print_plan(jobs, gpus=args.tp, parallel=1, budget_s=args.budget_s)
-        return
-    runner.require(spec_dcp.REQUIRED_MODULES)
-    args.jobs = 1
-    runner.run_jobs(job_runner(jobs, gpu_ids=runner.visible_gpus()), paths["results"] / f"{args.name}.md")
-
+    dcp_e2e.one_engine_at_a_time(args, catalogue(paths["work"], paths["raw"], tp=args.tp),
+                                 lambda found: summarise(args, paths, found), gpu_ids=runner.visible_gpus(),
+                                 plan_gpus=args.tp, required=spec_dcp.REQUIRED_MODULES)
 
 if __name__ == "__main__":
     main()

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e_runner as runner  # noqa: E402
 import vllm_dcp_e2e as dcp_e2e  # noqa: E402
 from e2e_runner import Job  # noqa: E402
-from vllm_gpu_e2e import ENGINE_SCRIPT, GRAPH_SIZES, LLAMA_COMMON  # noqa: E402
+from vllm_gpu_e2e import GRAPH_SIZES, LLAMA_COMMON  # noqa: E402
 
 DRAFT_MODEL = "draft-d64"
 DRAFT_CONFIG = dict(LLAMA_COMMON, num_hidden_layers=2, hidden_size=512, intermediate_size=1024,
@@ -174,18 +174,25 @@ def analyse(jobs: dict[str, dict]) -> dict:
     return {"jobs": rows}
 
 
-def write_summary(summary: dict, meta: dict, results: Path, name: str) -> list[Path]:
+def fmt(value, pattern="{:.3f}") -> str:
+    """A table cell: ``pattern`` of ``value``, "-" for None."""
+    return "-" if value is None else pattern.format(value)
+
+
+def write_files(summary: dict, meta: dict, results: Path, name: str, lines: list[str]) -> list[Path]:
+    """``<name>.json`` (summary and meta) and ``<name>.md`` (``lines``) in ``results``."""
     results.mkdir(parents=True, exist_ok=True)
     json_path, md_path = results / f"{name}.json", results / f"{name}.md"
     json_path.write_text(json.dumps({"summary": summary, "meta": meta}, indent=1))
+    md_path.write_text("\n".join(lines) + "\n")
+    return [json_path, md_path]
+
+
+def write_summary(summary: dict, meta: dict, results: Path, name: str) -> list[Path]:
     lines = [f"# Speculative decoding on dcp-triton, tp = {meta.get('tp', 2)} ({meta.get('vllm')}, "
              f"{meta.get('gpu')})", "",
              "| job | method | DCP | comm | status | greedy = reference | acceptance | mean accepted length | "
              "output tok/s | speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
-
-    def fmt(value, pattern="{:.3f}"):
-        return "-" if value is None else pattern.format(value)
-
     for job, row in summary["jobs"].items():
         greedy = row.get("greedy")
         same = "-" if greedy is None else f"{greedy['identical']}/{greedy['prompts']}" + (
@@ -193,8 +200,7 @@ def write_summary(summary: dict, meta: dict, results: Path, name: str) -> list[P
         lines.append(f"| {job} | {row['method'] or '-'} | {row['dcp']} | {row['comm'] or '-'} | {row['status']} | "
                      f"{same} | {fmt(row.get('acceptance_rate'))} | {fmt(row.get('mean_acceptance_length'))} | "
                      f"{fmt(row.get('output_tok_s'), '{:,.0f}')} | {fmt(row.get('speedup'), '{:.2f}x')} |")
-    md_path.write_text("\n".join(lines) + "\n")
-    return [json_path, md_path]
+    return write_files(summary, meta, results, name, lines)
 
 
 def summarise(args, paths: dict[str, Path], jobs: dict[str, dict]) -> list[Path]:
@@ -220,32 +226,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.tp == 1 and args.name == "vllm_spec_dcp_2xh200":
         args.name = "vllm_spec_h200"
     paths = runner.state_paths(args.results_dir, args.work_dir / "logs", args.work_dir / "raw", args.work_dir)
-    pack = paths["results"] / f"{args.name}_jobs.tar.gz"
-    all_jobs = catalogue(paths["work"], paths["raw"], eager=args.eager, tp=args.tp)
-    chosen = runner.select_only(all_jobs, args.only) if args.only else [j for j in all_jobs
-                                                                          if j.spec["kind"] == "engine"]
-    if args.list:
-        runner.print_list(runner.with_needs(all_jobs, chosen))
-        return
-
-    def job_runner(jobs: list[Job], **options) -> runner.Runner:
-        return runner.Runner(args, jobs, all_jobs, paths, engine_script=ENGINE_SCRIPT, pack=pack,
-                             summarise=lambda found: summarise(args, paths, found), **options)
-
-    runner.unpack(pack, {"raw": paths["raw"], "logs": paths["logs"]})  # what an earlier machine finished
-    if args.summarise:  # needs neither vLLM nor a GPU
-        job_runner([]).write_summary()
-        return
-    jobs = runner.with_needs(all_jobs, chosen, pending_only=not args.force)
     gpu_ids = [str(i) for i in range(args.gpus)] if args.gpus is not None else runner.visible_gpus()
-    if args.plan:
-        dcp_e2e.print_plan(jobs, gpus=len(gpu_ids) if args.gpus is not None or gpu_ids else 2, parallel=1,
-                           budget_s=args.budget_s)
-        return
-    runner.require(REQUIRED_MODULES)
-    args.jobs = 1  # one engine job at a time (at tp = 2 each takes both GPUs)
-    runner.run_jobs(job_runner(jobs, gpu_ids=gpu_ids), paths["results"] / f"{args.name}.md")
-
+    dcp_e2e.one_engine_at_a_time(
+        args, catalogue(paths["work"], paths["raw"], eager=args.eager, tp=args.tp),
+        lambda found: summarise(args, paths, found), gpu_ids=gpu_ids,
+        plan_gpus=len(gpu_ids) if args.gpus is not None or gpu_ids else 2, required=REQUIRED_MODULES)
 
 if __name__ == "__main__":
     main()

@@ -23,18 +23,17 @@ def test_extend_attention(head_dim, dtype, monkeypatch):
         _check_extend(head_dim, dtype)
 
 
-def _check_extend(head_dim, dtype):
-    lengths = [1, 700, 0, 333, 1500]
+def _check_extend(head_dim, dtype, lengths=(1, 700, 0, 333, 1500), chunk_mask=None):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    t = sum(lengths)
+    t, longest = sum(lengths), max(lengths)
     # Local Q heads 8..15 of a 32 Q / 2 KV model; k holds both KV heads.
     q = torch.randn(t, 8, head_dim, device="cuda").to(dtype)
     k, v = (torch.randn(t, 2, head_dim, device="cuda").to(dtype) for _ in range(2))
     out, lse = poisoned(q.shape, dtype, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
     heads = dict(q_head_start=8, q_per_kv=16, kv_head_start=0)
-    extend_attention(q, k, v, cu, max(lengths), scale=head_dim**-0.5, out=out, lse=lse, **heads)
-    want_out, want_lse = reference.extend_attention(q.double(), k.double(), v.double(), cu, max(lengths),
-                                                    scale=head_dim**-0.5, **heads)
+    extend_attention(q, k, v, cu, longest, scale=head_dim**-0.5, out=out, lse=lse, chunk_mask=chunk_mask, **heads)
+    want_out, want_lse = reference.extend_attention(q.double(), k.double(), v.double(), cu, longest,
+                                                    scale=head_dim**-0.5, chunk_mask=chunk_mask, **heads)
     assert_matches(out, want_out, dtype, "out")
     assert_matches(lse, want_lse, dtype, "lse")
 
@@ -54,17 +53,7 @@ def test_extend_attention_under_draft_trees(head_dim, dtype):
                       torch.rand(1, size, size, generator=gen) < 0.05]).cuda()
     mask[-1].fill_diagonal_(True)
     mask[-1, 299, :250] = False
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    t = sum(lengths)
-    q = torch.randn(t, 8, head_dim, device="cuda").to(dtype)
-    k, v = (torch.randn(t, 2, head_dim, device="cuda").to(dtype) for _ in range(2))
-    out, lse = poisoned(q.shape, dtype, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
-    heads = dict(q_head_start=8, q_per_kv=16, kv_head_start=0)
-    extend_attention(q, k, v, cu, size, scale=head_dim**-0.5, out=out, lse=lse, chunk_mask=mask, **heads)
-    want_out, want_lse = reference.extend_attention(q.double(), k.double(), v.double(), cu, size,
-                                                    scale=head_dim**-0.5, chunk_mask=mask, **heads)
-    assert_matches(out, want_out, dtype, "out")
-    assert_matches(lse, want_lse, dtype, "lse")
+    _check_extend(head_dim, dtype, lengths, chunk_mask=mask)
 
 
 @pytest.mark.parametrize("num_parts", [2, 3, 8])

@@ -5,23 +5,17 @@ of the jobs' results."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e"
 sys.path.insert(0, str(BENCH))
 import vllm_hybrid_gpu as bench  # noqa: E402
+from tests.vllm_checks import script_output  # noqa: E402
 
 
 def cli(*args: str) -> list[str]:
-    done = subprocess.run([sys.executable, "-X", "importtime", str(BENCH / "vllm_hybrid_gpu.py"), *args],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr[-2000:]
-    heavy = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "|" in line} & {
-        "torch", "vllm", "transformers"}
-    assert not heavy, f"{args} imported {heavy}"
-    return done.stdout.splitlines()
+    return script_output(BENCH / "vllm_hybrid_gpu.py", *args)
 
 
 def test_list_plan_and_summarise_run_without_torch_or_vllm(tmp_path):

@@ -5,7 +5,6 @@ task on a stand-in LLM."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,17 +13,11 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e"
 sys.path.insert(0, str(BENCH))
 import vllm_e2e_engine as engine  # noqa: E402  (the job process's script: its spec_decode task)
 import vllm_spec_dcp as bench  # noqa: E402
+from tests.vllm_checks import script_output  # noqa: E402
 
 
 def cli(*args: str) -> list[str]:
-    """The script's output lines for ``args``; it must succeed without importing torch, vLLM or transformers."""
-    done = subprocess.run([sys.executable, "-X", "importtime", str(BENCH / "vllm_spec_dcp.py"), *args],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr[-2000:]
-    heavy = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "|" in line} & {
-        "torch", "vllm", "transformers"}
-    assert not heavy, f"{args} imported {heavy}"
-    return done.stdout.splitlines()
+    return script_output(BENCH / "vllm_spec_dcp.py", *args)
 
 
 def test_list_and_plan_run_without_torch_or_vllm(tmp_path):
