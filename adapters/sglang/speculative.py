@@ -8,6 +8,7 @@ runs at DCP = 1 over a KV pool that SGLang replicates on every rank (``draft.py`
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -43,12 +44,20 @@ def from_runner(model_runner) -> Speculation:
     return Speculation(algorithm=algorithm, draft_tokens=tokens, trees=algorithm == "NGRAM" or topk > 1)
 
 
+PLAN_STREAM_ENV = "SGLANG_ENABLE_OVERLAP_PLAN_STREAM"
+
+
 def problems(speculation: Speculation) -> list[str]:
     """Each speculative setting dcp-triton does not run, as ``"<option>: <why>; supported: <what>"``."""
-    if speculation.algorithm is None or speculation.algorithm in SUPPORTED_ALGORITHMS:
+    if speculation.algorithm is None:
         return []
-    return [f"--speculative-algorithm {speculation.algorithm}: not supported by dcp-triton; supported: "
-            f"{', '.join(SUPPORTED_ALGORITHMS)} (and NEXTN)"]
+    if speculation.algorithm not in SUPPORTED_ALGORITHMS:
+        return [f"--speculative-algorithm {speculation.algorithm}: not supported by dcp-triton; supported: "
+                f"{', '.join(SUPPORTED_ALGORITHMS)} (and NEXTN)"]
+    if os.environ.get(PLAN_STREAM_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        return [f"{PLAN_STREAM_ENV}=1: SGLang would build a step's attention metadata on a stream of its own, while "
+                "dcp-triton refreshes its graph buffers on the forward stream; supported: 0 (SGLang's default)"]
+    return []
 
 
 class VerifyTrees:

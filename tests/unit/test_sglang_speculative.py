@@ -238,11 +238,16 @@ def test_graph_steps_replay_padded_batches_on_fixed_addresses(speculative):
 
 
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "STANDALONE", "NGRAM"])
-def test_sglangs_speculative_algorithms_are_accepted(monkeypatch, algorithm):
+def test_sglangs_speculative_algorithms_are_accepted_without_a_plan_stream(monkeypatch, algorithm):
+    """SGLang's algorithms run; its opt-in plan stream, which would build a step's metadata beside the forward
+    stream that refreshes dcp-triton's graph buffers, is refused by name."""
     state = SglangRank(SgCase(name="spec", q_heads=8, kv_heads=2), 1, 0, None, server_args(config_argv(1)))
     monkeypatch.setattr(compat, "resolved_server_arg", lambda runner, arg: algorithm if arg == "speculative_algorithm"
                         else None)
     assert support.runner_problems(state.runner) == []
+    monkeypatch.setenv("SGLANG_ENABLE_OVERLAP_PLAN_STREAM", "true")
+    (problem,) = support.runner_problems(state.runner)
+    assert problem.startswith("SGLANG_ENABLE_OVERLAP_PLAN_STREAM=1") and "supported: 0" in problem
 
 
 def test_a_hybrid_models_pool_is_accepted_and_its_full_attention_buffers_read():
