@@ -62,13 +62,18 @@ class DcpTritonAttnBackend(AttentionBackend):
                                               self.pool.device) if self.speculation.verifies else None
         self._moves = None
         if self.speculation.trees and heads.dcp_size > 1:  # accepted branches move across the group's ranks
-            self._moves = TreeMoves(
-                dcp_size=heads.dcp_size, dcp_rank=heads.dcp_rank, page_size=self.tokens.block_size,
-                layer_ids=[layer.layer_id for layer in layers],
-                max_tokens=self.req_to_token_pool.size * self.speculation.draft_tokens,
-                kv_heads=heads.num_kv_heads, head_dim=model_runner.model_config.head_dim, dtype=model_runner.dtype,
-                device=self.pool.device, cache_views=self._cache_views)
-            getattr(self.pool, "full_kv_pool", self.pool).move_kv_cache = self._moves.move  # this pool object only
+            # One per pool: every target backend SGLang builds over it (0.5.23's adaptive runtime builds several)
+            # keeps its verify windows there, and the pool's move (this pool object's only) reads them.
+            mha = getattr(self.pool, "full_kv_pool", self.pool)
+            self._moves = getattr(mha, "dcp_triton_tree_moves", None)
+            if self._moves is None:
+                self._moves = mha.dcp_triton_tree_moves = TreeMoves(
+                    dcp_size=heads.dcp_size, dcp_rank=heads.dcp_rank, page_size=self.tokens.block_size,
+                    layer_ids=[layer.layer_id for layer in layers],
+                    max_tokens=self.req_to_token_pool.size * self.speculation.draft_tokens,
+                    kv_heads=heads.num_kv_heads, head_dim=model_runner.model_config.head_dim,
+                    dtype=model_runner.dtype, device=self.pool.device, cache_views=self._cache_views)
+                mha.move_kv_cache = self._moves.move
         head_dim = model_runner.model_config.head_dim
         max_tokens = max(compat.resolved_server_arg(model_runner, name) or 0
                          for name in ("max_prefill_tokens", "chunked_prefill_size", "cuda_graph_max_bs")) or 8192
@@ -97,6 +102,8 @@ class DcpTritonAttnBackend(AttentionBackend):
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         if self._trees is not None:
             self._trees = self._trees.grown(max_bs)
+        if self._moves is not None:
+            self._moves.hold(max_bs * self.speculation.draft_tokens)
         self.steps.init_graphs(max_bs, max_num_tokens, verify_tokens=self.speculation.draft_tokens,
                                trees=None if self._trees is None else self._trees.buffer)
 

@@ -30,12 +30,20 @@ class TreeMoves:
                  cache_views: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.dcp_size, self.dcp_rank, self.page_size = dcp_size, dcp_rank, page_size
         self.index = {layer_id: i for i, layer_id in enumerate(layer_ids)}
-        shape = (len(layer_ids), max_tokens, kv_heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        # The verify window's widened slots, in the copies' row order (-1 past the step's tokens).
-        self.window = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self._shape, self._dtype, self._device = (len(layer_ids), kv_heads, head_dim), dtype, device
         self._cache_views = cache_views
+        self.hold(max_tokens)
+
+    def hold(self, max_tokens: int) -> None:
+        """Room for verify steps of ``max_tokens`` tokens (made anew when larger: SGLang sizes its CUDA graphs
+        before it serves or captures anything)."""
+        if getattr(self, "window", None) is not None and self.window.shape[0] >= max_tokens:
+            return
+        layers, kv_heads, head_dim = self._shape
+        self.keys = torch.zeros(layers, max_tokens, kv_heads, head_dim, dtype=self._dtype, device=self._device)
+        self.values = torch.zeros_like(self.keys)
+        # The verify window's widened slots, in the copies' row order (-1 past the step's tokens).
+        self.window = torch.full((max_tokens,), -1, dtype=torch.int64, device=self._device)
 
     def set_window(self, out_cache_loc: torch.Tensor) -> None:
         """A verify step's slots (``ForwardBatch.out_cache_loc``), when its metadata is built."""

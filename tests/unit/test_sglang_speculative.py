@@ -288,3 +288,22 @@ def test_a_speculative_target_hands_sglang_a_draft_tree_buffer():
     assert state.attn.verify_mask is state.backend.verify_mask
     plain = SglangRank(SgCase(name="plain", q_heads=8, kv_heads=2), 1, 0, None, server_args(config_argv(1)))
     assert plain.backend.verify_mask is None
+
+
+def test_every_target_backend_over_a_pool_keeps_its_verify_windows_for_the_one_move():
+    """At DCP > 1 with draft trees the pool's move reads the verify windows the backends kept: a second target
+    backend over the same pool (SGLang 0.5.23's adaptive runtime builds several) keeps them in the same place, and
+    CUDA-graph batch sizes past the request pool make room for their windows."""
+    from dcp_plugin.adapters.sglang.backend import DcpTritonAttnBackend
+
+    class GroupShape:  # the DCP group's shape: building a backend runs no collective
+        world_size, rank_in_group = 2, 0
+
+    case = SgCase(name="moves", q_heads=8, kv_heads=2, speculative="eagle-tree", draft_tokens=6)
+    state = SglangRank(case, 2, 0, GroupShape(), server_args(config_argv(2) + sglang_spec_checks.argv(case)))
+    moves = state.backend._moves
+    assert moves is not None and state.pool.move_kv_cache == moves.move
+    again = DcpTritonAttnBackend(state.runner, topology=state.backend.topology)
+    assert again._moves is moves and state.pool.move_kv_cache == moves.move
+    again.init_cuda_graph_state(64, 64 * 6)
+    assert moves.window.shape[0] == moves.keys.shape[1] == 64 * 6
