@@ -26,14 +26,16 @@ class ModelShape:
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
-    num_layers: int
+    num_layers: int  # layers that hold a KV cache (a hybrid model's full-attention layers)
     dtype: str = "bfloat16"
+    linear_layers: int = 0  # a hybrid model's layers with a per-request state instead (linear attention, Mamba)
+    draft_layers: int = 0  # multi-token-prediction (MTP) layers the checkpoint ships for speculative decoding
 
     def __post_init__(self) -> None:
-        for name in ("num_q_heads", "num_kv_heads", "head_dim", "num_layers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("num_q_heads", "num_kv_heads", "head_dim", "num_layers", "linear_layers", "draft_layers"):
+            value, low = getattr(self, name), 0 if name in ("linear_layers", "draft_layers") else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
 
@@ -61,6 +63,9 @@ def hf_config_fields(path: str | Path, *, dtype: str | None = None, **overrides:
     text = cfg.get("text_config")
     cfg = text if isinstance(text, dict) else cfg  # a multimodal config's language model; null or junk: ignored
     fields = {field: cfg.get(key) for field, key in HF_CONFIG_KEYS.items()}
+    fields["num_layers"], fields["linear_layers"] = layer_kinds(cfg)
+    draft = cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers")
+    fields["draft_layers"] = draft if isinstance(draft, int) and not isinstance(draft, bool) and draft > 0 else 0
     for field in ("num_kv_heads", "head_dim"):  # null or 0 in a config: absent, so derived below
         fields[field] = fields[field] or None
     fields.update({field: value for field, value in overrides.items() if value is not None})
@@ -75,6 +80,33 @@ def hf_config_fields(path: str | Path, *, dtype: str | None = None, **overrides:
     missing = [f for f in ("num_q_heads", "head_dim", "num_layers")
                if fields[f] is None and not (f == "head_dim" and isinstance(hidden, int))]
     return fields, missing
+
+
+def layer_kinds(cfg: dict) -> tuple[object, int]:
+    """A config's layers that hold a KV cache and its layers that hold a per-request state instead (a hybrid
+    model's linear-attention or Mamba layers), read from ``layer_types`` (Qwen3-Next, Qwen3.5, Granite 4, LFM2),
+    ``full_attention_interval``, ``hybrid_override_pattern`` (Nemotron-H: ``*`` attention, ``M`` Mamba) or
+    ``attn_layer_period`` / ``attn_layer_offset`` (Jamba); otherwise every layer of ``num_hidden_layers``
+    (unchecked: ``ModelShape`` checks it)."""
+    layers = cfg.get("num_hidden_layers")
+    kinds = cfg.get("layer_types")
+    if isinstance(kinds, list) and kinds and all(isinstance(kind, str) for kind in kinds):
+        kv = sum(kind == "attention" or (kind.endswith("_attention") and not kind.startswith("linear"))
+                 for kind in kinds)
+        return kv, len(kinds) - kv
+    pattern = cfg.get("hybrid_override_pattern")
+    if isinstance(pattern, str) and pattern:
+        return pattern.count("*"), pattern.count("M")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        return layers, 0
+    interval = cfg.get("full_attention_interval")
+    if isinstance(interval, int) and interval > 0:
+        return layers // interval, layers - layers // interval
+    period, offset = cfg.get("attn_layer_period"), cfg.get("attn_layer_offset")
+    if isinstance(period, int) and isinstance(offset, int) and period > 0:
+        kv = sum(i % period == offset for i in range(layers))
+        return kv, layers - kv
+    return layers, 0
 
 
 def _read_json_object(path: str | Path) -> dict:
@@ -244,109 +276,3 @@ def config_refusals(path: str | Path, *, head_dim: int) -> list[str]:
         problems.append(f"attention_chunk_size={cfg['attention_chunk_size']}: chunked local attention is not "
                         "supported")
     return problems
-
-
-def vllm_tp_refusal(*, num_q_heads: int, num_kv_heads: int, tp_size: int) -> str | None:
-    """Why vLLM cannot split these heads over ``tp_size`` ranks, with the sizes that work; None when it can.
-    Each rank holds whole KV heads (one KV head may sit on several ranks) and the same number of Q heads."""
-    divisors = [d for d in range(1, num_q_heads + 1) if num_q_heads % d == 0]
-    if num_q_heads % num_kv_heads:
-        return f"{num_q_heads} Q heads are not a multiple of {num_kv_heads} KV heads"
-    if num_q_heads % tp_size:
-        return f"it must divide the {num_q_heads} Q heads; use one of {divisors}"
-    if tp_size % num_kv_heads if tp_size >= num_kv_heads else num_kv_heads % tp_size:
-        good = [t for t in divisors if t % num_kv_heads == 0 or num_kv_heads % t == 0]
-        return (f"vLLM gives each rank whole KV heads, so it must divide the {num_kv_heads} KV heads or be a multiple "
-                f"of them; use one of {good}")
-    return None
-
-
-def vllm_dcp_refusal(*, num_q_heads: int, num_kv_heads: int, tp_size: int, dcp_size: int) -> str | None:
-    """Why vLLM (its engine config) or dcp-triton (whose DCP group must share one KV head) refuses ``dcp_size`` for
-    these heads at ``tp_size``, in the flags' words; None when it runs. DCP groups are consecutive TP ranks."""
-    if tp_size % dcp_size:
-        return f"does not divide tp {tp_size}"
-    if dcp_size == 1:
-        return None
-    if tp_size <= num_kv_heads:
-        return (f"tp {tp_size} is not more than the {num_kv_heads} KV heads: every rank already stores KV heads of "
-                "its own, so there is no duplicate to remove")
-    if (tp_size // num_kv_heads) % dcp_size:
-        return (f"tp / KV heads = {tp_size // num_kv_heads} ranks share each KV head, which is not a multiple of "
-                f"{dcp_size}")
-    if (num_q_heads // num_kv_heads) % dcp_size:
-        return f"Q heads per KV head = {num_q_heads // num_kv_heads}, which is not a multiple of {dcp_size}"
-    return None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DcpOption:
-    """One DCP size at a fixed TP size, as vLLM lays the heads out (every rank alike)."""
-
-    dcp_size: int
-    kv_heads_per_rank: int  # KV heads each rank stores (TP's split; DCP does not change it)
-    prefix_q_heads: int  # Q heads each rank attends to its KV shard with (its own, gathered over the DCP group)
-    kv_bytes_per_token: float  # K + V bytes, all layers, that one context token costs a rank on average
-    capacity: float  # KV tokens held relative to dcp_size=1
-    max_context_tokens: int | None  # KV tokens (all requests together) a per-rank budget holds; None without one
-
-
-def compare_dcp_sizes(model: ModelShape, *, tp_size: int, kv_budget_gib: float | None = None
-                      ) -> tuple[list[DcpOption], dict[int, str]]:
-    """Every DCP size that divides ``tp_size``: the ones vLLM runs, compared, and the others with the reason."""
-    per_head_token = 2 * model.head_dim * DTYPE_BYTES[model.dtype] * model.num_layers
-    kv_per_rank = max(1, model.num_kv_heads // tp_size)
-    options, refused = [], {}
-    for dcp in (d for d in range(1, tp_size + 1) if tp_size % d == 0):
-        reason = vllm_dcp_refusal(num_q_heads=model.num_q_heads, num_kv_heads=model.num_kv_heads, tp_size=tp_size,
-                                  dcp_size=dcp)
-        if reason is not None:
-            refused[dcp] = reason
-            continue
-        per_token = kv_per_rank * per_head_token / dcp
-        options.append(DcpOption(
-            dcp_size=dcp, kv_heads_per_rank=kv_per_rank, prefix_q_heads=model.num_q_heads // tp_size * dcp,
-            kv_bytes_per_token=per_token, capacity=float(dcp),
-            max_context_tokens=None if kv_budget_gib is None else int(kv_budget_gib * 2**30 // per_token)))
-    return options, refused
-
-
-COMPARISON_LEGEND = (
-    "dcp: ranks that split each request's KV cache along tokens (--decode-context-parallel-size)",
-    "KV heads/rank: KV heads each rank stores (vLLM's tensor-parallel split; DCP does not change it)",
-    "prefix Q heads: query heads each rank attends its KV shard with (its own, all-gathered over the DCP group)",
-    "KV B/token: K + V bytes over all layers that one token of context costs a rank (it stores 1/dcp of them)",
-    "capacity: KV tokens the cache holds, relative to dcp 1",
-    "max tokens: KV tokens (all requests together) that --kv-budget-gib per rank holds",
-    "per layer: what each step adds at dcp > 1 (a Q all-gather and an LSE combine over the DCP group)",
-)
-
-
-def format_comparison(model: ModelShape, options: list[DcpOption], refused: dict[int, str], *, tp_size: int,
-                      chosen: int | None = None, kv_budget_gib: float | None = None) -> str:
-    ceiling = max(1.0, tp_size / model.num_kv_heads)
-    lines = [f"model: {model.num_q_heads} Q heads, {model.num_kv_heads} KV heads, head_dim {model.head_dim}, "
-             f"{model.num_layers} layers, {model.dtype} KV cache",
-             f"vLLM at tp {tp_size}: {model.num_q_heads // tp_size} Q heads and {options[0].kv_heads_per_rank} KV "
-             f"head(s) per rank; DCP can gain at most max(1, tp / KV heads) = {ceiling:g}x KV capacity", ""]
-    budget = "-" if kv_budget_gib is None else f"{kv_budget_gib:g} GiB"
-    rows = [("", "dcp", "KV heads/rank", "prefix Q heads", "KV B/token", "capacity", f"max tokens ({budget})",
-             "per layer")]
-    for o in options:
-        rows.append(("*" if o.dcp_size == chosen else "", str(o.dcp_size), str(o.kv_heads_per_rank),
-                     str(o.prefix_q_heads), f"{o.kv_bytes_per_token:,.0f}", f"{o.capacity:g}x",
-                     "-" if o.max_context_tokens is None else f"{o.max_context_tokens:,}",
-                     "Q all-gather + LSE combine" if o.dcp_size > 1 else "no collectives"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines += ["  ".join(cell.ljust(w) if i == len(widths) - 1 else cell.rjust(w)
-                        for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
-    notes = []
-    if len(options) == 1:
-        notes.append(f"DCP buys nothing at tp {tp_size} for this model: run it without --decode-context-parallel-size.")
-    by_reason: dict[str, list[int]] = {}
-    for dcp, reason in refused.items():
-        by_reason.setdefault(reason, []).append(dcp)
-    notes += [f"dcp {', '.join(map(str, sizes))}: not runnable ({reason})" for reason, sizes in by_reason.items()]
-    lines += ["", *notes] if notes else []
-    lines += ["", "legend:", *(f"  {line}" for line in COMPARISON_LEGEND)]
-    return "\n".join(lines)

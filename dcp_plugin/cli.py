@@ -10,19 +10,22 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import asdict
 from functools import partial
+from pathlib import Path
 
 from dcp_plugin import __version__
 from dcp_plugin.capacity import DTYPE_BYTES, HF_CONFIG_KEYS, ModelShape, hf_config_fields
 
 DESCRIPTION = "dcp-triton: decode-context-parallel (DCP) attention for vLLM (--attention-backend dcp-triton)."
 PLAN_DESCRIPTION = (
-    "Compare the DCP sizes a model can run at a tensor-parallel size, as vLLM lays out its heads: KV heads per "
-    "rank, KV bytes per token, KV capacity, and how many tokens a KV budget holds. Refuses, naming the reason, "
-    "models dcp-triton cannot run (head sizes, MLA, sliding window). Example: "
-    "dcp-triton plan --config MODEL/config.json --tp 8 --kv-budget-gib 40"
+    "Compare the DCP sizes a model can run at a tensor-parallel size, as vLLM or SGLang lays out its heads: KV "
+    "heads per rank, KV bytes per token, KV capacity, and how many tokens a KV budget holds. Hybrid models count "
+    "their full-attention layers; an SGLang MTP draft's own cache is listed. Refuses, naming the reason, models "
+    "dcp-triton cannot run (head sizes, MLA, sliding window). Example: "
+    "dcp-triton plan --config MODEL --tp 8 --kv-budget-gib 40"
 )
 
 # ModelShape's fields and the flags that give them.
@@ -32,19 +35,24 @@ SHAPE_FLAGS = {"num_q_heads": "--q-heads", "num_kv_heads": "--kv-heads", "head_d
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
     shape = p.add_argument_group("model shape: --config, or all of --q-heads --kv-heads --head-dim --layers")
-    shape.add_argument("--config", help="a Hugging Face config.json to read the shape from; the flags below, when "
-                       "given, override its values")
+    shape.add_argument("--config", help="a Hugging Face checkpoint directory or its config.json to read the shape "
+                       "from; the flags below, when given, override its values")
     shape.add_argument("--q-heads", type=int, help="total query heads")
     shape.add_argument("--kv-heads", type=int, help="total KV heads")
     shape.add_argument("--head-dim", type=int, help="head dimension")
-    shape.add_argument("--layers", type=int, help="attention layers")
+    shape.add_argument("--layers", type=int, help="layers that hold a KV cache (a hybrid model's full-attention "
+                       "layers)")
     shape.add_argument("--dtype", choices=sorted(DTYPE_BYTES),
                        help="KV cache dtype (default: bfloat16; with --config, the config's dtype if it is float16 "
                             "or float32, else bfloat16)")
     topo = p.add_argument_group("topology")
-    topo.add_argument("--engine", choices=("vllm",), default="vllm",
+    topo.add_argument("--engine", choices=("vllm", "sglang"), default="vllm",
                       help="the engine whose head layout and DCP rules the table follows (default vllm: each rank "
                            "stores the KV heads tensor parallelism gives it)")
+    topo.add_argument("--kv-layout", choices=("tp", "replicated"),
+                      help="with --engine sglang: 'replicated' (SGLang 0.5.23's Qwen3.5: a DCP group's ranks all "
+                           "store the KV heads of the group's Q heads) or 'tp' (its other models); default: read "
+                           "from --config's architecture, else tp")
     topo.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     topo.add_argument("--dcp", type=int, help="the DCP size you intend to run, marked * in the table and checked "
                                               "(default: none marked)")
@@ -97,6 +105,9 @@ def _config_fields(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
         gaps = ", ".join(f"{HF_CONFIG_KEYS[f]}{' or hidden_size' if f == 'head_dim' else ''} (pass {SHAPE_FLAGS[f]})"
                          for f in missing)
         parser.error(f"--config {args.config} has no {gaps}")
+    if fields["num_layers"] == 0 and fields["linear_layers"]:
+        parser.error(f"--config {args.config}: every layer is linear attention or Mamba (no KV cache for dcp-triton "
+                     "to shard); DCP buys nothing for this model")
     for field, flag in SHAPE_FLAGS.items():
         value = fields[field]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -126,34 +137,63 @@ def _check_model(parser: argparse.ArgumentParser, args: argparse.Namespace, mode
         if model.head_dim not in SUPPORTED_HEAD_DIMS:
             parser.error(f"--head-dim {model.head_dim}: dcp-triton supports head sizes "
                          f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
-    from dcp_plugin.capacity import vllm_tp_refusal
+    from dcp_plugin.dcp_sizes import tp_refusal
 
     q, kv = model.num_q_heads, model.num_kv_heads
     if q % kv:
         parser.error(f"{_heads(args, 'q_heads', q, 'Q')} is not a multiple of {_heads(args, 'kv_heads', kv, 'KV')}: "
                      "every KV head serves the same number of Q heads")
-    reason = vllm_tp_refusal(num_q_heads=q, num_kv_heads=kv, tp_size=args.tp)
+    reason = tp_refusal(num_q_heads=q, num_kv_heads=kv, tp_size=args.tp, engine=args.engine)
     if reason is not None:
         parser.error(f"--tp {args.tp}: {reason}")
 
 
+def _config_file(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--config given as a checkpoint directory: its config.json."""
+    if args.config and Path(args.config).is_dir():
+        path = Path(args.config) / "config.json"
+        if not path.is_file():
+            parser.error(f"--config {args.config}: a directory without config.json; give a Hugging Face checkpoint "
+                         "directory or its config.json")
+        args.config = str(path)
+
+
+def _kv_layout(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """How the engine lays out KV heads: vLLM by TP; SGLang as --kv-layout says, else as the config's architecture
+    does in SGLang 0.5.23 (Qwen3.5 replicates them in the DCP group), else by TP."""
+    from dcp_plugin.dcp_sizes import SGLANG_REPLICATED_ARCHITECTURES
+
+    if args.engine == "vllm":
+        if args.kv_layout == "replicated":
+            parser.error("--kv-layout replicated: vLLM stores the KV heads tensor parallelism gives each rank; the "
+                         "replicated layout is SGLang's (--engine sglang)")
+        return "tp"
+    if args.kv_layout:
+        return args.kv_layout
+    architectures = json.loads(Path(args.config).read_text()).get("architectures") if args.config else None
+    replicated = isinstance(architectures, list) and set(architectures) & set(SGLANG_REPLICATED_ARCHITECTURES)
+    return "replicated" if replicated else "tp"
+
+
 def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from dcp_plugin.capacity import compare_dcp_sizes, format_comparison
+    from dcp_plugin.dcp_sizes import compare_dcp_sizes, format_comparison
 
     _check_sizes(parser, args)
+    _config_file(parser, args)
     model = _model_from_args(parser, args)
     _check_model(parser, args, model)
-    options, refused = compare_dcp_sizes(model, tp_size=args.tp, kv_budget_gib=args.kv_budget_gib)
+    layout = _kv_layout(parser, args)
+    options, refused = compare_dcp_sizes(model, tp_size=args.tp, kv_budget_gib=args.kv_budget_gib, kv_layout=layout)
     if args.dcp in refused:
         parser.error(f"--dcp {args.dcp} at --tp {args.tp}: {refused[args.dcp]}; use --dcp in "
                      f"{[o.dcp_size for o in options]}")
     if args.json:
-        print(json.dumps({"model": asdict(model), "engine": args.engine, "tp_size": args.tp,
+        print(json.dumps({"model": asdict(model), "engine": args.engine, "kv_layout": layout, "tp_size": args.tp,
                           "kv_budget_gib": args.kv_budget_gib, "options": [asdict(o) for o in options],
                           "not_runnable": {str(d): reason for d, reason in refused.items()}}, indent=2))
         return
     print(format_comparison(model, options, refused, tp_size=args.tp, chosen=args.dcp,
-                            kv_budget_gib=args.kv_budget_gib))
+                            kv_budget_gib=args.kv_budget_gib, engine=args.engine, kv_layout=layout))
 
 
 def _env(args: argparse.Namespace) -> None:
@@ -184,7 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.func(args)  # a bad flag exits 2 with argparse's usage error
+    try:
+        args.func(args)  # a bad flag exits 2 with argparse's usage error
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader left (`dcp-triton plan ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the flush at exit does not fail again
+        return 1
     return 0
 
 

@@ -61,11 +61,12 @@ def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
 def check_topology(parser: argparse.ArgumentParser, args: argparse.Namespace, model: Path) -> None:
     """Refuse a --tp / --dcp the model's heads cannot take in vLLM (read from its config.json), before vLLM loads."""
-    from dcp_plugin.capacity import ModelShape, compare_dcp_sizes, vllm_tp_refusal
+    from dcp_plugin.capacity import ModelShape
+    from dcp_plugin.dcp_sizes import compare_dcp_sizes, tp_refusal
 
     shape = ModelShape.from_hf_config(model / "config.json")
     heads = f"{model.name} ({shape.num_q_heads} Q heads, {shape.num_kv_heads} KV heads)"
-    reason = vllm_tp_refusal(num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads, tp_size=args.tp)
+    reason = tp_refusal(num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads, tp_size=args.tp)
     if reason is not None:
         parser.error(f"--tp {args.tp} for {heads}: {reason}")
     options, refused = compare_dcp_sizes(shape, tp_size=args.tp)

@@ -59,7 +59,7 @@ def test_plan_json_lists_every_runnable_size(tmp_path, capsys):
     assert main(["plan", "--config", str(config), "--tp", "4", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["model"] == {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": 64, "num_layers": 4,
-                             "dtype": "bfloat16"}
+                             "dtype": "bfloat16", "linear_layers": 0, "draft_layers": 0}
     assert [(o["dcp_size"], o["prefix_q_heads"], o["capacity"]) for o in plan["options"]] == [
         (1, 4, 1.0), (2, 8, 2.0), (4, 16, 4.0)]
     assert plan["not_runnable"] == {} and plan["engine"] == "vllm"

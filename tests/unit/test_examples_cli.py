@@ -16,6 +16,9 @@ FLAGS = {
                             "--verbose"],
     "dcp_generate.py": ["--model", "--kv-heads", "--prompt", "--max-tokens", "--tp", "--dcp", "--interleave",
                         "--kernels", "--verbose", "--plan-only"],
+    "sglang_generate.py": ["--model", "--kv-heads", "--prompt", "--max-tokens", "--tp", "--dcp",
+                           "--speculative-algorithm", "--draft-model", "--num-steps", "--topk", "--draft-tokens",
+                           "--plan-only"],
 }
 
 
@@ -40,8 +43,9 @@ def test_help_lists_every_documented_flag(script):
     assert not missing, result.stdout
 
 
-@pytest.mark.parametrize("script", sorted(FLAGS))
-@pytest.mark.parametrize("flag", ["--tp", "--dcp", "--max-tokens", "--interleave"])
+@pytest.mark.parametrize("script, flag", [(script, flag) for script in sorted(FLAGS) for flag in
+                                          ("--tp", "--dcp", "--max-tokens", "--interleave", "--topk", "--draft-tokens")
+                                          if flag in FLAGS[script]])
 def test_non_positive_sizes_are_refused_by_name(script, flag):
     result = run_example(script, flag, "0")
     assert result.returncode == 2
@@ -99,3 +103,51 @@ def test_offline_generate_refuses_what_cannot_run_before_vllm_loads(args, error,
     assert result.stderr.splitlines()[-1] == f"offline_generate.py: error: {error}"
     assert result.stdout == ""
     assert all(line.startswith(("usage:", " ", "offline_generate.py: error: ")) for line in result.stderr.splitlines())
+
+
+def test_sglang_generate_plan_only_prints_dcp_triton_plans_table(tmp_path):
+    """The seeds' head layout (Qwen3.5: 32 Q / 2 KV heads, replicated in the DCP group by SGLang 0.5.23) at TP 4 /
+    DCP 4: the example's table is `dcp-triton plan --engine sglang`'s, and DCP 4 runs there."""
+    model = tmp_path / "qwen35-like"
+    model.mkdir()
+    text = {"num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 256, "num_hidden_layers": 4,
+            "layer_types": ["linear_attention", "full_attention"] * 2, "mtp_num_hidden_layers": 1}
+    (model / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForConditionalGeneration"],
+                                                   "text_config": text}))
+    result = run_example("sglang_generate.py", "--model", str(model), "--tp", "4", "--dcp", "4", "--plan-only")
+    assert result.returncode == 0, result.stderr
+    plan = subprocess.run([sys.executable, "-m", "dcp_plugin.cli", "plan", "--config", str(model), "--tp", "4",
+                           "--dcp", "4", "--engine", "sglang"], capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    assert result.stdout.strip() == plan.stdout.strip()
+    assert "*    4              2" in result.stdout and "MTP draft (1 layer): SGLang runs it at DCP 1" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE needs --draft-model (an EAGLE head "
+                                               "trained for --model)"),
+        (["--speculative-algorithm", "NGRAM", "--draft-model", "DRAFT"],
+         "--draft-model: --speculative-algorithm NGRAM takes no draft model; use STANDALONE, EAGLE or EAGLE3 with it"),
+        (["--tp", "4", "--dcp", "3"], "--dcp 3 must divide --tp 4 (DCP groups are carved out of the TP ranks); use "
+                                      "--dcp in [1, 2, 4]"),
+        (["--tp", "4", "--dcp", "4", "--plan-only"],
+         "--dcp 4 at --tp 4: tp / KV heads = 2 ranks share each KV head, which is not a multiple of 4; use --dcp in "
+         "[1, 2]"),
+    ],
+)
+def test_sglang_generate_refuses_in_one_line(args, error, tmp_path):
+    model = write_config(tmp_path / "llama", q_heads=16, kv_heads=2)  # a Llama: SGLang splits its KV heads by TP
+    args = [str(model) if a == "DRAFT" else a for a in args]
+    result = run_example("sglang_generate.py", "--model", str(model), *args)
+    assert result.returncode == 2, result
+    assert result.stderr.splitlines()[-1] == f"sglang_generate.py: error: {error}"
+    assert result.stdout == "" and "Traceback" not in result.stderr
+
+
+def test_sglang_generate_without_gpus_points_to_plan_only(tmp_path):
+    model = write_config(tmp_path / "llama", q_heads=16, kv_heads=1)
+    result = run_example("sglang_generate.py", "--model", str(model), "--tp", "2", "--dcp", "2")
+    assert result.returncode == 2 and result.stdout == ""
+    assert "--tp 2 needs 2 CUDA GPUs; this machine has 0: use --plan-only to see the plan" in result.stderr

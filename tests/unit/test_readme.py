@@ -65,7 +65,8 @@ def test_install_lines_name_what_was_run():
 def test_dcp_size_table_follows_vllms_rules():
     """The README's table of useful DCP sizes is what dcp_plugin.capacity derives from vLLM's rules (64 Q heads, so the Q
     heads per KV head never bind)."""
-    from dcp_plugin.capacity import ModelShape, compare_dcp_sizes
+    from dcp_plugin.capacity import ModelShape
+    from dcp_plugin.dcp_sizes import compare_dcp_sizes
 
     header = next(line for line in README.splitlines() if line.startswith("| KV heads | tp "))
     tps = [int(cell.split()[1]) for cell in header.strip("|").split("|")[1:]]

@@ -289,3 +289,32 @@ def test_sinks_at_forward_are_refused_by_name():
     with pytest.raises(ValueError, match="layer 0: sinks"):
         state.backend.forward_extend(q, torch.zeros(5, 2, 64), torch.zeros(5, 2, 64), state.layers[0], fb,
                                      sinks=torch.zeros(8))
+
+
+def test_the_plans_kv_heads_per_rank_are_sglangs_own():
+    """``dcp-triton plan --engine sglang`` counts the KV heads per rank SGLang's ``ModelConfig.get_num_kv_heads``
+    gives its pools: 0.5.23 splits them over tp / dcp ranks (``--kv-layout replicated``; drafts over tp), 0.5.17 over
+    tp at every DCP size."""
+    import inspect
+    from types import SimpleNamespace
+
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from dcp_plugin.capacity import ModelShape
+    from dcp_plugin.dcp_sizes import kv_heads_per_rank
+
+    takes_dcp = "dcp_size" in inspect.signature(ModelConfig.get_num_kv_heads).parameters
+    assert takes_dcp == (Version(metadata.version("sglang")) >= Version("0.5.23"))
+    checked = 0
+    for kv in (1, 2, 4, 8):
+        model = ModelShape(num_q_heads=32, num_kv_heads=kv, head_dim=128, num_layers=1)
+        for tp in (1, 2, 4, 8):
+            for dcp in (d for d in (1, 2, 4, 8) if tp % d == 0):
+                for draft in (False, True):
+                    config = SimpleNamespace(get_total_num_kv_heads=lambda kv=kv: kv, is_draft_model=draft)
+                    theirs = ModelConfig.get_num_kv_heads(config, tp, *((dcp,) if takes_dcp else ()))
+                    layout = "replicated" if takes_dcp and not draft else "tp"
+                    assert kv_heads_per_rank(model, tp_size=tp, dcp_size=dcp, kv_layout=layout) == theirs, \
+                        (kv, tp, dcp, draft)
+                    checked += 1
+    assert checked == 2 * 4 * (1 + 2 + 3 + 4)
