@@ -15,10 +15,13 @@ T, H, D = 6, 3, 80  # H and D not powers of two: the kernel masks both
 
 def _partials(num_parts: int, dtype: torch.dtype, *, seed: int = 0):
     """Random partials with the edges planted: empty partials (-inf) whose O is NaN, a +inf LSE (also empty, FA2's
-    convention), and an all-empty row (token 0). NaN LSEs are not empty: ``test_a_nan_lse_makes_its_row_nan``."""
+    convention), and an all-empty row (token 0). NaN LSEs are not empty: ``test_a_nan_lse_makes_its_row_nan``.
+    LSEs sit near +-100 as a real model's do (long contexts, large logits), mixed per row and head: exp of them
+    overflows or flushes to zero in float32 unless the merge subtracts the row's maximum first."""
     gen = torch.Generator().manual_seed(seed)
     parts_out = torch.randn(num_parts, T, H, D, generator=gen).to(dtype)
-    parts_lse = torch.randn(num_parts, T, H, generator=gen) * 4
+    offsets = torch.tensor([100.0, -100.0, 60.0, -80.0, 0.0, 95.0])[torch.arange(T * H) % 6].view(T, H)
+    parts_lse = torch.randn(num_parts, T, H, generator=gen) * 4 + offsets
     parts_lse[:, 0] = float("-inf")
     parts_out[:, 0] = float("nan")
     parts_lse[0, 1, 0], parts_out[0, 1, 0] = float("-inf"), float("nan")
