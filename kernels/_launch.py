@@ -18,7 +18,7 @@ import torch
 import triton
 
 from dcp_plugin import checks
-from dcp_plugin.checks import FLOAT_DTYPES, INDEX_DTYPES, check_int  # noqa: F401 - the launchers' imports
+from dcp_plugin.checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, env_switch  # noqa: F401 - the launchers' imports
 from dcp_plugin.kernels._mode import INTERPRET
 
 LOG2E = 1.4426950408889634
@@ -138,7 +138,8 @@ def descriptor_ready(t: torch.Tensor, dims: tuple[int, ...]) -> bool:
 
 
 def _fast_launch_supported() -> bool:
-    if INTERPRET or os.environ.get(FAST_LAUNCH_ENV, "1") == "0":
+    asked = env_switch(FAST_LAUNCH_ENV, on="replay Triton's compiled launcher directly", off="Triton's own launch path")
+    if INTERPRET or not asked:
         return False
     return triton.__version__.startswith(_FAST_LAUNCH_TRITON)
 

@@ -11,4 +11,6 @@ import torch
 
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from triton import knobs  # noqa: E402 - only now: importing triton fixes whether its own helpers are interpreted
+
+INTERPRET = bool(knobs.runtime.interpret)  # read as Triton reads it: 1, true, on, yes (any case)

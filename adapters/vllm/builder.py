@@ -13,6 +13,7 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuild
 
 from dcp_plugin.adapters.vllm import compat, spec
 from dcp_plugin.batch import DcpBatch, DcpBatchBuffers, leading_decodes
+from dcp_plugin.checks import env_switch
 from dcp_plugin.layout import TokenLayout
 
 
@@ -22,11 +23,8 @@ FULL_GRAPHS_ENV = "DCP_TRITON_DCP_FULL_GRAPHS"
 def full_graphs_at_dcp() -> bool:
     """Whether uniform decode steps at DCP > 1 (single-token ones and speculative verify steps of 1 + k rows per
     request) replay full CUDA graphs (``DCP_TRITON_DCP_FULL_GRAPHS``, 0/1, default 1)."""
-    value = os.environ.get(FULL_GRAPHS_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{FULL_GRAPHS_ENV}={value!r}: use 1 (full CUDA graphs for decode at DCP > 1) or 0 "
-                         "(piecewise graphs, attention eager)")
-    return value == "1"
+    return env_switch(FULL_GRAPHS_ENV, on="full CUDA graphs for decode at DCP > 1",
+                      off="piecewise graphs, attention eager")
 
 
 @dataclass(frozen=True, slots=True)

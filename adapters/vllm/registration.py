@@ -16,6 +16,7 @@ import logging
 import os
 
 from dcp_plugin.adapters.vllm import compat, support
+from dcp_plugin.checks import env_switch
 
 BACKEND_NAME = "DCP_TRITON"
 BACKEND_ALIAS = "DCP-TRITON"
@@ -52,7 +53,8 @@ def register() -> None:
         # Instance attribute: only this member pickles differently; every built-in member keeps vLLM's pickling.
         member.__reduce_ex__ = _reduce_member
     support.prepare_interpreter_env()
-    if os.environ.get(CPU_OPT_IN_ENV, "0") == "1":
+    if env_switch(CPU_OPT_IN_ENV, on="vLLM's CPU_ATTN runs dcp-triton", off="only an engine that selects it",
+                  default=False):
         route_cpu_attn(reason=f"{CPU_OPT_IN_ENV}=1")
 
 

@@ -160,9 +160,14 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def run():
+def run(tmp_path_factory):
+    """The script in a working directory whose json.py would shadow the standard library's in a process that puts
+    the directory first on its path (the script itself runs with -P, which does not; so must the workers)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    cwd = tmp_path_factory.mktemp("engine_cwd")
+    (cwd / "json.py").write_text("raise ImportError('the working directory shadowed the standard library')\n")
+    done = subprocess.run([sys.executable, "-P", "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=cwd)
     assert done.returncode == 0, done.stderr[-3000:]
     line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     assert line, done.stdout[-2000:] + done.stderr[-2000:]

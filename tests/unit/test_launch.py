@@ -5,6 +5,9 @@ does."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 from dcp_plugin.kernels import _launch
@@ -101,3 +104,22 @@ def test_a_kept_kernel_replays_only_for_the_alignment_it_was_compiled_for(monkey
     # Compiled with its first tensor shifted: the same pattern replays; all aligned is another variant.
     calls, replayed = dispatches_and_replays([shifted[0], aligned[1]], [shifted[2], aligned[3]], aligned[:2])
     assert calls == 2 and replayed == [(shifted[2].data_ptr(), aligned[3].data_ptr())]
+
+
+@pytest.mark.parametrize("env, want", [({"DCP_TRITON_FAST_LAUNCH": "yes"}, "DCP_TRITON_FAST_LAUNCH must be 1"),
+                                       ({"TRITON_INTERPRET": "true"}, "interpret True fast False"),
+                                       ({"TRITON_INTERPRET": "on", "DCP_TRITON_FAST_LAUNCH": "0"},
+                                        "interpret True fast False")])
+def test_switches_are_read_as_their_owners_read_them(env, want):
+    """DCP_TRITON_FAST_LAUNCH takes 1 or 0 and refuses anything else (it used to act only on "0"), even where the
+    interpreter rules the fast launch out; TRITON_INTERPRET is read as Triton reads it ("true", "on" included)."""
+    import subprocess
+    import sys
+
+    code = ("from dcp_plugin.kernels import _launch, _mode\n"
+            "print('interpret', _mode.INTERPRET, 'fast', _launch.FAST_LAUNCH)")
+    base = {k: v for k, v in os.environ.items() if k not in ("DCP_TRITON_FAST_LAUNCH", "TRITON_INTERPRET")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**base, **env, "CUDA_VISIBLE_DEVICES": ""})
+    assert want in done.stdout + done.stderr, done.stderr[-2000:]
+    assert (done.returncode != 0) == ("must be" in want)

@@ -213,7 +213,8 @@ def test_a_bad_full_graphs_flag_is_named(monkeypatch):
     config = VllmConfig()
     config.parallel_config.decode_context_parallel_size = 2
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float16)
-    with pytest.raises(ValueError, match="DCP_TRITON_DCP_FULL_GRAPHS='yes'"):
+    with pytest.raises(ValueError, match=r"DCP_TRITON_DCP_FULL_GRAPHS must be 1 \(full CUDA graphs for decode at DCP "
+                                         r"> 1, the default\) or 0 .*got 'yes'"):
         DcpTritonMetadataBuilder.get_cudagraph_support(config, spec)
 
 

@@ -152,6 +152,16 @@ def test_cpu_opt_in_env_routes_cpu_attn(monkeypatch, cpu_attn_restored):
     assert registration.cpu_route() == "DCP_TRITON_CPU=1"
 
 
+@pytest.mark.parametrize("value", ["yes", "true", "2"])
+def test_cpu_opt_in_env_takes_one_or_zero(monkeypatch, cpu_attn_restored, value):
+    monkeypatch.setenv(registration.CPU_OPT_IN_ENV, value)  # "yes" used to be ignored: CPU_ATTN stayed vLLM's
+    with pytest.raises(ValueError, match=rf"DCP_TRITON_CPU must be 1 \(.*\) or 0 \(.*, the default\), got '{value}'"):
+        registration.register()
+    monkeypatch.setenv(registration.CPU_OPT_IN_ENV, "0")
+    registration.register()
+    assert AttentionBackendEnum.CPU_ATTN.get_path() == CPU_ATTN_DEFAULT
+
+
 def test_vllms_cannot_use_notice_is_dropped_once_cpu_attn_is_routed(monkeypatch, cpu_attn_restored):
     """vLLM's CPU platform logs "Cannot use ... backend on CPU." for a selected backend; routed, that is untrue."""
     selector = AttentionSelectorConfig(head_size=64, dtype=torch.float32, kv_cache_dtype=None, block_size=None)
