@@ -78,9 +78,6 @@ def check_topology(parser: argparse.ArgumentParser, args: argparse.Namespace, mo
 def set_env_defaults(*, tp: int, gpu: bool, kernels: str | None) -> None:
     """Environment for vLLM and its spawned processes (they inherit it); a value the user set wins."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every model here is a local directory
-    # Only for the examples' backend report (report_backends): it sends a function to the workers through
-    # collective_rpc, which vLLM pickles only with this; the examples' inference itself does not need it.
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     if kernels is not None:
         os.environ[KERNEL_ENV] = kernels
     if not gpu and tp > 1:  # vLLM's "auto" binding wants one NUMA node per rank
@@ -100,6 +97,8 @@ def engine_kwargs(model: Path, *, tp: int, dcp: int, interleave: int, gpu: bool,
     """Arguments of ``vllm.LLM`` for the dcp-triton backend on this machine."""
     from vllm.engine.arg_utils import EngineArgs
 
+    from dcp_plugin.adapters.vllm.report import LAYER_REPORT
+
     kwargs = dict(
         model=str(model), attention_backend="dcp-triton", tensor_parallel_size=tp,
         decode_context_parallel_size=dcp, enforce_eager=True, max_model_len=2048, seed=0,
@@ -108,6 +107,7 @@ def engine_kwargs(model: Path, *, tp: int, dcp: int, interleave: int, gpu: bool,
         dtype="auto" if gpu else "float32",
         kv_cache_memory_bytes=GPU_KV_CACHE_BYTES if gpu else CPU_KV_CACHE_BYTES,
         skip_tokenizer_init=not tokenizer,
+        worker_extension_cls=LAYER_REPORT,  # ran_line's question, asked by name (collective_rpc)
     )
     if interleave != 1:
         fields = EngineArgs.__dataclass_fields__
@@ -124,19 +124,6 @@ def has_tokenizer(model: Path) -> bool:
 def as_prompts(texts: list[str], *, tokenizer: bool) -> list:
     """The texts, or for a model without a tokenizer, each text's UTF-8 bytes as token ids."""
     return texts if tokenizer else [{"prompt_token_ids": list(text.encode())} for text in texts]
-
-
-def _layer_backends(worker) -> dict:
-    """Runs inside each worker: backend, impl and kernel path of every attention layer its model runner built."""
-    counts: dict[tuple, int] = {}
-    for layer in worker.vllm_config.compilation_config.static_forward_context.values():
-        backend, impl = getattr(layer, "attn_backend", None), getattr(layer, "impl", None)
-        if backend is None or impl is None:
-            continue
-        key = (backend.get_name(), type(impl).__name__, str(getattr(impl, "kernel_path", "-")),
-               int(getattr(impl, "dcp_world_size", 1)))
-        counts[key] = counts.get(key, 0) + 1
-    return {"rank": int(worker.rank), "layers": [[*key, n] for key, n in counts.items()]}
 
 
 def ran_line(workers: list[dict]) -> tuple[str, set[str]]:
@@ -213,7 +200,7 @@ def run(model: Path, args, *, prompts: list[str], max_tokens: int, gpu: bool) ->
 
         llm = LLM(**engine_kwargs(model, tp=args.tp, dcp=args.dcp, interleave=args.interleave, gpu=gpu,
                                   tokenizer=tokenizer))
-        ran, backends = ran_line(sorted(llm.collective_rpc(_layer_backends), key=lambda w: w["rank"]))
+        ran, backends = ran_line(sorted(llm.collective_rpc("dcp_triton_layers"), key=lambda w: w["rank"]))
         lines, tokens, elapsed = generate(llm, as_prompts(prompts, tokenizer=tokenizer), max_tokens)
         print("\n".join(lines), file=out)
         print(f"ran: {ran}; {tokens} tokens for {len(prompts)} prompt(s) in {elapsed:.1f} s "
