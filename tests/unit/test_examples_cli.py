@@ -151,3 +151,10 @@ def test_sglang_generate_without_gpus_points_to_plan_only(tmp_path):
     result = run_example("sglang_generate.py", "--model", str(model), "--tp", "2", "--dcp", "2")
     assert result.returncode == 2 and result.stdout == ""
     assert "--tp 2 needs 2 CUDA GPUs; this machine has 0: use --plan-only to see the plan" in result.stderr
+
+
+def test_one_gpu_is_said_in_the_singular(tmp_path, monkeypatch):
+    """--tp 1 on a machine without GPU: "needs 1 CUDA GPU" (it said "1 CUDA GPUs")."""
+    model = write_config(tmp_path / "llama", q_heads=16, kv_heads=1)
+    result = run_example("sglang_generate.py", "--model", str(model))
+    assert result.returncode == 2 and "--tp 1 needs 1 CUDA GPU; this machine has 0" in result.stderr, result.stderr
