@@ -1,8 +1,8 @@
 """The ``dcp-triton`` command: ``plan`` (what each DCP size buys a model at a TP size) and ``env``.
 
-Flags are checked before any work and a bad one is refused as argparse does (usage, then one error line; exit 2),
-naming the flag and what would work. Building the parser imports no torch, so ``--help`` and ``--version`` are
-instant; ``plan`` imports it (and triton) only to run.
+Flags are checked before any work; a value that cannot run is refused in one line naming the flag and what would
+work (exit 2; argparse adds its usage block only to flags it cannot parse). Building the parser imports no torch,
+so ``--help`` and ``--version`` are instant; ``plan`` imports it (and triton) only to run.
 """
 
 from __future__ import annotations
@@ -60,6 +60,12 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
+def _refuse(parser: argparse.ArgumentParser, message: str) -> None:
+    """A value the flags parsed to but that cannot run: one line naming the flag and what works, exit 2 (argparse's
+    usage block is for flags it could not parse)."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
 def _attr(flag: str) -> str:
     return flag[2:].replace("-", "_")
 
@@ -74,13 +80,13 @@ def _check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     for flag in ("--tp", "--dcp", *SHAPE_FLAGS.values()):
         value = getattr(args, _attr(flag))
         if value is not None and value < 1:
-            parser.error(f"{flag} must be >= 1, got {value}")
+            _refuse(parser, f"{flag} must be >= 1, got {value}")
     if args.dcp is not None and args.tp % args.dcp:
-        parser.error(f"--dcp {args.dcp} must divide --tp {args.tp} (DCP groups are carved out of the TP ranks); "
+        _refuse(parser, f"--dcp {args.dcp} must divide --tp {args.tp} (DCP groups are carved out of the TP ranks); "
                      f"use --dcp in {_divisors(args.tp)}")
     budget = args.kv_budget_gib
     if budget is not None and not (math.isfinite(budget) and budget > 0):
-        parser.error(f"--kv-budget-gib must be a number > 0 (GiB of KV cache per rank), got {budget}")
+        _refuse(parser, f"--kv-budget-gib must be a number > 0 (GiB of KV cache per rank), got {budget}")
 
 
 def _model_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ModelShape:
@@ -88,7 +94,7 @@ def _model_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     if not args.config:
         missing = [flag for field, flag in SHAPE_FLAGS.items() if given[field] is None]
         if missing:
-            parser.error(f"give --config or all of {' '.join(SHAPE_FLAGS.values())} (missing {' '.join(missing)})")
+            _refuse(parser, f"give --config or all of {' '.join(SHAPE_FLAGS.values())} (missing {' '.join(missing)})")
         return ModelShape(**given, dtype=args.dtype or "bfloat16")
     return ModelShape(**_config_fields(parser, args, given))
 
@@ -98,20 +104,20 @@ def _config_fields(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
     try:
         fields, missing = hf_config_fields(args.config, dtype=args.dtype, **given)
     except OSError as err:
-        parser.error(f"--config {args.config}: {err.strerror or err}")
+        _refuse(parser, f"--config {args.config}: {err.strerror or err}")
     except ValueError as err:  # not JSON, or not an object
-        parser.error(f"--config {err}")
+        _refuse(parser, f"--config {err}")
     if missing:
         gaps = ", ".join(f"{HF_CONFIG_KEYS[f]}{' or hidden_size' if f == 'head_dim' else ''} (pass {SHAPE_FLAGS[f]})"
                          for f in missing)
-        parser.error(f"--config {args.config} has no {gaps}")
+        _refuse(parser, f"--config {args.config} has no {gaps}")
     if fields["num_layers"] == 0 and fields["linear_layers"]:
-        parser.error(f"--config {args.config}: every layer is linear attention or Mamba (no KV cache for dcp-triton "
+        _refuse(parser, f"--config {args.config}: every layer is linear attention or Mamba (no KV cache for dcp-triton "
                      "to shard); DCP buys nothing for this model")
     for field, flag in SHAPE_FLAGS.items():
         value = fields[field]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            parser.error(f"--config {args.config}: {HF_CONFIG_KEYS[field]} is {value!r}, not a positive int; "
+            _refuse(parser, f"--config {args.config}: {HF_CONFIG_KEYS[field]} is {value!r}, not a positive int; "
                          f"override it with {flag}")
     return fields
 
@@ -130,22 +136,22 @@ def _check_model(parser: argparse.ArgumentParser, args: argparse.Namespace, mode
     if args.config:
         problems = config_refusals(args.config, head_dim=model.head_dim)
         if problems:
-            parser.error(f"--config {args.config}: dcp-triton cannot run this model: {'; '.join(problems)}")
+            _refuse(parser, f"--config {args.config}: dcp-triton cannot run this model: {'; '.join(problems)}")
     else:
         from dcp_plugin.kernels.extend_attention import SUPPORTED_HEAD_DIMS
 
         if model.head_dim not in SUPPORTED_HEAD_DIMS:
-            parser.error(f"--head-dim {model.head_dim}: dcp-triton supports head sizes "
+            _refuse(parser, f"--head-dim {model.head_dim}: dcp-triton supports head sizes "
                          f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
     from dcp_plugin.dcp_sizes import tp_refusal
 
     q, kv = model.num_q_heads, model.num_kv_heads
     if q % kv:
-        parser.error(f"{_heads(args, 'q_heads', q, 'Q')} is not a multiple of {_heads(args, 'kv_heads', kv, 'KV')}: "
+        _refuse(parser, f"{_heads(args, 'q_heads', q, 'Q')} is not a multiple of {_heads(args, 'kv_heads', kv, 'KV')}: "
                      "every KV head serves the same number of Q heads")
     reason = tp_refusal(num_q_heads=q, num_kv_heads=kv, tp_size=args.tp, engine=args.engine)
     if reason is not None:
-        parser.error(f"--tp {args.tp}: {reason}")
+        _refuse(parser, f"--tp {args.tp}: {reason}")
 
 
 def _config_file(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -153,7 +159,7 @@ def _config_file(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if args.config and Path(args.config).is_dir():
         path = Path(args.config) / "config.json"
         if not path.is_file():
-            parser.error(f"--config {args.config}: a directory without config.json; give a Hugging Face checkpoint "
+            _refuse(parser, f"--config {args.config}: a directory without config.json; give a Hugging Face checkpoint "
                          "directory or its config.json")
         args.config = str(path)
 
@@ -165,7 +171,7 @@ def _kv_layout(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str
 
     if args.engine == "vllm":
         if args.kv_layout == "replicated":
-            parser.error("--kv-layout replicated: vLLM stores the KV heads tensor parallelism gives each rank; the "
+            _refuse(parser, "--kv-layout replicated: vLLM stores the KV heads tensor parallelism gives each rank; the "
                          "replicated layout is SGLang's (--engine sglang)")
         return "tp"
     if args.kv_layout:
@@ -185,7 +191,7 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     layout = _kv_layout(parser, args)
     options, refused = compare_dcp_sizes(model, tp_size=args.tp, kv_budget_gib=args.kv_budget_gib, kv_layout=layout)
     if args.dcp in refused:
-        parser.error(f"--dcp {args.dcp} at --tp {args.tp}: {refused[args.dcp]}; use --dcp in "
+        _refuse(parser, f"--dcp {args.dcp} at --tp {args.tp}: {refused[args.dcp]}; use --dcp in "
                      f"{[o.dcp_size for o in options]}")
     if args.json:
         print(json.dumps({"model": asdict(model), "engine": args.engine, "kv_layout": layout, "tp_size": args.tp,
@@ -225,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)  # a bad flag exits 2 with argparse's usage error
+        args.func(args)  # a value that cannot run exits 2 (_refuse)
         sys.stdout.flush()
     except BrokenPipeError:  # the reader left (`dcp-triton plan ... | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the flush at exit does not fail again
