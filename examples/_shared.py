@@ -161,6 +161,20 @@ def generate(llm, prompts: list, max_tokens: int) -> tuple[list[str], int, float
     return lines, sum(len(out.outputs[0].token_ids) for out in outputs), elapsed
 
 
+# An exception's line as Python prints it, also behind the "(EngineCore pid=...) ERROR ... [file.py:N] " prefix vLLM's
+# processes put before each line of their log.
+_EXCEPTION_LINE = re.compile(r"(?:^|[\s\]])((?:\w+\.)*\w*(?:Error|Exception): .+)$")
+
+
+def root_cause(log: str) -> str | None:
+    """The first exception line in vLLM's log (a worker's, before the engine's "See root cause above"), or None."""
+    for line in log.splitlines():
+        match = _EXCEPTION_LINE.search(line)
+        if match:
+            return match.group(1)
+    return None
+
+
 @contextlib.contextmanager
 def engine_log(path: Path | None):
     """Send everything written to this process's stdout and stderr (vLLM's log, progress bars, and the same of the
@@ -178,10 +192,9 @@ def engine_log(path: Path | None):
             yield real_out
         except BaseException as err:
             sys.stdout.flush(), sys.stderr.flush()
-            errors = [line for line in path.read_text(errors="replace").splitlines()
-                      if re.match(r"(\w+\.)*\w*(Error|Exception): ", line)]  # the first is the root cause
+            cause = root_cause(path.read_text(errors="replace"))
             with os.fdopen(os.dup(saved[1]), "w") as real_err:
-                print(f"error: {errors[0] if errors else repr(err)}\n(vLLM's whole log: {path})", file=real_err)
+                print(f"error: {cause or repr(err)}\n(vLLM's whole log: {path})", file=real_err)
             raise SystemExit(1) from None
         # vLLM's shutdown lines, at exit, stay in the log: stdout and stderr point there until the process ends.
 

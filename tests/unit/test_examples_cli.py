@@ -158,3 +158,21 @@ def test_one_gpu_is_said_in_the_singular(tmp_path, monkeypatch):
     model = write_config(tmp_path / "llama", q_heads=16, kv_heads=1)
     result = run_example("sglang_generate.py", "--model", str(model))
     assert result.returncode == 2 and "--tp 1 needs 1 CUDA GPU; this machine has 0" in result.stderr, result.stderr
+
+
+def test_a_failed_start_names_the_workers_error_not_the_engines_summary():
+    """vLLM prefixes every line of its processes' log; the example's one error line is the worker's exception."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("examples_shared", EXAMPLES / "_shared.py")
+    _shared = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(_shared)
+    log = ("(EngineCore pid=11) INFO 12-06 10:00:00 [core.py:90] starting\n"
+           "(EngineCore pid=11) ERROR 12-06 10:00:01 [core.py:700] Traceback (most recent call last):\n"
+           "(EngineCore pid=11) ERROR 12-06 10:00:01 [core.py:700] ValueError: dcp-triton cannot run this model: "
+           "head_dim=100\n"
+           "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert _shared.root_cause(log) == "ValueError: dcp-triton cannot run this model: head_dim=100"
+    assert _shared.root_cause("torch.OutOfMemoryError: CUDA out of memory\n") == \
+        "torch.OutOfMemoryError: CUDA out of memory"
+    assert _shared.root_cause("INFO all well\n") is None
