@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from dcp_plugin import DcpAttention, DcpBatch, HeadLayout, ParallelState, TokenLayout, TorchDcpGroup
 from tests.dcp_harness import Case, RankState, ShapeOnlyGroup, World, run_case
+from tests.kernel_checks import assert_matches, attention_f64
 
 SINGLE = dict(q_heads=6, kv_heads=2, requests=((0, 5), (9, 1), (14, 4), (1, 2)), block_size=4)
 
@@ -163,7 +164,9 @@ def test_write_kv_false_leaves_the_cache_to_the_host(write_kv):
                            slot_mapping=torch.tensor([16, 17, 18]), tokens=tokens)
     attn = DcpAttention(heads=heads, tokens=tokens, group=None, scale=0.125, kernels="reference")
     out = attn.forward(q, k, v, key_cache, value_cache, batch, write_kv=write_kv)
-    assert torch.isfinite(out).all()  # a fresh prompt reads only its own K/V
+    # a fresh prompt reads only its own K/V (the NaN-filled cache never): causal float64 attention over them
+    want = attention_f64(q, k, v, torch.ones(3, 3, dtype=torch.bool).tril(), scale=0.125, q_per_kv=2)
+    assert_matches(out, want, torch.float32, "out")
     if write_kv:
         assert torch.equal(key_cache[1, :3], k) and torch.equal(value_cache[1, :3], v)
     else:
