@@ -83,7 +83,7 @@ def _check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             _refuse(parser, f"{flag} must be >= 1, got {value}")
     if args.dcp is not None and args.tp % args.dcp:
         _refuse(parser, f"--dcp {args.dcp} must divide --tp {args.tp} (DCP groups are carved out of the TP ranks); "
-                     f"use --dcp in {_divisors(args.tp)}")
+                        f"use --dcp in {_divisors(args.tp)}")
     budget = args.kv_budget_gib
     if budget is not None and not (math.isfinite(budget) and budget > 0):
         _refuse(parser, f"--kv-budget-gib must be a number > 0 (GiB of KV cache per rank), got {budget}")
@@ -113,12 +113,12 @@ def _config_fields(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
         _refuse(parser, f"--config {args.config} has no {gaps}")
     if fields["num_layers"] == 0 and fields["linear_layers"]:
         _refuse(parser, f"--config {args.config}: every layer is linear attention or Mamba (no KV cache for dcp-triton "
-                     "to shard); DCP buys nothing for this model")
+                        "to shard); DCP buys nothing for this model")
     for field, flag in SHAPE_FLAGS.items():
         value = fields[field]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             _refuse(parser, f"--config {args.config}: {HF_CONFIG_KEYS[field]} is {value!r}, not a positive int; "
-                         f"override it with {flag}")
+                            f"override it with {flag}")
     return fields
 
 
@@ -142,13 +142,13 @@ def _check_model(parser: argparse.ArgumentParser, args: argparse.Namespace, mode
 
         if model.head_dim not in SUPPORTED_HEAD_DIMS:
             _refuse(parser, f"--head-dim {model.head_dim}: dcp-triton supports head sizes "
-                         f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
+                            f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
     from dcp_plugin.dcp_sizes import tp_refusal
 
     q, kv = model.num_q_heads, model.num_kv_heads
     if q % kv:
         _refuse(parser, f"{_heads(args, 'q_heads', q, 'Q')} is not a multiple of {_heads(args, 'kv_heads', kv, 'KV')}: "
-                     "every KV head serves the same number of Q heads")
+                        "every KV head serves the same number of Q heads")
     reason = tp_refusal(num_q_heads=q, num_kv_heads=kv, tp_size=args.tp, engine=args.engine)
     if reason is not None:
         _refuse(parser, f"--tp {args.tp}: {reason}")
@@ -160,7 +160,7 @@ def _config_file(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         path = Path(args.config) / "config.json"
         if not path.is_file():
             _refuse(parser, f"--config {args.config}: a directory without config.json; give a Hugging Face checkpoint "
-                         "directory or its config.json")
+                            "directory or its config.json")
         args.config = str(path)
 
 
@@ -172,7 +172,7 @@ def _kv_layout(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str
     if args.engine == "vllm":
         if args.kv_layout == "replicated":
             _refuse(parser, "--kv-layout replicated: vLLM stores the KV heads tensor parallelism gives each rank; the "
-                         "replicated layout is SGLang's (--engine sglang)")
+                            "replicated layout is SGLang's (--engine sglang)")
         return "tp"
     if args.kv_layout:
         return args.kv_layout
@@ -192,7 +192,7 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     options, refused = compare_dcp_sizes(model, tp_size=args.tp, kv_budget_gib=args.kv_budget_gib, kv_layout=layout)
     if args.dcp in refused:
         _refuse(parser, f"--dcp {args.dcp} at --tp {args.tp}: {refused[args.dcp]}; use --dcp in "
-                     f"{[o.dcp_size for o in options]}")
+                        f"{[o.dcp_size for o in options]}")
     if args.json:
         print(json.dumps({"model": asdict(model), "engine": args.engine, "kv_layout": layout, "tp_size": args.tp,
                           "kv_budget_gib": args.kv_budget_gib, "options": [asdict(o) for o in options],
