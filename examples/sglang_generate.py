@@ -39,9 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "checkpoint's MTP layers; EAGLE/EAGLE3: an EAGLE head as --draft-model; NGRAM: no draft "
                            "model; none: plain decoding")
     spec.add_argument("--draft-model", type=Path, help="the draft checkpoint (STANDALONE, EAGLE, EAGLE3)")
-    spec.add_argument("--num-steps", type=int, default=3, help="draft steps per verify step (default 3)")
+    spec.add_argument("--num-steps", type=int, default=3, help="draft steps per verify step (default 3; not NGRAM)")
     spec.add_argument("--topk", type=int, default=1, help="candidates per draft step: 1 drafts a chain, more a tree "
-                                                          "(default 1)")
+                                                          "(default 1; not NGRAM)")
     spec.add_argument("--draft-tokens", type=int, default=4, help="draft tokens verified per step (default 4)")
     p.add_argument("--plan-only", action="store_true", help="print the plan table and exit (no GPU needed)")
     return p
@@ -93,8 +93,9 @@ def engine_kwargs(model: Path, args: argparse.Namespace) -> dict:
     if args.dcp > 1:
         kwargs["dcp_size"] = args.dcp
     if args.speculative_algorithm != "none":
-        kwargs.update(speculative_algorithm=args.speculative_algorithm, speculative_num_steps=args.num_steps,
-                      speculative_eagle_topk=args.topk, speculative_num_draft_tokens=args.draft_tokens)
+        kwargs.update(speculative_algorithm=args.speculative_algorithm, speculative_num_draft_tokens=args.draft_tokens)
+    if args.speculative_algorithm not in ("none", "NGRAM"):  # n-gram trees take their own options (SGLang's defaults)
+        kwargs.update(speculative_num_steps=args.num_steps, speculative_eagle_topk=args.topk)
         draft = args.draft_model or (model if args.speculative_algorithm == "STANDALONE" else None)
         if draft is not None:
             kwargs["speculative_draft_model_path"] = str(draft)

@@ -309,9 +309,11 @@ def test_every_target_backend_over_a_pool_keeps_its_verify_windows_for_the_one_m
     assert moves.window.shape[0] == moves.keys.shape[1] == 64 * 6
 
 
-def test_the_sglang_example_asks_for_what_sglang_resolves():
+@pytest.mark.parametrize("algorithm", ["STANDALONE", "NGRAM"])
+def test_the_sglang_example_asks_for_what_sglang_resolves(algorithm):
     """``examples/sglang_generate.py``'s engine arguments (a tree: topk 4, 8 draft tokens, the model drafting for
-    itself), given to SGLang's own parser under the same names on a config-only Llama at TP = DCP = 2."""
+    itself; or n-gram trees), given to SGLang's own parser under the same names on a config-only Llama at TP = DCP
+    = 2."""
     import importlib.util
     from pathlib import Path
 
@@ -321,13 +323,15 @@ def test_the_sglang_example_asks_for_what_sglang_resolves():
     spec.loader.exec_module(example)
     model = Path(config_argv(2)[1])
     args = example.build_parser().parse_args(["--model", str(model), "--tp", "2", "--dcp", "2", "--topk", "4",
-                                              "--draft-tokens", "8"])
+                                              "--draft-tokens", "8", "--speculative-algorithm", algorithm])
     argv = ["--device", "cpu"]
     for name, value in example.engine_kwargs(model, args).items():
         flag = "--" + name.replace("_", "-")
         argv += ([flag] if value else []) if isinstance(value, bool) else [flag, str(value)]
     resolved = server_args(argv)
     assert (resolved.attention_backend, resolved.tp_size, resolved.dcp_size) == ("dcp-triton", 2, 2)
-    assert (resolved.speculative_algorithm, resolved.speculative_eagle_topk, resolved.speculative_num_steps,
-            resolved.speculative_num_draft_tokens) == ("STANDALONE", 4, 3, 8)
-    assert resolved.speculative_draft_model_path == str(model) and resolved.skip_tokenizer_init
+    assert (resolved.speculative_algorithm, resolved.speculative_num_draft_tokens) == (algorithm, 8)
+    assert resolved.skip_tokenizer_init
+    if algorithm == "STANDALONE":
+        assert (resolved.speculative_eagle_topk, resolved.speculative_num_steps) == (4, 3)
+        assert resolved.speculative_draft_model_path == str(model)
