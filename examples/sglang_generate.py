@@ -20,6 +20,9 @@ import io
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _shared  # noqa: E402
+
 ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3", "NEXTN", "NGRAM", "none")
 PROMPTS = ["The capital of France is", "Decode context parallelism shards the KV cache along tokens, so"]
 
@@ -49,18 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """One line naming the flag and what works, before any model or engine is built."""
-    for name in ("max_tokens", "tp", "dcp", "kv_heads", "num_steps", "topk", "draft_tokens"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.tp % args.dcp:
-        parser.error(f"--dcp {args.dcp} must divide --tp {args.tp} (DCP groups are carved out of the TP ranks); use "
-                     f"--dcp in {[d for d in range(1, args.tp + 1) if args.tp % d == 0]}")
+    _shared.check_sizes(parser, args, ("max_tokens", "tp", "dcp", "kv_heads", "num_steps", "topk", "draft_tokens"))
     if args.model is not None and args.kv_heads is not None:
         parser.error("--kv-heads shapes the default random model; it cannot be combined with --model")
-    for flag, path in (("--model", args.model), ("--draft-model", args.draft_model)):
-        if path is not None and not (path / "config.json").is_file():
-            parser.error(f"{flag} {path}: no config.json there; give a Hugging Face checkpoint directory")
+    _shared.check_checkpoint(parser, "--model", args.model)
+    _shared.check_checkpoint(parser, "--draft-model", args.draft_model)
     algorithm = args.speculative_algorithm
     if args.draft_model is not None and algorithm in ("NEXTN", "NGRAM", "none"):
         parser.error(f"--draft-model: --speculative-algorithm {algorithm} takes no draft model; use STANDALONE, "

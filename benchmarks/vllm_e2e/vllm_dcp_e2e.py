@@ -180,13 +180,29 @@ def print_plan(jobs: list[Job], *, gpus: int, parallel: int, budget_s: float | N
     print(f"estimated wall time: {max(ends, default=0):.0f} s")
 
 
+def catalogue_parser(doc: str, *, name: str, work_dir: str):
+    """``runner.parser_for`` with the two options ``one_engine_at_a_time`` reads besides (a catalogue script adds
+    its own after them)."""
+    parser = runner.parser_for(doc, name=name, work_dir=work_dir)
+    parser.add_argument("--plan", action="store_true", help="print the job order and estimated times, and exit")
+    parser.add_argument("--summarise", action="store_true", help="run nothing: rewrite the summary from the results "
+                        "in --work-dir or the tarball; needs no vLLM and no GPU")
+    return parser
+
+
+def catalogue_paths(args) -> dict[str, Path]:
+    """Where a catalogue script's state lives: results in --results-dir, logs, raw results and models in
+    --work-dir."""
+    return runner.state_paths(args.results_dir, args.work_dir / "logs", args.work_dir / "raw", args.work_dir)
+
+
 def one_engine_at_a_time(args, all_jobs: list[Job], summarise: runner.Summarise, *, gpu_ids: list[str],
                          plan_gpus: int, required: tuple[str, ...]) -> None:
     """The rest of a catalogue script's main once its options are parsed (``vllm_spec_dcp.py``,
     ``vllm_hybrid_gpu.py``): ``--list``, ``--summarise`` (no vLLM, no GPU), ``--plan`` (``plan_gpus``), else the
     pending jobs of ``--only`` (every engine job by default) with their builds, one engine at a time on ``gpu_ids``.
     ``summarise(found)`` writes the summary; results and logs pack into ``<name>_jobs.tar.gz``."""
-    paths = runner.state_paths(args.results_dir, args.work_dir / "logs", args.work_dir / "raw", args.work_dir)
+    paths = catalogue_paths(args)
     pack = paths["results"] / f"{args.name}_jobs.tar.gz"
     chosen = runner.select_only(all_jobs, args.only) if args.only else [j for j in all_jobs
                                                                           if j.spec["kind"] == "engine"]
@@ -241,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
                         "into (default: host_overhead_h200)")
     args = parser.parse_args(argv)
     runner.check_jobs_option(parser, args.jobs)
-    paths = runner.state_paths(args.results_dir, args.work_dir / "logs", args.work_dir / "raw", args.work_dir)
+    paths = catalogue_paths(args)
     pack = paths["results"] / f"{args.name}_jobs.tar.gz"
     all_jobs = catalogue(paths["work"], paths["raw"], full_graphs=args.dcp_full_graphs)
     if args.list:

@@ -168,17 +168,13 @@ def summarise(args, paths: dict[str, Path], jobs: dict[str, dict]) -> list[Path]
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = runner.parser_for(__doc__, name="vllm_hybrid_h100", work_dir="/tmp/dcp_vllm_hybrid")
-    for flag, text in (("--plan", "print the job order and estimated times, and exit"),
-                       ("--summarise", "run nothing: rewrite the summary from the results in --work-dir or the "
-                                       "tarball; needs no vLLM and no GPU")):
-        parser.add_argument(flag, action="store_true", help=text)
+    parser = dcp_e2e.catalogue_parser(__doc__, name="vllm_hybrid_h100", work_dir="/tmp/dcp_vllm_hybrid")
     parser.add_argument("--tp", type=int, choices=(1, 2), default=1, help="1: one GPU (default); 2: the DCP = 2 "
                         "set on two GPUs")
     args = parser.parse_args(argv)
     if args.tp == 2 and args.name == "vllm_hybrid_h100":
         args.name = "vllm_hybrid_2xh100"
-    paths = runner.state_paths(args.results_dir, args.work_dir / "logs", args.work_dir / "raw", args.work_dir)
+    paths = dcp_e2e.catalogue_paths(args)
     dcp_e2e.one_engine_at_a_time(args, catalogue(paths["work"], paths["raw"], tp=args.tp),
                                  lambda found: summarise(args, paths, found), gpu_ids=runner.visible_gpus(),
                                  plan_gpus=args.tp, required=spec_dcp.REQUIRED_MODULES)

@@ -212,12 +212,8 @@ def summarise(args, paths: dict[str, Path], jobs: dict[str, dict]) -> list[Path]
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = runner.parser_for(__doc__, name="vllm_spec_dcp_2xh200", work_dir="/tmp/dcp_vllm_spec")
-    for flag, text in (("--plan", "print the job order and estimated times, and exit"),
-                       ("--eager", "every engine with enforce_eager (no CUDA graphs)"),
-                       ("--summarise", "run nothing: rewrite the summary from the results in --work-dir or the "
-                                       "tarball; needs no vLLM and no GPU")):
-        parser.add_argument(flag, action="store_true", help=text)
+    parser = dcp_e2e.catalogue_parser(__doc__, name="vllm_spec_dcp_2xh200", work_dir="/tmp/dcp_vllm_spec")
+    parser.add_argument("--eager", action="store_true", help="every engine with enforce_eager (no CUDA graphs)")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: CUDA_VISIBLE_DEVICES, else "
                         "nvidia-smi -L; --plan assumes 2 when neither says)")
     parser.add_argument("--tp", type=int, choices=(1, 2), default=2, help="2: the DCP = 2 set on two GPUs (default); "
@@ -225,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.tp == 1 and args.name == "vllm_spec_dcp_2xh200":
         args.name = "vllm_spec_h200"
-    paths = runner.state_paths(args.results_dir, args.work_dir / "logs", args.work_dir / "raw", args.work_dir)
+    paths = dcp_e2e.catalogue_paths(args)
     gpu_ids = [str(i) for i in range(args.gpus)] if args.gpus is not None else runner.visible_gpus()
     dcp_e2e.one_engine_at_a_time(
         args, catalogue(paths["work"], paths["raw"], eager=args.eager, tp=args.tp),
