@@ -11,6 +11,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -40,6 +41,13 @@ def gpu_name() -> str:
     import torch
 
     return torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+
+
+def gpu_tag(name: str | None = None) -> str:
+    """The card in a results file's name: ``h100``, ``h200``, ... (the first model number in ``gpu_name()``, lower
+    case), else ``cpu``."""
+    found = re.search(r"\b([A-Z]\d{2,4})\b", name if name is not None else gpu_name())
+    return found.group(1).lower() if found else "cpu"
 
 
 def median_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> float:

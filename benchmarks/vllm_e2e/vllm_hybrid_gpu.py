@@ -7,9 +7,10 @@ GDN kernels take no float32). vLLM gives the full-attention layers a KV-cache gr
 makes a page as large as a GDN layer's state, and hands dcp-triton only those layers. Jobs, each one engine in its
 own process, CUDA graphs on (vLLM's default FULL_AND_PIECEWISE), one GPU, in run order (``ENGINES``):
 
-  q3n-dcp-triton, q3n-FLASH_ATTN, q3n-TRITON_ATTN      no speculation
+  q3n-dcp-triton, q3n-FLASH_ATTN                       no speculation
   q3n-mtp-dcp-triton, q3n-mtp-FLASH_ATTN               MTP drafts (``qwen3_next_mtp``, 2 tokens; the draft's
                                                        attention layer on the same backend)
+  q3n-TRITON_ATTN                                      no speculation (how far two vLLM backends part in bf16)
 
 ``--tp 2``: the DCP = 2 set on two GPUs (``ENGINES_TP2``, the model with one KV head: vLLM's DCP needs more TP ranks
 than KV heads), dcp-triton and FLASH_ATTN at DCP = 2 and dcp-triton with MTP drafts against dcp-triton at DCP = 1.
@@ -66,9 +67,9 @@ WARMUP = dict(count=4, min_len=100, max_len=3000, seed=23)
 MAX_TOKENS = 64
 # name, backend, MTP drafts, DCP size, the job it is compared with; in run order. One GPU (tp = 1):
 ENGINES = [("q3n-dcp-triton", "dcp-triton", False, 1, "q3n-FLASH_ATTN"), ("q3n-FLASH_ATTN", "FLASH_ATTN", False, 1, None),
-           ("q3n-TRITON_ATTN", "TRITON_ATTN", False, 1, "q3n-FLASH_ATTN"),
            ("q3n-mtp-dcp-triton", "dcp-triton", True, 1, "q3n-dcp-triton"),
-           ("q3n-mtp-FLASH_ATTN", "FLASH_ATTN", True, 1, "q3n-FLASH_ATTN")]
+           ("q3n-mtp-FLASH_ATTN", "FLASH_ATTN", True, 1, "q3n-FLASH_ATTN"),
+           ("q3n-TRITON_ATTN", "TRITON_ATTN", False, 1, "q3n-FLASH_ATTN")]
 # Two GPUs (tp = 2; one KV head, so that vLLM allows DCP = 2): dcp-triton and FLASH_ATTN sharding the cache, and
 # dcp-triton at DCP = 1 as the reference of both.
 ENGINES_TP2 = [("q3n-tp2-dcp1-dcp-triton", "dcp-triton", False, 1, None),

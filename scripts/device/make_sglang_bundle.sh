@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SGLang 0.5.17 for the GPU machine (run_h200_sglang.sh): the wheels that SGLang's offline Engine imports on one GPU
 # and the device image lacks (or holds at another version), as one tar archive split into parts of at most PART_MIB
-# MiB (default 45), each carried by its own device call:
+# MiB (default 50), each carried by its own device call:
 #   .gpu-bundle/sglang-part-NN/sglang-bundle.tar.NN   part NN (00, 01, ...)
 #   .gpu-bundle/sglang-part-NN/SHA256SUMS             in every part: the whole archive's sha256 and each part's
 # The image already has torch 2.11.0 (SGLang 0.5.17's pin), triton 3.6, numpy, huggingface-hub 1.33, safetensors,
@@ -12,16 +12,18 @@
 # backend, the sampler, the loaders) under a simulated CUDA with only the image's packages and these wheels
 # importable, then reading the function-level imports of every module that loaded. Two wheels are trimmed (files
 # removed, RECORD rewritten, names and versions kept):
-#   sglang-kernel  keeps sgl_kernel's Python files, sm90/common_ops (what an H200 loads) and spatial_ops; drops
-#                  flash_ops (FlashAttention 3/4 for SGLang's fa3/fa4 backends, 1.1 GB unpacked, 342 MB of the
-#                  383 MB wheel), sm100/common_ops (other GPUs), flashmla_ops (MLA) and infllm_ops (InfLLM-V2):
-#                  loaded only by those backends, never by the triton or dcp-triton backend
+#   sglang-kernel  keeps sgl_kernel's Python files, sm90/common_ops (what an H100/H200 loads) and spatial_ops; drops
+#                  sm100/common_ops (other GPUs), flashmla_ops (MLA) and infllm_ops (InfLLM-V2), loaded only by
+#                  those backends, and flash_ops (FlashAttention 3 for SGLang's fa3 backend, 1.1 GB unpacked, 326 MB
+#                  of the 383 MB wheel), which travels beside the wheels as fa3/flash_ops.abi3.so.xz (xz -9: about
+#                  185 MB; made once, a few minutes, kept in BUNDLE_DIR/sglang-wheels) and is installed into
+#                  sgl_kernel/ by run_h200_sglang.sh's install stage; FA3=0 leaves it out (two part calls fewer)
 #   xgrammar       drops lib/libxgrammar.a (31 MB compressed), the static library for C++ builds
 # Usage: scripts/device/make_sglang_bundle.sh [BUNDLE_DIR]   (default .gpu-bundle, git-ignored; a minute; the wheels
 #        are kept in BUNDLE_DIR/sglang-wheels and not downloaded again)
 set -euo pipefail
 dir=${1:-$(cd "$(dirname "$0")/../.." && pwd)/.gpu-bundle}
-part_mib=${PART_MIB:-45}
+part_mib=${PART_MIB:-50}
 # name==version                       why (where SGLang imports it; "pin": SGLang 0.5.17's own pin)
 wheels=(
   sglang==0.5.17                      # the engine
@@ -56,6 +58,8 @@ wheels=(
   loguru==0.7.3                       # compressed-tensors
   gguf==0.19.0                        # layers/quantization/gguf.py
   setproctitle==1.3.8                 # managers/scheduler.py, managers/data_parallel_controller.py
+  sgl-deep-gemm==0.1.5.post1          # pin; the speculative workers' graph capture imports dsa_backend, which
+                                      # imports deep_gemm on CUDA (eagle_worker_v2.py)
 )
 plats=()
 for n in 1 2014 _2_17 _2_24 _2_26 _2_27 _2_28 _2_31 _2_34; do plats+=(--platform "manylinux${n}_x86_64"); done
@@ -103,7 +107,16 @@ for prefix, pattern in DROP.items():
     print(f"{path.name}: dropped {', '.join(gone)}")
 PY
 
-tar cf "$work/sglang-bundle.tar" -C "$work" wheels
+members=(wheels)
+if [[ ${FA3:-1} == 1 ]]; then  # SGLang's fa3 backend: the FlashAttention-3 extension dropped from the wheel above
+  fa3=$dir/sglang-wheels/flash_ops.abi3.so.xz
+  if ! test -f "$fa3"; then
+    kernel=$(find "$dir/sglang-wheels" -maxdepth 1 -name 'sglang_kernel-0.4.5-*.whl')
+    unzip -p "$kernel" sgl_kernel/flash_ops.abi3.so | xz -9 -T0 >"$fa3.partial" && mv "$fa3.partial" "$fa3"
+  fi
+  mkdir -p "$work/fa3" && cp "$fa3" "$work/fa3/" && members+=(fa3)
+fi
+tar cf "$work/sglang-bundle.tar" -C "$work" "${members[@]}"
 rm -rf "$dir"/sglang-part-*
 (cd "$work" && split -b "${part_mib}M" -d -a 2 sglang-bundle.tar sglang-bundle.tar. \
   && sha256sum sglang-bundle.tar sglang-bundle.tar.[0-9][0-9] >SHA256SUMS)

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # SGLang 0.5.17 on one H200 (device tool), in back-to-back calls of one lease (files in /tmp survive while the machine
-# stays warm: start each call within ~30 s of the last). SGLang's wheels travel as parts of <= 45 MiB
+# stays warm: start each call within ~30 s of the last). SGLang's wheels (and its FA3 extension) travel as parts of <= 50 MiB
 # (scripts/device/make_sglang_bundle.sh), one part a call:
 #   stage "part":     carry .gpu-bundle/sglang-part-NN -> that part stays in /tmp/sglang-bundle (one call for each part
 #                     but the last)
 #   stage "install":  carry the last part -> kept the same way; then, with every part that SHA256SUMS lists in /tmp,
 #                     joins them, checks each part's and the whole archive's sha256, installs the wheels into /tmp/sgl
-#                     (pip --no-index --no-deps --target) and dcp-triton into /tmp/dcp, and checks the install:
-#                     versions, sgl_kernel's sm90 ops, FlashInfer's sampling module, dcp-triton in SGLang's attention
+#                     (pip --no-index --no-deps --target) and SGLang's FA3 extension into its sgl_kernel (where the
+#                     bundle has it) and dcp-triton into /tmp/dcp, and checks the install: versions, sgl_kernel's
+#                     sm90 ops, DeepGEMM, FA3, FlashInfer's sampling module, dcp-triton in SGLang's attention
 #                     backends after SGLang's own plugin loading, and one JIT build of SGLang's RoPE kernel (nvcc,
 #                     cached in /tmp/sgl-jit for the bench call) -> $OUT/install_check.log
+#                     Arguments after "install" (a benchmark script and its arguments, as for bench) run that
+#                     benchmark in the same call, once the install checks passed.
 #   stage "bench":    carry nothing -> dcp-triton installed afresh, then benchmarks/sglang_e2e/sglang_one_h200.py with the
 #                     given arguments (or the script a first argument ending in .py names, from the repository root:
 #                     benchmarks/sglang_e2e/sglang_spec_gpu.py), SGLang from /tmp/sgl; BENCH_TIMEOUT_S=N stops it with
@@ -62,6 +65,14 @@ for dist in ("sglang", "sglang-kernel", "flashinfer-python", "apache-tvm-ffi", "
 import sgl_kernel  # loads sm90/common_ops on an H200
 
 print("sgl_kernel ops:", sgl_kernel.common_ops.__file__)
+import deep_gemm  # noqa: F401,E402 - the speculative workers' graph capture imports it
+
+try:
+    from sgl_kernel.flash_attn import is_fa3_supported
+except ImportError as error:
+    print("no fa3 backend:", error)
+else:
+    print("fa3 (sgl_kernel.flash_ops) loads; supported here:", is_fa3_supported())
 import flashinfer.sampling  # noqa: F401,E402 - what SGLang's sampler imports on CUDA
 from sglang.srt.entrypoints.engine import Engine  # noqa: F401,E402
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  # noqa: E402
@@ -80,6 +91,17 @@ print("SGLang's JIT RoPE kernel built and ran")
 PY
 }
 
+bench() {  # bench [SCRIPT.py] [ARGS...]: one benchmark script over SGLang in /tmp/sgl, its logs and results to $OUT
+  local script=benchmarks/sglang_e2e/sglang_one_h200.py
+  if [[ ${1:-} == *.py ]]; then script=$1; shift; fi
+  (cd /tmp && PYTHONPATH=/tmp/dcp:$sgl timeout -s INT -k 75 "${BENCH_TIMEOUT_S:-0}" \
+    python3 "$repo/$script" "$@" 2>&1 | tee "$OUT/bench.log")
+  if compgen -G "$DCP_BENCH_WORK/*.log" >/dev/null; then
+    (cd "$DCP_BENCH_WORK" && tar czf "$OUT/sglang_job_logs.tar.gz" -- *.log)
+  fi
+  pack_results "$OUT/install.log" "$OUT/results_new.tar.gz"  # what the benchmark wrote
+}
+
 case "$stage" in
   part)
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
@@ -90,29 +112,25 @@ case "$stage" in
     keep_parts || exit 1
     [[ -z $(missing_parts) ]] || exit 1
     join_checked "$bundle/sglang-bundle.tar" "$bundle/SHA256SUMS" "$bundle"/sglang-bundle.tar.[0-9][0-9] || exit 1
-    rm -rf "$bundle/wheels" "$sgl" && tar xf "$bundle/sglang-bundle.tar" -C "$bundle" || exit 1
+    rm -rf "$bundle/wheels" "$bundle/fa3" "$sgl" && tar xf "$bundle/sglang-bundle.tar" -C "$bundle" || exit 1
     rm "$bundle/sglang-bundle.tar"
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$sgl" "$bundle"/wheels/*.whl \
       >"$OUT/install_sglang.log" 2>&1 || { cat "$OUT/install_sglang.log"; exit 1; }
+    if test -f "$bundle/fa3/flash_ops.abi3.so.xz"; then  # SGLang's fa3 backend (make_sglang_bundle.sh)
+      xz -dc -T0 "$bundle/fa3/flash_ops.abi3.so.xz" >"$sgl/sgl_kernel/flash_ops.abi3.so" || exit 1
+    fi
     install_dcp "$OUT/install.log" || exit 1
     which nvcc && nvcc --version | tail -2
     cd /tmp || exit 1
     PYTHONPATH=/tmp/dcp:$sgl check_install 2>&1 | tee "$OUT/install_check.log"
     [[ ${PIPESTATUS[0]} == 0 ]] || exit 1
-    touch "$sgl/.installed" && echo "next: a bench call within the machine's 30 s warm time"
+    touch "$sgl/.installed"
+    if [[ $# -gt 0 ]]; then bench "$@"; else echo "next: a bench call within the machine's 30 s warm time"; fi
     ;;
   bench)
     test -f "$sgl/.installed" || { echo "SGLang is not installed in $sgl: part and install calls first" >&2; exit 1; }
     install_dcp "$OUT/install.log" || exit 1
-    script=benchmarks/sglang_e2e/sglang_one_h200.py
-    if [[ ${1:-} == *.py ]]; then script=$1; shift; fi
-    cd /tmp || exit 1
-    PYTHONPATH=/tmp/dcp:$sgl timeout -s INT -k 75 "${BENCH_TIMEOUT_S:-0}" \
-      python3 "$repo/$script" "$@" 2>&1 | tee "$OUT/bench.log"
-    if compgen -G "$DCP_BENCH_WORK/*.log" >/dev/null; then
-      (cd "$DCP_BENCH_WORK" && tar czf "$OUT/sglang_job_logs.tar.gz" -- *.log)
-    fi
-    pack_results "$OUT/install.log" "$OUT/results_new.tar.gz"  # what the benchmark wrote
+    bench "$@"
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -21,8 +21,8 @@ def cli(*args: str) -> list[str]:
 def test_list_plan_and_summarise_run_without_torch_or_vllm(tmp_path):
     work = ["--work-dir", str(tmp_path / "w"), "--results-dir", str(tmp_path / "r")]
     names = [line.split()[0] for line in cli("--list", *work)]
-    assert names == [f"build-{bench.MODEL}", "q3n-dcp-triton", "q3n-FLASH_ATTN", "q3n-TRITON_ATTN",
-                     "q3n-mtp-dcp-triton", "q3n-mtp-FLASH_ATTN"]
+    assert names == [f"build-{bench.MODEL}", "q3n-dcp-triton", "q3n-FLASH_ATTN", "q3n-mtp-dcp-triton",
+                     "q3n-mtp-FLASH_ATTN", "q3n-TRITON_ATTN"]
     assert cli("--plan", *work)[-1].startswith("estimated wall time:")
     assert cli("--summarise", *work) == [] and (tmp_path / "r" / "vllm_hybrid_h100.md").exists()
 

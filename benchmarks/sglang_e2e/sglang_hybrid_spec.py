@@ -1,0 +1,165 @@
+"""SGLang on one GPU: a hybrid Qwen3-Next with its MTP draft (NEXTN), dcp-triton against SGLang's ``triton`` and
+``fa3`` backends.
+
+The checkpoint is ``q3n-mtp``: the Qwen3-Next of ``sglang_spec_gpu.py`` (8 layers, every fourth full attention with
+16 Q / 2 KV heads of size 256, Gated-DeltaNet between, MoE) with one multi-token-prediction layer
+(``num_nextn_predict_layers``), random-initialised and saved in float32 on the machine (``common.save_random_model``).
+Every job speculates with that MTP layer as SGLang serves Qwen3-Next: ``NEXTN``, a chain of 3 steps, topk 1, 4 draft
+tokens. Jobs, each an offline ``sglang.Engine`` (token ids in) in its own process, in run order:
+
+  q3n-fp32-dcp-triton, q3n-fp32-triton   float32, eager (SGLang's torch ops: ``sglang_one_h200.use_native_ops``):
+                                         greedy tokens and verify steps of the check prompts (fa3 takes no float32)
+  q3n-bf16-dcp-triton, q3n-bf16-fa3, q3n-bf16-triton
+                                         bf16, CUDA graphs (SGLang's defaults): the same, then output tokens/s on
+                                         each of ``LOADS`` (one warm-up with other prompts, then the best of 2)
+
+The summary (``summary``): float32 greedy tokens of dcp-triton against triton (every sequence equal or not) and both
+mean accepted lengths (tokens per verify step: SGLang's ``spec_verify_ct``); per bf16 peer the accepted-length ratio,
+the greedy agreement and dcp-triton's output tokens/s over the peer's per load. A job whose results file is already
+in the work folder (an earlier call of the same machine) is not run again (``--force`` reruns it).
+
+    python benchmarks/sglang_e2e/sglang_hybrid_spec.py --budget-s 420   # the GPU machine: run_h200_sglang.sh bench
+    python benchmarks/sglang_e2e/sglang_hybrid_spec.py --dry-run        # no GPU, no SGLang: jobs and engine kwargs
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+import common  # noqa: E402
+import sglang_one_h200 as one  # noqa: E402  (its import applies the float32 jobs' native ops in a job process)
+import sglang_spec_gpu as spec_gpu  # noqa: E402
+
+MODELS = {"q3n-mtp": dict(spec_gpu.MODELS["q3n"], num_nextn_predict_layers=1)}
+NEXTN = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=1,
+             speculative_num_draft_tokens=4, draft="q3n-mtp")
+PEERS = ("fa3", "triton")
+JOBS = [dict(name=f"q3n-{dtype}-{backend}", model="q3n-mtp", backend=backend, dtype=dtype, spec=NEXTN)
+        for dtype, backends in (("fp32", ("dcp-triton", "triton")), ("bf16", ("dcp-triton",) + PEERS))
+        for backend in backends]
+LOADS = {"decode": dict(requests=32, prompt_len=512, output_len=256),
+         "long_prompt": dict(requests=4, prompt_len=7168, output_len=64)}
+OUTPUT_LEN = 64
+REPEATS = 2
+
+
+def run_job(job: dict, models: dict[str, Path], tp: int) -> dict:
+    import sglang
+
+    began = time.perf_counter()
+    engine = sglang.Engine(**spec_gpu.engine_kwargs(job, models, tp))
+    result = dict(job, init_s=round(time.perf_counter() - began, 1), loads={})
+    try:
+        params = dict(max_new_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
+        outs = engine.generate(input_ids=one.check_prompts(), sampling_params=params)
+        result["greedy"] = [list(o["output_ids"]) for o in outs]
+        result["verify_steps"] = [o["meta_info"].get("spec_verify_ct") for o in outs]
+        if job["dtype"] == "bf16":
+            for i, (name, load) in enumerate(LOADS.items()):
+                one.run_load(engine, load, seed=1000 * i)  # warm-up: same shapes, other prompts
+                result["loads"][name] = [one.run_load(engine, load, seed=1000 * i + r + 1) for r in range(REPEATS)]
+    finally:
+        engine.shutdown()
+    return result
+
+
+def accepted_length(result: dict) -> float | None:
+    """Tokens per verify step over the check prompts: accepted drafts plus the bonus token."""
+    steps = sum(v for v in result.get("verify_steps") or [] if v)
+    return sum(len(t) for t in result["greedy"]) / steps if steps else None
+
+
+def best_tok_s(result: dict, load: str) -> float | None:
+    runs = result.get("loads", {}).get(load)
+    return max(r["output_tok_s"] for r in runs) if runs else None
+
+
+def ratio(ours: float | None, theirs: float | None) -> float | None:
+    return round(ours / theirs, 3) if ours and theirs else None
+
+
+def summarise(results: list[dict]) -> dict:
+    done = {r["name"]: r for r in results if "error" not in r}
+    summary: dict = dict(failed=[r["name"] for r in results if "error" in r],
+                         init_s={n: r["init_s"] for n, r in done.items()},
+                         accepted_length={n: accepted_length(r) for n, r in done.items()},
+                         output_tok_s={n: {load: best_tok_s(r, load) for load in LOADS} for n, r in done.items()
+                                       if r["dtype"] == "bf16"})
+    ours, ref = done.get("q3n-fp32-dcp-triton"), done.get("q3n-fp32-triton")
+    if ours and ref:
+        agreement = one.greedy_agreement(ours["greedy"], ref["greedy"])
+        summary["fp32_vs_triton"] = dict(greedy=agreement, greedy_identical=agreement["equal"] == agreement["sequences"],
+                                         acceptance_ratio=ratio(accepted_length(ours), accepted_length(ref)))
+    ours = done.get("q3n-bf16-dcp-triton")
+    summary["bf16_vs"] = {}
+    for peer in PEERS:
+        theirs = done.get(f"q3n-bf16-{peer}")
+        if ours and theirs:
+            summary["bf16_vs"][peer] = dict(
+                greedy=one.greedy_agreement(ours["greedy"], theirs["greedy"]),
+                acceptance_ratio=ratio(accepted_length(ours), accepted_length(theirs)),
+                tok_s_ratio={load: ratio(best_tok_s(ours, load), best_tok_s(theirs, load)) for load in LOADS})
+    return summary
+
+
+def child(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    result = run_job(spec["job"], {name: Path(p) for name, p in spec["models"].items()}, spec["tp"])
+    Path(spec["out"]).write_text(json.dumps(result))
+    os._exit(0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="*", help="comma-separated job-name patterns (--list shows them)")
+    parser.add_argument("--budget-s", type=float, default=0, help="start no job after this many seconds")
+    parser.add_argument("--name", default=None, help="results file stem (default: sglang_hybrid_spec_<gpu>)")
+    parser.add_argument("--force", action="store_true", help="rerun jobs whose results are in the work folder")
+    parser.add_argument("--list", action="store_true")
+    parser.add_argument("--dry-run", action="store_true", help="print the jobs and engine kwargs; run none")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child)
+    chosen = [j for j in JOBS if any(fnmatch.fnmatch(j["name"], p) for p in args.only.split(","))]
+    if args.list or not chosen:
+        print("\n".join(j["name"] for j in JOBS) if args.list else f"--only {args.only!r} matches no job")
+        sys.exit(0 if args.list else 2)
+    work = Path(os.environ.get("DCP_BENCH_WORK", "/tmp/dcp_sglang_hybrid_spec"))
+    paths = {name: work / name for name in MODELS}
+    if args.dry_run:
+        print(json.dumps(dict(models=MODELS, loads=LOADS, jobs=[dict(j, engine=spec_gpu.engine_kwargs(j, paths))
+                                                                for j in chosen]), indent=1))
+        return
+    name = args.name or f"sglang_hybrid_spec_{common.gpu_tag()}"
+    work.mkdir(parents=True, exist_ok=True)
+    for model, config in MODELS.items():
+        common.save_random_model(config, paths[model], seed=0)
+    spec = dict(models={m: str(p) for m, p in paths.items()}, tp=1)
+    began, results, path = time.monotonic(), [], None
+    for job in chosen:
+        earlier = work / f"{job['name']}.json"
+        if earlier.exists() and not args.force:  # one_h200.run_one writes it only for a job that finished
+            results.append(dict(json.loads(earlier.read_text()), log=str(work / f"{job['name']}.log")))
+            print(f"{job['name']}: results of an earlier run kept", flush=True)
+        elif args.budget_s and time.monotonic() - began > args.budget_s:
+            print(f"not started (budget): {job['name']}", flush=True)
+            continue
+        else:
+            results.append(one.run_one(job, spec, work, script=__file__))
+        path = common.save(name, dict(summary=summarise(results), models=MODELS, loads=LOADS, gpu=common.gpu_name(),
+                                      jobs=results))
+        print(f"[{time.strftime('%H:%M:%S')}] {job['name']} done", flush=True)
+    print(json.dumps(summarise(results), indent=1))
+    print(f"wrote {common.repo_relative(path)}" if path else "no results")
+
+
+if __name__ == "__main__":
+    main()
