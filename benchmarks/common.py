@@ -255,8 +255,9 @@ def save_random_model(config: dict, target: str | Path, *, seed: int = 0) -> Pat
     name. A ``target`` holding a config.json is taken as built and left alone.
 
     A Qwen3-Next config with ``num_nextn_predict_layers`` also gets the multi-token-prediction weights vLLM's
-    ``Qwen3NextMTP`` reads (transformers has no MTP module): ``mtp.layers.{i}`` copies the decoder layer of the last
-    full-attention layer, ``mtp.fc`` is random, its norms are transformers' initial RMSNorm weights.
+    ``Qwen3NextMTP`` and SGLang's ``Qwen3NextForCausalLMMTP`` read (transformers has no MTP module): ``mtp.layers.{i}``
+    copies the decoder layer of the last full-attention layer as saved (transformers 5 keeps experts fused in memory
+    and saves them per expert, the names the engines load), ``mtp.fc`` is random, its norms are the final norm's.
     """
     target = Path(target)
     if (target / "config.json").exists():
@@ -269,34 +270,34 @@ def save_random_model(config: dict, target: str | Path, *, seed: int = 0) -> Pat
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config))
     model = model.to(torch.float32)  # saved with dtype float32
     partial = target.with_name(target.name + ".partial")
-    extra = _mtp_weights(model, seed) if config.get("num_nextn_predict_layers") else {}
     model.save_pretrained(partial)
-    if extra:
+    if config.get("num_nextn_predict_layers"):
         from safetensors.torch import load_file, save_file
 
         (shard,) = partial.glob("*.safetensors")  # a tiny model: one shard
-        save_file({**load_file(shard), **extra}, str(shard), metadata={"format": "pt"})
+        saved = load_file(shard)
+        save_file({**saved, **_mtp_weights(model.config, saved, seed)}, str(shard), metadata={"format": "pt"})
     partial.rename(target)
     return target
 
 
-def _mtp_weights(model, seed: int) -> dict:
-    """Qwen3-Next's MTP weights for ``model`` (``save_random_model``), contiguous float32 tensors by name."""
+def _mtp_weights(config, saved: dict, seed: int) -> dict:
+    """Qwen3-Next's MTP weights (``save_random_model``) from the ``saved`` checkpoint's tensors, contiguous float32
+    tensors by name."""
     import torch
 
-    config = model.config
     if config.model_type != "qwen3_next":
         raise ValueError(f"num_nextn_predict_layers: MTP weights are built for qwen3_next only, not "
                          f"{config.model_type}")
     full = max(i for i, kind in enumerate(config.layer_types) if kind == "full_attention")
-    layer = {name: t for name, t in model.state_dict().items() if name.startswith(f"model.layers.{full}.")}
+    prefix = f"model.layers.{full}."
     hidden = config.hidden_size
     gen = torch.Generator().manual_seed(seed + 1)
-    norm = model.model.norm.weight.detach()
     out = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=gen) * config.initializer_range}
     for name in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
-        out[f"mtp.{name}.weight"] = norm.clone()
+        out[f"mtp.{name}.weight"] = saved["model.norm.weight"].clone()
     for i in range(config.num_nextn_predict_layers):
-        for name, t in layer.items():
-            out[name.replace(f"model.layers.{full}.", f"mtp.layers.{i}.")] = t.detach().clone()
+        for name, t in saved.items():
+            if name.startswith(prefix):
+                out[f"mtp.layers.{i}." + name[len(prefix):]] = t.clone()
     return {name: t.to(torch.float32).contiguous() for name, t in out.items()}
