@@ -28,7 +28,7 @@ class DcpTritonAttnBackend(AttentionBackend):
     ``ForwardBatch`` into a ``DcpBatch`` (``metadata.StepBuilder``); per layer ``forward_extend`` /
     ``forward_decode`` write the step's K/V this rank owns into SGLang's KV pool and run ``DcpAttention``.
     Decode steps, and a speculative run's verify steps, replay from SGLang's CUDA graphs (``init_cuda_graph_state``
-    / ``init_forward_metadata_out_graph``).
+    / ``init_forward_metadata_out_graph``); so do a draft model's extend steps (``draft.DcpTritonDraftExtendBackend``).
 
     Hybrid models (Qwen3.5, Qwen3-Next: linear-attention layers beside full attention): SGLang wraps this backend in
     its ``HybridLinearAttnBackend``, which hands it the full-attention layers only and reads ``token_to_kv_pool`` /
@@ -108,8 +108,7 @@ class DcpTritonAttnBackend(AttentionBackend):
                                trees=None if self._trees is None else self._trees.buffer)
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
-        mode = forward_batch.forward_mode
-        if self.steps.graph is not None and (mode.is_decode() or mode.is_target_verify()):
+        if self.steps.graph is not None and metadata.graphed(forward_batch.forward_mode):
             self.forward_metadata = self.steps.build_graph(forward_batch)
         else:
             self.forward_metadata = self.steps.build(forward_batch)
@@ -200,6 +199,20 @@ class DcpTritonAttnBackend(AttentionBackend):
         self._warmed[0] = True
         logger.info(timed_warm_up(attention, dcp_size=self.tokens.dcp_size, trees=self.speculation.trees, query=q,
                                   key=k, value=v, key_cache=key_cache, value_cache=value_cache, output=out))
+
+
+class DcpTritonDraftExtendBackend(DcpTritonAttnBackend):
+    """A draft model's extend backend (built by SGLang's ``DraftBackendFactory``, ``draft.py``). After each verify
+    step the draft extends every request by a causal window of the draft tokens, which SGLang replays from a CUDA
+    graph of its own; its ``init_cuda_graph_state(max_bs, max_bs * width)`` gives the window's width.
+
+    SGLang captures that graph only for a fixed list of its backend classes (``EAGLEWorkerV2._capture_cuda_graphs``,
+    ``TritonAttnBackend`` among them), so ``draft.register_draft_backends`` makes this class a virtual subclass of
+    ``TritonAttnBackend`` (``ABC.register``): ``isinstance`` answers yes for this class only, and nothing of
+    SGLang's Triton backend is inherited."""
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.steps.init_graphs(max_bs, max_num_tokens, verify_tokens=max_num_tokens // max_bs)
 
 
 def attention_layers(model) -> list:

@@ -13,6 +13,10 @@ request. Row ``t`` of request ``b`` at step ``i`` attends the committed prefix a
 prefix (``seq_len + t * num_steps + i``) when pages hold one token or ``topk`` is 1, else in pages of the branch's
 own that begin with a copy of the prefix's last partial page (SGLang copies it there). A branch is therefore a
 request of its own with a block table of its own: the prefix's pages, then the branch's.
+
+The draft's extend after each verify step (``backend.DcpTritonDraftExtendBackend``) replays from SGLang's
+draft-extend CUDA graph, as SGLang's ``triton`` backend's does: SGLang captures that graph for the classes of a
+list of its own, so the class is registered as a virtual subclass of ``TritonAttnBackend``.
 """
 
 from __future__ import annotations
@@ -40,17 +44,26 @@ def register_draft_backends(names: tuple[str, ...]) -> None:
         stamped = "stamps_children" in inspect.signature(original).parameters  # 0.5.23: (name, backend) entries
 
         def make():
-            from dcp_plugin.adapters.sglang.backend import DcpTritonAttnBackend
-
             runner = factory.draft_model_runner
             backend = DcpTritonDraftSteps(runner, factory.topk, factory.speculative_num_steps) if decode else \
-                DcpTritonAttnBackend(runner)
+                draft_extend_backend(runner)
             return (names[0], backend) if stamped else backend
 
         return original(factory, backend_name, {**backend_map, **dict.fromkeys(names, make)}, *args, **kwargs)
 
     HookRegistry.register(HOOK_TARGET, with_dcp_triton, HookType.AROUND)
     _registered = True
+
+
+def draft_extend_backend(runner, *, topology=None):
+    """dcp-triton's draft-extend backend for the draft ``runner``, of a class SGLang captures a CUDA graph for."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    from dcp_plugin.adapters.sglang.backend import DcpTritonDraftExtendBackend
+
+    if not issubclass(DcpTritonDraftExtendBackend, TritonAttnBackend):
+        TritonAttnBackend.register(DcpTritonDraftExtendBackend)
+    return DcpTritonDraftExtendBackend(runner, topology=topology)
 
 
 class DcpTritonDraftSteps:

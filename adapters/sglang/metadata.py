@@ -9,7 +9,9 @@ column ``j`` of a request's table is ``req_to_token[req, j * P * N] // (P * N)``
 A speculative verify step (``TARGET_VERIFY``) gives each request its ``d`` draft tokens after ``seq_lens`` cached
 ones, in the slots ``req_to_token[req, seq_len:seq_len + d]``: the token at index ``i`` of the window is placed as
 position ``seq_len + i`` (where it stays when accepted in order), whatever its depth in the draft tree. A tree
-(EAGLE with ``topk > 1``, n-gram) comes as the step's ``custom_mask``; a chain (``topk == 1``) is causal.
+(EAGLE with ``topk > 1``, n-gram) comes as the step's ``custom_mask``; a chain (``topk == 1``) is causal. The draft
+model's extend after a verify step (``DRAFT_EXTEND_V2``) is a causal window of the same width per request, counted
+in its ``seq_lens`` already.
 """
 
 from __future__ import annotations
@@ -100,18 +102,21 @@ class StepBuilder:
         )
 
     def build_graph(self, fb) -> DcpBatch:
-        """A decode or verify step over the persistent buffers (capture and every replay of a CUDA graph of this
-        size). ``fb`` may be SGLang's replay view: ``batch_size`` and the per-request tensors padded to the captured
-        size, ``out_cache_loc`` (and the draft tree) the real requests' only."""
+        """A decode, verify or draft-extend step over the persistent buffers (capture and every replay of a CUDA
+        graph of this size). ``fb`` may be SGLang's replay view: ``batch_size`` and the per-request tensors padded to
+        the captured size, ``out_cache_loc`` (and the draft tree) the real requests' only."""
         bs, g = fb.batch_size, self.graph
-        verify = fb.forward_mode.is_target_verify()
-        d = fb.spec_info.draft_token_num if verify else 1
+        verify, extend = fb.forward_mode.is_target_verify(), is_draft_extend_window(fb.forward_mode)
+        d = g["tree"].shape[1] if extend else fb.spec_info.draft_token_num if verify else 1
         if g["tree"].shape[1] != d:
             raise ValueError(f"a graph step of {d} tokens per request, but the graphs were prepared for "
                              f"{g['tree'].shape[1]} (init_cuda_graph_state)")
         real = fb.out_cache_loc.shape[0] // d  # the real requests, before SGLang's padding
         query_start_loc = g["query_start_loc"][:bs + 1]
-        g["seq_lens"][:bs].copy_(fb.seq_lens[:bs] + (d if verify else 0))
+        if extend:  # the window is in seq_lens; a padded request (seq_len 1) reads no cached token
+            g["seq_lens"][:bs].copy_(fb.seq_lens[:bs].clamp_min(d))
+        else:
+            g["seq_lens"][:bs].copy_(fb.seq_lens[:bs] + (d if verify else 0))
         g["block_table"][:bs].copy_(self.block_table(fb.req_pool_indices[:bs], self.width))
         slots = g["slot_mapping"]
         slots[:real * d].copy_(self.slot_mapping(fb.out_cache_loc, g["seq_lens"][:real], query_start_loc[:real + 1],
@@ -157,6 +162,16 @@ class StepBuilder:
         if max_seq_len is None:
             return self.width
         return max(1, min(self.width, -(-max_seq_len // self.span)))
+
+
+def graphed(forward_mode) -> bool:
+    """Whether ``StepBuilder.build_graph`` builds a step of ``forward_mode`` (the modes SGLang replays from graphs)."""
+    return forward_mode.is_decode() or forward_mode.is_target_verify() or is_draft_extend_window(forward_mode)
+
+
+def is_draft_extend_window(forward_mode) -> bool:
+    """SGLang's ``DRAFT_EXTEND_V2``: the draft's extend over a fixed window per request (absent before 0.5.17's)."""
+    return bool(getattr(forward_mode, "is_draft_extend_v2", lambda: False)())
 
 
 def draft_tree(spec_info, seq_lens: torch.Tensor, bs: int) -> torch.Tensor | None:

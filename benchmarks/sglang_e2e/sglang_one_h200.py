@@ -209,10 +209,12 @@ def child(spec_path: str) -> None:
 def job_env(job: dict) -> dict:
     """The job process's environment: the float32 jobs run SGLang's torch ops (``use_native_ops``) and Triton's
     float32 products in full precision (TRITON_F32_DEFAULT=ieee: by default SGLang's ``triton`` backend rounds
-    their inputs to TF32, about 1e-3 relative, the size of the logprob bound)."""
+    their inputs to TF32, about 1e-3 relative, the size of the logprob bound), and a hybrid model's convolution
+    state in float32 (SGLANG_MAMBA_CONV_DTYPE: SGLang keeps it in bf16 whatever the model's dtype, and its GDN
+    prefill then fails to store a float32 state)."""
     env = dict(os.environ, **{NATIVE_OPS_ENV: "1" if job["dtype"] == "fp32" else "0"})
     if job["dtype"] == "fp32":
-        env["TRITON_F32_DEFAULT"] = "ieee"
+        env.update(TRITON_F32_DEFAULT="ieee", SGLANG_MAMBA_CONV_DTYPE="float32")
     return env
 
 

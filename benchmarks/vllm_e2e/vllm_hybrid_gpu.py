@@ -65,6 +65,7 @@ LOGPROB_PROMPTS = dict(count=8, min_len=64, max_len=4000, seed=21)
 GREEDY = dict(count=16, min_len=100, max_len=3000, seed=22)
 WARMUP = dict(count=4, min_len=100, max_len=3000, seed=23)
 MAX_TOKENS = 64
+REPEATS = 3  # the greedy batch timed three times, the best kept: its first run compiles for new prompt lengths
 # name, backend, MTP drafts, DCP size, the job it is compared with; in run order. One GPU (tp = 1):
 ENGINES = [("q3n-dcp-triton", "dcp-triton", False, 1, "q3n-FLASH_ATTN"), ("q3n-FLASH_ATTN", "FLASH_ATTN", False, 1, None),
            ("q3n-mtp-dcp-triton", "dcp-triton", True, 1, "q3n-dcp-triton"),
@@ -88,7 +89,7 @@ def catalogue(work: Path, raw: Path, *, tp: int = 1) -> list[Job]:
                 estimate_s=ESTIMATE_S["build"], group="build")
     vocab = CONFIG["vocab_size"]
     tasks = [{"name": "logprobs", "type": "logprobs", "prompts": LOGPROB_PROMPTS},
-             {"name": "greedy", "type": "spec_decode", "max_tokens": MAX_TOKENS,
+             {"name": "greedy", "type": "spec_decode", "max_tokens": MAX_TOKENS, "repeats": REPEATS,
               "prompt_ids": report.make_prompts(vocab=vocab, **GREEDY),
               "warmup_ids": report.make_prompts(vocab=vocab, **WARMUP)}]
     jobs = [build]
@@ -131,7 +132,8 @@ def analyse(jobs: dict[str, dict]) -> dict:
                "block_size": sizes[-1] if sizes else None, "dcp_triton_ran": bool(job.get("backend_line"))}
         greedy = tasks[name].get("greedy")
         if greedy is not None:
-            row.update(output_tok_s=greedy["output_tok_s"], **spec_dcp.acceptance(greedy["spec_decode"]))
+            row.update(output_tok_s=greedy["output_tok_s"], timed_runs=len(greedy.get("timed_runs_s", [None])),
+                       **spec_dcp.acceptance(greedy["spec_decode"]))
         versus = spec["versus"]
         if versus in tasks and greedy is not None and tasks[versus].get("greedy") is not None:
             row["versus"] = versus

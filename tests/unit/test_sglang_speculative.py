@@ -160,8 +160,10 @@ def test_sglangs_draft_backend_factory_builds_dcp_tritons(monkeypatch):
     """With ``--attention-backend dcp-triton`` SGLang's ``DraftBackendFactory`` (which lists its built-in backends
     only) builds dcp-triton's multi-step draft decode and draft extend backends (the hook registered with SGLang's
     plugins), at DCP = 1 over the draft runner's pool; a name it knows neither way is still refused by SGLang."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
     from dcp_plugin.adapters.sglang import topology
-    from dcp_plugin.adapters.sglang.backend import DcpTritonAttnBackend
+    from dcp_plugin.adapters.sglang.backend import DcpTritonAttnBackend, DcpTritonDraftExtendBackend
 
     state = SglangRank(SgCase(name="factory", q_heads=8, kv_heads=2, page_size=2), 1, 0, None,
                        server_args(config_argv(1)))
@@ -174,7 +176,10 @@ def test_sglangs_draft_backend_factory_builds_dcp_tritons(monkeypatch):
     assert isinstance(steps, DcpTritonDraftSteps) and len(steps.attn_backends) == 3
     assert all(isinstance(b, DcpTritonAttnBackend) and b.tokens.dcp_size == 1 for b in steps.attn_backends)
     assert len({id(b.workspace) for b in steps.attn_backends}) == 1  # one workspace for every step
-    assert type(extend) is DcpTritonAttnBackend and extend.verify_mask is None  # a draft verifies nothing
+    assert type(extend) is DcpTritonDraftExtendBackend and extend.verify_mask is None  # a draft verifies nothing
+    # SGLang captures the draft extend's CUDA graph for the classes it lists, TritonAttnBackend among them: the
+    # draft-extend backend passes its isinstance test, a target's backend does not.
+    assert isinstance(extend, TritonAttnBackend) and not isinstance(state.backend, TritonAttnBackend)
     assert steps.attn_backends[0].get_cuda_graph_seq_len_fill_value() == 1
     factory.draft_attn_backend = "dcp-tritonn"  # --speculative-draft-attention-backend
     with context(), pytest.raises(ValueError, match="EAGLE is not supported in decode attention backend dcp-tritonn"):
@@ -235,6 +240,43 @@ def test_graph_steps_replay_padded_batches_on_fixed_addresses(speculative):
         if speculative:
             sglang_spec_checks.commit(state, positions, [sglang_spec_checks.accepted_path(m, d, rng) for m in masks],
                                       fb.out_cache_loc, rng)
+
+
+def test_draft_extend_graph_steps_replay_padded_windows():
+    """The draft model's extend after a verify step (``DRAFT_EXTEND_V2``: a causal window of ``d`` tokens per
+    request, counted in ``seq_lens``) through SGLang's draft-extend CUDA-graph hooks: 3 requests padded to the
+    captured 4 (seq_len 1, request slot 0, as SGLang's runner pads them). Every replay refreshes the captured
+    buffers in place, the padded request writes nothing, and the captured step gives each new window's causal
+    attention over its request's whole cache (float64)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from dcp_plugin.adapters.sglang.draft import draft_extend_backend
+    from tests.dcp_harness import causal_attention_f64
+
+    d = 4
+    case = SgCase(name="draft-extend", q_heads=8, kv_heads=2, page_size=2, requests=((5, 0), (9, 0), (2, 0)),
+                  decode_steps=3 * d)
+    state = SglangRank(case, 1, 0, None, server_args(config_argv(1)))
+    state.step({0: 5, 1: 9, 2: 2})
+    backend = draft_extend_backend(state.runner, topology=state.backend.topology)
+    backend.init_cuda_graph_state(4, 4 * d)
+    captured, addresses = None, None
+    for step in range(3):
+        fb, positions = state.allocate({0: d, 1: d, 2: d})
+        fb.forward_mode, fb.spec_info = ForwardMode.DRAFT_EXTEND_V2, SimpleNamespace(num_tokens_per_req=d)
+        backend.init_forward_metadata_out_graph(_padded(fb, 4, d), in_capture=step == 0)
+        batch = backend.forward_metadata
+        tensors = (batch.seq_lens, batch.block_table, batch.slot_mapping)
+        if step == 0:
+            captured, addresses = batch, [t.data_ptr() for t in tensors]
+        assert [t.data_ptr() for t in tensors] == addresses and batch.chunk_mask is None
+        assert bool((batch.slot_mapping[3 * d:] == -1).all())  # the padded request writes nothing
+        backend.forward_metadata = captured  # a graph replays the captured step's launches
+        q, k, v = (torch.cat(t) for t in zip(*(state._qkv(b, p) for b, p in positions.items())))
+        q, k, v = (torch.cat([t, torch.zeros(d, *t.shape[1:])]) for t in (q, k, v))
+        out = backend.forward_extend(q.flatten(1), k, v, state.layers[0], fb).view(q.shape)
+        want = torch.cat([causal_attention_f64(state.world, b, p, range(8)) for b, p in positions.items()])
+        assert_matches(out[:3 * d], want, out.dtype, f"replay {step}")
 
 
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "STANDALONE", "NGRAM"])

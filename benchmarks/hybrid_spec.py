@@ -1,0 +1,148 @@
+"""The seeds' workload on one GPU in both engines: a hybrid Qwen3-Next with its MTP draft, dcp-triton against each
+engine's own attention backends, summarised from the two engines' results files.
+
+Reads ``<results>/sglang_hybrid_spec_<gpu>.json`` (``sglang_e2e/sglang_hybrid_spec.py``: NEXTN against SGLang's
+``triton`` and ``fa3``) and ``<results>/vllm_hybrid_<gpu>.json`` (``vllm_e2e/vllm_hybrid_gpu.py``: with and
+without MTP against ``FLASH_ATTN``, and ``TRITON_ATTN`` beside it) and writes ``<results>/hybrid_spec_<gpu>.json``
+whose ``summary`` holds, per engine:
+
+  greedy_identical  float32 greedy tokens (with speculation) of dcp-triton equal to the peer's: true / false; null
+                    where no float32 pair ran (vLLM's GDN kernels take no float32), with ``greedy_bf16``: how many
+                    bf16 sequences agree, ours against each peer and two of the engine's own backends against each
+                    other (bf16 rounding makes greedy tokens of a random model part at near-ties)
+  acceptance_ratio  per peer: dcp-triton's mean accepted length (tokens per verify step) over the peer's
+  tok_s_ratio       per load and peer: dcp-triton's output tokens/s over the peer's (best runs); vLLM's only where
+                    its greedy batch was timed more than once (a first run compiles for its prompt lengths)
+  missing           each comparison that could not be made, and why
+
+    python benchmarks/hybrid_spec.py --gpu h100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tarfile
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent / "sglang_e2e")]
+import common  # noqa: E402
+import sglang_one_h200 as sglang_one  # noqa: E402
+
+SGLANG_PEERS = ("fa3", "triton")
+VLLM_PEER = "FLASH_ATTN"
+ERROR_LINE = re.compile(r"^\w+(Error|Exception): ")
+
+
+def sglang_part(result: dict) -> dict:
+    summary, jobs = result["summary"], {j["name"]: j for j in result["jobs"] if "error" not in j}
+    fp32 = summary.get("fp32_vs_triton")
+    part: dict = dict(engine="SGLang", speculation="NEXTN (MTP): 3 steps, topk 1, 4 draft tokens",
+                      greedy_identical=None if fp32 is None else fp32["greedy_identical"], greedy_bf16={},
+                      acceptance_ratio={}, tok_s_ratio={}, missing=[])
+    if fp32 is None:
+        part["missing"].append("float32 greedy: " + _failures(result, "q3n-fp32-"))
+    else:
+        part["acceptance_ratio"]["triton (float32)"] = fp32["acceptance_ratio"]
+    for peer in SGLANG_PEERS:
+        versus = summary.get("bf16_vs", {}).get(peer)
+        if versus is None:
+            part["missing"].append(f"bf16 against {peer}: " + _failures(result, f"q3n-bf16-{peer}"))
+            continue
+        part["greedy_bf16"][f"dcp-triton vs {peer}"] = _equal(versus["greedy"])
+        part["acceptance_ratio"][peer] = versus["acceptance_ratio"]
+        for load, ratio in versus["tok_s_ratio"].items():
+            part["tok_s_ratio"].setdefault(load, {})[peer] = ratio
+    a, b = (jobs.get(f"q3n-bf16-{peer}") for peer in SGLANG_PEERS)
+    if a and b:
+        part["greedy_bf16"][" vs ".join(SGLANG_PEERS)] = _equal(sglang_one.greedy_agreement(a["greedy"], b["greedy"]))
+    return part
+
+
+def vllm_part(result: dict) -> dict:
+    rows = result["summary"]["jobs"]
+    part: dict = dict(engine="vLLM", speculation=f"MTP ({result['meta'].get('mtp')})", greedy_identical=None,
+                      greedy_bf16={}, acceptance_ratio={}, tok_s_ratio={}, missing=[
+                          "float32 greedy: vLLM's GDN kernels take no float32 (bf16 only)"])
+    for name, row in rows.items():
+        greedy = row.get("greedy")
+        if greedy is not None and row.get("method") is None:
+            label = f"{row['backend']} vs {rows[row['versus']]['backend']}"
+            part["greedy_bf16"][label] = f"{greedy['identical']}/{greedy['prompts']}"
+            if row.get("logprobs"):
+                part.setdefault("prompt_logprobs_median_abs_diff", {})[label] = row["logprobs"]["median_abs"]
+    ours, theirs = rows.get("q3n-mtp-dcp-triton", {}), rows.get(f"q3n-mtp-{VLLM_PEER}", {})
+    if ours.get("mean_acceptance_length") and theirs.get("mean_acceptance_length"):
+        part["acceptance_ratio"][VLLM_PEER] = round(ours["mean_acceptance_length"] /
+                                                    theirs["mean_acceptance_length"], 3)
+    else:
+        part["missing"].append(f"MTP acceptance against {VLLM_PEER}: " + ", ".join(
+            f"{name} {rows.get(name, {}).get('status', 'not run')}" for name in ("q3n-mtp-dcp-triton",
+                                                                                 f"q3n-mtp-{VLLM_PEER}")))
+    for kind, prefix in (("plain", "q3n-"), ("mtp", "q3n-mtp-")):
+        ours, theirs = rows.get(f"{prefix}dcp-triton", {}), rows.get(f"{prefix}{VLLM_PEER}", {})
+        if min(ours.get("timed_runs", 1), theirs.get("timed_runs", 1)) > 1 and ours.get("output_tok_s") \
+                and theirs.get("output_tok_s"):
+            part["tok_s_ratio"].setdefault(kind, {})[VLLM_PEER] = round(ours["output_tok_s"] /
+                                                                        theirs["output_tok_s"], 3)
+        else:
+            part["missing"].append(f"tokens/s {kind} against {VLLM_PEER}: needs both jobs with their greedy batch "
+                                   "timed more than once (a first run compiles for its prompt lengths)")
+    return part
+
+
+def _equal(agreement: dict) -> str:
+    return f"{agreement['equal']}/{agreement['sequences']}"
+
+
+def _failures(result: dict, prefix: str) -> str:
+    failed = [j for j in result["jobs"] if j["name"].startswith(prefix) and "error" in j]
+    logs = result.get("job_logs", {})
+    return "; ".join(f"{j['name']} failed ({logs.get(j['name']) or 'exit ' + j['error']})" for j in failed) \
+        or "not run"
+
+
+def job_errors(jobs_tarball: Path) -> dict[str, str]:
+    """Each job log's last exception line (``<name>.log`` members of an SGLang run's ``*_jobs.tar.gz``)."""
+    found = {}
+    if jobs_tarball.exists():
+        with tarfile.open(jobs_tarball) as tar:
+            for member in tar.getmembers():
+                if member.isfile() and member.name.endswith(".log"):
+                    text = tar.extractfile(member).read().decode(errors="replace")
+                    lines = [line for line in text.splitlines() if ERROR_LINE.match(line)]
+                    if lines:
+                        found[Path(member.name).name[:-len(".log")]] = lines[-1][:240]
+    return found
+
+
+def combine(gpu: str, results_dir: Path = common.RESULTS) -> Path:
+    sources = {"sglang": results_dir / f"sglang_hybrid_spec_{gpu}.json", "vllm": results_dir / f"vllm_hybrid_{gpu}.json"}
+    loaded = {engine: json.loads(path.read_text()) for engine, path in sources.items() if path.exists()}
+    if "sglang" in loaded:  # why a job failed: its log's exception, from the jobs' logs beside the results
+        loaded["sglang"]["job_logs"] = job_errors(results_dir / f"sglang_hybrid_spec_{gpu}_jobs.tar.gz")
+    summary = {"gpu": next((r.get("gpu") or r.get("meta", {}).get("gpu") for r in loaded.values()), None)}
+    if "sglang" in loaded:
+        summary["sglang"] = sglang_part(loaded["sglang"])
+    if "vllm" in loaded:
+        summary["vllm"] = vllm_part(loaded["vllm"])
+    origin = {engine: r.get("provenance") or r.get("meta", {}).get("provenance") for engine, r in loaded.items()}
+    return common.save(f"hybrid_spec_{gpu}", dict(summary=summary, sources={e: p.name for e, p in sources.items()
+                                                                             if e in loaded}),
+                       results_dir=results_dir, origin=origin)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpu", required=True, help="the card in the results' names: h100, h200")
+    parser.add_argument("--results-dir", type=Path, default=common.RESULTS)
+    args = parser.parse_args()
+    path = combine(args.gpu, args.results_dir)
+    print(json.dumps(json.loads(path.read_text())["summary"], indent=1))
+    print(f"wrote {common.repo_relative(path)}")
+
+
+if __name__ == "__main__":
+    main()
