@@ -28,7 +28,7 @@ class DcpTritonAttnBackend(AttentionBackend):
     ``ForwardBatch`` into a ``DcpBatch`` (``metadata.StepBuilder``); per layer ``forward_extend`` /
     ``forward_decode`` write the step's K/V this rank owns into SGLang's KV pool and run ``DcpAttention``.
     Decode steps, and a speculative run's verify steps, replay from SGLang's CUDA graphs (``init_cuda_graph_state``
-    / ``init_forward_metadata_out_graph``); so do a draft model's extend steps (``draft.DcpTritonDraftExtendBackend``).
+    / ``init_forward_metadata_out_graph``); so do a draft model's extend steps (``DcpTritonDraftExtendBackend``).
 
     Hybrid models (Qwen3.5, Qwen3-Next: linear-attention layers beside full attention): SGLang wraps this backend in
     its ``HybridLinearAttnBackend``, which hands it the full-attention layers only and reads ``token_to_kv_pool`` /
@@ -207,7 +207,7 @@ class DcpTritonDraftExtendBackend(DcpTritonAttnBackend):
     graph of its own; its ``init_cuda_graph_state(max_bs, max_bs * width)`` gives the window's width.
 
     SGLang captures that graph only for a fixed list of its backend classes (``EAGLEWorkerV2._capture_cuda_graphs``,
-    ``TritonAttnBackend`` among them), so ``draft.register_draft_backends`` makes this class a virtual subclass of
+    ``TritonAttnBackend`` among them), so ``draft.draft_extend_backend`` makes this class a virtual subclass of
     ``TritonAttnBackend`` (``ABC.register``): ``isinstance`` answers yes for this class only, and nothing of
     SGLang's Triton backend is inherited."""
 
