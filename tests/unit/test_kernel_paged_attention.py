@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -314,15 +315,25 @@ def _gpu_tables(monkeypatch) -> None:
         monkeypatch.setattr(importlib.import_module(module), "INTERPRET", False)
 
 
+# What the GPU's tables ship, written out here (not read from them): a tuning change must change this file too.
+# (BLOCK_M, BLOCK_N, tensor descriptors, warps, stages, register cap or None)
+PREFIX_D128_DESCRIPTORS = (128, 64, True, 4, 2, None)
+PREFIX_D128_POINTERS = (256, 64, False, 8, 3, None)
+DECODE_D128_TABLE = (64, 128, False, 4, 3, None)
+DECODE_D128_DESCRIPTORS = (64, 64, True, 4, 4, 128)
+DECODE_D128_FP8_DESCRIPTORS = (64, 64, True, 4, 6, 96)
+
+
+def _shipped(block_m, block_n, tma, num_warps, num_stages, max_registers):
+    return SimpleNamespace(block_m=block_m, block_n=block_n, tma=tma, num_warps=num_warps, num_stages=num_stages,
+                           max_registers=max_registers)
+
+
 def test_gpu_table_prefix_falls_back_to_pointer_tiles_where_descriptors_do_not_fit(monkeypatch):
     """The GPU table's prefix entry reads through tensor descriptors; over pages smaller than its tile the launch
-    takes the pointer loads' own constants (``POINTER_CONFIGS``), not the descriptor tile shape."""
-    from dcp_plugin.kernels.paged_attention import GPU_CONFIGS, POINTER_CONFIGS
-
+    takes the pointer loads' own constants, not the descriptor tile shape."""
     _gpu_tables(monkeypatch)
-    table, pointer = GPU_CONFIGS[128, False], POINTER_CONFIGS[GPU_CONFIGS[128, False]]
-    assert table.tma and not pointer.tma
-    for block_size, want in ((64, table), (16, pointer)):
+    for block_size, want in ((64, _shipped(*PREFIX_D128_DESCRIPTORS)), (16, _shipped(*PREFIX_D128_POINTERS))):
         case = Case([40], [100], 8, 2, 4, head_dim=128, block_size=block_size, dtype=torch.float16)
         q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case)
         launch = plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc,
@@ -341,12 +352,10 @@ def test_gpu_table_prefix_falls_back_to_pointer_tiles_where_descriptors_do_not_f
 ], ids=["pages64-group4", "pages16", "group32", "pages128-group16"])
 def test_gpu_decode_takes_descriptor_tiles_over_large_pages_and_small_groups(monkeypatch, block_size, num_q_heads,
                                                                             q_per_kv, which, cache):
-    """An fp8 cache takes its own descriptor tiles (``FP8_DESCRIPTOR_DECODE_CONFIGS``), V widened either way."""
-    from dcp_plugin.kernels.paged_attention import DESCRIPTOR_DECODE_CONFIGS, FP8_DESCRIPTOR_DECODE_CONFIGS, GPU_CONFIGS
-
+    """An fp8 cache takes its own descriptor tiles (six stages, 96 registers), V widened either way."""
     _gpu_tables(monkeypatch)
-    descriptors = FP8_DESCRIPTOR_DECODE_CONFIGS if cache == "e4m3" else DESCRIPTOR_DECODE_CONFIGS
-    want = descriptors[128] if which == "descriptors" else GPU_CONFIGS[128, True]
+    descriptors = DECODE_D128_FP8_DESCRIPTORS if cache == "e4m3" else DECODE_D128_DESCRIPTORS
+    want = _shipped(*(descriptors if which == "descriptors" else DECODE_D128_TABLE))
     case = Case([1, 1], [100, 7], num_q_heads, num_q_heads // q_per_kv, q_per_kv, head_dim=128,
                 block_size=block_size, dtype=torch.float16)
     q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case)
