@@ -54,9 +54,7 @@ def choose_kernels(*, engine: str) -> KernelChoice:
     ``DCP_TRITON_KERNELS=triton`` runs the Triton kernels interpreted on CPU. ``engine``: the host's name, for the
     messages."""
     from dcp_plugin import kernels
-    from dcp_plugin.kernels._compile_ahead import compile_workers
-    from dcp_plugin.kernels._gluon import gluon_asked
-    from dcp_plugin.kernels._pdl import pdl_asked
+    from dcp_plugin.kernels import compile_workers, gluon_asked, pdl_asked
 
     gluon_asked()  # DCP_TRITON_GLUON: refused here, at the engine's start, when it is neither 0 nor 1
     pdl_asked()  # DCP_TRITON_PDL likewise
@@ -112,6 +110,6 @@ def gluon_state(choice: KernelChoice) -> str:
     (sm_90, Triton 3.6, ``DCP_TRITON_GLUON`` not 0; they then serve head size 128 in fp16/bf16), ``off`` elsewhere."""
     if not choice.compiled or not torch.cuda.is_available():
         return "off"
-    from dcp_plugin.kernels._gluon import gluon_enabled
+    from dcp_plugin.kernels import gluon_enabled
 
     return "on" if gluon_enabled(torch.device("cuda", torch.cuda.current_device())) else "off"

@@ -19,9 +19,7 @@ import torch
 import triton
 
 from dcp_plugin.batch import DcpBatch, DcpBatchBuffers
-from dcp_plugin.kernels._compile_ahead import compile_ahead, compile_workers
-from dcp_plugin.kernels._launch import every_variant, launches_run
-from dcp_plugin.kernels._mode import INTERPRET
+from dcp_plugin.kernels import INTERPRET, compile_ahead, compile_workers, every_variant, launches_run
 from dcp_plugin.kernels.extend_attention import SHORT_CHUNK
 
 # (query rows, cached context) per request of each dummy step. A 4096-token context puts several KV splits on any

@@ -30,7 +30,7 @@ FAST_LAUNCH_ENV = "DCP_TRITON_FAST_LAUNCH"
 _FAST_LAUNCH_TRITON = ("3.4", "3.5", "3.6")
 
 
-def check_tensor(name: str, t, *, ndim: int, dtypes=FLOAT_DTYPES, device: torch.device | None = None) -> None:
+def check_kernel_tensor(name: str, t, *, ndim: int, dtypes=FLOAT_DTYPES, device: torch.device | None = None) -> None:
     """``dcp_plugin.checks.check_tensor``, and (on CPU) the Triton interpreter must be active."""
     checks.check_tensor(name, t, ndim=ndim, dtypes=dtypes, device=device)
     if t.device.type == "cpu" and not INTERPRET:
@@ -49,7 +49,7 @@ def check_shape(name: str, t: torch.Tensor, expected: tuple) -> None:
 
 def check_out(name: str, out, shape: tuple, device: torch.device, dtypes=FLOAT_DTYPES) -> None:
     """Validate a caller-provided output buffer."""
-    check_tensor(name, out, ndim=len(shape), dtypes=dtypes, device=device)
+    check_kernel_tensor(name, out, ndim=len(shape), dtypes=dtypes, device=device)
     check_shape(name, out, shape)
 
 
@@ -74,7 +74,7 @@ def check_heads_out(name: str, t, shape: tuple, device: torch.device, dtypes=FLO
     """Check an output that is either ``shape`` (``[T, H, ...]``) or its rank-major split ``[R, T, H / R, ...]``
     (global head ``h`` stored at ``[h // (H / R), t, h % (H / R)]``, the layout a collective along dim 0 needs)."""
     rank_major = isinstance(t, torch.Tensor) and t.dim() == len(shape) + 1
-    check_tensor(name, t, ndim=len(shape) + rank_major, dtypes=dtypes, device=device)
+    check_kernel_tensor(name, t, ndim=len(shape) + rank_major, dtypes=dtypes, device=device)
     if not rank_major:
         check_shape(name, t, shape)
         return

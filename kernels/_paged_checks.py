@@ -8,7 +8,7 @@ import torch
 
 from dcp_plugin.checks import FP8_DTYPES, check_kv_scales
 from dcp_plugin.kernels._launch import (
-    INDEX_DTYPES, check_head_map, check_heads_out, check_int, check_shape, check_tensor,
+    INDEX_DTYPES, check_head_map, check_heads_out, check_int, check_kernel_tensor, check_shape,
 )
 
 MAX_HEAD_DIM = 256
@@ -18,20 +18,20 @@ MAX_SPLITS = 256  # explicit num_splits upper bound
 def checked_outputs(q, key_cache, value_cache, block_table, context_lens, query_start_loc, *, scale, q_head_start,
                     q_per_kv, kv_head_start, max_kv_len, max_query_len, num_splits, out, lse, k_scale, v_scale):
     """``paged_attention``'s arguments checked, one clear line for a bad one -> ``(out, lse)``, made if None."""
-    check_tensor("q", q, ndim=3)
+    check_kernel_tensor("q", q, ndim=3)
     device = q.device
     num_tokens, num_q_heads, head_dim = q.shape
-    check_tensor("key_cache", key_cache, ndim=4, dtypes=(q.dtype, *FP8_DTYPES), device=device)
-    check_tensor("value_cache", value_cache, ndim=4, dtypes=(key_cache.dtype,), device=device)
+    check_kernel_tensor("key_cache", key_cache, ndim=4, dtypes=(q.dtype, *FP8_DTYPES), device=device)
+    check_kernel_tensor("value_cache", value_cache, ndim=4, dtypes=(key_cache.dtype,), device=device)
     check_kv_scales(key_cache.dtype, k_scale, v_scale, device)
     check_shape("key_cache", key_cache, (None, None, None, head_dim))
     check_shape("value_cache", value_cache, tuple(key_cache.shape))
     _, page_size, num_kv_heads, _ = key_cache.shape
-    check_tensor("context_lens", context_lens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_kernel_tensor("context_lens", context_lens, ndim=1, dtypes=INDEX_DTYPES, device=device)
     num_reqs = context_lens.shape[0]
-    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_kernel_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=device)
     check_shape("query_start_loc", query_start_loc, (num_reqs + 1,))
-    check_tensor("block_table", block_table, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    check_kernel_tensor("block_table", block_table, ndim=2, dtypes=INDEX_DTYPES, device=device)
     if block_table.shape[0] < num_reqs:
         raise ValueError(f"block_table has {block_table.shape[0]} rows but context_lens has {num_reqs} requests")
     if not 1 <= head_dim <= MAX_HEAD_DIM:

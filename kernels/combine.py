@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from dcp_plugin.kernels._launch import (
-    Launch, cdiv, check_heads_out, check_out, check_shape, check_tensor, head_strides, next_pow2,
+    Launch, cdiv, check_heads_out, check_kernel_tensor, check_out, check_shape, head_strides, next_pow2,
 )
 from dcp_plugin.kernels._mode import INTERPRET
 
@@ -155,8 +155,8 @@ def _outputs(out, lse, shape: tuple, out_dtype: torch.dtype, device: torch.devic
 
 
 def _check_partial(out_name: str, part_out, lse_name: str, part_lse, device) -> None:
-    check_tensor(out_name, part_out, ndim=3, device=device)
-    check_tensor(lse_name, part_lse, ndim=2, dtypes=LSE_DTYPES, device=device)
+    check_kernel_tensor(out_name, part_out, ndim=3, device=device)
+    check_kernel_tensor(lse_name, part_lse, ndim=2, dtypes=LSE_DTYPES, device=device)
     check_shape(lse_name, part_lse, tuple(part_out.shape[:2]))
 
 
@@ -171,7 +171,7 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
     """
     device = out_b.device if isinstance(out_b, torch.Tensor) else None
     _check_partial("out_a", out_a, "lse_a", lse_a, device)
-    check_tensor("out_b", out_b, ndim=3, device=device)
+    check_kernel_tensor("out_b", out_b, ndim=3, device=device)
     check_shape("out_b", out_b, tuple(out_a.shape))
     _check_partial("out_b", out_b, "lse_b", lse_b, device)
     out, lse = _outputs(out, lse, tuple(out_b.shape), out_b.dtype, device)
@@ -191,8 +191,8 @@ def combine_partials(parts_out, parts_lse, *, out=None, lse=None, extra_out=None
     Example: ``o, l = combine_partials(recv[..., :D], recv[..., D], extra_out=o_cur, extra_lse=lse_cur, out=o)``
     """
     device = parts_out.device if isinstance(parts_out, torch.Tensor) else None
-    check_tensor("parts_out", parts_out, ndim=4, device=device)
-    check_tensor("parts_lse", parts_lse, ndim=3, dtypes=LSE_DTYPES, device=device)
+    check_kernel_tensor("parts_out", parts_out, ndim=4, device=device)
+    check_kernel_tensor("parts_lse", parts_lse, ndim=3, dtypes=LSE_DTYPES, device=device)
     check_shape("parts_lse", parts_lse, tuple(parts_out.shape[:3]))
     if parts_out.shape[0] == 0:
         raise ValueError("parts_out must hold at least one partial (N >= 1), got N = 0")
@@ -221,8 +221,8 @@ def rescale_partial(part_out, lse_all, rank, *, out=None, lse=None):
     Example: ``scaled, lse = rescale_partial(o_pre, gathered_lse, group.rank_in_group)``
     """
     device = part_out.device if isinstance(part_out, torch.Tensor) else None
-    check_tensor("part_out", part_out, ndim=3, device=device)
-    check_tensor("lse_all", lse_all, ndim=3, dtypes=LSE_DTYPES, device=device)
+    check_kernel_tensor("part_out", part_out, ndim=3, device=device)
+    check_kernel_tensor("lse_all", lse_all, ndim=3, dtypes=LSE_DTYPES, device=device)
     check_shape("lse_all", lse_all, (None, *part_out.shape[:2]))
     num_ranks = lse_all.shape[0]
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < num_ranks:

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from dcp_plugin.checks import check_chunk_mask
 from dcp_plugin.kernels._launch import (
-    INDEX_DTYPES, LOG2E, Launch, check_head_map, check_int, check_out, check_shape, check_tensor,
+    INDEX_DTYPES, LOG2E, Launch, check_head_map, check_int, check_kernel_tensor, check_out, check_shape,
     descriptor_ready, next_pow2, tma_available,
 )
 from dcp_plugin.kernels._gluon import chunk_takes_gluon
@@ -251,10 +251,10 @@ def extend_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_s
     ``o, l = extend_attention(q, k, v, cu, 4096, scale=128**-0.5, q_head_start=8, q_per_kv=16, kv_head_start=0)``
     """
     device = q.device if isinstance(q, torch.Tensor) else None
-    check_tensor("q", q, ndim=3, device=device)
-    check_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=device)
-    check_tensor("v", v, ndim=3, dtypes=(q.dtype,), device=device)
-    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_kernel_tensor("q", q, ndim=3, device=device)
+    check_kernel_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=device)
+    check_kernel_tensor("v", v, ndim=3, dtypes=(q.dtype,), device=device)
+    check_kernel_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=device)
     num_tokens, num_q_heads, head_dim = q.shape
     check_shape("k", k, (num_tokens, None, head_dim))
     check_shape("v", v, tuple(k.shape))
@@ -290,7 +290,8 @@ def plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_h
     query_start_loc)``. ``max_query_len`` picks the tiles (``SHORT_CHUNK``); the grid covers any mix of sequence
     lengths. ``chunk_mask`` is bound to the launch (the step's own tensor, read at every call)."""
     num_tokens, num_q_heads, head_dim = q.shape
-    if config is None and chunk_mask is None and chunk_takes_gluon(q, k, v, out):  # sm_90, Triton 3.6 (DCP_TRITON_GLUON)
+    # sm_90, Triton 3.6 (DCP_TRITON_GLUON):
+    if config is None and chunk_mask is None and chunk_takes_gluon(q, k, v, out):
         from dcp_plugin.kernels.gluon_chunk import plan_gluon_chunk
 
         return plan_gluon_chunk(q, k, v, out, lse, query_start_loc, scale=scale, q_head_start=q_head_start,

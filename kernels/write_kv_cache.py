@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from dcp_plugin.checks import CACHE_DTYPES, check_kv_scales
-from dcp_plugin.kernels._launch import INDEX_DTYPES, Launch, cdiv, check_shape, check_tensor, next_pow2
+from dcp_plugin.kernels._launch import INDEX_DTYPES, Launch, cdiv, check_kernel_tensor, check_shape, next_pow2
 from dcp_plugin.kernels._mode import INTERPRET
 from dcp_plugin.kernels._pdl import pdl_for, wait_for_previous_grid
 
@@ -77,13 +77,13 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, va
     Example:
         >>> write_kv_cache(k, v, key_cache, value_cache, torch.tensor([0, -1, 17], device=k.device))
     """
-    check_tensor("k", k, ndim=3)
+    check_kernel_tensor("k", k, ndim=3)
     device = k.device
-    check_tensor("v", v, ndim=3, device=device)
-    check_tensor("key_cache", key_cache, ndim=4, dtypes=CACHE_DTYPES, device=device)
-    check_tensor("value_cache", value_cache, ndim=4, dtypes=(key_cache.dtype,), device=device)
+    check_kernel_tensor("v", v, ndim=3, device=device)
+    check_kernel_tensor("key_cache", key_cache, ndim=4, dtypes=CACHE_DTYPES, device=device)
+    check_kernel_tensor("value_cache", value_cache, ndim=4, dtypes=(key_cache.dtype,), device=device)
     check_kv_scales(key_cache.dtype, k_scale, v_scale, device)
-    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_kernel_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=device)
     num_tokens, num_heads, head_dim = k.shape
     check_shape("v", v, tuple(k.shape))
     check_shape("key_cache", key_cache, (None, None, num_heads, head_dim))
