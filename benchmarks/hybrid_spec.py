@@ -119,7 +119,8 @@ def job_errors(jobs_tarball: Path) -> dict[str, str]:
 
 
 def combine(gpu: str, results_dir: Path = common.RESULTS) -> Path:
-    sources = {"sglang": results_dir / f"sglang_hybrid_spec_{gpu}.json", "vllm": results_dir / f"vllm_hybrid_{gpu}.json"}
+    sources = {"sglang": results_dir / f"sglang_hybrid_spec_{gpu}.json",
+               "vllm": results_dir / f"vllm_hybrid_{gpu}.json"}
     loaded = {engine: json.loads(path.read_text()) for engine, path in sources.items() if path.exists()}
     if "sglang" in loaded:  # why a job failed: its log's exception, from the jobs' logs beside the results
         loaded["sglang"]["job_logs"] = job_errors(results_dir / f"sglang_hybrid_spec_{gpu}_jobs.tar.gz")

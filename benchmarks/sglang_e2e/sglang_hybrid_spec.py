@@ -95,7 +95,8 @@ def summarise(results: list[dict]) -> dict:
     ours, ref = done.get("q3n-fp32-dcp-triton"), done.get("q3n-fp32-triton")
     if ours and ref:
         agreement = one.greedy_agreement(ours["greedy"], ref["greedy"])
-        summary["fp32_vs_triton"] = dict(greedy=agreement, greedy_identical=agreement["equal"] == agreement["sequences"],
+        summary["fp32_vs_triton"] = dict(greedy=agreement,
+                                         greedy_identical=agreement["equal"] == agreement["sequences"],
                                          acceptance_ratio=ratio(accepted_length(ours), accepted_length(ref)))
     ours = done.get("q3n-bf16-dcp-triton")
     summary["bf16_vs"] = {}

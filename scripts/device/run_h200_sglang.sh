@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# SGLang 0.5.17 on one H200 (device tool), in back-to-back calls of one lease (files in /tmp survive while the machine
-# stays warm: start each call within ~30 s of the last). SGLang's wheels (and its FA3 extension) travel as parts of <= 50 MiB
-# (scripts/device/make_sglang_bundle.sh), one part a call:
+# SGLang 0.5.17 on one H100 or H200 (device tool), in back-to-back calls of one lease (files in /tmp survive while the
+# machine stays warm: start each call within ~30 s of the last). SGLang's wheels, DeepGEMM and SGLang's FA3 extension
+# travel as parts of <= 50 MiB (scripts/device/make_sglang_bundle.sh), one part a call:
 #   stage "part":     carry .gpu-bundle/sglang-part-NN -> that part stays in /tmp/sglang-bundle (one call for each part
 #                     but the last)
 #   stage "install":  carry the last part -> kept the same way; then, with every part that SHA256SUMS lists in /tmp,
