@@ -1,0 +1,193 @@
+"""The public kernel functions called one at a time, as a user of the kernel library calls them, against FA3's.
+
+Per case (``CASES``: 1 x 1K decode over 64-token pages and 1 x 1K causal prefill, 32 Q / 8 KV heads, head size 128,
+bf16), each function is called ``--calls`` times back to back after a warm-up, no CUDA graph:
+
+  call_us   wall time per call with one synchronisation after the last call: what a loop of calls costs
+  host_us   time to issue one call (the loop without its final synchronisation; the GPU work of a short call hides
+            behind it, so this is the host's share when it exceeds the GPU's)
+  gpu_us    the same call replayed from a CUDA graph: the GPU's share
+  syncs     synchronising operations one call makes (``torch.cuda.set_sync_debug_mode``'s warnings)
+
+dcp-triton's call is split into its phases, each timed alone the same way: the argument checks (``checked_outputs``
+for the decode), the plan (``plan_paged`` / ``plan_extend``: launch constants, grid, scratch) and the prepared
+launch's replay (what the DCP core pays per layer inside vLLM and SGLang). FA3 is vLLM's build
+(``vllm.vllm_flash_attn``, ``fa_version=3``) called with no precomputed scheduler metadata, as a one-shot user calls
+it. The summary's ``oneshot_call_ratio_max`` is dcp-triton's ``call_us`` over FA3's, worst case.
+
+    python benchmarks/kernels/bench_oneshot.py                # a GPU with vLLM's FA3 (run_h200.sh bench after unpack)
+    python benchmarks/kernels/bench_oneshot.py --dry-run      # anywhere: the cases
+Results: ``benchmarks/results/kernels_oneshot_<gpu>.json`` (``common.save``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
+CASES = {
+    "decode-1x1k": dict(kind="decode", reqs=1, context=1024, q_heads=32, kv_heads=8, head_dim=128, page=64),
+    "prefill-1x1k": dict(kind="prefill", reqs=1, context=1024, q_heads=32, kv_heads=8, head_dim=128, page=64),
+}
+WARMUP_CALLS = 20
+
+
+def inputs(case: dict, device: str = "cuda", dtype=None):
+    """The case's tensors (bf16 unless ``dtype``): decode, one query row per request over ``context`` cached tokens
+    in pages of ``page``; prefill, ``context`` new rows per request (the current chunk)."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(0)
+    bf16, reqs, hq, hk, d = dtype or torch.bfloat16, case["reqs"], case["q_heads"], case["kv_heads"], case["head_dim"]
+    if case["kind"] == "decode":
+        pages = -(-case["context"] // case["page"])
+        kc, vc = (torch.randn(reqs * pages, case["page"], hk, d, device=device, dtype=bf16, generator=g)
+                  for _ in range(2))
+        return dict(q=torch.randn(reqs, hq, d, device=device, dtype=bf16, generator=g), key_cache=kc, value_cache=vc,
+                    block_table=torch.arange(reqs * pages, device=device, dtype=torch.int32).view(reqs, pages),
+                    context_lens=torch.full((reqs,), case["context"], device=device, dtype=torch.int32),
+                    query_start_loc=torch.arange(reqs + 1, device=device, dtype=torch.int32))
+    rows = reqs * case["context"]
+    q, k, v = (torch.randn(rows, h, d, device=device, dtype=bf16, generator=g) for h in (hq, hk, hk))
+    return dict(q=q, k=k, v=v, query_start_loc=torch.arange(0, rows + 1, case["context"], device=device,
+                                                            dtype=torch.int32))
+
+
+def ours(case: dict, t: dict) -> dict:
+    """dcp-triton's public call and its phases, each ``fn()``; ``"planned"``: the ``(out, lse)`` the prepared launch
+    (``"replay"``) writes."""
+    from dcp_plugin.kernels import extend_attention, paged_attention, plan_extend, plan_paged
+    from dcp_plugin.kernels.paged_attention import checked_outputs
+
+    heads = dict(q_head_start=0, q_per_kv=case["q_heads"] // case["kv_heads"], kv_head_start=0)
+    scale = case["head_dim"] ** -0.5
+    if case["kind"] == "decode":
+        paged = (t["q"], t["key_cache"], t["value_cache"], t["block_table"], t["context_lens"], t["query_start_loc"])
+        hints = dict(max_kv_len=case["context"], max_query_len=1)
+        out, lse = checked_outputs(*paged, scale=scale, **heads, **hints, num_splits=None, out=None, lse=None,
+                                   k_scale=None, v_scale=None)
+        launch = plan_paged(*paged, out, lse, scale=scale, **heads, **hints)
+        return {"call": lambda: paged_attention(*paged, scale=scale, **heads, **hints),
+                "checks": lambda: checked_outputs(*paged, scale=scale, **heads, **hints, num_splits=None, out=None,
+                                                  lse=None, k_scale=None, v_scale=None),
+                "plan": lambda: plan_paged(*paged, out, lse, scale=scale, **heads, **hints),
+                "replay": lambda: launch(*paged, out, lse, None, None), "planned": (out, lse)}
+    q, k, v, qsl, n = t["q"], t["k"], t["v"], t["query_start_loc"], case["context"]
+    out, lse = q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=__import__("torch").float32)
+    launch = plan_extend(q, k, v, out, lse, qsl, n, scale=scale, **heads)
+    return {"call": lambda: extend_attention(q, k, v, qsl, n, scale=scale, **heads),
+            "plan": lambda: plan_extend(q, k, v, out, lse, qsl, n, scale=scale, **heads),
+            "replay": lambda: launch(q, k, v, out, lse, qsl), "planned": (out, lse)}
+
+
+def fa3_call(case: dict, t: dict):
+    """FA3's function as a one-shot user calls it (no scheduler metadata computed ahead), or None without it."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+        from vllm.vllm_flash_attn.flash_attn_interface import is_fa_version_supported
+    except Exception:  # noqa: BLE001 - no vLLM FA3 build here: the peer is absent, not an error
+        return None
+    if not is_fa_version_supported(3):
+        return None
+    scale, n = case["head_dim"] ** -0.5, case["context"]
+    if case["kind"] == "decode":
+        lens, qsl = t["context_lens"], t["query_start_loc"]
+        return lambda: flash_attn_varlen_func(t["q"], t["key_cache"], t["value_cache"], max_seqlen_q=1,
+                                              cu_seqlens_q=qsl, max_seqlen_k=n, seqused_k=lens, softmax_scale=scale,
+                                              causal=True, block_table=t["block_table"], return_softmax_lse=True,
+                                              fa_version=3)
+    qsl = t["query_start_loc"]
+    return lambda: flash_attn_varlen_func(t["q"], t["k"], t["v"], max_seqlen_q=n, cu_seqlens_q=qsl, max_seqlen_k=n,
+                                          cu_seqlens_k=qsl, softmax_scale=scale, causal=True,
+                                          return_softmax_lse=True, fa_version=3)
+
+
+def timed(fn, calls: int) -> dict:
+    """``call_us``, ``host_us`` (medians of 5 loops of ``calls``), ``gpu_us`` (one call in a CUDA graph, replayed),
+    ``syncs`` (synchronising operations of one call)."""
+    import torch
+
+    for _ in range(WARMUP_CALLS):
+        fn()
+    torch.cuda.synchronize()
+    loops, issue = [], []
+    for _ in range(5):
+        began = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        issue.append((time.perf_counter() - began) / calls)
+        torch.cuda.synchronize()
+        loops.append((time.perf_counter() - began) / calls)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    result = dict(call_us=statistics.median(loops) * 1e6, host_us=statistics.median(issue) * 1e6,
+                  syncs=sum("synchroniz" in str(w.message).lower() for w in caught))
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        result["gpu_us"] = common.replay_ms(graph, 1) * 1e3
+    except Exception as error:  # noqa: BLE001 - a call that cannot be captured still has its wall times
+        result["gpu_us"] = None
+        result["graph_error"] = f"{type(error).__name__}: {error}"[:200]
+    return result
+
+
+def summarise(rows: dict[str, dict]) -> dict:
+    """Per case dcp-triton's ``call_us`` over FA3's; the worst is ``oneshot_call_ratio_max`` (None without FA3)."""
+    ratios = {name: round(row["dcp-triton"]["call_us"] / row["fa3"]["call_us"], 2) for name, row in rows.items()
+              if row.get("fa3")}
+    return dict(call_ratio=ratios, oneshot_call_ratio_max=max(ratios.values()) if ratios else None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=200, help="calls per timed loop (default 200)")
+    parser.add_argument("--only", default=",".join(CASES), help=f"cases, comma-separated (of {', '.join(CASES)})")
+    parser.add_argument("--dry-run", action="store_true", help="print the cases; time nothing")
+    args = parser.parse_args()
+    chosen = [c.strip() for c in args.only.split(",") if c.strip()]
+    unknown = [c for c in chosen if c not in CASES]
+    if unknown or args.calls < 1:
+        parser.error(f"--only {unknown[0]!r}: no such case; cases: {', '.join(CASES)}" if unknown
+                     else f"--calls must be >= 1, got {args.calls}")
+    if args.dry_run:
+        print(json.dumps({name: CASES[name] for name in chosen}, indent=1))
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("bench_oneshot.py times GPU calls: no CUDA GPU here (--dry-run prints the cases)")
+    rows = {}
+    for name in chosen:
+        case, tensors = CASES[name], inputs(CASES[name])
+        row = {"dcp-triton": timed(ours(case, tensors)["call"], args.calls),
+               "dcp-triton phases": {phase: timed(fn, args.calls) for phase, fn in ours(case, tensors).items()
+                                     if phase not in ("call", "planned")}}
+        peer = fa3_call(case, tensors)
+        row["fa3"] = None if peer is None else timed(peer, args.calls)
+        rows[name] = row
+        print(name, json.dumps(row, indent=1), flush=True)
+    summary = dict(summarise(rows), gpu=common.gpu_name())
+    path = common.save(f"kernels_oneshot_{common.gpu_tag()}", dict(summary=summary, cases={n: CASES[n] for n in rows},
+                                                                    rows=rows, calls=args.calls))
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {common.repo_relative(path)}")
+
+
+if __name__ == "__main__":
+    main()

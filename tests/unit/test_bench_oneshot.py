@@ -1,0 +1,51 @@
+"""The CPU-checkable parts of benchmarks/kernels/bench_oneshot.py: its cases' inputs and dcp-triton's call and
+phases (here under Triton's interpreter, float32) against the torch reference kernels, and the summary's ratio."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from dcp_plugin.kernels import reference
+from tests.kernel_checks import assert_matches
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "kernels"))
+import bench_oneshot as bench  # noqa: E402
+
+SMALL = dict(reqs=2, context=40, q_heads=4, kv_heads=1, head_dim=64, page=16)
+
+
+def test_the_call_and_the_prepared_launch_give_the_reference_kernels_answer():
+    """Both kinds: the one-shot call returns what the torch reference kernel computes from the same inputs, and the
+    phases' prepared launch (``replay``) writes the same into the outputs it was planned with."""
+    for kind in ("decode", "prefill"):
+        case = dict(SMALL, kind=kind)
+        t = bench.inputs(case, device="cpu", dtype=torch.float32)
+        fns = bench.ours(case, t)
+        assert set(fns) == {"call", "plan", "replay", "planned"} | ({"checks"} if kind == "decode" else set())
+        heads = dict(scale=case["head_dim"] ** -0.5, q_head_start=0, q_per_kv=case["q_heads"] // case["kv_heads"],
+                     kv_head_start=0)
+        if kind == "decode":
+            want = reference.paged_attention(t["q"], t["key_cache"], t["value_cache"], t["block_table"],
+                                             t["context_lens"], t["query_start_loc"], max_kv_len=case["context"],
+                                             max_query_len=1, **heads)
+        else:
+            want = reference.extend_attention(t["q"], t["k"], t["v"], t["query_start_loc"], case["context"], **heads)
+        got = fns["call"]()
+        planned = fns["planned"]
+        for tensor in planned:
+            tensor.fill_(float("nan"))
+        fns["replay"]()
+        for name, ours, prepared, ref in zip(("out", "lse"), got, planned, want):
+            assert_matches(ours, ref.double(), torch.float32, f"{kind} {name}")
+            assert torch.equal(prepared, ours), f"{kind} {name}: the replay wrote something else"
+
+
+def test_the_summary_takes_the_worst_case_against_fa3():
+    rows = {"decode": {"dcp-triton": {"call_us": 30.0}, "fa3": {"call_us": 20.0}},
+            "prefill": {"dcp-triton": {"call_us": 50.0}, "fa3": {"call_us": 40.0}},
+            "other": {"dcp-triton": {"call_us": 9.0}, "fa3": None}}
+    assert bench.summarise(rows) == {"call_ratio": {"decode": 1.5, "prefill": 1.25}, "oneshot_call_ratio_max": 1.5}
+    assert bench.summarise({"x": {"dcp-triton": {"call_us": 1.0}, "fa3": None}})["oneshot_call_ratio_max"] is None
