@@ -24,12 +24,9 @@ in the work folder (an earlier call of the same machine) is not run again (``--f
 
 from __future__ import annotations
 
-import argparse
-import fnmatch
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
@@ -110,29 +107,14 @@ def summarise(results: list[dict]) -> dict:
     return summary
 
 
-def child(spec_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    result = run_job(spec["job"], {name: Path(p) for name, p in spec["models"].items()}, spec["tp"])
-    Path(spec["out"]).write_text(json.dumps(result))
-    os._exit(0)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default="*", help="comma-separated job-name patterns (--list shows them)")
-    parser.add_argument("--budget-s", type=float, default=0, help="start no job after this many seconds")
-    parser.add_argument("--name", default=None, help="results file stem (default: sglang_hybrid_spec_<gpu>)")
+    parser = spec_gpu.job_parser(__doc__, name_default=None,
+                                 name_help="results file stem (default: sglang_hybrid_spec_<gpu>)")
     parser.add_argument("--force", action="store_true", help="rerun jobs whose results are in the work folder")
-    parser.add_argument("--list", action="store_true")
-    parser.add_argument("--dry-run", action="store_true", help="print the jobs and engine kwargs; run none")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(args.child)
-    chosen = [j for j in JOBS if any(fnmatch.fnmatch(j["name"], p) for p in args.only.split(","))]
-    if args.list or not chosen:
-        print("\n".join(j["name"] for j in JOBS) if args.list else f"--only {args.only!r} matches no job")
-        sys.exit(0 if args.list else 2)
+        return spec_gpu.child(args.child, run=run_job)
+    chosen = spec_gpu.chosen_jobs(JOBS, args)
     work = Path(os.environ.get("DCP_BENCH_WORK", "/tmp/dcp_sglang_hybrid_spec"))
     paths = {name: work / name for name in MODELS}
     if args.dry_run:
@@ -144,22 +126,10 @@ def main() -> None:
     for model, config in MODELS.items():
         common.save_random_model(config, paths[model], seed=0)
     spec = dict(models={m: str(p) for m, p in paths.items()}, tp=1)
-    began, results, path = time.monotonic(), [], None
-    for job in chosen:
-        earlier = work / f"{job['name']}.json"
-        if earlier.exists() and not args.force:  # one_h200.run_one writes it only for a job that finished
-            results.append(dict(json.loads(earlier.read_text()), log=str(work / f"{job['name']}.log")))
-            print(f"{job['name']}: results of an earlier run kept", flush=True)
-        elif args.budget_s and time.monotonic() - began > args.budget_s:
-            print(f"not started (budget): {job['name']}", flush=True)
-            continue
-        else:
-            results.append(one.run_one(job, spec, work, script=__file__))
-        path = common.save(name, dict(summary=summarise(results), models=MODELS, loads=LOADS, gpu=common.gpu_name(),
-                                      jobs=results))
-        print(f"[{time.strftime('%H:%M:%S')}] {job['name']} done", flush=True)
-    print(json.dumps(summarise(results), indent=1))
-    print(f"wrote {common.repo_relative(path)}" if path else "no results")
+    spec_gpu.run_jobs(chosen, spec, work, script=__file__, budget_s=args.budget_s, summarise_fn=summarise,
+                      keep_earlier=not args.force,
+                      save=lambda results: common.save(name, dict(summary=summarise(results), models=MODELS,
+                                                                  loads=LOADS, gpu=common.gpu_name(), jobs=results)))
 
 
 if __name__ == "__main__":

@@ -121,29 +121,65 @@ def summarise(results: list[dict]) -> dict:
     return summary
 
 
-def child(spec_path: str) -> None:
+def child(spec_path: str, run=None) -> None:
+    """A job process (``one.run_one`` starts it as ``script --child SPEC``): ``run(job, models, tp)`` (default
+    ``run_job``) into the spec's out file."""
     spec = json.loads(Path(spec_path).read_text())
-    result = run_job(spec["job"], {name: Path(p) for name, p in spec["models"].items()}, spec["tp"])
+    result = (run or run_job)(spec["job"], {name: Path(p) for name, p in spec["models"].items()}, spec["tp"])
     Path(spec["out"]).write_text(json.dumps(result))
     os._exit(0)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def job_parser(doc: str, *, name_default: str | None, name_help: str) -> argparse.ArgumentParser:
+    """The options this script and ``sglang_hybrid_spec.py`` share."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--only", default="*", help="comma-separated job-name patterns (--list shows them)")
     parser.add_argument("--budget-s", type=float, default=0, help="start no job after this many seconds")
-    parser.add_argument("--name", default="sglang_spec_h100", help="results file stem")
+    parser.add_argument("--name", default=name_default, help=name_help)
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--dry-run", action="store_true", help="print the jobs and engine kwargs; run none")
-    parser.add_argument("--tp", type=int, choices=(1, 2), default=1, help="2: every job at tp = DCP = 2 (two GPUs)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    return parser
+
+
+def chosen_jobs(jobs: list[dict], args) -> list[dict]:
+    """The jobs ``--only`` names; ``--list`` (or no match) prints the names and exits."""
+    chosen = [j for j in jobs if any(fnmatch.fnmatch(j["name"], p) for p in args.only.split(","))]
+    if args.list or not chosen:
+        print("\n".join(j["name"] for j in jobs) if args.list else f"--only {args.only!r} matches no job")
+        sys.exit(0 if args.list else 2)
+    return chosen
+
+
+def run_jobs(chosen: list[dict], spec: dict, work: Path, *, script: str, budget_s: float, save, summarise_fn,
+             keep_earlier: bool = False) -> None:
+    """Each job in its own process (``one.run_one``), none started past ``budget_s``; ``save(results)`` after each
+    returns the results file. ``keep_earlier``: a job whose results file an earlier call left in ``work`` is not
+    run again (``run_one`` writes it only for a job that finished)."""
+    began, results, path = time.monotonic(), [], None
+    for job in chosen:
+        earlier = work / f"{job['name']}.json"
+        if keep_earlier and earlier.exists():
+            results.append(dict(json.loads(earlier.read_text()), log=str(work / f"{job['name']}.log")))
+            print(f"{job['name']}: results of an earlier run kept", flush=True)
+        elif budget_s and time.monotonic() - began > budget_s:
+            print(f"not started (budget): {job['name']}", flush=True)
+            continue
+        else:
+            results.append(one.run_one(job, spec, work, script=script))
+        path = save(results)
+        print(f"[{time.strftime('%H:%M:%S')}] {job['name']} done", flush=True)
+    print(json.dumps(summarise_fn(results), indent=1))
+    print(f"wrote {common.repo_relative(path)}" if path else "no results")
+
+
+def main() -> None:
+    parser = job_parser(__doc__, name_default="sglang_spec_h100", name_help="results file stem")
+    parser.add_argument("--tp", type=int, choices=(1, 2), default=1, help="2: every job at tp = DCP = 2 (two GPUs)")
     args = parser.parse_args()
     if args.child:
         return child(args.child)
-    chosen = [j for j in JOBS if any(fnmatch.fnmatch(j["name"], p) for p in args.only.split(","))]
-    if args.list or not chosen:
-        print("\n".join(j["name"] for j in JOBS) if args.list else f"--only {args.only!r} matches no job")
-        sys.exit(0 if args.list else 2)
+    chosen = chosen_jobs(JOBS, args)
     work = Path(os.environ.get("DCP_BENCH_WORK", "/tmp/dcp_sglang_spec"))
     models = models_for(args.tp)
     paths = {name: work / (name if args.tp == 1 else f"{name}-kv1") for name in models}
@@ -157,16 +193,9 @@ def main() -> None:
     for name in {m for j in chosen for m in (j["model"], (j.get("spec") or {}).get("draft")) if m}:
         common.save_random_model(models[name], paths[name], seed=0)
     spec = dict(models={name: str(p) for name, p in paths.items()}, tp=args.tp)
-    began, results, path = time.monotonic(), [], None
-    for job in chosen:
-        if args.budget_s and time.monotonic() - began > args.budget_s:
-            print(f"not started (budget): {job['name']}", flush=True)
-            continue
-        results.append(one.run_one(job, spec, work, script=__file__))
-        path = common.save(args.name, dict(summary=summarise(results), models=models, tp=args.tp, jobs=results))
-        print(f"[{time.strftime('%H:%M:%S')}] {job['name']} done", flush=True)
-    print(json.dumps(summarise(results), indent=1))
-    print(f"wrote {common.repo_relative(path)}" if path else "no results")
+    run_jobs(chosen, spec, work, script=__file__, budget_s=args.budget_s, summarise_fn=summarise,
+             save=lambda results: common.save(args.name, dict(summary=summarise(results), models=models, tp=args.tp,
+                                                              jobs=results)))
 
 
 if __name__ == "__main__":
