@@ -156,6 +156,19 @@ TINY_GRANITE_HYBRID = dict(
 )
 
 
+# Qwen3-Next's layout (Gated-DeltaNet layers, every fourth layer full attention of 16 Q / 2 KV heads of size 256, MoE),
+# small: a config for vLLM's config code (no weights).
+TINY_QWEN3_NEXT = dict(
+    model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], torch_dtype="bfloat16", vocab_size=1024,
+    hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=4, linear_num_value_heads=8,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=8192,
+    rms_norm_eps=1e-6, rope_theta=10000.0, partial_rotary_factor=0.25, tie_word_embeddings=False, bos_token_id=1,
+    eos_token_id=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+    shared_expert_intermediate_size=256, decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[],
+)
+
 def write_random_model(path: Path, config: dict, *, seed: int = 0) -> Path:
     """A random-weight checkpoint of ``config`` (``benchmarks/common.py``'s ``save_random_model``; float32, atomic).
     ``initializer_range=0.2`` (as in ``TINY_GRANITE_HYBRID``) makes attention far from uniform

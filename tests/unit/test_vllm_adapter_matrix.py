@@ -9,6 +9,7 @@ it against each of those vLLMs.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import subprocess
@@ -30,7 +31,9 @@ from dcp_plugin import plugin  # noqa: E402
 from dcp_plugin.adapters.vllm import compat, registration  # noqa: E402
 from dcp_plugin.adapters.vllm.backend import DcpTritonBackend  # noqa: E402
 from dcp_plugin.adapters.vllm.builder import DcpTritonMetadataBuilder  # noqa: E402
-from tests.vllm_checks import cpu_platform_if_unspecified, single_process_vllm_groups  # noqa: E402
+from tests.vllm_checks import (  # noqa: E402
+    TINY_QWEN3_NEXT, cpu_platform_if_unspecified, single_process_vllm_groups,
+)
 
 # Set by `make test-vllm-matrix` to the vLLM each run must see ("vllm==0.26.0"), so a run cannot silently test
 # another vLLM that is reachable on the path.
@@ -115,6 +118,36 @@ def test_the_builder_builds_a_mixed_step(vllm_config):
     assert batch.query_lens.tolist() == query_lens and batch.context_lens.tolist() == context_lens
     assert batch.local_context_lens.tolist() == context_lens and batch.max_context_len == max(context_lens)
     assert torch.equal(batch.slot_mapping, slots) and torch.equal(batch.block_table, table)
+
+
+@pytest.mark.parametrize("preferred", [16, 64])  # vLLM's default; dcp-triton's on Hopper
+def test_a_hybrid_models_attention_block_is_one_kernel_block(preferred, monkeypatch, tmp_path):
+    """Qwen3-Next: vLLM grows the attention block until one page holds a GDN layer's recurrent state (its hybrid
+    alignment, run for the backend the layers chose), then takes the kernel block from the backend's declared sizes.
+    dcp-triton's kernels take any multiple of 16, so the kernel block is the whole block (a backend declaring fixed
+    sizes gets it split), and the block stays a multiple of the one it started from."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms.interface import Platform
+    from vllm.v1.worker.utils import select_common_block_size
+
+    import vllm.engine.arg_utils as arg_utils
+    import vllm.platforms
+
+    cpu_platform_if_unspecified(monkeypatch)
+    if arg_utils.current_platform.is_unspecified():  # bound when arg_utils was imported
+        monkeypatch.setattr(arg_utils, "current_platform", vllm.platforms.current_platform)
+    model = tmp_path / "qwen3-next"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_QWEN3_NEXT))
+    config = EngineArgs(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=8192,
+                        block_size=preferred).create_engine_config()
+    assert config.model_config.is_hybrid
+    config.cache_config.block_size, config.cache_config.mamba_page_size_padded = preferred, None
+    Platform._align_hybrid_block_size(config, DcpTritonBackend)
+    block = config.cache_config.block_size
+    assert block > preferred and block % preferred == 0 and block % 16 == 0
+    assert config.cache_config.mamba_page_size_padded == block * 2 * 2 * 256 * 2  # K and V, 2 heads of 256, bf16
+    assert select_common_block_size(block, [DcpTritonBackend]) == block
 
 
 def test_the_v2_runner_tests_pass_on_this_vllm():
