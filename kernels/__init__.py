@@ -1,7 +1,8 @@
 """Triton kernels of DCP attention; ``dcp_plugin.kernels.reference`` holds torch versions with the same signatures.
 
-With no CUDA GPU present, ``TRITON_INTERPRET=1`` is set (``_mode``, imported first, before any kernel is defined)
-so the kernels run on CPU tensors through the Triton interpreter. Set ``TRITON_INTERPRET`` yourself to override.
+With no CUDA GPU present, ``TRITON_INTERPRET=1`` is set (``_mode``, which every kernel module imports before
+triton) so the kernels run on CPU tensors through the Triton interpreter. Set ``TRITON_INTERPRET`` yourself to
+override.
 
 Each public function checks its inputs and launches. Each also has a ``plan_*`` twin that checks nothing and
 returns a prepared launch (``Launch``) for tensors shaped like the ones given: the DCP core prepares its launches
@@ -9,39 +10,69 @@ once per step and replays them for every layer. What the core also takes from he
 kernel paths a process asks for (``gluon_asked``, ``gluon_enabled``, ``pdl_asked``) and how it compiles its
 variants before serving (``compile_ahead``, ``compile_workers``, ``every_variant``, ``every_variant_wanted``,
 ``launches_run``).
+
+The names below are imported on first use, so a module of this package that needs no kernel (the torch references
+of ``dcp_plugin.kernels.reference``) loads without triton and without asking torch about CUDA.
 """
 
-from dcp_plugin.kernels._mode import INTERPRET  # first: decides the interpreter before triton is imported
-from dcp_plugin.kernels._launch import FAST_LAUNCH, every_variant, every_variant_wanted, launches_run
-from dcp_plugin.kernels._compile_ahead import compile_ahead, compile_workers
-from dcp_plugin.kernels._gluon import gluon_asked, gluon_enabled
-from dcp_plugin.kernels._pdl import pdl_asked
-from dcp_plugin.kernels.combine import combine_partials, merge_states, plan_combine, rescale_partial
-from dcp_plugin.kernels.extend_attention import SUPPORTED_HEAD_DIMS, extend_attention, plan_extend
-from dcp_plugin.kernels.paged_attention import paged_attention, plan_paged, split_capacity
-from dcp_plugin.kernels.write_kv_cache import plan_write_kv, write_kv_cache
+from __future__ import annotations
 
-__all__ = [
-    "FAST_LAUNCH",
-    "INTERPRET",
-    "SUPPORTED_HEAD_DIMS",
-    "combine_partials",
-    "compile_ahead",
-    "compile_workers",
-    "every_variant",
-    "every_variant_wanted",
-    "extend_attention",
-    "gluon_asked",
-    "gluon_enabled",
-    "launches_run",
-    "merge_states",
-    "paged_attention",
-    "pdl_asked",
-    "plan_combine",
-    "plan_extend",
-    "plan_paged",
-    "plan_write_kv",
-    "rescale_partial",
-    "split_capacity",
-    "write_kv_cache",
-]
+import importlib
+import sys
+import types
+
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "INTERPRET": "dcp_plugin.kernels._mode",
+    "FAST_LAUNCH": "dcp_plugin.kernels._launch",
+    "every_variant": "dcp_plugin.kernels._launch",
+    "every_variant_wanted": "dcp_plugin.kernels._launch",
+    "launches_run": "dcp_plugin.kernels._launch",
+    "compile_ahead": "dcp_plugin.kernels._compile_ahead",
+    "compile_workers": "dcp_plugin.kernels._compile_ahead",
+    "gluon_asked": "dcp_plugin.kernels._gluon",
+    "gluon_enabled": "dcp_plugin.kernels._gluon",
+    "pdl_asked": "dcp_plugin.kernels._pdl",
+    "combine_partials": "dcp_plugin.kernels.combine",
+    "merge_states": "dcp_plugin.kernels.combine",
+    "plan_combine": "dcp_plugin.kernels.combine",
+    "rescale_partial": "dcp_plugin.kernels.combine",
+    "SUPPORTED_HEAD_DIMS": "dcp_plugin.kernels.extend_attention",
+    "extend_attention": "dcp_plugin.kernels.extend_attention",
+    "plan_extend": "dcp_plugin.kernels.extend_attention",
+    "paged_attention": "dcp_plugin.kernels.paged_attention",
+    "plan_paged": "dcp_plugin.kernels.paged_attention",
+    "split_capacity": "dcp_plugin.kernels.paged_attention",
+    "plan_write_kv": "dcp_plugin.kernels.write_kv_cache",
+    "write_kv_cache": "dcp_plugin.kernels.write_kv_cache",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # later look-ups skip this function
+        return value
+    if not name.startswith("__"):  # a submodule not imported yet: dcp_plugin.kernels.reference, ._launch, ...
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value) -> None:
+        # Importing the submodule paged_attention (extend_attention, write_kv_cache) binds it on this package under
+        # the name of its public function: the function keeps the name, as when this package imported it eagerly.
+        if not (name in _EXPORTS and isinstance(value, types.ModuleType)):
+            super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -32,10 +32,11 @@ import threading
 import time
 
 import torch
+
+from dcp_plugin.kernels._mode import INTERPRET  # first: decides the interpreter before triton is imported
 import triton
 
 from dcp_plugin.kernels import _launch
-from dcp_plugin.kernels._mode import INTERPRET
 
 WORKERS_ENV = "DCP_TRITON_COMPILE_WORKERS"
 WORKER_TIMEOUT_S = 600  # a worker still compiling then is stopped (its variants compile at their first launch)
@@ -295,6 +296,4 @@ def _worker(work_path: str, done_path: str) -> None:
 
 
 if __name__ == "__main__":
-    import dcp_plugin.kernels  # noqa: F401 - torch, Triton and the kernels' package
-
     _worker(sys.argv[1], sys.argv[2])

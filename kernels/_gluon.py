@@ -14,11 +14,12 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from dcp_plugin.kernels._mode import INTERPRET  # first: decides the interpreter before triton is imported
 import triton
 
 from dcp_plugin.checks import env_switch
 from dcp_plugin.kernels._launch import descriptor_ready
-from dcp_plugin.kernels._mode import INTERPRET
 from dcp_plugin.kernels._paged_tile import cache_takes_descriptors
 
 GLUON_ENV = "DCP_TRITON_GLUON"

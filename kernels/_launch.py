@@ -15,11 +15,12 @@ import math
 import os
 
 import torch
+
+from dcp_plugin.kernels._mode import INTERPRET  # first: decides the interpreter before triton is imported
 import triton
 
 from dcp_plugin import checks
 from dcp_plugin.checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, env_switch  # noqa: F401 - the launchers' imports
-from dcp_plugin.kernels._mode import INTERPRET
 
 LOG2E = 1.4426950408889634
 

@@ -1,8 +1,9 @@
 """Whether the kernels run compiled on a GPU or under the Triton interpreter on CPU tensors.
 
-Decided once, when ``dcp_plugin.kernels`` is first imported and before any ``@triton.jit`` function is defined
-(Python runs a package's ``__init__`` before any of its modules, and ``__init__`` imports this module first): with
-no CUDA GPU present ``TRITON_INTERPRET=1`` is set, unless the variable is set already.
+Decided once, when the first kernel module is imported and before any ``@triton.jit`` function is defined: every
+module of ``dcp_plugin.kernels`` that imports triton imports this module first (the package's ``__init__`` imports
+nothing until a name is asked for, so ``dcp_plugin.kernels.reference`` loads without triton). With no CUDA GPU present
+``TRITON_INTERPRET=1`` is set, unless the variable is set already.
 """
 
 import os

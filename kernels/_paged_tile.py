@@ -1,11 +1,11 @@
 """The inner loop of the prefix pass (``paged_attention_kernel``): a split's tiles of cached tokens read through the
 block table (``attend_split``), each folded into the online softmax of a tile of query rows (``attend_cached_tile``)."""
 
+from dcp_plugin.kernels._mode import INTERPRET  # first: decides the interpreter before triton is imported
 import triton
 import triton.language as tl
 
 from dcp_plugin.kernels._launch import descriptor_ready, next_pow2, tma_available
-from dcp_plugin.kernels._mode import INTERPRET
 
 _INTERPRET = tl.constexpr(INTERPRET)
 

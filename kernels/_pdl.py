@@ -21,11 +21,12 @@ import contextvars
 import functools
 
 import torch
+
+from dcp_plugin.kernels._mode import INTERPRET  # first: decides the interpreter before triton is imported
 import triton
 import triton.language as tl
 
 from dcp_plugin.checks import env_switch
-from dcp_plugin.kernels._mode import INTERPRET
 
 PDL_ENV = "DCP_TRITON_PDL"
 

@@ -11,6 +11,7 @@ decode plus the chunk's blocks, not ``requests x longest query`` mostly-empty pr
 cover rows after ``query_start_loc[num_reqs]`` (padding a CUDA graph left): ``tail`` rows, written as empty.
 """
 
+import dcp_plugin.kernels._mode  # noqa: F401 - first: decides the interpreter before triton is imported
 import triton
 import triton.language as tl
 

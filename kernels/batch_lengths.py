@@ -8,6 +8,7 @@ step with one launch, and keeps the outputs in the caller's persistent buffers (
 
 from __future__ import annotations
 
+import dcp_plugin.kernels._mode  # noqa: F401 - first: decides the interpreter before triton is imported
 import triton
 import triton.language as tl
 

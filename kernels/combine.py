@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+from dcp_plugin.kernels._mode import INTERPRET  # first: decides the interpreter before triton is imported
 import triton
 import triton.language as tl
 
 from dcp_plugin.kernels._launch import (
     Launch, cdiv, check_heads_out, check_kernel_tensor, check_out, check_shape, head_strides, next_pow2,
 )
-from dcp_plugin.kernels._mode import INTERPRET
 
 LSE_DTYPES = (torch.float32,)
 

@@ -17,6 +17,8 @@ import dataclasses
 import numbers
 
 import torch
+
+from dcp_plugin.kernels._mode import INTERPRET  # first: decides the interpreter before triton is imported
 import triton
 import triton.language as tl
 
@@ -26,7 +28,6 @@ from dcp_plugin.kernels._launch import (
     descriptor_ready, next_pow2, tma_available,
 )
 from dcp_plugin.kernels._gluon import chunk_takes_gluon
-from dcp_plugin.kernels._mode import INTERPRET
 from dcp_plugin.kernels._schedule import find_block, flat_programs
 
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)

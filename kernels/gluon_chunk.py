@@ -20,6 +20,7 @@ it. Results are ``extend_attention``'s: rows past ``query_start_loc[num_reqs]`` 
 
 from __future__ import annotations
 
+import dcp_plugin.kernels._mode  # noqa: F401 - first: decides the interpreter before triton is imported
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (

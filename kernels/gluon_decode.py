@@ -21,6 +21,7 @@ merge; with one split it writes ``out``/``lse`` (plain or rank-major) directly.
 
 from __future__ import annotations
 
+import dcp_plugin.kernels._mode  # noqa: F401 - first: decides the interpreter before triton is imported
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 

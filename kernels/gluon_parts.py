@@ -6,6 +6,7 @@ place (``PRODUCER_FIX``). Imported only where ``_gluon`` allows the Gluon kernel
 
 from __future__ import annotations
 
+import dcp_plugin.kernels._mode  # noqa: F401 - first: decides the interpreter before triton is imported
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (

@@ -20,6 +20,7 @@ probabilities are 0, but 0 x NaN is NaN).
 
 from __future__ import annotations
 
+import dcp_plugin.kernels._mode  # noqa: F401 - first: decides the interpreter before triton is imported
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait

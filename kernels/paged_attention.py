@@ -22,6 +22,8 @@ allows, and a decode with more than ``GLUON_DECODE_MIN_GROUP`` Q heads per KV gr
 from __future__ import annotations
 
 import torch
+
+from dcp_plugin.kernels._mode import INTERPRET  # first: decides the interpreter before triton is imported
 import triton
 import triton.language as tl
 
@@ -30,7 +32,6 @@ from dcp_plugin.kernels._launch import (
 )
 from dcp_plugin.checks import FP8_DTYPES
 from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_GROUP, decode_takes_gluon, prefix_takes_gluon
-from dcp_plugin.kernels._mode import INTERPRET
 from dcp_plugin.kernels._paged_checks import MAX_HEAD_DIM, MAX_SPLITS, checked_outputs  # noqa: F401
 from dcp_plugin.kernels._paged_config import (  # noqa: F401 - the tuning table is part of this module's API
     DESCRIPTOR_DECODE_CONFIGS, DESCRIPTOR_DECODE_MAX_GROUP, FP8_DESCRIPTOR_DECODE_CONFIGS, GPU_CONFIGS,

@@ -9,13 +9,14 @@ the final ``out``/``lse``, which may be rank-major (``head_offsets``).
 from __future__ import annotations
 
 import torch
+
+from dcp_plugin.kernels._mode import INTERPRET  # first: decides the interpreter before triton is imported
 import triton
 import triton.language as tl
 
 from dcp_plugin.kernels._launch import (
     LOG2E, Launch, cdiv, device_index, every_variant_wanted, head_strides, next_pow2, num_sms,
 )
-from dcp_plugin.kernels._mode import INTERPRET
 from dcp_plugin.kernels._pdl import pdl_for, wait_for_previous_grid
 from dcp_plugin.kernels._schedule import MAX_AUTO_SPLITS, PROGRAMS_PER_SM, pick_num_splits
 

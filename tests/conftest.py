@@ -1,7 +1,7 @@
-# Import the kernels package before any test module imports triton: it sets TRITON_INTERPRET=1 when no GPU is
-# present, and triton's own jit helpers (tl.zeros, tl.cdiv...) only run under the interpreter when that variable is
-# set before triton is first imported.
-import dcp_plugin.kernels  # noqa: F401
+# Decide the kernels' mode before any test module imports triton: it sets TRITON_INTERPRET=1 when no GPU is present,
+# and triton's own jit helpers (tl.zeros, tl.cdiv...) only run under the interpreter when that variable is set before
+# triton is first imported. (Importing the package alone decides nothing: its names load on first use.)
+from dcp_plugin.kernels import INTERPRET  # noqa: F401
 
 import pytest  # noqa: E402
 
