@@ -10,10 +10,10 @@ from typing import Literal
 import torch
 
 from dcp_plugin.batch import DcpBatch
-from dcp_plugin.checks import FLOAT_DTYPES, FP8_DTYPES, check_kv_scales, check_scale
 from dcp_plugin.group import DcpGroup, buffered
 from dcp_plugin.kernel_choice import KernelName, kernels_named
 from dcp_plugin.kernels import every_variant_wanted
+from dcp_plugin.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, check_kv_scales, check_scale
 from dcp_plugin.layout import HeadLayout, TokenLayout, check_same_position
 from dcp_plugin.step_plan import StepInputs, StepPlan, decode_signature, plan_step
 from dcp_plugin.workspace import DcpWorkspace

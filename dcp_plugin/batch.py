@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dcp_plugin.checks import check_chunk_mask, check_int, check_tensor
+from dcp_plugin.kernels.checks import check_chunk_mask, check_int, check_tensor
 from dcp_plugin.layout import TokenLayout
 
 

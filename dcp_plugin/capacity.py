@@ -159,7 +159,7 @@ def capacity_report(
     kv_budget_gib: float | None = None,
 ) -> CapacityReport:
     """Per-rank heads and KV bytes for ``model`` on ``tp_size`` ranks with DCP groups of ``dcp_size``."""
-    from dcp_plugin.checks import check_int
+    from dcp_plugin.kernels.checks import check_int
     from dcp_plugin.layout import HeadLayout, TokenLayout
     from dcp_plugin.parallel_state import ParallelState
 

@@ -7,7 +7,7 @@ from typing import Literal, TypeVar
 
 import torch
 
-from dcp_plugin.checks import check_int
+from dcp_plugin.kernels.checks import check_int
 from dcp_plugin.parallel_state import ParallelState
 
 KvReplication = Literal["tp", "replicated"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from dcp_plugin.checks import check_int
+from dcp_plugin.kernels.checks import check_int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

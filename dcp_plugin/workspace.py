@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dcp_plugin.checks import check_int
+from dcp_plugin.kernels.checks import check_int
 from dcp_plugin.layout import HeadLayout
 
 _ALIGN = 16  # elements: every buffer starts, and every packed row is, a multiple of 16 elements

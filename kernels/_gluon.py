@@ -18,9 +18,9 @@ import torch
 from dcp_plugin.kernels._mode import INTERPRET  # first: decides the interpreter before triton is imported
 import triton
 
-from dcp_plugin.checks import env_switch
 from dcp_plugin.kernels._launch import descriptor_ready
 from dcp_plugin.kernels._paged_tile import cache_takes_descriptors
+from dcp_plugin.kernels.checks import env_switch
 
 GLUON_ENV = "DCP_TRITON_GLUON"
 GLUON_TRITON = ("3.6.",)

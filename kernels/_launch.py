@@ -19,8 +19,8 @@ import torch
 from dcp_plugin.kernels._mode import INTERPRET  # first: decides the interpreter before triton is imported
 import triton
 
-from dcp_plugin import checks
-from dcp_plugin.checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, env_switch  # noqa: F401 - the launchers' imports
+from dcp_plugin.kernels import checks
+from dcp_plugin.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, env_switch  # noqa: F401 - re-exported
 
 LOG2E = 1.4426950408889634
 
@@ -32,7 +32,7 @@ _FAST_LAUNCH_TRITON = ("3.4", "3.5", "3.6")
 
 
 def check_kernel_tensor(name: str, t, *, ndim: int, dtypes=FLOAT_DTYPES, device: torch.device | None = None) -> None:
-    """``dcp_plugin.checks.check_tensor``, and (on CPU) the Triton interpreter must be active."""
+    """``checks.check_tensor``, and (on CPU) the Triton interpreter must be active."""
     checks.check_tensor(name, t, ndim=ndim, dtypes=dtypes, device=device)
     if t.device.type == "cpu" and not INTERPRET:
         raise ValueError(

@@ -2,7 +2,7 @@
 
 Decided once, when the first kernel module is imported and before any ``@triton.jit`` function is defined: every
 module of ``dcp_plugin.kernels`` that imports triton imports this module first (the package's ``__init__`` imports
-nothing until a name is asked for, so ``dcp_plugin.kernels.reference`` loads without triton). With no CUDA GPU present
+nothing until a name is asked for, so ``dcp_plugin.kernels.checks`` loads without triton). With no CUDA GPU present
 ``TRITON_INTERPRET=1`` is set, unless the variable is set already.
 """
 

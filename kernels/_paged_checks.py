@@ -6,10 +6,10 @@ import numbers
 
 import torch
 
-from dcp_plugin.checks import FP8_DTYPES, check_kv_scales
 from dcp_plugin.kernels._launch import (
     INDEX_DTYPES, check_head_map, check_heads_out, check_int, check_kernel_tensor, check_shape,
 )
+from dcp_plugin.kernels.checks import FP8_DTYPES, check_kv_scales
 
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 256  # explicit num_splits upper bound

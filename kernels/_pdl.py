@@ -26,7 +26,7 @@ from dcp_plugin.kernels._mode import INTERPRET  # first: decides the interpreter
 import triton
 import triton.language as tl
 
-from dcp_plugin.checks import env_switch
+from dcp_plugin.kernels.checks import env_switch
 
 PDL_ENV = "DCP_TRITON_PDL"
 

@@ -22,13 +22,13 @@ from dcp_plugin.kernels._mode import INTERPRET  # first: decides the interpreter
 import triton
 import triton.language as tl
 
-from dcp_plugin.checks import check_chunk_mask
 from dcp_plugin.kernels._launch import (
     INDEX_DTYPES, LOG2E, Launch, check_head_map, check_int, check_kernel_tensor, check_out, check_shape,
     descriptor_ready, next_pow2, tma_available,
 )
 from dcp_plugin.kernels._gluon import chunk_takes_gluon
 from dcp_plugin.kernels._schedule import find_block, flat_programs
+from dcp_plugin.kernels.checks import check_chunk_mask
 
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 

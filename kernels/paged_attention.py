@@ -30,7 +30,6 @@ import triton.language as tl
 from dcp_plugin.kernels._launch import (
     LOG2E, Launch, cdiv, device_index, every_variant_wanted, next_pow2, num_sms,
 )
-from dcp_plugin.checks import FP8_DTYPES
 from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_GROUP, decode_takes_gluon, prefix_takes_gluon
 from dcp_plugin.kernels._paged_checks import MAX_HEAD_DIM, MAX_SPLITS, checked_outputs  # noqa: F401
 from dcp_plugin.kernels._paged_config import (  # noqa: F401 - the tuning table is part of this module's API
@@ -43,6 +42,7 @@ from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count const
     MAX_AUTO_SPLITS, MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM, SMALL_GRID_PER_SM, balanced_max_splits, balanced_split,
     find_block, flat_programs, group_head_tile, head_tiling, pick_num_splits,
 )
+from dcp_plugin.kernels.checks import FP8_DTYPES
 from dcp_plugin.kernels.split_kv import (
     LAST_MERGE_PROGRAMS, LAST_MERGE_SPLITS, NARROW_SPLITS, PagedLaunch, auto_splits, fit_splits, head_offsets,
     merge_split_rows, paged_attention_reduce_kernel, split_outputs, sync_counters, with_reduce,

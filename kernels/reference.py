@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from dcp_plugin.checks import FP8_DTYPES
+from dcp_plugin.kernels.checks import FP8_DTYPES
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:

@@ -14,9 +14,9 @@ from dcp_plugin.kernels._mode import INTERPRET  # first: decides the interpreter
 import triton
 import triton.language as tl
 
-from dcp_plugin.checks import CACHE_DTYPES, check_kv_scales
 from dcp_plugin.kernels._launch import INDEX_DTYPES, Launch, cdiv, check_kernel_tensor, check_shape, next_pow2
 from dcp_plugin.kernels._pdl import pdl_for, wait_for_previous_grid
+from dcp_plugin.kernels.checks import CACHE_DTYPES, check_kv_scales
 
 _MAX_TILE_ELEMENTS = 4096  # heads x head-dim elements one program moves; bounds registers per program
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dcp_plugin.adapters.sglang import speculative
-from dcp_plugin.checks import FLOAT_DTYPES
+from dcp_plugin.kernels.checks import FLOAT_DTYPES
 
 
 def runner_problems(model_runner) -> list[str]:

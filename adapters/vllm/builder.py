@@ -13,7 +13,7 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuild
 
 from dcp_plugin.adapters.vllm import compat, spec
 from dcp_plugin.batch import DcpBatch, DcpBatchBuffers, leading_decodes
-from dcp_plugin.checks import env_switch
+from dcp_plugin.kernels.checks import env_switch
 from dcp_plugin.layout import TokenLayout
 
 

@@ -16,7 +16,7 @@ import logging
 import os
 
 from dcp_plugin.adapters.vllm import compat, support
-from dcp_plugin.checks import env_switch
+from dcp_plugin.kernels.checks import env_switch
 
 BACKEND_NAME = "DCP_TRITON"
 BACKEND_ALIAS = "DCP-TRITON"

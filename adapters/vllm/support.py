@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from dcp_plugin.checks import FLOAT_DTYPES as SUPPORTED_DTYPES
+from dcp_plugin.kernels.checks import FLOAT_DTYPES as SUPPORTED_DTYPES
 
 # vLLM's fp8 KV-cache options: the cache holds value / scale (vLLM's per-tensor k_scale / v_scale, default or
 # calculated), quantized when written and dequantized in registers when read; "fp8" means e4m3 on NVIDIA GPUs.

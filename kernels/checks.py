@@ -1,5 +1,6 @@
-"""Argument checks shared by the core and the kernels: each raises ``ValueError`` naming the argument, what it got
-and what would work. A leaf module (torch only), so both the core and the kernel launchers may import it.
+"""Argument checks shared by the kernels, the core and the adapters: each raises ``ValueError`` naming the argument,
+what it got and what would work. A leaf module (torch only) in the bottom layer, so every layer above may import it;
+importing it imports neither triton nor the kernels (``dcp_plugin.kernels`` loads its names on first use).
 
 Public entry points check their arguments once; the per-step path (``DcpAttention`` replaying a prepared step)
 calls unchecked internals whose inputs were checked when the step was prepared.
