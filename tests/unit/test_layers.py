@@ -1,10 +1,15 @@
-"""The layers' import rules, read from the source (every import statement, at any depth): the engine-neutral core
-(``dcp_plugin/``) imports neither vLLM nor SGLang, and the core and the adapters take the kernels through
-``dcp_plugin.kernels``' public names and public modules, never its private ``_*`` modules."""
+"""The layers' import rules, read from the source (every import statement, at any depth): the kernels
+(``kernels/``, the bottom layer) import nothing else of dcp_plugin, the engine-neutral core (``dcp_plugin/``) imports
+neither vLLM nor SGLang, and the core and the adapters take the kernels through ``dcp_plugin.kernels``' public names
+and public modules, never its private ``_*`` modules. And, in a fresh process: what an engine's plugin loading imports
+(the shared checks, the adapters' registration) loads neither triton nor the kernels."""
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "dcp_plugin"
 ADAPTERS = ROOT / "adapters"
+KERNELS = ROOT / "kernels"
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
@@ -52,3 +58,41 @@ def test_the_core_and_adapters_use_only_the_kernels_public_names(path):
                if module.startswith("dcp_plugin.kernels.") and module.split(".")[2].startswith("_")]
     assert not private, (f"{path.relative_to(ROOT)} imports the kernels' private modules: {private}; add a public "
                          "name to dcp_plugin.kernels (kernels/__init__.py) instead")
+
+
+@pytest.mark.parametrize("path", sources(KERNELS), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_kernels_import_nothing_above_them(path):
+    above = [f"line {line}: {module}" for line, module in imported_modules(path)
+             if module.split(".")[0] == "dcp_plugin" and module.split(".")[:2] != ["dcp_plugin", "kernels"]]
+    assert not above, (f"{path.relative_to(ROOT)} imports from above the kernels: {above}; what the kernels and the "
+                       "core share lives in dcp_plugin.kernels (checks.py)")
+
+
+def loaded_by(*modules: str, code: str = "") -> dict:
+    """In a fresh process: import ``modules``, run ``code``; whether triton is loaded, and the kernels' modules."""
+    script = "\n".join([*(f"import {m}" for m in modules), code, "import json, sys",
+                        "print(json.dumps({'triton': 'triton' in sys.modules, 'kernels': sorted(m for m in sys.modules "
+                        "if m.startswith('dcp_plugin.kernels'))}))"])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("module", ["dcp_plugin.kernels.checks", "dcp_plugin.adapters.vllm.registration",
+                                    "dcp_plugin.adapters.vllm.support", "dcp_plugin.adapters.sglang.registration",
+                                    "dcp_plugin.adapters.sglang.support"])
+def test_plugin_loading_imports_neither_triton_nor_the_kernels(module):
+    # An engine imports these while it loads plugins; _mode would ask torch about CUDA, triton takes seconds.
+    loaded = loaded_by(module)
+    assert not loaded["triton"] and set(loaded["kernels"]) <= {"dcp_plugin.kernels", "dcp_plugin.kernels.checks"}, \
+        loaded
+
+
+def test_the_kernels_public_names_stay_functions_after_their_modules_load():
+    # paged_attention, extend_attention and write_kv_cache name a function and the submodule that defines it.
+    names = loaded_by("dcp_plugin.kernels.paged_attention", "dcp_plugin.kernels.extend_attention",
+                      "dcp_plugin.kernels.write_kv_cache", code=(
+                          "import types; from dcp_plugin import kernels\n"
+                          "assert not [n for n in kernels.__all__ if isinstance(getattr(kernels, n), types.ModuleType)]"
+                          "\nassert kernels.reference.paged_attention.__module__ == 'dcp_plugin.kernels.reference'"))
+    assert names["triton"] and "dcp_plugin.kernels._mode" in names["kernels"]
