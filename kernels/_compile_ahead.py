@@ -60,7 +60,7 @@ def compile_workers() -> int:
     where a worker could not reproduce this process's compile: a stages-inspection hook changes the compiled code,
     ``always_compile`` recompiles whatever the cache holds. Inside vLLM on one H200 (32 Q / 8 KV, CUDA graphs, an
     empty Triton cache) 8 workers took the engine's start from 70.7 to 55.2 s, its warm-up from 19.3 to 9.3 s
-    (benchmarks/results/vllm_one_h200_startup_ahead.json)."""
+    (docs/performance.md, start-up)."""
     value = os.environ.get(WORKERS_ENV, "").strip()
     if value and not value.isdigit():
         raise ValueError(f"{WORKERS_ENV} must be a whole number of worker processes (0: off), got {value!r}")

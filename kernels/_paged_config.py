@@ -31,17 +31,16 @@ class PagedConfig:
 # (padded head dim, decode) -> launch constants for Hopper; benchmarks sweep others via ``config=``. "decode" = the
 # caller promised one query row per request (max_query_len=1). D=128 decode: 128-token tiles (H200, bf16: 1.1-1.3x
 # the GB/s of 64-token tiles with one KV head per rank, e.g. 32 x 8K 2631 against 2037, within 3% elsewhere;
-# benchmarks/results/kernels_h200_tuning_sweep3.json); over an fp8 cache V widened to fp16 before its shared-memory
+# docs/kernels.md, decode); over an fp8 cache V widened to fp16 before its shared-memory
 # round trip (``fp8_widen=1``): 38.1 / 67.0 / 206.4 / 771.6 us at 1 x 32K / 8 x 8K / 8 x 32K / 128 x 8K (32 Q / 8 KV,
 # 64-token pages) against 40.9 / 73.7 / 232.5 / 873.1 with V read a byte at a time; K widened too (2) was slower:
-# 100.5 KiB of shared memory, two programs an SM (kernels_h200_sweep_fp8_regs.json).
+# 100.5 KiB of shared memory, two programs an SM (docs/kernels.md, fp8 decode).
 # Longer queries (the prefix pass, 32 Q / 8 KV heads; on sm_90 with Triton 3.6 ``gluon_prefix`` takes one-split
 # prefill steps over 64-token pages instead): pages of 64+, 128-row tiles of 64 tokens through tensor descriptors,
 # four warps, two stages, the rows read a chunk ahead:
 # 528 / 517 TFLOP/s at 2 x 4K rows over 32K cached / 1 x 2K over 128K, against 501 / 500 with each row read in
-# the loop (kernels_h200_sweep_prefix_ahead.json; pointer loads' best: 372 / 390, kernels_h200_sweep_tma.json);
-# smaller pages (or strides descriptors refuse): ``POINTER_CONFIGS``, 256-row tiles of 64 tokens, eight warps, 375 /
-# 394 over 16-token pages (kernels_h200_sweep_tma16.json, kernels_h200_sweep2.json).
+# the loop (pointer loads' best: 372 / 390); smaller pages (or strides descriptors refuse): ``POINTER_CONFIGS``,
+# 256-row tiles of 64 tokens, eight warps, 375 / 394 over 16-token pages (docs/kernels.md, prefix pass).
 GPU_CONFIGS = {
     (64, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=3, last_split_merges=True),
     (64, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=3),
@@ -55,18 +54,16 @@ GPU_CONFIGS = {
 POINTER_CONFIGS = {GPU_CONFIGS[128, False]: PagedConfig(block_n=64, block_m=256, num_warps=8, num_stages=3)}
 # Decode over pages of 64+ tokens, at most 16 Q heads per KV group, bf16/fp16 cache: 64-token descriptor tiles, four
 # stages. H200, 32 Q / 8 KV, 64-token pages: 3,690 / 1,767 GB/s at 8 x 8K / 8 x 1K against 3,001 / 1,658 for the
-# 128-token pointer tiles; with 32 Q heads per KV head those win (2,566 against 2,092 at 32 x 8K; all
-# kernels_h200_sweep_decode64.json); rows read ahead and two warps lose (kernels_h200_sweep_ahead.json,
-# kernels_h200_sweep_decode_warps.json).
+# 128-token pointer tiles; with 32 Q heads per KV head those win (2,566 against 2,092 at 32 x 8K); rows read ahead
+# and two warps lose (docs/kernels.md, decode).
 # Capped at 128 registers (135 uncapped: three programs an SM, four capped): 45.7 / 76.3 / 982.9 us at 1 x 32K / 8 x
-# 8K / 128 x 8K against 55.0 / 92.8 / 1,015.0 (kernels_h200_sweep_fp8_regs.json, 32 Q / 8 KV).
+# 8K / 128 x 8K against 55.0 / 92.8 / 1,015.0 (32 Q / 8 KV; docs/kernels.md, fp8 decode).
 DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=4, tma=True,
                                               max_registers=128, last_split_merges=True)}
 # The same over an fp8 cache: six stages, V widened, 96 registers (four programs an SM, by shared memory). 32 Q / 8
 # KV, 64-token pages: 36.3 / 57.0 / 179.7 / 664.8 us at 1 x 32K / 8 x 8K / 8 x 32K / 128 x 8K against 37.4 / 66.8 /
 # 207.5 / 770.6 for the 128-token pointer tiles (V widened too), 20.3 against 18.5 at 8 x 1K
-# (kernels_h200_sweep_defaults.json; kernels_h200_sweep_fp8_regs.json ranks them alike at 1 x 32K, 8 x 8K and 128 x
-# 8K, and had 8 x 32K at 247.9 against 206.4 with split counts still rounded up).
+# (docs/kernels.md, fp8 decode).
 FP8_DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=6, tma=True,
                                                   fp8_widen=1, max_registers=96, last_split_merges=True)}
 DESCRIPTOR_DECODE_MAX_GROUP = 16

@@ -48,7 +48,7 @@ def pdl_asked() -> bool:
 # one launch: at its start (TRIGGER["start"]), after its main loop (["end"]), or as its programs exit (["exit"]).
 TRIGGER = {"start": 1, "end": 2, "exit": 3}
 # Where each role's kernel signals: "stage1" a decode's split pass, after its main loop; "short" the small kernels
-# around it (the cache write, the merge), at their start. On one H200 (benchmarks/results/kernels_h200_pdl_modes.json,
+# around it (the cache write, the merge), at their start. On one H200 (docs/kernels.md, programmatic dependent launch;
 # decode graph replay over 64-token pages) that took 1 x 1K / 1 x 8K / 8 x 8K, 32 Q / 8 KV, 11.0 / 18.8 / 75.6 us
 # against 12.2 / 19.8 / 75.9 without PDL, and 1 x 8K / 8 x 8K, 32 Q / 1 KV, 13.6 / 21.3 against 16.0 / 22.5; the
 # split pass signalling at its start lost where it fills the GPU (8 x 8K, 32 Q / 8 KV: 78.5 us), and within 1% of

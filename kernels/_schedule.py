@@ -60,12 +60,11 @@ def head_tiling(*, num_q_heads: int, q_head_start: int, q_per_kv: int, kv_head_s
     return first_kv_head, last_kv_head - first_kv_head + 1, cdiv(min(q_per_kv, num_q_heads), block_h)
 
 
-# Automatic split count: at most PROGRAMS_PER_SM programs per SM (a partial extra wave costs a whole one), and at
-# least MIN_TILES_PER_SPLIT tiles per split unless the grid would then not reach SMALL_GRID_PER_SM programs per SM:
-# then splits of down to SMALL_GRID_TILES tiles. H200, 128-token tiles (benchmarks/results/kernels_h200_sweep.json,
-# graph replay, GB/s): 8 x 1K, 8 KV heads: 4 splits 1788 against 2 splits 1486; 1 x 8K: 32 splits 1764 against 16
-# 1496; 32 x 8K, one KV head: 8 splits 2649 against 16 2292; 1 x 32K and 8 x 32K, one KV head: 32 splits best
-# (kernels_h200_tuning_sweep3.json).
+# Automatic split count: at most PROGRAMS_PER_SM programs per SM (a partial extra wave costs a whole one), and at least
+# MIN_TILES_PER_SPLIT tiles per split unless the grid would then not reach SMALL_GRID_PER_SM programs per SM: then
+# splits of down to SMALL_GRID_TILES tiles. H200, 128-token tiles (docs/kernels.md, decode; graph replay, GB/s): 8 x 1K,
+# 8 KV heads: 4 splits 1788 against 2 splits 1486; 1 x 8K: 32 splits 1764 against 16 1496; 32 x 8K, one KV head: 8
+# splits 2649 against 16 2292; 1 x 32K and 8 x 32K, one KV head: 32 splits best.
 PROGRAMS_PER_SM = 4
 MIN_TILES_PER_SPLIT = 8
 SMALL_GRID_PER_SM = 2
@@ -120,7 +119,7 @@ def balanced_split(context_lens_ptr, query_start_loc_ptr, num_reqs, work, slots,
     ``SMALL_GRID_TILES``, ``cdiv(w, slots)`` (about ``slots`` programs) and, up to ``MIN_TILES_PER_SPLIT``,
     ``cdiv(w, small_slots)``. Rounded up instead, equal contexts overshot ``slots`` by up to a program per request
     and head program: 8 x 32K over 64-token tiles took 9 splits, 576 programs for 528 slots, a second wave of 48
-    (benchmarks/results/kernels_h200_sweep_fp8_regs.json)."""
+    (docs/kernels.md, fp8 decode)."""
     total = tl.full([], 0, tl.int32)
     for r0 in range(0, num_reqs, BALANCE_BLOCK):
         tiles, _ = _request_tiles(context_lens_ptr, query_start_loc_ptr, r0 + tl.arange(0, BALANCE_BLOCK), num_reqs,

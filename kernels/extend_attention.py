@@ -42,10 +42,10 @@ class ExtendConfig:
     tma: bool = False  # K/V tiles through tensor descriptors (sm_90+ TMA), where the tensors allow (``_tma_ok``)
 
 
-# Hopper defaults for fp16/bf16 by padded head dim (the benchmark sweeps candidates through ``config=``).
-# H200, bf16, 2 x 4096 causal, 32 Q / 8 KV heads: D=128 with K/V through tensor descriptors 479 TFLOP/s, against
-# 394 with pointer loads (benchmarks/results/kernels_h200_sweep2.json); D=64 304, no other candidate more than 2%
-# faster (kernels_h200_sweep.json, section prefill). D=256's tiles fit the shared memory; their speed is unmeasured.
+# Hopper defaults for fp16/bf16 by padded head dim (the benchmark sweeps candidates through ``config=``). H200, bf16, 2
+# x 4096 causal, 32 Q / 8 KV heads: D=128 with K/V through tensor descriptors 479 TFLOP/s, against 394 with pointer
+# loads; D=64 304, no other candidate more than 2% faster (docs/kernels.md, current chunk). D=256's tiles fit the shared
+# memory; their speed is unmeasured.
 GPU_CONFIGS = {
     64: ExtendConfig(block_m=128, block_n=128, num_warps=4, num_stages=3),
     128: ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True),
@@ -54,7 +54,7 @@ GPU_CONFIGS = {
 # Steps whose chunks hold at most SHORT_CHUNK rows (max_query_len): D=128 in 64-row tiles, four warps, two programs
 # per SM (162 registers, 113 KiB of shared memory on sm_90), whose starts and ends then overlap: H200, bf16, 32 Q /
 # 8 KV heads, 325 TFLOP/s at 16 x 1024 and 395 at 4 x 2048 against 288 and 389 for GPU_CONFIGS' 128-row tiles, which
-# win at 2 x 4096 (461 against 437; kernels_h200_sweep_prefill_shapes.json).
+# win at 2 x 4096 (461 against 437; docs/kernels.md, current chunk).
 SHORT_CHUNK = 2048
 GPU_SHORT_CONFIGS = {128: ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True)}
 # fp32 tiles take twice the shared memory; fp32 is for tests, so one small tile fits every head dim.

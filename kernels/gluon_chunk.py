@@ -8,7 +8,7 @@ MMAs at their own pace: no program-wide barrier, and no SM idles between tiles o
 bf16, 32 Q / 8 KV heads, head size 128, graph replay beside the ``tl`` kernel and FA3 in one process: 415 / 436 / 504 /
 558 TFLOP/s at 16 x 1024 / 4 x 2048 / 2 x 4096 / 1 x 16384 causal against 324 / 392 / 460 / 537 for the ``tl``
 kernel and 438 / 526 / 633 / 642 for FA3 (two stages; ``benchmarks/kernels/gluon_chunk_probe.py``, config
-``(128, 2, 0, 0, 1)``, ``benchmarks/results/kernels_h200_gluon_probe.json``).
+``(128, 2, 0, 0, 1)``; docs/kernels.md, current chunk).
 
 K and V are read through descriptors the producer builds over ``[tokens, kv_heads * head_dim]`` (heads
 contiguous): a request's last key tile may hold rows past its end (the next request's, or padding). Their scores
@@ -56,8 +56,8 @@ ORDER = PAIRS
 # OVERLAP 2) lost 6-15% on the H200: its loop masked every tile (``gluon_chunk_probe.py --compile-only`` prints the
 # instructions a key tile takes on sm_90, and whether ptxas serialized the MMAs). The defaults (PAIRS, three stages,
 # PRODUCER_FIX, OVERLAP): 405 / 461 / 513 / 590 TFLOP/s at 16 x 1K / 4 x 2K / 2 x 4K / 1 x 16K, 32 Q / 8 KV, against
-# 399 / 482 / 519 / 561 for PAIRS with two stages and 367 / 434 / 513 / 558 for SNAKE (benchmarks/results/
-# kernels_h200_gluon_probe.json, the run at 320db48); OVERLAP with two stages lost (387-504).
+# 399 / 482 / 519 / 561 for PAIRS with two stages and 367 / 434 / 513 / 558 for SNAKE (code 320db48; docs/kernels.md,
+# current chunk); OVERLAP with two stages lost (387-504).
 OVERLAP = True
 
 

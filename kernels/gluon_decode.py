@@ -9,8 +9,7 @@ place (``gluon_parts.copy_tiles``); one consumer warpgroup runs QK^T -> softmax 
 (``gluon_parts.attend_overlap``). Both count the ring's uses across items, so one item's copies run under the
 previous item's work. Rows past the group are masked, so a group fills its share of the 64 rows: hence only groups
 of more than ``_gluon.GLUON_DECODE_MIN_GROUP`` take it. With 32 Q heads over one KV head it ran at 0.82x-1.02x of
-FA3's speed, the ``tl`` decode kernel at 0.83x-0.90x, in one run (benchmarks/results/kernels_h200_gluon_decode.json,
-runs[5]).
+FA3's speed, the ``tl`` decode kernel at 0.83x-0.90x, in one run (docs/kernels.md, the Gluon decode).
 
 Semantics are ``paged_attention``'s decode variant (``max_query_len == 1``): request ``b``'s row is
 ``query_start_loc[b]`` (none when the request has no row); a request with no cached tokens, and an empty split, get
@@ -39,15 +38,15 @@ PAGE = PREFIX_PAGE
 # One page per key tile, four in flight: H200, bf16, 64-token pages, at 8 x 1K / 8 x 8K with 8 KV heads and 1 x 32K /
 # 32 x 8K / 128 x 8K with one, 18.2 / 71.4 and 19.1 / 45.8 / 131.0 us against 19.8 / 72.2 and 20.2 / 46.9 / 131.1
 # for two pages and three stages (128 x 8K, 8 KV heads: 967 against 964); 1 x 6: 20.2 / 74.3 and 20.1 / 47.4 / 134.1
-# (benchmarks/results/kernels_h200_gluon_decode.json, runs[0]).
+# (docs/kernels.md, the Gluon decode).
 PAGES = 1  # pages per key tile
 STAGES = 4  # key tiles in flight
 PER_SM = 1  # programs per SM (255 registers a thread: one fills an SM), each over work items in turn
-# One program per SM over the items, not one per item: on one H200 (benchmarks/results/kernels_h200_gluon_decode.json,
-# runs[5], code d9e2c49; `gluon_per_sm` against `gluon`, a program per item there) 103.9 against 114.2 us at 128 x 8K
-# with contexts of 1K-8K and 32 Q / 1 KV, 43.1 against 46.7 / 26.3 against 27.9 at 256 / 128 x 1K with 16 Q / 1 KV,
-# 16.6 against 17.4 at 1 x 8K, within 1% elsewhere; over groups of 4 (which keep the tl kernel) 143.1 against 184.3 at
-# 128 x 1K, but 642.2 against 596.0 at 128 x 8K with contexts of 1K-8K: a fixed deal of unequal items.
+# One program per SM over the items, not one per item: on one H200 (code d9e2c49; docs/kernels.md, the Gluon decode)
+# 103.9 against 114.2 us at 128 x 8K with contexts of 1K-8K and 32 Q / 1 KV, 43.1 against 46.7 / 26.3 against 27.9 at
+# 256 / 128 x 1K with 16 Q / 1 KV, 16.6 against 17.4 at 1 x 8K, within 1% elsewhere; over groups of 4 (which keep the tl
+# kernel) 143.1 against 184.3 at 128 x 1K, but 642.2 against 596.0 at 128 x 8K with contexts of 1K-8K: a fixed deal of
+# unequal items.
 
 
 @gluon.jit

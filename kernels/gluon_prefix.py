@@ -7,7 +7,7 @@ QK^T -> softmax -> P x V on warpgroup MMAs, each at its own pace. The ``tl`` ker
 64-key tiles, and pays the softmax's per-tile costs (row maxima and sums, the accumulator's rescale) twice as often.
 H200, bf16, 32 Q / 8 KV heads: 580 TFLOP/s at 2 x 4096 rows over 32K cached and 589 at 1 x 2048 over 128K,
 against 518 / 510 for the ``tl`` kernel and 582 / 567 for FA3 in the same process
-(``benchmarks/kernels/gluon_chunk_probe.py``, ``benchmarks/results/kernels_h200_gluon_probe.json``).
+(``benchmarks/kernels/gluon_chunk_probe.py``; docs/kernels.md, prefix pass).
 
 Imported only where ``_gluon.prefix_takes_gluon`` allows it (Triton 3.6, sm_90, unless ``DCP_TRITON_GLUON=0``);
 ``plan_paged`` picks it for query blocks of a prefill step read in one split, else the ``tl`` kernel runs.
@@ -42,7 +42,7 @@ STAGES = 3  # key tiles in flight (two with the last tile's V copies, 192 KiB of
 # two stages at a time and so wants three. Both off: each consumer zeroes into its own copy, and a tile's QK^T,
 # softmax and P x V run in turn. Both on (with three stages): 634 / 647 TFLOP/s at 2 x 4K rows over 32K / 1 x 2K over
 # 128K, 32 Q / 8 KV, against 580 / 584 with both off and 487 / 484 with OVERLAP over two stages
-# (benchmarks/results/kernels_h200_gluon_probe.json, the run at 320db48).
+# (code 320db48; docs/kernels.md, prefix pass).
 PRODUCER_FIX = True
 OVERLAP = True
 

@@ -55,8 +55,7 @@ _LOG2E = tl.constexpr(LOG2E)  # the kernels' copy (jit functions read only const
 SHORT_QUERY = 8  # at most this many query rows per request: the short-query variant (speculative verify steps)
 # A decode on a GPU takes balanced splits (each request its own split count, ``_schedule.balanced_split``) over
 # PROGRAMS_PER_SM programs a SM: one count for every request, sized for the longest context (a captured graph's
-# bound), left a long context to one program among many short ones (benchmarks/results/
-# kernels_h200_balanced_decode.json).
+# bound), left a long context to one program among many short ones (docs/performance.md, balanced splits).
 
 
 # Per-step sizes (and the LSE strides, which scale with them) are not specialized on: every step of an engine runs

@@ -24,7 +24,7 @@ _LOG2E = tl.constexpr(LOG2E)
 # The merge's two variants on a GPU, by the splits one step of its loop covers: the wide one takes any automatic split
 # count in one step (one memory round trip: a small batch's 8-64 splits), the narrow one up to NARROW_SPLITS without
 # computing over 56+ masked splits per (token, head) (a large batch's 2-8; with one KV head and 256 requests the wide
-# one took 21 us a launch, more than a third of the decode pass, vllm_one_h200_profile_mqa16.json). A step picks by
+# one took 21 us a launch, more than a third of the decode pass; docs/kernels.md, decode). A step picks by
 # its split count; the warm-up runs both (``PagedLaunch``), so neither compiles while serving.
 REDUCE_SPLITS = MAX_AUTO_SPLITS
 NARROW_SPLITS = 8
@@ -35,7 +35,7 @@ NARROW_HEADS = 4  # (token, head)s of one program in the narrow variant: 8 split
 # split after the other, which took longer than a merge launch spreading them over (token, head)s where a request
 # takes many splits (1 x 8K, 32 splits: 30.4 against 19.9 us) or one request takes 8 (1 x 1K: 13.4 against 12.2 us),
 # and saved the launch elsewhere (8 / 32 / 128 x 1K: 19.2 / 44.3 / 137.1 against 20.0 / 45.1 / 139.2 us; H200, 32 Q
-# / 8 KV, 64-token pages, benchmarks/results/kernels_h200_sweep_last_merges.json).
+# / 8 KV, 64-token pages; docs/kernels.md, decode).
 LAST_MERGE_SPLITS = 8
 LAST_MERGE_PROGRAMS = 64
 
@@ -56,8 +56,7 @@ def merge_split_rows(part_out_ptr, part_lse_ptr, first_row, num_splits, dims, ro
     (``.cg``), never from a stale L1 line. Every split empty: (0, -inf); a NaN LSE gives NaN. Every LSE in one
     load, then the partials four at a time with their loads independent of one another, was slower than the merge
     launch at 4-8 splits over 64-token pages (8 x 1K: 21.4 against 20.1 us in one run, where this loop took 19.2
-    against 20.0 in another; benchmarks/results/kernels_h200_sweep_last_merges_unrolled.json; over 16-token pages
-    it gained, 20.9 against 21.6 us, ..._unrolled_p16.json)."""
+    against 20.0 in another; over 16-token pages it gained, 20.9 against 21.6 us; docs/kernels.md, decode)."""
     lse_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)

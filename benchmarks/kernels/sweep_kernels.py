@@ -3,8 +3,8 @@ default (``None``: the kernels' own table) first, so a row's gain is read agains
 
 - ``prefill``: ``extend_attention`` configs ``(block_m, block_n, num_warps, num_stages, tma)`` per head size on
   each of ``--prefill-shapes`` (2 x 4096 unless given) causal, 32 Q / 8 KV heads, in TFLOP/s (``tma``: K/V
-  through tensor descriptors; kernels_h200_sweep2.json timed it as a separate candidate kernel, 6-tuples with warp
-  specialization, which gained nothing, before it became this option);
+  through tensor descriptors; 47214dc:benchmarks/results/kernels_h200_sweep2.json timed it as a separate candidate
+  kernel, 6-tuples with warp specialization, which gained nothing, before it became this option);
 - ``prefix``: ``paged_attention`` configs ``(block_n, block_m, num_warps, num_stages[, tma[, rows_ahead]])`` on the
   DCP prefix pass;
 - ``decode`` / ``fp8``: decode configs ``(block_n, num_warps, num_stages[, tma[, rows_ahead[, min_rows[,
@@ -219,7 +219,7 @@ DECODE_SPLITS = [1, 2, 4, 8, 16, 32]
 # The last three: tiles through tensor descriptors (pages of at least block_n tokens: --page 64) with more copies in
 # flight than the default's four stages of 64 tokens, for the rows where FA3 reads more of the copy bandwidth. Tiles
 # padded to 64 rows (min_rows 64: warpgroup MMAs on sm_90) were the best of no shape over 64-token pages
-# (kernels_h200_sweep_p64.json); --decode-configs times them again (e.g. 128x4x2x0x0x64).
+# (47214dc:benchmarks/results/kernels_h200_sweep_p64.json); --decode-configs times them again (e.g. 128x4x2x0x0x64).
 DECODE_CONFIGS = [(64, 4, 3), (128, 4, 4), (128, 8, 3), (32, 4, 4), (64, 4, 6, 1), (128, 4, 3, 1), (64, 8, 5, 1)]
 FP8_SHAPES = [(8, 8192, 32, 8), (8, 32768, 32, 8), (32, 8192, 32, 1), (128, 8192, 32, 8)]
 FP8_SPLITS = [4, 8, 16, 32]

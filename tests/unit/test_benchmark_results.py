@@ -1,6 +1,8 @@
 """benchmarks/results/ holds only cited results, and every citation names a file that is there: each results file is
 listed in the index (benchmarks/README.md) and cited outside benchmarks/ (the README, docs/, or the code it backs),
-and every results file, benchmark script or device script that the pages name exists."""
+and every results file, benchmark script or device script that the pages name exists. A results file that left the
+tree is cited as it was in the git history, `<commit>:benchmarks/results/NAME` (a 7- or 40-digit commit, as
+`git show` takes it): that names no file of the tree, and the commit must hold it."""
 
 from __future__ import annotations
 
@@ -17,8 +19,11 @@ PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), INDEX)
 CODE = ("kernels", "dcp_plugin", "adapters", "tests")  # code whose comments or checks may cite a result
 # A results file's name: what ran, the device (h200, 2xh200, cpu, ...), then what of it; a page names it bare or
 # under benchmarks/results/.
-RESULT_NAME = re.compile(r"(?<![\w/.-])(?:benchmarks/results/)?([a-z0-9_]+_(?:cpu|(?:\d+x)?[a-z]{1,3}\d{2,4})"
-                         r"(?:_[a-z0-9_]+)?\.(?:json|md|png|log|log\.gz|csv\.gz|tar\.gz))(?![\w.-])")
+NAME = (r"([a-z0-9_]+_(?:cpu|(?:\d+x)?[a-z]{1,3}\d{2,4})(?:_[a-z0-9_]+)?\.(?:json|md|png|log|log\.gz|csv\.gz|tar\.gz))"
+        r"(?![\w.-])")
+RESULT_NAME = re.compile(r"(?<![\w/.-])(?:benchmarks/results/)?" + NAME)
+# A results file of the git history, not of the tree: `<commit>:benchmarks/results/NAME`, as `git show` takes it.
+HISTORY_CITATION = re.compile(r"(?<![\w/.:-])([0-9a-f]{40}|[0-9a-f]{7}):benchmarks/results/" + NAME)
 SCRIPT_PATH = re.compile(r"(?<![\w/.-])((?:benchmarks|scripts)/[\w/.-]+\.(?:py|sh))(?![\w.-])")
 
 
@@ -32,8 +37,18 @@ def tracked_results() -> set[str]:
     return {str(path.relative_to(RESULTS)) for path in RESULTS.rglob("*") if path.is_file()}
 
 
+def live_names(text: str) -> set[str]:
+    """The results files a text names in the tree: every name but those cited at a commit of the history."""
+    return {match[1] for match in RESULT_NAME.finditer(HISTORY_CITATION.sub(" ", text))}
+
+
 def names_in(paths) -> set[str]:
-    return {match[1] for path in paths for match in RESULT_NAME.finditer(path.read_text(errors="replace"))}
+    return {name for path in paths for name in live_names(path.read_text(errors="replace"))}
+
+
+def history_citations(paths) -> set[tuple[str, str]]:
+    return {(match[1], match[2]) for path in paths
+            for match in HISTORY_CITATION.finditer(path.read_text(errors="replace"))}
 
 
 def code_files() -> list[Path]:
@@ -48,6 +63,29 @@ def test_the_name_pattern_knows_results_files_from_other_names():
     assert {m[1] for m in RESULT_NAME.finditer(text)} == {
         "kernels_h200_sweep2.json", "vllm_dcp_2xh200_jobs.tar.gz", "server_aborts_cpu.log.gz",
         "ncu_attention_h200_raw.csv.gz"}
+
+
+def test_a_citation_at_a_commit_names_no_file_of_the_tree():
+    text = ("`47214dc:benchmarks/results/kernels_h200_sweep_tma.json`, git show "
+            "47214dc0123456789abcdef0123456789abcdef0:benchmarks/results/gpu_tests_h200.log, "
+            "benchmarks/results/kernels_h200.json, x47214dc:benchmarks/results/dcp_sim_h200.json, "
+            "47214d:benchmarks/results/vllm_one_h200.json, 47214dc:kernels_h200_sweep2.json")
+    assert {(m[1], m[2]) for m in HISTORY_CITATION.finditer(text)} == {
+        ("47214dc", "kernels_h200_sweep_tma.json"),
+        ("47214dc0123456789abcdef0123456789abcdef0", "gpu_tests_h200.log")}
+    # Not a history citation: a longer word before the hash, a 6-digit hash, a hash without benchmarks/results/.
+    assert live_names(text) == {"kernels_h200.json", "dcp_sim_h200.json", "vllm_one_h200.json",
+                                "kernels_h200_sweep2.json"}
+
+
+def test_every_results_file_cited_at_a_commit_is_in_that_commit():
+    cited = history_citations(PAGES) | history_citations(code_files())
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--git-dir"], capture_output=True).returncode != 0:
+        pytest.skip("no git: the history cannot be read")
+    missing = sorted(f"{commit}:benchmarks/results/{name}" for commit, name in cited
+                     if subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e",
+                                        f"{commit}:benchmarks/results/{name}"], capture_output=True).returncode != 0)
+    assert not missing, f"citations of results at a commit that the commit does not hold: {missing}"
 
 
 def test_every_results_file_is_in_the_index():

@@ -75,9 +75,9 @@ def test_auto_splits_fill_the_gpu_without_a_partial_wave(programs):
 
 
 def test_auto_splits_match_the_h200_sweep():
-    """The best split counts of benchmarks/results/kernels_h200_sweep.json and kernels_h200_tuning_sweep3.json (bf16,
-    D = 128, 128-token tiles; within 4% of the best for 128 x 8K); programs = requests x KV heads (one head tile per
-    KV group)."""
+    """The best split counts of the H200 sweeps, `47214dc:benchmarks/results/kernels_h200_sweep.json` and
+    `47214dc:benchmarks/results/kernels_h200_tuning_sweep3.json` (docs/kernels.md, decode; bf16, D = 128, 128-token
+    tiles; within 4% of the best for 128 x 8K); programs = requests x KV heads (one head tile per KV group)."""
     shapes = ((1, 8192, 8), (1, 32768, 8), (8, 1024, 8), (32, 8192, 1), (128, 8192, 1), (8, 32768, 1))
     picks = {(b, ctx, kv_heads): pick_num_splits(programs=b * kv_heads, max_kv_len=ctx, block_n=128, sms=132)
              for b, ctx, kv_heads in shapes}
