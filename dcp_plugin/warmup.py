@@ -16,7 +16,6 @@ import contextlib
 import time
 
 import torch
-import triton
 
 from dcp_plugin.batch import DcpBatch, DcpBatchBuffers
 from dcp_plugin.kernels import INTERPRET, compile_ahead, compile_workers, every_variant, launches_run
@@ -69,6 +68,8 @@ def warmed_up_line(steps: int, seconds: float, dcp_size: int, dtype, compiles: d
 def counting_compiles():
     """Within: Triton's compiles counted (its compilation listener, beside any listener already set) -> the yielded
     ``{"built", "build_s", "cached"}``; a Triton without the listener counts nothing (``None``)."""
+    import triton  # here, not at the top: the kernels' package decides the interpreter before triton loads
+
     knobs = getattr(triton, "knobs", None)
     compilation = getattr(knobs, "compilation", None)
     if compilation is None or not hasattr(compilation, "listener"):

@@ -60,6 +60,26 @@ def test_the_core_and_adapters_use_only_the_kernels_public_names(path):
                          "name to dcp_plugin.kernels (kernels/__init__.py) instead")
 
 
+def top_level_imports(path: Path) -> list[tuple[int, str]]:
+    """``imported_modules`` of the module's own body (not inside functions or classes)."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((node.lineno, node.module))
+    return found
+
+
+@pytest.mark.parametrize("path", sources(CORE) + sources(ADAPTERS), ids=lambda p: str(p.relative_to(ROOT)))
+def test_only_the_kernels_import_triton_at_the_top(path):
+    """Triton comes through the kernels' package, which decides the interpreter (``_mode``) before triton loads; a
+    module above it that imported triton first would load it undecided."""
+    early = [f"line {line}" for line, module in top_level_imports(path) if module.split(".")[0] == "triton"]
+    assert not early, f"{path.relative_to(ROOT)} imports triton at the top ({early}): import it where it is used"
+
+
 @pytest.mark.parametrize("path", sources(KERNELS), ids=lambda p: str(p.relative_to(ROOT)))
 def test_the_kernels_import_nothing_above_them(path):
     above = [f"line {line}: {module}" for line, module in imported_modules(path)
