@@ -24,7 +24,8 @@ def test_the_call_and_the_prepared_launch_give_the_reference_kernels_answer():
         case = dict(SMALL, kind=kind)
         t = bench.inputs(case, device="cpu", dtype=torch.float32)
         fns = bench.ours(case, t)
-        assert set(fns) == {"call", "plan", "replay", "planned"} | ({"checks"} if kind == "decode" else set())
+        assert set(fns) == {"call", "plan", "replay", "replay_dispatch", "planned"} | (
+            {"checks"} if kind == "decode" else set())
         heads = dict(scale=case["head_dim"] ** -0.5, q_head_start=0, q_per_kv=case["q_heads"] // case["kv_heads"],
                      kv_head_start=0)
         if kind == "decode":
@@ -35,17 +36,29 @@ def test_the_call_and_the_prepared_launch_give_the_reference_kernels_answer():
             want = reference.extend_attention(t["q"], t["k"], t["v"], t["query_start_loc"], case["context"], **heads)
         got = fns["call"]()
         planned = fns["planned"]
-        for tensor in planned:
-            tensor.fill_(float("nan"))
-        fns["replay"]()
-        for name, ours, prepared, ref in zip(("out", "lse"), got, planned, want):
-            assert_matches(ours, ref.double(), torch.float32, f"{kind} {name}")
-            assert torch.equal(prepared, ours), f"{kind} {name}: the replay wrote something else"
+        for replay in ("replay", "replay_dispatch"):
+            for tensor in planned:
+                tensor.fill_(float("nan"))
+            fns[replay]()
+            for name, ours, prepared, ref in zip(("out", "lse"), got, planned, want):
+                assert_matches(ours, ref.double(), torch.float32, f"{kind} {name}")
+                assert torch.equal(prepared, ours), f"{kind} {name}: {replay} wrote something else"
 
 
 def test_the_summary_takes_the_worst_case_against_fa3():
     rows = {"decode": {"dcp-triton": {"call_us": 30.0}, "fa3": {"call_us": 20.0}},
             "prefill": {"dcp-triton": {"call_us": 50.0}, "fa3": {"call_us": 40.0}},
             "other": {"dcp-triton": {"call_us": 9.0}, "fa3": None}}
-    assert bench.summarise(rows) == {"call_ratio": {"decode": 1.5, "prefill": 1.25}, "oneshot_call_ratio_max": 1.5}
+    rows["decode"]["dcp-triton phases"] = {"replay": {"host_us": 4.0}, "replay_dispatch": {"host_us": 10.0}}
+    assert bench.summarise(rows) == {"call_ratio": {"decode": 1.5, "prefill": 1.25}, "oneshot_call_ratio_max": 1.5,
+                                     "fallback_host_ratio": {"decode": 2.5}}
     assert bench.summarise({"x": {"dcp-triton": {"call_us": 1.0}, "fa3": None}})["oneshot_call_ratio_max"] is None
+
+
+def test_the_dispatch_replay_leaves_the_fast_launch_as_it_was():
+    from dcp_plugin.kernels import _launch
+
+    calls = []
+    before = _launch.FAST_LAUNCH
+    bench.through_dispatch(lambda *args: calls.append((_launch.FAST_LAUNCH, args)), 1, 2)
+    assert calls == [(False, (1, 2))] and _launch.FAST_LAUNCH is before

@@ -123,3 +123,26 @@ def test_switches_are_read_as_their_owners_read_them(env, want):
                           env={**base, **env, "CUDA_VISIBLE_DEVICES": ""})
     assert want in done.stdout + done.stderr, done.stderr[-2000:]
     assert (done.returncode != 0) == ("must be" in want)
+
+
+def test_the_installed_triton_dispatch_ends_in_the_call_a_replay_makes():
+    """CI installs the newest Triton from PyPI. A replay calls the compiled kernel's launcher exactly as Triton's own
+    dispatch (``JITFunction.run``) ends: grid x, y, z, stream, function, packed metadata, launch metadata, the enter
+    and exit hooks, then every parameter in order. The day a Triton release calls it otherwise, this fails: that
+    release must stay outside the fast launch's releases (``_FAST_LAUNCH_TRITON``), where every launch goes through
+    Triton's dispatch (the fallback ``test_launch_gpu.py`` runs on a GPU)."""
+    import inspect
+    import re
+
+    import triton
+    from triton.compiler.compiler import CompiledKernel
+    from triton.runtime.jit import JITFunction
+
+    dispatch = " ".join(inspect.getsource(JITFunction.run).split())
+    call = re.search(r"kernel\.run\(grid_0, grid_1, grid_2, stream, kernel\.function, kernel\.packed_metadata, "
+                     r"launch_metadata, knobs\.runtime\.launch_enter_hook, knobs\.runtime\.launch_exit_hook, "
+                     r"\*bound_args\.values\(\)\)", dispatch)
+    assert call, f"Triton {triton.__version__}'s dispatch no longer ends in the launcher call a replay makes"
+    kept = inspect.getsource(CompiledKernel)  # what a replay reads off the kernel it kept
+    assert all(f"self.{name} =" in kept for name in ("function", "packed_metadata")), \
+        f"Triton {triton.__version__}'s compiled kernel no longer keeps its function and packed metadata"
