@@ -202,7 +202,7 @@ def mixed_step(gen, decodes: int, ctx: int, chunk: int) -> dict:
         attn, args, step, _, _ = make_step(batch, ctx, qlen, gen, extra=extra)
         out = torch.empty_like(args[0])
         results[name] = gpu_ms(lambda: attn.forward(*args, step, out=out))
-        del attn, args, step
+        attn = args = step = None  # freed before the next shape (the lambda above holds them)
         torch.cuda.empty_cache()
     results["mixed_over_sum"] = results["mixed"] / (results["decode_only"] + results["chunk_only"])
     return results

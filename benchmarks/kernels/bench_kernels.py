@@ -222,7 +222,7 @@ def bench_prefix(shapes, pages=(PAGE, 64)) -> list[dict]:
             print(f"prefix {batch}x{q_rows} rows over {ctx} cached, {hq}/{hk}, pages of {page}: "
                   + " ".join(f"{name} {row.get(f'{name}_tflops', float('nan')):.0f}" for name in peers)
                   + f" TFLOP/s, err {row['rel_err']:.1e}", flush=True)
-            del kc, vc
+            kc = vc = None  # the caches go before the next page size's (the closures above hold them)
             torch.cuda.empty_cache()
     return rows
 
