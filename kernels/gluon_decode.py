@@ -66,7 +66,7 @@ def _item(w, heads):
 
 
 @gluon.jit
-def _span(context_lens_ptr, query_start_loc_ptr, req, split, head_lo, head_hi, heads, BLOCK_N: gl.constexpr):
+def _span(kv_lens_ptr, query_start_loc_ptr, req, split, head_lo, head_hi, heads, BLOCK_N: gl.constexpr):
     """What item (``req``, ``split``) attends: ``(token, attend, n_tiles, split_len, tile0)``: the request's row,
     whether the item writes it (a real request with a row and heads), its key tiles (0 unless ``attend``), its keys
     from the split's first on (more than its tiles hold but in the last split), its first tile in the request.
@@ -74,7 +74,7 @@ def _span(context_lens_ptr, query_start_loc_ptr, req, split, head_lo, head_hi, h
     real = req < heads[0]
     token = gl.load(query_start_loc_ptr + req, mask=real, other=0).to(gl.int64)
     attend = real & (gl.load(query_start_loc_ptr + req + 1, mask=real, other=0) > token) & (head_lo < head_hi)
-    kv_len = gl.load(context_lens_ptr + req, mask=real, other=0).to(gl.int32)
+    kv_len = gl.load(kv_lens_ptr + req, mask=real, other=0).to(gl.int32)
     tiles = gl.cdiv(kv_len, BLOCK_N)
     per_split = gl.cdiv(tiles, heads[1])
     tile0 = split * per_split
@@ -143,7 +143,7 @@ def _write_padding(out_ptr, lse_ptr, first, num_tokens, head_lo, head_hi, out_sp
 
 
 @gluon.jit
-def _consume(q_ptr, out_ptr, lse_ptr, context_lens_ptr, query_start_loc_ptr, k_smem, v_smem, ready, empty, fixed,
+def _consume(q_ptr, out_ptr, lse_ptr, kv_lens_ptr, query_start_loc_ptr, k_smem, v_smem, ready, empty, fixed,
              pid, num_programs, num_items, heads, num_tokens, qk_scale, stride_qt, stride_qh, out_heads_per_rank,
              stride_or, stride_ot, stride_oh, stride_os, stride_lr, stride_lt, stride_lh, stride_ls,
              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
@@ -153,7 +153,7 @@ def _consume(q_ptr, out_ptr, lse_ptr, context_lens_ptr, query_start_loc_ptr, k_s
     fix_phases = gl.to_tensor(0)
     for w in range(pid, num_items, num_programs):
         req, split, _, head_lo, head_hi = _item(w, heads)
-        token, attend, n_tiles, split_len, _ = _span(context_lens_ptr, query_start_loc_ptr, req, split, head_lo,
+        token, attend, n_tiles, split_len, _ = _span(kv_lens_ptr, query_start_loc_ptr, req, split, head_lo,
                                                      head_hi, heads, BLOCK_N)
         out_split = split.to(gl.int64) * stride_os
         lse_split = split.to(gl.int64) * stride_ls
@@ -171,7 +171,7 @@ def _consume(q_ptr, out_ptr, lse_ptr, context_lens_ptr, query_start_loc_ptr, k_s
 
 
 @gluon.jit
-def _produce(k_cache_ptr, v_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr, k_smem, v_smem, ready,
+def _produce(k_cache_ptr, v_cache_ptr, block_table_ptr, kv_lens_ptr, query_start_loc_ptr, k_smem, v_smem, ready,
              empty, fixed, pid, num_programs, num_items, heads, tma_rows, width, stride_k_tok, stride_k_h,
              stride_v_tok, stride_v_h, stride_bt_req, stride_bt_blk, rows_per_block, HEAD_DIM: gl.constexpr,
              PAGE: gl.constexpr, PAGES: gl.constexpr, STAGES: gl.constexpr):
@@ -183,7 +183,7 @@ def _produce(k_cache_ptr, v_cache_ptr, block_table_ptr, context_lens_ptr, query_
     used = gl.to_tensor(0)
     for w in range(pid, num_items, num_programs):
         req, split, kv_head, head_lo, head_hi = _item(w, heads)
-        _, _, n_tiles, split_len, tile0 = _span(context_lens_ptr, query_start_loc_ptr, req, split, head_lo, head_hi,
+        _, _, n_tiles, split_len, tile0 = _span(kv_lens_ptr, query_start_loc_ptr, req, split, head_lo, head_hi,
                                                 heads, PAGE * PAGES)
         k_at = kv_head * stride_k_h
         v_at = kv_head * stride_v_h
@@ -199,8 +199,8 @@ def _produce(k_cache_ptr, v_cache_ptr, block_table_ptr, context_lens_ptr, query_
 # serves every step.
 @gluon.jit(do_not_specialize=("num_tokens", "num_reqs", "num_splits", "num_items", "stride_bt_req", "stride_ot",
                               "stride_os", "stride_lr", "stride_lt", "stride_lh", "stride_ls", "tma_rows"),
-           do_not_specialize_on_alignment=("block_table_ptr", "context_lens_ptr", "query_start_loc_ptr"))
-def gluon_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr,
+           do_not_specialize_on_alignment=("block_table_ptr", "kv_lens_ptr", "query_start_loc_ptr"))
+def gluon_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_lens_ptr, query_start_loc_ptr,
                         out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, num_tokens, num_reqs, num_q_heads, num_splits,
                         num_items, qk_scale, q_head_start, q_per_kv, kv_head_start, first_kv_head,
                         head_tiles_per_group, head_programs, stride_qt, stride_qh, stride_k_tok, stride_k_h,
@@ -221,29 +221,29 @@ def gluon_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, contex
              kv_head_start, num_q_heads)
     k_smem, v_smem, ready, empty, fixed, _, _ = ring_buffers(dtype, STAGES, PAGE * PAGES, HEAD_DIM, True, 1)
     gl.warp_specialize([
-        (_consume, (q_ptr, out_ptr, lse_ptr, context_lens_ptr, query_start_loc_ptr, k_smem, v_smem, ready, empty,
+        (_consume, (q_ptr, out_ptr, lse_ptr, kv_lens_ptr, query_start_loc_ptr, k_smem, v_smem, ready, empty,
                     fixed, pid, num_programs, num_items, heads, num_tokens, qk_scale, stride_qt, stride_qh,
                     out_heads_per_rank, stride_or, stride_ot, stride_oh, stride_os, stride_lr, stride_lt, stride_lh,
                     stride_ls, PAGE * PAGES, HEAD_DIM, STAGES)),
-        (_produce, (k_cache_ptr, v_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr, k_smem, v_smem,
+        (_produce, (k_cache_ptr, v_cache_ptr, block_table_ptr, kv_lens_ptr, query_start_loc_ptr, k_smem, v_smem,
                     ready, empty, fixed, pid, num_programs, num_items, heads, tma_rows, width,
                     stride_k_tok, stride_k_h, stride_v_tok, stride_v_h, stride_bt_req, stride_bt_blk, rows_per_block,
                     HEAD_DIM, PAGE, PAGES, STAGES)),
     ], [1], [40])
 
 
-def plan_gluon_decode(q, key_cache, value_cache, block_table, context_lens, *, scale, q_head_start, q_per_kv,
+def plan_gluon_decode(q, key_cache, value_cache, block_table, kv_lens, *, scale, q_head_start, q_per_kv,
                       kv_head_start, first_kv_head, head_tiles_per_group, num_groups, num_splits, out_strides,
                       lse_strides, pages: int = PAGES, stages: int = STAGES, programs: int | None = None) -> Launch:
     """Stage 1 of ``plan_paged``'s decode on sm_90, called like ``paged_attention_kernel``'s ``Launch``
-    (``(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, k_scale, v_scale)``, where
+    (``(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, k_scale, v_scale)``, where
     ``out``/``lse`` are the split partials with more than one split); ``out_strides``: ``(heads_per_rank, stride_r,
     stride_t, stride_h, stride_split, stride_d)``, ``lse_strides``: ``(stride_r, stride_t, stride_h, stride_split)``
     (``plan_paged``'s); head tiles as ``_schedule.head_tiling`` gives them for ``ROWS``; the caller checked
     ``_gluon.decode_takes_gluon``. ``pages``, ``stages``: ``PAGES``, ``STAGES`` (benchmarks time others);
     ``programs``: how many programs take the work items in turn (None: ``PER_SM`` a SM; 0: a program per item)."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_reqs = context_lens.shape[0]
+    num_reqs = kv_lens.shape[0]
     rows_per_block = key_cache.stride(0) // key_cache.stride(1)
     heads_per_rank, stride_or, stride_ot, stride_oh, stride_os, _ = out_strides
     head_programs = num_groups * head_tiles_per_group
@@ -264,7 +264,7 @@ def plan_gluon_decode(q, key_cache, value_cache, block_table, context_lens, *, s
         num_warps=4, scratch=True, stand_ins={8: 0, 9: 0}, pdl=pdl)  # no scales: q's pointer stands in (never read)
 
 
-def plan_paged_gluon_decode(q, key_cache, value_cache, block_table, context_lens, out, lse, *, scale,
+def plan_paged_gluon_decode(q, key_cache, value_cache, block_table, kv_lens, out, lse, *, scale,
                             q_head_start, q_per_kv, kv_head_start, max_kv_len, num_splits, split_buffer,
                             tiles) -> PagedLaunch:
     """``plan_paged`` for a decode ``gluon_decode`` serves: its head tiles, split count (at most ``PER_SM``
@@ -275,12 +275,12 @@ def plan_paged_gluon_decode(q, key_cache, value_cache, block_table, context_lens
         num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
         block_h=ROWS.value)
     if num_splits is None:
-        num_splits = auto_splits(q, programs=context_lens.shape[0] * num_groups * head_tiles_per_group,
+        num_splits = auto_splits(q, programs=kv_lens.shape[0] * num_groups * head_tiles_per_group,
                                  max_kv_len=max_kv_len, block_n=PAGE * pages,
                                  split_buffer=split_buffer, per_sm=PER_SM)
     part_out, part_lse, _, out_strides, lse_strides = split_outputs(q, out, lse, num_splits, split_buffer)
     stage1 = plan_gluon_decode(
-        q, key_cache, value_cache, block_table, context_lens, scale=scale, q_head_start=q_head_start,
+        q, key_cache, value_cache, block_table, kv_lens, scale=scale, q_head_start=q_head_start,
         q_per_kv=q_per_kv, kv_head_start=kv_head_start, first_kv_head=first_kv_head,
         head_tiles_per_group=head_tiles_per_group, num_groups=num_groups, num_splits=num_splits,
         out_strides=out_strides, lse_strides=lse_strides, pages=pages, stages=stages, programs=programs)

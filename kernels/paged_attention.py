@@ -67,10 +67,10 @@ SHORT_QUERY = 8  # at most this many query rows per request: the short-query var
                                "stride_bt_req", "stride_lse_r", "stride_lse_t", "stride_lse_h", "stride_lse_s",
                                "tma_rows", "split_slots", "small_slots"),
             # the batch tables may start mid-tensor (a mixed step's requests after its decodes); scalar loads anyway
-            do_not_specialize_on_alignment=("block_table_ptr", "context_lens_ptr", "query_start_loc_ptr",
+            do_not_specialize_on_alignment=("block_table_ptr", "kv_lens_ptr", "query_start_loc_ptr",
                                             "part_lse_ptr", "split_counts_ptr", "split_sync_ptr"))
 def paged_attention_kernel(
-    q_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr,
+    q_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, kv_lens_ptr, query_start_loc_ptr,
     out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, part_out_ptr, part_lse_ptr, split_counts_ptr, split_sync_ptr,
     num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs,
     qk_scale, q_head_start, q_per_kv, kv_head_start, first_kv_head, head_tiles_per_group, num_splits, head_programs,
@@ -111,7 +111,7 @@ def paged_attention_kernel(
         pid_h = tl.program_id(1)
     split = tl.program_id(2)
     if BALANCED:  # program row pid_q is a work row: (request, split) pairs, then the padding rows
-        pid_q, split, req_splits = balanced_split(context_lens_ptr, query_start_loc_ptr, num_reqs, pid_q,
+        pid_q, split, req_splits = balanced_split(kv_lens_ptr, query_start_loc_ptr, num_reqs, pid_q,
                                                   split_slots, small_slots, head_programs, num_splits, BLOCK_N)
 
     # Programs past num_q_programs cover rows after query_start_loc[-1] (CUDA-graph padding) as a request with
@@ -127,7 +127,7 @@ def paged_attention_kernel(
     q_start = tl.load(query_start_loc_ptr + req).to(tl.int64)
     q_end = tl.load(query_start_loc_ptr + req + 1, mask=~is_tail, other=0).to(tl.int64)
     q_end = tl.where(is_tail, num_tokens, q_end)
-    context_len = tl.load(context_lens_ptr + req, mask=~is_tail, other=0).to(tl.int32)
+    kv_len = tl.load(kv_lens_ptr + req, mask=~is_tail, other=0).to(tl.int32)
     if (q_block < 0) | (q_block * BLOCK_Q >= q_end - q_start):
         return
     if BALANCED and not LAST_MERGES:  # a decode's token row: q_start + q_block (one split at most: no counts)
@@ -159,13 +159,13 @@ def paged_attention_kernel(
         q = (q_f32 * tl.exp2(-q_shift)).to(tl.float16)
         qk_scale = qk_scale * tl.exp2(q_shift)
     # This split's whole tiles of the request's cached tokens.
-    num_tiles = (context_len + BLOCK_N - 1) // BLOCK_N
+    num_tiles = (kv_len + BLOCK_N - 1) // BLOCK_N
     if BALANCED:
         tiles_per_split = (num_tiles + req_splits - 1) // req_splits
     else:
         tiles_per_split = (num_tiles + num_splits - 1) // num_splits
     kv_start = split * tiles_per_split * BLOCK_N
-    kv_end = tl.minimum(context_len, kv_start + tiles_per_split * BLOCK_N)
+    kv_end = tl.minimum(kv_len, kv_start + tiles_per_split * BLOCK_N)
 
     k_head_ptr = key_cache_ptr + kv_head.to(tl.int64) * stride_kc_h
     v_head_ptr = value_cache_ptr + kv_head.to(tl.int64) * stride_vc_h
@@ -223,10 +223,10 @@ def paged_attention_kernel(
         tl.store(lse_rows + split_off * stride_lse_s, lse, mask=row_mask)
 
 
-def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, *, scale, q_head_start,
+def paged_attention(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, *, scale, q_head_start,
                     q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None, out=None, lse=None,
                     config: PagedConfig | None = None, k_scale=None, v_scale=None):
-    """Every query row of request ``b`` attends, non-causally, to its cached tokens ``[0, context_lens[b])``.
+    """Every query row of request ``b`` attends, non-causally, to its cached tokens ``[0, kv_lens[b])``.
 
     Args:
         q: ``[T, Hq, D]`` fp16/bf16/fp32, any strides; request ``b`` owns rows
@@ -235,11 +235,11 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
             value / scale: then ``k_scale``/``v_scale``, one-element float32 tensors, are required), any strides
             (vLLM's views of one buffer are fine). Cached token ``j`` of request ``b`` is row
             ``j % block_size`` of page ``block_table[b, j // block_size]``.
-        block_table: ``[>= B, max_blocks]`` int32/int64. context_lens: ``[B]`` int. query_start_loc: ``[B + 1]``
+        block_table: ``[>= B, max_blocks]`` int32/int64. kv_lens: ``[B]`` int. query_start_loc: ``[B + 1]``
             int, ``query_start_loc[0] == 0``.
         scale: softmax scale. q_head_start, q_per_kv, kv_head_start: local Q head ``i`` reads stored KV head
             ``(q_head_start + i) // q_per_kv - kv_head_start``.
-        max_kv_len: host int >= every ``context_lens[b]`` (the most cached tokens a row attends to); only tunes
+        max_kv_len: host int >= every ``kv_lens[b]`` (the most cached tokens a row attends to); only tunes
             the split count.
         max_query_len: host int >= every request's query rows, or None (unknown). 1 selects the decode variant,
             ``<= 8`` the short-query one.
@@ -253,21 +253,21 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
         ``(out, lse)``: lse is the natural-log sum of exp of the scaled scores; no cached tokens -> (0, -inf).
 
     Example:
-        >>> out, lse = paged_attention(q, kc, vc, block_table, context_lens, query_start_loc, scale=D ** -0.5,
+        >>> out, lse = paged_attention(q, kc, vc, block_table, kv_lens, query_start_loc, scale=D ** -0.5,
         ...                            q_head_start=0, q_per_kv=4, kv_head_start=0, max_kv_len=4096,
         ...                            max_query_len=1)
     """
-    out, lse = checked_outputs(q, key_cache, value_cache, block_table, context_lens, query_start_loc, scale=scale,
+    out, lse = checked_outputs(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, scale=scale,
                                q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
                                max_kv_len=max_kv_len, max_query_len=max_query_len, num_splits=num_splits, out=out,
                                lse=lse, k_scale=k_scale, v_scale=v_scale)
     head_dim = q.shape[-1]
     cfg = None if config is None else pick_config(head_dim, decode=max_query_len == 1, dtype=q.dtype, config=config)
-    launch = plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, scale=scale,
+    launch = plan_paged(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, scale=scale,
                         q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
                         max_kv_len=max_kv_len, max_query_len=max_query_len, num_splits=num_splits,
                         config=cfg)
-    launch(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, k_scale, v_scale)
+    launch(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, k_scale, v_scale)
     return out, lse
 
 
@@ -280,7 +280,7 @@ def split_capacity(head_dim: int, device: torch.device) -> int:
     return PROGRAMS_PER_SM * sms * block_m * (head_dim + 1)
 
 
-def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, *, scale,
+def plan_paged(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, *, scale,
                q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None,
                split_buffer: torch.Tensor | None = None, config: PagedConfig | None = None,
                gluon_decode: tuple[int, ...] | None = None, split_slots: int | None = None,
@@ -296,14 +296,14 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     ``split_kv.sync_counters``); too few: the merge runs apart."""
     num_tokens, num_q_heads, head_dim = q.shape
     page_size = key_cache.shape[1]
-    num_reqs = context_lens.shape[0]
+    num_reqs = kv_lens.shape[0]
     decode = max_query_len == 1
     cfg = config or pick_config(head_dim, decode=decode, dtype=q.dtype)
     if config is None and decode and (gluon_decode is not None or min(q_per_kv, num_q_heads) > GLUON_DECODE_MIN_GROUP) \
             and decode_takes_gluon(q, key_cache, value_cache, out):  # the group first: no tensor checks for most steps
         from dcp_plugin.kernels.gluon_decode import plan_paged_gluon_decode
 
-        return plan_paged_gluon_decode(q, key_cache, value_cache, block_table, context_lens, out, lse, scale=scale,
+        return plan_paged_gluon_decode(q, key_cache, value_cache, block_table, kv_lens, out, lse, scale=scale,
                                        q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
                                        max_kv_len=max_kv_len, num_splits=num_splits, split_buffer=split_buffer,
                                        tiles=gluon_decode)
@@ -340,7 +340,7 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
             and prefix_takes_gluon(q, key_cache, value_cache, out):  # a prefill step's prefix pass on Hopper
         from dcp_plugin.kernels.gluon_prefix import plan_gluon_prefix
 
-        return PagedLaunch(plan_gluon_prefix(q, key_cache, value_cache, block_table, context_lens, query_start_loc,
+        return PagedLaunch(plan_gluon_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc,
                                              out, lse, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
                                              kv_head_start=kv_head_start), None, None, None, 1)
     part_out, part_lse, counts, out_strides, lse_strides = split_outputs(q, out, lse, num_splits, split_buffer,

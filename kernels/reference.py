@@ -113,15 +113,15 @@ def extend_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_s
     return _finish(out_acc, lse_acc, q, out, lse)
 
 
-def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, *, scale, q_head_start,
+def paged_attention(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, *, scale, q_head_start,
                     q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None, out=None, lse=None,
                     k_scale=None, v_scale=None):
-    """Every query row of request ``b`` attends, non-causally, to its cached tokens ``[0, context_lens[b])``.
+    """Every query row of request ``b`` attends, non-causally, to its cached tokens ``[0, kv_lens[b])``.
 
     Cached token ``j`` of request ``b`` is ``key_cache[block_table[b, j // block_size], j % block_size]``.
     ``q [T, Hq, D]`` (request ``b`` is rows ``query_start_loc[b]:query_start_loc[b + 1]``), caches
     ``[num_blocks, block_size, Hk, D]``. ``max_kv_len`` bounds
-    ``context_lens`` and ``max_query_len`` the query rows of a request; with ``num_splits`` they only tune the
+    ``kv_lens`` and ``max_query_len`` the query rows of a request; with ``num_splits`` they only tune the
     kernel. Returns ``(out [T, Hq, D], lse [T, Hq])``; a request with no cached tokens gets (0, -inf). An fp8 cache
     is read as ``value * k_scale`` / ``value * v_scale``.
     """
@@ -131,7 +131,7 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
     out_acc = torch.zeros(q.shape[0], q.shape[1], value_cache.shape[-1], dtype=acc, device=q.device)
     lse_acc = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
     bounds = query_start_loc.tolist()
-    for b, ctx in enumerate(context_lens.tolist()):
+    for b, ctx in enumerate(kv_lens.tolist()):
         start, end = bounds[b], bounds[b + 1]
         if end == start or ctx == 0:
             continue
@@ -239,7 +239,7 @@ def plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_h
     return launch
 
 
-def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, *, scale,
+def plan_paged(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, *, scale,
                q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None,
                split_buffer=None, config=None, split_sync=None):
     return functools.partial(_paged_launch, dict(scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
@@ -247,9 +247,9 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
                                                  max_query_len=max_query_len))
 
 
-def _paged_launch(kwargs, q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse,
+def _paged_launch(kwargs, q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse,
                   k_scale=None, v_scale=None):
-    paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out=out, lse=lse,
+    paged_attention(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out=out, lse=lse,
                     k_scale=k_scale, v_scale=v_scale, **kwargs)
 
 

@@ -189,7 +189,7 @@ def plan_split_reduce(part_out, part_lse, out, lse, *, narrow: bool | None = Non
 
 class PagedLaunch:
     """``paged_attention`` prepared for one step's tensor shapes; call it with ``(q, key_cache, value_cache,
-    block_table, context_lens, query_start_loc, out, lse)`` and, for an fp8 cache, ``k_scale, v_scale``. With
+    block_table, kv_lens, query_start_loc, out, lse)`` and, for an fp8 cache, ``k_scale, v_scale``. With
     several splits, stage 1 writes the partials into buffers the plan holds and stage 2 merges them into
     ``out``/``lse``; inside ``every_variant()`` (the warm-up) the merge's other variant (``reduce_other``) runs
     first on the same partials, so a later step that picks it finds it compiled. ``split_counts`` (a balanced
@@ -207,15 +207,15 @@ class PagedLaunch:
         self._extra = stage1_extra  # stage 1's trailing tensors: the tl kernel's partials and counts (or stand-ins)
         self.stage1_other = stage1_other  # (launch, its trailing tensors): the other LAST_MERGES choice (warm-up)
 
-    def __call__(self, q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse,
+    def __call__(self, q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse,
                  k_scale=None, v_scale=None) -> None:
         counts = self.split_counts
         if self.stage1_other is not None and every_variant_wanted():  # writes out/lse, rewritten next
             launch, extra = self.stage1_other
-            launch(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, k_scale,
+            launch(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, k_scale,
                    v_scale, *extra)
         to_out = self.reduce is None or counts is not None  # stage 1 writes out/lse (a balanced decode: some rows)
-        self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc,
+        self.stage1(q, key_cache, value_cache, block_table, kv_lens, query_start_loc,
                     out if to_out else self.part_out, lse if to_out else self.part_lse, k_scale, v_scale, *self._extra)
         if self.reduce is None:
             return

@@ -53,7 +53,7 @@ def inputs(case: dict, device: str = "cuda", dtype=None):
                   for _ in range(2))
         return dict(q=torch.randn(reqs, hq, d, device=device, dtype=bf16, generator=g), key_cache=kc, value_cache=vc,
                     block_table=torch.arange(reqs * pages, device=device, dtype=torch.int32).view(reqs, pages),
-                    context_lens=torch.full((reqs,), case["context"], device=device, dtype=torch.int32),
+                    kv_lens=torch.full((reqs,), case["context"], device=device, dtype=torch.int32),
                     query_start_loc=torch.arange(reqs + 1, device=device, dtype=torch.int32))
     rows = reqs * case["context"]
     q, k, v = (torch.randn(rows, h, d, device=device, dtype=bf16, generator=g) for h in (hq, hk, hk))
@@ -70,7 +70,7 @@ def ours(case: dict, t: dict) -> dict:
     heads = dict(q_head_start=0, q_per_kv=case["q_heads"] // case["kv_heads"], kv_head_start=0)
     scale = case["head_dim"] ** -0.5
     if case["kind"] == "decode":
-        paged = (t["q"], t["key_cache"], t["value_cache"], t["block_table"], t["context_lens"], t["query_start_loc"])
+        paged = (t["q"], t["key_cache"], t["value_cache"], t["block_table"], t["kv_lens"], t["query_start_loc"])
         hints = dict(max_kv_len=case["context"], max_query_len=1)
         out, lse = checked_outputs(*paged, scale=scale, **heads, **hints, num_splits=None, out=None, lse=None,
                                    k_scale=None, v_scale=None)
@@ -99,7 +99,7 @@ def fa3_call(case: dict, t: dict):
         return None
     scale, n = case["head_dim"] ** -0.5, case["context"]
     if case["kind"] == "decode":
-        lens, qsl = t["context_lens"], t["query_start_loc"]
+        lens, qsl = t["kv_lens"], t["query_start_loc"]
         return lambda: flash_attn_varlen_func(t["q"], t["key_cache"], t["value_cache"], max_seqlen_q=1,
                                               cu_seqlens_q=qsl, max_seqlen_k=n, seqused_k=lens, softmax_scale=scale,
                                               causal=True, block_table=t["block_table"], return_softmax_lse=True,

@@ -53,42 +53,42 @@ def spread_contexts(batch: int, max_ctx: int, *, seed: int) -> list[int]:
     return ctx
 
 
-def chunked_prefill_rows(ctx_lens: list[int], chunks: list[int], *, seed: int) -> list[int]:
+def chunked_prefill_rows(kv_lens: list[int], chunks: list[int], *, seed: int) -> list[int]:
     """Query rows per request: 1 (decode) except ``len(chunks)`` random requests that continue a prefill."""
-    q_lens = [1] * len(ctx_lens)
-    for b, rows in zip(random.Random(seed).sample(range(len(ctx_lens)), len(chunks)), chunks):
+    q_lens = [1] * len(kv_lens)
+    for b, rows in zip(random.Random(seed).sample(range(len(kv_lens)), len(chunks)), chunks):
         q_lens[b] = rows
     return q_lens
 
 
-def make_paged(ctx_lens, q_lens, *, heads, head_dim, block_size, dtype, device, seed):
+def make_paged(kv_lens, q_lens, *, heads, head_dim, block_size, dtype, device, seed):
     """Random q and K/V caches (halves of one ``[..., 2 * D]`` buffer, like vLLM's) with shuffled pages."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    pages = [-(-c // block_size) for c in ctx_lens]
+    pages = [-(-c // block_size) for c in kv_lens]
     num_pages = sum(pages) + 1  # the last page is never part of a context: unused table entries point at it
     buf = torch.randn(num_pages, block_size, heads[1], 2 * head_dim, generator=gen, dtype=dtype, device=device)
     table = shuffled_block_table(pages, generator=gen)
     q = torch.randn(sum(q_lens), heads[0], head_dim, generator=gen, dtype=dtype, device=device)
-    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    lens = torch.tensor(kv_lens, dtype=torch.int32, device=device)
     return dict(q=q, key_cache=buf[..., :head_dim], value_cache=buf[..., head_dim:], block_table=table,
-                context_lens=lens, query_start_loc=_cu(q_lens, device)), pages
+                kv_lens=lens, query_start_loc=_cu(q_lens, device)), pages
 
 
-def check_paged_sample(ctx_lens, q_lens, *, max_query_len, num_splits, dtype, device, heads, head_dim, block_size,
+def check_paged_sample(kv_lens, q_lens, *, max_query_len, num_splits, dtype, device, heads, head_dim, block_size,
                        sample_size=8, seed=0) -> None:
     """The kernel on the whole batch; ``sample_size`` requests (always the longest context, an empty one and the
     most query rows) vs float64 on just those requests' pages."""
-    inputs, pages = make_paged(ctx_lens, q_lens, heads=heads, head_dim=head_dim, block_size=block_size,
+    inputs, pages = make_paged(kv_lens, q_lens, heads=heads, head_dim=head_dim, block_size=block_size,
                                dtype=dtype, device=device, seed=seed)
     q, scale, q_per_kv = inputs["q"], head_dim**-0.5, heads[0] // heads[1]
     out, lse = poisoned(q.shape, dtype, device), poisoned(q.shape[:2], torch.float32, device)
     kernels.paged_attention(*inputs.values(), scale=scale, q_head_start=0, q_per_kv=q_per_kv, kv_head_start=0,
-                            max_kv_len=max(ctx_lens), max_query_len=max_query_len, num_splits=num_splits,
+                            max_kv_len=max(kv_lens), max_query_len=max_query_len, num_splits=num_splits,
                             out=out, lse=lse)
     _assert_written("paged_attention (whole batch)", out, lse)
 
-    batch = range(len(ctx_lens))
-    must = {max(batch, key=ctx_lens.__getitem__), min(batch, key=ctx_lens.__getitem__),
+    batch = range(len(kv_lens))
+    must = {max(batch, key=kv_lens.__getitem__), min(batch, key=kv_lens.__getitem__),
             max(batch, key=q_lens.__getitem__)}
     others = random.Random(seed).sample([b for b in batch if b not in must], max(0, sample_size - len(must)))
     bounds = inputs["query_start_loc"].tolist()
@@ -98,9 +98,9 @@ def check_paged_sample(ctx_lens, q_lens, *, max_query_len, num_splits, dtype, de
         local_table = torch.arange(max(pages[b], 1), dtype=torch.int32, device=device).unsqueeze(0)
         want_out, want_lse = reference.paged_attention(
             q[rows].double(), inputs["key_cache"][own].double(), inputs["value_cache"][own].double(), local_table,
-            inputs["context_lens"][b:b + 1], _cu([q_lens[b]], device), scale=scale, q_head_start=0,
-            q_per_kv=q_per_kv, kv_head_start=0, max_kv_len=ctx_lens[b])
-        name = f"request {b} (context {ctx_lens[b]}, {q_lens[b]} rows)"
+            inputs["kv_lens"][b:b + 1], _cu([q_lens[b]], device), scale=scale, q_head_start=0,
+            q_per_kv=q_per_kv, kv_head_start=0, max_kv_len=kv_lens[b])
+        name = f"request {b} (context {kv_lens[b]}, {q_lens[b]} rows)"
         assert_matches(out[rows], want_out, dtype, f"out of {name}")
         assert_matches(lse[rows], want_lse, dtype, f"lse of {name}")
 

@@ -29,7 +29,7 @@ def test_the_call_and_the_prepared_launch_give_the_reference_kernels_answer():
                      kv_head_start=0)
         if kind == "decode":
             want = reference.paged_attention(t["q"], t["key_cache"], t["value_cache"], t["block_table"],
-                                             t["context_lens"], t["query_start_loc"], max_kv_len=case["context"],
+                                             t["kv_lens"], t["query_start_loc"], max_kv_len=case["context"],
                                              max_query_len=1, **heads)
         else:
             want = reference.extend_attention(t["q"], t["k"], t["v"], t["query_start_loc"], case["context"], **heads)

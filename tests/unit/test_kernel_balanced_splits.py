@@ -20,9 +20,9 @@ from tests.unit.test_kernel_paged_attention import Case, _heads, _inputs
 
 def _plan(case: Case, slots: int, q, caches, tables, out, lse, split_elements: int = 1 << 16, **kwargs):
     key_cache, value_cache = caches
-    block_table, context_lens, query_start_loc = tables
-    return plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse,
-                      scale=case.head_dim ** -0.5, **_heads(case), max_kv_len=max(case.ctx_lens), max_query_len=1,
+    block_table, kv_lens, query_start_loc = tables
+    return plan_paged(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse,
+                      scale=case.head_dim ** -0.5, **_heads(case), max_kv_len=max(case.kv_lens), max_query_len=1,
                       split_buffer=poisoned((split_elements,), torch.float32), split_slots=slots, **kwargs)
 
 
@@ -64,7 +64,7 @@ def test_balanced_decode_matches_reference(name, last_merges, monkeypatch):
     config = LAST_MERGES if last_merges else None
     want_out, want_lse = reference.paged_attention(q.double(), key_cache.double(), value_cache.double(), *tables,
                                                    scale=case.head_dim ** -0.5, **_heads(case),
-                                                   max_kv_len=max(case.ctx_lens))
+                                                   max_kv_len=max(case.kv_lens))
     out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
     plan = _plan(case, slots, q, (key_cache, value_cache), tables, out, lse, config=config, split_sync=sync)
     assert plan.stage1.constexprs["BALANCED"] and plan.num_splits > 1, "the case does not reach the balanced path"
@@ -98,8 +98,8 @@ def test_the_last_split_merges_only_few_splits_of_many_programs():
     a request takes many splits or the step has few (token, head program)s: the last split merges only where a
     request takes at most ``LAST_MERGE_SPLITS`` (by the plan's bound or on average over the slots) and the step
     has at least ``LAST_MERGE_PROGRAMS`` (token, head program)s. Plans only: nothing launches."""
-    def plan(ctx_lens, slots):
-        case = Case([1] * len(ctx_lens), ctx_lens, 4, 2, 2)  # 2 head programs, 32-token tiles
+    def plan(kv_lens, slots):
+        case = Case([1] * len(kv_lens), kv_lens, 4, 2, 2)  # 2 head programs, 32-token tiles
         q, key_cache, value_cache, *tables = _inputs(case, seed=5)
         return _plan(case, slots, q, (key_cache, value_cache), tables, poisoned(q.shape, case.dtype),
                      poisoned(q.shape[:2], torch.float32), split_elements=1 << 21, config=LAST_MERGES)
@@ -136,13 +136,13 @@ def test_balanced_decode_into_rank_major_outputs(last_merges, monkeypatch):
 # down), every other one (the empty one too, its split empty) one; at most min(64, cdiv(20, 2), cdiv(8, 2)) = 4 splits
 # a request. Contexts 700 / 32 (22 / 1 tiles, work 46, target 8): 22 / 8 = 2.75 -> 3 splits.
 # Four contexts of 640 tokens: work 160, target 20, one split each.
-@pytest.mark.parametrize(("ctx_lens", "splits_taken", "max_splits"), [
+@pytest.mark.parametrize(("kv_lens", "splits_taken", "max_splits"), [
     ([640, 32, 0, 64, 1], [2, 1, 0, 1, 1], 4),
     ([700, 32], [3, 1], 4),
     ([640, 640, 640, 640], [1, 1, 1, 1], 4),
 ], ids=["long-among-short", "rounded-up", "equal"])
-def test_each_request_takes_its_share_of_the_splits(ctx_lens, splits_taken, max_splits):
-    case = Case([1] * len(ctx_lens), ctx_lens, 4, 2, 2)
+def test_each_request_takes_its_share_of_the_splits(kv_lens, splits_taken, max_splits):
+    case = Case([1] * len(kv_lens), kv_lens, 4, 2, 2)
     q, key_cache, value_cache, *tables = _inputs(case, seed=7)
     out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
     plan = _plan(case, 8, q, (key_cache, value_cache), tables, out, lse)
@@ -159,7 +159,7 @@ def test_each_request_takes_its_share_of_the_splits(ctx_lens, splits_taken, max_
             assert torch.isnan(out[token]).all()
         else:  # one split (or none): the final output, written by stage 1 alone
             assert not torch.isnan(out[token]).any() and not torch.isnan(lse[token]).any()
-            assert torch.isinf(lse[token]).all() == (ctx_lens[token] == 0)
+            assert torch.isinf(lse[token]).all() == (kv_lens[token] == 0)
 
 
 def test_explicit_splits_the_opt_out_and_the_interpreter_default_keep_the_uniform_split():
@@ -230,7 +230,7 @@ def test_the_warm_up_runs_both_choices_of_the_last_split_merge(last_merges, monk
     assert not sync.any(), "a split counter was left non-zero"
     want_out, want_lse = reference.paged_attention(q.double(), key_cache.double(), value_cache.double(), *tables,
                                                    scale=case.head_dim ** -0.5, **_heads(case),
-                                                   max_kv_len=max(case.ctx_lens))
+                                                   max_kv_len=max(case.kv_lens))
     assert_matches(out, want_out, case.dtype, "out")
     assert_matches(lse, want_lse, case.dtype, "lse")
     assert _plan(case, slots, q, (key_cache, value_cache), tables, out, lse, config=LAST_MERGES,

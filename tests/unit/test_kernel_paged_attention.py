@@ -18,7 +18,7 @@ from tests.kernel_checks import assert_matches, poisoned
 @dataclasses.dataclass(frozen=True)
 class Case:
     q_lens: list[int]
-    ctx_lens: list[int]
+    kv_lens: list[int]
     num_q_heads: int
     num_kv_heads: int  # stored in the cache
     q_per_kv: int
@@ -117,13 +117,13 @@ def _inputs(case: Case, seed: int = 0):
     num_tokens = sum(case.q_lens) + case.pad_rows
     # q is a strided view (a slice of a wider buffer), as after a fused projection.
     q = torch.randn(num_tokens, case.num_q_heads + 1, case.head_dim, generator=gen).to(case.dtype)[:, 1:]
-    pages_per_req = [triton.cdiv(c, case.block_size) for c in case.ctx_lens]
+    pages_per_req = [triton.cdiv(c, case.block_size) for c in case.kv_lens]
     nan_page = sum(pages_per_req)
     order = torch.randperm(nan_page, generator=gen).tolist()
     width = max(pages_per_req, default=0) + 1
-    block_table = torch.full((len(case.ctx_lens) + 1, width), nan_page, dtype=torch.int32)
+    block_table = torch.full((len(case.kv_lens) + 1, width), nan_page, dtype=torch.int32)
     key_cache, value_cache = _caches(case, nan_page + 1)
-    for b, ctx in enumerate(case.ctx_lens):
+    for b, ctx in enumerate(case.kv_lens):
         pages = torch.tensor([order.pop() for _ in range(pages_per_req[b])], dtype=torch.int32)
         block_table[b, :len(pages)] = pages
         pos = torch.arange(ctx)
@@ -133,8 +133,8 @@ def _inputs(case: Case, seed: int = 0):
         value_cache[pages[pos // case.block_size].long(), pos % case.block_size] = \
             torch.randn(ctx, *rows, generator=gen).to(case.dtype)
     query_start_loc = torch.tensor([0, *torch.tensor(case.q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    context_lens = torch.tensor(case.ctx_lens, dtype=torch.int32)
-    return q, key_cache, value_cache, block_table, context_lens, query_start_loc
+    kv_lens = torch.tensor(case.kv_lens, dtype=torch.int32)
+    return q, key_cache, value_cache, block_table, kv_lens, query_start_loc
 
 
 def _heads(case: Case) -> dict:
@@ -144,18 +144,18 @@ def _heads(case: Case) -> dict:
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_reference(name):
     case = CASES[name]
-    q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case)
+    q, key_cache, value_cache, block_table, kv_lens, query_start_loc = _inputs(case)
     scale = case.head_dim ** -0.5
     out = poisoned(q.shape, case.out_dtype or case.dtype)
     lse = poisoned(q.shape[:2], torch.float32)
     got_out, got_lse = paged_attention(
-        q, key_cache, value_cache, block_table, context_lens, query_start_loc, scale=scale, **_heads(case),
-        max_kv_len=max(case.ctx_lens), max_query_len=max(case.q_lens) if case.max_query_len == "exact" else None,
+        q, key_cache, value_cache, block_table, kv_lens, query_start_loc, scale=scale, **_heads(case),
+        max_kv_len=max(case.kv_lens), max_query_len=max(case.q_lens) if case.max_query_len == "exact" else None,
         num_splits=case.num_splits, out=out, lse=lse, config=case.config)
     assert got_out is out and got_lse is lse
     want_out, want_lse = reference.paged_attention(
-        q.double(), key_cache.double(), value_cache.double(), block_table, context_lens, query_start_loc,
-        scale=scale, **_heads(case), max_kv_len=max(case.ctx_lens))
+        q.double(), key_cache.double(), value_cache.double(), block_table, kv_lens, query_start_loc,
+        scale=scale, **_heads(case), max_kv_len=max(case.kv_lens))
     assert_matches(out, want_out, case.dtype, "out")
     assert_matches(lse, want_lse, case.dtype, "lse")
 
@@ -166,17 +166,17 @@ def test_a_nan_key_makes_the_rows_that_read_it_nan(ops, splits):
     """A NaN in a cached key (a fault upstream) turns exactly the rows that attend to it NaN, out and lse, through
     the split merge too, instead of vanishing into a finite wrong answer; every other row is still exact."""
     case = Case([1, 2, 1], [700, 33, 5], 8, 2, 4, num_splits=splits)
-    q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case, seed=4)
+    q, key_cache, value_cache, block_table, kv_lens, query_start_loc = _inputs(case, seed=4)
     args = dict(scale=0.125, **_heads(case), max_kv_len=700)
     want_out, want_lse = reference.paged_attention(
-        q.double(), key_cache.double(), value_cache.double(), block_table, context_lens, query_start_loc, **args)
+        q.double(), key_cache.double(), value_cache.double(), block_table, kv_lens, query_start_loc, **args)
     key_cache[block_table[1, 1].long(), 3, 1, 7] = float("nan")  # request 1, position 19, KV head 1 (Q heads 4-7)
     out, lse = poisoned(q.shape, torch.float32), poisoned(q.shape[:2], torch.float32)
     if ops == "triton":
-        paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, **args,
+        paged_attention(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, **args,
                         num_splits=splits, out=out, lse=lse)
     else:
-        reference.paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, **args,
+        reference.paged_attention(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, **args,
                                   out=out, lse=lse)
     nan = torch.zeros(q.shape[:2], dtype=torch.bool)
     nan[1:3, 4:8] = True  # request 1's two query rows, the Q heads of KV head 1
@@ -187,13 +187,13 @@ def test_a_nan_key_makes_the_rows_that_read_it_nan(ops, splits):
 
 def test_default_outputs_and_loose_max_context_len():
     case = Case([3, 1], [9, 30], 4, 2, 2, dtype=torch.float16)
-    q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case, seed=1)
+    q, key_cache, value_cache, block_table, kv_lens, query_start_loc = _inputs(case, seed=1)
     capacity = block_table.shape[1] * case.block_size  # a loose bound only tunes splits
-    out, lse = paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, scale=0.3,
+    out, lse = paged_attention(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, scale=0.3,
                                **_heads(case), max_kv_len=capacity)
     assert out.dtype == torch.float16 and lse.dtype == torch.float32
     want_out, want_lse = reference.paged_attention(
-        q.double(), key_cache.double(), value_cache.double(), block_table, context_lens, query_start_loc,
+        q.double(), key_cache.double(), value_cache.double(), block_table, kv_lens, query_start_loc,
         scale=0.3, **_heads(case), max_kv_len=capacity)
     assert_matches(out, want_out, torch.float16, "out")
     assert_matches(lse, want_lse, torch.float16, "lse")
@@ -201,14 +201,14 @@ def test_default_outputs_and_loose_max_context_len():
 
 def test_out_view_in_q_dtype():
     case = Case([2, 1], [15, 4], 4, 4, 1, num_splits=2)
-    q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case, seed=2)
+    q, key_cache, value_cache, block_table, kv_lens, query_start_loc = _inputs(case, seed=2)
     wide = poisoned((q.shape[0], q.shape[1], 2 * q.shape[2]), q.dtype)
     out = wide[..., q.shape[2]:]  # strided out, e.g. one half of a packed buffer
     lse_wide = poisoned((q.shape[1], q.shape[0]), torch.float32)
-    paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, scale=0.125,
+    paged_attention(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, scale=0.125,
                     **_heads(case), max_kv_len=15, max_query_len=2, num_splits=2, out=out, lse=lse_wide.t())
     want_out, want_lse = reference.paged_attention(
-        q.double(), key_cache.double(), value_cache.double(), block_table, context_lens, query_start_loc,
+        q.double(), key_cache.double(), value_cache.double(), block_table, kv_lens, query_start_loc,
         scale=0.125, **_heads(case), max_kv_len=15)
     assert_matches(out, want_out, q.dtype, "out")
     assert_matches(lse_wide.t(), want_lse, q.dtype, "lse")
@@ -217,9 +217,9 @@ def test_out_view_in_q_dtype():
 
 def _good() -> dict:
     case = Case([1, 2], [5, 9], 4, 2, 2)
-    q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case)
+    q, key_cache, value_cache, block_table, kv_lens, query_start_loc = _inputs(case)
     return dict(q=q, key_cache=key_cache, value_cache=value_cache, block_table=block_table,
-                context_lens=context_lens, query_start_loc=query_start_loc, scale=0.125, q_head_start=0,
+                kv_lens=kv_lens, query_start_loc=query_start_loc, scale=0.125, q_head_start=0,
                 q_per_kv=2, kv_head_start=0, max_kv_len=9)
 
 
@@ -228,7 +228,7 @@ def _good() -> dict:
     (dict(key_cache=torch.randn(3, 16, 2, 64, dtype=torch.float16)), "key_cache has dtype"),
     (dict(value_cache=torch.randn(3, 16, 2, 32)), "value_cache must have shape"),
     (dict(block_table=torch.zeros(3, 2)), "block_table has dtype"),
-    (dict(context_lens=torch.tensor([5, 9, 1], dtype=torch.int32)), "query_start_loc must have shape"),
+    (dict(kv_lens=torch.tensor([5, 9, 1], dtype=torch.int32)), "query_start_loc must have shape"),
     (dict(q_head_start=2), "head mapping out of range"),
     (dict(q_per_kv=0), "q_per_kv must be an int >= 1"),
     (dict(max_kv_len=10_000), "max_kv_len must be an int"),
@@ -249,14 +249,14 @@ def test_rejects_bad_inputs(change, match):
 def test_rank_major_outputs(splits):
     """out [R, T, H / R, D] / lse [R, T, H / R]: head h lands at [h // (H / R), t, h % (H / R)] (what DCP sends)."""
     case = Case([1, 4, 1], [30, 12, 0], 8, 2, 4, num_splits=splits)
-    q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case, seed=3)
+    q, key_cache, value_cache, block_table, kv_lens, query_start_loc = _inputs(case, seed=3)
     ranks, num_tokens = 2, q.shape[0]
     out = poisoned((ranks, num_tokens, 4, case.head_dim), torch.float16)
     lse = poisoned((ranks, num_tokens, 4), torch.float32)
-    paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, scale=0.2, **_heads(case),
+    paged_attention(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, scale=0.2, **_heads(case),
                     max_kv_len=30, max_query_len=4, num_splits=splits, out=out, lse=lse)
     want_out, want_lse = reference.paged_attention(
-        q.double(), key_cache.double(), value_cache.double(), block_table, context_lens, query_start_loc, scale=0.2,
+        q.double(), key_cache.double(), value_cache.double(), block_table, kv_lens, query_start_loc, scale=0.2,
         **_heads(case), max_kv_len=30)
     assert_matches(out.transpose(0, 1).reshape(num_tokens, 8, -1), want_out, torch.float16, "rank-major out")
     assert_matches(lse.transpose(0, 1).reshape(num_tokens, 8), want_lse, torch.float16, "rank-major lse")
@@ -264,30 +264,30 @@ def test_rank_major_outputs(splits):
 
 def test_mixed_step_grid_is_about_one_program_per_row():
     """Many one-row decodes and one long chunk: the grid covers the step's rows, not requests x longest query."""
-    q_lens, ctx_lens = [1] * 100 + [70], [9] * 100 + [33]
-    case = Case(q_lens, ctx_lens, 4, 2, 2)
-    q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case, seed=4)
+    q_lens, kv_lens = [1] * 100 + [70], [9] * 100 + [33]
+    case = Case(q_lens, kv_lens, 4, 2, 2)
+    q, key_cache, value_cache, block_table, kv_lens, query_start_loc = _inputs(case, seed=4)
     out, lse = poisoned(q.shape, q.dtype), poisoned(q.shape[:2], torch.float32)
-    plan = plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, scale=0.2,
+    plan = plan_paged(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, scale=0.2,
                       **_heads(case), max_kv_len=33, max_query_len=70)
     block_q = plan.stage1.constexprs["BLOCK_Q"]
     num_tokens, num_reqs = q.shape[0], len(q_lens)
     assert plan.stage1.grid[0] == num_tokens // block_q + num_reqs + -(-num_tokens // block_q)
     assert plan.stage1.grid[0] * 3 < num_reqs * -(-70 // block_q), "the grid still scales with requests x longest"
-    plan(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse)
+    plan(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse)
     want_out, want_lse = reference.paged_attention(
-        q.double(), key_cache.double(), value_cache.double(), block_table, context_lens, query_start_loc, scale=0.2,
+        q.double(), key_cache.double(), value_cache.double(), block_table, kv_lens, query_start_loc, scale=0.2,
         **_heads(case), max_kv_len=33)
     assert_matches(out, want_out, q.dtype, "mixed out")
     assert_matches(lse, want_lse, q.dtype, "mixed lse")
 
 
 def _selects_tma(case: Case, config: PagedConfig, caches=None) -> bool:
-    q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case)
+    q, key_cache, value_cache, block_table, kv_lens, query_start_loc = _inputs(case)
     if caches is not None:
         key_cache, value_cache = caches
-    launch = plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, torch.empty_like(q),
-                        torch.empty(q.shape[:2]), scale=0.125, **_heads(case), max_kv_len=max(case.ctx_lens),
+    launch = plan_paged(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, torch.empty_like(q),
+                        torch.empty(q.shape[:2]), scale=0.125, **_heads(case), max_kv_len=max(case.kv_lens),
                         num_splits=1, config=config)
     return launch.stage1.constexprs["USE_TMA"] and launch.stage1.scratch
 
@@ -335,8 +335,8 @@ def test_gpu_table_prefix_falls_back_to_pointer_tiles_where_descriptors_do_not_f
     _gpu_tables(monkeypatch)
     for block_size, want in ((64, _shipped(*PREFIX_D128_DESCRIPTORS)), (16, _shipped(*PREFIX_D128_POINTERS))):
         case = Case([40], [100], 8, 2, 4, head_dim=128, block_size=block_size, dtype=torch.float16)
-        q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case)
-        launch = plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc,
+        q, key_cache, value_cache, block_table, kv_lens, query_start_loc = _inputs(case)
+        launch = plan_paged(q, key_cache, value_cache, block_table, kv_lens, query_start_loc,
                             torch.empty_like(q), torch.empty(q.shape[:2]), scale=0.1, **_heads(case), max_kv_len=100,
                             max_query_len=40, num_splits=1)
         consts = launch.stage1.constexprs
@@ -358,10 +358,10 @@ def test_gpu_decode_takes_descriptor_tiles_over_large_pages_and_small_groups(mon
     want = _shipped(*(descriptors if which == "descriptors" else DECODE_D128_TABLE))
     case = Case([1, 1], [100, 7], num_q_heads, num_q_heads // q_per_kv, q_per_kv, head_dim=128,
                 block_size=block_size, dtype=torch.float16)
-    q, key_cache, value_cache, block_table, context_lens, query_start_loc = _inputs(case)
+    q, key_cache, value_cache, block_table, kv_lens, query_start_loc = _inputs(case)
     if cache == "e4m3":
         key_cache, value_cache = key_cache.to(torch.float8_e4m3fn), value_cache.to(torch.float8_e4m3fn)
-    launch = plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, torch.empty_like(q),
+    launch = plan_paged(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, torch.empty_like(q),
                         torch.empty(q.shape[:2]), scale=0.1, **_heads(case), max_kv_len=100, max_query_len=1,
                         num_splits=1)
     consts = launch.stage1.constexprs
