@@ -29,8 +29,8 @@ class DcpAttention:
         heads: this rank's ``HeadLayout``; tokens: its ``TokenLayout`` (the batch must be built with the same).
         group: the DCP group (``world_size == heads.dcp_size``); ``None`` only when ``dcp_size == 1``.
         scale: softmax scale, usually ``head_dim ** -0.5``.
-        comm: cross-rank combine, ``"ag_rs"`` (all-gather LSE, rescale, reduce-scatter O) or ``"a2a"`` (one
-            all-to-all of packed (O, LSE) and one combine kernel that also merges the current chunk). Partial
+        comm: cross-rank merge, ``"ag_rs"`` (all-gather LSE, rescale, reduce-scatter O) or ``"a2a"`` (one
+            all-to-all of packed (O, LSE) and one merge kernel that also takes the current chunk). Partial
             outputs cross ranks in the model dtype, LSEs in float32.
         kernels: ``"triton"`` (``dcp_plugin.kernels``, the default) or ``"reference"`` (their torch references,
             ``dcp_plugin.kernels.reference``).

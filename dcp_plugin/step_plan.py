@@ -2,7 +2,7 @@
 
 ``plan_step`` runs once per step (per layer settings and tensor shapes): it picks the flow on rank-invariant data
 and asks each kernel for its prepared launch (``plan_write_kv``, ``plan_extend``, ``plan_paged``,
-``plan_combine``) on the step's workspace views. The plan's ``run`` is what every layer pays: the launches and the
+``plan_merge``) on the step's workspace views. The plan's ``run`` is what every layer pays: the launches and the
 collectives, nothing else. The flows (``T`` new tokens, ``H`` local Q heads, ``N`` ranks; the words are those of
 docs/design.md's glossary):
 
@@ -14,7 +14,7 @@ docs/design.md's glossary):
   float32 LSEs, one kernel rescaling it into rank-major ``[N, T, H, D]``, a reduce-scatter that hands each rank
   the sum for its own heads (straight into ``out`` for decode), and the merge with the current chunk.
 - ``A2aPlan``: DCP > 1, ``comm="a2a"``. The current chunk; the gathered queries' prefix pass writes its partial
-  and LSE straight into the packed ``[N, T, W]`` send buffer; one all-to-all; one kernel combining the N received
+  and LSE straight into the packed ``[N, T, W]`` send buffer; one all-to-all; one kernel merging the N received
   partials and the current chunk into ``out``.
 
 A decode step (one new token per request) has no current chunk and no merge: the new token is already in its
@@ -244,7 +244,7 @@ class SingleRankPlan(_WriteAndChunk):
                    chunk=step.prepare_chunk(views.chunk_out, views.chunk_lse), query_start_loc=batch.query_start_loc,
                    prefix=step.prepare_prefix(step.q, out, lse, q_head_start=step.heads.q_head_start, views=views),
                    block_table=batch.block_table, prefix_lens=step.prefix_lens()[0],
-                   merge=None if decode else step.kernels.plan_combine(*merge_inputs, step.out, views.lse),
+                   merge=None if decode else step.kernels.plan_merge(*merge_inputs, step.out, views.lse),
                    merge_inputs=merge_inputs, views=views)
 
     def run(self, q, k, v, key_cache, value_cache, out, k_scale=None, v_scale=None) -> None:
@@ -263,7 +263,7 @@ class SingleRankPlan(_WriteAndChunk):
 class AgRsPlan(_WriteAndChunk):
     """DCP > 1, ``comm="ag_rs"``: the gathered queries' prefix partial, every rank's LSEs all-gathered, the partial
     rescaled by this rank's share of each head's mass (``rescale``) and reduce-scattered, so each rank receives the
-    combined prefix of its own heads; then ``merge`` with the current chunk (none in a decode step)."""
+    merged prefix of its own heads; then ``merge`` with the current chunk (none in a decode step)."""
 
     prefix: GatheredPrefix  # into views.part, views.part_lse
     group: Collectives
@@ -271,7 +271,7 @@ class AgRsPlan(_WriteAndChunk):
     rescale_args: tuple  # (partial as [N, T, N * H, D] with stride 0 over N, lse_all, None, None, scaled, lse_total)
     reduce_into_out: bool  # a decode step into a contiguous out: the reduce-scatter writes the answer
     merge: Prepared | None
-    merge_inputs: tuple  # (this rank's combined prefix [1, T, H, D], its LSE [1, T, H], chunk out, chunk LSE)
+    merge_inputs: tuple  # (this rank's merged prefix [1, T, H, D], its LSE [1, T, H], chunk out, chunk LSE)
     views: AgRsViews
 
     @classmethod
@@ -286,9 +286,9 @@ class AgRsPlan(_WriteAndChunk):
         return cls(write=step.prepare_write(), slot_mapping=batch.slot_mapping,
                    chunk=step.prepare_chunk(views.chunk_out, views.chunk_lse), query_start_loc=batch.query_start_loc,
                    prefix=GatheredPrefix.prepare(step, views, views.part, views.part_lse), group=step.group,
-                   rescale=kernels.plan_combine(*rescale_args, o_part_start=rank, num_o_parts=1),
+                   rescale=kernels.plan_merge(*rescale_args, o_part_start=rank, num_o_parts=1),
                    rescale_args=rescale_args, reduce_into_out=step.decode and step.out.is_contiguous(),
-                   merge=None if step.decode else kernels.plan_combine(*merge_inputs, step.out, views.lse),
+                   merge=None if step.decode else kernels.plan_merge(*merge_inputs, step.out, views.lse),
                    merge_inputs=merge_inputs, views=views)
 
     def run(self, q, k, v, key_cache, value_cache, out, k_scale=None, v_scale=None) -> None:
@@ -310,31 +310,31 @@ class AgRsPlan(_WriteAndChunk):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class A2aPlan(_WriteAndChunk):
     """DCP > 1, ``comm="a2a"``: the gathered queries' prefix partial, packed with its LSEs, goes to the ranks that
-    own its heads in one all-to-all; ``combine`` merges the N received partials and the current chunk into ``out``."""
+    own its heads in one all-to-all; ``merge`` merges the N received partials and the current chunk into ``out``."""
 
     prefix: GatheredPrefix  # into views.send_out, views.send_lse
     group: Collectives
-    combine: Prepared
-    combine_inputs: tuple  # (recv_out, recv_lse, chunk out, chunk LSE), the chunk's None in a decode step
+    merge: Prepared
+    merge_inputs: tuple  # (recv_out, recv_lse, chunk out, chunk LSE), the chunk's None in a decode step
     views: A2aViews
 
     @classmethod
     def prepare(cls, step: StepInputs, views: A2aViews) -> A2aPlan:
         batch = step.batch
         chunk = (None, None) if step.decode else (views.chunk_out, views.chunk_lse)
-        combine_inputs = (views.recv_out, views.recv_lse, *chunk)
+        merge_inputs = (views.recv_out, views.recv_lse, *chunk)
         return cls(write=step.prepare_write(), slot_mapping=batch.slot_mapping,
                    chunk=step.prepare_chunk(views.chunk_out, views.chunk_lse), query_start_loc=batch.query_start_loc,
                    prefix=GatheredPrefix.prepare(step, views, views.send_out, views.send_lse), group=step.group,
-                   combine=step.kernels.plan_combine(*combine_inputs, step.out, views.lse),
-                   combine_inputs=combine_inputs, views=views)
+                   merge=step.kernels.plan_merge(*merge_inputs, step.out, views.lse),
+                   merge_inputs=merge_inputs, views=views)
 
     def run(self, q, k, v, key_cache, value_cache, out, k_scale=None, v_scale=None) -> None:
         views = self.views
         self._write_and_chunk(q, k, v, key_cache, value_cache, views.chunk_out, views.chunk_lse, k_scale, v_scale)
         self.prefix(q, key_cache, value_cache, k_scale, v_scale)
         self.group.all_to_all_into(views.recv, views.send)
-        self.combine(*self.combine_inputs, out, views.lse)
+        self.merge(*self.merge_inputs, out, views.lse)
 
 
 StepPlan = ChunkOnlyPlan | SingleRankPlan | AgRsPlan | A2aPlan

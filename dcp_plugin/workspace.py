@@ -50,7 +50,7 @@ class AgRsViews(GatheredViews):
     part_lse: torch.Tensor  # [T, N * H]
     lse_all: torch.Tensor  # [N, T, N * H]: every rank's part_lse
     scaled: torch.Tensor  # [N, T, H, D]: slice r holds rank r's heads
-    lse_total: torch.Tensor  # [T, N * H]: the combined LSE of every gathered head
+    lse_total: torch.Tensor  # [T, N * H]: the merged LSE of every gathered head
     mine: torch.Tensor  # [T, H, D]: this rank's slice of the reduce-scatter
 
 

@@ -207,7 +207,7 @@ class Launch:
     (device-side tensor descriptors); the compiled launcher takes it from ``_scratch``.
 
     ``stand_ins``: ``{i: j}`` for tensor arguments this variant never reads (its constexpr flags say so: a cache
-    that is not fp8 has no scales, a combine without an extra partial has none). Whatever the caller passes there
+    that is not fp8 has no scales, a merge without an extra partial has none). Whatever the caller passes there
     (``None``, as a rule) is replaced by tensor argument ``j``: a real pointer of fixed dtype and alignment, so the
     compiled variant is always the same one (``None`` would compile another).
 

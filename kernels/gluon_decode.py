@@ -31,7 +31,7 @@ from dcp_plugin.kernels._pdl import pdl_for
 from dcp_plugin.kernels.gluon_parts import (
     attend_overlap, copy_tiles, head_offset, page_descriptors, ring_buffers, wait_for_previous_grid,
 )
-from dcp_plugin.kernels.split_kv import PagedLaunch, auto_splits, split_outputs, with_reduce
+from dcp_plugin.kernels.split_kv import PagedLaunch, auto_splits, split_outputs, with_merge
 
 ROWS = gl.constexpr(64)  # Q heads of one KV group per program: a warpgroup MMA's rows (the heads past it masked)
 PAGE = PREFIX_PAGE
@@ -284,4 +284,4 @@ def plan_paged_gluon_decode(q, key_cache, value_cache, block_table, kv_lens, out
         q_per_kv=q_per_kv, kv_head_start=kv_head_start, first_kv_head=first_kv_head,
         head_tiles_per_group=head_tiles_per_group, num_groups=num_groups, num_splits=num_splits,
         out_strides=out_strides, lse_strides=lse_strides, pages=pages, stages=stages, programs=programs)
-    return with_reduce(stage1, part_out, part_lse, out, lse, num_splits)
+    return with_merge(stage1, part_out, part_lse, out, lse, num_splits)

@@ -45,10 +45,10 @@ from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count const
 from dcp_plugin.kernels.checks import FP8_DTYPES
 from dcp_plugin.kernels.split_kv import (
     LAST_MERGE_PROGRAMS, LAST_MERGE_SPLITS, NARROW_SPLITS, PagedLaunch, auto_splits, fit_splits, head_offsets,
-    merge_split_rows, paged_attention_reduce_kernel, split_outputs, sync_counters, with_reduce,
+    merge_split_rows, split_merge_kernel, split_outputs, sync_counters, with_merge,
 )
 
-__all__ = ["PagedConfig", "paged_attention", "paged_attention_kernel", "paged_attention_reduce_kernel", "plan_paged",
+__all__ = ["PagedConfig", "paged_attention", "paged_attention_kernel", "split_merge_kernel", "plan_paged",
            "split_capacity"]
 
 _LOG2E = tl.constexpr(LOG2E)  # the kernels' copy (jit functions read only constexpr globals)
@@ -380,7 +380,7 @@ def plan_paged(q, key_cache, value_cache, block_table, kv_lens, query_start_loc,
 
     stage1 = stage1_launch(last_merges)
     if not balanced:
-        return with_reduce(stage1, part_out, part_lse, out, lse, num_splits, stage1_extra=(None, None, None, None))
+        return with_merge(stage1, part_out, part_lse, out, lse, num_splits, stage1_extra=(None, None, None, None))
     def extra(last: bool) -> tuple:  # a balanced stage 1's trailing tensors: the counters only where it merges
         return part_out, part_lse, counts, sync if last else None
 
@@ -390,7 +390,7 @@ def plan_paged(q, key_cache, value_cache, block_table, kv_lens, query_start_loc,
     if last_merges:  # stage 1 merges: no second launch
         return PagedLaunch(stage1, None, part_out, part_lse, num_splits, stage1_extra=extra(True), stage1_other=other)
     # The merge's variant by the splits a request takes on average: about slots / (requests x head programs).
-    return with_reduce(stage1, part_out, part_lse, out, lse, num_splits, split_counts=counts,
-                       stage1_extra=extra(False), stage1_other=other,
-                       narrow=num_reqs * head_programs * NARROW_SPLITS >= slots)
+    return with_merge(stage1, part_out, part_lse, out, lse, num_splits, split_counts=counts,
+                      stage1_extra=extra(False), stage1_other=other,
+                      narrow=num_reqs * head_programs * NARROW_SPLITS >= slots)
 

@@ -159,8 +159,8 @@ def _weights(lses: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     return torch.exp(lses - total).masked_fill(torch.isneginf(total), 0.0)
 
 
-def combine_partials(parts_out, parts_lse, *, out=None, lse=None, extra_out=None, extra_lse=None):
-    """Exact LSE-weighted combination of ``N`` partial results over disjoint key sets.
+def merge_partials(parts_out, parts_lse, *, out=None, lse=None, extra_out=None, extra_lse=None):
+    """Exact LSE-weighted merge of ``N`` partial results over disjoint key sets.
 
     ``parts_out [N, T, H, D]``, ``parts_lse [N, T, H]`` (any strides, e.g. views of one packed buffer).
     ``extra_out [T, H, D]`` / ``extra_lse [T, H]``, when given, join as one more partial (the current chunk).
@@ -193,17 +193,17 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
     if out is None:
         out = torch.empty(out_b.shape, dtype=out_b.dtype, device=out_b.device)
     acc = torch.promote_types(_acc_dtype(lse_a), _acc_dtype(lse_b))
-    return combine_partials(
+    return merge_partials(
         torch.stack([out_a.to(acc), out_b.to(acc)]), torch.stack([lse_a.to(acc), lse_b.to(acc)]), out=out, lse=lse
     )
 
 
 def rescale_partial(part_out, lse_all, rank, *, out=None, lse=None):
-    """The ``ag_rs`` combine's local step: scale this rank's partial by its share of the global softmax mass.
+    """The ``ag_rs`` merge's local step: scale this rank's partial by its share of the global softmax mass.
 
     ``part_out [T, H, D]`` is rank ``rank``'s partial, ``lse_all [N, T, H]`` every rank's LSE (all-gathered).
     Returns ``(scaled [T, H, D] float32 by default, lse [T, H])``, where summing ``scaled`` over ranks (the
-    reduce-scatter) gives the combined output and ``lse`` is the combined LSE.
+    reduce-scatter) gives the merged output and ``lse`` is the merged LSE.
     """
     acc = _acc_dtype(lse_all)
     lses = _empty_if_inf(lse_all.to(acc))
@@ -253,16 +253,16 @@ def _paged_launch(kwargs, q, key_cache, value_cache, block_table, kv_lens, query
                     k_scale=k_scale, v_scale=v_scale, **kwargs)
 
 
-def plan_combine(parts_out, parts_lse, extra_out, extra_lse, out, lse, *, o_part_start=0, num_o_parts=None):
+def plan_merge(parts_out, parts_lse, extra_out, extra_lse, out, lse, *, o_part_start=0, num_o_parts=None):
     if num_o_parts is not None and (o_part_start, num_o_parts) != (0, parts_out.shape[0]):
         if num_o_parts != 1:
-            raise ValueError("the reference combine reads one partial's O (rescale) or all of them")
+            raise ValueError("the reference merge reads one partial's O (rescale) or all of them")
         return functools.partial(_rescale_launch, o_part_start)
-    return _combine_launch
+    return _merge_launch
 
 
-def _combine_launch(parts_out, parts_lse, extra_out, extra_lse, out, lse):
-    combine_partials(parts_out, parts_lse, extra_out=extra_out, extra_lse=extra_lse, out=out, lse=lse)
+def _merge_launch(parts_out, parts_lse, extra_out, extra_lse, out, lse):
+    merge_partials(parts_out, parts_lse, extra_out=extra_out, extra_lse=extra_lse, out=out, lse=lse)
 
 
 def _rescale_launch(rank, parts_out, parts_lse, extra_out, extra_lse, out, lse):

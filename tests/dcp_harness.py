@@ -240,7 +240,7 @@ def random_case(rng: random.Random, n: int, index: int) -> Case:
 
 
 KERNEL_OF_PLAN = {"plan_write_kv": "write_kv_cache", "plan_extend": "extend_attention",
-                "plan_paged": "paged_attention", "plan_combine": "combine"}
+                "plan_paged": "paged_attention", "plan_merge": "merge"}
 _KERNEL_LOCK = threading.Lock()
 
 

@@ -12,7 +12,7 @@ from dcp_plugin.parallel_state import ParallelState
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Topology:
     """What the backend of one model runner needs: its ranks, its head layout (SGLang's: KV heads replicated in the
-    DCP group, ``kv_replication="replicated"``), the DCP group (``None`` at DCP = 1) and the combine mode."""
+    DCP group, ``kv_replication="replicated"``), the DCP group (``None`` at DCP = 1) and the merge mode (``comm``)."""
 
     ps: ParallelState
     heads: HeadLayout
@@ -32,7 +32,7 @@ def build(*, total_q_heads: int, total_kv_heads: int, tp_rank: int, tp_size: int
         raise ValueError(f"dcp-triton cannot place the heads of this model (--tp-size {tp_size} of attention, "
                          f"--dcp-size {dcp_size}, {total_q_heads} Q heads, {total_kv_heads} KV heads): {err}") from None
     if comm not in ("ag_rs", "a2a"):
-        raise ValueError(f"--dcp-comm-backend {comm}: dcp-triton combines with 'ag_rs' or 'a2a'")
+        raise ValueError(f"--dcp-comm-backend {comm}: dcp-triton merges with 'ag_rs' or 'a2a'")
     if dcp_size > 1 and (group is None or (group.world_size, group.rank_in_group) != (dcp_size, ps.attn_dcp_rank)):
         raise ValueError(f"the DCP group does not match --dcp-size {dcp_size} at attention-TP rank {tp_rank}")
     return Topology(ps=ps, heads=heads, group=group if dcp_size > 1 else None, comm=comm)

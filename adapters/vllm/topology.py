@@ -14,7 +14,7 @@ from dcp_plugin.parallel_state import ParallelState
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Topology:
-    """What one attention layer of this worker needs: ranks, heads, the DCP group, the combine mode."""
+    """What one attention layer of this worker needs: ranks, heads, the DCP group, the merge mode (``comm``)."""
 
     ps: ParallelState
     heads: HeadLayout

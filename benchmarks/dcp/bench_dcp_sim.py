@@ -2,7 +2,7 @@
 
 One rank of a DCP group holds 1/N of every request's context and attends with the group's N x Hq gathered Q
 heads. This script times that rank's whole ``DcpAttention.forward`` (cache write, current chunk, prefix over the
-local shard, LSE combine, merge) for decode steps, with a stand-in group whose collectives are local copies of the
+local shard, LSE merge across ranks, merge with the current chunk) for decode steps, with a stand-in group whose collectives are local copies of the
 right shapes: the numbers are local work only and exclude interconnect time (issue 7 measures real NCCL).
 Timed by CUDA-graph replay (median). Writes benchmarks/results/dcp_sim_<name>.json and a PNG.
 

@@ -8,7 +8,7 @@ synchronisation inside the timed loop), medians of repeated runs.
 - per layer: ``DcpAttention.forward`` of a decode step replayed by LAYERS layers, minus the time spent inside the
   stand-in collectives; the first layer's call apart, once preparing the step's plan and once replaying the last
   decode step's (the next step over the same batch tensors);
-- per launch: each prepared launch of the step alone (paged attention, its split reduce, the combine, the cache
+- per launch: each prepared launch of the step alone (paged attention, its split merge, the cross-rank merge, the cache
   write, the current chunk), and the checked public functions for comparison;
 - allocations per layer (CUDA caching-allocator count) and the bytes each collective moves;
 - a mixed step (many decodes plus one long chunk over a long context) against the decode-only and chunk-only steps,
@@ -163,7 +163,7 @@ def host_per_launch(plan, args, out, repeats: int = 200) -> dict:
     if isinstance(plan, AgRsPlan):
         calls["rescale"] = lambda: plan.rescale(*plan.rescale_args)
     if isinstance(plan, A2aPlan):
-        calls["combine"] = lambda: plan.combine(*plan.combine_inputs, out, views.lse)
+        calls["merge"] = lambda: plan.merge(*plan.merge_inputs, out, views.lse)
     return {name: host_us(call, repeats) for name, call in calls.items()}
 
 

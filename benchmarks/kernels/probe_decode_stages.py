@@ -37,12 +37,12 @@ def main() -> None:
                               q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=1,
                               num_splits=splits)
             scales = (q, q)
-            dst = (plan.part_out, plan.part_lse) if plan.reduce else (out, lse)
+            dst = (plan.part_out, plan.part_lse) if plan.merge else (out, lse)
             row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, splits=plan.num_splits, auto=splits is None)
             row["stage1_us"] = 1e3 * graph_ms([lambda i=i: plan.stage1(q, kc, vc, tables[i], lens, qsl, *dst, *scales)
                                                for i in range(copies)])
-            if plan.reduce:
-                row["reduce_us"] = 1e3 * graph_ms([lambda: plan.reduce(plan.part_out, plan.part_lse, out, lse)])
+            if plan.merge:
+                row["merge_us"] = 1e3 * graph_ms([lambda: plan.merge(plan.part_out, plan.part_lse, out, lse)])
             row["both_us"] = 1e3 * graph_ms([lambda i=i: plan(q, kc, vc, tables[i], lens, qsl, out, lse)
                                              for i in range(copies)])
             row["gbs"] = kv_bytes / row["both_us"] / 1e3

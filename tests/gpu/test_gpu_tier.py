@@ -182,11 +182,11 @@ def repeatable_runs(device, dtype, *, batch=32, max_ctx=8192, tokens=3000, heads
             q, k, v, cu, max(lengths), scale=scale, q_head_start=0, q_per_kv=q_per_kv, kv_head_start=0,
             out=poisoned(q.shape, dtype, device), lse=poisoned(q.shape[:2], torch.float32, device))
 
-    def combine():
+    def partials():
         parts = rand(4, tokens, hq, head_dim + 1, dtype=torch.float32, seed=51)  # a2a's packed (O, LSE) buffer
         parts[0, ::5, :, head_dim] = float("-inf")  # an empty shard
         extra_out, extra_lse = rand(tokens, hq, head_dim, seed=52), rand(tokens, hq, dtype=torch.float32, seed=53)
-        return lambda: kernels.combine_partials(
+        return lambda: kernels.merge_partials(
             parts[..., :head_dim], parts[..., head_dim], extra_out=extra_out, extra_lse=extra_lse,
             out=poisoned((tokens, hq, head_dim), dtype, device), lse=poisoned((tokens, hq), torch.float32, device))
 
@@ -223,7 +223,7 @@ def repeatable_runs(device, dtype, *, batch=32, max_ctx=8192, tokens=3000, heads
     return {
         **{f"paged-decode-splits-{s}": (lambda s=s: paged(s, [])) for s in (1, 3, 16)},
         "paged-mixed-splits-4": lambda: paged(4, [300, 77, 2]),
-        "extend": extend, "combine_partials": combine, "merge_states": merge, "rescale_partial": rescale,
+        "extend": extend, "merge_partials": partials, "merge_states": merge, "rescale_partial": rescale,
         "write_kv_cache": write_kv,
     }
 
@@ -275,7 +275,7 @@ def dcp_case(n: int, layout: str, comm: str, dtype: str, *, requests=DCP_REQUEST
 
 
 # The single-kernel tolerances of tests/kernel_checks.py hold for the DCP output: the prefix partials and the
-# cross-rank combine stay in float32, and its only rounding beyond one kernel's is the current chunk's output stored
+# cross-rank merge stay in float32, and its only rounding beyond one kernel's is the current chunk's output stored
 # in the input dtype before the merge. Both roundings together are <= u * (w * |o_cur| + |out|), w the chunk's
 # softmax weight, u = 2**-8 (bf16) / 2**-11 (fp16) ~ a quarter of the table's rtol: the |out| term fits in rtol,
 # the other in atol since w * |o_cur| (a weighted average of N(0, 1) values) stays below 4.

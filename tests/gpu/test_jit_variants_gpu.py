@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dcp_plugin.kernels import reference
-from dcp_plugin.kernels.combine import combine_kernel, merge_states
+from dcp_plugin.kernels.merge import merge_kernel, merge_states
 from dcp_plugin.kernels.extend_attention import extend_attention, extend_attention_kernel
-from dcp_plugin.kernels.paged_attention import paged_attention, paged_attention_kernel, paged_attention_reduce_kernel
+from dcp_plugin.kernels.paged_attention import paged_attention, paged_attention_kernel, split_merge_kernel
 from tests.kernel_checks import assert_matches, gluon_kernels, poisoned
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -51,7 +51,7 @@ def paged_step(num_reqs: int, query_len: int, seed: int) -> None:
 
 @pytest.mark.parametrize("query_len", [1, 3], ids=["decode", "spec-verify"])
 def test_paged_attention_compiles_once_for_all_step_sizes(query_len):
-    kernels = (paged_attention_kernel, paged_attention_reduce_kernel)
+    kernels = (paged_attention_kernel, split_merge_kernel)
     paged_step(3, query_len, seed=0)  # compiles this configuration's variant
     before = [compiled(k) for k in kernels]
     for seed, num_reqs in enumerate(STEP_SIZES, start=1):
@@ -77,7 +77,7 @@ def test_extend_attention_and_merge_compile_once_for_all_step_sizes():
         assert_matches(out, want_out, DTYPE, f"merged out, {num_tokens} tokens")
         assert_matches(lse, want_lse, DTYPE, f"merged lse, {num_tokens} tokens")
 
-    kernels = (gluon_kernels()[:1] or (extend_attention_kernel,)) + (combine_kernel,)  # the chunk kernel serving
+    kernels = (gluon_kernels()[:1] or (extend_attention_kernel,)) + (merge_kernel,)  # the chunk kernel serving
     step(40, seed=0)
     before = [compiled(k) for k in kernels]
     for seed, num_tokens in enumerate((2, 15, 16, 17, 32, 33, 64, 100, 1000), start=1):

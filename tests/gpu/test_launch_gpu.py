@@ -39,7 +39,7 @@ def reference_out(args):
                                      q_head_start=0, q_per_kv=HQ, kv_head_start=0, max_kv_len=int(lens.max()))
 
 
-@pytest.mark.parametrize("splits", [1, 6], ids=["one-split", "split-reduce"])
+@pytest.mark.parametrize("splits", [1, 6], ids=["one-split", "split-merge"])
 def test_replayed_launches_match_the_dispatch_bit_for_bit(splits, monkeypatch):
     assert _launch.FAST_LAUNCH, f"the fast launch path is off on triton {_launch.triton.__version__}"
     gen = torch.Generator(device="cuda").manual_seed(1)

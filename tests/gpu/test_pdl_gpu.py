@@ -83,12 +83,12 @@ def test_decode_layers_with_pdl_equal_launches_one_after_the_other(case, graph):
     layers, table, lens, qsl, slots = _layers(ctx_lens, hq, hk, page, torch.bfloat16, seed=case)
     outs, lses, caches, steps = _run(layers, table, lens, qsl, slots, pdl=True, graph=graph)
     # Launched as PDL, and compiled for it (the launcher reads launch_pdl from the compiled kernel's metadata).
-    launches = [launch for write, decode, *_ in steps for launch in (write, decode.stage1, decode.reduce) if launch]
+    launches = [launch for write, decode, *_ in steps for launch in (write, decode.stage1, decode.merge) if launch]
     assert launches and all(launch.options.get("launch_pdl") is True for launch in launches)
     assert all(launch._compiled is None or launch._compiled.metadata.launch_pdl for launch in launches)
     base_outs, base_lses, base_caches, base_steps = _run(layers, table, lens, qsl, slots, pdl=False, graph=graph)
     assert not any(launch.options.get("launch_pdl") for _, decode, *_ in base_steps
-                   for launch in (decode.stage1, decode.reduce) if launch)
+                   for launch in (decode.stage1, decode.merge) if launch)
     for i, ((q, k, v, before), cache) in enumerate(zip(layers, caches)):
         want_cache = before.clone()
         want_cache.view(-1, hk, 256)[slots] = torch.cat([k, v], dim=-1)

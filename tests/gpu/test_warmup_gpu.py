@@ -17,9 +17,9 @@ import triton.runtime.build
 
 from dcp_plugin import DcpAttention, DcpWorkspace, kernels, warmup
 from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_GROUP, PREFIX_PAGE
-from dcp_plugin.kernels.combine import combine_kernel
+from dcp_plugin.kernels.merge import merge_kernel
 from dcp_plugin.kernels.extend_attention import extend_attention_kernel
-from dcp_plugin.kernels.paged_attention import paged_attention_kernel, paged_attention_reduce_kernel
+from dcp_plugin.kernels.paged_attention import paged_attention_kernel, split_merge_kernel
 from dcp_plugin.kernels.write_kv_cache import write_kv_cache_kernel
 from dcp_plugin.warmup import warm_up
 from tests.dcp_harness import Case, RankState, ThreadGroup, World, causal_attention_f64, run_threads, serial
@@ -27,8 +27,8 @@ from tests.kernel_checks import assert_matches, gluon_kernels
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-KERNELS = (write_kv_cache_kernel, extend_attention_kernel, paged_attention_kernel, paged_attention_reduce_kernel,
-           combine_kernel) + gluon_kernels()  # the Gluon ones where they serve (sm_90, Triton 3.6)
+KERNELS = (write_kv_cache_kernel, extend_attention_kernel, paged_attention_kernel, split_merge_kernel,
+           merge_kernel) + gluon_kernels()  # the Gluon ones where they serve (sm_90, Triton 3.6)
 # (cached context, new tokens) of the first step: long decodes, speculative verify rows, a chunk over a prefix, a
 # fresh prompt, a one-token prompt, contexts shorter than the group; then single-token decode steps.
 REQUESTS = ((3000, 1), (1, 1), (1900, 5), (700, 3), (2048, 200), (0, 150), (0, 1), (2, 2), (5000, 1))

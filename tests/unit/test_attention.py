@@ -54,7 +54,7 @@ def _shape_ops(log: list):
             return lambda *args: log.append((name, shapes))
         return plan
 
-    return SimpleNamespace(**{f"plan_{name}": prepare(name) for name in ("write_kv", "extend", "paged", "combine")},
+    return SimpleNamespace(**{f"plan_{name}": prepare(name) for name in ("write_kv", "extend", "paged", "merge")},
                            split_capacity=lambda head_dim, device: 0)
 
 
@@ -76,8 +76,8 @@ def test_forward_never_syncs(comm):
     out = attn.forward(**meta, batch=batch)
     assert out.device.type == "meta" and out.shape == meta["q"].shape
     launched = [name for name, _ in log]
-    # The step has a cached prefix: current chunk, prefix pass, then the combine (two kernels for ag_rs).
-    assert launched == ["write_kv", "extend", "paged"] + ["combine"] * (2 if comm == "ag_rs" else 1), launched
+    # The step has a cached prefix: current chunk, prefix pass, then the merge (two kernels for ag_rs).
+    assert launched == ["write_kv", "extend", "paged"] + ["merge"] * (2 if comm == "ag_rs" else 1), launched
     log.clear()
     attn.forward(**meta, batch=batch)  # the next layer replays the step's plan: the same launches
     assert [name for name, _ in log] == launched

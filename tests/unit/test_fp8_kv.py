@@ -113,7 +113,7 @@ def _kernels(name: str):
     """The kernel namespace of a CPU run: the Triton kernels write fp8 only on a GPU, so the write is torch's."""
     if name == "reference":
         return reference
-    return SimpleNamespace(**{n: getattr(kernels, n) for n in ("plan_extend", "plan_paged", "plan_combine",
+    return SimpleNamespace(**{n: getattr(kernels, n) for n in ("plan_extend", "plan_paged", "plan_merge",
                                                                 "split_capacity")},
                            plan_write_kv=reference.plan_write_kv)
 

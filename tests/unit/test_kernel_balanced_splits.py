@@ -69,7 +69,7 @@ def test_balanced_decode_matches_reference(name, last_merges, monkeypatch):
     plan = _plan(case, slots, q, (key_cache, value_cache), tables, out, lse, config=config, split_sync=sync)
     assert plan.stage1.constexprs["BALANCED"] and plan.num_splits > 1, "the case does not reach the balanced path"
     merges = last_merges and name not in MANY_SPLITS
-    assert plan.stage1.constexprs["LAST_MERGES"] == merges and (plan.reduce is None) == merges
+    assert plan.stage1.constexprs["LAST_MERGES"] == merges and (plan.merge is None) == merges
     for launch in range(2):
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
@@ -87,10 +87,10 @@ def test_last_split_merges_needs_a_counter_per_row_and_head_program(monkeypatch)
     out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
     short = torch.zeros(q.shape[0] * 2 - 1, dtype=torch.int32)  # 2 head programs
     plan = _plan(case, slots, q, (key_cache, value_cache), tables, out, lse, config=LAST_MERGES, split_sync=short)
-    assert not plan.stage1.constexprs["LAST_MERGES"] and plan.reduce is not None
+    assert not plan.stage1.constexprs["LAST_MERGES"] and plan.merge is not None
     fits = _plan(case, slots, q, (key_cache, value_cache), tables, out, lse, config=LAST_MERGES,
                  split_sync=torch.zeros(q.shape[0] * 2, dtype=torch.int32))
-    assert fits.stage1.constexprs["LAST_MERGES"] and fits.reduce is None
+    assert fits.stage1.constexprs["LAST_MERGES"] and fits.merge is None
 
 
 def test_the_last_split_merges_only_few_splits_of_many_programs():
@@ -105,12 +105,12 @@ def test_the_last_split_merges_only_few_splits_of_many_programs():
                      poisoned(q.shape[:2], torch.float32), split_elements=1 << 21, config=LAST_MERGES)
 
     few = plan([256] * 32, 256)  # 64 programs; 8 tiles: at most 4 splits a request
-    assert few.num_splits == 4 and few.stage1.constexprs["LAST_MERGES"] and few.reduce is None
+    assert few.num_splits == 4 and few.stage1.constexprs["LAST_MERGES"] and few.merge is None
     assert not plan([256] * 31, 256).stage1.constexprs["LAST_MERGES"], "62 (token, head program)s"
     # 2000 tokens: 63 tiles, up to 32 splits by the bound. The bound decides, not the average over the slots (4
     # here): one long context among short ones would take dozens of splits, merged one after the other.
     many = plan([2000] + [256] * 31, 256)
-    assert many.num_splits == 32 and not many.stage1.constexprs["LAST_MERGES"] and many.reduce is not None
+    assert many.num_splits == 32 and not many.stage1.constexprs["LAST_MERGES"] and many.merge is not None
 
 
 @pytest.mark.parametrize("last_merges", [False, True], ids=["merge-launch", "last-split-merges"])
@@ -187,7 +187,7 @@ def test_tiny_contexts_take_the_balanced_kernel_in_one_split():
     scratch = poisoned((256,), torch.float32)
     plan = plan_paged(q, key_cache, value_cache, *tables, out, lse, scale=case.head_dim ** -0.5, **_heads(case),
                       max_kv_len=40, max_query_len=1, split_buffer=scratch, split_slots=8)
-    assert plan.stage1.constexprs["BALANCED"] and plan.num_splits == 1 and plan.reduce is None
+    assert plan.stage1.constexprs["BALANCED"] and plan.num_splits == 1 and plan.merge is None
     plan(q, key_cache, value_cache, *tables, out, lse)
     assert torch.isnan(scratch).all(), "a one-split decode wrote into the split buffer"
     want_out, want_lse = reference.paged_attention(q.double(), key_cache.double(), value_cache.double(), *tables,

@@ -96,8 +96,8 @@ def test_decode_with_large_groups_takes_gluon():
     assert looping.stage1.grid == (5, 1, 1), "at most 5 programs"
     flat = _plan(**DECODE, heads=(128, 1), num_splits=3, gluon_decode=(1, 4, 0), launch=True)
     assert flat.stage1.grid == (items, 1, 1), "a program per item"
-    assert plan.reduce.kernel.__name__ == "paged_attention_reduce_kernel"
-    assert _plan(**DECODE, heads=(32, 1), num_splits=None, launch=True).reduce is None, "1 split under the interpreter"
+    assert plan.merge.kernel.__name__ == "split_merge_kernel"
+    assert _plan(**DECODE, heads=(32, 1), num_splits=None, launch=True).merge is None, "1 split under the interpreter"
 
 
 @pytest.mark.usefixtures("hopper")

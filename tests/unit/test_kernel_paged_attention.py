@@ -59,8 +59,8 @@ CASES = {
     "dcp-12q3kv-rank0-two-groups-2splits-fp16": Case([2, 1], [20, 45], 6, 3, 4, dtype=torch.float16,
                                                      num_splits=2),
     "all-empty-contexts-3splits": Case([1, 2], [0, 0], 4, 2, 2, num_splits=3),
-    # More splits than the reduce merges per step (8): three steps, the running maximum rescaled, empty splits.
-    "gqa4-decode-19splits-three-reduce-steps": Case([1, 1, 1], [700, 33, 0], 8, 2, 4, num_splits=19),
+    # More splits than the split merge takes per step (8): three steps, the running maximum rescaled, empty splits.
+    "gqa4-decode-19splits-three-merge-steps": Case([1, 1, 1], [700, 33, 0], 8, 2, 4, num_splits=19),
     # The Hopper selection (whole tiles of one page through tensor descriptors), emulated by the interpreter: the
     # NaN rows past each context inside its last page must add nothing; every cache layout; splits; the search.
     "tma-gqa4-mixed-kv-last-dim-bs32-tile16-fp16": Case([1, 5, 1, 2], [33, 70, 16, 0], 8, 2, 4, block_size=32,

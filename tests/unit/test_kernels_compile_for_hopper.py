@@ -15,7 +15,7 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compile_for_hopper.py"
 KERNELS = {"write_kv_cache_kernel", "extend_attention_kernel", "paged_attention_kernel",
-           "paged_attention_reduce_kernel", "combine_kernel"}
+           "split_merge_kernel", "merge_kernel"}
 
 
 def test_every_serving_variant_compiles_for_sm90_without_spills(tmp_path):
@@ -35,14 +35,14 @@ def test_every_serving_variant_compiles_for_sm90_without_spills(tmp_path):
     decode = [r for r in rows if r["kernel"] == "paged_attention_kernel" and r["constants"].get("DECODE") == "True"]
     prefix = [r for r in rows if r["kernel"] == "paged_attention_kernel" and r["constants"].get("DECODE") == "False"]
     assert decode and prefix, "the decode and the prefix variants of paged attention were not both compiled"
-    merges = {r["constants"]["BLOCK_S"] for r in rows if r["kernel"] == "paged_attention_reduce_kernel"}
+    merges = {r["constants"]["BLOCK_S"] for r in rows if r["kernel"] == "split_merge_kernel"}
     assert merges == {"8", "64"}, f"the split merge's narrow and wide variants were not both compiled: {merges}"
     descriptors = {r["kernel"] for r in rows if r["constants"].get("USE_TMA") == "True"}
     assert {"extend_attention_kernel", "paged_attention_kernel"} <= descriptors, \
         "the Hopper selections (tensor descriptors) were not compiled"
     # A decode step's kernels take programmatic dependent launches on sm_90 (kernels/_pdl.py): each such variant is
     # compiled for one and waits for the previous kernel before its first load; the others neither.
-    pdl_kernels = {"write_kv_cache_kernel", "paged_attention_kernel", "paged_attention_reduce_kernel",
+    pdl_kernels = {"write_kv_cache_kernel", "paged_attention_kernel", "split_merge_kernel",
                    "gluon_decode_kernel"}
     assert all(r.get("launch_pdl") is True and r["pdl_wait"] for r in rows if r["kernel"] in pdl_kernels)
     assert not [r for r in rows if r["kernel"] not in pdl_kernels and (r.get("launch_pdl") or r["pdl_wait"])]

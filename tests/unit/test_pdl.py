@@ -92,7 +92,7 @@ def test_a_decode_layers_launches_ask_for_pdl_on_sm90(monkeypatch):
         decode = plan_paged(q, cache[..., :128], cache[..., 128:], table, lens, qsl, out, lse, scale=0.1,
                             q_head_start=0, q_per_kv=4, kv_head_start=0, max_kv_len=30, max_query_len=1,
                             num_splits=2)
-        return [write, decode.stage1, decode.reduce]
+        return [write, decode.stage1, decode.merge]
 
     paged_module, write_module = (importlib.import_module(f"dcp_plugin.kernels.{name}")
                                   for name in ("paged_attention", "write_kv_cache"))

@@ -1,4 +1,4 @@
-"""extend_attention and the combine kernels compiled for the GPU, at real sizes and in bf16, vs float64 references."""
+"""extend_attention and the merge kernels compiled for the GPU, at real sizes and in bf16, vs float64 references."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dcp_plugin.kernels import reference
-from dcp_plugin.kernels.combine import combine_partials, merge_states, rescale_partial
+from dcp_plugin.kernels.merge import merge_partials, merge_states, rescale_partial
 from dcp_plugin.kernels.extend_attention import extend_attention
 from dcp_plugin.kernels._gluon import GLUON_ENV
 from tests.kernel_checks import assert_matches, kernel_switches, poisoned
@@ -57,7 +57,7 @@ def test_extend_attention_under_draft_trees(head_dim, dtype):
 
 
 @pytest.mark.parametrize("num_parts", [2, 3, 8])
-def test_combine_partials_bf16_packed_with_extra(num_parts):
+def test_merge_partials_bf16_packed_with_extra(num_parts):
     t, h, d = 3000, 5, 128
     parts = torch.randn(num_parts, t, h, d + 1, device="cuda")
     parts[..., d] *= 4
@@ -65,9 +65,9 @@ def test_combine_partials_bf16_packed_with_extra(num_parts):
     parts[0, ::7, :, :d] = float("nan")
     extra_out, extra_lse = torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16), torch.randn(t, h, device="cuda")
     out, lse = poisoned((t, h, d), torch.bfloat16, "cuda"), poisoned((t, h), torch.float32, "cuda")
-    combine_partials(parts[..., :d], parts[..., d], out=out, lse=lse, extra_out=extra_out, extra_lse=extra_lse)
-    want_out, want_lse = reference.combine_partials(parts[..., :d].double(), parts[..., d].double(),
-                                                    extra_out=extra_out.double(), extra_lse=extra_lse.double())
+    merge_partials(parts[..., :d], parts[..., d], out=out, lse=lse, extra_out=extra_out, extra_lse=extra_lse)
+    want_out, want_lse = reference.merge_partials(parts[..., :d].double(), parts[..., d].double(),
+                                                  extra_out=extra_out.double(), extra_lse=extra_lse.double())
     assert_matches(out, want_out, torch.bfloat16, "out")
     assert_matches(lse, want_lse, torch.float32, "lse")
 
