@@ -255,7 +255,7 @@ def config_refusals(path: str | Path, *, head_dim: int) -> list[str]:
     """Each reason dcp-triton's vLLM backend would refuse the model of this ``config.json`` (its ``text_config`` if
     it has one), as ``"<key>=<value>: <why>"``; ``head_dim`` is the head size the report uses (the config's or a
     flag's). Empty when nothing in the config is refused."""
-    from dcp_plugin.kernels.extend_attention import SUPPORTED_HEAD_DIMS
+    from dcp_plugin.kernels.chunk_attention import SUPPORTED_HEAD_DIMS
 
     cfg = _read_json_object(path)
     text = cfg.get("text_config")

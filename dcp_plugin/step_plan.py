@@ -1,7 +1,7 @@
 """One step of DCP attention, prepared once and replayed by every layer: one small class per flow.
 
 ``plan_step`` runs once per step (per layer settings and tensor shapes): it picks the flow on rank-invariant data
-and asks each kernel for its prepared launch (``plan_write_kv``, ``plan_extend``, ``plan_paged``,
+and asks each kernel for its prepared launch (``plan_write_kv``, ``plan_chunk``, ``plan_prefix``,
 ``plan_merge``) on the step's workspace views. The plan's ``run`` is what every layer pays: the launches and the
 collectives, nothing else. The flows (``T`` new tokens, ``H`` local Q heads, ``N`` ranks; the words are those of
 docs/design.md's glossary):
@@ -36,7 +36,7 @@ from dcp_plugin.group import BufferedGroup, DcpGroup
 from dcp_plugin.layout import HeadLayout
 from dcp_plugin.workspace import A2aViews, AgRsViews, GatheredViews, SingleRankViews, StepViews
 
-# A prepared launch (a kernel's plan_*: Launch or PagedLaunch, or a reference twin): called with the tensors only.
+# A prepared launch (a kernel's plan_*: Launch or PrefixLaunch, or a reference twin): called with the tensors only.
 Prepared = Callable[..., None]
 Collectives = DcpGroup | BufferedGroup  # a DCP group with the *_into collectives (dcp_plugin.group.buffered)
 # A decode step's prefix pass is planned for its longest local shard rounded up to DECODE_BOUND_STEP tokens (the bound
@@ -93,9 +93,9 @@ class StepInputs:
         if self.decode:
             return None
         heads, batch = self.heads, self.batch
-        return self.kernels.plan_extend(self.q, self.k, self.v, out, lse, batch.query_start_loc, batch.max_query_len,
-                                        scale=self.scale, q_head_start=heads.q_head_start, q_per_kv=heads.q_per_kv,
-                                        kv_head_start=heads.kv_head_start, chunk_mask=batch.chunk_mask)
+        return self.kernels.plan_chunk(self.q, self.k, self.v, out, lse, batch.query_start_loc, batch.max_query_len,
+                                       scale=self.scale, q_head_start=heads.q_head_start, q_per_kv=heads.q_per_kv,
+                                       kv_head_start=heads.kv_head_start, chunk_mask=batch.chunk_mask)
 
     def prefix_lens(self) -> tuple[torch.Tensor, int]:
         """The local tokens the prefix pass reads per request, and their rank-invariant bound: in a decode step the
@@ -108,7 +108,7 @@ class StepInputs:
 
     def prepare_prefix(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, q_head_start: int,
                        views: StepViews) -> Prepared:
-        """Step 3, queries ``q`` against this rank's cache into ``(out, lse)``: one ``paged_attention`` launch, or in
+        """Step 3, queries ``q`` against this rank's cache into ``(out, lse)``: one ``prefix_attention`` launch, or in
         a mixed step the leading decodes' own launch and the rest's (``DecodesFirst``). Called with the whole step's
         tables; split-KV partials and counters in ``views`` (``splits``, ``split_sync``)."""
         batch = self.batch
@@ -116,30 +116,31 @@ class StepInputs:
         nd = batch.num_decodes
         tables = (batch.block_table, lens, batch.query_start_loc)
         if self.decode or not 0 < nd < batch.num_reqs:
-            return self._paged(q, tables, out, lse, batch.max_query_len, max_len, q_head_start, views)
+            return self._plan_prefix(q, tables, out, lse, batch.max_query_len, max_len, q_head_start, views)
         # Each launch writes its own rows; the decodes' rows of a rank-major out ([N, T, H, D]) are out[:, :nd].
         decodes = (batch.block_table[:nd], lens[:nd], batch.query_start_loc[:nd + 1])
         rest = (batch.block_table[nd:], lens[nd:], batch.query_start_loc[nd:])
         rank_major = out.dim() == 4
         first_out, first_lse = (out[:, :nd], lse[:, :nd]) if rank_major else (out[:nd], lse[:nd])
         return DecodesFirst(
-            decodes=self._paged(q[:nd], decodes, first_out, first_lse, 1, max_len, q_head_start, views),
-            rest=self._paged(q, rest, out, lse, batch.max_query_len, max_len, q_head_start, views),
+            decodes=self._plan_prefix(q[:nd], decodes, first_out, first_lse, 1, max_len, q_head_start, views),
+            rest=self._plan_prefix(q, rest, out, lse, batch.max_query_len, max_len, q_head_start, views),
             num_decodes=nd, decode_tables=decodes, rest_tables=rest, rank_major=rank_major)
 
-    def _paged(self, q, tables, out, lse, max_query_len: int, max_kv_len: int, q_head_start: int, views: StepViews):
+    def _plan_prefix(self, q, tables, out, lse, max_query_len: int, max_kv_len: int, q_head_start: int,
+                     views: StepViews):
         heads = self.heads
-        return self.kernels.plan_paged(q, self.key_cache, self.value_cache, *tables, out, lse, scale=self.scale,
-                                       q_head_start=q_head_start, q_per_kv=heads.q_per_kv,
-                                       kv_head_start=heads.kv_head_start, max_kv_len=max_kv_len,
-                                       max_query_len=max_query_len, split_buffer=views.splits,
-                                       split_sync=views.split_sync)
+        return self.kernels.plan_prefix(q, self.key_cache, self.value_cache, *tables, out, lse, scale=self.scale,
+                                        q_head_start=q_head_start, q_per_kv=heads.q_per_kv,
+                                        kv_head_start=heads.kv_head_start, max_kv_len=max_kv_len,
+                                        max_query_len=max_query_len, split_buffer=views.splits,
+                                        split_sync=views.split_sync)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DecodesFirst:
     """A mixed step's prefix pass as two launches: the other requests (their own tables), then the leading
-    single-token requests (decode variant, split-KV sized for them alone). Called like the one paged_attention
+    single-token requests (decode variant, split-KV sized for them alone). Called like the one prefix_attention
     launch it replaces, with the whole step's tables; it launches on the two cuts of them it was prepared with."""
 
     decodes: Prepared
@@ -168,7 +169,7 @@ class GatheredPrefix:
     q_send: torch.Tensor  # [H, T, D]
     q_all: torch.Tensor  # [N * H, T, D]
     q_group: torch.Tensor  # q_all as [T, N * H, D]
-    launch: Prepared  # paged_attention's prepared launch, or DecodesFirst
+    launch: Prepared  # prefix_attention's prepared launch, or DecodesFirst
     block_table: torch.Tensor
     lens: torch.Tensor
     query_start_loc: torch.Tensor
@@ -227,7 +228,7 @@ class SingleRankPlan(_WriteAndChunk):
     """DCP = 1 with a cached context. A decode step: the prefix pass over the whole cache writes the answer.
     Otherwise: the current chunk, the prefix pass (a float32 partial), and ``merge`` of the two into ``out``."""
 
-    prefix: Prepared  # paged_attention's prepared launch, or DecodesFirst; reads block_table and prefix_lens
+    prefix: Prepared  # prefix_attention's prepared launch, or DecodesFirst; reads block_table and prefix_lens
     block_table: torch.Tensor
     prefix_lens: torch.Tensor
     merge: Prepared | None  # None in a decode step

@@ -19,7 +19,7 @@ import torch
 
 from dcp_plugin.batch import DcpBatch, DcpBatchBuffers
 from dcp_plugin.kernels import INTERPRET, compile_ahead, compile_workers, every_variant, launches_run
-from dcp_plugin.kernels.extend_attention import SHORT_CHUNK
+from dcp_plugin.kernels.chunk_attention import SHORT_CHUNK
 
 # (query rows, cached context) per request of each dummy step. A 4096-token context puts several KV splits on any
 # GPU (the split count fills the SMs only while the tiles last); tiny contexts keep one split.

@@ -111,7 +111,7 @@ class DcpWorkspace:
                              lse_total=(t * hg, torch.float32), mine=(t * h * d, dtype))
         self.buffers = {name: torch.empty(_round_up(size, _ALIGN), dtype=dt, device=self.device)
                         for name, (size, dt) in sizes.items()}
-        # A decode's split counters (``plan_paged``'s ``split_sync``): a (token, head program) each, at most a head
+        # A decode's split counters (``plan_prefix``'s ``split_sync``): a (token, head program) each, at most a head
         # program per gathered Q head; zero once here, and every launch leaves them zero.
         if split_elements:
             self.buffers["split_sync"] = torch.zeros(t * heads.num_group_q_heads, dtype=torch.int32,

@@ -180,7 +180,7 @@ _EVERY_VARIANT = contextvars.ContextVar("dcp_triton_every_variant", default=Fals
 @contextlib.contextmanager
 def every_variant():
     """Within (the warm-up): a launch whose kernel variant a step picks from its sizes also runs the variants other
-    sizes would pick, so none compiles while serving (``split_kv.PagedLaunch``: the merge's two variants)."""
+    sizes would pick, so none compiles while serving (``split_kv.PrefixLaunch``: the merge's two variants)."""
     token = _EVERY_VARIANT.set(True)
     try:
         yield

@@ -11,10 +11,10 @@ previous item's work. Rows past the group are masked, so a group fills its share
 of more than ``_gluon.GLUON_DECODE_MIN_GROUP`` take it. With 32 Q heads over one KV head it ran at 0.82x-1.02x of
 FA3's speed, the ``tl`` decode kernel at 0.83x-0.90x, in one run (docs/kernels.md, the Gluon decode).
 
-Semantics are ``paged_attention``'s decode variant (``max_query_len == 1``): request ``b``'s row is
+Semantics are ``prefix_attention``'s decode variant (``max_query_len == 1``): request ``b``'s row is
 ``query_start_loc[b]`` (none when the request has no row); a request with no cached tokens, and an empty split, get
 (0, -inf); rows past ``query_start_loc[num_reqs]`` (a CUDA graph's padding) get (0, -inf) from the items of request
-``num_reqs``. ``plan_paged`` picks it where ``_gluon.decode_takes_gluon`` allows and owns the split partials and their
+``num_reqs``. ``plan_prefix`` picks it where ``_gluon.decode_takes_gluon`` allows and owns the split partials and their
 merge; with one split it writes ``out``/``lse`` (plain or rank-major) directly.
 """
 
@@ -31,7 +31,7 @@ from dcp_plugin.kernels._pdl import pdl_for
 from dcp_plugin.kernels.gluon_parts import (
     attend_overlap, copy_tiles, head_offset, page_descriptors, ring_buffers, wait_for_previous_grid,
 )
-from dcp_plugin.kernels.split_kv import PagedLaunch, auto_splits, split_outputs, with_merge
+from dcp_plugin.kernels.split_kv import PrefixLaunch, auto_splits, split_outputs, with_merge
 
 ROWS = gl.constexpr(64)  # Q heads of one KV group per program: a warpgroup MMA's rows (the heads past it masked)
 PAGE = PREFIX_PAGE
@@ -194,7 +194,7 @@ def _produce(k_cache_ptr, v_cache_ptr, block_table_ptr, kv_lens_ptr, query_start
         used += n_tiles
 
 
-# Not specialized on, as in ``paged_attention_kernel``: per-step sizes, the split count and the strides that scale
+# Not specialized on, as in ``prefix_attention_kernel``: per-step sizes, the split count and the strides that scale
 # with them, the block table's row stride, ``tma_rows``, and the batch tables' alignment: one variant per split-or-not
 # serves every step.
 @gluon.jit(do_not_specialize=("num_tokens", "num_reqs", "num_splits", "num_items", "stride_bt_req", "stride_ot",
@@ -235,11 +235,11 @@ def gluon_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_len
 def plan_gluon_decode(q, key_cache, value_cache, block_table, kv_lens, *, scale, q_head_start, q_per_kv,
                       kv_head_start, first_kv_head, head_tiles_per_group, num_groups, num_splits, out_strides,
                       lse_strides, pages: int = PAGES, stages: int = STAGES, programs: int | None = None) -> Launch:
-    """Stage 1 of ``plan_paged``'s decode on sm_90, called like ``paged_attention_kernel``'s ``Launch``
+    """Stage 1 of ``plan_prefix``'s decode on sm_90, called like ``prefix_attention_kernel``'s ``Launch``
     (``(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, k_scale, v_scale)``, where
     ``out``/``lse`` are the split partials with more than one split); ``out_strides``: ``(heads_per_rank, stride_r,
     stride_t, stride_h, stride_split, stride_d)``, ``lse_strides``: ``(stride_r, stride_t, stride_h, stride_split)``
-    (``plan_paged``'s); head tiles as ``_schedule.head_tiling`` gives them for ``ROWS``; the caller checked
+    (``plan_prefix``'s); head tiles as ``_schedule.head_tiling`` gives them for ``ROWS``; the caller checked
     ``_gluon.decode_takes_gluon``. ``pages``, ``stages``: ``PAGES``, ``STAGES`` (benchmarks time others);
     ``programs``: how many programs take the work items in turn (None: ``PER_SM`` a SM; 0: a program per item)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -264,10 +264,10 @@ def plan_gluon_decode(q, key_cache, value_cache, block_table, kv_lens, *, scale,
         num_warps=4, scratch=True, stand_ins={8: 0, 9: 0}, pdl=pdl)  # no scales: q's pointer stands in (never read)
 
 
-def plan_paged_gluon_decode(q, key_cache, value_cache, block_table, kv_lens, out, lse, *, scale,
-                            q_head_start, q_per_kv, kv_head_start, max_kv_len, num_splits, split_buffer,
-                            tiles) -> PagedLaunch:
-    """``plan_paged`` for a decode ``gluon_decode`` serves: its head tiles, split count (at most ``PER_SM``
+def plan_prefix_gluon_decode(q, key_cache, value_cache, block_table, kv_lens, out, lse, *, scale,
+                             q_head_start, q_per_kv, kv_head_start, max_kv_len, num_splits, split_buffer,
+                             tiles) -> PrefixLaunch:
+    """``plan_prefix`` for a decode ``gluon_decode`` serves: its head tiles, split count (at most ``PER_SM``
     programs per SM) and stage 1. ``tiles``: ``(pages, stages[, programs])`` of ``plan_gluon_decode``, or its own."""
     pages, stages, programs = (*tiles, None)[:3] if tiles else (PAGES, STAGES, None)
     num_tokens, num_q_heads, head_dim = q.shape

@@ -10,8 +10,8 @@ against 518 / 510 for the ``tl`` kernel and 582 / 567 for FA3 in the same proces
 (``benchmarks/kernels/gluon_chunk_probe.py``; docs/kernels.md, prefix pass).
 
 Imported only where ``_gluon.prefix_takes_gluon`` allows it (Triton 3.6, sm_90, unless ``DCP_TRITON_GLUON=0``);
-``plan_paged`` picks it for query blocks of a prefill step read in one split, else the ``tl`` kernel runs.
-Semantics are ``paged_attention``'s: programs numbered over the batch like ``extend_attention_kernel``
+``plan_prefix`` picks it for query blocks of a prefill step read in one split, else the ``tl`` kernel runs.
+Semantics are ``prefix_attention``'s: programs numbered over the batch like ``chunk_attention_kernel``
 (``_schedule``), one per (block of 128 rows, local Q head), plus one per head for the rows past
 ``query_start_loc[num_reqs]`` (written as (0, -inf)); a request with no cached tokens gets (0, -inf); plain or
 rank-major ``out``/``lse``. The last tile's V rows past the context are zeroed into a copy before P x V (their
@@ -99,7 +99,7 @@ def _attend_rows(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, f
                stride_ot, stride_lt, acc_layout, io_layout)  # no cached token: (0, -inf)
 
 
-# Not specialized on, as in ``paged_attention_kernel``: per-step sizes and the LSE strides that scale with them, the
+# Not specialized on, as in ``prefix_attention_kernel``: per-step sizes and the LSE strides that scale with them, the
 # block table's row stride (the engine's table width, which the warm-up cannot know), ``tma_rows``, and the batch
 # tables' alignment (a mixed step's requests after its decodes start mid-tensor): one variant serves every step.
 @gluon.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs", "stride_bt_req", "stride_lr", "stride_lt",
@@ -153,7 +153,7 @@ def gluon_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_len
 def plan_gluon_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, *, scale,
                       q_head_start, q_per_kv, kv_head_start, stages: int = STAGES,
                       producer_fix: bool = PRODUCER_FIX, overlap: bool = OVERLAP) -> Launch:
-    """``gluon_prefix_kernel`` prepared for tensors like these, called like ``paged_attention_kernel``'s ``Launch``
+    """``gluon_prefix_kernel`` prepared for tensors like these, called like ``prefix_attention_kernel``'s ``Launch``
     (``(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, k_scale, v_scale)``);
     the caller checked ``_gluon.prefix_takes_gluon``. ``stages``, ``producer_fix``, ``overlap``: ``STAGES``,
     ``PRODUCER_FIX``, ``OVERLAP`` (benchmarks time each)."""

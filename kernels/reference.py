@@ -86,8 +86,8 @@ def _from_cache(values: torch.Tensor, acc: torch.dtype, scale) -> torch.Tensor:
     return values.to(acc) * scale.to(acc) if values.dtype in FP8_DTYPES else values.to(acc)
 
 
-def extend_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
-                     out=None, lse=None, chunk_mask=None):
+def chunk_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
+                    out=None, lse=None, chunk_mask=None):
     """Causal attention of each sequence's queries to that sequence's own new keys.
 
     ``q [T, Hq, D]``, ``k/v [T, Hk, D]``, ``query_start_loc [B + 1]``: sequence
@@ -113,9 +113,9 @@ def extend_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_s
     return _finish(out_acc, lse_acc, q, out, lse)
 
 
-def paged_attention(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, *, scale, q_head_start,
-                    q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None, out=None, lse=None,
-                    k_scale=None, v_scale=None):
+def prefix_attention(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, *, scale, q_head_start,
+                     q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None, out=None, lse=None,
+                     k_scale=None, v_scale=None):
     """Every query row of request ``b`` attends, non-causally, to its cached tokens ``[0, kv_lens[b])``.
 
     Cached token ``j`` of request ``b`` is ``key_cache[block_table[b, j // block_size], j % block_size]``.
@@ -231,26 +231,26 @@ def _write_launch(k, v, key_cache, value_cache, slot_mapping, k_scale=None, v_sc
     write_kv_cache(k, v, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
-def plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
-                chunk_mask=None, config=None):
+def plan_chunk(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
+               chunk_mask=None, config=None):
     def launch(q, k, v, out, lse, query_start_loc):
-        extend_attention(q, k, v, query_start_loc, max_query_len, scale=scale, q_head_start=q_head_start,
-                         q_per_kv=q_per_kv, kv_head_start=kv_head_start, out=out, lse=lse, chunk_mask=chunk_mask)
+        chunk_attention(q, k, v, query_start_loc, max_query_len, scale=scale, q_head_start=q_head_start,
+                        q_per_kv=q_per_kv, kv_head_start=kv_head_start, out=out, lse=lse, chunk_mask=chunk_mask)
     return launch
 
 
-def plan_paged(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, *, scale,
-               q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None,
-               split_buffer=None, config=None, split_sync=None):
-    return functools.partial(_paged_launch, dict(scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
-                                                 kv_head_start=kv_head_start, max_kv_len=max_kv_len,
-                                                 max_query_len=max_query_len))
+def plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, *, scale,
+                q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None,
+                split_buffer=None, config=None, split_sync=None):
+    return functools.partial(_prefix_launch, dict(scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
+                                                  kv_head_start=kv_head_start, max_kv_len=max_kv_len,
+                                                  max_query_len=max_query_len))
 
 
-def _paged_launch(kwargs, q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse,
-                  k_scale=None, v_scale=None):
-    paged_attention(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out=out, lse=lse,
-                    k_scale=k_scale, v_scale=v_scale, **kwargs)
+def _prefix_launch(kwargs, q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse,
+                   k_scale=None, v_scale=None):
+    prefix_attention(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out=out, lse=lse,
+                     k_scale=k_scale, v_scale=v_scale, **kwargs)
 
 
 def plan_merge(parts_out, parts_lse, extra_out, extra_lse, out, lse, *, o_part_start=0, num_o_parts=None):

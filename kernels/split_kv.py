@@ -1,5 +1,5 @@
 """Split-KV partials of paged attention: where they live, the kernel that merges a request's splits by LSE, and the
-prepared launch of both stages (``PagedLaunch``).
+prepared launch of both stages (``PrefixLaunch``).
 
 A paged-attention launch with ``S`` splits per request writes ``[T, H, S, D]`` float32 partial outputs and
 ``[T, H, S]`` LSEs (``split_views``), then ``split_merge_kernel`` merges each (token, head)'s splits into
@@ -25,11 +25,11 @@ _LOG2E = tl.constexpr(LOG2E)
 # count in one step (one memory round trip: a small batch's 8-64 splits), the narrow one up to NARROW_SPLITS without
 # computing over 56+ masked splits per (token, head) (a large batch's 2-8; with one KV head and 256 requests the wide
 # one took 21 us a launch, more than a third of the decode pass; docs/kernels.md, decode). A step picks by
-# its split count; the warm-up runs both (``PagedLaunch``), so neither compiles while serving.
+# its split count; the warm-up runs both (``PrefixLaunch``), so neither compiles while serving.
 MERGE_SPLITS = MAX_AUTO_SPLITS
 NARROW_SPLITS = 8
 NARROW_HEADS = 4  # (token, head)s of one program in the narrow variant: 8 splits x 128 dims is little work
-# A balanced decode's last split merges (``PagedConfig.last_split_merges``) where the plan's bound keeps every request
+# A balanced decode's last split merges (``PrefixConfig.last_split_merges``) where the plan's bound keeps every request
 # within LAST_MERGE_SPLITS splits (an average would not: one long context among short ones takes dozens) and the step
 # has at least LAST_MERGE_PROGRAMS (token, head program)s: one program reads a (token, head program)'s partials one
 # split after the other, which took longer than a merge launch spreading them over (token, head)s where a request
@@ -187,8 +187,8 @@ def plan_split_merge(part_out, part_lse, out, lse, *, narrow: bool | None = None
                   num_warps=4 if block_d <= 128 else 8, stand_ins=None if counted else {4: 0}, pdl=pdl)
 
 
-class PagedLaunch:
-    """``paged_attention`` prepared for one step's tensor shapes; call it with ``(q, key_cache, value_cache,
+class PrefixLaunch:
+    """``prefix_attention`` prepared for one step's tensor shapes; call it with ``(q, key_cache, value_cache,
     block_table, kv_lens, query_start_loc, out, lse)`` and, for an fp8 cache, ``k_scale, v_scale``. With
     several splits, stage 1 writes the partials into buffers the plan holds and stage 2 merges them into
     ``out``/``lse``; inside ``every_variant()`` (the warm-up) the merge's other variant (``merge_other``) runs
@@ -224,7 +224,7 @@ class PagedLaunch:
         self.merge(self.part_out, self.part_lse, out, lse, counts)
 
 
-# Split counters of standalone launches whose last split merges (``plan_paged`` without ``split_sync``): one zeroed
+# Split counters of standalone launches whose last split merges (``plan_prefix`` without ``split_sync``): one zeroed
 # buffer per device and stream, grown when a launch needs more, and every launch leaves them zero. A superseded
 # buffer is kept: a CUDA graph captured over it holds its address. Engines pass their workspace's own.
 _SYNC: dict[tuple[str, int | None, int], torch.Tensor] = {}
@@ -300,12 +300,12 @@ def split_outputs(q, out, lse, num_splits: int, split_buffer, *, balanced: bool 
 
 
 def with_merge(stage1: Launch, part_out, part_lse, out, lse, num_splits: int, split_counts=None,
-               stage1_extra: tuple = (), narrow: bool | None = None, stage1_other: tuple | None = None) -> PagedLaunch:
+               stage1_extra: tuple = (), narrow: bool | None = None, stage1_other: tuple | None = None) -> PrefixLaunch:
     """Stage 1 and, with several splits, the merge of its partials (and the merge's other variant, for the
     warm-up); ``split_counts`` for a balanced decode (the merge reads them). ``narrow``: the merge's variant
     (None: by the split count, ``merge_tiling``)."""
     if num_splits == 1:
-        return PagedLaunch(stage1, None, part_out, part_lse, num_splits, stage1_extra=stage1_extra)
+        return PrefixLaunch(stage1, None, part_out, part_lse, num_splits, stage1_extra=stage1_extra)
     counted = split_counts is not None
     if INTERPRET:
         narrow = None  # merge_tiling's interpreter tiling
@@ -314,5 +314,5 @@ def with_merge(stage1: Launch, part_out, part_lse, out, lse, num_splits: int, sp
     merge = plan_split_merge(part_out, part_lse, out, lse, counted=counted, narrow=narrow)
     other = None if INTERPRET else plan_split_merge(part_out, part_lse, out, lse, counted=counted,
                                                     narrow=not narrow)
-    return PagedLaunch(stage1, merge, part_out, part_lse, num_splits, merge_other=other, split_counts=split_counts,
-                       stage1_extra=stage1_extra, stage1_other=stage1_other)
+    return PrefixLaunch(stage1, merge, part_out, part_lse, num_splits, merge_other=other, split_counts=split_counts,
+                        stage1_extra=stage1_extra, stage1_other=stage1_other)

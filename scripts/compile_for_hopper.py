@@ -38,7 +38,7 @@ from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction 
 
 import dcp_plugin as dp  # noqa: E402
 from dcp_plugin import kernels  # noqa: E402
-from dcp_plugin.kernels import _gluon, _launch, _paged_tile, _pdl, split_kv  # noqa: E402
+from dcp_plugin.kernels import _gluon, _launch, _pdl, _prefix_tile, split_kv  # noqa: E402
 from dcp_plugin.warmup import warm_up  # noqa: E402
 
 H100_SMS = 132
@@ -176,11 +176,11 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--json", help="write the per-variant report here")
     args = parser.parse_args()
-    for module in (sys.modules[kernels.paged_attention.__module__], split_kv):  # no GPU to ask
+    for module in (sys.modules[kernels.prefix_attention.__module__], split_kv):  # no GPU to ask
         module.num_sms = lambda device_index: H100_SMS
-    for module in (_paged_tile, sys.modules[kernels.extend_attention.__module__]):  # what an sm_90 GPU answers
+    for module in (_prefix_tile, sys.modules[kernels.chunk_attention.__module__]):  # what an sm_90 GPU answers
         module.tma_available = lambda device: True
-    for module in (sys.modules[kernels.paged_attention.__module__], split_kv,
+    for module in (sys.modules[kernels.prefix_attention.__module__], split_kv,
                    sys.modules[kernels.write_kv_cache.__module__]):  # programmatic dependent launches: sm_90 takes them
         module.pdl_for = _sm90_pdl
     dtype, cache_dtypes = getattr(torch, args.dtype), (None, torch.float8_e4m3fn, torch.float8_e5m2)

@@ -239,8 +239,8 @@ def random_case(rng: random.Random, n: int, index: int) -> Case:
             return case
 
 
-KERNEL_OF_PLAN = {"plan_write_kv": "write_kv_cache", "plan_extend": "extend_attention",
-                "plan_paged": "paged_attention", "plan_merge": "merge"}
+KERNEL_OF_PLAN = {"plan_write_kv": "write_kv_cache", "plan_chunk": "chunk_attention",
+                "plan_prefix": "prefix_attention", "plan_merge": "merge"}
 _KERNEL_LOCK = threading.Lock()
 
 

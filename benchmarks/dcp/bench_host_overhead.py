@@ -262,11 +262,11 @@ def public_launch_costs(gen) -> dict:
     """Host µs of the checked public functions (what a caller outside the core pays), for comparison."""
     attn, (q, k, v, kc, vc), step, _, tokens = make_step(32, 8192, 1, gen, n=1)
     calls = {
-        "paged_attention": lambda: kernels.paged_attention(
+        "prefix_attention": lambda: kernels.prefix_attention(
             q, kc, vc, step.block_table, step.local_seq_lens, step.query_start_loc, scale=0.1, q_head_start=0,
             q_per_kv=q.shape[1], kv_head_start=0, max_kv_len=step.max_local_seq_len, max_query_len=1),
-        "extend_attention": lambda: kernels.extend_attention(q, k, v, step.query_start_loc, 1, scale=0.1,
-                                                             q_head_start=0, q_per_kv=q.shape[1], kv_head_start=0),
+        "chunk_attention": lambda: kernels.chunk_attention(q, k, v, step.query_start_loc, 1, scale=0.1,
+                                                           q_head_start=0, q_per_kv=q.shape[1], kv_head_start=0),
     }
     return {name: host_us(call, 100) for name, call in calls.items()}
 

@@ -10,7 +10,7 @@ bf16), each function is called ``--calls`` times back to back after a warm-up, n
   syncs     synchronising operations one call makes (``torch.cuda.set_sync_debug_mode``'s warnings)
 
 dcp-triton's call is split into its phases, each timed alone the same way: the argument checks (``checked_outputs``
-for the decode), the plan (``plan_paged`` / ``plan_extend``: launch constants, grid, scratch) and the prepared
+for the decode), the plan (``plan_prefix`` / ``plan_chunk``: launch constants, grid, scratch) and the prepared
 launch's replay (what the DCP core pays per layer inside vLLM and SGLang). FA3 is vLLM's build
 (``vllm.vllm_flash_attn``, ``fa_version=3``) called with no precomputed scheduler metadata, as a one-shot user calls
 it. The summary's ``oneshot_call_ratio_max`` is dcp-triton's ``call_us`` over FA3's, worst case.
@@ -64,8 +64,8 @@ def inputs(case: dict, device: str = "cuda", dtype=None):
 def ours(case: dict, t: dict) -> dict:
     """dcp-triton's public call and its phases, each ``fn()``; ``"planned"``: the ``(out, lse)`` the prepared launch
     (``"replay"``) writes."""
-    from dcp_plugin.kernels import extend_attention, paged_attention, plan_extend, plan_paged
-    from dcp_plugin.kernels.paged_attention import checked_outputs
+    from dcp_plugin.kernels import chunk_attention, prefix_attention, plan_chunk, plan_prefix
+    from dcp_plugin.kernels.prefix_attention import checked_outputs
 
     heads = dict(q_head_start=0, q_per_kv=case["q_heads"] // case["kv_heads"], kv_head_start=0)
     scale = case["head_dim"] ** -0.5
@@ -74,17 +74,17 @@ def ours(case: dict, t: dict) -> dict:
         hints = dict(max_kv_len=case["context"], max_query_len=1)
         out, lse = checked_outputs(*paged, scale=scale, **heads, **hints, num_splits=None, out=None, lse=None,
                                    k_scale=None, v_scale=None)
-        launch = plan_paged(*paged, out, lse, scale=scale, **heads, **hints)
-        return {"call": lambda: paged_attention(*paged, scale=scale, **heads, **hints),
+        launch = plan_prefix(*paged, out, lse, scale=scale, **heads, **hints)
+        return {"call": lambda: prefix_attention(*paged, scale=scale, **heads, **hints),
                 "checks": lambda: checked_outputs(*paged, scale=scale, **heads, **hints, num_splits=None, out=None,
                                                   lse=None, k_scale=None, v_scale=None),
-                "plan": lambda: plan_paged(*paged, out, lse, scale=scale, **heads, **hints),
+                "plan": lambda: plan_prefix(*paged, out, lse, scale=scale, **heads, **hints),
                 "replay": lambda: launch(*paged, out, lse, None, None), "planned": (out, lse)}
     q, k, v, qsl, n = t["q"], t["k"], t["v"], t["query_start_loc"], case["context"]
     out, lse = q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=__import__("torch").float32)
-    launch = plan_extend(q, k, v, out, lse, qsl, n, scale=scale, **heads)
-    return {"call": lambda: extend_attention(q, k, v, qsl, n, scale=scale, **heads),
-            "plan": lambda: plan_extend(q, k, v, out, lse, qsl, n, scale=scale, **heads),
+    launch = plan_chunk(q, k, v, out, lse, qsl, n, scale=scale, **heads)
+    return {"call": lambda: chunk_attention(q, k, v, qsl, n, scale=scale, **heads),
+            "plan": lambda: plan_chunk(q, k, v, out, lse, qsl, n, scale=scale, **heads),
             "replay": lambda: launch(q, k, v, out, lse, qsl), "planned": (out, lse)}
 
 

@@ -18,8 +18,8 @@ import triton.runtime.build
 from dcp_plugin import DcpAttention, DcpWorkspace, kernels, warmup
 from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_GROUP, PREFIX_PAGE
 from dcp_plugin.kernels.merge import merge_kernel
-from dcp_plugin.kernels.extend_attention import extend_attention_kernel
-from dcp_plugin.kernels.paged_attention import paged_attention_kernel, split_merge_kernel
+from dcp_plugin.kernels.chunk_attention import chunk_attention_kernel
+from dcp_plugin.kernels.prefix_attention import prefix_attention_kernel, split_merge_kernel
 from dcp_plugin.kernels.write_kv_cache import write_kv_cache_kernel
 from dcp_plugin.warmup import warm_up
 from tests.dcp_harness import Case, RankState, ThreadGroup, World, causal_attention_f64, run_threads, serial
@@ -27,7 +27,7 @@ from tests.kernel_checks import assert_matches, gluon_kernels
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-KERNELS = (write_kv_cache_kernel, extend_attention_kernel, paged_attention_kernel, split_merge_kernel,
+KERNELS = (write_kv_cache_kernel, chunk_attention_kernel, prefix_attention_kernel, split_merge_kernel,
            merge_kernel) + gluon_kernels()  # the Gluon ones where they serve (sm_90, Triton 3.6)
 # (cached context, new tokens) of the first step: long decodes, speculative verify rows, a chunk over a prefix, a
 # fresh prompt, a one-token prompt, contexts shorter than the group; then single-token decode steps.
@@ -45,7 +45,7 @@ def reached(kernel, block_size: int, group: int = 4) -> bool:
     gluon = gluon_kernels()
     if not gluon:
         return True
-    if kernel is extend_attention_kernel:
+    if kernel is chunk_attention_kernel:
         return False
     if kernel is gluon[2]:
         return block_size == PREFIX_PAGE and group > GLUON_DECODE_MIN_GROUP
@@ -208,7 +208,7 @@ def _one_rank_steps(case: Case, max_num_tokens: int, steps: list, heads: range) 
 def test_a_chunk_past_short_chunk_rows_compiles_nothing_after_warm_up():
     """A workspace that holds more than SHORT_CHUNK tokens: the warm-up compiles the current chunk's larger tiles
     too, so a 3,000-token prompt beside a 1,000-token one (each chunk's tiles) compiles nothing when it comes."""
-    from dcp_plugin.kernels.extend_attention import SHORT_CHUNK
+    from dcp_plugin.kernels.chunk_attention import SHORT_CHUNK
     from dcp_plugin.warmup import STEPS
 
     case = Case(name="warm-long-chunk", q_heads=32, kv_heads=8, head_dim=128, block_size=64,

@@ -54,7 +54,7 @@ def _shape_ops(log: list):
             return lambda *args: log.append((name, shapes))
         return plan
 
-    return SimpleNamespace(**{f"plan_{name}": prepare(name) for name in ("write_kv", "extend", "paged", "merge")},
+    return SimpleNamespace(**{f"plan_{name}": prepare(name) for name in ("write_kv", "chunk", "prefix", "merge")},
                            split_capacity=lambda head_dim, device: 0)
 
 
@@ -77,7 +77,7 @@ def test_forward_never_syncs(comm):
     assert out.device.type == "meta" and out.shape == meta["q"].shape
     launched = [name for name, _ in log]
     # The step has a cached prefix: current chunk, prefix pass, then the merge (two kernels for ag_rs).
-    assert launched == ["write_kv", "extend", "paged"] + ["merge"] * (2 if comm == "ag_rs" else 1), launched
+    assert launched == ["write_kv", "chunk", "prefix"] + ["merge"] * (2 if comm == "ag_rs" else 1), launched
     log.clear()
     attn.forward(**meta, batch=batch)  # the next layer replays the step's plan: the same launches
     assert [name for name, _ in log] == launched

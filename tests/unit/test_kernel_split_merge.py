@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dcp_plugin.kernels import _launch, split_kv
-from dcp_plugin.kernels.split_kv import NARROW_SPLITS, PagedLaunch, merge_tiling, plan_split_merge
+from dcp_plugin.kernels.split_kv import NARROW_SPLITS, PrefixLaunch, merge_tiling, plan_split_merge
 from tests.kernel_checks import assert_matches, poisoned
 
 
@@ -113,8 +113,8 @@ class Recorder:
 
 def test_the_other_merge_variant_runs_only_inside_every_variant():
     calls: list = []
-    plan = PagedLaunch(Recorder("stage1", calls), Recorder("merge", calls), None, None, 2,
-                       merge_other=Recorder("other", calls))
+    plan = PrefixLaunch(Recorder("stage1", calls), Recorder("merge", calls), None, None, 2,
+                        merge_other=Recorder("other", calls))
     args = (None,) * 8
     plan(*args)
     assert calls == ["stage1", "merge"]

@@ -64,7 +64,7 @@ def test_fresh_prompts_issue_no_collective(comm, kernels):
 def test_current_chunk_takes_full_kv_and_global_head_map(comm, kernels):
     for rank, (log, k, v, heads, out, want) in enumerate(_forward(_seed_case(MIXED, comm, kernels))):
         names = [e if isinstance(e, str) else e[0] for e in log]
-        chunk = names.index("extend_attention")
+        chunk = names.index("chunk_attention")
         assert "all_gather" not in names[:chunk], f"rank {rank}: a collective before the current chunk: {names}"
         assert [n for n in names if n in _COLLECTIVE_NAMES] == COLLECTIVES[comm], f"rank {rank}: {names}"
         _, tensors, kwargs = log[chunk]

@@ -151,8 +151,8 @@ def test_warm_up_runs_every_step_kind_and_leaves_the_cache_alone(trees, monkeypa
     two ranks, and no slot of the cache written."""
     case = Case(name="warm", q_heads=4, kv_heads=2, head_dim=16, requests=((3, 1),), seed=9)
     masks = []
-    real = reference.plan_extend
-    monkeypatch.setattr(reference, "plan_extend", lambda *a, chunk_mask=None, **k: masks.append(chunk_mask) or
+    real = reference.plan_chunk
+    monkeypatch.setattr(reference, "plan_chunk", lambda *a, chunk_mask=None, **k: masks.append(chunk_mask) or
                         real(*a, chunk_mask=chunk_mask, **k))
 
     def rank_fn(rank, exchange):
@@ -192,7 +192,7 @@ def test_warm_up_adds_a_long_chunk_only_where_a_step_can_reach_it(monkeypatch):
     from types import SimpleNamespace
 
     from dcp_plugin import warmup
-    from dcp_plugin.kernels.extend_attention import SHORT_CHUNK
+    from dcp_plugin.kernels.chunk_attention import SHORT_CHUNK
 
     def attn(kernels, max_tokens):
         fits = None if max_tokens is None else SimpleNamespace(fits=lambda t: t <= max_tokens)
@@ -262,7 +262,7 @@ def test_a_mixed_steps_leading_decodes_get_their_own_decode_launch(n, comm, kern
                       state.heads.group_q_head_start + state.heads.num_group_q_heads)
         want = torch.cat([causal_attention_f64(world, b, p, heads) for b, p in enumerate(positions)])
         assert_matches(got, want, torch.float32, f"N={n} {comm} {kernels}")
-        return [name for name, *_ in log].count("paged_attention")
+        return [name for name, *_ in log].count("prefix_attention")
 
     assert run_threads(n, rank_fn) == [2] * n
 
@@ -286,12 +286,12 @@ def test_decodes_first_keeps_the_decode_rows_when_both_launches_split():
     decodes = tuple(t[:nd + (i == 2)] for i, t in enumerate(tables))
     rest = tuple(t[nd:] for t in tables)
     plan = DecodesFirst(
-        decodes=kernels.plan_paged(q[:nd], state.key_cache, state.value_cache, *decodes, out[:nd], lse[:nd],
-                                   max_query_len=1, **head_map),
-        rest=kernels.plan_paged(q, state.key_cache, state.value_cache, *rest, out, lse, max_query_len=6, **head_map),
+        decodes=kernels.plan_prefix(q[:nd], state.key_cache, state.value_cache, *decodes, out[:nd], lse[:nd],
+                                    max_query_len=1, **head_map),
+        rest=kernels.plan_prefix(q, state.key_cache, state.value_cache, *rest, out, lse, max_query_len=6, **head_map),
         num_decodes=nd, decode_tables=decodes, rest_tables=rest, rank_major=False)
     plan(q, state.key_cache, state.value_cache, *tables, out, lse)
-    want_out, want_lse = kernels.reference.paged_attention(
+    want_out, want_lse = kernels.reference.prefix_attention(
         q.double(), state.key_cache.double(), state.value_cache.double(), *tables, scale=world.scale,
         q_head_start=0, q_per_kv=2, kv_head_start=0, max_kv_len=40)
     assert_matches(out, want_out, torch.float32, "decodes-first out")

@@ -1,4 +1,4 @@
-"""``paged_attention``'s argument checks: one clear line naming a bad argument, before any work is done."""
+"""``prefix_attention``'s argument checks: one clear line naming a bad argument, before any work is done."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ MAX_SPLITS = 256  # explicit num_splits upper bound
 
 def checked_outputs(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, *, scale, q_head_start,
                     q_per_kv, kv_head_start, max_kv_len, max_query_len, num_splits, out, lse, k_scale, v_scale):
-    """``paged_attention``'s arguments checked, one clear line for a bad one -> ``(out, lse)``, made if None."""
+    """``prefix_attention``'s arguments checked, one clear line for a bad one -> ``(out, lse)``, made if None."""
     check_kernel_tensor("q", q, ndim=3)
     device = q.device
     num_tokens, num_q_heads, head_dim = q.shape

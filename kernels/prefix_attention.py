@@ -13,10 +13,10 @@ request), short queries (speculative-decoding verify rows) and long ones (prefil
 their query blocks over the whole batch (``_schedule``), so a mixed step never launches ``requests x longest
 query`` programs. ``out``/``lse`` may be rank-major (``[R, T, H / R, D]``): the layout the DCP collectives send.
 On sm_90+ a tile that lies inside one page (pages of 64 tokens or more) comes through tensor descriptors, one TMA
-copy per K or V tile (``_paged_tile``); smaller pages are gathered token by token. A prefill step's prefix pass on
+copy per K or V tile (``_prefix_tile``); smaller pages are gathered token by token. A prefill step's prefix pass on
 sm_90 with Triton 3.6 (unless ``DCP_TRITON_GLUON=0``) runs ``gluon_prefix`` where ``_gluon.prefix_takes_gluon``
 allows, and a decode with more than ``GLUON_DECODE_MIN_GROUP`` Q heads per KV group runs ``gluon_decode`` as stage
-1 where ``_gluon.decode_takes_gluon`` allows. The ``tl`` kernel's launch constants: ``_paged_config``.
+1 where ``_gluon.decode_takes_gluon`` allows. The ``tl`` kernel's launch constants: ``_prefix_config``.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from dcp_plugin.kernels._launch import (
     LOG2E, Launch, cdiv, device_index, every_variant_wanted, next_pow2, num_sms,
 )
 from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_GROUP, decode_takes_gluon, prefix_takes_gluon
-from dcp_plugin.kernels._paged_checks import MAX_HEAD_DIM, MAX_SPLITS, checked_outputs  # noqa: F401
-from dcp_plugin.kernels._paged_config import (  # noqa: F401 - the tuning table is part of this module's API
+from dcp_plugin.kernels._prefix_checks import MAX_HEAD_DIM, MAX_SPLITS, checked_outputs  # noqa: F401
+from dcp_plugin.kernels._prefix_config import (  # noqa: F401 - the tuning table is part of this module's API
     DESCRIPTOR_DECODE_CONFIGS, DESCRIPTOR_DECODE_MAX_GROUP, FP8_DESCRIPTOR_DECODE_CONFIGS, GPU_CONFIGS,
-    GPU_FP32_CONFIGS, INTERPRET_CONFIG, POINTER_CONFIGS, PagedConfig, pick_config,
+    GPU_FP32_CONFIGS, INTERPRET_CONFIG, POINTER_CONFIGS, PrefixConfig, pick_config,
 )
-from dcp_plugin.kernels._paged_tile import attend_split, cache_takes_descriptors
+from dcp_plugin.kernels._prefix_tile import attend_split, cache_takes_descriptors
 from dcp_plugin.kernels._pdl import main_loop_done, pdl_for, wait_for_previous_grid
 from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count constants are part of this module's API
     MAX_AUTO_SPLITS, MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM, SMALL_GRID_PER_SM, balanced_max_splits, balanced_split,
@@ -44,11 +44,11 @@ from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count const
 )
 from dcp_plugin.kernels.checks import FP8_DTYPES
 from dcp_plugin.kernels.split_kv import (
-    LAST_MERGE_PROGRAMS, LAST_MERGE_SPLITS, NARROW_SPLITS, PagedLaunch, auto_splits, fit_splits, head_offsets,
+    LAST_MERGE_PROGRAMS, LAST_MERGE_SPLITS, NARROW_SPLITS, PrefixLaunch, auto_splits, fit_splits, head_offsets,
     merge_split_rows, split_merge_kernel, split_outputs, sync_counters, with_merge,
 )
 
-__all__ = ["PagedConfig", "paged_attention", "paged_attention_kernel", "split_merge_kernel", "plan_paged",
+__all__ = ["PrefixConfig", "prefix_attention", "prefix_attention_kernel", "split_merge_kernel", "plan_prefix",
            "split_capacity"]
 
 _LOG2E = tl.constexpr(LOG2E)  # the kernels' copy (jit functions read only constexpr globals)
@@ -69,7 +69,7 @@ SHORT_QUERY = 8  # at most this many query rows per request: the short-query var
             # the batch tables may start mid-tensor (a mixed step's requests after its decodes); scalar loads anyway
             do_not_specialize_on_alignment=("block_table_ptr", "kv_lens_ptr", "query_start_loc_ptr",
                                             "part_lse_ptr", "split_counts_ptr", "split_sync_ptr"))
-def paged_attention_kernel(
+def prefix_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, kv_lens_ptr, query_start_loc_ptr,
     out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, part_out_ptr, part_lse_ptr, split_counts_ptr, split_sync_ptr,
     num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs,
@@ -93,7 +93,7 @@ def paged_attention_kernel(
     FP8_VIA_FP16: tl.constexpr,  # bf16 q over an fp8 cache: compute in fp16 (below)
     FP8_WIDEN: tl.constexpr,  # fp8 tiles widened before their shared-memory round trip: 0 none, 1 V, 2 K and V
     USE_TMA: tl.constexpr,  # whole tiles of one page through tensor descriptors (``cache_takes_descriptors``)
-    ROWS_AHEAD: tl.constexpr,  # with USE_TMA: descriptor rows read a chunk of tiles ahead (PagedConfig.rows_ahead)
+    ROWS_AHEAD: tl.constexpr,  # with USE_TMA: descriptor rows read a chunk of tiles ahead (PrefixConfig.rows_ahead)
     BALANCED: tl.constexpr = False,  # DECODE: each request's own split count (_schedule.balanced_split); out/lse
     # are then the final outputs, written by a request of one split, and part_out/part_lse ([T, Hq, num_splits, D]
     # and [T, Hq, num_splits]) take the partials of the others, split_counts ([T]) every token's split count
@@ -223,9 +223,9 @@ def paged_attention_kernel(
         tl.store(lse_rows + split_off * stride_lse_s, lse, mask=row_mask)
 
 
-def paged_attention(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, *, scale, q_head_start,
-                    q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None, out=None, lse=None,
-                    config: PagedConfig | None = None, k_scale=None, v_scale=None):
+def prefix_attention(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, *, scale, q_head_start,
+                     q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None, out=None, lse=None,
+                     config: PrefixConfig | None = None, k_scale=None, v_scale=None):
     """Every query row of request ``b`` attends, non-causally, to its cached tokens ``[0, kv_lens[b])``.
 
     Args:
@@ -247,13 +247,13 @@ def paged_attention(q, key_cache, value_cache, block_table, kv_lens, query_start
         out: ``[T, Hq, D]`` or rank-major ``[R, T, Hq / R, D]`` (head ``h`` at ``[h // (Hq / R), t, h % (Hq / R)]``),
             any float dtype (default: ``[T, Hq, D]`` in q's dtype). lse: ``[T, Hq]`` float32, rank-major
             ``[R, T, Hq / R]`` with a rank-major ``out``. Written in place.
-        config: a ``PagedConfig`` overriding the tuning table (benchmarks).
+        config: a ``PrefixConfig`` overriding the tuning table (benchmarks).
 
     Returns:
         ``(out, lse)``: lse is the natural-log sum of exp of the scaled scores; no cached tokens -> (0, -inf).
 
     Example:
-        >>> out, lse = paged_attention(q, kc, vc, block_table, kv_lens, query_start_loc, scale=D ** -0.5,
+        >>> out, lse = prefix_attention(q, kc, vc, block_table, kv_lens, query_start_loc, scale=D ** -0.5,
         ...                            q_head_start=0, q_per_kv=4, kv_head_start=0, max_kv_len=4096,
         ...                            max_query_len=1)
     """
@@ -263,16 +263,16 @@ def paged_attention(q, key_cache, value_cache, block_table, kv_lens, query_start
                                lse=lse, k_scale=k_scale, v_scale=v_scale)
     head_dim = q.shape[-1]
     cfg = None if config is None else pick_config(head_dim, decode=max_query_len == 1, dtype=q.dtype, config=config)
-    launch = plan_paged(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, scale=scale,
-                        q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
-                        max_kv_len=max_kv_len, max_query_len=max_query_len, num_splits=num_splits,
-                        config=cfg)
+    launch = plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, scale=scale,
+                         q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
+                         max_kv_len=max_kv_len, max_query_len=max_query_len, num_splits=num_splits,
+                         config=cfg)
     launch(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, k_scale, v_scale)
     return out, lse
 
 
 def split_capacity(head_dim: int, device: torch.device) -> int:
-    """float32 elements that hold the split partials of any automatic split count on ``device`` (``plan_paged``'s
+    """float32 elements that hold the split partials of any automatic split count on ``device`` (``plan_prefix``'s
     ``split_buffer``): the split count keeps stage 1 within ``PROGRAMS_PER_SM`` programs per SM of at most
     ``block_m`` rows each, and a row's partial is ``head_dim + 1`` floats."""
     sms = num_sms(torch.cuda.current_device() if device.type == "cuda" and device.index is None else device.index or 0)
@@ -280,12 +280,12 @@ def split_capacity(head_dim: int, device: torch.device) -> int:
     return PROGRAMS_PER_SM * sms * block_m * (head_dim + 1)
 
 
-def plan_paged(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, *, scale,
-               q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None,
-               split_buffer: torch.Tensor | None = None, config: PagedConfig | None = None,
-               gluon_decode: tuple[int, ...] | None = None, split_slots: int | None = None,
-               split_sync: torch.Tensor | None = None) -> PagedLaunch:
-    """``paged_attention`` prepared for tensors shaped like these (no checks). ``split_buffer``: float32 scratch of
+def plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, *, scale,
+                q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None,
+                split_buffer: torch.Tensor | None = None, config: PrefixConfig | None = None,
+                gluon_decode: tuple[int, ...] | None = None, split_slots: int | None = None,
+                split_sync: torch.Tensor | None = None) -> PrefixLaunch:
+    """``prefix_attention`` prepared for tensors shaped like these (no checks). ``split_buffer``: float32 scratch of
     ``split_capacity`` elements for the split partials (default: allocated here); an automatic split count is
     lowered until the partials fit in it. ``gluon_decode``: ``(pages, stages[, programs])`` of ``gluon_decode``
     for a decode it can serve, whatever the group size (benchmarks). ``split_slots``: a decode the ``tl`` kernel
@@ -301,12 +301,12 @@ def plan_paged(q, key_cache, value_cache, block_table, kv_lens, query_start_loc,
     cfg = config or pick_config(head_dim, decode=decode, dtype=q.dtype)
     if config is None and decode and (gluon_decode is not None or min(q_per_kv, num_q_heads) > GLUON_DECODE_MIN_GROUP) \
             and decode_takes_gluon(q, key_cache, value_cache, out):  # the group first: no tensor checks for most steps
-        from dcp_plugin.kernels.gluon_decode import plan_paged_gluon_decode
+        from dcp_plugin.kernels.gluon_decode import plan_prefix_gluon_decode
 
-        return plan_paged_gluon_decode(q, key_cache, value_cache, block_table, kv_lens, out, lse, scale=scale,
-                                       q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
-                                       max_kv_len=max_kv_len, num_splits=num_splits, split_buffer=split_buffer,
-                                       tiles=gluon_decode)
+        return plan_prefix_gluon_decode(q, key_cache, value_cache, block_table, kv_lens, out, lse, scale=scale,
+                                        q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
+                                        max_kv_len=max_kv_len, num_splits=num_splits, split_buffer=split_buffer,
+                                        tiles=gluon_decode)
     if config is None and decode and not INTERPRET and q.dtype != torch.float32 \
             and min(q_per_kv, num_q_heads) <= DESCRIPTOR_DECODE_MAX_GROUP:
         table = FP8_DESCRIPTOR_DECODE_CONFIGS if key_cache.dtype in FP8_DTYPES else DESCRIPTOR_DECODE_CONFIGS
@@ -340,9 +340,9 @@ def plan_paged(q, key_cache, value_cache, block_table, kv_lens, query_start_loc,
             and prefix_takes_gluon(q, key_cache, value_cache, out):  # a prefill step's prefix pass on Hopper
         from dcp_plugin.kernels.gluon_prefix import plan_gluon_prefix
 
-        return PagedLaunch(plan_gluon_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc,
-                                             out, lse, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
-                                             kv_head_start=kv_head_start), None, None, None, 1)
+        return PrefixLaunch(plan_gluon_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc,
+                                              out, lse, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
+                                              kv_head_start=kv_head_start), None, None, None, 1)
     part_out, part_lse, counts, out_strides, lse_strides = split_outputs(q, out, lse, num_splits, split_buffer,
                                                                          balanced=balanced)
     # The last split merges where the plan's bound keeps every request within a few splits and the step has enough
@@ -361,7 +361,7 @@ def plan_paged(q, key_cache, value_cache, block_table, kv_lens, query_start_loc,
 
     def stage1_launch(last: bool) -> Launch:
         return Launch(
-            paged_attention_kernel, grid,
+            prefix_attention_kernel, grid,
             (num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs, float(scale) * LOG2E, q_head_start,
              q_per_kv, kv_head_start, first_kv_head, head_tiles_per_group, num_splits, head_programs, *q.stride(),
              *key_cache.stride(), *value_cache.stride(), *block_table.stride(), *out_strides, *lse_strides,
@@ -388,7 +388,7 @@ def plan_paged(q, key_cache, value_cache, block_table, kv_lens, query_start_loc,
     # same buffers, rewritten next), so a step of either kind finds its kernel compiled.
     other = (stage1_launch(not last_merges), extra(not last_merges)) if mergeable and every_variant_wanted() else None
     if last_merges:  # stage 1 merges: no second launch
-        return PagedLaunch(stage1, None, part_out, part_lse, num_splits, stage1_extra=extra(True), stage1_other=other)
+        return PrefixLaunch(stage1, None, part_out, part_lse, num_splits, stage1_extra=extra(True), stage1_other=other)
     # The merge's variant by the splits a request takes on average: about slots / (requests x head programs).
     return with_merge(stage1, part_out, part_lse, out, lse, num_splits, split_counts=counts,
                       stage1_extra=extra(False), stage1_other=other,

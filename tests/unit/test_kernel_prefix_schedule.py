@@ -1,4 +1,4 @@
-"""How paged_attention cuts its work (kernels/_schedule.py): head tiles that cover each local Q head once with its own
+"""How prefix_attention cuts its work (kernels/_schedule.py): head tiles that cover each local Q head once with its own
 KV head for every head map, and the automatic KV split count."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from dcp_plugin.kernels._schedule import SMALL_GRID_PER_SM, group_head_tile, head_tiling
-from dcp_plugin.kernels.paged_attention import MAX_AUTO_SPLITS, MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM, pick_num_splits
+from dcp_plugin.kernels.prefix_attention import MAX_AUTO_SPLITS, MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM, pick_num_splits
 
 # (local Q heads, q_head_start, q_per_kv, kv_head_start): group sizes > 16 and not multiples of 16 (the grouped-
 # kernel bug of vLLM/SGLang), DCP ranks' gathered heads starting mid-group, MQA, and first KV heads other than 0.
