@@ -26,7 +26,7 @@ GLUON_ENV = "DCP_TRITON_GLUON"
 GLUON_TRITON = ("3.6.",)
 GLUON_HEAD_DIMS = (64, 128)  # the head sizes gluon_prefix and gluon_chunk serve (their float64 checks on the H200)
 PREFIX_PAGE = 64
-GLUON_DECODE_MIN_GROUP = 16  # gluon_decode serves decodes with more Q heads per KV group than this
+GLUON_DECODE_MIN_KV_GROUP = 16  # gluon_decode serves decodes with more Q heads per KV group than this
 
 
 @functools.cache
@@ -97,7 +97,7 @@ def head_columns(cache: torch.Tensor) -> int:
 
 
 def decode_takes_gluon(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether a decode (``plan_prefix`` asks; it also weighs the group size) can run ``gluon_decode``: what
+    """Whether a decode (``plan_prefix`` asks; it also weighs the KV group size) can run ``gluon_decode``: what
     ``prefix_takes_gluon`` asks of the tensors (the same copies read the cache), and each KV head's D elements
     within one token row (``head_columns``)."""
     return prefix_takes_gluon(q, key_cache, value_cache, out) and all(map(head_columns, (key_cache, value_cache)))

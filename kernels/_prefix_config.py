@@ -66,7 +66,7 @@ DESCRIPTOR_DECODE_CONFIGS = {128: PrefixConfig(block_n=64, block_m=64, num_warps
 # (docs/kernels.md, fp8 decode).
 FP8_DESCRIPTOR_DECODE_CONFIGS = {128: PrefixConfig(block_n=64, block_m=64, num_warps=4, num_stages=6, tma=True,
                                                    fp8_widen=1, max_registers=96, last_split_merges=True)}
-DESCRIPTOR_DECODE_MAX_GROUP = 16
+DESCRIPTOR_DECODE_MAX_KV_GROUP = 16
 # float32 tiles take twice the shared memory: 128-token prefix tiles do not fit (256 KiB of 227).
 GPU_FP32_CONFIGS = {(128, False): PrefixConfig(block_n=64, block_m=128, num_warps=8, num_stages=3)}
 INTERPRET_CONFIG = PrefixConfig(block_n=32, block_m=32, num_warps=1, num_stages=1)

@@ -1,5 +1,5 @@
 """Which rows a program owns, decided without a host sync: a block of one request's queries, a tile of one KV
-group's Q heads; and how many KV splits a request is cut into.
+KV group's Q heads; and how many KV splits a request is cut into.
 
 Query blocks of a varlen batch: which request (and which block of it) a program owns.
 
@@ -40,21 +40,21 @@ def flat_programs(num_tokens: int, num_reqs: int, block: int) -> int:
 
 
 @triton.jit
-def group_head_tile(pid_h, first_kv_head, head_tiles_per_group, q_head_start, q_per_kv, kv_head_start, num_q_heads,
-                    block_h):
+def kv_group_head_tile(pid_h, first_kv_head, head_tiles_per_kv_group, q_head_start, q_per_kv, kv_head_start,
+                       num_q_heads, block_h):
     """Head program ``pid_h`` -> (stored KV head, first local Q head of its tile, end of that KV group's local Q
     heads). The local Q heads reading stored KV head ``kv`` are ``[max(0, g * q_per_kv - q_head_start),
     min(Hq, (g + 1) * q_per_kv - q_head_start))`` with ``g = kv + kv_head_start``; a tile never passes the end."""
-    kv_head = first_kv_head + pid_h // head_tiles_per_group
-    group_lo = (kv_head + kv_head_start) * q_per_kv - q_head_start
-    head_hi = tl.minimum(group_lo + q_per_kv, num_q_heads)
-    tile_lo = tl.maximum(group_lo, 0) + (pid_h % head_tiles_per_group) * block_h
+    kv_head = first_kv_head + pid_h // head_tiles_per_kv_group
+    kv_group_lo = (kv_head + kv_head_start) * q_per_kv - q_head_start
+    head_hi = tl.minimum(kv_group_lo + q_per_kv, num_q_heads)
+    tile_lo = tl.maximum(kv_group_lo, 0) + (pid_h % head_tiles_per_kv_group) * block_h
     return kv_head, tile_lo, head_hi
 
 
 def head_tiling(*, num_q_heads: int, q_head_start: int, q_per_kv: int, kv_head_start: int,
                 block_h: int) -> tuple[int, int, int]:
-    """Host side of ``group_head_tile``: (first stored KV head touched, KV groups touched, tiles per group)."""
+    """Host side of ``kv_group_head_tile``: (first stored KV head touched, KV groups touched, tiles per KV group)."""
     first_kv_head = q_head_start // q_per_kv - kv_head_start
     last_kv_head = (q_head_start + num_q_heads - 1) // q_per_kv - kv_head_start
     return first_kv_head, last_kv_head - first_kv_head + 1, cdiv(min(q_per_kv, num_q_heads), block_h)

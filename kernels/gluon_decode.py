@@ -7,9 +7,9 @@ so one request's KV heads are read side by side. One program per SM takes items 
 mbarriers, through one pair of descriptors over every KV head, and zeroes an item's last V rows past its context in
 place (``gluon_parts.copy_tiles``); one consumer warpgroup runs QK^T -> softmax -> P x V in FA3's order
 (``gluon_parts.attend_overlap``). Both count the ring's uses across items, so one item's copies run under the
-previous item's work. Rows past the group are masked, so a group fills its share of the 64 rows: hence only groups
-of more than ``_gluon.GLUON_DECODE_MIN_GROUP`` take it. With 32 Q heads over one KV head it ran at 0.82x-1.02x of
-FA3's speed, the ``tl`` decode kernel at 0.83x-0.90x, in one run (docs/kernels.md, the Gluon decode).
+previous item's work. Rows past the KV group are masked, so a KV group fills its share of the 64 rows: hence only
+KV groups of more than ``_gluon.GLUON_DECODE_MIN_KV_GROUP`` take it. With 32 Q heads over one KV head it ran at
+0.82x-1.02x of FA3's speed, the ``tl`` decode kernel at 0.83x-0.90x, in one run (docs/kernels.md, the Gluon decode).
 
 Semantics are ``prefix_attention``'s decode variant (``max_query_len == 1``): request ``b``'s row is
 ``query_start_loc[b]`` (none when the request has no row); a request with no cached tokens, and an empty split, get
@@ -53,15 +53,15 @@ PER_SM = 1  # programs per SM (255 registers a thread: one fills an SM), each ov
 def _item(w, heads):
     """Work item ``w`` -> (request, KV split, stored KV head, the item's local Q heads ``head_lo .. head_hi``): items
     run split first, then head tile, then request; request ``num_reqs`` stands for the padding rows. ``heads``:
-    ``(num_reqs, num_splits, head_programs, first_kv_head, head_tiles_per_group, q_head_start, q_per_kv,
+    ``(num_reqs, num_splits, head_programs, first_kv_head, head_tiles_per_kv_group, q_head_start, q_per_kv,
     kv_head_start, num_q_heads)``."""
     split = w % heads[1]
     rest = w // heads[1]
     pid_h = rest % heads[2]
     kv_head = heads[3] + pid_h // heads[4]
-    group_lo = (kv_head + heads[7]) * heads[6] - heads[5]
-    head_hi = gl.minimum(group_lo + heads[6], heads[8])
-    head_lo = gl.maximum(group_lo, 0) + (pid_h % heads[4]) * ROWS
+    kv_group_lo = (kv_head + heads[7]) * heads[6] - heads[5]
+    head_hi = gl.minimum(kv_group_lo + heads[6], heads[8])
+    head_lo = gl.maximum(kv_group_lo, 0) + (pid_h % heads[4]) * ROWS
     return rest // heads[2], split, kv_head, head_lo, head_hi
 
 
@@ -203,7 +203,7 @@ def _produce(k_cache_ptr, v_cache_ptr, block_table_ptr, kv_lens_ptr, query_start
 def gluon_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_lens_ptr, query_start_loc_ptr,
                         out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, num_tokens, num_reqs, num_q_heads, num_splits,
                         num_items, qk_scale, q_head_start, q_per_kv, kv_head_start, first_kv_head,
-                        head_tiles_per_group, head_programs, stride_qt, stride_qh, stride_k_tok, stride_k_h,
+                        head_tiles_per_kv_group, head_programs, stride_qt, stride_qh, stride_k_tok, stride_k_h,
                         stride_v_tok, stride_v_h, stride_bt_req, stride_bt_blk, rows_per_block, tma_rows, width,
                         out_heads_per_rank, stride_or, stride_ot, stride_oh, stride_os, stride_lr, stride_lt,
                         stride_lh, stride_ls, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, PAGES: gl.constexpr,
@@ -211,13 +211,13 @@ def gluon_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_len
     """Grid (programs,): program ``p`` takes work items ``p, p + programs, ..`` of ``num_items`` = (num_reqs + 1)
     x head programs x splits (``_item``; request ``num_reqs``'s items write the padding rows), its producer warp and
     consumer warpgroup counting the ring's uses across items, so one item's copies run under the previous item's
-    work. Head tiles as ``_schedule.group_head_tile`` numbers them, ``ROWS`` heads each. ``k_scale_ptr``/
+    work. Head tiles as ``_schedule.kv_group_head_tile`` numbers them, ``ROWS`` heads each. ``k_scale_ptr``/
     ``v_scale_ptr``: never read. ``PDL``: launched as a programmatic dependent launch (``_pdl``)."""
     wait_for_previous_grid(PDL)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     pid = gl.program_id(0)
     num_programs = gl.num_programs(0)
-    heads = (num_reqs, num_splits, head_programs, first_kv_head, head_tiles_per_group, q_head_start, q_per_kv,
+    heads = (num_reqs, num_splits, head_programs, first_kv_head, head_tiles_per_kv_group, q_head_start, q_per_kv,
              kv_head_start, num_q_heads)
     k_smem, v_smem, ready, empty, fixed, _, _ = ring_buffers(dtype, STAGES, PAGE * PAGES, HEAD_DIM, True, 1)
     gl.warp_specialize([
@@ -233,7 +233,7 @@ def gluon_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_len
 
 
 def plan_gluon_decode(q, key_cache, value_cache, block_table, kv_lens, *, scale, q_head_start, q_per_kv,
-                      kv_head_start, first_kv_head, head_tiles_per_group, num_groups, num_splits, out_strides,
+                      kv_head_start, first_kv_head, head_tiles_per_kv_group, num_kv_groups, num_splits, out_strides,
                       lse_strides, pages: int = PAGES, stages: int = STAGES, programs: int | None = None) -> Launch:
     """Stage 1 of ``plan_prefix``'s decode on sm_90, called like ``prefix_attention_kernel``'s ``Launch``
     (``(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, k_scale, v_scale)``, where
@@ -246,7 +246,7 @@ def plan_gluon_decode(q, key_cache, value_cache, block_table, kv_lens, *, scale,
     num_reqs = kv_lens.shape[0]
     rows_per_block = key_cache.stride(0) // key_cache.stride(1)
     heads_per_rank, stride_or, stride_ot, stride_oh, stride_os, _ = out_strides
-    head_programs = num_groups * head_tiles_per_group
+    head_programs = num_kv_groups * head_tiles_per_kv_group
     num_items = (num_reqs + 1) * head_programs * num_splits
     if programs is None:
         programs = num_sms(device_index(q)) * PER_SM
@@ -255,7 +255,7 @@ def plan_gluon_decode(q, key_cache, value_cache, block_table, kv_lens, *, scale,
     return Launch(
         gluon_decode_kernel, grid,
         (num_tokens, num_reqs, num_q_heads, num_splits, num_items, float(scale) * LOG2E, q_head_start, q_per_kv,
-         kv_head_start, first_kv_head, head_tiles_per_group, head_programs, q.stride(0), q.stride(1),
+         kv_head_start, first_kv_head, head_tiles_per_kv_group, head_programs, q.stride(0), q.stride(1),
          key_cache.stride(1), key_cache.stride(2), value_cache.stride(1), value_cache.stride(2),
          *block_table.stride(), rows_per_block, rows_per_block * key_cache.shape[0],
          max(head_columns(key_cache), head_columns(value_cache)), heads_per_rank, stride_or, stride_ot, stride_oh,
@@ -271,17 +271,17 @@ def plan_prefix_gluon_decode(q, key_cache, value_cache, block_table, kv_lens, ou
     programs per SM) and stage 1. ``tiles``: ``(pages, stages[, programs])`` of ``plan_gluon_decode``, or its own."""
     pages, stages, programs = (*tiles, None)[:3] if tiles else (PAGES, STAGES, None)
     num_tokens, num_q_heads, head_dim = q.shape
-    first_kv_head, num_groups, head_tiles_per_group = head_tiling(
+    first_kv_head, num_kv_groups, head_tiles_per_kv_group = head_tiling(
         num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
         block_h=ROWS.value)
     if num_splits is None:
-        num_splits = auto_splits(q, programs=kv_lens.shape[0] * num_groups * head_tiles_per_group,
+        num_splits = auto_splits(q, programs=kv_lens.shape[0] * num_kv_groups * head_tiles_per_kv_group,
                                  max_kv_len=max_kv_len, block_n=PAGE * pages,
                                  split_buffer=split_buffer, per_sm=PER_SM)
     part_out, part_lse, _, out_strides, lse_strides = split_outputs(q, out, lse, num_splits, split_buffer)
     stage1 = plan_gluon_decode(
         q, key_cache, value_cache, block_table, kv_lens, scale=scale, q_head_start=q_head_start,
         q_per_kv=q_per_kv, kv_head_start=kv_head_start, first_kv_head=first_kv_head,
-        head_tiles_per_group=head_tiles_per_group, num_groups=num_groups, num_splits=num_splits,
+        head_tiles_per_kv_group=head_tiles_per_kv_group, num_kv_groups=num_kv_groups, num_splits=num_splits,
         out_strides=out_strides, lse_strides=lse_strides, pages=pages, stages=stages, programs=programs)
     return with_merge(stage1, part_out, part_lse, out, lse, num_splits)

@@ -2,7 +2,7 @@
 
 Stage 1 runs one program per (query block, head tile, KV split). A tile's rows are ``BLOCK_Q`` query tokens of one
 request times ``BLOCK_H`` Q heads of ONE KV group, so each K/V tile is loaded once for every Q head that reads it,
-and a tile never mixes two KV heads whatever the group size or the offset of the first Q head. A request's cached
+and a tile never mixes two KV heads whatever the KV group size or the offset of the first Q head. A request's cached
 tokens are cut into ``num_splits`` ranges of whole ``BLOCK_N`` tiles; with one split stage 1 writes ``out``/``lse``
 directly, otherwise it writes fp32 partials that stage 2 merges by LSE. A decode on a GPU cuts each request into
 its own number of splits instead (``BALANCED``, ``_schedule.balanced_split``). Softmax runs in base 2 with
@@ -15,7 +15,7 @@ query`` programs. ``out``/``lse`` may be rank-major (``[R, T, H / R, D]``): the 
 On sm_90+ a tile that lies inside one page (pages of 64 tokens or more) comes through tensor descriptors, one TMA
 copy per K or V tile (``_prefix_tile``); smaller pages are gathered token by token. A prefill step's prefix pass on
 sm_90 with Triton 3.6 (unless ``DCP_TRITON_GLUON=0``) runs ``gluon_prefix`` where ``_gluon.prefix_takes_gluon``
-allows, and a decode with more than ``GLUON_DECODE_MIN_GROUP`` Q heads per KV group runs ``gluon_decode`` as stage
+allows, and a decode with more than ``GLUON_DECODE_MIN_KV_GROUP`` Q heads per KV group runs ``gluon_decode`` as stage
 1 where ``_gluon.decode_takes_gluon`` allows. The ``tl`` kernel's launch constants: ``_prefix_config``.
 """
 
@@ -30,17 +30,17 @@ import triton.language as tl
 from dcp_plugin.kernels._launch import (
     LOG2E, Launch, cdiv, device_index, every_variant_wanted, next_pow2, num_sms,
 )
-from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_GROUP, decode_takes_gluon, prefix_takes_gluon
+from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_KV_GROUP, decode_takes_gluon, prefix_takes_gluon
 from dcp_plugin.kernels._prefix_checks import MAX_HEAD_DIM, MAX_SPLITS, checked_outputs  # noqa: F401
 from dcp_plugin.kernels._prefix_config import (  # noqa: F401 - the tuning table is part of this module's API
-    DESCRIPTOR_DECODE_CONFIGS, DESCRIPTOR_DECODE_MAX_GROUP, FP8_DESCRIPTOR_DECODE_CONFIGS, GPU_CONFIGS,
+    DESCRIPTOR_DECODE_CONFIGS, DESCRIPTOR_DECODE_MAX_KV_GROUP, FP8_DESCRIPTOR_DECODE_CONFIGS, GPU_CONFIGS,
     GPU_FP32_CONFIGS, INTERPRET_CONFIG, POINTER_CONFIGS, PrefixConfig, pick_config,
 )
 from dcp_plugin.kernels._prefix_tile import attend_split, cache_takes_descriptors
 from dcp_plugin.kernels._pdl import main_loop_done, pdl_for, wait_for_previous_grid
 from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count constants are part of this module's API
     MAX_AUTO_SPLITS, MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM, SMALL_GRID_PER_SM, balanced_max_splits, balanced_split,
-    find_block, flat_programs, group_head_tile, head_tiling, pick_num_splits,
+    find_block, flat_programs, head_tiling, kv_group_head_tile, pick_num_splits,
 )
 from dcp_plugin.kernels.checks import FP8_DTYPES
 from dcp_plugin.kernels.split_kv import (
@@ -73,7 +73,7 @@ def prefix_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, kv_lens_ptr, query_start_loc_ptr,
     out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, part_out_ptr, part_lse_ptr, split_counts_ptr, split_sync_ptr,
     num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs,
-    qk_scale, q_head_start, q_per_kv, kv_head_start, first_kv_head, head_tiles_per_group, num_splits, head_programs,
+    qk_scale, q_head_start, q_per_kv, kv_head_start, first_kv_head, head_tiles_per_kv_group, num_splits, head_programs,
     stride_q_t, stride_q_h, stride_q_d,
     stride_kc_blk, stride_kc_tok, stride_kc_h, stride_kc_d,
     stride_vc_blk, stride_vc_tok, stride_vc_h, stride_vc_d,
@@ -134,8 +134,8 @@ def prefix_attention_kernel(
         if (split == 0) & (pid_h == 0) & (num_splits > 1):
             tl.store(split_counts_ptr + q_start + q_block, req_splits)
 
-    kv_head, tile_lo, head_hi = group_head_tile(pid_h, first_kv_head, head_tiles_per_group, q_head_start, q_per_kv,
-                                                kv_head_start, num_q_heads, BLOCK_H)
+    kv_head, tile_lo, head_hi = kv_group_head_tile(pid_h, first_kv_head, head_tiles_per_kv_group, q_head_start,
+                                                   q_per_kv, kv_head_start, num_q_heads, BLOCK_H)
     if tile_lo >= head_hi:
         return
 
@@ -288,7 +288,7 @@ def plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc
     """``prefix_attention`` prepared for tensors shaped like these (no checks). ``split_buffer``: float32 scratch of
     ``split_capacity`` elements for the split partials (default: allocated here); an automatic split count is
     lowered until the partials fit in it. ``gluon_decode``: ``(pages, stages[, programs])`` of ``gluon_decode``
-    for a decode it can serve, whatever the group size (benchmarks). ``split_slots``: a decode the ``tl`` kernel
+    for a decode it can serve, whatever the KV group size (benchmarks). ``split_slots``: a decode the ``tl`` kernel
     serves with automatic splits takes each request's own split count (``_schedule.balanced_split``) over that many
     programs; None: ``PROGRAMS_PER_SM`` per SM on a GPU, none under the interpreter (one split, as ``auto_splits``);
     0: one count for every request. ``split_sync``: int32 counters, zero, at least tokens x head programs (the
@@ -299,8 +299,9 @@ def plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc
     num_reqs = kv_lens.shape[0]
     decode = max_query_len == 1
     cfg = config or pick_config(head_dim, decode=decode, dtype=q.dtype)
-    if config is None and decode and (gluon_decode is not None or min(q_per_kv, num_q_heads) > GLUON_DECODE_MIN_GROUP) \
-            and decode_takes_gluon(q, key_cache, value_cache, out):  # the group first: no tensor checks for most steps
+    wide = min(q_per_kv, num_q_heads) > GLUON_DECODE_MIN_KV_GROUP  # the KV group first: no tensor checks for most steps
+    if config is None and decode and (gluon_decode is not None or wide) \
+            and decode_takes_gluon(q, key_cache, value_cache, out):
         from dcp_plugin.kernels.gluon_decode import plan_prefix_gluon_decode
 
         return plan_prefix_gluon_decode(q, key_cache, value_cache, block_table, kv_lens, out, lse, scale=scale,
@@ -308,7 +309,7 @@ def plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc
                                         max_kv_len=max_kv_len, num_splits=num_splits, split_buffer=split_buffer,
                                         tiles=gluon_decode)
     if config is None and decode and not INTERPRET and q.dtype != torch.float32 \
-            and min(q_per_kv, num_q_heads) <= DESCRIPTOR_DECODE_MAX_GROUP:
+            and min(q_per_kv, num_q_heads) <= DESCRIPTOR_DECODE_MAX_KV_GROUP:
         table = FP8_DESCRIPTOR_DECODE_CONFIGS if key_cache.dtype in FP8_DTYPES else DESCRIPTOR_DECODE_CONFIGS
         cfg = table.get(next_pow2(head_dim), cfg)
     use_tma = cfg.tma and cache_takes_descriptors(key_cache, value_cache, head_dim, cfg.block_n)
@@ -322,11 +323,11 @@ def plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc
     elif max_query_len is not None and max_query_len <= SHORT_QUERY:
         block_q = min(block_q, SHORT_QUERY)
     block_h = max(block_h, cfg.min_rows // block_q)
-    first_kv_head, num_groups, head_tiles_per_group = head_tiling(
+    first_kv_head, num_kv_groups, head_tiles_per_kv_group = head_tiling(
         num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
         block_h=block_h)
     num_q_programs = num_reqs if decode else flat_programs(num_tokens, num_reqs, block_q)
-    head_programs = num_groups * head_tiles_per_group
+    head_programs = num_kv_groups * head_tiles_per_kv_group
     slots = split_slots if split_slots is not None else 0 if INTERPRET else PROGRAMS_PER_SM * num_sms(device_index(q))
     balanced = decode and num_splits is None and slots > 0
     if balanced:
@@ -363,7 +364,7 @@ def plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc
         return Launch(
             prefix_attention_kernel, grid,
             (num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs, float(scale) * LOG2E, q_head_start,
-             q_per_kv, kv_head_start, first_kv_head, head_tiles_per_group, num_splits, head_programs, *q.stride(),
+             q_per_kv, kv_head_start, first_kv_head, head_tiles_per_kv_group, num_splits, head_programs, *q.stride(),
              *key_cache.stride(), *value_cache.stride(), *block_table.stride(), *out_strides, *lse_strides,
              rows_per_block, rows_per_block * key_cache.shape[0], max(slots, 1),
              max(1, slots * SMALL_GRID_PER_SM // PROGRAMS_PER_SM)),

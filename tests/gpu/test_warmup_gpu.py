@@ -16,7 +16,7 @@ import triton
 import triton.runtime.build
 
 from dcp_plugin import DcpAttention, DcpWorkspace, kernels, warmup
-from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_GROUP, PREFIX_PAGE
+from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_KV_GROUP, PREFIX_PAGE
 from dcp_plugin.kernels.merge import merge_kernel
 from dcp_plugin.kernels.chunk_attention import chunk_attention_kernel
 from dcp_plugin.kernels.prefix_attention import prefix_attention_kernel, split_merge_kernel
@@ -41,14 +41,14 @@ def compiled_counts() -> list[int]:
 def reached(kernel, block_size: int, group: int = 4) -> bool:
     """Whether steps of head size 128, bf16, K and V contiguous, ``group`` local Q heads per KV head run ``kernel``:
     where the Gluon kernels serve, they take every current chunk from the ``tl`` one, the Gluon prefix pass reads
-    64-token pages only, and the Gluon decode those with groups of more than ``GLUON_DECODE_MIN_GROUP``."""
+    64-token pages only, and the Gluon decode those with groups of more than ``GLUON_DECODE_MIN_KV_GROUP``."""
     gluon = gluon_kernels()
     if not gluon:
         return True
     if kernel is chunk_attention_kernel:
         return False
     if kernel is gluon[2]:
-        return block_size == PREFIX_PAGE and group > GLUON_DECODE_MIN_GROUP
+        return block_size == PREFIX_PAGE and group > GLUON_DECODE_MIN_KV_GROUP
     return kernel is not gluon[1] or block_size == PREFIX_PAGE
 
 

@@ -83,9 +83,9 @@ DECODE = dict(max_query_len=1, q_lens=(1, 1))
 
 @pytest.mark.usefixtures("hopper")
 def test_decode_with_large_groups_takes_gluon():
-    """More than ``GLUON_DECODE_MIN_GROUP`` Q heads per KV group: ``gluon_decode`` as stage 1, over a group's heads
-    in tiles of 64, with its split partials merged by the ``tl`` merge."""
-    assert _gluon.GLUON_DECODE_MIN_GROUP == 16
+    """More than ``GLUON_DECODE_MIN_KV_GROUP`` Q heads per KV group: ``gluon_decode`` as stage 1, over a KV group's
+    heads in tiles of 64, with its split partials merged by the ``tl`` merge."""
+    assert _gluon.GLUON_DECODE_MIN_KV_GROUP == 16
     assert _plan(**DECODE, heads=(32, 1)) == _plan(**DECODE, heads=(32, 1), head_dim=64) == "gluon_decode_kernel"
     assert _plan(**DECODE, heads=(34, 2), dtype=torch.float16) == "gluon_decode_kernel"
     plan = _plan(**DECODE, heads=(128, 1), num_splits=3, launch=True)
@@ -102,7 +102,7 @@ def test_decode_with_large_groups_takes_gluon():
 
 @pytest.mark.usefixtures("hopper")
 @pytest.mark.parametrize("change", [
-    dict(heads=(16, 1)),  # a group of 16: the tl kernel's descriptor tiles
+    dict(heads=(16, 1)),  # a KV group of 16: the tl kernel's descriptor tiles
     dict(heads=(8, 2)),
     dict(heads=(32, 1), page=16),
     dict(heads=(32, 1), page=128),
