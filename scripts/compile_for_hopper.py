@@ -109,9 +109,9 @@ def collect(dtype: torch.dtype, head_dim: int, cache_dtypes: tuple) -> dict:
     record_launches(record)
     for n, comm, cache_dtype, page in [(n, c, d, p) for n in (1, 2) for c in ("ag_rs", "a2a") for d in cache_dtypes
                                        for p in (16, 64)]:
-        ps = dp.ParallelState.from_tp(tp_rank=0, tp_size=2, dcp_size=n)
-        heads = dp.HeadLayout.create(total_q_heads=16, total_kv_heads=1, ps=ps, kv_replication="tp")
-        tokens = dp.TokenLayout.create(ps=ps, block_size=page)
+        parallel = dp.ParallelState.from_tp(tp_rank=0, tp_size=2, dcp_size=n)
+        heads = dp.HeadLayout.create(total_q_heads=16, total_kv_heads=1, parallel=parallel, kv_replication="tp")
+        tokens = dp.TokenLayout.create(parallel=parallel, block_size=page)
         attn = dp.DcpAttention(heads=heads, tokens=tokens, group=NoCollectives(n) if n > 1 else None,
                                scale=head_dim ** -0.5, comm=comm, kernels="triton")
         qkv = torch.zeros(4, heads.num_q_heads + 2, head_dim, dtype=dtype)

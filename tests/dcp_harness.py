@@ -41,8 +41,8 @@ class Case:
 
     def layouts(self, n: int, rank: int) -> tuple[HeadLayout, TokenLayout]:
         tp = self.tp or n
-        ps = ParallelState.from_tp(tp_rank=self.group_index * n + rank, tp_size=tp, dcp_size=n)
-        heads = HeadLayout.create(total_q_heads=self.q_heads, total_kv_heads=self.kv_heads, ps=ps,
+        parallel = ParallelState.from_tp(tp_rank=self.group_index * n + rank, tp_size=tp, dcp_size=n)
+        heads = HeadLayout.create(total_q_heads=self.q_heads, total_kv_heads=self.kv_heads, parallel=parallel,
                                   kv_replication=self.kv_replication)
         return heads, TokenLayout(dcp_size=n, dcp_rank=rank, interleave=self.interleave, block_size=self.block_size)
 

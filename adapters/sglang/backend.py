@@ -90,7 +90,7 @@ class DcpTritonAttnBackend(AttentionBackend):
             "dcp-triton attention: backend=dcp-triton dcp_size=%d dcp_rank=%d attn_tp_rank=%d/%d local_q_heads=%d "
             "stored_kv_heads=%d (global %d..%d) page_size=%d comm=%s kernels=%s gluon=%s "
             "workspace=%.1f MiB (%d tokens)",
-            t.ps.attn_dcp_size, t.ps.attn_dcp_rank, t.ps.tp_rank, t.ps.tp_size, heads.num_q_heads,
+            t.parallel.dcp_size, t.parallel.dcp_rank, t.parallel.tp_rank, t.parallel.tp_size, heads.num_q_heads,
             heads.num_kv_heads, heads.kv_head_start, heads.kv_head_start + heads.num_kv_heads - 1,
             self.tokens.block_size, t.comm, self.kernel_path, self._gluon, self.workspace.nbytes / 2**20, max_tokens)
 

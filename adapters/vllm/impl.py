@@ -187,7 +187,7 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
             "fast_launch=%s cpu_attn_routed=%s"
         )
         args = (
-            t.ps.attn_dcp_size, t.ps.attn_dcp_rank, t.ps.tp_rank, t.ps.tp_size, t.heads.num_q_heads,
+            t.parallel.dcp_size, t.parallel.dcp_rank, t.parallel.tp_rank, t.parallel.tp_size, t.heads.num_q_heads,
             t.heads.q_head_start, t.heads.q_head_start + t.heads.num_q_heads - 1, t.heads.num_kv_heads,
             t.heads.kv_head_start, t.heads.kv_head_start + t.heads.num_kv_heads - 1, t.interleave, t.comm,
             self.kernel_path, self._gluon, "on" if getattr(self._kernels, "FAST_LAUNCH", False) else "off",

@@ -78,8 +78,8 @@ class TimedCopyGroup:
 def make_step(batch: int, ctx: int, query_len: int, gen, *, n: int = N, comm: str = "ag_rs", extra=None):
     """One rank's inputs for ``batch`` requests of ``query_len`` new tokens over ``ctx`` cached tokens (plus
     ``extra`` = (requests, query_len, ctx) more), a DcpAttention with a shared workspace."""
-    ps = dp.ParallelState.from_tp(tp_rank=0, tp_size=TP, dcp_size=n)
-    heads = dp.HeadLayout.create(total_q_heads=TOTAL_Q, total_kv_heads=TOTAL_KV, ps=ps, kv_replication="tp")
+    parallel = dp.ParallelState.from_tp(tp_rank=0, tp_size=TP, dcp_size=n)
+    heads = dp.HeadLayout.create(total_q_heads=TOTAL_Q, total_kv_heads=TOTAL_KV, parallel=parallel, kv_replication="tp")
     tokens = dp.TokenLayout(dcp_size=n, dcp_rank=0, interleave=1, block_size=PAGE)
     reqs = [(query_len, ctx)] * batch + ([(extra[1], extra[2])] * extra[0] if extra else [])
     pages = [math.ceil(tokens.max_local_len(q + c) / PAGE) for q, c in reqs]

@@ -127,10 +127,10 @@ def decode_step(run: Run, dcp: int, comm: str, ctx: int, batch: int) -> list:
     """
     sizes, device = run.sizes, run.device
     dim, block = sizes.head_dim, sizes.block_size
-    ps = dp.ParallelState.from_tp(tp_rank=run.rank, tp_size=run.world, dcp_size=dcp)
-    heads = dp.HeadLayout.create(total_q_heads=sizes.local_q_heads * run.world, total_kv_heads=1, ps=ps,
+    parallel = dp.ParallelState.from_tp(tp_rank=run.rank, tp_size=run.world, dcp_size=dcp)
+    heads = dp.HeadLayout.create(total_q_heads=sizes.local_q_heads * run.world, total_kv_heads=1, parallel=parallel,
                                  kv_replication="tp")
-    tokens = dp.TokenLayout(dcp_size=dcp, dcp_rank=ps.attn_dcp_rank, block_size=block)
+    tokens = dp.TokenLayout(dcp_size=dcp, dcp_rank=parallel.dcp_rank, block_size=block)
     pages = -(-tokens.max_local_len(ctx + 1) // block)
     table = torch.randperm(batch * pages, device=device, generator=run.gen).to(torch.int32).view(batch, pages)
     index = int(tokens.local_index(ctx))  # the new token (position ctx) of every request

@@ -154,7 +154,7 @@ def test_bad_forward_input_is_named_before_any_work(bad, message):
 @pytest.mark.parametrize("write_kv", [True, False])
 def test_write_kv_false_leaves_the_cache_to_the_host(write_kv):
     """vLLM writes the cache in do_kv_cache_update; forward(write_kv=False) must not write it a second time."""
-    heads = HeadLayout.create(total_q_heads=4, total_kv_heads=2, ps=ParallelState.trivial())
+    heads = HeadLayout.create(total_q_heads=4, total_kv_heads=2, parallel=ParallelState.trivial())
     tokens = TokenLayout(block_size=16)
     q, k, v = (torch.randn(3, h, 64) for h in (4, 2, 2))
     key_cache, value_cache = (torch.full((2, 16, 2, 64), float("nan")) for _ in range(2))
