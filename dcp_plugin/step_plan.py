@@ -65,7 +65,7 @@ def decode_signature(batch: DcpBatch) -> tuple:
 class StepInputs:
     """What a step plan is prepared from: the layer's kernels and heads, and tensors shaped like the step's."""
 
-    kernels: ModuleType  # dcp_plugin.kernels or dcp_plugin.kernels.reference: their plan_* functions
+    kernel_ops: ModuleType  # dcp_plugin.kernels or dcp_plugin.kernels.reference: their plan_* functions
     heads: HeadLayout
     scale: float
     group: Collectives | None  # None at DCP = 1
@@ -86,16 +86,16 @@ class StepInputs:
         """Step 1, unless the host writes the cache itself."""
         if not self.write_kv:
             return None
-        return self.kernels.plan_write_kv(self.k, self.v, self.key_cache, self.value_cache, self.batch.slot_mapping)
+        return self.kernel_ops.plan_write_kv(self.k, self.v, self.key_cache, self.value_cache, self.batch.slot_mapping)
 
     def prepare_chunk(self, out: torch.Tensor, lse: torch.Tensor) -> Prepared | None:
         """Step 2 into ``(out, lse)``, causal or by the batch's ``chunk_mask``; none in a decode step."""
         if self.decode:
             return None
         heads, batch = self.heads, self.batch
-        return self.kernels.plan_chunk(self.q, self.k, self.v, out, lse, batch.query_start_loc, batch.max_query_len,
-                                       scale=self.scale, q_head_start=heads.q_head_start, q_per_kv=heads.q_per_kv,
-                                       kv_head_start=heads.kv_head_start, chunk_mask=batch.chunk_mask)
+        return self.kernel_ops.plan_chunk(self.q, self.k, self.v, out, lse, batch.query_start_loc, batch.max_query_len,
+                                          scale=self.scale, q_head_start=heads.q_head_start, q_per_kv=heads.q_per_kv,
+                                          kv_head_start=heads.kv_head_start, chunk_mask=batch.chunk_mask)
 
     def prefix_lens(self) -> tuple[torch.Tensor, int]:
         """The local tokens the prefix pass reads per request, and their rank-invariant bound: in a decode step the
@@ -130,11 +130,11 @@ class StepInputs:
     def _plan_prefix(self, q, tables, out, lse, max_query_len: int, max_kv_len: int, q_head_start: int,
                      views: StepViews):
         heads = self.heads
-        return self.kernels.plan_prefix(q, self.key_cache, self.value_cache, *tables, out, lse, scale=self.scale,
-                                        q_head_start=q_head_start, q_per_kv=heads.q_per_kv,
-                                        kv_head_start=heads.kv_head_start, max_kv_len=max_kv_len,
-                                        max_query_len=max_query_len, split_buffer=views.splits,
-                                        split_sync=views.split_sync)
+        return self.kernel_ops.plan_prefix(q, self.key_cache, self.value_cache, *tables, out, lse, scale=self.scale,
+                                           q_head_start=q_head_start, q_per_kv=heads.q_per_kv,
+                                           kv_head_start=heads.kv_head_start, max_kv_len=max_kv_len,
+                                           max_query_len=max_query_len, split_buffer=views.splits,
+                                           split_sync=views.split_sync)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -245,7 +245,7 @@ class SingleRankPlan(_WriteAndChunk):
                    chunk=step.prepare_chunk(views.chunk_out, views.chunk_lse), query_start_loc=batch.query_start_loc,
                    prefix=step.prepare_prefix(step.q, out, lse, q_head_start=step.heads.q_head_start, views=views),
                    block_table=batch.block_table, prefix_lens=step.prefix_lens()[0],
-                   merge=None if decode else step.kernels.plan_merge(*merge_inputs, step.out, views.lse),
+                   merge=None if decode else step.kernel_ops.plan_merge(*merge_inputs, step.out, views.lse),
                    merge_inputs=merge_inputs, views=views)
 
     def run(self, q, k, v, key_cache, value_cache, out, k_scale=None, v_scale=None) -> None:
@@ -277,7 +277,7 @@ class AgRsPlan(_WriteAndChunk):
 
     @classmethod
     def prepare(cls, step: StepInputs, views: AgRsViews) -> AgRsPlan:
-        heads, batch, kernels = step.heads, step.batch, step.kernels
+        heads, batch, kernel_ops = step.heads, step.batch, step.kernel_ops
         n, rank = heads.dcp_size, step.group.rank_in_group
         rescale_args = (views.part.unsqueeze(0).expand(n, *views.part.shape), views.lse_all, None, None,
                         views.scaled, views.lse_total)
@@ -287,9 +287,9 @@ class AgRsPlan(_WriteAndChunk):
         return cls(write=step.prepare_write(), slot_mapping=batch.slot_mapping,
                    chunk=step.prepare_chunk(views.chunk_out, views.chunk_lse), query_start_loc=batch.query_start_loc,
                    prefix=GatheredPrefix.prepare(step, views, views.part, views.part_lse), group=step.group,
-                   rescale=kernels.plan_merge(*rescale_args, o_part_start=rank, num_o_parts=1),
+                   rescale=kernel_ops.plan_merge(*rescale_args, o_part_start=rank, num_o_parts=1),
                    rescale_args=rescale_args, reduce_into_out=step.decode and step.out.is_contiguous(),
-                   merge=None if step.decode else kernels.plan_merge(*merge_inputs, step.out, views.lse),
+                   merge=None if step.decode else kernel_ops.plan_merge(*merge_inputs, step.out, views.lse),
                    merge_inputs=merge_inputs, views=views)
 
     def run(self, q, k, v, key_cache, value_cache, out, k_scale=None, v_scale=None) -> None:
@@ -327,7 +327,7 @@ class A2aPlan(_WriteAndChunk):
         return cls(write=step.prepare_write(), slot_mapping=batch.slot_mapping,
                    chunk=step.prepare_chunk(views.chunk_out, views.chunk_lse), query_start_loc=batch.query_start_loc,
                    prefix=GatheredPrefix.prepare(step, views, views.send_out, views.send_lse), group=step.group,
-                   merge=step.kernels.plan_merge(*merge_inputs, step.out, views.lse),
+                   merge=step.kernel_ops.plan_merge(*merge_inputs, step.out, views.lse),
                    merge_inputs=merge_inputs, views=views)
 
     def run(self, q, k, v, key_cache, value_cache, out, k_scale=None, v_scale=None) -> None:

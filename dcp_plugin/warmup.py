@@ -44,7 +44,7 @@ def steps_for(attention, *, trees: bool = False) -> tuple:
     ``TREE_VERIFY`` when an engine verifies draft trees (``trees``)."""
     workspace = attention.workspace
     steps = STEPS + ((TREE_VERIFY,) if trees else ())
-    if attention.kernels != "triton" or INTERPRET or not (workspace is None or workspace.fits(SHORT_CHUNK + 1)):
+    if attention.kernel_impl != "triton" or INTERPRET or not (workspace is None or workspace.fits(SHORT_CHUNK + 1)):
         return steps
     return (*steps, LONG_CHUNK)
 

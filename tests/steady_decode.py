@@ -57,7 +57,7 @@ def run_steady_decode(case: Case, n: int, rank: int, exchange) -> tuple[int, int
     state = RankState.create(case, world, n, rank)
     log: list = []
     attn = serial(DcpAttention(heads=state.heads, tokens=state.tokens, scale=world.scale, comm=case.comm,
-                               kernels=case.kernels, group=ThreadGroup(exchange, rank) if n > 1 else None), log)
+                               kernel_impl=case.kernel_impl, group=ThreadGroup(exchange, rank) if n > 1 else None), log)
     made = counted(attn)
     engine = EngineBuffers(state, len(case.requests))
     heads = state.heads

@@ -270,7 +270,7 @@ def dcp_case(n: int, layout: str, comm: str, dtype: str, *, requests=DCP_REQUEST
         placement = dict(kv_replication="tp", tp=tp, group_index=tp // n - 1)
     name = f"N{n}-{layout}-{comm}-{dtype}"
     return Case(name=name, q_heads=heads[0], kv_heads=heads[1], block_size=block_size,
-                head_dim=head_dim, requests=requests, comm=comm, dtype=dtype, kernels="triton",
+                head_dim=head_dim, requests=requests, comm=comm, dtype=dtype, kernel_impl="triton",
                 decode_steps=decode_steps, seed=zlib.crc32(name.encode()), device=device, **placement)
 
 

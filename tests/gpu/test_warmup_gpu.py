@@ -94,8 +94,8 @@ def no_compiles_after_warm_up(n, comm, workers, block_size, monkeypatch, cache_d
             kernel.device_caches[torch.cuda.current_device()][0].clear()
         watch_builds(monkeypatch, built)
     case = Case(name=f"warm-{n}-{comm}", q_heads=32, kv_heads=8, kv_replication="replicated", tp=4 * n if n > 1 else 1,
-                head_dim=128, block_size=block_size, requests=REQUESTS, comm=comm, dtype="bfloat16", kernels="triton",
-                seed=5,
+                head_dim=128, block_size=block_size, requests=REQUESTS, comm=comm, dtype="bfloat16",
+                kernel_impl="triton", seed=5,
                 decode_steps=40,  # room in every sequence for the steps below (at most 40 more tokens each)
                 device="cuda")
     world = World(case)
@@ -212,7 +212,7 @@ def test_a_chunk_past_short_chunk_rows_compiles_nothing_after_warm_up():
     from dcp_plugin.warmup import STEPS
 
     case = Case(name="warm-long-chunk", q_heads=32, kv_heads=8, head_dim=128, block_size=64,
-                requests=((0, SHORT_CHUNK + 952), (0, 1000)), dtype="bfloat16", kernels="triton", seed=6,
+                requests=((0, SHORT_CHUNK + 952), (0, 1000)), dtype="bfloat16", kernel_impl="triton", seed=6,
                 decode_steps=1, device="cuda")
     warmed, _ = _one_rank_steps(case, 4096, [[new for _, new in case.requests], [1, 1]], range(32))
     assert warmed == len(STEPS) + 1
@@ -222,7 +222,7 @@ def test_one_kv_head_compiles_nothing_after_warm_up():
     """32 Q heads over one KV head in 64-token pages: where the Gluon decode serves, decodes of one split and of
     several, alone and after a mixed step's chunk, compile nothing after the warm-up."""
     case = Case(name="warm-one-kv-head", q_heads=32, kv_heads=1, head_dim=128, block_size=64, requests=REQUESTS,
-                dtype="bfloat16", kernels="triton", seed=8, decode_steps=40, device="cuda")
+                dtype="bfloat16", kernel_impl="triton", seed=8, decode_steps=40, device="cuda")
     _, before = _one_rank_steps(case, 512, [[new for _, new in REQUESTS]] + steps(9), range(32))
     served = [count for kernel, count in zip(KERNELS, before) if reached(kernel, 64, group=32)]
     assert min(served) >= 1, f"a kernel these steps run never compiled during warm-up: {before}"
@@ -234,7 +234,7 @@ def test_draft_tree_verify_steps_compile_nothing_after_a_warm_up_for_trees():
     from tests.dcp_harness import tree_attention_f64
     from tests.verify_steps import next_step, step_masks, verify_case
 
-    case = verify_case("warm-trees", "decodes-first", seed=4, head_dim=128, dtype="bfloat16", kernels="triton",
+    case = verify_case("warm-trees", "decodes-first", seed=4, head_dim=128, dtype="bfloat16", kernel_impl="triton",
                        device="cuda", trees=True, q_heads=32, kv_heads=8, kv_replication="replicated")
     world, rng = World(case), random.Random(5)
     state = RankState.create(case, world, 1, 0)

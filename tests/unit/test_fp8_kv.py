@@ -124,7 +124,7 @@ def _kernels(name: str):
 def test_dcp_over_fp8_shards_equals_attention_over_the_fp8_cache(n, comm, name):
     dtype = FP8[0] if comm == "ag_rs" else FP8[1]
     requests = ((30, 1), (25, 1), (19, 4), (0, 6)) if name == "triton" else ((50, 1), (41, 1), (33, 7), (0, 9), (3, 2))
-    case = Case(name="fp8", q_heads=8, kv_heads=2, requests=requests, comm=comm, head_dim=32, seed=21, kernels=name,
+    case = Case(name="fp8", q_heads=8, kv_heads=2, requests=requests, comm=comm, head_dim=32, seed=21, kernel_impl=name,
                 decode_steps=1)
     k_scale, v_scale = _scales(dtype)
     assert run_fp8_dcp(case, n, dtype, k_scale, v_scale, _kernels(name), label=f"fp8 {comm} {name}") == [2] * n

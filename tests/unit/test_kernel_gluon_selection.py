@@ -180,11 +180,11 @@ def test_chunk_everything_else_takes_tl(change):
 
 
 def test_a_bad_switch_is_refused_when_the_engine_starts(monkeypatch):
-    from dcp_plugin.kernel_choice import choose_kernels
+    from dcp_plugin.kernel_choice import choose_kernel_impl
 
     monkeypatch.setenv(_gluon.GLUON_ENV, "on")
     with pytest.raises(ValueError, match="DCP_TRITON_GLUON must be 1 .* or 0 .* got 'on'"):
-        choose_kernels(engine="vLLM")
+        choose_kernel_impl(engine="vLLM")
 
 
 def test_three_stages_need_the_producer_fix():

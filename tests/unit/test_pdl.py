@@ -56,11 +56,11 @@ def test_a_bad_switch_is_refused(monkeypatch):
 
 
 def test_a_bad_switch_is_refused_when_the_engine_starts(monkeypatch):
-    from dcp_plugin.kernel_choice import choose_kernels
+    from dcp_plugin.kernel_choice import choose_kernel_impl
 
     monkeypatch.setenv(_pdl.PDL_ENV, "on")
     with pytest.raises(ValueError, match="DCP_TRITON_PDL must be 1 .* or 0 .* got 'on'"):
-        choose_kernels(engine="vLLM")
+        choose_kernel_impl(engine="vLLM")
 
 
 def test_a_pdl_launch_needs_a_kernel_that_waits():

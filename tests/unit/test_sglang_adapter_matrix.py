@@ -189,9 +189,9 @@ DCP1_CASES = [
     SgCase(name="p1", q_heads=8, kv_heads=2),
     SgCase(name="p4-mqa-fp16", q_heads=4, kv_heads=1, page_size=4, dtype="float16"),
     SgCase(name="triton-p2", q_heads=4, kv_heads=2, page_size=2, requests=((3, 2), (0, 3)), decode_steps=1,
-           kernels="triton"),
+           kernel_impl="triton"),
     SgCase(name="triton-p64", q_heads=8, kv_heads=2, page_size=64, requests=((70, 3), (0, 5)), decode_steps=1,
-           kernels="triton"),
+           kernel_impl="triton"),
 ]
 
 
