@@ -1,7 +1,7 @@
-"""Split-KV partials of paged attention: where they live, the kernel that merges a request's splits by LSE, and the
+"""Split-KV partials of the prefix pass: where they live, the kernel that merges a request's splits by LSE, and the
 prepared launch of both stages (``PrefixLaunch``).
 
-A paged-attention launch with ``S`` splits per request writes ``[T, H, S, D]`` float32 partial outputs and
+A prefix-attention launch with ``S`` splits per request writes ``[T, H, S, D]`` float32 partial outputs and
 ``[T, H, S]`` LSEs (``split_views``), then ``split_merge_kernel`` merges each (token, head)'s splits into
 the final ``out``/``lse``, which may be rank-major (``head_offsets``).
 """

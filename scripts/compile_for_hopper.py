@@ -113,7 +113,7 @@ def collect(dtype: torch.dtype, head_dim: int, cache_dtypes: tuple) -> dict:
         heads = dp.HeadLayout.create(total_q_heads=16, total_kv_heads=1, parallel=parallel, kv_replication="tp")
         tokens = dp.TokenLayout.create(parallel=parallel, block_size=page)
         attn = dp.DcpAttention(heads=heads, tokens=tokens, group=NoCollectives(n) if n > 1 else None,
-                               scale=head_dim ** -0.5, comm=comm, kernels="triton")
+                               scale=head_dim ** -0.5, comm=comm, kernel_impl="triton")
         qkv = torch.zeros(4, heads.num_q_heads + 2, head_dim, dtype=dtype)
         kv = torch.zeros(8, page, 1, 2 * head_dim, dtype=cache_dtype or dtype)
         scales = dict(k_scale=torch.ones(1), v_scale=torch.ones(1)) if cache_dtype else {}

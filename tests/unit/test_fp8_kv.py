@@ -1,5 +1,5 @@
 """An fp8 KV cache (float8_e4m3fn / float8_e5m2 holding value / scale): the reference write quantizes and clamps as
-torch does, paged attention equals float64 attention over the dequantized cache, and DCP over fp8 shards equals
+torch does, the prefix pass equals float64 attention over the dequantized cache, and DCP over fp8 shards equals
 attention over the same fp8 cache (both comm modes, N = 1, 2, 4), with the current chunk in the model dtype. The
 Triton write kernel refuses fp8 under the interpreter, which rounds float32 to fp8 wrongly; the GPU tier compares
 it bit for bit with the reference (tests/gpu/test_fp8_gpu.py)."""

@@ -34,7 +34,7 @@ def test_every_serving_variant_compiles_for_sm90_without_spills(tmp_path):
     assert {row["kernel"] for row in rows} == KERNELS | gluon
     decode = [r for r in rows if r["kernel"] == "prefix_attention_kernel" and r["constants"].get("DECODE") == "True"]
     prefix = [r for r in rows if r["kernel"] == "prefix_attention_kernel" and r["constants"].get("DECODE") == "False"]
-    assert decode and prefix, "the decode and the prefix variants of paged attention were not both compiled"
+    assert decode and prefix, "the decode and the prefix variants of prefix attention were not both compiled"
     merges = {r["constants"]["BLOCK_S"] for r in rows if r["kernel"] == "split_merge_kernel"}
     assert merges == {"8", "64"}, f"the split merge's narrow and wide variants were not both compiled: {merges}"
     descriptors = {r["kernel"] for r in rows if r["constants"].get("USE_TMA") == "True"}
