@@ -128,7 +128,7 @@ def _dcp2_throughput(vllm_dcp: dict) -> dict[str, dict[str, float]]:
 
 
 def vllm_dcp2_rows(vllm_dcp: dict) -> list[str]:
-    """The two-H200 table: dcp-triton at DCP = 2 (both combines) against FLASH_ATTN, and both at DCP = 1."""
+    """The two-H200 table: dcp-triton at DCP = 2 (both merge modes) against FLASH_ATTN, and both at DCP = 1."""
     rows = ["| load | dcp-triton DCP=2, ag_rs (default) | a2a | FLASH_ATTN DCP=2 | ag_rs / FLASH_ATTN | "
             "dcp-triton DCP=1 | FLASH_ATTN DCP=1 |", "|---|---|---|---|---|---|---|"]
     for load, t in _dcp2_throughput(vllm_dcp).items():

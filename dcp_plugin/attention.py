@@ -11,7 +11,7 @@ import torch
 
 from dcp_plugin.batch import DcpBatch
 from dcp_plugin.group import DcpGroup, buffered
-from dcp_plugin.kernel_choice import KernelName, kernels_named
+from dcp_plugin.kernel_choice import KernelImpl, kernel_ops_for
 from dcp_plugin.kernels import every_variant_wanted
 from dcp_plugin.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, check_kv_scales, check_scale
 from dcp_plugin.layout import HeadLayout, TokenLayout, check_same_position
@@ -29,11 +29,11 @@ class DcpAttention:
         heads: this rank's ``HeadLayout``; tokens: its ``TokenLayout`` (the batch must be built with the same).
         group: the DCP group (``world_size == heads.dcp_size``); ``None`` only when ``dcp_size == 1``.
         scale: softmax scale, usually ``head_dim ** -0.5``.
-        comm: cross-rank combine, ``"ag_rs"`` (all-gather LSE, rescale, reduce-scatter O) or ``"a2a"`` (one
-            all-to-all of packed (O, LSE) and one combine kernel that also merges the current chunk). Partial
+        comm: cross-rank merge, ``"ag_rs"`` (all-gather LSE, rescale, reduce-scatter O) or ``"a2a"`` (one
+            all-to-all of packed (O, LSE) and one merge kernel that also takes the current chunk). Partial
             outputs cross ranks in the model dtype, LSEs in float32.
-        kernels: ``"triton"`` (``dcp_plugin.kernels``, the default) or ``"reference"`` (their torch references,
-            ``dcp_plugin.kernels.reference``).
+        kernel_impl: ``"triton"`` (``dcp_plugin.kernels``, the default) or ``"reference"`` (their torch
+            references, ``dcp_plugin.kernels.reference``).
         workspace: a ``DcpWorkspace`` shared with the other layers of this rank (default: one of this layer's own,
             grown to the largest step seen).
 
@@ -56,7 +56,7 @@ class DcpAttention:
         group: DcpGroup | None,
         scale: float,
         comm: CommMode = "ag_rs",
-        kernels: KernelName = "triton",
+        kernel_impl: KernelImpl = "triton",
         workspace: DcpWorkspace | None = None,
     ) -> None:
         if not isinstance(heads, HeadLayout):
@@ -75,13 +75,14 @@ class DcpAttention:
         check_scale("scale", scale)
         if comm not in ("ag_rs", "a2a"):
             raise ValueError(f"comm must be 'ag_rs' or 'a2a', got {comm!r}")
-        self._kernels = kernels_named(kernels)  # the namespace whose plan_* functions prepare a step's launches
+        self._kernel_ops = kernel_ops_for(kernel_impl)  # the module whose plan_* functions prepare a step's launches
         if workspace is not None and not isinstance(workspace, DcpWorkspace):
             raise ValueError(f"workspace must be a DcpWorkspace, got {type(workspace).__name__}")
         if workspace is not None and (workspace.heads != heads or workspace.comm != comm):
             raise ValueError(f"workspace was made for {workspace.heads} with comm={workspace.comm!r}, but this "
                              f"layer has {heads} with comm={comm!r}")
-        self.heads, self.tokens, self.scale, self.comm, self.kernels = heads, tokens, float(scale), comm, kernels
+        self.heads, self.tokens, self.scale, self.comm = heads, tokens, float(scale), comm
+        self.kernel_impl = kernel_impl
         self.group = group
         self._collectives = buffered(group) if group is not None and heads.dcp_size > 1 else None
         self.workspace = workspace
@@ -92,7 +93,7 @@ class DcpAttention:
         # Everything a step plan depends on besides the tensors, as one interned string: layers with equal settings
         # (and one shared workspace) hold the same string object, so they share plans, and the per-layer plan key
         # hashes and compares it as cheaply as an int.
-        self._plan_key = sys.intern(f"{heads!r} {tokens!r} scale={self.scale!r} comm={comm} kernels={kernels} "
+        self._plan_key = sys.intern(f"{heads!r} {tokens!r} scale={self.scale!r} comm={comm} kernel_impl={kernel_impl} "
                                     f"workspace={id(workspace) if workspace else id(self)}")
         self._last_decode: tuple | None = None  # (key, decode_signature, plan) of the last decode step planned
 
@@ -151,7 +152,7 @@ class DcpAttention:
     def _plan(self, q, k, v, key_cache, value_cache, batch, out, write_kv: bool) -> StepPlan:
         """Prepare the step's launches (first layer of a step with these shapes, inputs checked)."""
         views = self._workspace_for(batch.num_tokens, q).views(batch.num_tokens)
-        step = StepInputs(kernels=self._kernels, heads=self.heads, scale=self.scale, group=self._collectives,
+        step = StepInputs(kernel_ops=self._kernel_ops, heads=self.heads, scale=self.scale, group=self._collectives,
                           batch=batch, q=q, k=k, v=v, key_cache=key_cache, value_cache=value_cache, out=out,
                           write_kv=write_kv)
         return plan_step(step, views)
@@ -166,7 +167,7 @@ class DcpAttention:
                 return ws
         made = DcpWorkspace(heads=self.heads, head_dim=q.shape[-1], dtype=q.dtype, device=q.device,
                             max_num_tokens=max(num_tokens, 1), comm=self.comm,
-                            split_elements=self._kernels.split_capacity(q.shape[-1], q.device))
+                            split_elements=self._kernel_ops.split_capacity(q.shape[-1], q.device))
         if self._own_workspace:
             self.workspace = made
             return made

@@ -175,9 +175,9 @@ def capacity_report(
     per_head_token = 2 * model.head_dim * DTYPE_BYTES[model.dtype] * model.num_layers
     ranks = []
     for tp_rank in range(tp_size):
-        ps = ParallelState.from_tp(tp_rank=tp_rank, tp_size=tp_size, dcp_size=dcp_size)
+        parallel = ParallelState.from_tp(tp_rank=tp_rank, tp_size=tp_size, dcp_size=dcp_size)
         heads = HeadLayout.create(
-            total_q_heads=model.num_q_heads, total_kv_heads=model.num_kv_heads, ps=ps, kv_replication=layout
+            total_q_heads=model.num_q_heads, total_kv_heads=model.num_kv_heads, parallel=parallel, kv_replication=layout
         )
         stored = heads.num_kv_heads * per_head_token
         per_context = stored / dcp_size
@@ -185,7 +185,7 @@ def capacity_report(
         ranks.append(
             RankCapacity(
                 tp_rank=tp_rank,
-                dcp_rank=ps.attn_dcp_rank,
+                dcp_rank=parallel.dcp_rank,
                 q_heads=(heads.q_head_start, heads.q_head_start + heads.num_q_heads),
                 stored_kv_heads=(heads.kv_head_start, heads.kv_head_start + heads.num_kv_heads),
                 current_chunk_kv=heads.current_chunk_kv,
@@ -255,7 +255,7 @@ def config_refusals(path: str | Path, *, head_dim: int) -> list[str]:
     """Each reason dcp-triton's vLLM backend would refuse the model of this ``config.json`` (its ``text_config`` if
     it has one), as ``"<key>=<value>: <why>"``; ``head_dim`` is the head size the report uses (the config's or a
     flag's). Empty when nothing in the config is refused."""
-    from dcp_plugin.kernels.extend_attention import SUPPORTED_HEAD_DIMS
+    from dcp_plugin.kernels.chunk_attention import SUPPORTED_HEAD_DIMS
 
     cfg = _read_json_object(path)
     text = cfg.get("text_config")

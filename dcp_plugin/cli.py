@@ -138,7 +138,7 @@ def _check_model(parser: argparse.ArgumentParser, args: argparse.Namespace, mode
         if problems:
             _refuse(parser, f"--config {args.config}: dcp-triton cannot run this model: {'; '.join(problems)}")
     else:
-        from dcp_plugin.kernels.extend_attention import SUPPORTED_HEAD_DIMS
+        from dcp_plugin.kernels.chunk_attention import SUPPORTED_HEAD_DIMS
 
         if model.head_dim not in SUPPORTED_HEAD_DIMS:
             _refuse(parser, f"--head-dim {model.head_dim}: dcp-triton supports head sizes "

@@ -119,7 +119,7 @@ def _legend(engine: str, kv_layout: str) -> tuple[str, ...]:
         "KV B/token: K + V bytes over all KV layers that one token of context costs a rank (it stores 1/dcp of them)",
         "capacity: KV tokens the cache holds, relative to dcp 1",
         "max tokens: KV tokens (all requests together) that --kv-budget-gib per rank holds",
-        "per layer: what each step adds at dcp > 1 (a Q all-gather and an LSE combine over the DCP group)",
+        "per layer: what each step adds at dcp > 1 (a Q all-gather and an LSE merge over the DCP group)",
     )
 
 
@@ -160,7 +160,7 @@ def format_comparison(model: ModelShape, options: list[DcpOption], refused: dict
         rows.append(("*" if o.dcp_size == chosen else "", str(o.dcp_size), str(o.kv_heads_per_rank),
                      str(o.prefix_q_heads), f"{o.kv_bytes_per_token:,.0f}", f"{o.capacity:g}x",
                      "-" if o.max_context_tokens is None else f"{o.max_context_tokens:,}",
-                     "Q all-gather + LSE combine" if o.dcp_size > 1 else "no collectives"))
+                     "Q all-gather + LSE merge" if o.dcp_size > 1 else "no collectives"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) if i == len(widths) - 1 else cell.rjust(w)
                         for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows]

@@ -1,8 +1,9 @@
-"""Which kernels run, chosen by name: ``"triton"`` (``dcp_plugin.kernels``) or ``"reference"`` (their torch
-references with the same signatures, ``dcp_plugin.kernels.reference``).
+"""Which kernels run, the kernel implementation chosen by name (``kernel_impl``): ``"triton"``
+(``dcp_plugin.kernels``) or ``"reference"`` (their torch references with the same signatures,
+``dcp_plugin.kernels.reference``); the module it stands for is the layer's ``kernel_ops``.
 
-``DcpAttention(kernels=...)`` takes the name. An engine adapter chooses it once, at start-up, from
-``DCP_TRITON_KERNELS`` (``choose_kernels``), and refuses what the Triton interpreter computes wrongly
+``DcpAttention(kernel_impl=...)`` takes the name. An engine adapter chooses it once, at start-up, from
+``DCP_TRITON_KERNELS`` (``choose_kernel_impl``), and refuses what the Triton interpreter computes wrongly
 (``check_kernel_dtype``), each message naming the engine's own options.
 """
 
@@ -15,40 +16,40 @@ from typing import Literal
 
 import torch
 
-KernelName = Literal["triton", "reference"]
-KERNEL_NAMES = ("triton", "reference")
+KernelImpl = Literal["triton", "reference"]
+KERNEL_IMPLS = ("triton", "reference")
 KERNELS_ENV = "DCP_TRITON_KERNELS"
 
 
-def kernels_named(name: str) -> ModuleType:
-    """The kernel namespace ``name`` stands for (its ``plan_*`` functions prepare a step's launches)."""
-    if name == "triton":
+def kernel_ops_for(impl: str) -> ModuleType:
+    """The kernel ops ``impl`` stands for: a module whose ``plan_*`` functions prepare a step's launches."""
+    if impl == "triton":
         from dcp_plugin import kernels
 
         return kernels
-    if name == "reference":
+    if impl == "reference":
         from dcp_plugin.kernels import reference
 
         return reference
-    raise ValueError(f"kernels={name!r}: use one of {list(KERNEL_NAMES)}")
+    raise ValueError(f"kernel_impl={impl!r}: use one of {list(KERNEL_IMPLS)}")
 
 
 @dataclass(frozen=True, slots=True)
 class KernelChoice:
-    """The kernels an engine's workers run: ``name`` (for ``DcpAttention``), ``description`` (what the start-up
-    log says ran, and why), ``interpreted`` (the Triton kernels under the interpreter: no GPU)."""
+    """The kernels an engine's workers run: ``impl`` (``DcpAttention``'s ``kernel_impl``), ``description`` (what the
+    start-up log says ran, and why), ``interpreted`` (the Triton kernels under the interpreter: no GPU)."""
 
-    name: KernelName
+    impl: KernelImpl
     description: str
     interpreted: bool = False
 
     @property
     def compiled(self) -> bool:
         """The Triton kernels compiled for a GPU: the path whose kernels a warm-up compiles before serving."""
-        return self.name == "triton" and not self.interpreted
+        return self.impl == "triton" and not self.interpreted
 
 
-def choose_kernels(*, engine: str) -> KernelChoice:
+def choose_kernel_impl(*, engine: str) -> KernelChoice:
     """The kernels ``DCP_TRITON_KERNELS`` names, by default the fastest exact ones: the Triton kernels on a GPU,
     the torch references (exact, and far faster than Triton's interpreter) without one.
     ``DCP_TRITON_KERNELS=triton`` runs the Triton kernels interpreted on CPU. ``engine``: the host's name, for the
@@ -66,7 +67,7 @@ def choose_kernels(*, engine: str) -> KernelChoice:
             "the Triton kernels"
         return KernelChoice("reference", f"reference (torch, dcp_plugin.kernels.reference; {why})")
     if name != "triton":
-        raise ValueError(f"{KERNELS_ENV}={name!r} is not a kernel path; use one of {list(KERNEL_NAMES)}")
+        raise ValueError(f"{KERNELS_ENV}={name!r} is not a kernel path; use one of {list(KERNEL_IMPLS)}")
     if not kernels.INTERPRET:
         return KernelChoice("triton", "triton")
     if not triton_imported_interpreted():

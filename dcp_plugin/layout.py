@@ -28,8 +28,8 @@ class HeadLayout:
 
     Example (the seeds' topology)::
 
-        ps = ParallelState.from_tp(tp_rank=1, tp_size=4, dcp_size=4)
-        heads = HeadLayout.create(total_q_heads=32, total_kv_heads=2, ps=ps, kv_replication="replicated")
+        parallel = ParallelState.from_tp(tp_rank=1, tp_size=4, dcp_size=4)
+        heads = HeadLayout.create(total_q_heads=32, total_kv_heads=2, parallel=parallel, kv_replication="replicated")
         heads.q_head_start, heads.num_q_heads      # (8, 8)
         heads.kv_head_start, heads.num_kv_heads    # (0, 2): the group's 32 Q heads need KV heads 0 and 1
         heads.current_chunk_kv                     # (0, 1): local Q heads 8..15 need KV head 0 only
@@ -49,10 +49,10 @@ class HeadLayout:
     num_kv_heads: int
 
     @classmethod
-    def create(cls, *, total_q_heads: int, total_kv_heads: int, ps: ParallelState,
+    def create(cls, *, total_q_heads: int, total_kv_heads: int, parallel: ParallelState,
                kv_replication: KvReplication = "tp") -> HeadLayout:
-        """Layout of rank ``ps`` for a model with ``total_q_heads`` / ``total_kv_heads`` heads in all (the fields of
-        the same names; the layout's ``num_q_heads`` / ``num_kv_heads`` are this rank's counts)."""
+        """Layout of rank ``parallel`` for a model with ``total_q_heads`` / ``total_kv_heads`` heads in all (the
+        fields of the same names; the layout's ``num_q_heads`` / ``num_kv_heads`` are this rank's counts)."""
         total_q, total_kv = total_q_heads, total_kv_heads
         for name, value in (("total_q_heads", total_q), ("total_kv_heads", total_kv)):
             check_int(name, value, low=1)
@@ -63,7 +63,7 @@ class HeadLayout:
                 f"total_q_heads={total_q} is not a multiple of total_kv_heads={total_kv}: "
                 "every KV head must serve the same number of Q heads"
             )
-        tp, n = ps.tp_size, ps.attn_dcp_size
+        tp, n = parallel.tp_size, parallel.dcp_size
         if total_q % tp:
             raise ValueError(
                 f"total_q_heads={total_q} is not divisible by tp_size={tp}; use a tp_size that divides it: "
@@ -71,12 +71,12 @@ class HeadLayout:
             )
         q_per_kv = total_q // total_kv
         local_q = total_q // tp
-        q_start = ps.tp_rank * local_q
-        group_q_start = ps.dcp_group_first_tp_rank * local_q
+        q_start = parallel.tp_rank * local_q
+        group_q_start = parallel.dcp_group_first_tp_rank * local_q
         group_q = local_q * n
 
         if kv_replication == "tp":
-            kv_start, kv_count = _tp_kv_heads(total_kv, tp, ps.tp_rank)
+            kv_start, kv_count = _tp_kv_heads(total_kv, tp, parallel.tp_rank)
             if n > 1 and (tp < total_kv or (tp // total_kv) % n):
                 good = [d for d in range(1, tp + 1) if tp % d == 0 and tp >= total_kv and (tp // total_kv) % d == 0]
                 raise ValueError(
@@ -95,7 +95,7 @@ class HeadLayout:
             q_per_kv=q_per_kv,
             kv_replication=kv_replication,
             dcp_size=n,
-            dcp_rank=ps.attn_dcp_rank,
+            dcp_rank=parallel.dcp_rank,
             q_head_start=q_start,
             num_q_heads=local_q,
             group_q_head_start=group_q_start,
@@ -149,7 +149,7 @@ class TokenLayout:
 
     Example::
 
-        tokens = TokenLayout.create(ps=ParallelState.from_tp(tp_rank=1, tp_size=4, dcp_size=4), block_size=16)
+        tokens = TokenLayout.create(parallel=ParallelState.from_tp(tp_rank=1, tp_size=4, dcp_size=4), block_size=16)
         tokens.owner(5), tokens.local_len(10)      # (1, 3): rank 1 stores positions 1, 5, 9
     """
 
@@ -159,9 +159,10 @@ class TokenLayout:
     block_size: int = 16
 
     @classmethod
-    def create(cls, *, ps: ParallelState, interleave: int = 1, block_size: int = 16) -> TokenLayout:
-        """The token layout of rank ``ps``: its DCP size and rank come from ``ps``, as ``HeadLayout.create``'s do."""
-        return cls(dcp_size=ps.attn_dcp_size, dcp_rank=ps.attn_dcp_rank, interleave=interleave, block_size=block_size)
+    def create(cls, *, parallel: ParallelState, interleave: int = 1, block_size: int = 16) -> TokenLayout:
+        """The token layout of rank ``parallel``: its DCP size and rank come from ``parallel``, as
+        ``HeadLayout.create``'s do."""
+        return cls(dcp_size=parallel.dcp_size, dcp_rank=parallel.dcp_rank, interleave=interleave, block_size=block_size)
 
     def __post_init__(self) -> None:
         for name in ("dcp_size", "interleave", "block_size"):

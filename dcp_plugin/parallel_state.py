@@ -12,19 +12,19 @@ from dcp_plugin.kernels.checks import check_int
 class ParallelState:
     """The parallel topology of one worker's attention layers.
 
-    DCP groups are consecutive TP ranks: with ``tp_size=8, attn_dcp_size=4`` the groups are TP ranks
-    ``{0..3}`` and ``{4..7}``, and ``attn_dcp_rank = tp_rank % attn_dcp_size``. A draft model whose KV cache is
-    not sharded runs in the same process with ``attn_dcp_size=1``.
+    DCP groups are consecutive TP ranks: with ``tp_size=8, dcp_size=4`` the groups are TP ranks
+    ``{0..3}`` and ``{4..7}``, and ``dcp_rank = tp_rank % dcp_size``. A draft model whose KV cache is
+    not sharded runs in the same process with ``dcp_size=1``.
 
     Example::
 
-        ps = ParallelState.from_tp(tp_rank=5, tp_size=8, dcp_size=4)   # attn_dcp_rank == 1
+        parallel = ParallelState.from_tp(tp_rank=5, tp_size=8, dcp_size=4)   # dcp_rank == 1
     """
 
     tp_rank: int = 0
     tp_size: int = 1
-    attn_dcp_rank: int = 0
-    attn_dcp_size: int = 1
+    dcp_rank: int = 0
+    dcp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
     dp_rank: int = 0
@@ -33,24 +33,24 @@ class ParallelState:
     def __post_init__(self) -> None:
         for size_field, rank_field in (
             ("tp_size", "tp_rank"),
-            ("attn_dcp_size", "attn_dcp_rank"),
+            ("dcp_size", "dcp_rank"),
             ("pp_size", "pp_rank"),
             ("dp_size", "dp_rank"),
         ):
             size, rank = getattr(self, size_field), getattr(self, rank_field)
             check_int(f"ParallelState.{size_field}", size, low=1)
             check_int(f"ParallelState.{rank_field}", rank, low=0, high=size - 1, note=f" ({size_field}={size})")
-        if self.tp_size % self.attn_dcp_size:
+        if self.tp_size % self.dcp_size:
             divisors = [d for d in range(1, self.tp_size + 1) if self.tp_size % d == 0]
             raise ValueError(
-                f"ParallelState.attn_dcp_size={self.attn_dcp_size} must divide tp_size={self.tp_size} "
+                f"ParallelState.dcp_size={self.dcp_size} must divide tp_size={self.tp_size} "
                 f"(DCP groups are carved out of the TP group); allowed: {divisors}"
             )
-        if self.tp_rank % self.attn_dcp_size != self.attn_dcp_rank:
+        if self.tp_rank % self.dcp_size != self.dcp_rank:
             raise ValueError(
-                f"ParallelState.attn_dcp_rank={self.attn_dcp_rank} does not match tp_rank={self.tp_rank}: "
-                f"DCP groups are consecutive TP ranks, so attn_dcp_rank must be "
-                f"tp_rank % attn_dcp_size = {self.tp_rank % self.attn_dcp_size}"
+                f"ParallelState.dcp_rank={self.dcp_rank} does not match tp_rank={self.tp_rank}: "
+                f"DCP groups are consecutive TP ranks, so dcp_rank must be "
+                f"tp_rank % dcp_size = {self.tp_rank % self.dcp_size}"
             )
 
     @classmethod
@@ -59,7 +59,7 @@ class ParallelState:
         if not isinstance(dcp_size, int) or dcp_size < 1:
             raise ValueError(f"dcp_size must be an int >= 1, got {dcp_size!r}")
         return cls(
-            tp_rank=tp_rank, tp_size=tp_size, attn_dcp_rank=tp_rank % dcp_size, attn_dcp_size=dcp_size, **others
+            tp_rank=tp_rank, tp_size=tp_size, dcp_rank=tp_rank % dcp_size, dcp_size=dcp_size, **others
         )
 
     @classmethod
@@ -70,7 +70,7 @@ class ParallelState:
     @property
     def dcp_group_first_tp_rank(self) -> int:
         """TP rank of rank 0 of this worker's DCP group."""
-        return self.tp_rank - self.attn_dcp_rank
+        return self.tp_rank - self.dcp_rank
 
     def replace(self, **changes: int) -> ParallelState:
         return dataclasses.replace(self, **changes)

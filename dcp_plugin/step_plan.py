@@ -1,8 +1,8 @@
 """One step of DCP attention, prepared once and replayed by every layer: one small class per flow.
 
 ``plan_step`` runs once per step (per layer settings and tensor shapes): it picks the flow on rank-invariant data
-and asks each kernel for its prepared launch (``plan_write_kv``, ``plan_extend``, ``plan_paged``,
-``plan_combine``) on the step's workspace views. The plan's ``run`` is what every layer pays: the launches and the
+and asks each kernel for its prepared launch (``plan_write_kv``, ``plan_chunk``, ``plan_prefix``,
+``plan_merge``) on the step's workspace views. The plan's ``run`` is what every layer pays: the launches and the
 collectives, nothing else. The flows (``T`` new tokens, ``H`` local Q heads, ``N`` ranks; the words are those of
 docs/design.md's glossary):
 
@@ -14,7 +14,7 @@ docs/design.md's glossary):
   float32 LSEs, one kernel rescaling it into rank-major ``[N, T, H, D]``, a reduce-scatter that hands each rank
   the sum for its own heads (straight into ``out`` for decode), and the merge with the current chunk.
 - ``A2aPlan``: DCP > 1, ``comm="a2a"``. The current chunk; the gathered queries' prefix pass writes its partial
-  and LSE straight into the packed ``[N, T, W]`` send buffer; one all-to-all; one kernel combining the N received
+  and LSE straight into the packed ``[N, T, W]`` send buffer; one all-to-all; one kernel merging the N received
   partials and the current chunk into ``out``.
 
 A decode step (one new token per request) has no current chunk and no merge: the new token is already in its
@@ -36,7 +36,7 @@ from dcp_plugin.group import BufferedGroup, DcpGroup
 from dcp_plugin.layout import HeadLayout
 from dcp_plugin.workspace import A2aViews, AgRsViews, GatheredViews, SingleRankViews, StepViews
 
-# A prepared launch (a kernel's plan_*: Launch or PagedLaunch, or a reference twin): called with the tensors only.
+# A prepared launch (a kernel's plan_*: Launch or PrefixLaunch, or a reference twin): called with the tensors only.
 Prepared = Callable[..., None]
 Collectives = DcpGroup | BufferedGroup  # a DCP group with the *_into collectives (dcp_plugin.group.buffered)
 # A decode step's prefix pass is planned for its longest local shard rounded up to DECODE_BOUND_STEP tokens (the bound
@@ -65,7 +65,7 @@ def decode_signature(batch: DcpBatch) -> tuple:
 class StepInputs:
     """What a step plan is prepared from: the layer's kernels and heads, and tensors shaped like the step's."""
 
-    kernels: ModuleType  # dcp_plugin.kernels or dcp_plugin.kernels.reference: their plan_* functions
+    kernel_ops: ModuleType  # dcp_plugin.kernels or dcp_plugin.kernels.reference: their plan_* functions
     heads: HeadLayout
     scale: float
     group: Collectives | None  # None at DCP = 1
@@ -86,16 +86,16 @@ class StepInputs:
         """Step 1, unless the host writes the cache itself."""
         if not self.write_kv:
             return None
-        return self.kernels.plan_write_kv(self.k, self.v, self.key_cache, self.value_cache, self.batch.slot_mapping)
+        return self.kernel_ops.plan_write_kv(self.k, self.v, self.key_cache, self.value_cache, self.batch.slot_mapping)
 
     def prepare_chunk(self, out: torch.Tensor, lse: torch.Tensor) -> Prepared | None:
         """Step 2 into ``(out, lse)``, causal or by the batch's ``chunk_mask``; none in a decode step."""
         if self.decode:
             return None
         heads, batch = self.heads, self.batch
-        return self.kernels.plan_extend(self.q, self.k, self.v, out, lse, batch.query_start_loc, batch.max_query_len,
-                                        scale=self.scale, q_head_start=heads.q_head_start, q_per_kv=heads.q_per_kv,
-                                        kv_head_start=heads.kv_head_start, chunk_mask=batch.chunk_mask)
+        return self.kernel_ops.plan_chunk(self.q, self.k, self.v, out, lse, batch.query_start_loc, batch.max_query_len,
+                                          scale=self.scale, q_head_start=heads.q_head_start, q_per_kv=heads.q_per_kv,
+                                          kv_head_start=heads.kv_head_start, chunk_mask=batch.chunk_mask)
 
     def prefix_lens(self) -> tuple[torch.Tensor, int]:
         """The local tokens the prefix pass reads per request, and their rank-invariant bound: in a decode step the
@@ -108,7 +108,7 @@ class StepInputs:
 
     def prepare_prefix(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, q_head_start: int,
                        views: StepViews) -> Prepared:
-        """Step 3, queries ``q`` against this rank's cache into ``(out, lse)``: one ``paged_attention`` launch, or in
+        """Step 3, queries ``q`` against this rank's cache into ``(out, lse)``: one ``prefix_attention`` launch, or in
         a mixed step the leading decodes' own launch and the rest's (``DecodesFirst``). Called with the whole step's
         tables; split-KV partials and counters in ``views`` (``splits``, ``split_sync``)."""
         batch = self.batch
@@ -116,30 +116,31 @@ class StepInputs:
         nd = batch.num_decodes
         tables = (batch.block_table, lens, batch.query_start_loc)
         if self.decode or not 0 < nd < batch.num_reqs:
-            return self._paged(q, tables, out, lse, batch.max_query_len, max_len, q_head_start, views)
+            return self._plan_prefix(q, tables, out, lse, batch.max_query_len, max_len, q_head_start, views)
         # Each launch writes its own rows; the decodes' rows of a rank-major out ([N, T, H, D]) are out[:, :nd].
         decodes = (batch.block_table[:nd], lens[:nd], batch.query_start_loc[:nd + 1])
         rest = (batch.block_table[nd:], lens[nd:], batch.query_start_loc[nd:])
         rank_major = out.dim() == 4
         first_out, first_lse = (out[:, :nd], lse[:, :nd]) if rank_major else (out[:nd], lse[:nd])
         return DecodesFirst(
-            decodes=self._paged(q[:nd], decodes, first_out, first_lse, 1, max_len, q_head_start, views),
-            rest=self._paged(q, rest, out, lse, batch.max_query_len, max_len, q_head_start, views),
+            decodes=self._plan_prefix(q[:nd], decodes, first_out, first_lse, 1, max_len, q_head_start, views),
+            rest=self._plan_prefix(q, rest, out, lse, batch.max_query_len, max_len, q_head_start, views),
             num_decodes=nd, decode_tables=decodes, rest_tables=rest, rank_major=rank_major)
 
-    def _paged(self, q, tables, out, lse, max_query_len: int, max_kv_len: int, q_head_start: int, views: StepViews):
+    def _plan_prefix(self, q, tables, out, lse, max_query_len: int, max_kv_len: int, q_head_start: int,
+                     views: StepViews):
         heads = self.heads
-        return self.kernels.plan_paged(q, self.key_cache, self.value_cache, *tables, out, lse, scale=self.scale,
-                                       q_head_start=q_head_start, q_per_kv=heads.q_per_kv,
-                                       kv_head_start=heads.kv_head_start, max_kv_len=max_kv_len,
-                                       max_query_len=max_query_len, split_buffer=views.splits,
-                                       split_sync=views.split_sync)
+        return self.kernel_ops.plan_prefix(q, self.key_cache, self.value_cache, *tables, out, lse, scale=self.scale,
+                                           q_head_start=q_head_start, q_per_kv=heads.q_per_kv,
+                                           kv_head_start=heads.kv_head_start, max_kv_len=max_kv_len,
+                                           max_query_len=max_query_len, split_buffer=views.splits,
+                                           split_sync=views.split_sync)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DecodesFirst:
     """A mixed step's prefix pass as two launches: the other requests (their own tables), then the leading
-    single-token requests (decode variant, split-KV sized for them alone). Called like the one paged_attention
+    single-token requests (decode variant, split-KV sized for them alone). Called like the one prefix_attention
     launch it replaces, with the whole step's tables; it launches on the two cuts of them it was prepared with."""
 
     decodes: Prepared
@@ -168,7 +169,7 @@ class GatheredPrefix:
     q_send: torch.Tensor  # [H, T, D]
     q_all: torch.Tensor  # [N * H, T, D]
     q_group: torch.Tensor  # q_all as [T, N * H, D]
-    launch: Prepared  # paged_attention's prepared launch, or DecodesFirst
+    launch: Prepared  # prefix_attention's prepared launch, or DecodesFirst
     block_table: torch.Tensor
     lens: torch.Tensor
     query_start_loc: torch.Tensor
@@ -227,7 +228,7 @@ class SingleRankPlan(_WriteAndChunk):
     """DCP = 1 with a cached context. A decode step: the prefix pass over the whole cache writes the answer.
     Otherwise: the current chunk, the prefix pass (a float32 partial), and ``merge`` of the two into ``out``."""
 
-    prefix: Prepared  # paged_attention's prepared launch, or DecodesFirst; reads block_table and prefix_lens
+    prefix: Prepared  # prefix_attention's prepared launch, or DecodesFirst; reads block_table and prefix_lens
     block_table: torch.Tensor
     prefix_lens: torch.Tensor
     merge: Prepared | None  # None in a decode step
@@ -244,7 +245,7 @@ class SingleRankPlan(_WriteAndChunk):
                    chunk=step.prepare_chunk(views.chunk_out, views.chunk_lse), query_start_loc=batch.query_start_loc,
                    prefix=step.prepare_prefix(step.q, out, lse, q_head_start=step.heads.q_head_start, views=views),
                    block_table=batch.block_table, prefix_lens=step.prefix_lens()[0],
-                   merge=None if decode else step.kernels.plan_combine(*merge_inputs, step.out, views.lse),
+                   merge=None if decode else step.kernel_ops.plan_merge(*merge_inputs, step.out, views.lse),
                    merge_inputs=merge_inputs, views=views)
 
     def run(self, q, k, v, key_cache, value_cache, out, k_scale=None, v_scale=None) -> None:
@@ -263,7 +264,7 @@ class SingleRankPlan(_WriteAndChunk):
 class AgRsPlan(_WriteAndChunk):
     """DCP > 1, ``comm="ag_rs"``: the gathered queries' prefix partial, every rank's LSEs all-gathered, the partial
     rescaled by this rank's share of each head's mass (``rescale``) and reduce-scattered, so each rank receives the
-    combined prefix of its own heads; then ``merge`` with the current chunk (none in a decode step)."""
+    merged prefix of its own heads; then ``merge`` with the current chunk (none in a decode step)."""
 
     prefix: GatheredPrefix  # into views.part, views.part_lse
     group: Collectives
@@ -271,12 +272,12 @@ class AgRsPlan(_WriteAndChunk):
     rescale_args: tuple  # (partial as [N, T, N * H, D] with stride 0 over N, lse_all, None, None, scaled, lse_total)
     reduce_into_out: bool  # a decode step into a contiguous out: the reduce-scatter writes the answer
     merge: Prepared | None
-    merge_inputs: tuple  # (this rank's combined prefix [1, T, H, D], its LSE [1, T, H], chunk out, chunk LSE)
+    merge_inputs: tuple  # (this rank's merged prefix [1, T, H, D], its LSE [1, T, H], chunk out, chunk LSE)
     views: AgRsViews
 
     @classmethod
     def prepare(cls, step: StepInputs, views: AgRsViews) -> AgRsPlan:
-        heads, batch, kernels = step.heads, step.batch, step.kernels
+        heads, batch, kernel_ops = step.heads, step.batch, step.kernel_ops
         n, rank = heads.dcp_size, step.group.rank_in_group
         rescale_args = (views.part.unsqueeze(0).expand(n, *views.part.shape), views.lse_all, None, None,
                         views.scaled, views.lse_total)
@@ -286,9 +287,9 @@ class AgRsPlan(_WriteAndChunk):
         return cls(write=step.prepare_write(), slot_mapping=batch.slot_mapping,
                    chunk=step.prepare_chunk(views.chunk_out, views.chunk_lse), query_start_loc=batch.query_start_loc,
                    prefix=GatheredPrefix.prepare(step, views, views.part, views.part_lse), group=step.group,
-                   rescale=kernels.plan_combine(*rescale_args, o_part_start=rank, num_o_parts=1),
+                   rescale=kernel_ops.plan_merge(*rescale_args, o_part_start=rank, num_o_parts=1),
                    rescale_args=rescale_args, reduce_into_out=step.decode and step.out.is_contiguous(),
-                   merge=None if step.decode else kernels.plan_combine(*merge_inputs, step.out, views.lse),
+                   merge=None if step.decode else kernel_ops.plan_merge(*merge_inputs, step.out, views.lse),
                    merge_inputs=merge_inputs, views=views)
 
     def run(self, q, k, v, key_cache, value_cache, out, k_scale=None, v_scale=None) -> None:
@@ -310,31 +311,31 @@ class AgRsPlan(_WriteAndChunk):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class A2aPlan(_WriteAndChunk):
     """DCP > 1, ``comm="a2a"``: the gathered queries' prefix partial, packed with its LSEs, goes to the ranks that
-    own its heads in one all-to-all; ``combine`` merges the N received partials and the current chunk into ``out``."""
+    own its heads in one all-to-all; ``merge`` merges the N received partials and the current chunk into ``out``."""
 
     prefix: GatheredPrefix  # into views.send_out, views.send_lse
     group: Collectives
-    combine: Prepared
-    combine_inputs: tuple  # (recv_out, recv_lse, chunk out, chunk LSE), the chunk's None in a decode step
+    merge: Prepared
+    merge_inputs: tuple  # (recv_out, recv_lse, chunk out, chunk LSE), the chunk's None in a decode step
     views: A2aViews
 
     @classmethod
     def prepare(cls, step: StepInputs, views: A2aViews) -> A2aPlan:
         batch = step.batch
         chunk = (None, None) if step.decode else (views.chunk_out, views.chunk_lse)
-        combine_inputs = (views.recv_out, views.recv_lse, *chunk)
+        merge_inputs = (views.recv_out, views.recv_lse, *chunk)
         return cls(write=step.prepare_write(), slot_mapping=batch.slot_mapping,
                    chunk=step.prepare_chunk(views.chunk_out, views.chunk_lse), query_start_loc=batch.query_start_loc,
                    prefix=GatheredPrefix.prepare(step, views, views.send_out, views.send_lse), group=step.group,
-                   combine=step.kernels.plan_combine(*combine_inputs, step.out, views.lse),
-                   combine_inputs=combine_inputs, views=views)
+                   merge=step.kernel_ops.plan_merge(*merge_inputs, step.out, views.lse),
+                   merge_inputs=merge_inputs, views=views)
 
     def run(self, q, k, v, key_cache, value_cache, out, k_scale=None, v_scale=None) -> None:
         views = self.views
         self._write_and_chunk(q, k, v, key_cache, value_cache, views.chunk_out, views.chunk_lse, k_scale, v_scale)
         self.prefix(q, key_cache, value_cache, k_scale, v_scale)
         self.group.all_to_all_into(views.recv, views.send)
-        self.combine(*self.combine_inputs, out, views.lse)
+        self.merge(*self.merge_inputs, out, views.lse)
 
 
 StepPlan = ChunkOnlyPlan | SingleRankPlan | AgRsPlan | A2aPlan

@@ -19,7 +19,7 @@ import torch
 
 from dcp_plugin.batch import DcpBatch, DcpBatchBuffers
 from dcp_plugin.kernels import INTERPRET, compile_ahead, compile_workers, every_variant, launches_run
-from dcp_plugin.kernels.extend_attention import SHORT_CHUNK
+from dcp_plugin.kernels.chunk_attention import SHORT_CHUNK
 
 # (query rows, cached context) per request of each dummy step. A 4096-token context puts several KV splits on any
 # GPU (the split count fills the SMs only while the tiles last); tiny contexts keep one split.
@@ -44,7 +44,7 @@ def steps_for(attention, *, trees: bool = False) -> tuple:
     ``TREE_VERIFY`` when an engine verifies draft trees (``trees``)."""
     workspace = attention.workspace
     steps = STEPS + ((TREE_VERIFY,) if trees else ())
-    if attention.kernels != "triton" or INTERPRET or not (workspace is None or workspace.fits(SHORT_CHUNK + 1)):
+    if attention.kernel_impl != "triton" or INTERPRET or not (workspace is None or workspace.fits(SHORT_CHUNK + 1)):
         return steps
     return (*steps, LONG_CHUNK)
 

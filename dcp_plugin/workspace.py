@@ -50,7 +50,7 @@ class AgRsViews(GatheredViews):
     part_lse: torch.Tensor  # [T, N * H]
     lse_all: torch.Tensor  # [N, T, N * H]: every rank's part_lse
     scaled: torch.Tensor  # [N, T, H, D]: slice r holds rank r's heads
-    lse_total: torch.Tensor  # [T, N * H]: the combined LSE of every gathered head
+    lse_total: torch.Tensor  # [T, N * H]: the merged LSE of every gathered head
     mine: torch.Tensor  # [T, H, D]: this rank's slice of the reduce-scatter
 
 
@@ -111,7 +111,7 @@ class DcpWorkspace:
                              lse_total=(t * hg, torch.float32), mine=(t * h * d, dtype))
         self.buffers = {name: torch.empty(_round_up(size, _ALIGN), dtype=dt, device=self.device)
                         for name, (size, dt) in sizes.items()}
-        # A decode's split counters (``plan_paged``'s ``split_sync``): a (token, head program) each, at most a head
+        # A decode's split counters (``plan_prefix``'s ``split_sync``): a (token, head program) each, at most a head
         # program per gathered Q head; zero once here, and every launch leaves them zero.
         if split_elements:
             self.buffers["split_sync"] = torch.zeros(t * heads.num_group_q_heads, dtype=torch.int32,

@@ -33,16 +33,16 @@ _EXPORTS = {
     "gluon_asked": "dcp_plugin.kernels._gluon",
     "gluon_enabled": "dcp_plugin.kernels._gluon",
     "pdl_asked": "dcp_plugin.kernels._pdl",
-    "combine_partials": "dcp_plugin.kernels.combine",
-    "merge_states": "dcp_plugin.kernels.combine",
-    "plan_combine": "dcp_plugin.kernels.combine",
-    "rescale_partial": "dcp_plugin.kernels.combine",
-    "SUPPORTED_HEAD_DIMS": "dcp_plugin.kernels.extend_attention",
-    "extend_attention": "dcp_plugin.kernels.extend_attention",
-    "plan_extend": "dcp_plugin.kernels.extend_attention",
-    "paged_attention": "dcp_plugin.kernels.paged_attention",
-    "plan_paged": "dcp_plugin.kernels.paged_attention",
-    "split_capacity": "dcp_plugin.kernels.paged_attention",
+    "merge_partials": "dcp_plugin.kernels.merge",
+    "merge_states": "dcp_plugin.kernels.merge",
+    "plan_merge": "dcp_plugin.kernels.merge",
+    "rescale_partial": "dcp_plugin.kernels.merge",
+    "SUPPORTED_HEAD_DIMS": "dcp_plugin.kernels.chunk_attention",
+    "chunk_attention": "dcp_plugin.kernels.chunk_attention",
+    "plan_chunk": "dcp_plugin.kernels.chunk_attention",
+    "prefix_attention": "dcp_plugin.kernels.prefix_attention",
+    "plan_prefix": "dcp_plugin.kernels.prefix_attention",
+    "split_capacity": "dcp_plugin.kernels.prefix_attention",
     "plan_write_kv": "dcp_plugin.kernels.write_kv_cache",
     "write_kv_cache": "dcp_plugin.kernels.write_kv_cache",
 }
@@ -69,7 +69,7 @@ def __dir__() -> list[str]:
 
 class _Package(types.ModuleType):
     def __setattr__(self, name: str, value) -> None:
-        # Importing the submodule paged_attention (extend_attention, write_kv_cache) binds it on this package under
+        # Importing the submodule prefix_attention (chunk_attention, write_kv_cache) binds it on this package under
         # the name of its public function: the function keeps the name, as when this package imported it eagerly.
         if not (name in _EXPORTS and isinstance(value, types.ModuleType)):
             super().__setattr__(name, value)

@@ -19,14 +19,14 @@ from dcp_plugin.kernels._mode import INTERPRET  # first: decides the interpreter
 import triton
 
 from dcp_plugin.kernels._launch import descriptor_ready
-from dcp_plugin.kernels._paged_tile import cache_takes_descriptors
+from dcp_plugin.kernels._prefix_tile import cache_takes_descriptors
 from dcp_plugin.kernels.checks import env_switch
 
 GLUON_ENV = "DCP_TRITON_GLUON"
 GLUON_TRITON = ("3.6.",)
 GLUON_HEAD_DIMS = (64, 128)  # the head sizes gluon_prefix and gluon_chunk serve (their float64 checks on the H200)
 PREFIX_PAGE = 64
-GLUON_DECODE_MIN_GROUP = 16  # gluon_decode serves decodes with more Q heads per KV group than this
+GLUON_DECODE_MIN_KV_GROUP = 16  # gluon_decode serves decodes with more Q heads per KV group than this
 
 
 @functools.cache
@@ -66,7 +66,7 @@ def gluon_enabled(device: torch.device) -> bool:
 
 def prefix_takes_gluon(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        out: torch.Tensor) -> bool:
-    """Whether a prefill step's prefix pass read in one split (``plan_paged`` asks) runs ``gluon_prefix``: head size
+    """Whether a prefill step's prefix pass read in one split (``plan_prefix`` asks) runs ``gluon_prefix``: head size
     in ``GLUON_HEAD_DIMS``, fp16/bf16 queries over a cache of the same dtype in pages of ``PREFIX_PAGE`` tokens that
     tensor descriptors can read (``cache_takes_descriptors``), unit stride along the head dim of q and out, and
     ``gluon_enabled``."""
@@ -77,7 +77,7 @@ def prefix_takes_gluon(q: torch.Tensor, key_cache: torch.Tensor, value_cache: to
 
 
 def chunk_takes_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether ``plan_extend`` runs ``gluon_chunk``: a head size in ``GLUON_HEAD_DIMS``, fp16/bf16, K and V each
+    """Whether ``plan_chunk`` runs ``gluon_chunk``: a head size in ``GLUON_HEAD_DIMS``, fp16/bf16, K and V each
     readable as one 2-D tensor of token rows ``[tokens, kv_heads * head_dim]`` through tensor descriptors (heads
     contiguous, unit stride along D, 16-byte aligned base and token stride), unit stride along the head dim of q and
     out, and ``gluon_enabled``."""
@@ -97,7 +97,7 @@ def head_columns(cache: torch.Tensor) -> int:
 
 
 def decode_takes_gluon(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether a decode (``plan_paged`` asks; it also weighs the group size) can run ``gluon_decode``: what
+    """Whether a decode (``plan_prefix`` asks; it also weighs the KV group size) can run ``gluon_decode``: what
     ``prefix_takes_gluon`` asks of the tensors (the same copies read the cache), and each KV head's D elements
     within one token row (``head_columns``)."""
     return prefix_takes_gluon(q, key_cache, value_cache, out) and all(map(head_columns, (key_cache, value_cache)))

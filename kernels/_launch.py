@@ -180,7 +180,7 @@ _EVERY_VARIANT = contextvars.ContextVar("dcp_triton_every_variant", default=Fals
 @contextlib.contextmanager
 def every_variant():
     """Within (the warm-up): a launch whose kernel variant a step picks from its sizes also runs the variants other
-    sizes would pick, so none compiles while serving (``split_kv.PagedLaunch``: the merge's two variants)."""
+    sizes would pick, so none compiles while serving (``split_kv.PrefixLaunch``: the merge's two variants)."""
     token = _EVERY_VARIANT.set(True)
     try:
         yield
@@ -207,7 +207,7 @@ class Launch:
     (device-side tensor descriptors); the compiled launcher takes it from ``_scratch``.
 
     ``stand_ins``: ``{i: j}`` for tensor arguments this variant never reads (its constexpr flags say so: a cache
-    that is not fp8 has no scales, a combine without an extra partial has none). Whatever the caller passes there
+    that is not fp8 has no scales, a merge without an extra partial has none). Whatever the caller passes there
     (``None``, as a rule) is replaced by tensor argument ``j``: a real pointer of fixed dtype and alignment, so the
     compiled variant is always the same one (``None`` would compile another).
 

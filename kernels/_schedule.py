@@ -1,5 +1,5 @@
 """Which rows a program owns, decided without a host sync: a block of one request's queries, a tile of one KV
-group's Q heads; and how many KV splits a request is cut into.
+KV group's Q heads; and how many KV splits a request is cut into.
 
 Query blocks of a varlen batch: which request (and which block of it) a program owns.
 
@@ -40,21 +40,21 @@ def flat_programs(num_tokens: int, num_reqs: int, block: int) -> int:
 
 
 @triton.jit
-def group_head_tile(pid_h, first_kv_head, head_tiles_per_group, q_head_start, q_per_kv, kv_head_start, num_q_heads,
-                    block_h):
+def kv_group_head_tile(pid_h, first_kv_head, head_tiles_per_kv_group, q_head_start, q_per_kv, kv_head_start,
+                       num_q_heads, block_h):
     """Head program ``pid_h`` -> (stored KV head, first local Q head of its tile, end of that KV group's local Q
     heads). The local Q heads reading stored KV head ``kv`` are ``[max(0, g * q_per_kv - q_head_start),
     min(Hq, (g + 1) * q_per_kv - q_head_start))`` with ``g = kv + kv_head_start``; a tile never passes the end."""
-    kv_head = first_kv_head + pid_h // head_tiles_per_group
-    group_lo = (kv_head + kv_head_start) * q_per_kv - q_head_start
-    head_hi = tl.minimum(group_lo + q_per_kv, num_q_heads)
-    tile_lo = tl.maximum(group_lo, 0) + (pid_h % head_tiles_per_group) * block_h
+    kv_head = first_kv_head + pid_h // head_tiles_per_kv_group
+    kv_group_lo = (kv_head + kv_head_start) * q_per_kv - q_head_start
+    head_hi = tl.minimum(kv_group_lo + q_per_kv, num_q_heads)
+    tile_lo = tl.maximum(kv_group_lo, 0) + (pid_h % head_tiles_per_kv_group) * block_h
     return kv_head, tile_lo, head_hi
 
 
 def head_tiling(*, num_q_heads: int, q_head_start: int, q_per_kv: int, kv_head_start: int,
                 block_h: int) -> tuple[int, int, int]:
-    """Host side of ``group_head_tile``: (first stored KV head touched, KV groups touched, tiles per group)."""
+    """Host side of ``kv_group_head_tile``: (first stored KV head touched, KV groups touched, tiles per KV group)."""
     first_kv_head = q_head_start // q_per_kv - kv_head_start
     last_kv_head = (q_head_start + num_q_heads - 1) // q_per_kv - kv_head_start
     return first_kv_head, last_kv_head - first_kv_head + 1, cdiv(min(q_per_kv, num_q_heads), block_h)
@@ -99,17 +99,17 @@ _MIN_TILES = tl.constexpr(MIN_TILES_PER_SPLIT)
 
 
 @triton.jit
-def _request_tiles(context_lens_ptr, query_start_loc_ptr, r, num_reqs, BLOCK_N: tl.constexpr):
+def _request_tiles(kv_lens_ptr, query_start_loc_ptr, r, num_reqs, BLOCK_N: tl.constexpr):
     """Tiles of requests ``r`` (a block of indices); 0 for a request without a query row or past the batch."""
     live = r < num_reqs
-    lens = tl.load(context_lens_ptr + r, mask=live, other=0).to(tl.int32)
+    lens = tl.load(kv_lens_ptr + r, mask=live, other=0).to(tl.int32)
     first = tl.load(query_start_loc_ptr + r, mask=live, other=0)
     rows = tl.load(query_start_loc_ptr + r + 1, mask=live, other=0) - first
     return tl.where(rows > 0, (lens + BLOCK_N - 1) // BLOCK_N, 0), live & (rows > 0)
 
 
 @triton.jit
-def balanced_split(context_lens_ptr, query_start_loc_ptr, num_reqs, work, slots, small_slots, head_programs,
+def balanced_split(kv_lens_ptr, query_start_loc_ptr, num_reqs, work, slots, small_slots, head_programs,
                    max_splits, BLOCK_N: tl.constexpr):
     """Work row ``work`` -> ``(request, split, splits of that request)``; past the last request's last split, row
     ``num_reqs + i`` with one split: the ``i``-th row after ``query_start_loc[num_reqs]`` (padding). A request of
@@ -122,7 +122,7 @@ def balanced_split(context_lens_ptr, query_start_loc_ptr, num_reqs, work, slots,
     (docs/kernels.md, fp8 decode)."""
     total = tl.full([], 0, tl.int32)
     for r0 in range(0, num_reqs, BALANCE_BLOCK):
-        tiles, _ = _request_tiles(context_lens_ptr, query_start_loc_ptr, r0 + tl.arange(0, BALANCE_BLOCK), num_reqs,
+        tiles, _ = _request_tiles(kv_lens_ptr, query_start_loc_ptr, r0 + tl.arange(0, BALANCE_BLOCK), num_reqs,
                                   BLOCK_N)
         total += tl.sum(tiles, 0)
     weight = total * head_programs
@@ -132,7 +132,7 @@ def balanced_split(context_lens_ptr, query_start_loc_ptr, num_reqs, work, slots,
     found = tl.full([], 0, tl.int64)  # the hit request's (r << 32) | (first work row << 8) | splits
     for r0 in range(0, num_reqs, BALANCE_BLOCK):
         r = r0 + tl.arange(0, BALANCE_BLOCK)
-        tiles, takes = _request_tiles(context_lens_ptr, query_start_loc_ptr, r, num_reqs, BLOCK_N)
+        tiles, takes = _request_tiles(kv_lens_ptr, query_start_loc_ptr, r, num_reqs, BLOCK_N)
         splits = tl.where(takes, tl.minimum(tl.maximum((2 * tiles + target - 1) // (2 * target), 1), max_splits), 0)
         end = tl.cumsum(splits, 0) + seen  # past request r's last work row
         hit = (end - splits <= work) & (work < end)

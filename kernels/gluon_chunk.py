@@ -1,7 +1,7 @@
 """The current chunk on Hopper in Triton's Gluon dialect: causal varlen attention of each request's queries to its
 own new keys, as a persistent kernel with a schedule ``tl`` cannot express on sm_90.
 
-One program per SM walks the (128-row query block, Q head) tiles, heaviest blocks first (``extend_attention_kernel``'s
+One program per SM walks the (128-row query block, Q head) tiles, heaviest blocks first (``chunk_attention_kernel``'s
 order). Its producer warp streams K/V tiles of 128 keys through TMA into a ring of shared-memory stages on mbarriers,
 across tile boundaries, while two consumer warpgroups (64 query rows each) run QK^T -> softmax -> P x V on warpgroup
 MMAs at their own pace: no program-wide barrier, and no SM idles between tiles on a program's start and end. H200,
@@ -14,8 +14,8 @@ K and V are read through descriptors the producer builds over ``[tokens, kv_head
 contiguous): a request's last key tile may hold rows past its end (the next request's, or padding). Their scores
 are masked out; their V rows are zeroed into a per-warpgroup copy before P x V (probability 0 times a NaN there
 would be NaN). Imported only where
-``_gluon.chunk_takes_gluon`` allows it (Triton 3.6, sm_90, unless ``DCP_TRITON_GLUON=0``); ``plan_extend`` then picks
-it. Results are ``extend_attention``'s: rows past ``query_start_loc[num_reqs]`` get (0, -inf).
+``_gluon.chunk_takes_gluon`` allows it (Triton 3.6, sm_90, unless ``DCP_TRITON_GLUON=0``); ``plan_chunk`` then picks
+it. Results are ``chunk_attention``'s: rows past ``query_start_loc[num_reqs]`` get (0, -inf).
 """
 
 from __future__ import annotations
@@ -297,7 +297,7 @@ def gluon_chunk_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_pt
 def plan_gluon_chunk(q, k, v, out, lse, query_start_loc, *, scale, q_head_start, q_per_kv, kv_head_start,
                      order: int = ORDER, stages: int = STAGES, producer_fix: bool = PRODUCER_FIX,
                      overlap: bool = OVERLAP) -> Launch:
-    """``gluon_chunk_kernel`` prepared for tensors like these, called like ``extend_attention_kernel``'s ``Launch``
+    """``gluon_chunk_kernel`` prepared for tensors like these, called like ``chunk_attention_kernel``'s ``Launch``
     (``(q, k, v, out, lse, query_start_loc)``); the caller checked ``_gluon.chunk_takes_gluon``. ``order``: how
     tiles are dealt (``ROUND_ROBIN``, ``SNAKE``, ``PAIRS``); ``stages``, ``producer_fix``, ``overlap``: ``STAGES``,
     ``PRODUCER_FIX``, ``OVERLAP`` (benchmarks time each)."""

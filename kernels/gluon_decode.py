@@ -7,14 +7,14 @@ so one request's KV heads are read side by side. One program per SM takes items 
 mbarriers, through one pair of descriptors over every KV head, and zeroes an item's last V rows past its context in
 place (``gluon_parts.copy_tiles``); one consumer warpgroup runs QK^T -> softmax -> P x V in FA3's order
 (``gluon_parts.attend_overlap``). Both count the ring's uses across items, so one item's copies run under the
-previous item's work. Rows past the group are masked, so a group fills its share of the 64 rows: hence only groups
-of more than ``_gluon.GLUON_DECODE_MIN_GROUP`` take it. With 32 Q heads over one KV head it ran at 0.82x-1.02x of
-FA3's speed, the ``tl`` decode kernel at 0.83x-0.90x, in one run (docs/kernels.md, the Gluon decode).
+previous item's work. Rows past the KV group are masked, so a KV group fills its share of the 64 rows: hence only
+KV groups of more than ``_gluon.GLUON_DECODE_MIN_KV_GROUP`` take it. With 32 Q heads over one KV head it ran at
+0.82x-1.02x of FA3's speed, the ``tl`` decode kernel at 0.83x-0.90x, in one run (docs/kernels.md, the Gluon decode).
 
-Semantics are ``paged_attention``'s decode variant (``max_query_len == 1``): request ``b``'s row is
+Semantics are ``prefix_attention``'s decode variant (``max_query_len == 1``): request ``b``'s row is
 ``query_start_loc[b]`` (none when the request has no row); a request with no cached tokens, and an empty split, get
 (0, -inf); rows past ``query_start_loc[num_reqs]`` (a CUDA graph's padding) get (0, -inf) from the items of request
-``num_reqs``. ``plan_paged`` picks it where ``_gluon.decode_takes_gluon`` allows and owns the split partials and their
+``num_reqs``. ``plan_prefix`` picks it where ``_gluon.decode_takes_gluon`` allows and owns the split partials and their
 merge; with one split it writes ``out``/``lse`` (plain or rank-major) directly.
 """
 
@@ -31,7 +31,7 @@ from dcp_plugin.kernels._pdl import pdl_for
 from dcp_plugin.kernels.gluon_parts import (
     attend_overlap, copy_tiles, head_offset, page_descriptors, ring_buffers, wait_for_previous_grid,
 )
-from dcp_plugin.kernels.split_kv import PagedLaunch, auto_splits, split_outputs, with_reduce
+from dcp_plugin.kernels.split_kv import PrefixLaunch, auto_splits, split_outputs, with_merge
 
 ROWS = gl.constexpr(64)  # Q heads of one KV group per program: a warpgroup MMA's rows (the heads past it masked)
 PAGE = PREFIX_PAGE
@@ -53,20 +53,20 @@ PER_SM = 1  # programs per SM (255 registers a thread: one fills an SM), each ov
 def _item(w, heads):
     """Work item ``w`` -> (request, KV split, stored KV head, the item's local Q heads ``head_lo .. head_hi``): items
     run split first, then head tile, then request; request ``num_reqs`` stands for the padding rows. ``heads``:
-    ``(num_reqs, num_splits, head_programs, first_kv_head, head_tiles_per_group, q_head_start, q_per_kv,
+    ``(num_reqs, num_splits, head_programs, first_kv_head, head_tiles_per_kv_group, q_head_start, q_per_kv,
     kv_head_start, num_q_heads)``."""
     split = w % heads[1]
     rest = w // heads[1]
     pid_h = rest % heads[2]
     kv_head = heads[3] + pid_h // heads[4]
-    group_lo = (kv_head + heads[7]) * heads[6] - heads[5]
-    head_hi = gl.minimum(group_lo + heads[6], heads[8])
-    head_lo = gl.maximum(group_lo, 0) + (pid_h % heads[4]) * ROWS
+    kv_group_lo = (kv_head + heads[7]) * heads[6] - heads[5]
+    head_hi = gl.minimum(kv_group_lo + heads[6], heads[8])
+    head_lo = gl.maximum(kv_group_lo, 0) + (pid_h % heads[4]) * ROWS
     return rest // heads[2], split, kv_head, head_lo, head_hi
 
 
 @gluon.jit
-def _span(context_lens_ptr, query_start_loc_ptr, req, split, head_lo, head_hi, heads, BLOCK_N: gl.constexpr):
+def _span(kv_lens_ptr, query_start_loc_ptr, req, split, head_lo, head_hi, heads, BLOCK_N: gl.constexpr):
     """What item (``req``, ``split``) attends: ``(token, attend, n_tiles, split_len, tile0)``: the request's row,
     whether the item writes it (a real request with a row and heads), its key tiles (0 unless ``attend``), its keys
     from the split's first on (more than its tiles hold but in the last split), its first tile in the request.
@@ -74,7 +74,7 @@ def _span(context_lens_ptr, query_start_loc_ptr, req, split, head_lo, head_hi, h
     real = req < heads[0]
     token = gl.load(query_start_loc_ptr + req, mask=real, other=0).to(gl.int64)
     attend = real & (gl.load(query_start_loc_ptr + req + 1, mask=real, other=0) > token) & (head_lo < head_hi)
-    kv_len = gl.load(context_lens_ptr + req, mask=real, other=0).to(gl.int32)
+    kv_len = gl.load(kv_lens_ptr + req, mask=real, other=0).to(gl.int32)
     tiles = gl.cdiv(kv_len, BLOCK_N)
     per_split = gl.cdiv(tiles, heads[1])
     tile0 = split * per_split
@@ -143,7 +143,7 @@ def _write_padding(out_ptr, lse_ptr, first, num_tokens, head_lo, head_hi, out_sp
 
 
 @gluon.jit
-def _consume(q_ptr, out_ptr, lse_ptr, context_lens_ptr, query_start_loc_ptr, k_smem, v_smem, ready, empty, fixed,
+def _consume(q_ptr, out_ptr, lse_ptr, kv_lens_ptr, query_start_loc_ptr, k_smem, v_smem, ready, empty, fixed,
              pid, num_programs, num_items, heads, num_tokens, qk_scale, stride_qt, stride_qh, out_heads_per_rank,
              stride_or, stride_ot, stride_oh, stride_os, stride_lr, stride_lt, stride_lh, stride_ls,
              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
@@ -153,7 +153,7 @@ def _consume(q_ptr, out_ptr, lse_ptr, context_lens_ptr, query_start_loc_ptr, k_s
     fix_phases = gl.to_tensor(0)
     for w in range(pid, num_items, num_programs):
         req, split, _, head_lo, head_hi = _item(w, heads)
-        token, attend, n_tiles, split_len, _ = _span(context_lens_ptr, query_start_loc_ptr, req, split, head_lo,
+        token, attend, n_tiles, split_len, _ = _span(kv_lens_ptr, query_start_loc_ptr, req, split, head_lo,
                                                      head_hi, heads, BLOCK_N)
         out_split = split.to(gl.int64) * stride_os
         lse_split = split.to(gl.int64) * stride_ls
@@ -171,7 +171,7 @@ def _consume(q_ptr, out_ptr, lse_ptr, context_lens_ptr, query_start_loc_ptr, k_s
 
 
 @gluon.jit
-def _produce(k_cache_ptr, v_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr, k_smem, v_smem, ready,
+def _produce(k_cache_ptr, v_cache_ptr, block_table_ptr, kv_lens_ptr, query_start_loc_ptr, k_smem, v_smem, ready,
              empty, fixed, pid, num_programs, num_items, heads, tma_rows, width, stride_k_tok, stride_k_h,
              stride_v_tok, stride_v_h, stride_bt_req, stride_bt_blk, rows_per_block, HEAD_DIM: gl.constexpr,
              PAGE: gl.constexpr, PAGES: gl.constexpr, STAGES: gl.constexpr):
@@ -183,7 +183,7 @@ def _produce(k_cache_ptr, v_cache_ptr, block_table_ptr, context_lens_ptr, query_
     used = gl.to_tensor(0)
     for w in range(pid, num_items, num_programs):
         req, split, kv_head, head_lo, head_hi = _item(w, heads)
-        _, _, n_tiles, split_len, tile0 = _span(context_lens_ptr, query_start_loc_ptr, req, split, head_lo, head_hi,
+        _, _, n_tiles, split_len, tile0 = _span(kv_lens_ptr, query_start_loc_ptr, req, split, head_lo, head_hi,
                                                 heads, PAGE * PAGES)
         k_at = kv_head * stride_k_h
         v_at = kv_head * stride_v_h
@@ -194,16 +194,16 @@ def _produce(k_cache_ptr, v_cache_ptr, block_table_ptr, context_lens_ptr, query_
         used += n_tiles
 
 
-# Not specialized on, as in ``paged_attention_kernel``: per-step sizes, the split count and the strides that scale
+# Not specialized on, as in ``prefix_attention_kernel``: per-step sizes, the split count and the strides that scale
 # with them, the block table's row stride, ``tma_rows``, and the batch tables' alignment: one variant per split-or-not
 # serves every step.
 @gluon.jit(do_not_specialize=("num_tokens", "num_reqs", "num_splits", "num_items", "stride_bt_req", "stride_ot",
                               "stride_os", "stride_lr", "stride_lt", "stride_lh", "stride_ls", "tma_rows"),
-           do_not_specialize_on_alignment=("block_table_ptr", "context_lens_ptr", "query_start_loc_ptr"))
-def gluon_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr,
+           do_not_specialize_on_alignment=("block_table_ptr", "kv_lens_ptr", "query_start_loc_ptr"))
+def gluon_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_lens_ptr, query_start_loc_ptr,
                         out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, num_tokens, num_reqs, num_q_heads, num_splits,
                         num_items, qk_scale, q_head_start, q_per_kv, kv_head_start, first_kv_head,
-                        head_tiles_per_group, head_programs, stride_qt, stride_qh, stride_k_tok, stride_k_h,
+                        head_tiles_per_kv_group, head_programs, stride_qt, stride_qh, stride_k_tok, stride_k_h,
                         stride_v_tok, stride_v_h, stride_bt_req, stride_bt_blk, rows_per_block, tma_rows, width,
                         out_heads_per_rank, stride_or, stride_ot, stride_oh, stride_os, stride_lr, stride_lt,
                         stride_lh, stride_ls, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, PAGES: gl.constexpr,
@@ -211,42 +211,42 @@ def gluon_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, contex
     """Grid (programs,): program ``p`` takes work items ``p, p + programs, ..`` of ``num_items`` = (num_reqs + 1)
     x head programs x splits (``_item``; request ``num_reqs``'s items write the padding rows), its producer warp and
     consumer warpgroup counting the ring's uses across items, so one item's copies run under the previous item's
-    work. Head tiles as ``_schedule.group_head_tile`` numbers them, ``ROWS`` heads each. ``k_scale_ptr``/
+    work. Head tiles as ``_schedule.kv_group_head_tile`` numbers them, ``ROWS`` heads each. ``k_scale_ptr``/
     ``v_scale_ptr``: never read. ``PDL``: launched as a programmatic dependent launch (``_pdl``)."""
     wait_for_previous_grid(PDL)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     pid = gl.program_id(0)
     num_programs = gl.num_programs(0)
-    heads = (num_reqs, num_splits, head_programs, first_kv_head, head_tiles_per_group, q_head_start, q_per_kv,
+    heads = (num_reqs, num_splits, head_programs, first_kv_head, head_tiles_per_kv_group, q_head_start, q_per_kv,
              kv_head_start, num_q_heads)
     k_smem, v_smem, ready, empty, fixed, _, _ = ring_buffers(dtype, STAGES, PAGE * PAGES, HEAD_DIM, True, 1)
     gl.warp_specialize([
-        (_consume, (q_ptr, out_ptr, lse_ptr, context_lens_ptr, query_start_loc_ptr, k_smem, v_smem, ready, empty,
+        (_consume, (q_ptr, out_ptr, lse_ptr, kv_lens_ptr, query_start_loc_ptr, k_smem, v_smem, ready, empty,
                     fixed, pid, num_programs, num_items, heads, num_tokens, qk_scale, stride_qt, stride_qh,
                     out_heads_per_rank, stride_or, stride_ot, stride_oh, stride_os, stride_lr, stride_lt, stride_lh,
                     stride_ls, PAGE * PAGES, HEAD_DIM, STAGES)),
-        (_produce, (k_cache_ptr, v_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr, k_smem, v_smem,
+        (_produce, (k_cache_ptr, v_cache_ptr, block_table_ptr, kv_lens_ptr, query_start_loc_ptr, k_smem, v_smem,
                     ready, empty, fixed, pid, num_programs, num_items, heads, tma_rows, width,
                     stride_k_tok, stride_k_h, stride_v_tok, stride_v_h, stride_bt_req, stride_bt_blk, rows_per_block,
                     HEAD_DIM, PAGE, PAGES, STAGES)),
     ], [1], [40])
 
 
-def plan_gluon_decode(q, key_cache, value_cache, block_table, context_lens, *, scale, q_head_start, q_per_kv,
-                      kv_head_start, first_kv_head, head_tiles_per_group, num_groups, num_splits, out_strides,
+def plan_gluon_decode(q, key_cache, value_cache, block_table, kv_lens, *, scale, q_head_start, q_per_kv,
+                      kv_head_start, first_kv_head, head_tiles_per_kv_group, num_kv_groups, num_splits, out_strides,
                       lse_strides, pages: int = PAGES, stages: int = STAGES, programs: int | None = None) -> Launch:
-    """Stage 1 of ``plan_paged``'s decode on sm_90, called like ``paged_attention_kernel``'s ``Launch``
-    (``(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, k_scale, v_scale)``, where
+    """Stage 1 of ``plan_prefix``'s decode on sm_90, called like ``prefix_attention_kernel``'s ``Launch``
+    (``(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, k_scale, v_scale)``, where
     ``out``/``lse`` are the split partials with more than one split); ``out_strides``: ``(heads_per_rank, stride_r,
     stride_t, stride_h, stride_split, stride_d)``, ``lse_strides``: ``(stride_r, stride_t, stride_h, stride_split)``
-    (``plan_paged``'s); head tiles as ``_schedule.head_tiling`` gives them for ``ROWS``; the caller checked
+    (``plan_prefix``'s); head tiles as ``_schedule.head_tiling`` gives them for ``ROWS``; the caller checked
     ``_gluon.decode_takes_gluon``. ``pages``, ``stages``: ``PAGES``, ``STAGES`` (benchmarks time others);
     ``programs``: how many programs take the work items in turn (None: ``PER_SM`` a SM; 0: a program per item)."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_reqs = context_lens.shape[0]
+    num_reqs = kv_lens.shape[0]
     rows_per_block = key_cache.stride(0) // key_cache.stride(1)
     heads_per_rank, stride_or, stride_ot, stride_oh, stride_os, _ = out_strides
-    head_programs = num_groups * head_tiles_per_group
+    head_programs = num_kv_groups * head_tiles_per_kv_group
     num_items = (num_reqs + 1) * head_programs * num_splits
     if programs is None:
         programs = num_sms(device_index(q)) * PER_SM
@@ -255,7 +255,7 @@ def plan_gluon_decode(q, key_cache, value_cache, block_table, context_lens, *, s
     return Launch(
         gluon_decode_kernel, grid,
         (num_tokens, num_reqs, num_q_heads, num_splits, num_items, float(scale) * LOG2E, q_head_start, q_per_kv,
-         kv_head_start, first_kv_head, head_tiles_per_group, head_programs, q.stride(0), q.stride(1),
+         kv_head_start, first_kv_head, head_tiles_per_kv_group, head_programs, q.stride(0), q.stride(1),
          key_cache.stride(1), key_cache.stride(2), value_cache.stride(1), value_cache.stride(2),
          *block_table.stride(), rows_per_block, rows_per_block * key_cache.shape[0],
          max(head_columns(key_cache), head_columns(value_cache)), heads_per_rank, stride_or, stride_ot, stride_oh,
@@ -264,24 +264,24 @@ def plan_gluon_decode(q, key_cache, value_cache, block_table, context_lens, *, s
         num_warps=4, scratch=True, stand_ins={8: 0, 9: 0}, pdl=pdl)  # no scales: q's pointer stands in (never read)
 
 
-def plan_paged_gluon_decode(q, key_cache, value_cache, block_table, context_lens, out, lse, *, scale,
-                            q_head_start, q_per_kv, kv_head_start, max_kv_len, num_splits, split_buffer,
-                            tiles) -> PagedLaunch:
-    """``plan_paged`` for a decode ``gluon_decode`` serves: its head tiles, split count (at most ``PER_SM``
+def plan_prefix_gluon_decode(q, key_cache, value_cache, block_table, kv_lens, out, lse, *, scale,
+                             q_head_start, q_per_kv, kv_head_start, max_kv_len, num_splits, split_buffer,
+                             tiles) -> PrefixLaunch:
+    """``plan_prefix`` for a decode ``gluon_decode`` serves: its head tiles, split count (at most ``PER_SM``
     programs per SM) and stage 1. ``tiles``: ``(pages, stages[, programs])`` of ``plan_gluon_decode``, or its own."""
     pages, stages, programs = (*tiles, None)[:3] if tiles else (PAGES, STAGES, None)
     num_tokens, num_q_heads, head_dim = q.shape
-    first_kv_head, num_groups, head_tiles_per_group = head_tiling(
+    first_kv_head, num_kv_groups, head_tiles_per_kv_group = head_tiling(
         num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
         block_h=ROWS.value)
     if num_splits is None:
-        num_splits = auto_splits(q, programs=context_lens.shape[0] * num_groups * head_tiles_per_group,
+        num_splits = auto_splits(q, programs=kv_lens.shape[0] * num_kv_groups * head_tiles_per_kv_group,
                                  max_kv_len=max_kv_len, block_n=PAGE * pages,
                                  split_buffer=split_buffer, per_sm=PER_SM)
     part_out, part_lse, _, out_strides, lse_strides = split_outputs(q, out, lse, num_splits, split_buffer)
     stage1 = plan_gluon_decode(
-        q, key_cache, value_cache, block_table, context_lens, scale=scale, q_head_start=q_head_start,
+        q, key_cache, value_cache, block_table, kv_lens, scale=scale, q_head_start=q_head_start,
         q_per_kv=q_per_kv, kv_head_start=kv_head_start, first_kv_head=first_kv_head,
-        head_tiles_per_group=head_tiles_per_group, num_groups=num_groups, num_splits=num_splits,
+        head_tiles_per_kv_group=head_tiles_per_kv_group, num_kv_groups=num_kv_groups, num_splits=num_splits,
         out_strides=out_strides, lse_strides=lse_strides, pages=pages, stages=stages, programs=programs)
-    return with_reduce(stage1, part_out, part_lse, out, lse, num_splits)
+    return with_merge(stage1, part_out, part_lse, out, lse, num_splits)

@@ -10,8 +10,8 @@ against 518 / 510 for the ``tl`` kernel and 582 / 567 for FA3 in the same proces
 (``benchmarks/kernels/gluon_chunk_probe.py``; docs/kernels.md, prefix pass).
 
 Imported only where ``_gluon.prefix_takes_gluon`` allows it (Triton 3.6, sm_90, unless ``DCP_TRITON_GLUON=0``);
-``plan_paged`` picks it for query blocks of a prefill step read in one split, else the ``tl`` kernel runs.
-Semantics are ``paged_attention``'s: programs numbered over the batch like ``extend_attention_kernel``
+``plan_prefix`` picks it for query blocks of a prefill step read in one split, else the ``tl`` kernel runs.
+Semantics are ``prefix_attention``'s: programs numbered over the batch like ``chunk_attention_kernel``
 (``_schedule``), one per (block of 128 rows, local Q head), plus one per head for the rows past
 ``query_start_loc[num_reqs]`` (written as (0, -inf)); a request with no cached tokens gets (0, -inf); plain or
 rank-major ``out``/``lse``. The last tile's V rows past the context are zeroed into a copy before P x V (their
@@ -99,13 +99,13 @@ def _attend_rows(q_ptr, out_ptr, lse_ptr, k_smem, v_smem, v_fix, ready, empty, f
                stride_ot, stride_lt, acc_layout, io_layout)  # no cached token: (0, -inf)
 
 
-# Not specialized on, as in ``paged_attention_kernel``: per-step sizes and the LSE strides that scale with them, the
+# Not specialized on, as in ``prefix_attention_kernel``: per-step sizes and the LSE strides that scale with them, the
 # block table's row stride (the engine's table width, which the warm-up cannot know), ``tma_rows``, and the batch
 # tables' alignment (a mixed step's requests after its decodes start mid-tensor): one variant serves every step.
 @gluon.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs", "stride_bt_req", "stride_lr", "stride_lt",
                               "stride_lh", "tma_rows"),
-           do_not_specialize_on_alignment=("block_table_ptr", "context_lens_ptr", "query_start_loc_ptr"))
-def gluon_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr,
+           do_not_specialize_on_alignment=("block_table_ptr", "kv_lens_ptr", "query_start_loc_ptr"))
+def gluon_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_lens_ptr, query_start_loc_ptr,
                         out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, num_tokens, num_reqs, num_q_programs, qk_scale,
                         q_head_start, q_per_kv, kv_head_start, stride_qt, stride_qh, stride_k_tok, stride_k_h,
                         stride_v_tok, stride_v_h, stride_bt_req, stride_bt_blk, rows_per_block, tma_rows,
@@ -129,7 +129,7 @@ def gluon_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, contex
     m_start = (m_block * (2 * ROWS)).to(gl.int32)
     if (m_start >= 0) & (m_start < seq_len):  # ids before the first request's own (query_start_loc[0] > 0): none
         dtype: gl.constexpr = q_ptr.dtype.element_ty
-        kv_len = gl.load(context_lens_ptr + seq).to(gl.int32)
+        kv_len = gl.load(kv_lens_ptr + seq).to(gl.int32)
         n_pages = gl.cdiv(kv_len, PAGE)
         n_tiles = gl.cdiv(kv_len, BLOCK_N)
         kv_head = ((q_head_start + head) // q_per_kv - kv_head_start).to(gl.int64)
@@ -150,17 +150,17 @@ def gluon_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, contex
         ], [4, 1], [232, 40])
 
 
-def plan_gluon_prefix(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, *, scale,
+def plan_gluon_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, *, scale,
                       q_head_start, q_per_kv, kv_head_start, stages: int = STAGES,
                       producer_fix: bool = PRODUCER_FIX, overlap: bool = OVERLAP) -> Launch:
-    """``gluon_prefix_kernel`` prepared for tensors like these, called like ``paged_attention_kernel``'s ``Launch``
-    (``(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, k_scale, v_scale)``);
+    """``gluon_prefix_kernel`` prepared for tensors like these, called like ``prefix_attention_kernel``'s ``Launch``
+    (``(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, k_scale, v_scale)``);
     the caller checked ``_gluon.prefix_takes_gluon``. ``stages``, ``producer_fix``, ``overlap``: ``STAGES``,
     ``PRODUCER_FIX``, ``OVERLAP`` (benchmarks time each)."""
     if stages > 2 and not producer_fix:  # the two V copies and three stages: 256 KiB of shared memory (227 fit)
         raise ValueError(f"stages={stages} needs producer_fix=True (the V copies then leave room); use stages=2")
     num_tokens, num_q_heads, head_dim = q.shape
-    num_reqs = context_lens.shape[0]
+    num_reqs = kv_lens.shape[0]
     num_q_programs = flat_programs(num_tokens, num_reqs, 2 * ROWS.value)
     out_heads_per_rank, stride_or, stride_ot, stride_oh, _ = head_strides(out, 3)
     _, stride_lr, stride_lt, stride_lh = head_strides(lse, 2)

@@ -86,8 +86,8 @@ def _from_cache(values: torch.Tensor, acc: torch.dtype, scale) -> torch.Tensor:
     return values.to(acc) * scale.to(acc) if values.dtype in FP8_DTYPES else values.to(acc)
 
 
-def extend_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
-                     out=None, lse=None, chunk_mask=None):
+def chunk_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
+                    out=None, lse=None, chunk_mask=None):
     """Causal attention of each sequence's queries to that sequence's own new keys.
 
     ``q [T, Hq, D]``, ``k/v [T, Hk, D]``, ``query_start_loc [B + 1]``: sequence
@@ -113,15 +113,15 @@ def extend_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_s
     return _finish(out_acc, lse_acc, q, out, lse)
 
 
-def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, *, scale, q_head_start,
-                    q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None, out=None, lse=None,
-                    k_scale=None, v_scale=None):
-    """Every query row of request ``b`` attends, non-causally, to its cached tokens ``[0, context_lens[b])``.
+def prefix_attention(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, *, scale, q_head_start,
+                     q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None, out=None, lse=None,
+                     k_scale=None, v_scale=None):
+    """Every query row of request ``b`` attends, non-causally, to its cached tokens ``[0, kv_lens[b])``.
 
     Cached token ``j`` of request ``b`` is ``key_cache[block_table[b, j // block_size], j % block_size]``.
     ``q [T, Hq, D]`` (request ``b`` is rows ``query_start_loc[b]:query_start_loc[b + 1]``), caches
     ``[num_blocks, block_size, Hk, D]``. ``max_kv_len`` bounds
-    ``context_lens`` and ``max_query_len`` the query rows of a request; with ``num_splits`` they only tune the
+    ``kv_lens`` and ``max_query_len`` the query rows of a request; with ``num_splits`` they only tune the
     kernel. Returns ``(out [T, Hq, D], lse [T, Hq])``; a request with no cached tokens gets (0, -inf). An fp8 cache
     is read as ``value * k_scale`` / ``value * v_scale``.
     """
@@ -131,7 +131,7 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
     out_acc = torch.zeros(q.shape[0], q.shape[1], value_cache.shape[-1], dtype=acc, device=q.device)
     lse_acc = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
     bounds = query_start_loc.tolist()
-    for b, ctx in enumerate(context_lens.tolist()):
+    for b, ctx in enumerate(kv_lens.tolist()):
         start, end = bounds[b], bounds[b + 1]
         if end == start or ctx == 0:
             continue
@@ -159,8 +159,8 @@ def _weights(lses: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     return torch.exp(lses - total).masked_fill(torch.isneginf(total), 0.0)
 
 
-def combine_partials(parts_out, parts_lse, *, out=None, lse=None, extra_out=None, extra_lse=None):
-    """Exact LSE-weighted combination of ``N`` partial results over disjoint key sets.
+def merge_partials(parts_out, parts_lse, *, out=None, lse=None, extra_out=None, extra_lse=None):
+    """Exact LSE-weighted merge of ``N`` partial results over disjoint key sets.
 
     ``parts_out [N, T, H, D]``, ``parts_lse [N, T, H]`` (any strides, e.g. views of one packed buffer).
     ``extra_out [T, H, D]`` / ``extra_lse [T, H]``, when given, join as one more partial (the current chunk).
@@ -193,17 +193,17 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
     if out is None:
         out = torch.empty(out_b.shape, dtype=out_b.dtype, device=out_b.device)
     acc = torch.promote_types(_acc_dtype(lse_a), _acc_dtype(lse_b))
-    return combine_partials(
+    return merge_partials(
         torch.stack([out_a.to(acc), out_b.to(acc)]), torch.stack([lse_a.to(acc), lse_b.to(acc)]), out=out, lse=lse
     )
 
 
 def rescale_partial(part_out, lse_all, rank, *, out=None, lse=None):
-    """The ``ag_rs`` combine's local step: scale this rank's partial by its share of the global softmax mass.
+    """The ``ag_rs`` merge's local step: scale this rank's partial by its share of the global softmax mass.
 
     ``part_out [T, H, D]`` is rank ``rank``'s partial, ``lse_all [N, T, H]`` every rank's LSE (all-gathered).
     Returns ``(scaled [T, H, D] float32 by default, lse [T, H])``, where summing ``scaled`` over ranks (the
-    reduce-scatter) gives the combined output and ``lse`` is the combined LSE.
+    reduce-scatter) gives the merged output and ``lse`` is the merged LSE.
     """
     acc = _acc_dtype(lse_all)
     lses = _empty_if_inf(lse_all.to(acc))
@@ -231,38 +231,38 @@ def _write_launch(k, v, key_cache, value_cache, slot_mapping, k_scale=None, v_sc
     write_kv_cache(k, v, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
-def plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
-                chunk_mask=None, config=None):
+def plan_chunk(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
+               chunk_mask=None, config=None):
     def launch(q, k, v, out, lse, query_start_loc):
-        extend_attention(q, k, v, query_start_loc, max_query_len, scale=scale, q_head_start=q_head_start,
-                         q_per_kv=q_per_kv, kv_head_start=kv_head_start, out=out, lse=lse, chunk_mask=chunk_mask)
+        chunk_attention(q, k, v, query_start_loc, max_query_len, scale=scale, q_head_start=q_head_start,
+                        q_per_kv=q_per_kv, kv_head_start=kv_head_start, out=out, lse=lse, chunk_mask=chunk_mask)
     return launch
 
 
-def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, *, scale,
-               q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None,
-               split_buffer=None, config=None, split_sync=None):
-    return functools.partial(_paged_launch, dict(scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
-                                                 kv_head_start=kv_head_start, max_kv_len=max_kv_len,
-                                                 max_query_len=max_query_len))
+def plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, *, scale,
+                q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None,
+                split_buffer=None, config=None, split_sync=None):
+    return functools.partial(_prefix_launch, dict(scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
+                                                  kv_head_start=kv_head_start, max_kv_len=max_kv_len,
+                                                  max_query_len=max_query_len))
 
 
-def _paged_launch(kwargs, q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse,
-                  k_scale=None, v_scale=None):
-    paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out=out, lse=lse,
-                    k_scale=k_scale, v_scale=v_scale, **kwargs)
+def _prefix_launch(kwargs, q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse,
+                   k_scale=None, v_scale=None):
+    prefix_attention(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out=out, lse=lse,
+                     k_scale=k_scale, v_scale=v_scale, **kwargs)
 
 
-def plan_combine(parts_out, parts_lse, extra_out, extra_lse, out, lse, *, o_part_start=0, num_o_parts=None):
+def plan_merge(parts_out, parts_lse, extra_out, extra_lse, out, lse, *, o_part_start=0, num_o_parts=None):
     if num_o_parts is not None and (o_part_start, num_o_parts) != (0, parts_out.shape[0]):
         if num_o_parts != 1:
-            raise ValueError("the reference combine reads one partial's O (rescale) or all of them")
+            raise ValueError("the reference merge reads one partial's O (rescale) or all of them")
         return functools.partial(_rescale_launch, o_part_start)
-    return _combine_launch
+    return _merge_launch
 
 
-def _combine_launch(parts_out, parts_lse, extra_out, extra_lse, out, lse):
-    combine_partials(parts_out, parts_lse, extra_out=extra_out, extra_lse=extra_lse, out=out, lse=lse)
+def _merge_launch(parts_out, parts_lse, extra_out, extra_lse, out, lse):
+    merge_partials(parts_out, parts_lse, extra_out=extra_out, extra_lse=extra_lse, out=out, lse=lse)
 
 
 def _rescale_launch(rank, parts_out, parts_lse, extra_out, extra_lse, out, lse):

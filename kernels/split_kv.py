@@ -1,8 +1,8 @@
-"""Split-KV partials of paged attention: where they live, the kernel that merges a request's splits by LSE, and the
-prepared launch of both stages (``PagedLaunch``).
+"""Split-KV partials of the prefix pass: where they live, the kernel that merges a request's splits by LSE, and the
+prepared launch of both stages (``PrefixLaunch``).
 
-A paged-attention launch with ``S`` splits per request writes ``[T, H, S, D]`` float32 partial outputs and
-``[T, H, S]`` LSEs (``split_views``), then ``paged_attention_reduce_kernel`` merges each (token, head)'s splits into
+A prefix-attention launch with ``S`` splits per request writes ``[T, H, S, D]`` float32 partial outputs and
+``[T, H, S]`` LSEs (``split_views``), then ``split_merge_kernel`` merges each (token, head)'s splits into
 the final ``out``/``lse``, which may be rank-major (``head_offsets``).
 """
 
@@ -25,11 +25,11 @@ _LOG2E = tl.constexpr(LOG2E)
 # count in one step (one memory round trip: a small batch's 8-64 splits), the narrow one up to NARROW_SPLITS without
 # computing over 56+ masked splits per (token, head) (a large batch's 2-8; with one KV head and 256 requests the wide
 # one took 21 us a launch, more than a third of the decode pass; docs/kernels.md, decode). A step picks by
-# its split count; the warm-up runs both (``PagedLaunch``), so neither compiles while serving.
-REDUCE_SPLITS = MAX_AUTO_SPLITS
+# its split count; the warm-up runs both (``PrefixLaunch``), so neither compiles while serving.
+MERGE_SPLITS = MAX_AUTO_SPLITS
 NARROW_SPLITS = 8
 NARROW_HEADS = 4  # (token, head)s of one program in the narrow variant: 8 splits x 128 dims is little work
-# A balanced decode's last split merges (``PagedConfig.last_split_merges``) where the plan's bound keeps every request
+# A balanced decode's last split merges (``PrefixConfig.last_split_merges``) where the plan's bound keeps every request
 # within LAST_MERGE_SPLITS splits (an average would not: one long context among short ones takes dozens) and the step
 # has at least LAST_MERGE_PROGRAMS (token, head program)s: one program reads a (token, head program)'s partials one
 # split after the other, which took longer than a merge launch spreading them over (token, head)s where a request
@@ -78,7 +78,7 @@ def merge_split_rows(part_out_ptr, part_lse_ptr, first_row, num_splits, dims, ro
 
 @triton.jit(do_not_specialize=("num_splits", "stride_pl_t", "stride_pl_h", "stride_lse_r", "stride_lse_t",
                                "stride_lse_h"))
-def paged_attention_reduce_kernel(
+def split_merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, split_counts_ptr,
     num_q_heads, num_splits, head_dim,
     stride_po_t, stride_po_h, stride_po_s, stride_po_d,
@@ -159,7 +159,7 @@ def paged_attention_reduce_kernel(
     tl.store(lse_rows, lse, mask=head_mask)
 
 
-def reduce_tiling(num_splits: int, num_heads: int, *, narrow: bool | None = None) -> tuple[int, int, bool]:
+def merge_tiling(num_splits: int, num_heads: int, *, narrow: bool | None = None) -> tuple[int, int, bool]:
     """``(BLOCK_H, BLOCK_S, ELEMENTWISE)`` of the merge of ``num_splits`` splits of ``num_heads`` heads: on a GPU the
     narrow variant (elementwise) for up to ``NARROW_SPLITS`` splits, else the wide one (``narrow`` forces either);
     under the interpreter, where every program costs Python time, one program takes all heads of a token, 8 splits
@@ -168,18 +168,18 @@ def reduce_tiling(num_splits: int, num_heads: int, *, narrow: bool | None = None
         if INTERPRET:
             return next_pow2(num_heads), 8, False
         narrow = num_splits <= NARROW_SPLITS
-    return (min(NARROW_HEADS, next_pow2(num_heads)), NARROW_SPLITS, True) if narrow else (1, REDUCE_SPLITS, False)
+    return (min(NARROW_HEADS, next_pow2(num_heads)), NARROW_SPLITS, True) if narrow else (1, MERGE_SPLITS, False)
 
 
-def plan_split_reduce(part_out, part_lse, out, lse, *, narrow: bool | None = None, counted: bool = False) -> Launch:
+def plan_split_merge(part_out, part_lse, out, lse, *, narrow: bool | None = None, counted: bool = False) -> Launch:
     """The merge of ``S`` split partials (``split_views``) into ``out [T, H, D]``/``lse [T, H]`` (plain or
     rank-major); call it with ``(part_out, part_lse, out, lse, split_counts)``: ``split_counts`` ``[T]`` int32 with
-    ``counted`` (each token's own split count), else None. ``narrow``: ``reduce_tiling``'s."""
+    ``counted`` (each token's own split count), else None. ``narrow``: ``merge_tiling``'s."""
     num_tokens, num_heads, num_splits, head_dim = part_out.shape
     block_d = max(16, next_pow2(head_dim))
-    heads, splits, elementwise = reduce_tiling(num_splits, num_heads, narrow=narrow)
+    heads, splits, elementwise = merge_tiling(num_splits, num_heads, narrow=narrow)
     pdl = pdl_for(part_out.device)
-    return Launch(paged_attention_reduce_kernel, (num_tokens, cdiv(num_heads, heads)),
+    return Launch(split_merge_kernel, (num_tokens, cdiv(num_heads, heads)),
                   (num_heads, num_splits, head_dim, *part_out.stride(), *part_lse.stride(),
                    *head_strides(out, 3), *head_strides(lse, 2)[1:]),
                   dict(BLOCK_H=heads, BLOCK_D=block_d, BLOCK_S=splits, ELEMENTWISE=elementwise, COUNTED=counted,
@@ -187,44 +187,44 @@ def plan_split_reduce(part_out, part_lse, out, lse, *, narrow: bool | None = Non
                   num_warps=4 if block_d <= 128 else 8, stand_ins=None if counted else {4: 0}, pdl=pdl)
 
 
-class PagedLaunch:
-    """``paged_attention`` prepared for one step's tensor shapes; call it with ``(q, key_cache, value_cache,
-    block_table, context_lens, query_start_loc, out, lse)`` and, for an fp8 cache, ``k_scale, v_scale``. With
+class PrefixLaunch:
+    """``prefix_attention`` prepared for one step's tensor shapes; call it with ``(q, key_cache, value_cache,
+    block_table, kv_lens, query_start_loc, out, lse)`` and, for an fp8 cache, ``k_scale, v_scale``. With
     several splits, stage 1 writes the partials into buffers the plan holds and stage 2 merges them into
-    ``out``/``lse``; inside ``every_variant()`` (the warm-up) the merge's other variant (``reduce_other``) runs
+    ``out``/``lse``; inside ``every_variant()`` (the warm-up) the merge's other variant (``merge_other``) runs
     first on the same partials, so a later step that picks it finds it compiled. ``split_counts`` (a balanced
     decode): stage 1 writes ``out``/``lse`` for the tokens of one split, the partials and each token's split count
     for the rest, and the merge reads those counts."""
 
-    __slots__ = ("stage1", "reduce", "reduce_other", "part_out", "part_lse", "num_splits", "split_counts",
+    __slots__ = ("stage1", "merge", "merge_other", "part_out", "part_lse", "num_splits", "split_counts",
                  "_extra", "stage1_other")
 
-    def __init__(self, stage1: Launch, reduce: Launch | None, part_out, part_lse, num_splits: int,
-                 reduce_other: Launch | None = None, split_counts=None, stage1_extra: tuple = (),
+    def __init__(self, stage1: Launch, merge: Launch | None, part_out, part_lse, num_splits: int,
+                 merge_other: Launch | None = None, split_counts=None, stage1_extra: tuple = (),
                  stage1_other: tuple | None = None) -> None:
-        self.stage1, self.reduce, self.part_out, self.part_lse = stage1, reduce, part_out, part_lse
-        self.num_splits, self.reduce_other, self.split_counts = num_splits, reduce_other, split_counts
+        self.stage1, self.merge, self.part_out, self.part_lse = stage1, merge, part_out, part_lse
+        self.num_splits, self.merge_other, self.split_counts = num_splits, merge_other, split_counts
         self._extra = stage1_extra  # stage 1's trailing tensors: the tl kernel's partials and counts (or stand-ins)
         self.stage1_other = stage1_other  # (launch, its trailing tensors): the other LAST_MERGES choice (warm-up)
 
-    def __call__(self, q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse,
+    def __call__(self, q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse,
                  k_scale=None, v_scale=None) -> None:
         counts = self.split_counts
         if self.stage1_other is not None and every_variant_wanted():  # writes out/lse, rewritten next
             launch, extra = self.stage1_other
-            launch(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, k_scale,
+            launch(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, k_scale,
                    v_scale, *extra)
-        to_out = self.reduce is None or counts is not None  # stage 1 writes out/lse (a balanced decode: some rows)
-        self.stage1(q, key_cache, value_cache, block_table, context_lens, query_start_loc,
+        to_out = self.merge is None or counts is not None  # stage 1 writes out/lse (a balanced decode: some rows)
+        self.stage1(q, key_cache, value_cache, block_table, kv_lens, query_start_loc,
                     out if to_out else self.part_out, lse if to_out else self.part_lse, k_scale, v_scale, *self._extra)
-        if self.reduce is None:
+        if self.merge is None:
             return
-        if self.reduce_other is not None and every_variant_wanted():
-            self.reduce_other(self.part_out, self.part_lse, out, lse, counts)  # the same merge: rewritten next
-        self.reduce(self.part_out, self.part_lse, out, lse, counts)
+        if self.merge_other is not None and every_variant_wanted():
+            self.merge_other(self.part_out, self.part_lse, out, lse, counts)  # the same merge: rewritten next
+        self.merge(self.part_out, self.part_lse, out, lse, counts)
 
 
-# Split counters of standalone launches whose last split merges (``plan_paged`` without ``split_sync``): one zeroed
+# Split counters of standalone launches whose last split merges (``plan_prefix`` without ``split_sync``): one zeroed
 # buffer per device and stream, grown when a launch needs more, and every launch leaves them zero. A superseded
 # buffer is kept: a CUDA graph captured over it holds its address. Engines pass their workspace's own.
 _SYNC: dict[tuple[str, int | None, int], torch.Tensor] = {}
@@ -299,20 +299,20 @@ def split_outputs(q, out, lse, num_splits: int, split_buffer, *, balanced: bool 
     return part_out, part_lse, None, (num_q_heads, 0, *part_out.stride()), (0, *part_lse.stride())
 
 
-def with_reduce(stage1: Launch, part_out, part_lse, out, lse, num_splits: int, split_counts=None,
-                stage1_extra: tuple = (), narrow: bool | None = None, stage1_other: tuple | None = None) -> PagedLaunch:
+def with_merge(stage1: Launch, part_out, part_lse, out, lse, num_splits: int, split_counts=None,
+               stage1_extra: tuple = (), narrow: bool | None = None, stage1_other: tuple | None = None) -> PrefixLaunch:
     """Stage 1 and, with several splits, the merge of its partials (and the merge's other variant, for the
     warm-up); ``split_counts`` for a balanced decode (the merge reads them). ``narrow``: the merge's variant
-    (None: by the split count, ``reduce_tiling``)."""
+    (None: by the split count, ``merge_tiling``)."""
     if num_splits == 1:
-        return PagedLaunch(stage1, None, part_out, part_lse, num_splits, stage1_extra=stage1_extra)
+        return PrefixLaunch(stage1, None, part_out, part_lse, num_splits, stage1_extra=stage1_extra)
     counted = split_counts is not None
     if INTERPRET:
-        narrow = None  # reduce_tiling's interpreter tiling
+        narrow = None  # merge_tiling's interpreter tiling
     elif narrow is None:
         narrow = num_splits <= NARROW_SPLITS
-    reduce = plan_split_reduce(part_out, part_lse, out, lse, counted=counted, narrow=narrow)
-    other = None if INTERPRET else plan_split_reduce(part_out, part_lse, out, lse, counted=counted,
-                                                     narrow=not narrow)
-    return PagedLaunch(stage1, reduce, part_out, part_lse, num_splits, reduce_other=other, split_counts=split_counts,
-                       stage1_extra=stage1_extra, stage1_other=stage1_other)
+    merge = plan_split_merge(part_out, part_lse, out, lse, counted=counted, narrow=narrow)
+    other = None if INTERPRET else plan_split_merge(part_out, part_lse, out, lse, counted=counted,
+                                                    narrow=not narrow)
+    return PrefixLaunch(stage1, merge, part_out, part_lse, num_splits, merge_other=other, split_counts=split_counts,
+                        stage1_extra=stage1_extra, stage1_other=stage1_other)

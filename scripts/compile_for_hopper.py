@@ -38,7 +38,7 @@ from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction 
 
 import dcp_plugin as dp  # noqa: E402
 from dcp_plugin import kernels  # noqa: E402
-from dcp_plugin.kernels import _gluon, _launch, _paged_tile, _pdl, split_kv  # noqa: E402
+from dcp_plugin.kernels import _gluon, _launch, _pdl, _prefix_tile, split_kv  # noqa: E402
 from dcp_plugin.warmup import warm_up  # noqa: E402
 
 H100_SMS = 132
@@ -109,11 +109,11 @@ def collect(dtype: torch.dtype, head_dim: int, cache_dtypes: tuple) -> dict:
     record_launches(record)
     for n, comm, cache_dtype, page in [(n, c, d, p) for n in (1, 2) for c in ("ag_rs", "a2a") for d in cache_dtypes
                                        for p in (16, 64)]:
-        ps = dp.ParallelState.from_tp(tp_rank=0, tp_size=2, dcp_size=n)
-        heads = dp.HeadLayout.create(total_q_heads=16, total_kv_heads=1, ps=ps, kv_replication="tp")
-        tokens = dp.TokenLayout.create(ps=ps, block_size=page)
+        parallel = dp.ParallelState.from_tp(tp_rank=0, tp_size=2, dcp_size=n)
+        heads = dp.HeadLayout.create(total_q_heads=16, total_kv_heads=1, parallel=parallel, kv_replication="tp")
+        tokens = dp.TokenLayout.create(parallel=parallel, block_size=page)
         attn = dp.DcpAttention(heads=heads, tokens=tokens, group=NoCollectives(n) if n > 1 else None,
-                               scale=head_dim ** -0.5, comm=comm, kernels="triton")
+                               scale=head_dim ** -0.5, comm=comm, kernel_impl="triton")
         qkv = torch.zeros(4, heads.num_q_heads + 2, head_dim, dtype=dtype)
         kv = torch.zeros(8, page, 1, 2 * head_dim, dtype=cache_dtype or dtype)
         scales = dict(k_scale=torch.ones(1), v_scale=torch.ones(1)) if cache_dtype else {}
@@ -176,11 +176,11 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--json", help="write the per-variant report here")
     args = parser.parse_args()
-    for module in (sys.modules[kernels.paged_attention.__module__], split_kv):  # no GPU to ask
+    for module in (sys.modules[kernels.prefix_attention.__module__], split_kv):  # no GPU to ask
         module.num_sms = lambda device_index: H100_SMS
-    for module in (_paged_tile, sys.modules[kernels.extend_attention.__module__]):  # what an sm_90 GPU answers
+    for module in (_prefix_tile, sys.modules[kernels.chunk_attention.__module__]):  # what an sm_90 GPU answers
         module.tma_available = lambda device: True
-    for module in (sys.modules[kernels.paged_attention.__module__], split_kv,
+    for module in (sys.modules[kernels.prefix_attention.__module__], split_kv,
                    sys.modules[kernels.write_kv_cache.__module__]):  # programmatic dependent launches: sm_90 takes them
         module.pdl_for = _sm90_pdl
     dtype, cache_dtypes = getattr(torch, args.dtype), (None, torch.float8_e4m3fn, torch.float8_e5m2)

@@ -34,15 +34,15 @@ class Case:
     requests: tuple[tuple[int, int], ...] = ((5, 1),)
     comm: str = "ag_rs"
     dtype: str = "float32"
-    kernels: str = "reference"  # DcpAttention(kernels=...): "reference" or "triton"
+    kernel_impl: str = "reference"  # DcpAttention(kernel_impl=...): "reference" or "triton"
     decode_steps: int = 0
     seed: int = 0
     device: str = "cpu"  # where the sequences, caches and batches live ("cuda" on the GPU tier)
 
     def layouts(self, n: int, rank: int) -> tuple[HeadLayout, TokenLayout]:
         tp = self.tp or n
-        ps = ParallelState.from_tp(tp_rank=self.group_index * n + rank, tp_size=tp, dcp_size=n)
-        heads = HeadLayout.create(total_q_heads=self.q_heads, total_kv_heads=self.kv_heads, ps=ps,
+        parallel = ParallelState.from_tp(tp_rank=self.group_index * n + rank, tp_size=tp, dcp_size=n)
+        heads = HeadLayout.create(total_q_heads=self.q_heads, total_kv_heads=self.kv_heads, parallel=parallel,
                                   kv_replication=self.kv_replication)
         return heads, TokenLayout(dcp_size=n, dcp_rank=rank, interleave=self.interleave, block_size=self.block_size)
 
@@ -183,7 +183,7 @@ def run_case(case: Case, n: int, rank: int, group, gather_heads: Callable[[torch
     state = RankState.create(case, world, n, rank)
     heads = state.heads
     attn = serial(DcpAttention(heads=heads, tokens=state.tokens, group=group, scale=world.scale, comm=case.comm,
-                               kernels=case.kernels))
+                               kernel_impl=case.kernel_impl))
     group_heads = range(heads.group_q_head_start, heads.group_q_head_start + heads.num_group_q_heads)
     schedule = [[new for _, new in case.requests]] + [[1] * len(case.requests)] * case.decode_steps
     for step, new_tokens in enumerate(schedule):
@@ -239,16 +239,16 @@ def random_case(rng: random.Random, n: int, index: int) -> Case:
             return case
 
 
-KERNEL_OF_PLAN = {"plan_write_kv": "write_kv_cache", "plan_extend": "extend_attention",
-                "plan_paged": "paged_attention", "plan_combine": "combine"}
+KERNEL_OF_PLAN = {"plan_write_kv": "write_kv_cache", "plan_chunk": "chunk_attention",
+                "plan_prefix": "prefix_attention", "plan_merge": "merge"}
 _KERNEL_LOCK = threading.Lock()
 
 
-def serial(attn: DcpAttention, log: list | None = None, *, kernels=None) -> DcpAttention:
+def serial(attn: DcpAttention, log: list | None = None, *, kernel_ops=None) -> DcpAttention:
     """``attn`` with its launches run one at a time across threads, and logged into ``log`` (``SerialKernels``).
-    ``kernels``: a namespace with ``dcp_plugin.kernels``' ``plan_*`` functions to run instead of the one ``attn``
+    ``kernel_ops``: a namespace with ``dcp_plugin.kernels``' ``plan_*`` functions to run instead of the one ``attn``
     chose by name. The one place tests replace what ``DcpAttention`` chose."""
-    attn._kernels = SerialKernels(attn._kernels if kernels is None else kernels, log)
+    attn._kernel_ops = SerialKernels(attn._kernel_ops if kernel_ops is None else kernel_ops, log)
     return attn
 
 
@@ -258,11 +258,11 @@ class SerialKernels:
     serialises little). With ``log``, every launch appends ``(kernel name, its tensors, its plan's keywords)`` when
     it runs, in execution order."""
 
-    def __init__(self, kernels, log: list | None = None) -> None:
-        self._kernels, self._log = kernels, log
+    def __init__(self, kernel_ops, log: list | None = None) -> None:
+        self._kernel_ops, self._log = kernel_ops, log
 
     def __getattr__(self, name):
-        fn = getattr(self._kernels, name)
+        fn = getattr(self._kernel_ops, name)
         if name not in KERNEL_OF_PLAN:
             return fn
 

@@ -20,10 +20,10 @@ def fp8_round_trip(world: World, dtype: torch.dtype, k_scale: torch.Tensor, v_sc
             tensors[i] = (t / scale).clamp(-limit, limit).to(dtype).double() * scale
 
 
-def run_fp8_dcp(case: Case, n: int, dtype: torch.dtype, k_scale: torch.Tensor, v_scale: torch.Tensor, kernels,
+def run_fp8_dcp(case: Case, n: int, dtype: torch.dtype, k_scale: torch.Tensor, v_scale: torch.Tensor, kernel_ops,
                 *, label: str) -> list[int]:
-    """Every rank of ``case`` on its own thread over an fp8 cache (``kernels``: the kernel namespace); each step (the
-    case's first, then ``case.decode_steps`` decodes) gathered over the group and checked against float64.
+    """Every rank of ``case`` on its own thread over an fp8 cache (``kernel_ops``: the kernel namespace); each step
+    (the case's first, then ``case.decode_steps`` decodes) gathered over the group and checked against float64.
     Returns each rank's checked steps."""
     world = World(case)
     fp8_round_trip(world, dtype, k_scale, v_scale)
@@ -34,7 +34,7 @@ def run_fp8_dcp(case: Case, n: int, dtype: torch.dtype, k_scale: torch.Tensor, v
         to_fp8 = [(c / s).to(dtype) for c, s in ((state.key_cache, k_scale), (state.value_cache, v_scale))]
         group = ThreadGroup(exchange, rank) if n > 1 else None
         attn = serial(DcpAttention(heads=state.heads, tokens=state.tokens, group=group, scale=world.scale,
-                                   comm=case.comm), kernels=kernels)
+                                   comm=case.comm), kernel_ops=kernel_ops)
         group_heads = range(state.heads.group_q_head_start,
                             state.heads.group_q_head_start + state.heads.num_group_q_heads)
         for step, new_tokens in enumerate(schedule):

@@ -84,8 +84,8 @@ class Step:
 
 def check_replays(step: Step, lengths: list[list[int]], *, graph: bool) -> None:
     """Capture one step with every request real at short contexts, then replay it for each of ``lengths``."""
-    ps = ParallelState.from_tp(tp_rank=0, tp_size=1, dcp_size=1)
-    heads = HeadLayout.create(total_q_heads=step.q_heads, total_kv_heads=step.kv_heads, ps=ps)
+    parallel = ParallelState.from_tp(tp_rank=0, tp_size=1, dcp_size=1)
+    heads = HeadLayout.create(total_q_heads=step.q_heads, total_kv_heads=step.kv_heads, parallel=parallel)
     tokens = TokenLayout(dcp_size=1, dcp_rank=0, interleave=1, block_size=step.block_size)
     attention = DcpAttention(heads=heads, tokens=tokens, group=None, scale=step.head_dim ** -0.5)
     buffers = DcpBatchBuffers(step.reqs, step.device)

@@ -46,7 +46,7 @@ class SgCase:
     decode_steps: int = 2
     dtype: str = "float32"
     comm: str = "ag_rs"
-    kernels: str = "reference"  # the backend's kernels, whatever DCP_TRITON_KERNELS says
+    kernel_impl: str = "reference"  # the backend's kernels, whatever DCP_TRITON_KERNELS says
     seed: int = 0
     device: str = "cpu"
     hybrid: bool = False
@@ -110,7 +110,7 @@ class SglangRank:
         )
         self.backend = DcpTritonAttnBackend(self.runner, topology=topo)
         self.backend._output_like = lambda q: torch.full_like(q, float("nan"))  # unwritten rows fail
-        self.backend.kernels = case.kernels  # before the first layer binds its DcpAttention
+        self.backend.kernel_impl = case.kernel_impl  # before the first layer binds its DcpAttention
         # What runs every layer: the backend itself, or SGLang's hybrid wrapper around it.
         self.attn = _hybrid_wrapper(self.backend, layer_ids) if case.hybrid else self.backend
         self.lens = [0] * len(case.requests)  # committed tokens of each request

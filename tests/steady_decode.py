@@ -57,7 +57,7 @@ def run_steady_decode(case: Case, n: int, rank: int, exchange) -> tuple[int, int
     state = RankState.create(case, world, n, rank)
     log: list = []
     attn = serial(DcpAttention(heads=state.heads, tokens=state.tokens, scale=world.scale, comm=case.comm,
-                               kernels=case.kernels, group=ThreadGroup(exchange, rank) if n > 1 else None), log)
+                               kernel_impl=case.kernel_impl, group=ThreadGroup(exchange, rank) if n > 1 else None), log)
     made = counted(attn)
     engine = EngineBuffers(state, len(case.requests))
     heads = state.heads
@@ -69,7 +69,7 @@ def run_steady_decode(case: Case, n: int, rank: int, exchange) -> tuple[int, int
         out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
         del log[:]
         attn.forward(q, k, v, state.key_cache, state.value_cache, batch, out=out)
-        (paged,) = [kwargs for name, _, kwargs in log if name == "paged_attention"]
+        (paged,) = [kwargs for name, _, kwargs in log if name == "prefix_attention"]
         assert batch.max_local_seq_len <= paged["max_kv_len"] == decode_bound(batch), f"step {step}"
         got = out if n == 1 else torch.cat(exchange.swap(rank, out), dim=1)
         want = torch.cat([causal_attention_f64(world, b, p, group_heads) for b, p in enumerate(positions)])

@@ -142,7 +142,7 @@ def run_verify_case(case: VerifyCase, n: int, rank: int, group, gather_heads) ->
     state = RankState.create(case, world, n, rank)
     heads = state.heads
     attn = serial(DcpAttention(heads=heads, tokens=state.tokens, group=group, scale=world.scale, comm=case.comm,
-                               kernels=case.kernels))
+                               kernel_impl=case.kernel_impl))
     group_heads = range(heads.group_q_head_start, heads.group_q_head_start + heads.num_group_q_heads)
     rng = random.Random(case.seed)  # identical draws on every rank
     new_tokens, seen = [new for _, new in case.requests], set()

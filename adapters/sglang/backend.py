@@ -11,7 +11,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from dcp_plugin.adapters.sglang import compat, metadata, speculative, support, topology as topology_mod
 from dcp_plugin.adapters.sglang.tree_moves import TreeMoves
 from dcp_plugin.attention import DcpAttention
-from dcp_plugin.kernel_choice import check_kernel_dtype, choose_kernels, gluon_state, kernels_named
+from dcp_plugin.kernel_choice import check_kernel_dtype, choose_kernel_impl, gluon_state, kernel_ops_for
 from dcp_plugin.layout import TokenLayout
 from dcp_plugin.warmup import timed_warm_up
 from dcp_plugin.workspace import DcpWorkspace
@@ -41,9 +41,9 @@ class DcpTritonAttnBackend(AttentionBackend):
         super().__init__()
         compat.check_supported_sglang()
         support.check(support.runner_problems(model_runner))
-        choice = choose_kernels(engine="SGLang")
+        choice = choose_kernel_impl(engine="SGLang")
         check_kernel_dtype(choice, model_runner.dtype, dtype_options="--dtype float32 or float16")
-        self.kernel_path, self.kernels, self._compiled = choice.description, choice.name, choice.compiled
+        self.kernel_path, self.kernel_impl, self._compiled = choice.description, choice.impl, choice.compiled
         self._gluon = gluon_state(choice)
         self.topology = topology or topology_mod.from_sglang(model_runner)
         heads = self.topology.heads
@@ -79,7 +79,7 @@ class DcpTritonAttnBackend(AttentionBackend):
                          for name in ("max_prefill_tokens", "chunked_prefill_size", "cuda_graph_max_bs")) or 8192
         self.workspace = DcpWorkspace(heads=heads, head_dim=head_dim, dtype=model_runner.dtype,
                                       device=self.pool.device, max_num_tokens=max_tokens, comm=self.topology.comm,
-                                      split_elements=kernels_named(self.kernels).split_capacity(
+                                      split_elements=kernel_ops_for(self.kernel_impl).split_capacity(
                                           head_dim, torch.device(self.pool.device)))
         self._attention: dict[float, DcpAttention] = {}
         self._caches: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -90,7 +90,7 @@ class DcpTritonAttnBackend(AttentionBackend):
             "dcp-triton attention: backend=dcp-triton dcp_size=%d dcp_rank=%d attn_tp_rank=%d/%d local_q_heads=%d "
             "stored_kv_heads=%d (global %d..%d) page_size=%d comm=%s kernels=%s gluon=%s "
             "workspace=%.1f MiB (%d tokens)",
-            t.ps.attn_dcp_size, t.ps.attn_dcp_rank, t.ps.tp_rank, t.ps.tp_size, heads.num_q_heads,
+            t.parallel.dcp_size, t.parallel.dcp_rank, t.parallel.tp_rank, t.parallel.tp_size, heads.num_q_heads,
             heads.num_kv_heads, heads.kv_head_start, heads.kv_head_start + heads.num_kv_heads - 1,
             self.tokens.block_size, t.comm, self.kernel_path, self._gluon, self.workspace.nbytes / 2**20, max_tokens)
 
@@ -173,7 +173,8 @@ class DcpTritonAttnBackend(AttentionBackend):
 
     def _bind(self, scale: float) -> DcpAttention:
         attention = DcpAttention(heads=self.topology.heads, tokens=self.tokens, group=self.topology.group,
-                                 scale=scale, comm=self.topology.comm, kernels=self.kernels, workspace=self.workspace)
+                                 scale=scale, comm=self.topology.comm, kernel_impl=self.kernel_impl,
+                                 workspace=self.workspace)
         self._attention[scale] = attention
         return attention
 

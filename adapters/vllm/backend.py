@@ -10,7 +10,7 @@ from vllm.v1.attention.backend import AttentionBackend, MultipleOf
 from dcp_plugin.adapters.vllm import compat, support
 
 
-HOPPER_BLOCK_SIZE = 64  # the prefix pass's tile (kernels/paged_attention.py GPU_CONFIGS)
+HOPPER_BLOCK_SIZE = 64  # the prefix pass's tile (kernels/prefix_attention.py GPU_CONFIGS)
 
 
 class DcpTritonBackend(AttentionBackend):

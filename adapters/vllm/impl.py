@@ -11,7 +11,7 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionType
 from dcp_plugin.adapters.vllm import compat, registration, spec, support, topology
 from dcp_plugin.adapters.vllm.builder import DcpTritonMetadata
 from dcp_plugin.attention import DcpAttention
-from dcp_plugin.kernel_choice import check_kernel_dtype, choose_kernels, gluon_state, kernels_named
+from dcp_plugin.kernel_choice import check_kernel_dtype, choose_kernel_impl, gluon_state, kernel_ops_for
 from dcp_plugin.layout import TokenLayout, check_same_position
 from dcp_plugin.warmup import timed_warm_up
 from dcp_plugin.workspace import DcpWorkspace
@@ -80,12 +80,13 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         # vLLM allocates an fp8 cache as uint8 bytes; the kernels read it as this fp8 dtype, scaled by the layer's
         # per-tensor _k_scale / _v_scale.
         self._fp8_dtype = support.FP8_KV_CACHE_DTYPES.get(kv_cache_dtype)
-        choice = choose_kernels(engine="vLLM")
+        choice = choose_kernel_impl(engine="vLLM")
         check_kernel_dtype(choice, model_dtype, dtype_options="--dtype float32 (LLM(dtype='float32')) or float16",
                            fp8_cache=f"kv_cache_dtype={kv_cache_dtype!r}" if self._fp8_dtype else None)
-        self.kernel_path, self.kernels, self._compiled = choice.description, choice.name, choice.compiled
+        self.kernel_path, self.kernel_impl, self._compiled = choice.description, choice.impl, choice.compiled
         self._gluon = gluon_state(choice)
-        self._kernels = kernels_named(choice.name)  # do_kv_cache_update's cache write, the workspace's split capacity
+        # do_kv_cache_update's cache write, the workspace's split capacity
+        self._kernel_ops = kernel_ops_for(choice.impl)
         self.topology = topology.from_vllm(
             num_heads=num_heads, num_kv_heads=self.num_kv_heads, dcp_size=self.dcp_world_size,
             dcp_rank=self.dcp_rank, vllm_config=vllm_config,
@@ -96,7 +97,7 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         # One workspace per worker, counted by vLLM's memory profiling; outside an engine (no model config, so no
         # dtype or step size to plan for) each layer sizes its own on its first step.
         self.workspace = None if model_config is None else \
-            _shared_workspace(self.topology, head_size, model_dtype, self._kernels, vllm_config)
+            _shared_workspace(self.topology, head_size, model_dtype, self._kernel_ops, vllm_config)
         self._log_startup()
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -105,7 +106,7 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         holds -1 for tokens another DCP rank owns. (``forward`` writes the step's K/V itself; this is for hosts
         that write the cache separately.)"""
         key_cache, value_cache = self._split(kv_cache)
-        self._kernels.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, **self._scales(layer))
+        self._kernel_ops.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, **self._scales(layer))
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: DcpTritonMetadata | None, output: torch.Tensor,
@@ -175,7 +176,7 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
             )
         workspace = self.workspace if self.workspace and self.workspace.heads == heads else None
         attention = DcpAttention(heads=heads, tokens=tokens, group=self.topology.group, scale=self.scale,
-                                 comm=self.topology.comm, kernels=self.kernels, workspace=workspace)
+                                 comm=self.topology.comm, kernel_impl=self.kernel_impl, workspace=workspace)
         self._attention[tokens] = attention
         return attention
 
@@ -187,10 +188,10 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
             "fast_launch=%s cpu_attn_routed=%s"
         )
         args = (
-            t.ps.attn_dcp_size, t.ps.attn_dcp_rank, t.ps.tp_rank, t.ps.tp_size, t.heads.num_q_heads,
+            t.parallel.dcp_size, t.parallel.dcp_rank, t.parallel.tp_rank, t.parallel.tp_size, t.heads.num_q_heads,
             t.heads.q_head_start, t.heads.q_head_start + t.heads.num_q_heads - 1, t.heads.num_kv_heads,
             t.heads.kv_head_start, t.heads.kv_head_start + t.heads.num_kv_heads - 1, t.interleave, t.comm,
-            self.kernel_path, self._gluon, "on" if getattr(self._kernels, "FAST_LAUNCH", False) else "off",
+            self.kernel_path, self._gluon, "on" if getattr(self._kernel_ops, "FAST_LAUNCH", False) else "off",
             registration.cpu_route() or "no",
         )
         if args not in _logged_startup:  # once per worker (and once more for a draft with another topology)

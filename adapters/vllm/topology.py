@@ -14,9 +14,9 @@ from dcp_plugin.parallel_state import ParallelState
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Topology:
-    """What one attention layer of this worker needs: ranks, heads, the DCP group, the combine mode."""
+    """What one attention layer of this worker needs: ranks, heads, the DCP group, the merge mode (``comm``)."""
 
-    ps: ParallelState
+    parallel: ParallelState
     heads: HeadLayout
     interleave: int
     comm: str
@@ -74,25 +74,26 @@ class VllmDcpGroup:
         nccl.group_end()
 
 
-def head_layout(*, num_heads: int, num_kv_heads: int, total_kv_heads: int, ps: ParallelState) -> HeadLayout:
+def head_layout(*, num_heads: int, num_kv_heads: int, total_kv_heads: int, parallel: ParallelState) -> HeadLayout:
     """vLLM's head layout ("tp": each rank keeps the KV heads TP gives it), checked against the layer's counts.
 
     ``num_heads`` / ``num_kv_heads`` are the layer's per-TP-rank counts (what vLLM passes the impl).
     """
     try:
         heads = HeadLayout.create(
-            total_q_heads=num_heads * ps.tp_size, total_kv_heads=total_kv_heads, ps=ps, kv_replication="tp"
+            total_q_heads=num_heads * parallel.tp_size, total_kv_heads=total_kv_heads, parallel=parallel,
+            kv_replication="tp",
         )
     except ValueError as err:
         raise ValueError(
-            f"dcp-triton cannot place the heads of this model (tensor_parallel_size={ps.tp_size}, "
-            f"decode_context_parallel_size={ps.attn_dcp_size}, {num_heads * ps.tp_size} Q heads, {total_kv_heads} "
-            f"KV heads): {err}"
+            f"dcp-triton cannot place the heads of this model (tensor_parallel_size={parallel.tp_size}, "
+            f"decode_context_parallel_size={parallel.dcp_size}, {num_heads * parallel.tp_size} Q heads, "
+            f"{total_kv_heads} KV heads): {err}"
         ) from err
     if heads.num_kv_heads != num_kv_heads:
         raise ValueError(
             f"the attention layer holds {num_kv_heads} KV heads per rank, but vLLM's tensor-parallel split of "
-            f"{total_kv_heads} KV heads over {ps.tp_size} ranks gives {heads.num_kv_heads}"
+            f"{total_kv_heads} KV heads over {parallel.tp_size} ranks gives {heads.num_kv_heads}"
         )
     return heads
 
@@ -121,16 +122,16 @@ def from_vllm(*, num_heads: int, num_kv_heads: int, dcp_size: int, dcp_rank: int
     if tp is None or vllm_config.model_config is None:
         return _standalone(num_heads=num_heads, num_kv_heads=num_kv_heads, dcp_size=dcp_size, interleave=interleave,
                            comm=comm)
-    ps = ParallelState.from_tp(tp_rank=tp.rank_in_group, tp_size=tp.world_size, dcp_size=dcp_size)
-    if ps.attn_dcp_rank != dcp_rank:
+    parallel = ParallelState.from_tp(tp_rank=tp.rank_in_group, tp_size=tp.world_size, dcp_size=dcp_size)
+    if parallel.dcp_rank != dcp_rank:
         raise ValueError(
-            f"vLLM's DCP rank {dcp_rank} is not tp_rank % decode_context_parallel_size = {ps.attn_dcp_rank}: "
+            f"vLLM's DCP rank {dcp_rank} is not tp_rank % decode_context_parallel_size = {parallel.dcp_rank}: "
             "dcp-triton needs DCP groups of consecutive TP ranks"
         )
     try:
         heads = head_layout(
             num_heads=num_heads, num_kv_heads=num_kv_heads,
-            total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(), ps=ps,
+            total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(), parallel=parallel,
         )
     except ValueError as err:  # vLLM checks only the target's heads against DCP: say when these are a draft's
         raise ValueError(f"{err}{spec.draft_note(vllm_config) if dcp_size > 1 else ''}") from err
@@ -139,7 +140,7 @@ def from_vllm(*, num_heads: int, num_kv_heads: int, dcp_size: int, dcp_rank: int
         from vllm.distributed.parallel_state import get_dcp_group
 
         group = VllmDcpGroup(get_dcp_group())
-    return Topology(ps=ps, heads=heads, interleave=interleave, comm=comm, group=group)
+    return Topology(parallel=parallel, heads=heads, interleave=interleave, comm=comm, group=group)
 
 
 def _tp_group_or_none():
@@ -160,10 +161,11 @@ def _standalone(*, num_heads: int, num_kv_heads: int, dcp_size: int, interleave:
             f"decode_context_parallel_size={dcp_size} without vLLM's tensor-parallel group or a model config: "
             "dcp-triton reads the DCP topology from them; outside an engine supported: 1"
         )
-    ps = ParallelState.trivial()
+    parallel = ParallelState.trivial()
     try:
-        heads = HeadLayout.create(total_q_heads=num_heads, total_kv_heads=num_kv_heads, ps=ps, kv_replication="tp")
+        heads = HeadLayout.create(total_q_heads=num_heads, total_kv_heads=num_kv_heads, parallel=parallel,
+                                  kv_replication="tp")
     except ValueError as err:
         raise ValueError(f"dcp-triton cannot place num_heads={num_heads} over num_kv_heads={num_kv_heads}: {err}") \
             from err
-    return Topology(ps=ps, heads=heads, interleave=interleave, comm=comm, group=None)
+    return Topology(parallel=parallel, heads=heads, interleave=interleave, comm=comm, group=None)

@@ -2,8 +2,8 @@
 
 One rank of a DCP group holds 1/N of every request's context and attends with the group's N x Hq gathered Q
 heads. This script times that rank's whole ``DcpAttention.forward`` (cache write, current chunk, prefix over the
-local shard, LSE combine, merge) for decode steps, with a stand-in group whose collectives are local copies of the
-right shapes: the numbers are local work only and exclude interconnect time (issue 7 measures real NCCL).
+local shard, LSE merge across ranks, merge with the current chunk) for decode steps, with a stand-in group whose
+collectives are local copies of the right shapes: the numbers are local work only and exclude interconnect time (issue 7 measures real NCCL).
 Timed by CUDA-graph replay (median). Writes benchmarks/results/dcp_sim_<name>.json and a PNG.
 
     python benchmarks/dcp/bench_dcp_sim.py [--quick]
@@ -36,8 +36,9 @@ TOTAL_Q_HEADS, TOTAL_KV_HEADS, TP = 64, 1, 8
 
 
 def time_rank(n: int, batch: int, ctx: int, comm: str, gen: torch.Generator) -> float:
-    ps = dp.ParallelState.from_tp(tp_rank=0, tp_size=TP, dcp_size=n)
-    heads = dp.HeadLayout.create(total_q_heads=TOTAL_Q_HEADS, total_kv_heads=TOTAL_KV_HEADS, ps=ps, kv_replication="tp")
+    parallel = dp.ParallelState.from_tp(tp_rank=0, tp_size=TP, dcp_size=n)
+    heads = dp.HeadLayout.create(total_q_heads=TOTAL_Q_HEADS, total_kv_heads=TOTAL_KV_HEADS, parallel=parallel,
+                                 kv_replication="tp")
     tokens = dp.TokenLayout(dcp_size=n, dcp_rank=0, interleave=1, block_size=PAGE)
     local_pages = math.ceil((tokens.max_local_len(ctx) + 1) / PAGE)
     kv = torch.randn(batch * local_pages, PAGE, heads.num_kv_heads, 2 * HEAD_DIM, dtype=DTYPE, device="cuda",

@@ -8,7 +8,7 @@ synchronisation inside the timed loop), medians of repeated runs.
 - per layer: ``DcpAttention.forward`` of a decode step replayed by LAYERS layers, minus the time spent inside the
   stand-in collectives; the first layer's call apart, once preparing the step's plan and once replaying the last
   decode step's (the next step over the same batch tensors);
-- per launch: each prepared launch of the step alone (paged attention, its split reduce, the combine, the cache
+- per launch: each prepared launch of the step alone (paged attention, its split merge, the cross-rank merge, the cache
   write, the current chunk), and the checked public functions for comparison;
 - allocations per layer (CUDA caching-allocator count) and the bytes each collective moves;
 - a mixed step (many decodes plus one long chunk over a long context) against the decode-only and chunk-only steps,
@@ -78,8 +78,8 @@ class TimedCopyGroup:
 def make_step(batch: int, ctx: int, query_len: int, gen, *, n: int = N, comm: str = "ag_rs", extra=None):
     """One rank's inputs for ``batch`` requests of ``query_len`` new tokens over ``ctx`` cached tokens (plus
     ``extra`` = (requests, query_len, ctx) more), a DcpAttention with a shared workspace."""
-    ps = dp.ParallelState.from_tp(tp_rank=0, tp_size=TP, dcp_size=n)
-    heads = dp.HeadLayout.create(total_q_heads=TOTAL_Q, total_kv_heads=TOTAL_KV, ps=ps, kv_replication="tp")
+    parallel = dp.ParallelState.from_tp(tp_rank=0, tp_size=TP, dcp_size=n)
+    heads = dp.HeadLayout.create(total_q_heads=TOTAL_Q, total_kv_heads=TOTAL_KV, parallel=parallel, kv_replication="tp")
     tokens = dp.TokenLayout(dcp_size=n, dcp_rank=0, interleave=1, block_size=PAGE)
     reqs = [(query_len, ctx)] * batch + ([(extra[1], extra[2])] * extra[0] if extra else [])
     pages = [math.ceil(tokens.max_local_len(q + c) / PAGE) for q, c in reqs]
@@ -163,7 +163,7 @@ def host_per_launch(plan, args, out, repeats: int = 200) -> dict:
     if isinstance(plan, AgRsPlan):
         calls["rescale"] = lambda: plan.rescale(*plan.rescale_args)
     if isinstance(plan, A2aPlan):
-        calls["combine"] = lambda: plan.combine(*plan.combine_inputs, out, views.lse)
+        calls["merge"] = lambda: plan.merge(*plan.merge_inputs, out, views.lse)
     return {name: host_us(call, repeats) for name, call in calls.items()}
 
 
@@ -262,11 +262,11 @@ def public_launch_costs(gen) -> dict:
     """Host µs of the checked public functions (what a caller outside the core pays), for comparison."""
     attn, (q, k, v, kc, vc), step, _, tokens = make_step(32, 8192, 1, gen, n=1)
     calls = {
-        "paged_attention": lambda: kernels.paged_attention(
+        "prefix_attention": lambda: kernels.prefix_attention(
             q, kc, vc, step.block_table, step.local_seq_lens, step.query_start_loc, scale=0.1, q_head_start=0,
             q_per_kv=q.shape[1], kv_head_start=0, max_kv_len=step.max_local_seq_len, max_query_len=1),
-        "extend_attention": lambda: kernels.extend_attention(q, k, v, step.query_start_loc, 1, scale=0.1,
-                                                             q_head_start=0, q_per_kv=q.shape[1], kv_head_start=0),
+        "chunk_attention": lambda: kernels.chunk_attention(q, k, v, step.query_start_loc, 1, scale=0.1,
+                                                           q_head_start=0, q_per_kv=q.shape[1], kv_head_start=0),
     }
     return {name: host_us(call, 100) for name, call in calls.items()}
 

@@ -166,7 +166,7 @@ def run_case(case: Case, *, sizes: Sizes, groups: dict, rank: int, world: int, d
     sequences = harness.World(spec)
     shard = harness.RankState.create(spec, sequences, case.dcp, rank % case.dcp)
     attn = dp.DcpAttention(heads=shard.heads, tokens=shard.tokens, group=groups[case.dcp], scale=sequences.scale,
-                           comm=case.comm, kernels=ops)
+                           comm=case.comm, kernel_impl=ops)
     graph = GraphStep(attn, shard) if case.kind == "decode-graph" else None
     steps = [[new for _, new in requests]] + [[1] * len(requests)] * decode_steps
     result = None

@@ -77,7 +77,7 @@ class Run:
         self.dtype = getattr(torch, args.dtype or ("bfloat16" if self.cuda else "float32"))
         self.sizes = GPU_SIZES if self.cuda else CPU_SIZES
         self.use_graphs = self.cuda and not args.no_graphs and args.kernels == "triton"
-        self.ops = args.kernels  # a kernel name: DcpAttention(kernels=...) takes it
+        self.ops = args.kernels  # a kernel name: DcpAttention(kernel_impl=...) takes it
         self.splits = dcp_splits(self.world)
         self.groups: dict[int, dp.TorchDcpGroup | None] = {1: None}
         for d in self.splits:  # every rank creates every subgroup, in the same order
@@ -127,10 +127,10 @@ def decode_step(run: Run, dcp: int, comm: str, ctx: int, batch: int) -> list:
     """
     sizes, device = run.sizes, run.device
     dim, block = sizes.head_dim, sizes.block_size
-    ps = dp.ParallelState.from_tp(tp_rank=run.rank, tp_size=run.world, dcp_size=dcp)
-    heads = dp.HeadLayout.create(total_q_heads=sizes.local_q_heads * run.world, total_kv_heads=1, ps=ps,
+    parallel = dp.ParallelState.from_tp(tp_rank=run.rank, tp_size=run.world, dcp_size=dcp)
+    heads = dp.HeadLayout.create(total_q_heads=sizes.local_q_heads * run.world, total_kv_heads=1, parallel=parallel,
                                  kv_replication="tp")
-    tokens = dp.TokenLayout(dcp_size=dcp, dcp_rank=ps.attn_dcp_rank, block_size=block)
+    tokens = dp.TokenLayout(dcp_size=dcp, dcp_rank=parallel.dcp_rank, block_size=block)
     pages = -(-tokens.max_local_len(ctx + 1) // block)
     table = torch.randperm(batch * pages, device=device, generator=run.gen).to(torch.int32).view(batch, pages)
     index = int(tokens.local_index(ctx))  # the new token (position ctx) of every request
@@ -142,7 +142,7 @@ def decode_step(run: Run, dcp: int, comm: str, ctx: int, batch: int) -> list:
         slot_mapping=slots if owned else torch.full_like(slots, -1), tokens=tokens,
         max_query_len=1, max_seq_len=ctx + 1, max_context_len=ctx)
     attn = dp.DcpAttention(heads=heads, tokens=tokens, group=run.groups[dcp], scale=dim**-0.5, comm=comm,
-                           kernels=run.ops)
+                           kernel_impl=run.ops)
     q = torch.randn(batch, heads.num_q_heads, dim, dtype=run.dtype, device=device, generator=run.gen)
     k = torch.randn(batch, 1, dim, dtype=run.dtype, device=device, generator=run.gen)
     v, out = torch.randn_like(k), torch.empty_like(q)

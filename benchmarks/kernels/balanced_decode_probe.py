@@ -21,10 +21,10 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
 import kernel_peers  # noqa: E402
-from bench_kernels import ERROR_BOUND, _paged_error, _paged_setup  # noqa: E402
+from bench_kernels import ERROR_BOUND, _prefix_error, _prefix_setup  # noqa: E402
 from common import gpu_name, graph_ms, save  # noqa: E402
 
-from dcp_plugin.kernels.paged_attention import plan_paged, split_capacity  # noqa: E402
+from dcp_plugin.kernels.prefix_attention import plan_prefix, split_capacity  # noqa: E402
 from dcp_plugin.kernels.split_kv import auto_splits  # noqa: E402
 
 GRAPH_BOUND = 40960  # a 40K-token model's block table: what a captured decode graph plans for
@@ -59,7 +59,7 @@ BATCHES = [  # (name, lengths spec, Q heads, KV heads)
 def time_batch(name: str, spec: str, hq: int, hk: int, gen) -> dict:
     lens_list = _lens(spec, torch.Generator().manual_seed(sum(map(ord, name))))
     batch, longest = len(lens_list), max(lens_list)
-    kv_bytes, copies, q, kc, vc, tables, _, qsl = _paged_setup(batch, longest, hq, hk, gen)
+    kv_bytes, copies, q, kc, vc, tables, _, qsl = _prefix_setup(batch, longest, hq, hk, gen)
     lens = torch.tensor(lens_list, dtype=torch.int32, device="cuda")
     kv_bytes = kv_bytes * sum(lens_list) // (batch * longest)
     out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
@@ -69,18 +69,18 @@ def time_batch(name: str, spec: str, hq: int, hk: int, gen) -> dict:
     for bound_name, bound in (("", longest), ("_graph_bound", max(longest, GRAPH_BOUND))):
         kw = dict(scale=q.shape[-1] ** -0.5, q_head_start=0, q_per_kv=hq // hk, kv_head_start=0, max_kv_len=bound,
                   max_query_len=1, split_buffer=scratch)
-        balanced = plan_paged(q, kc, vc, tables[0], lens, qsl, out, lse, **kw)  # the default on a GPU
+        balanced = plan_prefix(q, kc, vc, tables[0], lens, qsl, out, lse, **kw)  # the default on a GPU
         consts = balanced.stage1.constexprs
         head_programs = hk * -(-(hq // hk) // consts["BLOCK_H"])
         uniform_splits = auto_splits(q, programs=batch * head_programs, max_kv_len=bound, block_n=consts["BLOCK_N"],
                                      split_buffer=scratch)
-        uniform = plan_paged(q, kc, vc, tables[0], lens, qsl, out, lse, num_splits=uniform_splits, **kw)
+        uniform = plan_prefix(q, kc, vc, tables[0], lens, qsl, out, lse, num_splits=uniform_splits, **kw)
         row[f"splits{bound_name}"] = dict(balanced=balanced.num_splits, uniform=uniform_splits,
                                           balanced_on=bool(consts.get("BALANCED")))
         for kernel, plan in (("balanced", balanced), ("uniform", uniform)):
             out.fill_(float("nan"))
             plan(q, kc, vc, tables[0], lens, qsl, out, lse)
-            row[f"{kernel}{bound_name}_rel_err"] = _paged_error(out, q, kc, vc, tables, lens, qsl, rows=batch)
+            row[f"{kernel}{bound_name}_rel_err"] = _prefix_error(out, q, kc, vc, tables, lens, qsl, rows=batch)
             fns[f"{kernel}{bound_name}"] = [lambda i=i, p=plan: p(q, kc, vc, tables[i], lens, qsl, out, lse)
                                             for i in range(copies)]
     for peer, fn in kernel_peers.fa3_paged(q, kc, vc, tables, lens, qsl, max_query_len=1, max_kv_len=longest,

@@ -1,13 +1,13 @@
 """Kernel benchmarks on one GPU, peers measured side by side in the same run (benchmarks/kernels/kernel_peers.py).
 
-- decode: ``paged_attention``, one query token per request, in % of the device copy bandwidth (KV bytes read),
+- decode: ``prefix_attention``, one query token per request, in % of the device copy bandwidth (KV bytes read),
   launch included (``triton.testing.do_bench``, L2 flushed, median) and under CUDA-graph replay (L2-cold copies),
   against FlashAttention-3 and vLLM's Triton unified and split-KV kernels (all over 16-token pages; dcp-triton
   also over the same memory as 64-token pages); ``decode_fp8``: the same over an fp8 cache, against bf16, over
   16- and 64-token pages (tuning sweeps: ``sweep_kernels.py``).
 - prefix: the DCP prefix pass (many query rows against a long paged cache, non-causal) in TFLOP/s against FA3,
   with 16- and 64-token pages.
-- prefill: causal current-chunk ``extend_attention`` in TFLOP/s (CUDA-graph replay, so no one's host time counts)
+- prefill: causal current-chunk ``chunk_attention`` in TFLOP/s (CUDA-graph replay, so no one's host time counts)
   against FA3 and torch's SDPA, head size 128 and 64, 32 Q heads over 8 and 1 KV heads.
 - merge: ``merge_states`` in % of copy bandwidth against vLLM's ``merge_attn_states``.
 
@@ -32,9 +32,9 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
 from common import cold_copies, copy_bandwidth_gbs, gpu_name, graph_ms, median_ms, repo_relative, save  # noqa: E402
 
-from dcp_plugin.kernels import extend_attention, merge_states, paged_attention  # noqa: E402
-from dcp_plugin.kernels.extend_attention import plan_extend  # noqa: E402
-from dcp_plugin.kernels.paged_attention import plan_paged  # noqa: E402
+from dcp_plugin.kernels import chunk_attention, merge_states, prefix_attention  # noqa: E402
+from dcp_plugin.kernels.chunk_attention import plan_chunk  # noqa: E402
+from dcp_plugin.kernels.prefix_attention import plan_prefix  # noqa: E402
 from dcp_plugin.kernels import reference  # noqa: E402
 import kernel_peers  # noqa: E402
 
@@ -42,8 +42,8 @@ DTYPE, HEAD_DIM, PAGE = torch.bfloat16, 128, 16
 ERROR_BOUND = 1e-2  # relative (Frobenius) error of a bf16 output: ~2e-3 is rounding, a wrong answer is ~1
 
 
-def _paged_setup(batch: int, ctx: int, hq: int, hk: int, gen: torch.Generator, *, q_rows: int = 1,
-                 page: int = PAGE, head_dim: int = HEAD_DIM):
+def _prefix_setup(batch: int, ctx: int, hq: int, hk: int, gen: torch.Generator, *, q_rows: int = 1,
+                  page: int = PAGE, head_dim: int = HEAD_DIM):
     """Paged inputs with enough disjoint KV sets (block tables over disjoint pages of one pool) that graph
     replays cycling through them run L2-cold, in vLLM's FLASH_ATTN layout (K and V caches of ``[pages, page, Hk,
     D]``): ``(kv_bytes, copies, q, key_cache, value_cache, tables, lens, qsl)``; ``q_rows`` query rows per request."""
@@ -72,8 +72,8 @@ def _as_pages(kc, vc, tables, page: int, gen: torch.Generator):
     return kc, vc, perm.view(copies, batch, per_req // ratio)
 
 
-def _paged_error(out, q, kc, vc, tables, lens, qsl, *, rows: int, k_scale=None, v_scale=None,
-                 q_limit: int = 1 << 30) -> float:
+def _prefix_error(out, q, kc, vc, tables, lens, qsl, *, rows: int, k_scale=None, v_scale=None,
+                  q_limit: int = 1 << 30) -> float:
     """Relative error of ``out`` on the first ``rows`` requests (at most ``q_limit`` query rows) against float64
     attention over their pages (dequantized when the cache is fp8); NaN in ``out`` gives NaN."""
     n = min(lens.shape[0], rows)
@@ -82,9 +82,9 @@ def _paged_error(out, q, kc, vc, tables, lens, qsl, *, rows: int, k_scale=None, 
     kd, vd = (cache.view(torch.uint8)[pages].view(cache.dtype).double() * (1.0 if s is None else s.item())
               for cache, s in ((kc, k_scale), (vc, v_scale)))  # bytes gathered: fp8 tensors index poorly
     end = min(int(qsl[n]), q_limit)
-    ref, _ = reference.paged_attention(q[:end].double(), kd, vd, sub_table, lens[:n], qsl[: n + 1].clamp(max=end),
-                                       scale=HEAD_DIM ** -0.5, q_head_start=0, q_per_kv=q.shape[1] // kc.shape[2],
-                                       kv_head_start=0, max_kv_len=int(lens.max()))
+    ref, _ = reference.prefix_attention(q[:end].double(), kd, vd, sub_table, lens[:n], qsl[: n + 1].clamp(max=end),
+                                        scale=HEAD_DIM ** -0.5, q_head_start=0, q_per_kv=q.shape[1] // kc.shape[2],
+                                        kv_head_start=0, max_kv_len=int(lens.max()))
     return ((out[:end].double() - ref).norm() / ref.norm()).item()
 
 
@@ -112,7 +112,7 @@ def bench_decode(shapes, copy_gbs: float) -> list[dict]:
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for batch, ctx, hq, hk in shapes:
-        kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen)
+        kv_bytes, copies, q, kc, vc, tables, lens, qsl = _prefix_setup(batch, ctx, hq, hk, gen)
         out = torch.full_like(q, float("nan"))
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
         kwargs = dict(scale=HEAD_DIM ** -0.5, q_head_start=0, q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx,
@@ -120,9 +120,9 @@ def bench_decode(shapes, copy_gbs: float) -> list[dict]:
         # "ours": as the DCP core runs it, planned once per step shape and launched by every layer of the step;
         # "ours_api": the public function, which checks its arguments and plans on every call; "ours_p64": the
         # same memory read as 64-token pages (the cache dcp-triton asks vLLM for).
-        launch = plan_paged(q, kc, vc, tables[0], lens, qsl, out, lse, **kwargs)
+        launch = plan_prefix(q, kc, vc, tables[0], lens, qsl, out, lse, **kwargs)
         kc64, vc64, tables64 = _as_pages(kc, vc, tables, 64, gen)
-        launch64 = plan_paged(q, kc64, vc64, tables64[0], lens, qsl, out, lse, **kwargs)
+        launch64 = plan_prefix(q, kc64, vc64, tables64[0], lens, qsl, out, lse, **kwargs)
 
         def ours(i=0):
             launch(q, kc, vc, tables[i], lens, qsl, out, lse)
@@ -134,9 +134,9 @@ def bench_decode(shapes, copy_gbs: float) -> list[dict]:
         for key, fn, caches in (("rel_err_p64", ours_p64, (kc64, vc64, tables64)), ("rel_err", ours, (kc, vc, tables))):
             out.fill_(float("nan"))
             fn()  # correct first: a slice of the batch against the float64 reference
-            row[key] = _paged_error(out, q, *caches, lens, qsl, rows=2)
-        _time_peers(row, {"ours_api": lambda i=0: paged_attention(q, kc, vc, tables[i], lens, qsl, out=out,
-                                                                  lse=lse, **kwargs)}, copies, graph=False)
+            row[key] = _prefix_error(out, q, *caches, lens, qsl, rows=2)
+        _time_peers(row, {"ours_api": lambda i=0: prefix_attention(q, kc, vc, tables[i], lens, qsl, out=out,
+                                                                   lse=lse, **kwargs)}, copies, graph=False)
         peers = {"ours": ours, "ours_p64": ours_p64, **kernel_peers.vllm_triton_decode(q, kc, vc, tables, lens, qsl, ctx),
                  **kernel_peers.fa3_paged(q, kc, vc, tables, lens, qsl, max_query_len=1, max_kv_len=ctx,
                                           causal=True)}
@@ -157,7 +157,7 @@ def bench_decode_fp8(shapes, copy_gbs: float) -> list[dict]:
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(4)
     for batch, ctx, hq, hk in shapes:
-        kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen)
+        kv_bytes, copies, q, kc, vc, tables, lens, qsl = _prefix_setup(batch, ctx, hq, hk, gen)
         k_scale = torch.full((1,), 0.5, dtype=torch.float32, device="cuda")
         v_scale = torch.full((1,), 0.25, dtype=torch.float32, device="cuda")
         kc8, vc8 = (kc / k_scale).to(torch.float8_e4m3fn), (vc / v_scale).to(torch.float8_e4m3fn)
@@ -170,15 +170,15 @@ def bench_decode_fp8(shapes, copy_gbs: float) -> list[dict]:
 
         def run(i=0, fp8=True, page64=False):
             k, v, t = pages64[fp8] if page64 else ((kc8, vc8, tables) if fp8 else (kc, vc, tables))
-            paged_attention(q, k, v, t[i], lens, qsl, scale=HEAD_DIM ** -0.5,
-                            q_head_start=0, q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=1,
-                            out=out, k_scale=k_scale if fp8 else None, v_scale=v_scale if fp8 else None)
+            prefix_attention(q, k, v, t[i], lens, qsl, scale=HEAD_DIM ** -0.5,
+                             q_head_start=0, q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=1,
+                             out=out, k_scale=k_scale if fp8 else None, v_scale=v_scale if fp8 else None)
 
         row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, fp8_bytes=kv_bytes // 2)
         for key, page64, (k, v, t) in (("rel_err_p64", True, pages64[True]), ("rel_err", False, (kc8, vc8, tables))):
             out.fill_(float("nan"))
             run(page64=page64)
-            row[key] = _paged_error(out, q, k, v, t, lens, qsl, rows=2, k_scale=k_scale, v_scale=v_scale)
+            row[key] = _prefix_error(out, q, k, v, t, lens, qsl, rows=2, k_scale=k_scale, v_scale=v_scale)
         _time_peers(row, {"fp8": run, "bf16": lambda i=0: run(i, fp8=False),
                           "fp8_p64": lambda i=0: run(i, page64=True),
                           "bf16_p64": lambda i=0: run(i, fp8=False, page64=True)}, copies)
@@ -199,19 +199,19 @@ def bench_prefix(shapes, pages=(PAGE, 64)) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(5)
     for batch, q_rows, ctx, hq, hk in shapes:
         for page in pages:
-            _, _, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen, q_rows=q_rows, page=page)
+            _, _, q, kc, vc, tables, lens, qsl = _prefix_setup(batch, ctx, hq, hk, gen, q_rows=q_rows, page=page)
             tables = tables[:1]
             out = torch.empty_like(q)
             flops = 4 * batch * q_rows * ctx * hq * HEAD_DIM
 
             def ours(i=0):
-                paged_attention(q, kc, vc, tables[i], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
-                                q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=q_rows, out=out)
+                prefix_attention(q, kc, vc, tables[i], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
+                                 q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=q_rows, out=out)
 
             out.fill_(float("nan"))
             ours()
             row = dict(batch=batch, q_rows=q_rows, ctx=ctx, q_heads=hq, kv_heads=hk, page=page, flops=flops,
-                       rel_err=_paged_error(out, q, kc, vc, tables, lens, qsl, rows=1, q_limit=256))
+                       rel_err=_prefix_error(out, q, kc, vc, tables, lens, qsl, rows=1, q_limit=256))
             peers = {"ours": ours, **kernel_peers.fa3_paged(q, kc, vc, tables, lens, qsl, max_query_len=q_rows,
                                                             max_kv_len=ctx, causal=False)}
             _time_peers(row, peers, 1, graph=False)
@@ -228,7 +228,7 @@ def bench_prefix(shapes, pages=(PAGE, 64)) -> list[dict]:
 
 
 def bench_prefill(shapes) -> list[dict]:
-    """Causal current-chunk ``extend_attention`` over ``(num_seqs, seq_len, q_heads, kv_heads, head_dim)`` in
+    """Causal current-chunk ``chunk_attention`` over ``(num_seqs, seq_len, q_heads, kv_heads, head_dim)`` in
     TFLOP/s against FA3 and torch's SDPA (the error is against SDPA: bf16 both)."""
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -245,7 +245,7 @@ def bench_prefill(shapes) -> list[dict]:
         kwargs = dict(scale=d ** -0.5, q_head_start=0, q_per_kv=hq // hk, kv_head_start=0)
         # "ours": planned once, as the DCP core launches it for every layer of a step; "ours_api": the public
         # function, which checks its arguments and plans on every call.
-        launch = plan_extend(q, k, v, out, lse, cu, seq_len, **kwargs)
+        launch = plan_chunk(q, k, v, out, lse, cu, seq_len, **kwargs)
 
         def ours(i=0):
             launch(q, k, v, out, lse, cu)
@@ -259,8 +259,8 @@ def bench_prefill(shapes) -> list[dict]:
         sdpa = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
         row["rel_err_vs_sdpa"] = ((heads_first(out, hq).float() - sdpa.float()).norm()
                                   / sdpa.float().norm()).item()
-        _time_peers(row, {"ours_api": lambda i=0: extend_attention(q, k, v, cu, seq_len, out=out, lse=lse,
-                                                                   **kwargs)}, 1, graph=False)
+        _time_peers(row, {"ours_api": lambda i=0: chunk_attention(q, k, v, cu, seq_len, out=out, lse=lse,
+                                                                  **kwargs)}, 1, graph=False)
         peers = {"ours": ours,
                  "sdpa": lambda i=0: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True,
                                                                                      enable_gqa=True),

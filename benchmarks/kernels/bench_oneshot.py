@@ -10,12 +10,12 @@ bf16), each function is called ``--calls`` times back to back after a warm-up, n
   syncs     synchronising operations one call makes (``torch.cuda.set_sync_debug_mode``'s warnings)
 
 dcp-triton's call is split into its phases, each timed alone the same way: the argument checks (``checked_outputs``
-for the decode), the plan (``plan_paged`` / ``plan_extend``: launch constants, grid, scratch) and the prepared
+for the decode), the plan (``plan_prefix`` / ``plan_chunk``: launch constants, grid, scratch) and the prepared
 launch's replay (what the DCP core pays per layer inside vLLM and SGLang), and that replay once more through Triton's
 own dispatch (``replay_dispatch``: a prepared launch on a Triton release outside the fast launch's, which replays the
-compiled kernel directly; the summary's ``fallback_host_ratio`` is its host time over the fast replay's). FA3 is vLLM's build
-(``vllm.vllm_flash_attn``, ``fa_version=3``) called with no precomputed scheduler metadata, as a one-shot user calls
-it. The summary's ``oneshot_call_ratio_max`` is dcp-triton's ``call_us`` over FA3's, worst case.
+compiled kernel directly; the summary's ``fallback_host_ratio`` is its host time over the fast replay's). FA3 is
+vLLM's build (``vllm.vllm_flash_attn``, ``fa_version=3``) called with no precomputed scheduler metadata, as a one-shot
+user calls it. The summary's ``oneshot_call_ratio_max`` is dcp-triton's ``call_us`` over FA3's, worst case.
 
     python benchmarks/kernels/bench_oneshot.py                # a GPU with vLLM's FA3 (run_h200.sh bench after unpack)
     python benchmarks/kernels/bench_oneshot.py --dry-run      # anywhere: the cases
@@ -55,7 +55,7 @@ def inputs(case: dict, device: str = "cuda", dtype=None):
                   for _ in range(2))
         return dict(q=torch.randn(reqs, hq, d, device=device, dtype=bf16, generator=g), key_cache=kc, value_cache=vc,
                     block_table=torch.arange(reqs * pages, device=device, dtype=torch.int32).view(reqs, pages),
-                    context_lens=torch.full((reqs,), case["context"], device=device, dtype=torch.int32),
+                    kv_lens=torch.full((reqs,), case["context"], device=device, dtype=torch.int32),
                     query_start_loc=torch.arange(reqs + 1, device=device, dtype=torch.int32))
     rows = reqs * case["context"]
     q, k, v = (torch.randn(rows, h, d, device=device, dtype=bf16, generator=g) for h in (hq, hk, hk))
@@ -78,31 +78,31 @@ def through_dispatch(launch, *args) -> None:
 def ours(case: dict, t: dict) -> dict:
     """dcp-triton's public call and its phases, each ``fn()``; ``"planned"``: the ``(out, lse)`` the prepared launches
     (``"replay"``, ``"replay_dispatch"``) write."""
-    from dcp_plugin.kernels import extend_attention, paged_attention, plan_extend, plan_paged
-    from dcp_plugin.kernels.paged_attention import checked_outputs
+    from dcp_plugin.kernels import chunk_attention, prefix_attention, plan_chunk, plan_prefix
+    from dcp_plugin.kernels.prefix_attention import checked_outputs
 
     heads = dict(q_head_start=0, q_per_kv=case["q_heads"] // case["kv_heads"], kv_head_start=0)
     scale = case["head_dim"] ** -0.5
     if case["kind"] == "decode":
-        paged = (t["q"], t["key_cache"], t["value_cache"], t["block_table"], t["context_lens"], t["query_start_loc"])
+        paged = (t["q"], t["key_cache"], t["value_cache"], t["block_table"], t["kv_lens"], t["query_start_loc"])
         hints = dict(max_kv_len=case["context"], max_query_len=1)
         out, lse = checked_outputs(*paged, scale=scale, **heads, **hints, num_splits=None, out=None, lse=None,
                                    k_scale=None, v_scale=None)
-        launch = plan_paged(*paged, out, lse, scale=scale, **heads, **hints)
-        dispatched = plan_paged(*paged, out, lse, scale=scale, **heads, **hints)
-        return {"call": lambda: paged_attention(*paged, scale=scale, **heads, **hints),
+        launch = plan_prefix(*paged, out, lse, scale=scale, **heads, **hints)
+        dispatched = plan_prefix(*paged, out, lse, scale=scale, **heads, **hints)
+        return {"call": lambda: prefix_attention(*paged, scale=scale, **heads, **hints),
                 "checks": lambda: checked_outputs(*paged, scale=scale, **heads, **hints, num_splits=None, out=None,
                                                   lse=None, k_scale=None, v_scale=None),
-                "plan": lambda: plan_paged(*paged, out, lse, scale=scale, **heads, **hints),
+                "plan": lambda: plan_prefix(*paged, out, lse, scale=scale, **heads, **hints),
                 "replay": lambda: launch(*paged, out, lse, None, None),
                 "replay_dispatch": lambda: through_dispatch(dispatched, *paged, out, lse, None, None),
                 "planned": (out, lse)}
     q, k, v, qsl, n = t["q"], t["k"], t["v"], t["query_start_loc"], case["context"]
     out, lse = q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=__import__("torch").float32)
-    launch = plan_extend(q, k, v, out, lse, qsl, n, scale=scale, **heads)
-    dispatched = plan_extend(q, k, v, out, lse, qsl, n, scale=scale, **heads)
-    return {"call": lambda: extend_attention(q, k, v, qsl, n, scale=scale, **heads),
-            "plan": lambda: plan_extend(q, k, v, out, lse, qsl, n, scale=scale, **heads),
+    launch = plan_chunk(q, k, v, out, lse, qsl, n, scale=scale, **heads)
+    dispatched = plan_chunk(q, k, v, out, lse, qsl, n, scale=scale, **heads)
+    return {"call": lambda: chunk_attention(q, k, v, qsl, n, scale=scale, **heads),
+            "plan": lambda: plan_chunk(q, k, v, out, lse, qsl, n, scale=scale, **heads),
             "replay": lambda: launch(q, k, v, out, lse, qsl),
             "replay_dispatch": lambda: through_dispatch(dispatched, q, k, v, out, lse, qsl), "planned": (out, lse)}
 
@@ -118,7 +118,7 @@ def fa3_call(case: dict, t: dict):
         return None
     scale, n = case["head_dim"] ** -0.5, case["context"]
     if case["kind"] == "decode":
-        lens, qsl = t["context_lens"], t["query_start_loc"]
+        lens, qsl = t["kv_lens"], t["query_start_loc"]
         return lambda: flash_attn_varlen_func(t["q"], t["key_cache"], t["value_cache"], max_seqlen_q=1,
                                               cu_seqlens_q=qsl, max_seqlen_k=n, seqused_k=lens, softmax_scale=scale,
                                               causal=True, block_table=t["block_table"], return_softmax_lse=True,

@@ -4,7 +4,7 @@ ring of shared-memory stages (mbarriers, no program-wide barrier), and two consu
 the block's 128 query rows, run their QK^T -> softmax -> PV loops independently, so one's softmax can overlap the
 other's tensor-core work (FA3's ping-pong, left to drift rather than enforced).
 
-Launched like ``extend_attention_kernel`` (``plan_extend``'s grid and arguments, 128-row blocks); head size 128,
+Launched like ``chunk_attention_kernel`` (``plan_chunk``'s grid and arguments, 128-row blocks); head size 128,
 bf16/fp16, K and V readable through tensor descriptors.
 """
 
@@ -256,12 +256,12 @@ def _attend_rows_fa3(q_ptr, out_ptr, lse_ptr, q_tile, k_smem, v_smem, ready, emp
 
 
 @gluon.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs"))
-def chunk_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_ptr, num_tokens, num_reqs,
+def chunk_prototype_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_ptr, num_tokens, num_reqs,
                            num_q_programs, qk_scale, q_head_start, q_per_kv, kv_head_start, stride_qt, stride_qh,
                            stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt, stride_lh,
                            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                            OVERLAP: gl.constexpr, PINGPONG: gl.constexpr = False):
-    """Grid (num_q_programs + 1, local Q heads), the numbering of ``extend_attention_kernel``: programs in reverse
+    """Grid (num_q_programs + 1, local Q heads), the numbering of ``chunk_attention_kernel``: programs in reverse
     (each sequence's last blocks, which see the most keys, start first), and the last program of each head writes
     (0, -inf) to the rows past query_start_loc[num_reqs]."""
     ROWS: gl.constexpr = 64  # per consumer warpgroup; the program's block is 2 * ROWS

@@ -6,7 +6,7 @@ FA3?
 Each config of ``CONFIGS`` runs in a child process with a time limit (a wrong mbarrier phase hangs a
 GPU, and the parent must still report): first against float64 attention on a varlen batch (lengths 1 .. 1,000,
 32 Q / 8 KV heads, and 8 local Q heads of 32 over 2 KV heads), outputs poisoned with NaN first, then timed by graph
-replay on each of ``SHAPES`` beside ``plan_extend`` and FA3 (when vLLM's FA3 imports) in the same process. A call's
+replay on each of ``SHAPES`` beside ``plan_chunk`` and FA3 (when vLLM's FA3 imports) in the same process. A call's
 configs are appended to the results file's ``runs`` with the call's provenance.
 
     python benchmarks/kernels/gluon_chunk_probe.py [--name kernels_h200_gluon_probe]
@@ -57,7 +57,7 @@ CHILD_TIMEOUT_S = 60  # a config compiles and runs in about 15 s
 
 
 def launch(q, k, v, out, lse, cu, max_len, *, scale, q_head_start, q_per_kv, kv_head_start, config):
-    from gluon_chunk import chunk_attention_kernel
+    from gluon_chunk import chunk_prototype_kernel
 
     from dcp_plugin.kernels._schedule import flat_programs
 
@@ -72,7 +72,7 @@ def launch(q, k, v, out, lse, cu, max_len, *, scale, q_head_start, q_per_kv, kv_
     num_tokens, num_reqs = q.shape[0], cu.shape[0] - 1
     num_q_programs = flat_programs(num_tokens, num_reqs, 128)
     grid = (num_q_programs + 1, q.shape[1])  # + 1: the padding rows' program
-    chunk_attention_kernel[grid](
+    chunk_prototype_kernel[grid](
         q, k, v, out, lse, cu, num_tokens, num_reqs, num_q_programs, scale * 1.4426950408889634, q_head_start,
         q_per_kv, kv_head_start,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
@@ -104,8 +104,8 @@ def check(config) -> dict:
         kw = dict(scale=d ** -0.5, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=0)
         launch(q, k, v, out, lse, cu, max(CHECK_LENS), config=config, **kw)
         torch.cuda.synchronize()
-        ref_out, ref_lse = reference.extend_attention(q[:total].double(), k[:total].double(), v[:total].double(), cu,
-                                                      max(CHECK_LENS), **kw)
+        ref_out, ref_lse = reference.chunk_attention(q[:total].double(), k[:total].double(), v[:total].double(), cu,
+                                                     max(CHECK_LENS), **kw)
         rel = ((out[:total].double() - ref_out).norm() / ref_out.norm()).item()
         lse_err = (lse[:total].double() - ref_lse).abs().max().item()
         nan = bool(out[:total].isnan().any() or lse[:total].isnan().any())
@@ -119,7 +119,7 @@ def time_shapes(config) -> list[dict]:
 
     import kernel_peers
     from common import graph_ms
-    from dcp_plugin.kernels.extend_attention import _pick_config, plan_extend
+    from dcp_plugin.kernels.chunk_attention import _pick_config, plan_chunk
 
     rows, d = [], chunk_head_dim(config)
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -132,8 +132,8 @@ def time_shapes(config) -> list[dict]:
         out, lse = torch.empty_like(q), torch.empty(total, 32, dtype=torch.float32, device="cuda")
         kw = dict(scale=d ** -0.5, q_head_start=0, q_per_kv=4, kv_head_start=0)
         flops = 2 * 2 * seqs * length * length * 32 * d / 2
-        tl_launch = plan_extend(q, k, v, out, lse, cu, length, **kw,  # the tl kernel, whatever DCP_TRITON_GLUON says
-                                config=_pick_config(d, torch.bfloat16, None, length))
+        tl_launch = plan_chunk(q, k, v, out, lse, cu, length, **kw,  # the tl kernel, whatever DCP_TRITON_GLUON says
+                               config=_pick_config(d, torch.bfloat16, None, length))
         fns = {"gluon": lambda: launch(q, k, v, out, lse, cu, length, config=config, **kw),
                "ours_tl": lambda: tl_launch(q, k, v, out, lse, cu)}
         fns.update({name: (lambda fn=fn: fn(0)) for name, fn in kernel_peers.fa3_prefill(q, k, v, cu, length).items()})
@@ -198,14 +198,14 @@ def compile_only() -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
     import compile_for_hopper as ch
-    from gluon_chunk import chunk_attention_kernel
+    from gluon_chunk import chunk_prototype_kernel
 
     from dcp_plugin.kernels import gluon_chunk
 
     target = GPUTarget("cuda", 90, 32)
     for config in PROTOTYPE_SCHEDULES:
         block_n, stages, overlap, pingpong = config
-        fn = chunk_attention_kernel
+        fn = chunk_prototype_kernel
         signature, attrs = {}, {}
         for i, name in enumerate(fn.arg_names):
             if name.endswith("_ptr"):

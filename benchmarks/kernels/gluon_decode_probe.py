@@ -2,7 +2,7 @@
 ring depth serve it best, and is it faster than the ``tl`` decode kernel and FA3?
 
 Each config of ``CONFIGS`` (pages per key tile, stages) runs in a child process with a time limit (a wrong mbarrier
-phase hangs a GPU, and the parent must still report). A child first checks the kernel through ``plan_paged`` (its
+phase hangs a GPU, and the parent must still report). A child first checks the kernel through ``plan_prefix`` (its
 split partials and their merge included) against float64 attention on batches of varied context lengths (0 to
 5,000 tokens, so empty requests, empty splits and partial last tiles), 64-token pages whose rows past each context
 and whose unused table entries hold NaN, outputs poisoned with NaN first, CUDA-graph padding rows, several head
@@ -75,7 +75,7 @@ def check(config) -> dict:
     import torch
 
     from dcp_plugin.kernels import reference
-    from dcp_plugin.kernels.paged_attention import plan_paged
+    from dcp_plugin.kernels.prefix_attention import plan_prefix
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     errors = {}
@@ -83,7 +83,7 @@ def check(config) -> dict:
         q, kc, vc, table, lens, qsl = _check_inputs(hq, hk, d, gen)
         kw = dict(scale=d ** -0.5, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=0,
                   max_kv_len=max(CHECK_LENS))
-        ref_out, ref_lse = reference.paged_attention(q.double(), kc.double(), vc.double(), table, lens, qsl, **kw)
+        ref_out, ref_lse = reference.prefix_attention(q.double(), kc.double(), vc.double(), table, lens, qsl, **kw)
         for splits, programs in ((1, None), (3, None), (None, None), (1, 2), (3, 3)):  # 2-3 programs: each loops
             t = q.shape[0]
             if ranks:
@@ -91,8 +91,8 @@ def check(config) -> dict:
                 lse = torch.full((ranks, t, hq // ranks), float("nan"), device="cuda")
             else:
                 out, lse = torch.full_like(q, float("nan")), torch.full((t, hq), float("nan"), device="cuda")
-            launch = plan_paged(q, kc, vc, table, lens, qsl, out, lse, max_query_len=1, num_splits=splits,
-                                gluon_decode=(*config, programs), **kw)
+            launch = plan_prefix(q, kc, vc, table, lens, qsl, out, lse, max_query_len=1, num_splits=splits,
+                                 gluon_decode=(*config, programs), **kw)
             assert type(launch.stage1.kernel).__name__ == "GluonJITFunction", "not the Gluon kernel"
             launch(q, kc, vc, table, lens, qsl, out, lse)
             torch.cuda.synchronize()
@@ -112,14 +112,14 @@ def time_shapes(config, shapes, full: bool) -> list[dict]:
     import torch
 
     import kernel_peers
-    from bench_kernels import _as_pages, _paged_setup
+    from bench_kernels import _as_pages, _prefix_setup
     from common import graph_ms
-    from dcp_plugin.kernels.paged_attention import plan_paged
+    from dcp_plugin.kernels.prefix_attention import plan_prefix
 
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(1)
     for batch, ctx, hq, hk, *mixed in shapes:
-        kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen)
+        kv_bytes, copies, q, kc, vc, tables, lens, qsl = _prefix_setup(batch, ctx, hq, hk, gen)
         if mixed:  # varied contexts: what a static deal of items over programs meets in serving
             lens = torch.randint(ctx // 8, ctx + 1, (batch,), device="cuda", generator=gen, dtype=torch.int32)
             kv_bytes = kv_bytes * int(lens.sum()) // (batch * ctx)
@@ -127,17 +127,18 @@ def time_shapes(config, shapes, full: bool) -> list[dict]:
         out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
         kw = dict(scale=q.shape[-1] ** -0.5, q_head_start=0, q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx,
                   max_query_len=1)
-        plans = {"gluon": plan_paged(q, kc64, vc64, tables64[0], lens, qsl, out, lse, gluon_decode=tuple(config), **kw)}
+        plans = {"gluon": plan_prefix(q, kc64, vc64, tables64[0], lens, qsl, out, lse, gluon_decode=tuple(config),
+                                      **kw)}
         auto = plans["gluon"].num_splits
-        plans["gluon_items"] = plan_paged(q, kc64, vc64, tables64[0], lens, qsl, out, lse,
-                                          gluon_decode=(*config, 0), **kw)  # the same config, a program per item
+        plans["gluon_items"] = plan_prefix(q, kc64, vc64, tables64[0], lens, qsl, out, lse,
+                                           gluon_decode=(*config, 0), **kw)  # the same config, a program per item
         if full:
             for name, splits in (("gluon_half", max(1, auto // 2)), ("gluon_double", min(256, 2 * auto))):
                 if splits != auto:
-                    plans[name] = plan_paged(q, kc64, vc64, tables64[0], lens, qsl, out, lse, num_splits=splits,
-                                             gluon_decode=tuple(config), **kw)
+                    plans[name] = plan_prefix(q, kc64, vc64, tables64[0], lens, qsl, out, lse, num_splits=splits,
+                                              gluon_decode=tuple(config), **kw)
         os.environ["DCP_TRITON_GLUON"] = "0"  # the tl kernel, as DCP_TRITON_GLUON=0 ships it
-        plans["tl"] = plan_paged(q, kc64, vc64, tables64[0], lens, qsl, out, lse, **kw)
+        plans["tl"] = plan_prefix(q, kc64, vc64, tables64[0], lens, qsl, out, lse, **kw)
         del os.environ["DCP_TRITON_GLUON"]
         fns = {name: [lambda i=i, p=p: p(q, kc64, vc64, tables64[i], lens, qsl, out, lse) for i in range(copies)]
                for name, p in plans.items()}
@@ -177,7 +178,7 @@ def child(config: tuple, full: bool, out_path: str) -> None:
 
 
 def compile_only(configs) -> None:
-    """Each config compiled for sm_90 here (Triton 3.6, no GPU needed), as ``plan_paged`` plans it for a group of
+    """Each config compiled for sm_90 here (Triton 3.6, no GPU needed), as ``plan_prefix`` plans it for a group of
     32 and one of 4, with the report ``gluon_chunk_probe.py --compile-only`` prints."""
     import torch
     import triton
@@ -188,21 +189,21 @@ def compile_only(configs) -> None:
     import compile_for_hopper as ch
     from dcp_plugin.kernels import _gluon, gluon_decode, split_kv
 
-    paged_attention = importlib.import_module("dcp_plugin.kernels.paged_attention")  # the package exports a function
+    prefix_attention = importlib.import_module("dcp_plugin.kernels.prefix_attention")  # the package exports a function
 
-    paged_attention.num_sms = lambda device_index: 132  # an H100 / H200 (no GPU here to ask)
-    gluon_decode.num_sms = split_kv.num_sms = paged_attention.num_sms
+    prefix_attention.num_sms = lambda device_index: 132  # an H100 / H200 (no GPU here to ask)
+    gluon_decode.num_sms = split_kv.num_sms = prefix_attention.num_sms
     _gluon.decode_takes_gluon = lambda *args: True
-    paged_attention.decode_takes_gluon = _gluon.decode_takes_gluon
+    prefix_attention.decode_takes_gluon = _gluon.decode_takes_gluon
     for config in configs:
         for hq, hk in ((32, 1), (32, 8)):
             kc, vc = torch.zeros(2, 40, PAGE, hk, 128, dtype=torch.bfloat16)
             q, table = torch.zeros(4, hq, 128, dtype=torch.bfloat16), torch.zeros(3, 10, dtype=torch.int32)
             lens, qsl = torch.tensor([100, 600, 0], dtype=torch.int32), torch.arange(4, dtype=torch.int32)
             out, lse = torch.zeros_like(q), torch.zeros(4, hq)
-            plan = paged_attention.plan_paged(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, q_head_start=0,
-                                              q_per_kv=hq // hk, kv_head_start=0, max_kv_len=600, max_query_len=1,
-                                              num_splits=3, gluon_decode=tuple(config))
+            plan = prefix_attention.plan_prefix(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, q_head_start=0,
+                                                q_per_kv=hq // hk, kv_head_start=0, max_kv_len=600, max_query_len=1,
+                                                num_splits=3, gluon_decode=tuple(config))
             tensors = plan.stage1.kernel_tensors((q, kc, vc, table, lens, qsl, plan.part_out, plan.part_lse, q, q))
             _, signature, _, constants, attrs, options = ch._variant(plan.stage1, tensors)
             compiled = triton.compile(GluonASTSource(fn=plan.stage1.kernel, signature=dict(signature),

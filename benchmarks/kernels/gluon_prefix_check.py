@@ -60,8 +60,8 @@ def check_prefix(config) -> dict:
         kw = dict(scale=d ** -0.5, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=0)
         launch_prefix(q, kc, vc, table, kv_lens, cu, out, lse, **kw, config=config)
         torch.cuda.synchronize()
-        ref_out, ref_lse = reference.paged_attention(q[:total].double(), kc.double(), vc.double(), table, kv_lens,
-                                                     cu, max_kv_len=max(CHECK_KV_LENS), **kw)
+        ref_out, ref_lse = reference.prefix_attention(q[:total].double(), kc.double(), vc.double(), table, kv_lens,
+                                                      cu, max_kv_len=max(CHECK_KV_LENS), **kw)
         rel = ((out[:total].double() - ref_out).norm() / ref_out.norm()).item()
         got_lse = lse[:total].double()
         finite = torch.isfinite(ref_lse)
@@ -76,27 +76,27 @@ def check_prefix(config) -> dict:
 def time_prefix(config) -> list[dict]:
     """TFLOP/s of ``PREFIX_SHAPES`` over 64-token pages, median of ``do_bench`` (``bench_kernels.bench_prefix``'s
     timing: a call of several ms makes its launch negligible): the prototype, the shipped kernel
-    (``paged_attention``) and FA3, in one process."""
+    (``prefix_attention``) and FA3, in one process."""
     import torch
 
     import kernel_peers
-    from bench_kernels import _paged_setup
+    from bench_kernels import _prefix_setup
     from common import median_ms
 
-    from dcp_plugin.kernels import paged_attention
-    from dcp_plugin.kernels.paged_attention import GPU_CONFIGS
+    from dcp_plugin.kernels import prefix_attention
+    from dcp_plugin.kernels.prefix_attention import GPU_CONFIGS
 
     rows, d = [], head_dim(config)
     gen = torch.Generator(device="cuda").manual_seed(1)
     for batch, q_rows, ctx in PREFIX_SHAPES:
-        _, _, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, 32, 8, gen, q_rows=q_rows, page=PAGE,
-                                                          head_dim=d)
+        _, _, q, kc, vc, tables, lens, qsl = _prefix_setup(batch, ctx, 32, 8, gen, q_rows=q_rows, page=PAGE,
+                                                           head_dim=d)
         out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
         kw = dict(scale=d ** -0.5, q_head_start=0, q_per_kv=4, kv_head_start=0)
         fns = {"gluon": lambda: launch_prefix(q, kc, vc, tables[0], lens, qsl, out, lse, **kw, config=config),
-               "ours_tl": lambda: paged_attention(q, kc, vc, tables[0], lens, qsl, max_kv_len=ctx,
-                                                  max_query_len=q_rows, out=out, config=GPU_CONFIGS[d, False],
-                                                  **kw)}
+               "ours_tl": lambda: prefix_attention(q, kc, vc, tables[0], lens, qsl, max_kv_len=ctx,
+                                                   max_query_len=q_rows, out=out, config=GPU_CONFIGS[d, False],
+                                                   **kw)}
         fns.update({name: (lambda fn=fn: fn(0)) for name, fn in kernel_peers.fa3_paged(
             q, kc, vc, tables, lens, qsl, max_query_len=q_rows, max_kv_len=ctx, causal=False).items()})
         flops = 4 * batch * q_rows * ctx * 32 * d

@@ -22,10 +22,10 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
 import kernel_peers  # noqa: E402
-from bench_kernels import DTYPE, HEAD_DIM, _paged_setup  # noqa: E402
+from bench_kernels import DTYPE, HEAD_DIM, _prefix_setup  # noqa: E402
 
-from dcp_plugin.kernels import paged_attention  # noqa: E402
-from dcp_plugin.kernels.extend_attention import _pick_config, plan_extend  # noqa: E402
+from dcp_plugin.kernels import prefix_attention  # noqa: E402
+from dcp_plugin.kernels.chunk_attention import _pick_config, plan_chunk  # noqa: E402
 
 
 def current_chunk(gen) -> dict:
@@ -35,8 +35,8 @@ def current_chunk(gen) -> dict:
     cu = torch.arange(0, total + 1, length, dtype=torch.int32, device="cuda")
     out, lse = torch.empty_like(q), torch.empty(total, hq, dtype=torch.float32, device="cuda")
     kw = dict(scale=HEAD_DIM ** -0.5, q_head_start=0, q_per_kv=hq // hk, kv_head_start=0)
-    launch = plan_extend(q, k, v, out, lse, cu, length, **kw,  # the tl kernel, whatever DCP_TRITON_GLUON says
-                         config=_pick_config(HEAD_DIM, DTYPE, None, length))
+    launch = plan_chunk(q, k, v, out, lse, cu, length, **kw,  # the tl kernel, whatever DCP_TRITON_GLUON says
+                        config=_pick_config(HEAD_DIM, DTYPE, None, length))
     fns = {"chunk_tl": lambda: launch(q, k, v, out, lse, cu)}
     try:
         from gluon_chunk_probe import launch as gluon_launch
@@ -51,21 +51,21 @@ def current_chunk(gen) -> dict:
     return fns
 
 
-def paged(gen, *, batch: int, q_rows: int, ctx: int, hq: int, hk: int, label: str) -> dict:
-    _, _, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen, q_rows=q_rows, page=64)
+def prefix(gen, *, batch: int, q_rows: int, ctx: int, hq: int, hk: int, label: str) -> dict:
+    _, _, q, kc, vc, tables, lens, qsl = _prefix_setup(batch, ctx, hq, hk, gen, q_rows=q_rows, page=64)
     out = torch.empty_like(q)
 
     def ours():
-        paged_attention(q, kc, vc, tables[0], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0, q_per_kv=hq // hk,
-                        kv_head_start=0, max_kv_len=ctx, max_query_len=q_rows, out=out)
+        prefix_attention(q, kc, vc, tables[0], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0, q_per_kv=hq // hk,
+                         kv_head_start=0, max_kv_len=ctx, max_query_len=q_rows, out=out)
 
     peers = kernel_peers.fa3_paged(q, kc, vc, tables, lens, qsl, max_query_len=q_rows, max_kv_len=ctx,
                                    causal=False)
     fns = {f"{label}_ours": ours, **{f"{label}_{name}": (lambda fn=fn: fn(0)) for name, fn in peers.items()}}
-    if q_rows > 1:  # the tl prefix kernel too: on sm_90 with Triton 3.6 paged_attention runs the Gluon one
-        from dcp_plugin.kernels.paged_attention import GPU_CONFIGS
+    if q_rows > 1:  # the tl prefix kernel too: on sm_90 with Triton 3.6 prefix_attention runs the Gluon one
+        from dcp_plugin.kernels.prefix_attention import GPU_CONFIGS
 
-        fns[f"{label}_tl"] = lambda: paged_attention(
+        fns[f"{label}_tl"] = lambda: prefix_attention(
             q, kc, vc, tables[0], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0, q_per_kv=hq // hk,
             kv_head_start=0, max_kv_len=ctx, max_query_len=q_rows, out=out, config=GPU_CONFIGS[128, False])
     return fns
@@ -77,8 +77,8 @@ def main() -> None:
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     fns = {**current_chunk(gen),
-           **paged(gen, batch=2, q_rows=4096, ctx=32768, hq=32, hk=8, label="prefix"),
-           **paged(gen, batch=128, q_rows=1, ctx=8192, hq=32, hk=1, label="decode")}
+           **prefix(gen, batch=2, q_rows=4096, ctx=32768, hq=32, hk=8, label="prefix"),
+           **prefix(gen, batch=128, q_rows=1, ctx=8192, hq=32, hk=1, label="decode")}
     for fn in fns.values():  # compile and warm every kernel outside the profiled range
         fn()
     torch.cuda.synchronize()

@@ -1,4 +1,4 @@
-"""Where a small-batch decode's time goes: CUDA-graph replay time of ``paged_attention``'s two stages (the split
+"""Where a small-batch decode's time goes: CUDA-graph replay time of ``prefix_attention``'s two stages (the split
 KV pass and the merge of the splits) apart and together, for a few shapes, at the automatic split count and
 others. One H200 run of this answers whether the merge or the split pass bounds batch-1 decode.
 
@@ -19,30 +19,30 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
-from bench_kernels import HEAD_DIM, _paged_setup  # noqa: E402
+from bench_kernels import HEAD_DIM, _prefix_setup  # noqa: E402
 from common import graph_ms, save  # noqa: E402
 
-from dcp_plugin.kernels.paged_attention import plan_paged  # noqa: E402
+from dcp_plugin.kernels.prefix_attention import plan_prefix  # noqa: E402
 
 
 def main() -> None:
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(7)
     for batch, ctx, hq, hk in ((1, 8192, 32, 1), (1, 32768, 32, 1), (1, 8192, 32, 8), (8, 8192, 32, 1)):
-        kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen)
+        kv_bytes, copies, q, kc, vc, tables, lens, qsl = _prefix_setup(batch, ctx, hq, hk, gen)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
         for splits in (None, 1, 8, 16, 32):
-            plan = plan_paged(q, kc, vc, tables[0], lens, qsl, out, lse, scale=HEAD_DIM ** -0.5, q_head_start=0,
-                              q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=1,
-                              num_splits=splits)
+            plan = plan_prefix(q, kc, vc, tables[0], lens, qsl, out, lse, scale=HEAD_DIM ** -0.5, q_head_start=0,
+                               q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=1,
+                               num_splits=splits)
             scales = (q, q)
-            dst = (plan.part_out, plan.part_lse) if plan.reduce else (out, lse)
+            dst = (plan.part_out, plan.part_lse) if plan.merge else (out, lse)
             row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, splits=plan.num_splits, auto=splits is None)
             row["stage1_us"] = 1e3 * graph_ms([lambda i=i: plan.stage1(q, kc, vc, tables[i], lens, qsl, *dst, *scales)
                                                for i in range(copies)])
-            if plan.reduce:
-                row["reduce_us"] = 1e3 * graph_ms([lambda: plan.reduce(plan.part_out, plan.part_lse, out, lse)])
+            if plan.merge:
+                row["merge_us"] = 1e3 * graph_ms([lambda: plan.merge(plan.part_out, plan.part_lse, out, lse)])
             row["both_us"] = 1e3 * graph_ms([lambda i=i: plan(q, kc, vc, tables[i], lens, qsl, out, lse)
                                              for i in range(copies)])
             row["gbs"] = kv_bytes / row["both_us"] / 1e3

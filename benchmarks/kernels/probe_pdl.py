@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
-from bench_kernels import ERROR_BOUND, HEAD_DIM, _as_pages, _paged_error, _paged_setup  # noqa: E402
+from bench_kernels import ERROR_BOUND, HEAD_DIM, _as_pages, _prefix_error, _prefix_setup  # noqa: E402
 from common import gpu_name, graph_ms, save  # noqa: E402
 
 from dcp_plugin.kernels import plan_write_kv  # noqa: E402
 from dcp_plugin.kernels._pdl import programmatic_launches  # noqa: E402
-from dcp_plugin.kernels.paged_attention import plan_paged  # noqa: E402
+from dcp_plugin.kernels.prefix_attention import plan_prefix  # noqa: E402
 import kernel_peers  # noqa: E402
 
 # name: (stage 1's trigger, the cache write's and the merge's), ``_pdl.TRIGGER`` keys or "off" (launched without).
@@ -57,7 +57,7 @@ def _variants(q, caches: dict, lens, qsl, ctx: int, modes: dict) -> tuple[dict, 
         for mode in ["off", *modes][: 2 if page < 64 else None]:
             stage1, short = modes.get(mode, ("off", "off"))
             with programmatic_launches(mode != "off", stage1=stage1, short=short):
-                launch = plan_paged(q, kc, vc, tables[0], lens, qsl, out, lse, **kwargs)
+                launch = plan_prefix(q, kc, vc, tables[0], lens, qsl, out, lse, **kwargs)
                 write = plan_write_kv(new_kv[0], new_kv[1], kc, vc, slots[0])
             tag = f"p{page}_{mode}"
 
@@ -75,7 +75,7 @@ def _variants(q, caches: dict, lens, qsl, ctx: int, modes: dict) -> tuple[dict, 
 
 def probe(shape, rounds: int, gen, modes: dict) -> dict:
     batch, ctx, hq, hk = shape
-    kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen)
+    kv_bytes, copies, q, kc, vc, tables, lens, qsl = _prefix_setup(batch, ctx, hq, hk, gen)
     caches = {16: (kc, vc, tables), 64: _as_pages(kc, vc, tables, 64, gen)}
     variants, out = _variants(q, caches, lens, qsl, ctx, modes)
     row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, kv_bytes=kv_bytes, copies=copies)
@@ -83,7 +83,7 @@ def probe(shape, rounds: int, gen, modes: dict) -> dict:
         if check is not None:  # before any write moves the cache
             out.fill_(float("nan"))
             fn()
-            row[f"{name}_rel_err"] = _paged_error(out, q, *check, lens, qsl, rows=2)
+            row[f"{name}_rel_err"] = _prefix_error(out, q, *check, lens, qsl, rows=2)
     fns = {name: fn for name, (fn, _) in variants.items()}
     fns.update(kernel_peers.fa3_paged(q, kc, vc, tables, lens, qsl, max_query_len=1, max_kv_len=ctx, causal=True))
     for r in range(rounds):

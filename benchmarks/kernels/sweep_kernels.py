@@ -1,17 +1,17 @@
 """Tuning sweeps for the attention kernels on one GPU: each candidate launch config timed in one process, with the
 default (``None``: the kernels' own table) first, so a row's gain is read against the default of the same run.
 
-- ``prefill``: ``extend_attention`` configs ``(block_m, block_n, num_warps, num_stages, tma)`` per head size on
+- ``prefill``: ``chunk_attention`` configs ``(block_m, block_n, num_warps, num_stages, tma)`` per head size on
   each of ``--prefill-shapes`` (2 x 4096 unless given) causal, 32 Q / 8 KV heads, in TFLOP/s (``tma``: K/V
   through tensor descriptors; 47214dc:benchmarks/results/kernels_h200_sweep2.json timed it as a separate candidate
   kernel, 6-tuples with warp specialization, which gained nothing, before it became this option);
-- ``prefix``: ``paged_attention`` configs ``(block_n, block_m, num_warps, num_stages[, tma[, rows_ahead]])`` on the
+- ``prefix``: ``prefix_attention`` configs ``(block_n, block_m, num_warps, num_stages[, tma[, rows_ahead]])`` on the
   DCP prefix pass;
 - ``decode`` / ``fp8``: decode configs ``(block_n, num_warps, num_stages[, tma[, rows_ahead[, min_rows[,
   fp8_widen[, max_registers[, last_split_merges]]]]]])`` crossed with split counts, graph replay, GB/s of cache
   bytes read (bf16 / e4m3 cache); ``min_rows`` 64 pads a tile's Q heads to 64 rows, which ``tl.dot`` runs as
   warpgroup MMAs on sm_90;
-  ``fp8_widen`` (``PagedConfig.fp8_widen``): 1 widens an fp8 cache's V tiles to fp16 before their shared-memory
+  ``fp8_widen`` (``PrefixConfig.fp8_widen``): 1 widens an fp8 cache's V tiles to fp16 before their shared-memory
   round trip, 2 K's too; ``max_registers`` caps registers per thread (0: no cap); ``last_split_merges`` 1: a
   balanced decode's last split to finish merges them (no merge launch).
 
@@ -36,37 +36,37 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
 from bench_kernels import (  # noqa: E402
-    DTYPE, ERROR_BOUND, HEAD_DIM, _paged_error, _paged_setup,
+    DTYPE, ERROR_BOUND, HEAD_DIM, _prefix_error, _prefix_setup,
 )
 from common import gpu_name, graph_ms, median_ms, repo_relative, save  # noqa: E402
 
-from dcp_plugin.kernels import extend_attention, paged_attention  # noqa: E402
+from dcp_plugin.kernels import chunk_attention, prefix_attention  # noqa: E402
 
 
 def decode_config(fields: tuple, *, block_m: int):
     """A decode candidate ``(block_n, num_warps, num_stages[, tma[, rows_ahead[, min_rows[, fp8_widen[,
     max_registers[, last_split_merges]]]]]])`` (``--decode-configs``' ``BNxWxS...``, split at ``x``) as a
-    ``PagedConfig``."""
-    from dcp_plugin.kernels.paged_attention import PagedConfig
+    ``PrefixConfig``."""
+    from dcp_plugin.kernels.prefix_attention import PrefixConfig
 
     bn, warps, stages, tma, ahead, rows, widen, regs, merges = (*fields, *(0, 0, 16, 0, 0, 0)[len(fields) - 3:])
-    return PagedConfig(block_n=bn, block_m=block_m, num_warps=warps, num_stages=stages, tma=bool(tma),
-                       rows_ahead=bool(ahead), min_rows=rows, fp8_widen=widen, max_registers=regs,
-                       last_split_merges=bool(merges))
+    return PrefixConfig(block_n=bn, block_m=block_m, num_warps=warps, num_stages=stages, tma=bool(tma),
+                        rows_ahead=bool(ahead), min_rows=rows, fp8_widen=widen, max_registers=regs,
+                        last_split_merges=bool(merges))
 
 
 def sweep_decode(shapes, splits_list, configs, *, fp8: bool = False) -> list[dict]:
     """Tuning data: graph-replay time of each launch config (None: the table's) crossed with each split count
     (None: the automatic one); ``config`` is recorded as ``[block_n, num_warps, num_stages, tma, rows_ahead,
     min_rows, fp8_widen, max_registers, last_split_merges]``. ``fp8``: over an e4m3 cache (GB/s of its bytes)."""
-    from dcp_plugin.kernels.paged_attention import pick_config
+    from dcp_plugin.kernels.prefix_attention import pick_config
 
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(3)
     block_m = pick_config(HEAD_DIM, decode=True).block_m
     cfgs = [None, *(decode_config(c, block_m=block_m) for c in configs)]
     for batch, ctx, hq, hk in shapes:
-        kv_bytes, copies, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, gen, page=PAGE_SIZE[0])
+        kv_bytes, copies, q, kc, vc, tables, lens, qsl = _prefix_setup(batch, ctx, hq, hk, gen, page=PAGE_SIZE[0])
         scales = {}
         if fp8:
             scales = dict(k_scale=torch.ones(1, device="cuda"), v_scale=torch.ones(1, device="cuda"))
@@ -76,9 +76,9 @@ def sweep_decode(shapes, splits_list, configs, *, fp8: bool = False) -> list[dic
         for cfg in cfgs:
             for splits in [None, *splits_list]:
                 def call(i, splits=splits, cfg=cfg):
-                    paged_attention(q, kc, vc, tables[i], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
-                                    q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=1,
-                                    num_splits=splits, out=out, config=cfg, **scales)
+                    prefix_attention(q, kc, vc, tables[i], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
+                                     q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=1,
+                                     num_splits=splits, out=out, config=cfg, **scales)
                 row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, fp8=fp8, splits=splits, page=PAGE_SIZE[0],
                            config=None if cfg is None else [cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.tma,
                                                             cfg.rows_ahead, cfg.min_rows, cfg.fp8_widen,
@@ -86,7 +86,7 @@ def sweep_decode(shapes, splits_list, configs, *, fp8: bool = False) -> list[dic
                 try:
                     out.fill_(float("nan"))
                     call(0)
-                    row["rel_err"] = _paged_error(out, q, kc, vc, tables, lens, qsl, rows=2, **scales)
+                    row["rel_err"] = _prefix_error(out, q, kc, vc, tables, lens, qsl, rows=2, **scales)
                     if row["rel_err"] <= ERROR_BOUND:  # NaN fails too: the row keeps its error and no time
                         row["graph_ms"] = graph_ms([lambda i=i: call(i) for i in range(copies)])
                         row["gbs"] = kv_bytes / row["graph_ms"] / 1e6
@@ -116,25 +116,25 @@ def _check_then_time(row: dict, call, out, error, *, flops: float) -> None:
 
 def sweep_prefix(shapes, configs) -> list[dict]:
     """TFLOP/s of each ``(block_n, block_m, num_warps, num_stages)`` on each ``(batch, q_rows, ctx, hq, hk)``."""
-    from dcp_plugin.kernels.paged_attention import PagedConfig
+    from dcp_plugin.kernels.prefix_attention import PrefixConfig
 
     rows = []
     for shape in shapes:
         batch, q_rows, ctx, hq, hk = shape
-        _, _, q, kc, vc, tables, lens, qsl = _paged_setup(batch, ctx, hq, hk, torch.Generator("cuda").manual_seed(6),
-                                                          q_rows=q_rows, page=PAGE_SIZE[0])
+        _, _, q, kc, vc, tables, lens, qsl = _prefix_setup(batch, ctx, hq, hk, torch.Generator("cuda").manual_seed(6),
+                                                           q_rows=q_rows, page=PAGE_SIZE[0])
         out = torch.empty_like(q)
         for consts in [None, *configs]:
-            cfg = None if consts is None else PagedConfig(*consts[:4], tma=len(consts) > 4 and bool(consts[4]),
-                                                          rows_ahead=len(consts) > 5 and bool(consts[5]))
+            cfg = None if consts is None else PrefixConfig(*consts[:4], tma=len(consts) > 4 and bool(consts[4]),
+                                                           rows_ahead=len(consts) > 5 and bool(consts[5]))
             row = dict(shape=list(shape), page=PAGE_SIZE[0], config=consts)
 
             def call(cfg=cfg):
-                paged_attention(q, kc, vc, tables[0], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
-                                q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=q_rows, out=out,
-                                config=cfg)
-            _check_then_time(row, call, out, lambda: _paged_error(out, q, kc, vc, tables, lens, qsl, rows=1,
-                                                                  q_limit=128),
+                prefix_attention(q, kc, vc, tables[0], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
+                                 q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=q_rows, out=out,
+                                 config=cfg)
+            _check_then_time(row, call, out, lambda: _prefix_error(out, q, kc, vc, tables, lens, qsl, rows=1,
+                                                                   q_limit=128),
                              flops=4 * batch * q_rows * ctx * hq * HEAD_DIM)
             rows.append(row)
             print(f"sweep prefix {shape} config={row['config']}: {row.get('tflops', 0):.0f} TFLOP/s "
@@ -146,13 +146,13 @@ def sweep_prefix(shapes, configs) -> list[dict]:
 def sweep_prefill(head_dims, configs_by_dim, shapes, *, hq: int = 32, hk: int = 8) -> list[dict]:
     """TFLOP/s of each ``(block_m, block_n, num_warps, num_stages, tma)`` per head size on each ``(seqs, seq_len)``
     (causal, every sequence ``seq_len`` long)."""
-    from dcp_plugin.kernels.extend_attention import ExtendConfig
+    from dcp_plugin.kernels.chunk_attention import ChunkConfig
 
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(9)
     for d in head_dims:
         for seqs, seq_len in shapes:
-            rows += _sweep_prefill_shape(d, configs_by_dim[d], seqs, seq_len, hq, hk, gen, ExtendConfig)
+            rows += _sweep_prefill_shape(d, configs_by_dim[d], seqs, seq_len, hq, hk, gen, ChunkConfig)
             torch.cuda.empty_cache()
     return rows
 
@@ -173,8 +173,8 @@ def _sweep_prefill_shape(d, configs, seqs, seq_len, hq, hk, gen, config_type) ->
         row = dict(head_dim=d, shape=[seqs, seq_len, hq, hk], config=consts)
 
         def call(cfg=cfg):
-            extend_attention(q, k, v, cu, seq_len, scale=d ** -0.5, q_head_start=0, q_per_kv=hq // hk,
-                             kv_head_start=0, out=out, config=cfg)
+            chunk_attention(q, k, v, cu, seq_len, scale=d ** -0.5, q_head_start=0, q_per_kv=hq // hk,
+                            kv_head_start=0, out=out, config=cfg)
 
         def error():
             mine = out[:seq_len].view(1, seq_len, hq, d).transpose(1, 2).double()

@@ -231,8 +231,8 @@ def kv_cache_tokens(text: str) -> int | None:
     return int(found.group(1).replace(",", "")) if found else None
 
 
-DCP_KERNELS = {"paged_attention_kernel", "extend_attention_kernel", "combine_kernel", "write_kv_cache_kernel",
-               "paged_attention_reduce_kernel"}
+DCP_KERNELS = {"prefix_attention_kernel", "chunk_attention_kernel", "merge_kernel", "write_kv_cache_kernel",
+               "split_merge_kernel"}
 JIT_DEF = re.compile(r"@triton\.jit\b(?:\([^)]*\))?[^\n]*\n\s*def\s+(\w+)")
 
 

@@ -51,8 +51,8 @@ case "$stage" in
     install_dcp /tmp/logs/install.log || exit 1
     export PYTHONPATH=/tmp/dcp:$repo
     cd /tmp
-    tests=(tests/gpu/test_launch_gpu.py tests/gpu/test_warmup_gpu.py tests/gpu/test_kernel_paged_attention_gpu.py
-           tests/gpu/test_kernel_extend_attention_combine_gpu.py tests/gpu/test_decode_graph_gpu.py
+    tests=(tests/gpu/test_launch_gpu.py tests/gpu/test_warmup_gpu.py tests/gpu/test_kernel_prefix_attention_gpu.py
+           tests/gpu/test_kernel_chunk_attention_merge_gpu.py tests/gpu/test_decode_graph_gpu.py
            tests/gpu/test_jit_variants_gpu.py tests/gpu/test_gpu_tier.py)
     limit "${GPU_TESTS_S:-260}" gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider -x "${tests[@]/#/$repo/}"
     limit "${MULTI_GPU_S:-170}" multi_gpu torchrun --standalone --nproc-per-node 2 \

@@ -53,7 +53,7 @@ def test_verify_steps(n, layout, comm, interleave, mix):
     name = f"N{n}-{layout}-{comm}-I{interleave}-{mix}"
     trees = mix.endswith("-trees")
     case = verify_case(name, mix.removesuffix("-trees"), seed=zlib.crc32(name.encode()), comm=comm,
-                       interleave=interleave, head_dim=128, dtype="bfloat16", kernels="triton", device="cuda",
+                       interleave=interleave, head_dim=128, dtype="bfloat16", kernel_impl="triton", device="cuda",
                        trees=trees, **({"expect": ("verify", "rejected", "tree")} if trees else {}),
                        **head_layouts(n)[layout])
     assert _threads(case, n, run_verify_case) == [case.steps + 1] * n
@@ -67,7 +67,7 @@ FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 def test_dcp_over_fp8_shards(n, fp8, comm):
     # 32 Q / 8 KV heads, each rank storing every KV head; long decodes, a verify-sized row, a fresh prompt, a chunk
     case = Case(name=f"fp8-{fp8}", q_heads=32, kv_heads=8, block_size=16, head_dim=128, dtype="bfloat16",
-                requests=((3000, 1), (1500, 1), (2048, 5), (0, 300), (4000, 64)), comm=comm, kernels="triton",
+                requests=((3000, 1), (1500, 1), (2048, 5), (0, 300), (4000, 64)), comm=comm, kernel_impl="triton",
                 decode_steps=2, seed=31, device="cuda")
     k_scale, v_scale = (torch.tensor([s], dtype=torch.float32, device="cuda") for s in (0.037, 0.011))
     assert run_fp8_dcp(case, n, FP8[fp8], k_scale, v_scale, kernels, label=case.name) == [3] * n
@@ -79,6 +79,6 @@ def test_128k_tokens_per_rank(comm):
     # 262K, 131K (a verify-sized row) and 200K cached tokens (a 128-token chunk), then two decode steps
     case = Case(name=f"128k-{comm}", q_heads=16, kv_heads=1, kv_replication="tp", tp=2, interleave=16,
                 block_size=16, head_dim=128, dtype="bfloat16", requests=((262_000, 1), (131_072, 5), (200_000, 128)),
-                comm=comm, kernels="triton", decode_steps=2, seed=zlib.crc32(comm.encode()), device="cuda")
+                comm=comm, kernel_impl="triton", decode_steps=2, seed=zlib.crc32(comm.encode()), device="cuda")
     assert _threads(case, 2, run_case) == [3, 3]
     torch.cuda.empty_cache()

@@ -22,7 +22,7 @@ REQUESTS = tuple((ctx, 1) for ctx in (3300, 17, 1000, 2500, 64, 640, 1, 2047, 30
 def test_steady_decoding_replays_its_plan_and_stays_exact(monkeypatch, n, comm, heads):
     monkeypatch.setattr(step_plan, "DECODE_BOUND_STEP", 64)
     case = Case(name=f"steady-N{n}-{comm}", q_heads=heads[0], kv_heads=heads[1], block_size=64, head_dim=128,
-                requests=REQUESTS, comm=comm, dtype="bfloat16", kernels="triton", decode_steps=40, seed=11,
+                requests=REQUESTS, comm=comm, dtype="bfloat16", kernel_impl="triton", decode_steps=40, seed=11,
                 device="cuda")
     results = run_threads(n, lambda rank, exchange: run_steady_decode(case, n, rank, exchange), timeout_s=300)
     made, distinct = results[0]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dcp_plugin.kernels import reference
-from dcp_plugin.kernels.paged_attention import paged_attention
+from dcp_plugin.kernels.prefix_attention import prefix_attention
 from dcp_plugin.kernels.write_kv_cache import write_kv_cache
 from tests.kernel_checks import assert_matches, poisoned, shuffled_block_table
 
@@ -46,7 +46,7 @@ def test_the_triton_write_stores_the_reference_bytes(fp8, dtype):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("fp8", list(FP8))
-def test_paged_attention_over_an_fp8_cache(fp8, dtype, head_dim, num_splits, block_size, mode):
+def test_prefix_attention_over_an_fp8_cache(fp8, dtype, head_dim, num_splits, block_size, mode):
     gen = torch.Generator(device="cuda").manual_seed(4)
     q_lens, ctx = [1, 1, 1 if mode == "decode" else 9, 1, 1], [4097, 0, 300, 1, 2000]
     pages = [-(-c // block_size) for c in ctx]
@@ -65,10 +65,10 @@ def test_paged_attention_over_an_fp8_cache(fp8, dtype, head_dim, num_splits, blo
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     heads = dict(scale=head_dim**-0.5, q_head_start=0, q_per_kv=8, kv_head_start=0, max_kv_len=max(ctx))
     out, lse = poisoned(q.shape, dtype, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
-    paged_attention(q, kc, vc, table, lens, qsl, **heads, num_splits=num_splits, out=out, lse=lse, k_scale=k_scale,
-                    v_scale=v_scale, max_query_len=1 if mode == "decode" else None)
-    want_out, want_lse = reference.paged_attention(q.double(), kc.double() * k_scale.double(),
-                                                   vc.double() * v_scale.double(), table, lens, qsl, **heads)
+    prefix_attention(q, kc, vc, table, lens, qsl, **heads, num_splits=num_splits, out=out, lse=lse, k_scale=k_scale,
+                     v_scale=v_scale, max_query_len=1 if mode == "decode" else None)
+    want_out, want_lse = reference.prefix_attention(q.double(), kc.double() * k_scale.double(),
+                                                    vc.double() * v_scale.double(), table, lens, qsl, **heads)
     assert_matches(out, want_out, dtype, f"fp8 {fp8} paged out")
     assert_matches(lse, want_lse, dtype, f"fp8 {fp8} paged lse")
 
@@ -93,10 +93,10 @@ def test_bf16_queries_past_fp16_range_over_an_fp8_cache(fp8):
     qsl = torch.arange(len(ctx) + 1, dtype=torch.int32, device="cuda")
     heads = dict(scale=128**-0.5, q_head_start=0, q_per_kv=8, kv_head_start=0, max_kv_len=max(ctx), max_query_len=1)
     out, lse = poisoned(q.shape, torch.bfloat16, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
-    paged_attention(q, kc, vc, table, lens, qsl, **heads, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale)
-    want_out, want_lse = reference.paged_attention(q[:3].double(), kc.double() * k_scale.double(),
-                                                   vc.double() * v_scale.double(), table[:3], lens[:3], qsl[:4],
-                                                   **heads)
+    prefix_attention(q, kc, vc, table, lens, qsl, **heads, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale)
+    want_out, want_lse = reference.prefix_attention(q[:3].double(), kc.double() * k_scale.double(),
+                                                    vc.double() * v_scale.double(), table[:3], lens[:3], qsl[:4],
+                                                    **heads)
     assert_matches(out[:3], want_out, torch.bfloat16, f"fp8 {fp8} out, q past fp16's range")
     assert_matches(lse[:3], want_lse, torch.bfloat16, f"fp8 {fp8} lse, q past fp16's range")
     assert out[3, 9].isnan().all(), "a NaN in q must reach its head's output"

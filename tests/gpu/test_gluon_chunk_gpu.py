@@ -1,4 +1,4 @@
-"""The Gluon current chunk (``dcp_plugin.kernels.gluon_chunk``) as ``extend_attention`` runs it on an sm_90 GPU with
+"""The Gluon current chunk (``dcp_plugin.kernels.gluon_chunk``) as ``chunk_attention`` runs it on an sm_90 GPU with
 Triton 3.6 and ``DCP_TRITON_GLUON=1``: selected for head size 128 with K and V heads contiguous (vLLM's views of its
 qkv projection), and equal to float64 causal attention: varlen requests of 1 to 1,000 rows (a key tile's edges), GQA
 head maps with offsets, rows past the last request (0, -inf) whose K/V hold NaN, a request's NaN kept out of the
@@ -12,7 +12,7 @@ import torch
 from dcp_plugin.kernels import reference
 from dcp_plugin.kernels import _gluon
 from dcp_plugin.kernels._gluon import GLUON_ENV, gluon_supported
-from dcp_plugin.kernels.extend_attention import extend_attention, plan_extend
+from dcp_plugin.kernels.chunk_attention import chunk_attention, plan_chunk
 from dcp_plugin.kernels.gluon_chunk import PAIRS, ROUND_ROBIN, SNAKE, plan_gluon_chunk
 from tests.kernel_checks import assert_matches, poisoned
 
@@ -50,14 +50,14 @@ def _inputs(num_q_heads, num_kv_heads, dtype, seed=0, head_dim=128):
 
 def _run(q, k, v, qsl, head_map, dtype):
     out, lse = poisoned(q.shape, dtype, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
-    extend_attention(q, k, v, qsl, max(LENS), scale=0.1, **head_map, out=out, lse=lse)
+    chunk_attention(q, k, v, qsl, max(LENS), scale=0.1, **head_map, out=out, lse=lse)
     return out, lse
 
 
 def test_selected():
     q, k, v, qsl = _inputs(32, 8, torch.bfloat16)
     out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
-    launch = plan_extend(q, k, v, out, lse, qsl, max(LENS), scale=0.1, **HEADS["32q8kv"][2])
+    launch = plan_chunk(q, k, v, out, lse, qsl, max(LENS), scale=0.1, **HEADS["32q8kv"][2])
     assert launch.kernel.__name__ == "gluon_chunk_kernel"
 
 
@@ -70,12 +70,12 @@ def test_matches_float64(dtype, heads, head_dim):
     num_q_heads, num_kv_heads, head_map = HEADS[heads]
     q, k, v, qsl = _inputs(num_q_heads, num_kv_heads, dtype, head_dim=head_dim)
     out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
-    assert plan_extend(q, k, v, out, lse, qsl, max(LENS), scale=0.1, **head_map).kernel.__name__ == \
+    assert plan_chunk(q, k, v, out, lse, qsl, max(LENS), scale=0.1, **head_map).kernel.__name__ == \
         "gluon_chunk_kernel"
     out, lse = _run(q, k, v, qsl, head_map, dtype)
     total = int(qsl[-1])
-    want_out, want_lse = reference.extend_attention(q[:total].double(), k[:total].double(), v[:total].double(), qsl,
-                                                    max(LENS), scale=0.1, **head_map)
+    want_out, want_lse = reference.chunk_attention(q[:total].double(), k[:total].double(), v[:total].double(), qsl,
+                                                   max(LENS), scale=0.1, **head_map)
     assert_matches(out[:total], want_out, dtype, "out")
     assert_matches(lse[:total], want_lse, dtype, "lse")
     assert (out[total:] == 0).all() and (lse[total:] == float("-inf")).all(), "padding rows"
@@ -99,8 +99,8 @@ def test_a_requests_nan_stays_in_it(producer_fix, overlap):
     plan_gluon_chunk(q, k, v, out, lse, qsl, scale=0.1, **head_map, stages=3 if producer_fix else 2,
                      producer_fix=producer_fix, overlap=overlap)(q, k, v, out, lse, qsl)
     total = int(qsl[-1])
-    want_out, want_lse = reference.extend_attention(q[:total].double(), clean_k[:total].double(),
-                                                    clean_v[:total].double(), qsl, max(LENS), scale=0.1, **head_map)
+    want_out, want_lse = reference.chunk_attention(q[:total].double(), clean_k[:total].double(),
+                                                   clean_v[:total].double(), qsl, max(LENS), scale=0.1, **head_map)
     others = torch.ones(total, dtype=torch.bool, device="cuda")
     others[lo:hi] = False
     assert_matches(out[:total][others], want_out[others], torch.bfloat16, "out")
@@ -112,7 +112,7 @@ def test_cuda_graph_replay():
     num_q_heads, num_kv_heads, head_map = HEADS["32q8kv"]
     q, k, v, qsl = _inputs(num_q_heads, num_kv_heads, torch.bfloat16)
     out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
-    launch = plan_extend(q, k, v, out, lse, qsl, max(LENS), scale=0.1, **head_map)
+    launch = plan_chunk(q, k, v, out, lse, qsl, max(LENS), scale=0.1, **head_map)
     launch(q, k, v, out, lse, qsl)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -124,8 +124,8 @@ def test_cuda_graph_replay():
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
     graph.replay()
-    want_out, want_lse = reference.extend_attention(q[:total].double(), k[:total].double(), v[:total].double(), qsl,
-                                                    max(LENS), scale=0.1, **head_map)
+    want_out, want_lse = reference.chunk_attention(q[:total].double(), k[:total].double(), v[:total].double(), qsl,
+                                                   max(LENS), scale=0.1, **head_map)
     assert_matches(out[:total], want_out, torch.bfloat16, "out")
     assert_matches(lse[:total], want_lse, torch.bfloat16, "lse")
 
@@ -152,9 +152,9 @@ def test_every_tile_order_matches_float64(order, stages, producer_fix, overlap, 
     plan_gluon_chunk(q, k, v, out, lse, qsl, scale=0.1, **head_map, order=order, stages=stages,
                      producer_fix=producer_fix, overlap=overlap)(q, k, v, out, lse, qsl)
     total = int(qsl[-1])
-    want_out, want_lse = reference.extend_attention(q[first_row:total].double(), k[first_row:total].double(),
-                                                    v[first_row:total].double(), qsl - first_row, max(LENS),
-                                                    scale=0.1, **head_map)
+    want_out, want_lse = reference.chunk_attention(q[first_row:total].double(), k[first_row:total].double(),
+                                                   v[first_row:total].double(), qsl - first_row, max(LENS),
+                                                   scale=0.1, **head_map)
     assert_matches(out[first_row:total], want_out, torch.bfloat16, "out")
     assert_matches(lse[first_row:total], want_lse, torch.bfloat16, "lse")
     assert out[:first_row].isnan().all() and lse[:first_row].isnan().all(), "rows before the first request"

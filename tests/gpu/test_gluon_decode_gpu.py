@@ -1,5 +1,5 @@
-"""The Gluon decode (``dcp_plugin.kernels.gluon_decode``) as ``paged_attention`` runs it on an sm_90 GPU with Triton
-3.6 and ``DCP_TRITON_GLUON=1``: selected for a decode over 64-token pages with more than ``GLUON_DECODE_MIN_GROUP``
+"""The Gluon decode (``dcp_plugin.kernels.gluon_decode``) as ``prefix_attention`` runs it on an sm_90 GPU with Triton
+3.6 and ``DCP_TRITON_GLUON=1``: selected for a decode over 64-token pages with more than ``GLUON_DECODE_MIN_KV_GROUP``
 Q heads per KV group, and equal to float64 attention there: contexts of 0 to 3,000 tokens in caches whose other
 rows are NaN, one split, three and the automatic count (the partials merged by the ``tl`` merge), plain and
 rank-major outputs, head maps with offsets and groups wider than one tile, rows before the first request untouched
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dcp_plugin.kernels import reference
-from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_GROUP, GLUON_ENV, gluon_supported
-from dcp_plugin.kernels.paged_attention import paged_attention, plan_paged
+from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_KV_GROUP, GLUON_ENV, gluon_supported
+from dcp_plugin.kernels.prefix_attention import prefix_attention, plan_prefix
 from tests.kernel_checks import assert_matches, poisoned, shuffled_block_table
 
 pytestmark = [
@@ -24,9 +24,9 @@ pytestmark = [
 
 PAGE, PAD = 64, 5
 CTX = [0, 1, 63, 64, 65, 129, 700, 3000]  # none, one token, page edges, a key tile and one, many tiles
-# name -> (local Q heads, stored KV heads, head map): a group of 32; one of 128 (two tiles of 64 heads); a rank's
-# 24 Q heads from the middle of two groups of 32 (heads 20..43); a rank's 24 of the second group (heads 40..63) over
-# KV head 1 stored alone. Every layout has more than GLUON_DECODE_MIN_GROUP local heads in a group.
+# name -> (local Q heads, stored KV heads, head map): a KV group of 32; one of 128 (two tiles of 64 heads); a rank's
+# 24 Q heads from the middle of two KV groups of 32 (heads 20..43); a rank's 24 of the second KV group (heads
+# 40..63) over KV head 1 stored alone. Every layout has more than GLUON_DECODE_MIN_KV_GROUP local heads in a KV group.
 HEADS = {"32q1kv": (32, 1, dict(q_head_start=0, q_per_kv=32, kv_head_start=0)),
          "128q1kv": (128, 1, dict(q_head_start=0, q_per_kv=128, kv_head_start=0)),
          "24of64q-2kv": (24, 2, dict(q_head_start=20, q_per_kv=32, kv_head_start=0)),
@@ -64,14 +64,15 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 def _kernel(num_q_heads, num_kv_heads, head_map):
     q, kc, vc, table, lens, qsl = _inputs(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, dtype=torch.bfloat16)
     out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
-    return plan_paged(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, **head_map, max_kv_len=max(CTX),
-                      max_query_len=1).stage1.kernel.__name__
+    return plan_prefix(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, **head_map, max_kv_len=max(CTX),
+                       max_query_len=1).stage1.kernel.__name__
 
 
 def test_selected_for_wide_groups_only():
-    group = GLUON_DECODE_MIN_GROUP
-    assert _kernel(group + 1, 1, dict(q_head_start=0, q_per_kv=group + 1, kv_head_start=0)) == "gluon_decode_kernel"
-    assert _kernel(group, 1, dict(q_head_start=0, q_per_kv=group, kv_head_start=0)) == "paged_attention_kernel"
+    kv_group = GLUON_DECODE_MIN_KV_GROUP
+    wide = dict(q_head_start=0, q_per_kv=kv_group + 1, kv_head_start=0)
+    assert _kernel(kv_group + 1, 1, wide) == "gluon_decode_kernel"
+    assert _kernel(kv_group, 1, dict(q_head_start=0, q_per_kv=kv_group, kv_head_start=0)) == "prefix_attention_kernel"
 
 
 @pytest.mark.parametrize("head_dim", [128, 64], ids=["d128", "d64"])
@@ -88,12 +89,12 @@ def test_matches_float64(dtype, heads, rank_major, first_row, num_splits, head_d
     out = poisoned((ranks, q.shape[0], num_q_heads // ranks, head_dim) if rank_major else q.shape, dtype, "cuda")
     lse = poisoned((ranks, q.shape[0], num_q_heads // ranks) if rank_major else q.shape[:2], torch.float32, "cuda")
     kw = dict(scale=0.1, **head_map, max_kv_len=max(CTX), max_query_len=1, num_splits=num_splits)
-    plan = plan_paged(q, kc, vc, table, lens, qsl, out, lse, **kw)
+    plan = plan_prefix(q, kc, vc, table, lens, qsl, out, lse, **kw)
     assert plan.stage1.kernel.__name__ == "gluon_decode_kernel"
-    paged_attention(q, kc, vc, table, lens, qsl, out=out, lse=lse, **kw)
+    prefix_attention(q, kc, vc, table, lens, qsl, out=out, lse=lse, **kw)
     got_out, got_lse = (_plain(out), _plain(lse)) if rank_major else (out, lse)
-    want_out, want_lse = reference.paged_attention(q[first_row:].double(), kc.double(), vc.double(), table, lens,
-                                                   qsl - first_row, scale=0.1, **head_map, max_kv_len=max(CTX))
+    want_out, want_lse = reference.prefix_attention(q[first_row:].double(), kc.double(), vc.double(), table, lens,
+                                                    qsl - first_row, scale=0.1, **head_map, max_kv_len=max(CTX))
     assert_matches(got_out[first_row:], want_out, dtype, "out")
     assert_matches(got_lse[first_row:], want_lse, dtype, "lse")
     if plan.num_splits == 1:  # with splits the merge writes every row (the DCP core launches decodes last)
@@ -106,8 +107,8 @@ def test_cuda_graph_replay(num_splits):
     num_q_heads, num_kv_heads, head_map = HEADS["32q1kv"]
     q, kc, vc, table, lens, qsl = _inputs(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, dtype=torch.bfloat16)
     out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
-    launch = plan_paged(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, **head_map, max_kv_len=max(CTX),
-                        max_query_len=1, num_splits=num_splits)
+    launch = plan_prefix(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, **head_map, max_kv_len=max(CTX),
+                         max_query_len=1, num_splits=num_splits)
     assert launch.stage1.kernel.__name__ == "gluon_decode_kernel"
     launch(q, kc, vc, table, lens, qsl, out, lse)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -118,33 +119,33 @@ def test_cuda_graph_replay(num_splits):
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
     graph.replay()
-    want_out, want_lse = reference.paged_attention(q.double(), kc.double(), vc.double(), table, lens, qsl,
-                                                   scale=0.1, **head_map, max_kv_len=max(CTX))
+    want_out, want_lse = reference.prefix_attention(q.double(), kc.double(), vc.double(), table, lens, qsl,
+                                                    scale=0.1, **head_map, max_kv_len=max(CTX))
     assert_matches(out, want_out, torch.bfloat16, "out")
     assert_matches(lse, want_lse, torch.bfloat16, "lse")
 
 
-SMALL_GROUPS = {"32q8kv": (32, 8, dict(q_head_start=0, q_per_kv=4, kv_head_start=0)),
-                "40q8kv": (40, 8, dict(q_head_start=0, q_per_kv=5, kv_head_start=0))}
+SMALL_KV_GROUPS = {"32q8kv": (32, 8, dict(q_head_start=0, q_per_kv=4, kv_head_start=0)),
+                   "40q8kv": (40, 8, dict(q_head_start=0, q_per_kv=5, kv_head_start=0))}
 
 
 @pytest.mark.parametrize("programs", [1, 2, 5])
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["split1", "split3"])
-@pytest.mark.parametrize("heads", sorted(HEADS) + sorted(SMALL_GROUPS))
+@pytest.mark.parametrize("heads", sorted(HEADS) + sorted(SMALL_KV_GROUPS))
 def test_programs_that_loop_over_items(heads, num_splits, programs):
     """A program per SM takes many work items in turn (its copies for one item run under the previous item's
     work): here 1, 2 or 5 programs over all the items, so every item boundary, ring wrap and last-tile fix is met
-    within one program; small groups too (a benchmark can ask for the kernel at any group)."""
-    num_q_heads, num_kv_heads, head_map = {**HEADS, **SMALL_GROUPS}[heads]
+    within one program; small KV groups too (a benchmark can ask for the kernel at any KV group size)."""
+    num_q_heads, num_kv_heads, head_map = {**HEADS, **SMALL_KV_GROUPS}[heads]
     q, kc, vc, table, lens, qsl = _inputs(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, dtype=torch.bfloat16,
                                           first_row=7)
     out, lse = poisoned(q.shape, q.dtype, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
-    plan = plan_paged(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, **head_map, max_kv_len=max(CTX),
-                      max_query_len=1, num_splits=num_splits, gluon_decode=(1, 4, programs))
+    plan = plan_prefix(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, **head_map, max_kv_len=max(CTX),
+                       max_query_len=1, num_splits=num_splits, gluon_decode=(1, 4, programs))
     assert plan.stage1.kernel.__name__ == "gluon_decode_kernel" and plan.stage1.grid[0] == programs
     plan(q, kc, vc, table, lens, qsl, out, lse)
-    want_out, want_lse = reference.paged_attention(q[7:].double(), kc.double(), vc.double(), table, lens, qsl - 7,
-                                                   scale=0.1, **head_map, max_kv_len=max(CTX))
+    want_out, want_lse = reference.prefix_attention(q[7:].double(), kc.double(), vc.double(), table, lens, qsl - 7,
+                                                    scale=0.1, **head_map, max_kv_len=max(CTX))
     assert_matches(out[7:], want_out, torch.bfloat16, "out")
     assert_matches(lse[7:], want_lse, torch.bfloat16, "lse")
     assert (out[-PAD:] == 0).all() and (lse[-PAD:] == float("-inf")).all(), "padding rows"

@@ -1,4 +1,4 @@
-"""The Gluon prefix pass (``dcp_plugin.kernels.gluon_prefix``) as ``paged_attention`` runs it on an sm_90 GPU with
+"""The Gluon prefix pass (``dcp_plugin.kernels.gluon_prefix``) as ``prefix_attention`` runs it on an sm_90 GPU with
 Triton 3.6 and ``DCP_TRITON_GLUON=1``: selected for a prefill step's one-split prefix pass over 64-token pages, and
 equal to float64 attention there: varlen rows (1 to 300 a request) over contexts of 0 to 700 tokens in caches whose
 other rows are NaN, plain (float32) and rank-major outputs, GQA head maps with offsets, rows past the last request
@@ -13,7 +13,7 @@ from dcp_plugin.kernels import reference
 from dcp_plugin.kernels import _gluon
 from dcp_plugin.kernels._gluon import GLUON_ENV, gluon_supported
 from dcp_plugin.kernels.gluon_prefix import plan_gluon_prefix
-from dcp_plugin.kernels.paged_attention import paged_attention, plan_paged
+from dcp_plugin.kernels.prefix_attention import prefix_attention, plan_prefix
 from tests.kernel_checks import assert_matches, poisoned, shuffled_block_table
 
 pytestmark = [
@@ -66,11 +66,11 @@ def test_selected_for_prefill_steps_only():
     out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
 
     def kernel(max_query_len, num_splits=1):
-        return plan_paged(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, **HEADS["32q8kv"][2], max_kv_len=700,
-                          max_query_len=max_query_len, num_splits=num_splits).stage1.kernel.__name__
+        return plan_prefix(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, **HEADS["32q8kv"][2], max_kv_len=700,
+                           max_query_len=max_query_len, num_splits=num_splits).stage1.kernel.__name__
 
     assert kernel(300) == "gluon_prefix_kernel"
-    assert kernel(300, num_splits=2) == kernel(8) == "paged_attention_kernel"
+    assert kernel(300, num_splits=2) == kernel(8) == "prefix_attention_kernel"
 
 
 @pytest.mark.parametrize("head_dim", [128, 64], ids=["d128", "d64"])
@@ -90,13 +90,13 @@ def test_matches_float64(dtype, heads, rank_major, first_row, head_dim):
     out = poisoned((ranks, q.shape[0], num_q_heads // ranks, head_dim) if rank_major else q.shape, out_dtype,
                    "cuda")
     lse = poisoned((ranks, q.shape[0], num_q_heads // ranks) if rank_major else q.shape[:2], torch.float32, "cuda")
-    assert plan_paged(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, **head_map, max_kv_len=700,
-                      max_query_len=300, num_splits=1).stage1.kernel.__name__ == "gluon_prefix_kernel"
-    paged_attention(q, kc, vc, table, lens, qsl, scale=0.1, **head_map, max_kv_len=700, max_query_len=300,
-                    num_splits=1, out=out, lse=lse)
+    assert plan_prefix(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, **head_map, max_kv_len=700,
+                       max_query_len=300, num_splits=1).stage1.kernel.__name__ == "gluon_prefix_kernel"
+    prefix_attention(q, kc, vc, table, lens, qsl, scale=0.1, **head_map, max_kv_len=700, max_query_len=300,
+                     num_splits=1, out=out, lse=lse)
     got_out, got_lse = (_plain(out), _plain(lse)) if rank_major else (out, lse)
-    want_out, want_lse = reference.paged_attention(q[first_row:].double(), kc.double(), vc.double(), table, lens,
-                                                   qsl - first_row, scale=0.1, **head_map, max_kv_len=700)
+    want_out, want_lse = reference.prefix_attention(q[first_row:].double(), kc.double(), vc.double(), table, lens,
+                                                    qsl - first_row, scale=0.1, **head_map, max_kv_len=700)
     assert_matches(got_out[first_row:], want_out, dtype, "out")
     assert_matches(got_lse[first_row:], want_lse, dtype, "lse")
     assert got_out[:first_row].isnan().all() and got_lse[:first_row].isnan().all(), "rows before the first request"
@@ -107,8 +107,8 @@ def test_cuda_graph_replay():
     q, kc, vc, table, lens, qsl = _inputs(num_q_heads=32, num_kv_heads=8, dtype=torch.bfloat16)
     head_map = HEADS["32q8kv"][2]
     out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
-    launch = plan_paged(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, **head_map, max_kv_len=700,
-                        max_query_len=300, num_splits=1)
+    launch = plan_prefix(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, **head_map, max_kv_len=700,
+                         max_query_len=300, num_splits=1)
     assert launch.stage1.kernel.__name__ == "gluon_prefix_kernel"
     launch(q, kc, vc, table, lens, qsl, out, lse)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -119,8 +119,8 @@ def test_cuda_graph_replay():
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
     graph.replay()
-    want_out, want_lse = reference.paged_attention(q.double(), kc.double(), vc.double(), table, lens, qsl,
-                                                   scale=0.1, **head_map, max_kv_len=700)
+    want_out, want_lse = reference.prefix_attention(q.double(), kc.double(), vc.double(), table, lens, qsl,
+                                                    scale=0.1, **head_map, max_kv_len=700)
     assert_matches(out, want_out, torch.bfloat16, "out")
     assert_matches(lse, want_lse, torch.bfloat16, "lse")
 
@@ -140,8 +140,8 @@ def test_schedules_match_float64(stages, producer_fix, overlap, heads, first_row
     out, lse = poisoned(q.shape, torch.bfloat16, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
     plan_gluon_prefix(q, kc, vc, table, lens, qsl, out, lse, scale=0.1, **head_map, stages=stages,
                       producer_fix=producer_fix, overlap=overlap)(q, kc, vc, table, lens, qsl, out, lse, None, None)
-    want_out, want_lse = reference.paged_attention(q[first_row:].double(), kc.double(), vc.double(), table, lens,
-                                                   qsl - first_row, scale=0.1, **head_map, max_kv_len=700)
+    want_out, want_lse = reference.prefix_attention(q[first_row:].double(), kc.double(), vc.double(), table, lens,
+                                                    qsl - first_row, scale=0.1, **head_map, max_kv_len=700)
     assert_matches(out[first_row:], want_out, torch.bfloat16, "out")
     assert_matches(lse[first_row:], want_lse, torch.bfloat16, "lse")
     assert out[:first_row].isnan().all() and lse[:first_row].isnan().all(), "rows before the first request"

@@ -1,7 +1,7 @@
 """The GPU tier at real sizes (docs/design.md section 7, tier 4).
 
-1. ``paged_attention`` on a batch of 128 requests with contexts spread up to 32K tokens (decode, and a mixed batch
-   with chunked-prefill rows) and ``extend_attention`` on 2 x 4096 tokens: the kernel runs on the whole batch, a
+1. ``prefix_attention`` on a batch of 128 requests with contexts spread up to 32K tokens (decode, and a mixed batch
+   with chunked-prefill rows) and ``chunk_attention`` on 2 x 4096 tokens: the kernel runs on the whole batch, a
    seeded sample of requests (heads) is checked against the float64 reference, and no output is left unwritten.
 2. Every kernel gives bitwise identical results when run twice on the same inputs.
 3. DCP attention of N = 2 and 4 ranks simulated in this process (one thread per rank, a group that moves real
@@ -53,42 +53,42 @@ def spread_contexts(batch: int, max_ctx: int, *, seed: int) -> list[int]:
     return ctx
 
 
-def chunked_prefill_rows(ctx_lens: list[int], chunks: list[int], *, seed: int) -> list[int]:
+def chunked_prefill_rows(kv_lens: list[int], chunks: list[int], *, seed: int) -> list[int]:
     """Query rows per request: 1 (decode) except ``len(chunks)`` random requests that continue a prefill."""
-    q_lens = [1] * len(ctx_lens)
-    for b, rows in zip(random.Random(seed).sample(range(len(ctx_lens)), len(chunks)), chunks):
+    q_lens = [1] * len(kv_lens)
+    for b, rows in zip(random.Random(seed).sample(range(len(kv_lens)), len(chunks)), chunks):
         q_lens[b] = rows
     return q_lens
 
 
-def make_paged(ctx_lens, q_lens, *, heads, head_dim, block_size, dtype, device, seed):
+def make_prefix_inputs(kv_lens, q_lens, *, heads, head_dim, block_size, dtype, device, seed):
     """Random q and K/V caches (halves of one ``[..., 2 * D]`` buffer, like vLLM's) with shuffled pages."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    pages = [-(-c // block_size) for c in ctx_lens]
+    pages = [-(-c // block_size) for c in kv_lens]
     num_pages = sum(pages) + 1  # the last page is never part of a context: unused table entries point at it
     buf = torch.randn(num_pages, block_size, heads[1], 2 * head_dim, generator=gen, dtype=dtype, device=device)
     table = shuffled_block_table(pages, generator=gen)
     q = torch.randn(sum(q_lens), heads[0], head_dim, generator=gen, dtype=dtype, device=device)
-    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    lens = torch.tensor(kv_lens, dtype=torch.int32, device=device)
     return dict(q=q, key_cache=buf[..., :head_dim], value_cache=buf[..., head_dim:], block_table=table,
-                context_lens=lens, query_start_loc=_cu(q_lens, device)), pages
+                kv_lens=lens, query_start_loc=_cu(q_lens, device)), pages
 
 
-def check_paged_sample(ctx_lens, q_lens, *, max_query_len, num_splits, dtype, device, heads, head_dim, block_size,
-                       sample_size=8, seed=0) -> None:
+def check_prefix_sample(kv_lens, q_lens, *, max_query_len, num_splits, dtype, device, heads, head_dim, block_size,
+                        sample_size=8, seed=0) -> None:
     """The kernel on the whole batch; ``sample_size`` requests (always the longest context, an empty one and the
     most query rows) vs float64 on just those requests' pages."""
-    inputs, pages = make_paged(ctx_lens, q_lens, heads=heads, head_dim=head_dim, block_size=block_size,
-                               dtype=dtype, device=device, seed=seed)
+    inputs, pages = make_prefix_inputs(kv_lens, q_lens, heads=heads, head_dim=head_dim, block_size=block_size,
+                                       dtype=dtype, device=device, seed=seed)
     q, scale, q_per_kv = inputs["q"], head_dim**-0.5, heads[0] // heads[1]
     out, lse = poisoned(q.shape, dtype, device), poisoned(q.shape[:2], torch.float32, device)
-    kernels.paged_attention(*inputs.values(), scale=scale, q_head_start=0, q_per_kv=q_per_kv, kv_head_start=0,
-                            max_kv_len=max(ctx_lens), max_query_len=max_query_len, num_splits=num_splits,
-                            out=out, lse=lse)
-    _assert_written("paged_attention (whole batch)", out, lse)
+    kernels.prefix_attention(*inputs.values(), scale=scale, q_head_start=0, q_per_kv=q_per_kv, kv_head_start=0,
+                             max_kv_len=max(kv_lens), max_query_len=max_query_len, num_splits=num_splits,
+                             out=out, lse=lse)
+    _assert_written("prefix_attention (whole batch)", out, lse)
 
-    batch = range(len(ctx_lens))
-    must = {max(batch, key=ctx_lens.__getitem__), min(batch, key=ctx_lens.__getitem__),
+    batch = range(len(kv_lens))
+    must = {max(batch, key=kv_lens.__getitem__), min(batch, key=kv_lens.__getitem__),
             max(batch, key=q_lens.__getitem__)}
     others = random.Random(seed).sample([b for b in batch if b not in must], max(0, sample_size - len(must)))
     bounds = inputs["query_start_loc"].tolist()
@@ -96,16 +96,16 @@ def check_paged_sample(ctx_lens, q_lens, *, max_query_len, num_splits, dtype, de
         rows = slice(bounds[b], bounds[b + 1])
         own = inputs["block_table"][b, :pages[b]].long()  # this request's pages, compacted to 0..pages[b]-1
         local_table = torch.arange(max(pages[b], 1), dtype=torch.int32, device=device).unsqueeze(0)
-        want_out, want_lse = reference.paged_attention(
+        want_out, want_lse = reference.prefix_attention(
             q[rows].double(), inputs["key_cache"][own].double(), inputs["value_cache"][own].double(), local_table,
-            inputs["context_lens"][b:b + 1], _cu([q_lens[b]], device), scale=scale, q_head_start=0,
-            q_per_kv=q_per_kv, kv_head_start=0, max_kv_len=ctx_lens[b])
-        name = f"request {b} (context {ctx_lens[b]}, {q_lens[b]} rows)"
+            inputs["kv_lens"][b:b + 1], _cu([q_lens[b]], device), scale=scale, q_head_start=0,
+            q_per_kv=q_per_kv, kv_head_start=0, max_kv_len=kv_lens[b])
+        name = f"request {b} (context {kv_lens[b]}, {q_lens[b]} rows)"
         assert_matches(out[rows], want_out, dtype, f"out of {name}")
         assert_matches(lse[rows], want_lse, dtype, f"lse of {name}")
 
 
-def check_extend_sample(lengths, *, dtype, device, heads, head_dim, sample_size=6, seed=0) -> None:
+def check_chunk_sample(lengths, *, dtype, device, heads, head_dim, sample_size=6, seed=0) -> None:
     """The kernel on every head; ``sample_size`` Q heads (always the first and the last) vs float64."""
     gen = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(sum(lengths), heads[0], head_dim, generator=gen, dtype=dtype, device=device)
@@ -113,20 +113,20 @@ def check_extend_sample(lengths, *, dtype, device, heads, head_dim, sample_size=
             for _ in range(2))
     cu, scale, q_per_kv = _cu(lengths, device), head_dim**-0.5, heads[0] // heads[1]
     out, lse = poisoned(q.shape, dtype, device), poisoned(q.shape[:2], torch.float32, device)
-    kernels.extend_attention(q, k, v, cu, max(lengths), scale=scale, q_head_start=0, q_per_kv=q_per_kv,
-                             kv_head_start=0, out=out, lse=lse)
-    _assert_written("extend_attention (every head)", out, lse)
+    kernels.chunk_attention(q, k, v, cu, max(lengths), scale=scale, q_head_start=0, q_per_kv=q_per_kv,
+                            kv_head_start=0, out=out, lse=lse)
+    _assert_written("chunk_attention (every head)", out, lse)
     k64, v64 = k.double(), v.double()
     middle = random.Random(seed).sample(range(1, heads[0] - 1), max(0, sample_size - 2))
     for h in sorted({0, heads[0] - 1, *middle}):
-        want_out, want_lse = reference.extend_attention(q[:, h:h + 1].double(), k64, v64, cu, max(lengths),
-                                                        scale=scale, q_head_start=h, q_per_kv=q_per_kv,
-                                                        kv_head_start=0)
+        want_out, want_lse = reference.chunk_attention(q[:, h:h + 1].double(), k64, v64, cu, max(lengths),
+                                                       scale=scale, q_head_start=h, q_per_kv=q_per_kv,
+                                                       kv_head_start=0)
         assert_matches(out[:, h:h + 1], want_out, dtype, f"out of Q head {h}")
         assert_matches(lse[:, h:h + 1], want_lse, dtype, f"lse of Q head {h}")
 
 
-PAGED_MODES = {  # mode -> (chunked-prefill rows, max_query_len hint: "exact" as DcpAttention passes it, or None)
+PREFIX_MODES = {  # mode -> (chunked-prefill rows, max_query_len hint: "exact" as DcpAttention passes it, or None)
     "decode": ([], "exact"),
     "mixed": ([256, 200, 128, 100, 64, 17, 3, 2], "exact"),
     "mixed-no-max-hint": ([256, 200, 128, 100, 64, 17, 3, 2], None),
@@ -134,19 +134,19 @@ PAGED_MODES = {  # mode -> (chunked-prefill rows, max_query_len hint: "exact" as
 
 
 @pytest.mark.parametrize("num_splits", [None, 8], ids=["auto-splits", "8-splits"])
-@pytest.mark.parametrize("mode", list(PAGED_MODES))
-def test_paged_attention_batch_128_contexts_to_32k(mode, num_splits):
-    chunks, hint = PAGED_MODES[mode]
+@pytest.mark.parametrize("mode", list(PREFIX_MODES))
+def test_prefix_attention_batch_128_contexts_to_32k(mode, num_splits):
+    chunks, hint = PREFIX_MODES[mode]
     ctx = spread_contexts(128, 32768, seed=11)
     q_lens = chunked_prefill_rows(ctx, chunks, seed=12)
-    check_paged_sample(ctx, q_lens, max_query_len=max(q_lens) if hint == "exact" else None, num_splits=num_splits,
-                       dtype=torch.bfloat16, device="cuda", seed=13, **MODEL)
+    check_prefix_sample(ctx, q_lens, max_query_len=max(q_lens) if hint == "exact" else None, num_splits=num_splits,
+                        dtype=torch.bfloat16, device="cuda", seed=13, **MODEL)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
-def test_extend_attention_2x4096(dtype):
-    check_extend_sample((4096, 4096), dtype=dtype, device="cuda", heads=MODEL["heads"], head_dim=MODEL["head_dim"],
-                        seed=21)
+def test_chunk_attention_2x4096(dtype):
+    check_chunk_sample((4096, 4096), dtype=dtype, device="cuda", heads=MODEL["heads"], head_dim=MODEL["head_dim"],
+                       seed=21)
 
 
 def repeatable_runs(device, dtype, *, batch=32, max_ctx=8192, tokens=3000, heads=(32, 8), head_dim=128,
@@ -160,33 +160,33 @@ def repeatable_runs(device, dtype, *, batch=32, max_ctx=8192, tokens=3000, heads
         return torch.randn(*shape, generator=torch.Generator(device=device).manual_seed(seed), dtype=dtype,
                            device=device)
 
-    def paged(num_splits, chunks):
+    def prefix(num_splits, chunks):
         ctx = spread_contexts(batch, max_ctx, seed=31)
         q_lens = chunked_prefill_rows(ctx, chunks, seed=32)
-        inputs, _ = make_paged(ctx, q_lens, heads=heads, head_dim=head_dim, block_size=block_size, dtype=dtype,
-                               device=device, seed=33)
+        inputs, _ = make_prefix_inputs(ctx, q_lens, heads=heads, head_dim=head_dim, block_size=block_size, dtype=dtype,
+                                       device=device, seed=33)
 
         def run():
             out, lse = poisoned(inputs["q"].shape, dtype, device), poisoned((sum(q_lens), hq), torch.float32, device)
-            return kernels.paged_attention(*inputs.values(), scale=scale, q_head_start=0, q_per_kv=q_per_kv,
-                                           kv_head_start=0, max_kv_len=max(ctx), max_query_len=max(q_lens),
-                                           num_splits=num_splits, out=out, lse=lse)
+            return kernels.prefix_attention(*inputs.values(), scale=scale, q_head_start=0, q_per_kv=q_per_kv,
+                                            kv_head_start=0, max_kv_len=max(ctx), max_query_len=max(q_lens),
+                                            num_splits=num_splits, out=out, lse=lse)
         return run
 
-    def extend():
+    def chunk():
         lengths = [tokens // 3, 1, tokens - tokens // 3 - 1]
         q = rand(tokens, hq, head_dim, seed=41)
         k, v = rand(tokens, hk, head_dim, seed=42), rand(tokens, hk, head_dim, seed=43)
         cu = _cu(lengths, device)
-        return lambda: kernels.extend_attention(
+        return lambda: kernels.chunk_attention(
             q, k, v, cu, max(lengths), scale=scale, q_head_start=0, q_per_kv=q_per_kv, kv_head_start=0,
             out=poisoned(q.shape, dtype, device), lse=poisoned(q.shape[:2], torch.float32, device))
 
-    def combine():
+    def partials():
         parts = rand(4, tokens, hq, head_dim + 1, dtype=torch.float32, seed=51)  # a2a's packed (O, LSE) buffer
         parts[0, ::5, :, head_dim] = float("-inf")  # an empty shard
         extra_out, extra_lse = rand(tokens, hq, head_dim, seed=52), rand(tokens, hq, dtype=torch.float32, seed=53)
-        return lambda: kernels.combine_partials(
+        return lambda: kernels.merge_partials(
             parts[..., :head_dim], parts[..., head_dim], extra_out=extra_out, extra_lse=extra_lse,
             out=poisoned((tokens, hq, head_dim), dtype, device), lse=poisoned((tokens, hq), torch.float32, device))
 
@@ -221,9 +221,9 @@ def repeatable_runs(device, dtype, *, batch=32, max_ctx=8192, tokens=3000, heads
         return run
 
     return {
-        **{f"paged-decode-splits-{s}": (lambda s=s: paged(s, [])) for s in (1, 3, 16)},
-        "paged-mixed-splits-4": lambda: paged(4, [300, 77, 2]),
-        "extend": extend, "combine_partials": combine, "merge_states": merge, "rescale_partial": rescale,
+        **{f"prefix-decode-splits-{s}": (lambda s=s: prefix(s, [])) for s in (1, 3, 16)},
+        "prefix-mixed-splits-4": lambda: prefix(4, [300, 77, 2]),
+        "chunk_attention": chunk, "merge_partials": partials, "merge_states": merge, "rescale_partial": rescale,
         "write_kv_cache": write_kv,
     }
 
@@ -270,12 +270,12 @@ def dcp_case(n: int, layout: str, comm: str, dtype: str, *, requests=DCP_REQUEST
         placement = dict(kv_replication="tp", tp=tp, group_index=tp // n - 1)
     name = f"N{n}-{layout}-{comm}-{dtype}"
     return Case(name=name, q_heads=heads[0], kv_heads=heads[1], block_size=block_size,
-                head_dim=head_dim, requests=requests, comm=comm, dtype=dtype, kernels="triton",
+                head_dim=head_dim, requests=requests, comm=comm, dtype=dtype, kernel_impl="triton",
                 decode_steps=decode_steps, seed=zlib.crc32(name.encode()), device=device, **placement)
 
 
 # The single-kernel tolerances of tests/kernel_checks.py hold for the DCP output: the prefix partials and the
-# cross-rank combine stay in float32, and its only rounding beyond one kernel's is the current chunk's output stored
+# cross-rank merge stay in float32, and its only rounding beyond one kernel's is the current chunk's output stored
 # in the input dtype before the merge. Both roundings together are <= u * (w * |o_cur| + |out|), w the chunk's
 # softmax weight, u = 2**-8 (bf16) / 2**-11 (fp16) ~ a quarter of the table's rtol: the |out| term fits in rtol,
 # the other in atol since w * |o_cur| (a weighted average of N(0, 1) values) stays below 4.

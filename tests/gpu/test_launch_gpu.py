@@ -29,17 +29,17 @@ def layer(gen, num_reqs: int, ctx: int, *, offset: int = 0):
 
 
 def plan_for(args, out, lse, *, splits=None):
-    return kernels.plan_paged(*args, out, lse, scale=D ** -0.5, q_head_start=0, q_per_kv=HQ, kv_head_start=0,
-                              max_kv_len=int(args[4].max()), max_query_len=1, num_splits=splits)
+    return kernels.plan_prefix(*args, out, lse, scale=D ** -0.5, q_head_start=0, q_per_kv=HQ, kv_head_start=0,
+                               max_kv_len=int(args[4].max()), max_query_len=1, num_splits=splits)
 
 
 def reference_out(args):
     q, kc, vc, table, lens, qsl = args
-    return reference.paged_attention(q.double(), kc.double(), vc.double(), table, lens, qsl, scale=D ** -0.5,
-                                     q_head_start=0, q_per_kv=HQ, kv_head_start=0, max_kv_len=int(lens.max()))
+    return reference.prefix_attention(q.double(), kc.double(), vc.double(), table, lens, qsl, scale=D ** -0.5,
+                                      q_head_start=0, q_per_kv=HQ, kv_head_start=0, max_kv_len=int(lens.max()))
 
 
-@pytest.mark.parametrize("splits", [1, 6], ids=["one-split", "split-reduce"])
+@pytest.mark.parametrize("splits", [1, 6], ids=["one-split", "split-merge"])
 def test_replayed_launches_match_the_dispatch_bit_for_bit(splits, monkeypatch):
     assert _launch.FAST_LAUNCH, f"the fast launch path is off on triton {_launch.triton.__version__}"
     gen = torch.Generator(device="cuda").manual_seed(1)

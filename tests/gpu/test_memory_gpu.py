@@ -48,8 +48,9 @@ class CopyIntoGroup:
 @pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("n, comm", [(1, "ag_rs"), (2, "ag_rs"), (2, "a2a")])
 def test_a_step_allocates_under_a_mebibyte(n, comm, step):
-    ps = ParallelState.from_tp(tp_rank=0, tp_size=n, dcp_size=n)
-    heads = HeadLayout.create(total_q_heads=Q_HEADS, total_kv_heads=KV_HEADS, ps=ps, kv_replication="replicated")
+    parallel = ParallelState.from_tp(tp_rank=0, tp_size=n, dcp_size=n)
+    heads = HeadLayout.create(total_q_heads=Q_HEADS, total_kv_heads=KV_HEADS, parallel=parallel,
+                              kv_replication="replicated")
     tokens = TokenLayout(dcp_size=n, dcp_rank=0, interleave=1, block_size=BLOCK_SIZE)
     query_lens, cached = STEPS[step]
     num_reqs, num_tokens = len(query_lens), sum(query_lens)

@@ -10,7 +10,7 @@ import torch
 
 from dcp_plugin.kernels import plan_write_kv, reference
 from dcp_plugin.kernels._pdl import programmatic_launches
-from dcp_plugin.kernels.paged_attention import plan_paged
+from dcp_plugin.kernels.prefix_attention import plan_prefix
 from tests.kernel_checks import assert_matches, shuffled_block_table
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -50,9 +50,9 @@ def _run(layers, table, lens, qsl, slots, *, pdl: bool, graph: bool):
         for (q, k, v, _), cache, out, lse in zip(layers, caches, outs, lses):
             kc, vc = cache[..., :128], cache[..., 128:]
             write = plan_write_kv(k, v, kc, vc, slots)
-            decode = plan_paged(q, kc, vc, table, lens, qsl, out, lse, scale=128 ** -0.5, q_head_start=0,
-                                q_per_kv=q.shape[1] // kc.shape[2], kv_head_start=0, max_kv_len=int(lens.max()),
-                                max_query_len=1)
+            decode = plan_prefix(q, kc, vc, table, lens, qsl, out, lse, scale=128 ** -0.5, q_head_start=0,
+                                 q_per_kv=q.shape[1] // kc.shape[2], kv_head_start=0, max_kv_len=int(lens.max()),
+                                 max_query_len=1)
             steps.append((write, decode, q, k, v, kc, vc, out, lse))
 
     def run():
@@ -83,20 +83,20 @@ def test_decode_layers_with_pdl_equal_launches_one_after_the_other(case, graph):
     layers, table, lens, qsl, slots = _layers(ctx_lens, hq, hk, page, torch.bfloat16, seed=case)
     outs, lses, caches, steps = _run(layers, table, lens, qsl, slots, pdl=True, graph=graph)
     # Launched as PDL, and compiled for it (the launcher reads launch_pdl from the compiled kernel's metadata).
-    launches = [launch for write, decode, *_ in steps for launch in (write, decode.stage1, decode.reduce) if launch]
+    launches = [launch for write, decode, *_ in steps for launch in (write, decode.stage1, decode.merge) if launch]
     assert launches and all(launch.options.get("launch_pdl") is True for launch in launches)
     assert all(launch._compiled is None or launch._compiled.metadata.launch_pdl for launch in launches)
     base_outs, base_lses, base_caches, base_steps = _run(layers, table, lens, qsl, slots, pdl=False, graph=graph)
     assert not any(launch.options.get("launch_pdl") for _, decode, *_ in base_steps
-                   for launch in (decode.stage1, decode.reduce) if launch)
+                   for launch in (decode.stage1, decode.merge) if launch)
     for i, ((q, k, v, before), cache) in enumerate(zip(layers, caches)):
         want_cache = before.clone()
         want_cache.view(-1, hk, 256)[slots] = torch.cat([k, v], dim=-1)
         assert torch.equal(cache, want_cache) and torch.equal(base_caches[i], want_cache), f"layer {i}: cache"
         assert torch.equal(outs[i], base_outs[i]) and torch.equal(lses[i], base_lses[i]), f"layer {i} differs"
         kc, vc = cache[..., :128].double(), cache[..., 128:].double()
-        want_out, want_lse = reference.paged_attention(q.double(), kc, vc, table, lens, qsl, scale=128 ** -0.5,
-                                                       q_head_start=0, q_per_kv=hq // hk, kv_head_start=0,
-                                                       max_kv_len=int(lens.max()))
+        want_out, want_lse = reference.prefix_attention(q.double(), kc, vc, table, lens, qsl, scale=128 ** -0.5,
+                                                        q_head_start=0, q_per_kv=hq // hk, kv_head_start=0,
+                                                        max_kv_len=int(lens.max()))
         assert_matches(outs[i], want_out, torch.bfloat16, f"layer {i} out")
         assert_matches(lses[i], want_lse, torch.bfloat16, f"layer {i} lse")

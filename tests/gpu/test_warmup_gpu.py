@@ -16,10 +16,10 @@ import triton
 import triton.runtime.build
 
 from dcp_plugin import DcpAttention, DcpWorkspace, kernels, warmup
-from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_GROUP, PREFIX_PAGE
-from dcp_plugin.kernels.combine import combine_kernel
-from dcp_plugin.kernels.extend_attention import extend_attention_kernel
-from dcp_plugin.kernels.paged_attention import paged_attention_kernel, paged_attention_reduce_kernel
+from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_KV_GROUP, PREFIX_PAGE
+from dcp_plugin.kernels.merge import merge_kernel
+from dcp_plugin.kernels.chunk_attention import chunk_attention_kernel
+from dcp_plugin.kernels.prefix_attention import prefix_attention_kernel, split_merge_kernel
 from dcp_plugin.kernels.write_kv_cache import write_kv_cache_kernel
 from dcp_plugin.warmup import warm_up
 from tests.dcp_harness import Case, RankState, ThreadGroup, World, causal_attention_f64, run_threads, serial
@@ -27,8 +27,8 @@ from tests.kernel_checks import assert_matches, gluon_kernels
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-KERNELS = (write_kv_cache_kernel, extend_attention_kernel, paged_attention_kernel, paged_attention_reduce_kernel,
-           combine_kernel) + gluon_kernels()  # the Gluon ones where they serve (sm_90, Triton 3.6)
+KERNELS = (write_kv_cache_kernel, chunk_attention_kernel, prefix_attention_kernel, split_merge_kernel,
+           merge_kernel) + gluon_kernels()  # the Gluon ones where they serve (sm_90, Triton 3.6)
 # (cached context, new tokens) of the first step: long decodes, speculative verify rows, a chunk over a prefix, a
 # fresh prompt, a one-token prompt, contexts shorter than the group; then single-token decode steps.
 REQUESTS = ((3000, 1), (1, 1), (1900, 5), (700, 3), (2048, 200), (0, 150), (0, 1), (2, 2), (5000, 1))
@@ -41,14 +41,14 @@ def compiled_counts() -> list[int]:
 def reached(kernel, block_size: int, group: int = 4) -> bool:
     """Whether steps of head size 128, bf16, K and V contiguous, ``group`` local Q heads per KV head run ``kernel``:
     where the Gluon kernels serve, they take every current chunk from the ``tl`` one, the Gluon prefix pass reads
-    64-token pages only, and the Gluon decode those with groups of more than ``GLUON_DECODE_MIN_GROUP``."""
+    64-token pages only, and the Gluon decode those with groups of more than ``GLUON_DECODE_MIN_KV_GROUP``."""
     gluon = gluon_kernels()
     if not gluon:
         return True
-    if kernel is extend_attention_kernel:
+    if kernel is chunk_attention_kernel:
         return False
     if kernel is gluon[2]:
-        return block_size == PREFIX_PAGE and group > GLUON_DECODE_MIN_GROUP
+        return block_size == PREFIX_PAGE and group > GLUON_DECODE_MIN_KV_GROUP
     return kernel is not gluon[1] or block_size == PREFIX_PAGE
 
 
@@ -94,8 +94,8 @@ def no_compiles_after_warm_up(n, comm, workers, block_size, monkeypatch, cache_d
             kernel.device_caches[torch.cuda.current_device()][0].clear()
         watch_builds(monkeypatch, built)
     case = Case(name=f"warm-{n}-{comm}", q_heads=32, kv_heads=8, kv_replication="replicated", tp=4 * n if n > 1 else 1,
-                head_dim=128, block_size=block_size, requests=REQUESTS, comm=comm, dtype="bfloat16", kernels="triton",
-                seed=5,
+                head_dim=128, block_size=block_size, requests=REQUESTS, comm=comm, dtype="bfloat16",
+                kernel_impl="triton", seed=5,
                 decode_steps=40,  # room in every sequence for the steps below (at most 40 more tokens each)
                 device="cuda")
     world = World(case)
@@ -208,11 +208,11 @@ def _one_rank_steps(case: Case, max_num_tokens: int, steps: list, heads: range) 
 def test_a_chunk_past_short_chunk_rows_compiles_nothing_after_warm_up():
     """A workspace that holds more than SHORT_CHUNK tokens: the warm-up compiles the current chunk's larger tiles
     too, so a 3,000-token prompt beside a 1,000-token one (each chunk's tiles) compiles nothing when it comes."""
-    from dcp_plugin.kernels.extend_attention import SHORT_CHUNK
+    from dcp_plugin.kernels.chunk_attention import SHORT_CHUNK
     from dcp_plugin.warmup import STEPS
 
     case = Case(name="warm-long-chunk", q_heads=32, kv_heads=8, head_dim=128, block_size=64,
-                requests=((0, SHORT_CHUNK + 952), (0, 1000)), dtype="bfloat16", kernels="triton", seed=6,
+                requests=((0, SHORT_CHUNK + 952), (0, 1000)), dtype="bfloat16", kernel_impl="triton", seed=6,
                 decode_steps=1, device="cuda")
     warmed, _ = _one_rank_steps(case, 4096, [[new for _, new in case.requests], [1, 1]], range(32))
     assert warmed == len(STEPS) + 1
@@ -222,7 +222,7 @@ def test_one_kv_head_compiles_nothing_after_warm_up():
     """32 Q heads over one KV head in 64-token pages: where the Gluon decode serves, decodes of one split and of
     several, alone and after a mixed step's chunk, compile nothing after the warm-up."""
     case = Case(name="warm-one-kv-head", q_heads=32, kv_heads=1, head_dim=128, block_size=64, requests=REQUESTS,
-                dtype="bfloat16", kernels="triton", seed=8, decode_steps=40, device="cuda")
+                dtype="bfloat16", kernel_impl="triton", seed=8, decode_steps=40, device="cuda")
     _, before = _one_rank_steps(case, 512, [[new for _, new in REQUESTS]] + steps(9), range(32))
     served = [count for kernel, count in zip(KERNELS, before) if reached(kernel, 64, group=32)]
     assert min(served) >= 1, f"a kernel these steps run never compiled during warm-up: {before}"
@@ -234,7 +234,7 @@ def test_draft_tree_verify_steps_compile_nothing_after_a_warm_up_for_trees():
     from tests.dcp_harness import tree_attention_f64
     from tests.verify_steps import next_step, step_masks, verify_case
 
-    case = verify_case("warm-trees", "decodes-first", seed=4, head_dim=128, dtype="bfloat16", kernels="triton",
+    case = verify_case("warm-trees", "decodes-first", seed=4, head_dim=128, dtype="bfloat16", kernel_impl="triton",
                        device="cuda", trees=True, q_heads=32, kv_heads=8, kv_replication="replicated")
     world, rng = World(case), random.Random(5)
     state = RankState.create(case, world, 1, 0)

@@ -70,8 +70,8 @@ def structured_cases(n: int) -> list[Case]:
         **_head_layouts(n)["tp-gqa"])
     # The Triton kernels (interpreter, which costs ~0.5 s a launch here): one small case per group size.
     comm = "ag_rs" if n == 3 else "a2a"
-    add(f"triton-replicated-gqa4-{comm}", requests=((0, 3), (5, 1), (9, 2)), kernels="triton", comm=comm, head_dim=64,
-        **_head_layouts(n)["replicated-gqa4"])
+    add(f"triton-replicated-gqa4-{comm}", requests=((0, 3), (5, 1), (9, 2)), kernel_impl="triton", comm=comm,
+        head_dim=64, **_head_layouts(n)["replicated-gqa4"])
     return cases
 
 

@@ -19,18 +19,18 @@ SCRIPT = DCP / "multi_gpu_dcp.py"
 TINY = ["--backend", "gloo", "--kernels", "reference", "--contexts", "16,40", "--batches", "1,3"]
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
-# Wraps the script and scales every paged_attention output by 1.001: far outside float32's tolerance.
+# Wraps the script and scales every prefix_attention output by 1.001: far outside float32's tolerance.
 FAULTY_WRAPPER = f"""
 import sys
 sys.path.insert(0, {str(DCP)!r})
 import multi_gpu_dcp
 from dcp_plugin.kernels import reference
-exact = reference.paged_attention
+exact = reference.prefix_attention
 def off_by_a_little(*args, **kwargs):
     out, lse = exact(*args, **kwargs)
     out.mul_(1.001)
     return out, lse
-reference.paged_attention = off_by_a_little
+reference.prefix_attention = off_by_a_little
 multi_gpu_dcp.main()
 """
 

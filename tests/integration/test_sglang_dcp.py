@@ -34,7 +34,7 @@ CASES = {
         SgCase(name="gqa4-p4-fp16", q_heads=8, kv_heads=2, page_size=4, requests=MIXED, dtype="float16"),
         SgCase(name="gqa4-p64-ag_rs", q_heads=8, kv_heads=2, page_size=64, requests=MIXED),
         SgCase(name="triton-12q3kv-p2", q_heads=12, kv_heads=3, page_size=2, requests=((3, 2), (0, 3)),
-               decode_steps=1, kernels="triton"),
+               decode_steps=1, kernel_impl="triton"),
         SgCase(name="hybrid-12q3kv-p2-eagle-chain", q_heads=12, kv_heads=3, page_size=2, requests=MIXED, hybrid=True,
                speculative="eagle-chain", decode_steps=0, verify_steps=3),
         SgCase(name="eagle-tree-p1-a2a", q_heads=8, kv_heads=2, requests=MIXED, comm="a2a", speculative="eagle-tree",
@@ -47,7 +47,7 @@ CASES = {
         SgCase(name="seeds-32q2kv-p2-a2a", q_heads=32, kv_heads=2, page_size=2, requests=MIXED, comm="a2a"),
         SgCase(name="seeds-32q2kv-p64-a2a", q_heads=32, kv_heads=2, page_size=64, requests=MIXED, comm="a2a"),
         SgCase(name="triton-seeds-32q2kv-p1", q_heads=32, kv_heads=2, requests=((5, 2), (0, 2)), decode_steps=1,
-               kernels="triton"),
+               kernel_impl="triton"),
         # The seeds' workload: Qwen3.5's layout (hybrid pools, 32 Q / 2 KV heads at TP 4, DCP 4) with MTP drafts.
         SgCase(name="seeds-hybrid-32q2kv-p1-eagle-chain", q_heads=32, kv_heads=2, requests=MIXED, hybrid=True,
                speculative="eagle-chain", decode_steps=0, verify_steps=3),
@@ -55,7 +55,7 @@ CASES = {
                hybrid=True, comm="a2a", speculative="eagle-tree", draft_tokens=6, decode_steps=0, verify_steps=2),
         SgCase(name="triton-seeds-hybrid-32q2kv-eagle-tree", q_heads=32, kv_heads=2, requests=((5, 2), (0, 2)),
                hybrid=True, speculative="eagle-tree", draft_tokens=5, decode_steps=0, verify_steps=2,
-               kernels="triton"),
+               kernel_impl="triton"),
     ],
 }
 TIMEOUT_S = 300

@@ -30,10 +30,10 @@ def cases(n: int) -> list[VerifyCase]:
                                 trees=True, expect=("verify", "rejected", "tree"), **heads))
     # One small case on the Triton kernels under the interpreter (fp32/fp16: it computes bf16 products wrongly).
     mix, layout, steps = ("verify-only", "tp", 3) if n == 1 else ("decodes-first", "replicated", 2)
-    made.append(verify_case(f"triton-{layout}-{mix}", mix, seed=7 * n, kernels="triton", head_dim=32, steps=steps,
+    made.append(verify_case(f"triton-{layout}-{mix}", mix, seed=7 * n, kernel_impl="triton", head_dim=32, steps=steps,
                             comm="a2a" if n == 2 else "ag_rs", interleave=16 if n == 2 else 1,
                             dtype="float16" if n == 2 else "float32", **head_layouts(n)[layout]))
-    made.append(verify_case("triton-trees-replicated", "verify-only", seed=11 * n, kernels="triton", head_dim=32,
+    made.append(verify_case("triton-trees-replicated", "verify-only", seed=11 * n, kernel_impl="triton", head_dim=32,
                             steps=2, trees=True, expect=("verify", "tree"), **head_layouts(n)["replicated"]))
     return made
 

@@ -23,7 +23,7 @@ def test_single_rank_without_group(decode_steps, interleave):
 
 
 def test_single_rank_triton():
-    case = Case(name="single-triton", kernels="triton", head_dim=64, seed=8, **SINGLE)
+    case = Case(name="single-triton", kernel_impl="triton", head_dim=64, seed=8, **SINGLE)
     run_case(case, 1, 0, None, lambda out: out)
 
 
@@ -54,7 +54,7 @@ def _shape_ops(log: list):
             return lambda *args: log.append((name, shapes))
         return plan
 
-    return SimpleNamespace(**{f"plan_{name}": prepare(name) for name in ("write_kv", "extend", "paged", "combine")},
+    return SimpleNamespace(**{f"plan_{name}": prepare(name) for name in ("write_kv", "chunk", "prefix", "merge")},
                            split_capacity=lambda head_dim, device: 0)
 
 
@@ -72,19 +72,19 @@ def test_forward_never_syncs(comm):
     )
     log = []
     attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=ShapeOnlyGroup(4, 2), scale=0.25, comm=comm)
-    attn._kernels = _shape_ops(log)  # in place of the namespace DcpAttention chose by name
+    attn._kernel_ops = _shape_ops(log)  # in place of the namespace DcpAttention chose by name
     out = attn.forward(**meta, batch=batch)
     assert out.device.type == "meta" and out.shape == meta["q"].shape
     launched = [name for name, _ in log]
-    # The step has a cached prefix: current chunk, prefix pass, then the combine (two kernels for ag_rs).
-    assert launched == ["write_kv", "extend", "paged"] + ["combine"] * (2 if comm == "ag_rs" else 1), launched
+    # The step has a cached prefix: current chunk, prefix pass, then the merge (two kernels for ag_rs).
+    assert launched == ["write_kv", "chunk", "prefix"] + ["merge"] * (2 if comm == "ag_rs" else 1), launched
     log.clear()
     attn.forward(**meta, batch=batch)  # the next layer replays the step's plan: the same launches
     assert [name for name, _ in log] == launched
 
 
 def _make(state, **overrides):
-    args = dict(heads=state.heads, tokens=state.tokens, group=ShapeOnlyGroup(2, 0), scale=0.25, kernels="reference")
+    args = dict(heads=state.heads, tokens=state.tokens, group=ShapeOnlyGroup(2, 0), scale=0.25, kernel_impl="reference")
     args.update(overrides)
     return DcpAttention(**args)
 
@@ -101,7 +101,7 @@ _CONSTRUCTION = {
     "scale nan": (dict(scale=float("nan")), "scale must be a finite float > 0"),
     "scale bool": (dict(scale=True), "scale must be a finite float > 0"),
     "comm": (dict(comm="allreduce"), "comm must be 'ag_rs' or 'a2a'"),
-    "kernels unknown": (dict(kernels="cuda"), r"kernels='cuda': use one of \['triton', 'reference'\]"),
+    "kernels unknown": (dict(kernel_impl="cuda"), r"kernel_impl='cuda': use one of \['triton', 'reference'\]"),
 }
 
 
@@ -154,7 +154,7 @@ def test_bad_forward_input_is_named_before_any_work(bad, message):
 @pytest.mark.parametrize("write_kv", [True, False])
 def test_write_kv_false_leaves_the_cache_to_the_host(write_kv):
     """vLLM writes the cache in do_kv_cache_update; forward(write_kv=False) must not write it a second time."""
-    heads = HeadLayout.create(total_q_heads=4, total_kv_heads=2, ps=ParallelState.trivial())
+    heads = HeadLayout.create(total_q_heads=4, total_kv_heads=2, parallel=ParallelState.trivial())
     tokens = TokenLayout(block_size=16)
     q, k, v = (torch.randn(3, h, 64) for h in (4, 2, 2))
     key_cache, value_cache = (torch.full((2, 16, 2, 64), float("nan")) for _ in range(2))
@@ -162,7 +162,7 @@ def test_write_kv_false_leaves_the_cache_to_the_host(write_kv):
                            seq_lens=torch.tensor([3], dtype=torch.int32),
                            block_table=torch.tensor([[1]], dtype=torch.int32),
                            slot_mapping=torch.tensor([16, 17, 18]), tokens=tokens)
-    attn = DcpAttention(heads=heads, tokens=tokens, group=None, scale=0.125, kernels="reference")
+    attn = DcpAttention(heads=heads, tokens=tokens, group=None, scale=0.125, kernel_impl="reference")
     out = attn.forward(q, k, v, key_cache, value_cache, batch, write_kv=write_kv)
     # a fresh prompt reads only its own K/V (the NaN-filled cache never): causal float64 attention over them
     want = attention_f64(q, k, v, torch.ones(3, 3, dtype=torch.bool).tril(), scale=0.125, q_per_kv=2)

@@ -29,11 +29,11 @@ def test_the_call_and_the_prepared_launch_give_the_reference_kernels_answer():
         heads = dict(scale=case["head_dim"] ** -0.5, q_head_start=0, q_per_kv=case["q_heads"] // case["kv_heads"],
                      kv_head_start=0)
         if kind == "decode":
-            want = reference.paged_attention(t["q"], t["key_cache"], t["value_cache"], t["block_table"],
-                                             t["context_lens"], t["query_start_loc"], max_kv_len=case["context"],
-                                             max_query_len=1, **heads)
+            want = reference.prefix_attention(t["q"], t["key_cache"], t["value_cache"], t["block_table"],
+                                              t["kv_lens"], t["query_start_loc"], max_kv_len=case["context"],
+                                              max_query_len=1, **heads)
         else:
-            want = reference.extend_attention(t["q"], t["k"], t["v"], t["query_start_loc"], case["context"], **heads)
+            want = reference.chunk_attention(t["q"], t["k"], t["v"], t["query_start_loc"], case["context"], **heads)
         got = fns["call"]()
         planned = fns["planned"]
         for replay in ("replay", "replay_dispatch"):

@@ -35,7 +35,7 @@ def test_plan_compares_the_dcp_sizes_vllm_runs(capsys):
     assert table_rows(text) == [
         ["1", "1", "4", f"{per_token:,}", "1x", f"{10 * 2**30 // per_token:,}", "no collectives"],
         ["2", "1", "8", f"{per_token // 2:,}", "2x", f"{10 * 2**30 // (per_token // 2):,}",
-         "Q all-gather + LSE combine"]]
+         "Q all-gather + LSE merge"]]
     assert "*    2" in text  # the --dcp asked for is marked
     assert "dcp 4, 8: not runnable" not in text  # each refused size names its own number
     assert "dcp 4: not runnable (tp / KV heads = 2 ranks share each KV head, which is not a multiple of 4)" in text

@@ -252,12 +252,12 @@ def test_worker_count_from_the_environment_eight_at_most_by_default(monkeypatch,
 
 
 def test_a_bad_worker_count_is_refused_when_the_engine_starts(monkeypatch):
-    from dcp_plugin.kernel_choice import choose_kernels
+    from dcp_plugin.kernel_choice import choose_kernel_impl
 
     monkeypatch.setenv(_compile_ahead.WORKERS_ENV, "-2")
     with pytest.raises(ValueError, match="DCP_TRITON_COMPILE_WORKERS must be a whole number of worker processes "
                                          r"\(0: off\), got '-2'"):
-        choose_kernels(engine="vLLM")
+        choose_kernel_impl(engine="vLLM")
 
 
 def test_worker_count_refuses_what_is_not_a_count_and_is_off_under_the_interpreter(monkeypatch):

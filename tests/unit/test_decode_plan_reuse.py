@@ -20,7 +20,7 @@ def test_steady_decoding_replays_one_plan_per_bound_and_every_step_is_exact(monk
     monkeypatch.setattr(step_plan, "DECODE_BOUND_STEP", BOUND_STEP)
     decode_steps = 7
     case = Case(name="reuse", q_heads=4, kv_heads=2, head_dim=16, requests=((5, 1), (11, 1), (2, 1)), comm=comm,
-                kernels=kernels, decode_steps=decode_steps, seed=21)
+                kernel_impl=kernels, decode_steps=decode_steps, seed=21)
 
     results = run_threads(n, lambda rank, exchange: run_steady_decode(case, n, rank, exchange))
     made, distinct = results[0]
@@ -31,7 +31,7 @@ def test_steady_decoding_replays_one_plan_per_bound_and_every_step_is_exact(monk
 def test_a_decode_step_over_other_buffers_or_another_batch_size_gets_its_own_plan():
     case = Case(name="other", q_heads=4, kv_heads=2, head_dim=16, requests=((5, 1), (7, 1)), decode_steps=4, seed=5)
     state = RankState.create(case, World(case), 1, 0)
-    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=None, scale=0.25, kernels="reference")
+    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=None, scale=0.25, kernel_impl="reference")
     made = counted(attn)
     engine = EngineBuffers(state, 2)
 
@@ -74,7 +74,7 @@ def test_a_warm_up_keeps_no_decode_plan():
     """The warm-up's steps run extra kernel variants (``every_variant``): their plans are never replayed."""
     case = Case(name="warm", q_heads=4, kv_heads=2, head_dim=16, requests=((3, 1),), seed=9)
     state = RankState.create(case, World(case), 1, 0)
-    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=None, scale=0.25, kernels="reference")
+    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=None, scale=0.25, kernel_impl="reference")
     made = counted(attn)
     kv = torch.zeros(5, 2, 16)
     warm_up(attn, query=torch.zeros(5, 4, 16), key=kv, value=kv, key_cache=state.key_cache,

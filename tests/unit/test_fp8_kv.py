@@ -1,5 +1,5 @@
 """An fp8 KV cache (float8_e4m3fn / float8_e5m2 holding value / scale): the reference write quantizes and clamps as
-torch does, paged attention equals float64 attention over the dequantized cache, and DCP over fp8 shards equals
+torch does, the prefix pass equals float64 attention over the dequantized cache, and DCP over fp8 shards equals
 attention over the same fp8 cache (both comm modes, N = 1, 2, 4), with the current chunk in the model dtype. The
 Triton write kernel refuses fp8 under the interpreter, which rounds float32 to fp8 wrongly; the GPU tier compares
 it bit for bit with the reference (tests/gpu/test_fp8_gpu.py)."""
@@ -13,7 +13,7 @@ import torch
 
 from dcp_plugin import kernels
 from dcp_plugin.kernels import reference
-from dcp_plugin.kernels.paged_attention import PagedConfig
+from dcp_plugin.kernels.prefix_attention import PrefixConfig
 from tests.dcp_harness import Case
 from tests.fp8_checks import run_fp8_dcp
 from tests.kernel_checks import assert_matches, poisoned
@@ -64,7 +64,7 @@ def test_an_fp8_cache_needs_its_scales_and_a_plain_cache_refuses_them():
 @pytest.mark.parametrize("tma", [False, True, "rows_ahead"], ids=["pointers", "descriptors", "descriptors-ahead"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
-def test_paged_attention_reads_the_dequantized_cache(dtype, splits, tma):
+def test_prefix_attention_reads_the_dequantized_cache(dtype, splits, tma):
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(5, 8, 64, generator=gen)
     k_scale, v_scale = _scales(dtype)
@@ -74,12 +74,12 @@ def test_paged_attention_reads_the_dequantized_cache(dtype, splits, tma):
     lens, qsl = torch.tensor([40, 0, 63], dtype=torch.int32), torch.tensor([0, 1, 2, 5], dtype=torch.int32)
     out, lse = poisoned(q.shape, torch.float32), poisoned(q.shape[:2], torch.float32)
     heads = dict(scale=0.125, q_head_start=0, q_per_kv=4, kv_head_start=0, max_kv_len=63)
-    config = PagedConfig(block_n=16, block_m=32, num_warps=4, num_stages=1, tma=True,
-                         rows_ahead=tma == "rows_ahead") if tma else None
-    kernels.paged_attention(q, kc, vc, table, lens, qsl, **heads, num_splits=splits, out=out, lse=lse,
-                            k_scale=k_scale, v_scale=v_scale, config=config)
-    want_out, want_lse = reference.paged_attention(q.double(), kc.double() * k_scale.double(),
-                                                   vc.double() * v_scale.double(), table, lens, qsl, **heads)
+    config = PrefixConfig(block_n=16, block_m=32, num_warps=4, num_stages=1, tma=True,
+                          rows_ahead=tma == "rows_ahead") if tma else None
+    kernels.prefix_attention(q, kc, vc, table, lens, qsl, **heads, num_splits=splits, out=out, lse=lse,
+                             k_scale=k_scale, v_scale=v_scale, config=config)
+    want_out, want_lse = reference.prefix_attention(q.double(), kc.double() * k_scale.double(),
+                                                    vc.double() * v_scale.double(), table, lens, qsl, **heads)
     assert_matches(out, want_out, torch.float32, "fp8 paged out")
     assert_matches(lse, want_lse, torch.float32, "fp8 paged lse")
 
@@ -100,10 +100,10 @@ def test_bf16_queries_over_an_fp8_cache_compute_in_fp16_without_overflow(dtype):
     lens, qsl = torch.tensor([40, 47, 1, 30], dtype=torch.int32), torch.arange(5, dtype=torch.int32)
     out, lse = poisoned(q.shape, torch.float32), poisoned(q.shape[:2], torch.float32)
     heads = dict(scale=0.125, q_head_start=0, q_per_kv=4, kv_head_start=0, max_kv_len=47, max_query_len=1)
-    kernels.paged_attention(q, kc, vc, table, lens, qsl, **heads, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale)
-    want_out, want_lse = reference.paged_attention(q[:3].double(), kc.double() * k_scale.double(),
-                                                   vc.double() * v_scale.double(), table[:3], lens[:3], qsl[:4],
-                                                   **heads)
+    kernels.prefix_attention(q, kc, vc, table, lens, qsl, **heads, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale)
+    want_out, want_lse = reference.prefix_attention(q[:3].double(), kc.double() * k_scale.double(),
+                                                    vc.double() * v_scale.double(), table[:3], lens[:3], qsl[:4],
+                                                    **heads)
     assert_matches(out[:3], want_out, torch.bfloat16, "fp8 paged out, bf16 q")
     assert_matches(lse[:3], want_lse, torch.bfloat16, "fp8 paged lse, bf16 q")
     assert out[3].isnan().all(-1).tolist() == [h == 2 for h in range(8)], "the NaN must reach its head's row"
@@ -113,7 +113,7 @@ def _kernels(name: str):
     """The kernel namespace of a CPU run: the Triton kernels write fp8 only on a GPU, so the write is torch's."""
     if name == "reference":
         return reference
-    return SimpleNamespace(**{n: getattr(kernels, n) for n in ("plan_extend", "plan_paged", "plan_combine",
+    return SimpleNamespace(**{n: getattr(kernels, n) for n in ("plan_chunk", "plan_prefix", "plan_merge",
                                                                 "split_capacity")},
                            plan_write_kv=reference.plan_write_kv)
 
@@ -124,7 +124,7 @@ def _kernels(name: str):
 def test_dcp_over_fp8_shards_equals_attention_over_the_fp8_cache(n, comm, name):
     dtype = FP8[0] if comm == "ag_rs" else FP8[1]
     requests = ((30, 1), (25, 1), (19, 4), (0, 6)) if name == "triton" else ((50, 1), (41, 1), (33, 7), (0, 9), (3, 2))
-    case = Case(name="fp8", q_heads=8, kv_heads=2, requests=requests, comm=comm, head_dim=32, seed=21, kernels=name,
+    case = Case(name="fp8", q_heads=8, kv_heads=2, requests=requests, comm=comm, head_dim=32, seed=21, kernel_impl=name,
                 decode_steps=1)
     k_scale, v_scale = _scales(dtype)
     assert run_fp8_dcp(case, n, dtype, k_scale, v_scale, _kernels(name), label=f"fp8 {comm} {name}") == [2] * n

@@ -13,17 +13,17 @@ import torch
 
 from dcp_plugin.kernels import reference
 from dcp_plugin.kernels._launch import every_variant
-from dcp_plugin.kernels.paged_attention import INTERPRET_CONFIG, plan_paged
+from dcp_plugin.kernels.prefix_attention import INTERPRET_CONFIG, plan_prefix
 from tests.kernel_checks import assert_matches, poisoned
-from tests.unit.test_kernel_paged_attention import Case, _heads, _inputs
+from tests.unit.test_kernel_prefix_attention import Case, _heads, _inputs
 
 
 def _plan(case: Case, slots: int, q, caches, tables, out, lse, split_elements: int = 1 << 16, **kwargs):
     key_cache, value_cache = caches
-    block_table, context_lens, query_start_loc = tables
-    return plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse,
-                      scale=case.head_dim ** -0.5, **_heads(case), max_kv_len=max(case.ctx_lens), max_query_len=1,
-                      split_buffer=poisoned((split_elements,), torch.float32), split_slots=slots, **kwargs)
+    block_table, kv_lens, query_start_loc = tables
+    return plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse,
+                       scale=case.head_dim ** -0.5, **_heads(case), max_kv_len=max(case.kv_lens), max_query_len=1,
+                       split_buffer=poisoned((split_elements,), torch.float32), split_slots=slots, **kwargs)
 
 
 LAST_MERGES = dataclasses.replace(INTERPRET_CONFIG, last_split_merges=True)
@@ -57,19 +57,19 @@ def test_balanced_decode_matches_reference(name, last_merges, monkeypatch):
     """Twice on the same buffers (a graph's replays): with ``last_split_merges`` the split counters must be zero
     again after each launch, or the second launch's last split never merges (its rows stay NaN). These small steps
     have fewer (token, head program)s than the GPU's bound asks for: lifted here."""
-    monkeypatch.setattr(sys.modules[plan_paged.__module__], "LAST_MERGE_PROGRAMS", 1)
+    monkeypatch.setattr(sys.modules[plan_prefix.__module__], "LAST_MERGE_PROGRAMS", 1)
     case, slots = CASES[name]
     q, key_cache, value_cache, *tables = _inputs(case, seed=5)
     sync = torch.zeros(q.shape[0] * q.shape[1], dtype=torch.int32)
     config = LAST_MERGES if last_merges else None
-    want_out, want_lse = reference.paged_attention(q.double(), key_cache.double(), value_cache.double(), *tables,
-                                                   scale=case.head_dim ** -0.5, **_heads(case),
-                                                   max_kv_len=max(case.ctx_lens))
+    want_out, want_lse = reference.prefix_attention(q.double(), key_cache.double(), value_cache.double(), *tables,
+                                                    scale=case.head_dim ** -0.5, **_heads(case),
+                                                    max_kv_len=max(case.kv_lens))
     out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
     plan = _plan(case, slots, q, (key_cache, value_cache), tables, out, lse, config=config, split_sync=sync)
     assert plan.stage1.constexprs["BALANCED"] and plan.num_splits > 1, "the case does not reach the balanced path"
     merges = last_merges and name not in MANY_SPLITS
-    assert plan.stage1.constexprs["LAST_MERGES"] == merges and (plan.reduce is None) == merges
+    assert plan.stage1.constexprs["LAST_MERGES"] == merges and (plan.merge is None) == merges
     for launch in range(2):
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
@@ -81,16 +81,16 @@ def test_balanced_decode_matches_reference(name, last_merges, monkeypatch):
 
 def test_last_split_merges_needs_a_counter_per_row_and_head_program(monkeypatch):
     """Counters for fewer than (tokens x head programs): the merge launch instead, never a counter out of bounds."""
-    monkeypatch.setattr(sys.modules[plan_paged.__module__], "LAST_MERGE_PROGRAMS", 1)
+    monkeypatch.setattr(sys.modules[plan_prefix.__module__], "LAST_MERGE_PROGRAMS", 1)
     case, slots = CASES["gqa2-long-among-short-padded"]
     q, key_cache, value_cache, *tables = _inputs(case, seed=5)
     out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
     short = torch.zeros(q.shape[0] * 2 - 1, dtype=torch.int32)  # 2 head programs
     plan = _plan(case, slots, q, (key_cache, value_cache), tables, out, lse, config=LAST_MERGES, split_sync=short)
-    assert not plan.stage1.constexprs["LAST_MERGES"] and plan.reduce is not None
+    assert not plan.stage1.constexprs["LAST_MERGES"] and plan.merge is not None
     fits = _plan(case, slots, q, (key_cache, value_cache), tables, out, lse, config=LAST_MERGES,
                  split_sync=torch.zeros(q.shape[0] * 2, dtype=torch.int32))
-    assert fits.stage1.constexprs["LAST_MERGES"] and fits.reduce is None
+    assert fits.stage1.constexprs["LAST_MERGES"] and fits.merge is None
 
 
 def test_the_last_split_merges_only_few_splits_of_many_programs():
@@ -98,24 +98,24 @@ def test_the_last_split_merges_only_few_splits_of_many_programs():
     a request takes many splits or the step has few (token, head program)s: the last split merges only where a
     request takes at most ``LAST_MERGE_SPLITS`` (by the plan's bound or on average over the slots) and the step
     has at least ``LAST_MERGE_PROGRAMS`` (token, head program)s. Plans only: nothing launches."""
-    def plan(ctx_lens, slots):
-        case = Case([1] * len(ctx_lens), ctx_lens, 4, 2, 2)  # 2 head programs, 32-token tiles
+    def plan(kv_lens, slots):
+        case = Case([1] * len(kv_lens), kv_lens, 4, 2, 2)  # 2 head programs, 32-token tiles
         q, key_cache, value_cache, *tables = _inputs(case, seed=5)
         return _plan(case, slots, q, (key_cache, value_cache), tables, poisoned(q.shape, case.dtype),
                      poisoned(q.shape[:2], torch.float32), split_elements=1 << 21, config=LAST_MERGES)
 
     few = plan([256] * 32, 256)  # 64 programs; 8 tiles: at most 4 splits a request
-    assert few.num_splits == 4 and few.stage1.constexprs["LAST_MERGES"] and few.reduce is None
+    assert few.num_splits == 4 and few.stage1.constexprs["LAST_MERGES"] and few.merge is None
     assert not plan([256] * 31, 256).stage1.constexprs["LAST_MERGES"], "62 (token, head program)s"
     # 2000 tokens: 63 tiles, up to 32 splits by the bound. The bound decides, not the average over the slots (4
     # here): one long context among short ones would take dozens of splits, merged one after the other.
     many = plan([2000] + [256] * 31, 256)
-    assert many.num_splits == 32 and not many.stage1.constexprs["LAST_MERGES"] and many.reduce is not None
+    assert many.num_splits == 32 and not many.stage1.constexprs["LAST_MERGES"] and many.merge is not None
 
 
 @pytest.mark.parametrize("last_merges", [False, True], ids=["merge-launch", "last-split-merges"])
 def test_balanced_decode_into_rank_major_outputs(last_merges, monkeypatch):
-    monkeypatch.setattr(sys.modules[plan_paged.__module__], "LAST_MERGE_PROGRAMS", 1)
+    monkeypatch.setattr(sys.modules[plan_prefix.__module__], "LAST_MERGE_PROGRAMS", 1)
     case = Case([1] * 4, [500, 0, 40, 9], 8, 2, 4, pad_rows=1)
     q, key_cache, value_cache, *tables = _inputs(case, seed=6)
     ranks, num_tokens = 2, q.shape[0]
@@ -124,8 +124,8 @@ def test_balanced_decode_into_rank_major_outputs(last_merges, monkeypatch):
     plan = _plan(case, 8, q, (key_cache, value_cache), tables, out, lse, config=LAST_MERGES if last_merges else None)
     assert plan.stage1.constexprs["BALANCED"] and plan.stage1.constexprs["LAST_MERGES"] == last_merges
     plan(q, key_cache, value_cache, *tables, out, lse)
-    want_out, want_lse = reference.paged_attention(q.double(), key_cache.double(), value_cache.double(), *tables,
-                                                   scale=case.head_dim ** -0.5, **_heads(case), max_kv_len=500)
+    want_out, want_lse = reference.prefix_attention(q.double(), key_cache.double(), value_cache.double(), *tables,
+                                                    scale=case.head_dim ** -0.5, **_heads(case), max_kv_len=500)
     assert_matches(out.transpose(0, 1).reshape(num_tokens, 8, -1), want_out, torch.float32, "rank-major out")
     assert_matches(lse.transpose(0, 1).reshape(num_tokens, 8), want_lse, torch.float32, "rank-major lse")
 
@@ -136,13 +136,13 @@ def test_balanced_decode_into_rank_major_outputs(last_merges, monkeypatch):
 # down), every other one (the empty one too, its split empty) one; at most min(64, cdiv(20, 2), cdiv(8, 2)) = 4 splits
 # a request. Contexts 700 / 32 (22 / 1 tiles, work 46, target 8): 22 / 8 = 2.75 -> 3 splits.
 # Four contexts of 640 tokens: work 160, target 20, one split each.
-@pytest.mark.parametrize(("ctx_lens", "splits_taken", "max_splits"), [
+@pytest.mark.parametrize(("kv_lens", "splits_taken", "max_splits"), [
     ([640, 32, 0, 64, 1], [2, 1, 0, 1, 1], 4),
     ([700, 32], [3, 1], 4),
     ([640, 640, 640, 640], [1, 1, 1, 1], 4),
 ], ids=["long-among-short", "rounded-up", "equal"])
-def test_each_request_takes_its_share_of_the_splits(ctx_lens, splits_taken, max_splits):
-    case = Case([1] * len(ctx_lens), ctx_lens, 4, 2, 2)
+def test_each_request_takes_its_share_of_the_splits(kv_lens, splits_taken, max_splits):
+    case = Case([1] * len(kv_lens), kv_lens, 4, 2, 2)
     q, key_cache, value_cache, *tables = _inputs(case, seed=7)
     out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
     plan = _plan(case, 8, q, (key_cache, value_cache), tables, out, lse)
@@ -159,21 +159,21 @@ def test_each_request_takes_its_share_of_the_splits(ctx_lens, splits_taken, max_
             assert torch.isnan(out[token]).all()
         else:  # one split (or none): the final output, written by stage 1 alone
             assert not torch.isnan(out[token]).any() and not torch.isnan(lse[token]).any()
-            assert torch.isinf(lse[token]).all() == (ctx_lens[token] == 0)
+            assert torch.isinf(lse[token]).all() == (kv_lens[token] == 0)
 
 
 def test_explicit_splits_the_opt_out_and_the_interpreter_default_keep_the_uniform_split():
     case = Case([1, 1], [300, 20], 4, 2, 2)
     q, key_cache, value_cache, *tables = _inputs(case, seed=8)
     out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
-    explicit = plan_paged(q, key_cache, value_cache, *tables, out, lse, scale=0.1, **_heads(case), max_kv_len=300,
-                          max_query_len=1, num_splits=3, split_slots=8)
+    explicit = plan_prefix(q, key_cache, value_cache, *tables, out, lse, scale=0.1, **_heads(case), max_kv_len=300,
+                           max_query_len=1, num_splits=3, split_slots=8)
     assert not explicit.stage1.constexprs["BALANCED"] and explicit.num_splits == 3
-    off = plan_paged(q, key_cache, value_cache, *tables, out, lse, scale=0.1, **_heads(case), max_kv_len=300,
-                     max_query_len=1, split_slots=0)
+    off = plan_prefix(q, key_cache, value_cache, *tables, out, lse, scale=0.1, **_heads(case), max_kv_len=300,
+                      max_query_len=1, split_slots=0)
     assert not off.stage1.constexprs["BALANCED"]
-    default = plan_paged(q, key_cache, value_cache, *tables, out, lse, scale=0.1, **_heads(case), max_kv_len=300,
-                         max_query_len=1)  # the interpreter: one split, as the uniform count gives there
+    default = plan_prefix(q, key_cache, value_cache, *tables, out, lse, scale=0.1, **_heads(case), max_kv_len=300,
+                          max_query_len=1)  # the interpreter: one split, as the uniform count gives there
     assert not default.stage1.constexprs["BALANCED"] and default.num_splits == 1
 
 
@@ -185,24 +185,24 @@ def test_tiny_contexts_take_the_balanced_kernel_in_one_split():
     q, key_cache, value_cache, *tables = _inputs(case, seed=9)
     out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
     scratch = poisoned((256,), torch.float32)
-    plan = plan_paged(q, key_cache, value_cache, *tables, out, lse, scale=case.head_dim ** -0.5, **_heads(case),
-                      max_kv_len=40, max_query_len=1, split_buffer=scratch, split_slots=8)
-    assert plan.stage1.constexprs["BALANCED"] and plan.num_splits == 1 and plan.reduce is None
+    plan = plan_prefix(q, key_cache, value_cache, *tables, out, lse, scale=case.head_dim ** -0.5, **_heads(case),
+                       max_kv_len=40, max_query_len=1, split_buffer=scratch, split_slots=8)
+    assert plan.stage1.constexprs["BALANCED"] and plan.num_splits == 1 and plan.merge is None
     plan(q, key_cache, value_cache, *tables, out, lse)
     assert torch.isnan(scratch).all(), "a one-split decode wrote into the split buffer"
-    want_out, want_lse = reference.paged_attention(q.double(), key_cache.double(), value_cache.double(), *tables,
-                                                   scale=case.head_dim ** -0.5, **_heads(case), max_kv_len=40)
+    want_out, want_lse = reference.prefix_attention(q.double(), key_cache.double(), value_cache.double(), *tables,
+                                                    scale=case.head_dim ** -0.5, **_heads(case), max_kv_len=40)
     assert_matches(out, want_out, case.dtype, "out")
     assert_matches(lse, want_lse, case.dtype, "lse")
 
 
 def test_the_gpu_default_is_balanced(monkeypatch):
-    monkeypatch.setattr(sys.modules[plan_paged.__module__], "INTERPRET", False)  # the plan only: nothing launches
+    monkeypatch.setattr(sys.modules[plan_prefix.__module__], "INTERPRET", False)  # the plan only: nothing launches
     case = Case([1, 1], [3000, 20], 4, 2, 2)
     q, key_cache, value_cache, *tables = _inputs(case, seed=8)
     out, lse = poisoned(q.shape, case.dtype), poisoned(q.shape[:2], torch.float32)
-    plan = plan_paged(q, key_cache, value_cache, *tables, out, lse, scale=0.1, **_heads(case), max_kv_len=3000,
-                      max_query_len=1)
+    plan = plan_prefix(q, key_cache, value_cache, *tables, out, lse, scale=0.1, **_heads(case), max_kv_len=3000,
+                       max_query_len=1)
     assert plan.stage1.constexprs["BALANCED"] and plan.split_counts is not None
 
 
@@ -211,7 +211,7 @@ def test_the_warm_up_runs_both_choices_of_the_last_split_merge(last_merges, monk
     """The warm-up's steps are small (few (token, head program)s): inside ``every_variant()`` a balanced decode
     launches the other choice of ``LAST_MERGES`` first, so a serving step of either kind finds its kernel compiled;
     the answer and the counters are those of the plan's own choice."""
-    monkeypatch.setattr(sys.modules[plan_paged.__module__], "LAST_MERGE_PROGRAMS", 1 if last_merges else 10 ** 6)
+    monkeypatch.setattr(sys.modules[plan_prefix.__module__], "LAST_MERGE_PROGRAMS", 1 if last_merges else 10 ** 6)
     case, slots = CASES["gqa2-long-among-short-padded"]
     q, key_cache, value_cache, *tables = _inputs(case, seed=5)
     sync = torch.zeros(q.shape[0] * q.shape[1], dtype=torch.int32)
@@ -228,9 +228,9 @@ def test_the_warm_up_runs_both_choices_of_the_last_split_merge(last_merges, monk
     plan(q, key_cache, value_cache, *tables, out, lse)
     assert calls == [1], "the other choice launched outside the warm-up"
     assert not sync.any(), "a split counter was left non-zero"
-    want_out, want_lse = reference.paged_attention(q.double(), key_cache.double(), value_cache.double(), *tables,
-                                                   scale=case.head_dim ** -0.5, **_heads(case),
-                                                   max_kv_len=max(case.ctx_lens))
+    want_out, want_lse = reference.prefix_attention(q.double(), key_cache.double(), value_cache.double(), *tables,
+                                                    scale=case.head_dim ** -0.5, **_heads(case),
+                                                    max_kv_len=max(case.kv_lens))
     assert_matches(out, want_out, case.dtype, "out")
     assert_matches(lse, want_lse, case.dtype, "lse")
     assert _plan(case, slots, q, (key_cache, value_cache), tables, out, lse, config=LAST_MERGES,

@@ -1,4 +1,4 @@
-"""Which kernels ``plan_paged`` and ``plan_extend`` prepare. The prefix pass: the Gluon one (``gluon_prefix``, sm_90
+"""Which kernels ``plan_prefix`` and ``plan_chunk`` prepare. The prefix pass: the Gluon one (``gluon_prefix``, sm_90
 with Triton 3.6) only for a prefill step's one-split prefix pass over 64-token pages of a head-size-64 or -128
 fp16/bf16 cache that tensor descriptors can read, unless ``DCP_TRITON_GLUON=0``; the Gluon decode (``gluon_decode``)
 for a decode over such a cache with more than 16 Q heads per KV group; the ``tl`` kernel for everything else, and
@@ -14,8 +14,8 @@ import torch
 
 from dcp_plugin.kernels import _gluon
 from dcp_plugin.kernels._launch import num_sms
-from dcp_plugin.kernels.extend_attention import ExtendConfig, plan_extend
-from dcp_plugin.kernels.paged_attention import plan_paged
+from dcp_plugin.kernels.chunk_attention import ChunkConfig, plan_chunk
+from dcp_plugin.kernels.prefix_attention import plan_prefix
 
 
 def _plan(*, q_lens=(40, 300), ctx=(100, 700), page=64, head_dim=128, dtype=torch.bfloat16, cache_dtype=None,
@@ -36,15 +36,15 @@ def _plan(*, q_lens=(40, 300), ctx=(100, 700), page=64, head_dim=128, dtype=torc
     kc, vc = buf[..., :head_dim], buf[..., head_dim:]
     out = torch.zeros(tokens, num_q_heads, head_dim, dtype=dtype)
     lse = torch.zeros(tokens, num_q_heads)
-    plan = plan_paged(q, kc, vc, block_table, lens, qsl, out, lse, scale=0.1, q_head_start=0, q_per_kv=q_per_kv,
-                      kv_head_start=0, max_kv_len=max(ctx), max_query_len=max_query_len, num_splits=num_splits,
-                      config=config, gluon_decode=gluon_decode)
+    plan = plan_prefix(q, kc, vc, block_table, lens, qsl, out, lse, scale=0.1, q_head_start=0, q_per_kv=q_per_kv,
+                       kv_head_start=0, max_kv_len=max(ctx), max_query_len=max_query_len, num_splits=num_splits,
+                       config=config, gluon_decode=gluon_decode)
     return plan if launch else plan.stage1.kernel.__name__
 
 
 def test_interpreter_and_cpu_never_take_gluon():
     assert not _gluon.gluon_enabled(torch.device("cpu"))
-    assert _plan() == "paged_attention_kernel"
+    assert _plan() == "prefix_attention_kernel"
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def test_prefill_one_split_takes_gluon():
     dict(q_stride_d=2),  # q not unit-stride along D
 ], ids=["decode", "short", "unknown-len", "splits", "page16", "page128", "d256", "fp32", "fp8", "q-strided"])
 def test_everything_else_takes_tl(change):
-    assert _plan(**change) == "paged_attention_kernel"
+    assert _plan(**change) == "prefix_attention_kernel"
 
 
 DECODE = dict(max_query_len=1, q_lens=(1, 1))
@@ -83,9 +83,9 @@ DECODE = dict(max_query_len=1, q_lens=(1, 1))
 
 @pytest.mark.usefixtures("hopper")
 def test_decode_with_large_groups_takes_gluon():
-    """More than ``GLUON_DECODE_MIN_GROUP`` Q heads per KV group: ``gluon_decode`` as stage 1, over a group's heads
-    in tiles of 64, with its split partials merged by the ``tl`` merge."""
-    assert _gluon.GLUON_DECODE_MIN_GROUP == 16
+    """More than ``GLUON_DECODE_MIN_KV_GROUP`` Q heads per KV group: ``gluon_decode`` as stage 1, over a KV group's
+    heads in tiles of 64, with its split partials merged by the ``tl`` merge."""
+    assert _gluon.GLUON_DECODE_MIN_KV_GROUP == 16
     assert _plan(**DECODE, heads=(32, 1)) == _plan(**DECODE, heads=(32, 1), head_dim=64) == "gluon_decode_kernel"
     assert _plan(**DECODE, heads=(34, 2), dtype=torch.float16) == "gluon_decode_kernel"
     plan = _plan(**DECODE, heads=(128, 1), num_splits=3, launch=True)
@@ -96,13 +96,13 @@ def test_decode_with_large_groups_takes_gluon():
     assert looping.stage1.grid == (5, 1, 1), "at most 5 programs"
     flat = _plan(**DECODE, heads=(128, 1), num_splits=3, gluon_decode=(1, 4, 0), launch=True)
     assert flat.stage1.grid == (items, 1, 1), "a program per item"
-    assert plan.reduce.kernel.__name__ == "paged_attention_reduce_kernel"
-    assert _plan(**DECODE, heads=(32, 1), num_splits=None, launch=True).reduce is None, "1 split under the interpreter"
+    assert plan.merge.kernel.__name__ == "split_merge_kernel"
+    assert _plan(**DECODE, heads=(32, 1), num_splits=None, launch=True).merge is None, "1 split under the interpreter"
 
 
 @pytest.mark.usefixtures("hopper")
 @pytest.mark.parametrize("change", [
-    dict(heads=(16, 1)),  # a group of 16: the tl kernel's descriptor tiles
+    dict(heads=(16, 1)),  # a KV group of 16: the tl kernel's descriptor tiles
     dict(heads=(8, 2)),
     dict(heads=(32, 1), page=16),
     dict(heads=(32, 1), page=128),
@@ -113,7 +113,7 @@ def test_decode_with_large_groups_takes_gluon():
     dict(heads=(32, 1), config=None, max_query_len=2, q_lens=(2, 2)),  # not a decode
 ], ids=["group16", "group4", "page16", "page128", "d256", "fp32", "fp8", "q-strided", "two-rows"])
 def test_other_decodes_take_tl(change):
-    assert _plan(**{**DECODE, **change}) == "paged_attention_kernel"
+    assert _plan(**{**DECODE, **change}) == "prefix_attention_kernel"
 
 
 @pytest.mark.usefixtures("hopper")
@@ -124,9 +124,9 @@ def test_a_benchmark_can_ask_for_gluon_decode_at_any_group():
 
 @pytest.mark.usefixtures("hopper")
 def test_a_benchmark_config_keeps_tl():
-    from dcp_plugin.kernels.paged_attention import PagedConfig
+    from dcp_plugin.kernels.prefix_attention import PrefixConfig
 
-    assert _plan(config=PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=2)) == "paged_attention_kernel"
+    assert _plan(config=PrefixConfig(block_n=64, block_m=128, num_warps=4, num_stages=2)) == "prefix_attention_kernel"
 
 
 def test_switch_reads_one_or_zero(monkeypatch):
@@ -149,7 +149,7 @@ def test_cpu_is_never_supported(monkeypatch):
 
 
 def _chunk(*, head_dim=128, dtype=torch.bfloat16, kv_heads_apart=False, config=None):
-    """The kernel ``plan_extend`` prepares for a step of 8 local Q heads over 2 KV heads (vLLM-style views of one
+    """The kernel ``plan_chunk`` prepares for a step of 8 local Q heads over 2 KV heads (vLLM-style views of one
     qkv buffer; ``kv_heads_apart``: K's heads not contiguous)."""
     tokens, hq, hk = 40, 8, 2
     qkv = torch.zeros(tokens, (hq + 2 * hk) * head_dim, dtype=dtype)
@@ -158,12 +158,12 @@ def _chunk(*, head_dim=128, dtype=torch.bfloat16, kv_heads_apart=False, config=N
         k = torch.zeros(tokens, hk, 2 * head_dim, dtype=dtype)[..., :head_dim]
     out, lse = torch.zeros(tokens, hq, head_dim, dtype=dtype), torch.zeros(tokens, hq)
     qsl = torch.tensor([0, 15, 40], dtype=torch.int32)
-    return plan_extend(q, k, v, out, lse, qsl, 25, scale=0.1, q_head_start=0, q_per_kv=4, kv_head_start=0,
-                       config=config).kernel.__name__
+    return plan_chunk(q, k, v, out, lse, qsl, 25, scale=0.1, q_head_start=0, q_per_kv=4, kv_head_start=0,
+                      config=config).kernel.__name__
 
 
 def test_chunk_interpreter_takes_tl():
-    assert _chunk() == "extend_attention_kernel"
+    assert _chunk() == "chunk_attention_kernel"
 
 
 @pytest.mark.usefixtures("hopper")
@@ -173,18 +173,18 @@ def test_chunk_takes_gluon_on_hopper():
 
 @pytest.mark.usefixtures("hopper")
 @pytest.mark.parametrize("change", [dict(head_dim=256), dict(dtype=torch.float32), dict(kv_heads_apart=True),
-                                    dict(config=ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=2))],
+                                    dict(config=ChunkConfig(block_m=64, block_n=64, num_warps=4, num_stages=2))],
                          ids=["d256", "fp32", "kv-heads-apart", "config"])
 def test_chunk_everything_else_takes_tl(change):
-    assert _chunk(**change) == "extend_attention_kernel"
+    assert _chunk(**change) == "chunk_attention_kernel"
 
 
 def test_a_bad_switch_is_refused_when_the_engine_starts(monkeypatch):
-    from dcp_plugin.kernel_choice import choose_kernels
+    from dcp_plugin.kernel_choice import choose_kernel_impl
 
     monkeypatch.setenv(_gluon.GLUON_ENV, "on")
     with pytest.raises(ValueError, match="DCP_TRITON_GLUON must be 1 .* or 0 .* got 'on'"):
-        choose_kernels(engine="vLLM")
+        choose_kernel_impl(engine="vLLM")
 
 
 def test_three_stages_need_the_producer_fix():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dcp_plugin.kernels import _launch, split_kv
-from dcp_plugin.kernels.split_kv import NARROW_SPLITS, PagedLaunch, plan_split_reduce, reduce_tiling
+from dcp_plugin.kernels.split_kv import NARROW_SPLITS, PrefixLaunch, merge_tiling, plan_split_merge
 from tests.kernel_checks import assert_matches, poisoned
 
 
@@ -38,7 +38,7 @@ def test_both_variants_merge_any_split_count_like_float64(narrow, splits):
     tokens, heads, head_dim = 3, 5, 80  # 5 heads: the narrow variant's second program holds one; 80 of 128 dims
     part_out, part_lse = partials(tokens, heads, splits, head_dim, seed=splits)
     out, lse = poisoned((tokens, heads, head_dim), torch.float32), poisoned((tokens, heads), torch.float32)
-    plan_split_reduce(part_out, part_lse, out, lse, narrow=narrow)(part_out, part_lse, out, lse, None)
+    plan_split_merge(part_out, part_lse, out, lse, narrow=narrow)(part_out, part_lse, out, lse, None)
     want_out, want_lse = merged_f64(part_out, part_lse)
     assert_matches(out, want_out, torch.float32, f"merged out, {splits} splits")
     assert_matches(lse, want_lse, torch.float32, f"merged lse, {splits} splits")
@@ -56,7 +56,7 @@ def test_counted_merge_reads_each_tokens_own_splits_and_leaves_one_split_tokens(
         part_out[t, :, n:], part_lse[t, :, n:] = float("nan"), float("nan")
     out, lse = poisoned((tokens, heads, head_dim), torch.float32), poisoned((tokens, heads), torch.float32)
     out[1], lse[1] = 7.0, 3.0  # the one-split token's final output
-    plan_split_reduce(part_out, part_lse, out, lse, narrow=narrow, counted=True)(part_out, part_lse, out, lse, counts)
+    plan_split_merge(part_out, part_lse, out, lse, narrow=narrow, counted=True)(part_out, part_lse, out, lse, counts)
     for t, n in enumerate(counts.tolist()):
         if n == 1:
             assert (out[t] == 7.0).all() and (lse[t] == 3.0).all(), "the merge rewrote a one-split token"
@@ -71,7 +71,7 @@ def test_a_nan_split_makes_its_token_and_head_nan_and_no_other(narrow):
     part_out, part_lse = partials(2, 5, 6, 64, seed=3)
     part_lse[1, 2, 4] = float("nan")  # one split of token 1, head 2 (the narrow variant's second program holds it)
     out, lse = poisoned((2, 5, 64), torch.float32), poisoned((2, 5), torch.float32)
-    plan_split_reduce(part_out, part_lse, out, lse, narrow=narrow)(part_out, part_lse, out, lse, None)
+    plan_split_merge(part_out, part_lse, out, lse, narrow=narrow)(part_out, part_lse, out, lse, None)
     assert torch.isnan(out[1, 2]).all() and torch.isnan(lse[1, 2])
     keep = torch.ones(2, 5, dtype=torch.bool)
     keep[1, 2] = False
@@ -87,7 +87,7 @@ def test_both_variants_write_a_rank_major_output(narrow, heads):
     part_out, part_lse = partials(tokens, heads, 3, head_dim, seed=1)
     out = poisoned((ranks, tokens, heads // ranks, head_dim), torch.float16)
     lse = poisoned((ranks, tokens, heads // ranks), torch.float32)
-    plan_split_reduce(part_out, part_lse, out, lse, narrow=narrow)(part_out, part_lse, out, lse, None)
+    plan_split_merge(part_out, part_lse, out, lse, narrow=narrow)(part_out, part_lse, out, lse, None)
     want_out, want_lse = merged_f64(part_out, part_lse)
     plain = out.permute(1, 0, 2, 3).reshape(tokens, heads, head_dim)  # global head h at [h // (H / R), t, h % ...]
     assert_matches(plain, want_out, torch.float16, "rank-major out")
@@ -96,11 +96,11 @@ def test_both_variants_write_a_rank_major_output(narrow, heads):
 
 def test_a_gpu_merges_up_to_8_splits_narrow_and_more_wide(monkeypatch):
     monkeypatch.setattr(split_kv, "INTERPRET", False)
-    assert [reduce_tiling(s, 32)[1] for s in (2, NARROW_SPLITS, NARROW_SPLITS + 1, 64)] == [8, 8, 64, 64]
-    assert reduce_tiling(2, 32) == (4, 8, True) and reduce_tiling(2, 2) == (2, 8, True)  # never more heads than exist
-    assert reduce_tiling(40, 32) == (1, 64, False)
+    assert [merge_tiling(s, 32)[1] for s in (2, NARROW_SPLITS, NARROW_SPLITS + 1, 64)] == [8, 8, 64, 64]
+    assert merge_tiling(2, 32) == (4, 8, True) and merge_tiling(2, 2) == (2, 8, True)  # never more heads than exist
+    assert merge_tiling(40, 32) == (1, 64, False)
     monkeypatch.setattr(split_kv, "INTERPRET", True)
-    assert reduce_tiling(2, 6) == (8, 8, False)  # the interpreter: every head of a token in one program
+    assert merge_tiling(2, 6) == (8, 8, False)  # the interpreter: every head of a token in one program
 
 
 class Recorder:
@@ -113,16 +113,16 @@ class Recorder:
 
 def test_the_other_merge_variant_runs_only_inside_every_variant():
     calls: list = []
-    plan = PagedLaunch(Recorder("stage1", calls), Recorder("reduce", calls), None, None, 2,
-                       reduce_other=Recorder("other", calls))
+    plan = PrefixLaunch(Recorder("stage1", calls), Recorder("merge", calls), None, None, 2,
+                        merge_other=Recorder("other", calls))
     args = (None,) * 8
     plan(*args)
-    assert calls == ["stage1", "reduce"]
+    assert calls == ["stage1", "merge"]
     calls.clear()
     with _launch.every_variant():
         assert _launch.every_variant_wanted()
         plan(*args)
-    assert calls == ["stage1", "other", "reduce"]  # the real merge runs last: its output is the one kept
+    assert calls == ["stage1", "other", "merge"]  # the real merge runs last: its output is the one kept
     assert not _launch.every_variant_wanted()
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compile_for_hopper.py"
-KERNELS = {"write_kv_cache_kernel", "extend_attention_kernel", "paged_attention_kernel",
-           "paged_attention_reduce_kernel", "combine_kernel"}
+KERNELS = {"write_kv_cache_kernel", "chunk_attention_kernel", "prefix_attention_kernel",
+           "split_merge_kernel", "merge_kernel"}
 
 
 def test_every_serving_variant_compiles_for_sm90_without_spills(tmp_path):
@@ -32,17 +32,17 @@ def test_every_serving_variant_compiles_for_sm90_without_spills(tmp_path):
 
     gluon = {"gluon_prefix_kernel", "gluon_chunk_kernel"} if triton.__version__.startswith(GLUON_TRITON) else set()
     assert {row["kernel"] for row in rows} == KERNELS | gluon
-    decode = [r for r in rows if r["kernel"] == "paged_attention_kernel" and r["constants"].get("DECODE") == "True"]
-    prefix = [r for r in rows if r["kernel"] == "paged_attention_kernel" and r["constants"].get("DECODE") == "False"]
-    assert decode and prefix, "the decode and the prefix variants of paged attention were not both compiled"
-    merges = {r["constants"]["BLOCK_S"] for r in rows if r["kernel"] == "paged_attention_reduce_kernel"}
+    decode = [r for r in rows if r["kernel"] == "prefix_attention_kernel" and r["constants"].get("DECODE") == "True"]
+    prefix = [r for r in rows if r["kernel"] == "prefix_attention_kernel" and r["constants"].get("DECODE") == "False"]
+    assert decode and prefix, "the decode and the prefix variants of prefix attention were not both compiled"
+    merges = {r["constants"]["BLOCK_S"] for r in rows if r["kernel"] == "split_merge_kernel"}
     assert merges == {"8", "64"}, f"the split merge's narrow and wide variants were not both compiled: {merges}"
     descriptors = {r["kernel"] for r in rows if r["constants"].get("USE_TMA") == "True"}
-    assert {"extend_attention_kernel", "paged_attention_kernel"} <= descriptors, \
+    assert {"chunk_attention_kernel", "prefix_attention_kernel"} <= descriptors, \
         "the Hopper selections (tensor descriptors) were not compiled"
     # A decode step's kernels take programmatic dependent launches on sm_90 (kernels/_pdl.py): each such variant is
     # compiled for one and waits for the previous kernel before its first load; the others neither.
-    pdl_kernels = {"write_kv_cache_kernel", "paged_attention_kernel", "paged_attention_reduce_kernel",
+    pdl_kernels = {"write_kv_cache_kernel", "prefix_attention_kernel", "split_merge_kernel",
                    "gluon_decode_kernel"}
     assert all(r.get("launch_pdl") is True and r["pdl_wait"] for r in rows if r["kernel"] in pdl_kernels)
     assert not [r for r in rows if r["kernel"] not in pdl_kernels and (r.get("launch_pdl") or r["pdl_wait"])]
@@ -51,16 +51,16 @@ def test_every_serving_variant_compiles_for_sm90_without_spills(tmp_path):
     assert all("registers" in r for r in rows), "cuobjdump reported no resource usage"
     # The attention kernels' KV-tile loop, from the SASS: tensor-core work in every variant, and over a cache in the
     # model dtype no byte-wide shared-memory loads (what an fp8 cache's V costs: its tiles are read along tokens).
-    attention = [r for r in rows if r["kernel"] in ("extend_attention_kernel", "paged_attention_kernel")]
+    attention = [r for r in rows if r["kernel"] in ("chunk_attention_kernel", "prefix_attention_kernel")]
     assert all(r["main_loop"].get("mma", 0) > 0 for r in attention), [r for r in attention if not r["main_loop"]]
     # The current chunk's products come from warpgroup MMAs, whose results its loop waits for; the barrier count is
     # reported, not judged (it depends on the compiler).
-    chunk = [r for r in attention if r["kernel"] == "extend_attention_kernel"]
+    chunk = [r for r in attention if r["kernel"] == "chunk_attention_kernel"]
     assert chunk and all(r["main_loop"]["mma_waits"] > 0 for r in chunk)
     assert all(isinstance(r["main_loop"]["cta_barriers"], int) for r in attention)
     plain = [r for r in attention if r["constants"].get("KV_FP8") != "True"]
     assert plain and not [r for r in plain if r["main_loop"]["shared_byte_loads"] or r["main_loop"]["fp8_converts"]]
-    # An fp8 cache widens to fp16 before its tiles' shared-memory round trip (``_paged_tile.widen_fp8``): no byte-wide
+    # An fp8 cache widens to fp16 before its tiles' shared-memory round trip (``_prefix_tile.widen_fp8``): no byte-wide
     # loads either, e4m3 through the hardware's conversion, e5m2 by moving its bytes.
     fp8 = [r for r in attention if r["constants"].get("KV_FP8") == "True"]
     assert fp8 and not [r for r in fp8 if r["main_loop"]["shared_byte_loads"]], fp8

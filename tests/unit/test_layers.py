@@ -109,10 +109,10 @@ def test_plugin_loading_imports_neither_triton_nor_the_kernels(module):
 
 
 def test_the_kernels_public_names_stay_functions_after_their_modules_load():
-    # paged_attention, extend_attention and write_kv_cache name a function and the submodule that defines it.
-    names = loaded_by("dcp_plugin.kernels.paged_attention", "dcp_plugin.kernels.extend_attention",
+    # prefix_attention, chunk_attention and write_kv_cache name a function and the submodule that defines it.
+    names = loaded_by("dcp_plugin.kernels.prefix_attention", "dcp_plugin.kernels.chunk_attention",
                       "dcp_plugin.kernels.write_kv_cache", code=(
                           "import types; from dcp_plugin import kernels\n"
                           "assert not [n for n in kernels.__all__ if isinstance(getattr(kernels, n), types.ModuleType)]"
-                          "\nassert kernels.reference.paged_attention.__module__ == 'dcp_plugin.kernels.reference'"))
+                          "\nassert kernels.reference.prefix_attention.__module__ == 'dcp_plugin.kernels.reference'"))
     assert names["triton"] and "dcp_plugin.kernels._mode" in names["kernels"]

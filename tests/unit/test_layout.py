@@ -38,12 +38,12 @@ def test_head_layout_exhaustive():
             if kv_replication == "tp" and not _tp_layout_valid(kv_heads, tp, dcp):
                 with pytest.raises(ValueError):
                     HeadLayout.create(total_q_heads=q_heads, total_kv_heads=kv_heads, kv_replication="tp",
-                                      ps=ParallelState.from_tp(tp_rank=0, tp_size=tp, dcp_size=dcp))
+                                      parallel=ParallelState.from_tp(tp_rank=0, tp_size=tp, dcp_size=dcp))
                 continue
             owner_of_q = [None] * q_heads
             layouts = [
                 HeadLayout.create(total_q_heads=q_heads, total_kv_heads=kv_heads, kv_replication=kv_replication,
-                                  ps=ParallelState.from_tp(tp_rank=r, tp_size=tp, dcp_size=dcp))
+                                  parallel=ParallelState.from_tp(tp_rank=r, tp_size=tp, dcp_size=dcp))
                 for r in range(tp)
             ]
             for rank, h in enumerate(layouts):
@@ -74,7 +74,7 @@ def test_head_layout_exhaustive():
 
 def test_seeds_topology_tp4_dcp4_32q_2kv_group():
     layouts = [HeadLayout.create(total_q_heads=32, total_kv_heads=2, kv_replication="replicated",
-                                 ps=ParallelState.from_tp(tp_rank=r, tp_size=4, dcp_size=4)) for r in range(4)]
+                                 parallel=ParallelState.from_tp(tp_rank=r, tp_size=4, dcp_size=4)) for r in range(4)]
     for h in layouts:
         assert (h.kv_head_start, h.num_kv_heads) == (0, 2)
         assert (h.group_q_head_start, h.num_group_q_heads) == (0, 32)
@@ -88,7 +88,7 @@ def test_seeds_topology_tp4_dcp4_32q_2kv_group():
 def test_non_divisible_group_layout_12q_3kv():
     """12 Q / 3 KV heads, tp 2, dcp 2: rank 0's Q heads 0-5 need KV heads 0 AND 1 (the seed's formula gives 0)."""
     rank0, rank1 = (HeadLayout.create(total_q_heads=12, total_kv_heads=3, kv_replication="replicated",
-                                      ps=ParallelState.from_tp(tp_rank=r, tp_size=2, dcp_size=2)) for r in (0, 1))
+                                      parallel=ParallelState.from_tp(tp_rank=r, tp_size=2, dcp_size=2)) for r in (0, 1))
     assert (rank0.kv_head_start, rank0.num_kv_heads) == (0, 3)
     assert rank0.current_chunk_kv == (0, 2)
     assert [rank0.kv_index(g) for g in range(6)] == [0, 0, 0, 0, 1, 1]
@@ -114,12 +114,12 @@ def test_head_layout_errors(kwargs, match):
     tp, dcp = kwargs.pop("tp", 1), kwargs.pop("dcp", 1)
     kwargs.setdefault("kv_replication", "tp")
     with pytest.raises(ValueError, match=match):
-        HeadLayout.create(ps=ParallelState.from_tp(tp_rank=0, tp_size=tp, dcp_size=dcp), **kwargs)
+        HeadLayout.create(parallel=ParallelState.from_tp(tp_rank=0, tp_size=tp, dcp_size=dcp), **kwargs)
 
 
 def test_kv_index_refuses_heads_not_stored():
     h = HeadLayout.create(total_q_heads=32, total_kv_heads=8, kv_replication="tp",
-                          ps=ParallelState.from_tp(tp_rank=1, tp_size=8, dcp_size=1))
+                          parallel=ParallelState.from_tp(tp_rank=1, tp_size=8, dcp_size=1))
     assert h.kv_index(h.q_head_start) == 0
     with pytest.raises(ValueError, match="does not store"):
         h.kv_index(0)
@@ -188,10 +188,10 @@ def test_interleave_equal_to_block_size_deals_whole_pages():
 
 
 def test_token_layout_takes_its_dcp_position_from_the_parallel_state():
-    ps = ParallelState.from_tp(tp_rank=5, tp_size=8, dcp_size=4)
-    tokens = TokenLayout.create(ps=ps, interleave=2, block_size=16)
+    parallel = ParallelState.from_tp(tp_rank=5, tp_size=8, dcp_size=4)
+    tokens = TokenLayout.create(parallel=parallel, interleave=2, block_size=16)
     assert tokens == TokenLayout(dcp_size=4, dcp_rank=1, interleave=2, block_size=16)
-    heads = HeadLayout.create(total_q_heads=32, total_kv_heads=2, ps=ps, kv_replication="replicated")
+    heads = HeadLayout.create(total_q_heads=32, total_kv_heads=2, parallel=parallel, kv_replication="replicated")
     check_same_position(heads, tokens)  # one source, so they agree
     with pytest.raises(ValueError, match="sharded over DCP size 1 .* runs at DCP size 4 .*; a draft"):
         check_same_position(heads, TokenLayout(), hint="; a draft")

@@ -56,11 +56,11 @@ def test_a_bad_switch_is_refused(monkeypatch):
 
 
 def test_a_bad_switch_is_refused_when_the_engine_starts(monkeypatch):
-    from dcp_plugin.kernel_choice import choose_kernels
+    from dcp_plugin.kernel_choice import choose_kernel_impl
 
     monkeypatch.setenv(_pdl.PDL_ENV, "on")
     with pytest.raises(ValueError, match="DCP_TRITON_PDL must be 1 .* or 0 .* got 'on'"):
-        choose_kernels(engine="vLLM")
+        choose_kernel_impl(engine="vLLM")
 
 
 def test_a_pdl_launch_needs_a_kernel_that_waits():
@@ -79,7 +79,7 @@ def test_a_decode_layers_launches_ask_for_pdl_on_sm90(monkeypatch):
     import importlib
 
     from dcp_plugin.kernels import split_kv
-    from dcp_plugin.kernels.paged_attention import plan_paged
+    from dcp_plugin.kernels.prefix_attention import plan_prefix
     from dcp_plugin.kernels.write_kv_cache import plan_write_kv
 
     q, out = torch.zeros(2, 8, 128), torch.zeros(2, 8, 128)
@@ -89,13 +89,13 @@ def test_a_decode_layers_launches_ask_for_pdl_on_sm90(monkeypatch):
 
     def launches():
         write = plan_write_kv(q[:, :2], q[:, :2], cache[..., :128], cache[..., 128:], slots)
-        decode = plan_paged(q, cache[..., :128], cache[..., 128:], table, lens, qsl, out, lse, scale=0.1,
-                            q_head_start=0, q_per_kv=4, kv_head_start=0, max_kv_len=30, max_query_len=1,
-                            num_splits=2)
-        return [write, decode.stage1, decode.reduce]
+        decode = plan_prefix(q, cache[..., :128], cache[..., 128:], table, lens, qsl, out, lse, scale=0.1,
+                             q_head_start=0, q_per_kv=4, kv_head_start=0, max_kv_len=30, max_query_len=1,
+                             num_splits=2)
+        return [write, decode.stage1, decode.merge]
 
     paged_module, write_module = (importlib.import_module(f"dcp_plugin.kernels.{name}")
-                                  for name in ("paged_attention", "write_kv_cache"))
+                                  for name in ("prefix_attention", "write_kv_cache"))
     for module in (paged_module, split_kv, write_module):  # the CPU tensors' device answers as an sm_90 GPU
         monkeypatch.setattr(module, "pdl_for", lambda device, role="short": _pdl.pdl_for(CUDA, role))
     on = launches()

@@ -108,11 +108,13 @@ def test_the_plans_replicated_heads_are_the_backends(q, kv, tp):
         options, _ = compare_dcp_sizes(model, tp_size=tp, kv_layout=layout)
         for option in options:
             for rank in range(tp):
-                ps = ParallelState.from_tp(tp_rank=rank, tp_size=tp, dcp_size=option.dcp_size)
-                heads = HeadLayout.create(total_q_heads=q, total_kv_heads=kv, ps=ps, kv_replication="replicated")
+                parallel = ParallelState.from_tp(tp_rank=rank, tp_size=tp, dcp_size=option.dcp_size)
+                heads = HeadLayout.create(total_q_heads=q, total_kv_heads=kv, parallel=parallel,
+                                          kv_replication="replicated")
                 assert heads.num_kv_heads == option.kv_heads_per_rank, (layout, option.dcp_size, rank)
                 if layout == "tp":
-                    tp_heads = HeadLayout.create(total_q_heads=q, total_kv_heads=kv, ps=ps, kv_replication="tp")
+                    tp_heads = HeadLayout.create(total_q_heads=q, total_kv_heads=kv, parallel=parallel,
+                                                 kv_replication="tp")
                     assert (heads.kv_head_start, heads.num_kv_heads) == (tp_heads.kv_head_start, tp_heads.num_kv_heads)
     assert kv_heads_per_rank(model, tp_size=tp, dcp_size=1) == max(1, kv // tp)
 

@@ -24,7 +24,7 @@ _COLLECTIVE_NAMES = ("all_gather", "reduce_scatter", "all_to_all")
 COLLECTIVES = {"ag_rs": ["all_gather", "all_gather", "reduce_scatter"], "a2a": ["all_gather", "all_to_all"]}
 def _seed_case(requests, comm: str, kernels: str) -> Case:
     return Case(name="seed", q_heads=32, kv_heads=2, kv_replication="replicated", tp=4, block_size=4, head_dim=64,
-                requests=requests, comm=comm, kernels=kernels, seed=34161)
+                requests=requests, comm=comm, kernel_impl=kernels, seed=34161)
 
 
 def _forward(case: Case, poison_kv_head: dict[int, int] | None = None):
@@ -37,7 +37,7 @@ def _forward(case: Case, poison_kv_head: dict[int, int] | None = None):
         log = []
         group = ThreadGroup(exchange, rank, log=log)
         attn = serial(DcpAttention(heads=state.heads, tokens=state.tokens, group=group, scale=world.scale,
-                                   comm=case.comm, kernels=case.kernels), log)
+                                   comm=case.comm, kernel_impl=case.kernel_impl), log)
         q, k, v, batch, positions = state.step([new for _, new in case.requests])
         if poison_kv_head and rank in poison_kv_head:
             k[:, poison_kv_head[rank]] = float("nan")
@@ -64,7 +64,7 @@ def test_fresh_prompts_issue_no_collective(comm, kernels):
 def test_current_chunk_takes_full_kv_and_global_head_map(comm, kernels):
     for rank, (log, k, v, heads, out, want) in enumerate(_forward(_seed_case(MIXED, comm, kernels))):
         names = [e if isinstance(e, str) else e[0] for e in log]
-        chunk = names.index("extend_attention")
+        chunk = names.index("chunk_attention")
         assert "all_gather" not in names[:chunk], f"rank {rank}: a collective before the current chunk: {names}"
         assert [n for n in names if n in _COLLECTIVE_NAMES] == COLLECTIVES[comm], f"rank {rank}: {names}"
         _, tensors, kwargs = log[chunk]

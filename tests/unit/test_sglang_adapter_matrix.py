@@ -189,9 +189,9 @@ DCP1_CASES = [
     SgCase(name="p1", q_heads=8, kv_heads=2),
     SgCase(name="p4-mqa-fp16", q_heads=4, kv_heads=1, page_size=4, dtype="float16"),
     SgCase(name="triton-p2", q_heads=4, kv_heads=2, page_size=2, requests=((3, 2), (0, 3)), decode_steps=1,
-           kernels="triton"),
+           kernel_impl="triton"),
     SgCase(name="triton-p64", q_heads=8, kv_heads=2, page_size=64, requests=((70, 3), (0, 5)), decode_steps=1,
-           kernels="triton"),
+           kernel_impl="triton"),
 ]
 
 
@@ -204,14 +204,14 @@ def test_backend_at_dcp1_on_sglang_objects(case):
 def test_pages_of_64_tokens_let_hopper_read_the_cache_through_tensor_descriptors(monkeypatch, page_size, descriptors):
     """With ``--page-size 64`` the backend's views of SGLang's KV buffers take whole 64-token tiles through tensor
     descriptors on an sm_90 GPU (its answer stood in for); at SGLang's default page size of 1, or 16, they do not."""
-    from dcp_plugin.kernels import _paged_tile
+    from dcp_plugin.kernels import _prefix_tile
 
-    monkeypatch.setattr(_paged_tile, "tma_available", lambda device: True)
+    monkeypatch.setattr(_prefix_tile, "tma_available", lambda device: True)
     state = SglangRank(SgCase(name="views", q_heads=8, kv_heads=2, page_size=page_size), 1, 0, None,
                        server_args(config_argv(1)))
     key_cache, value_cache = state.backend._cache_views(0)
     assert key_cache.shape[1] == page_size
-    assert _paged_tile.cache_takes_descriptors(key_cache, value_cache, key_cache.shape[-1], 64) is descriptors
+    assert _prefix_tile.cache_takes_descriptors(key_cache, value_cache, key_cache.shape[-1], 64) is descriptors
 
 
 def test_decode_graph_hooks_replay_on_fixed_addresses():

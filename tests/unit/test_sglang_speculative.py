@@ -112,11 +112,11 @@ def test_draft_steps_match_float64_attention(page, topk, kernels):
     """The multi-step draft decode through ``DcpTritonDraftSteps`` on SGLang's objects: each step writes each
     branch's new token and attends the prefix and the branch's tokens so far, equal to float64 attention."""
     steps, lengths = 4, (3, 7, 2 * page + 1)
-    state, fb, _ = _drafting(page, topk, steps, lengths, kernels=kernels)
+    state, fb, _ = _drafting(page, topk, steps, lengths, kernel_impl=kernels)
     state.runner.is_draft_worker = True
     drafts = DcpTritonDraftSteps(state.runner, topk, steps, topology=state.backend.topology)
     for backend in drafts.attn_backends:
-        backend.kernels = kernels
+        backend.kernel_impl = kernels
         backend._output_like = lambda q: torch.full_like(q, float("nan"))
     drafts.init_forward_metadata(fb)
     world, heads, d = state.world, state.heads, state.case.head_dim

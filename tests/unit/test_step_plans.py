@@ -35,7 +35,7 @@ def test_layers_share_one_plan_per_step_and_each_gets_its_own_answer(comm):
         ws = DcpWorkspace(heads=state_a.heads, head_dim=16, dtype=torch.float32, device="cpu", max_num_tokens=64,
                           comm=comm)
         layers = [DcpAttention(heads=state_a.heads, tokens=state_a.tokens, group=group, scale=world_a.scale,
-                               comm=comm, kernels="reference", workspace=ws) for _ in range(2)]
+                               comm=comm, kernel_impl="reference", workspace=ws) for _ in range(2)]
         q_a, k_a, v_a, batch, positions = state_a.step([new for _, new in case.requests])
         q_b, k_b, v_b, _, _ = state_b.step([new for _, new in case.requests])
         out_a = layers[0].forward(q_a, k_a, v_a, state_a.key_cache, state_a.value_cache, batch)
@@ -54,11 +54,11 @@ def test_layers_with_equal_settings_share_the_plan_key_object_and_others_do_not(
     ws = DcpWorkspace(heads=heads, head_dim=16, dtype=torch.float32, device="cpu", max_num_tokens=8, comm="ag_rs")
 
     def layer(**overrides):
-        return DcpAttention(**{**dict(heads=heads, tokens=tokens, group=None, scale=0.25, kernels="reference",
+        return DcpAttention(**{**dict(heads=heads, tokens=tokens, group=None, scale=0.25, kernel_impl="reference",
                                       workspace=ws), **overrides})
 
     assert layer()._plan_key is layer()._plan_key  # one object: the per-layer key compares it by identity
-    others = [layer(scale=0.5), layer(kernels="triton"), layer(workspace=None), layer(comm="a2a", workspace=None)]
+    others = [layer(scale=0.5), layer(kernel_impl="triton"), layer(workspace=None), layer(comm="a2a", workspace=None)]
     assert len({layer()._plan_key, *(other._plan_key for other in others)}) == 5
 
 
@@ -79,7 +79,7 @@ def test_each_flow_is_planned_by_its_own_class(n, comm, requests, flow):
     case = Case(name="flow", q_heads=4, kv_heads=2, requests=requests, comm=comm, head_dim=16, seed=14)
     state = RankState.create(case, World(case), n, 0)
     attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=ShapeOnlyGroup(n, 0) if n > 1 else None,
-                        scale=0.25, comm=comm, kernels="reference")
+                        scale=0.25, comm=comm, kernel_impl="reference")
     q, k, v, batch, _ = state.step([new for _, new in requests])
     attn.forward(q, k, v, state.key_cache, state.value_cache, batch)
     (plan,) = batch.plans.values()
@@ -90,7 +90,7 @@ def test_other_strides_get_their_own_plan():
     case = Case(name="strides", q_heads=4, kv_heads=2, requests=MIXED, head_dim=16, seed=5, tp=1)
     world = World(case)
     state = RankState.create(case, world, 1, 0)
-    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=None, scale=world.scale, kernels="reference")
+    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=None, scale=world.scale, kernel_impl="reference")
     q, k, v, batch, positions = state.step([new for _, new in case.requests])
     first = attn.forward(q, k, v, state.key_cache, state.value_cache, batch, write_kv=False)
     wide = torch.zeros(q.shape[0], q.shape[1], 2 * q.shape[2])  # the same q as a strided view
@@ -105,7 +105,7 @@ def test_a_step_larger_than_the_shared_workspace_is_still_exact(caplog):
     state = RankState.create(case, world, 1, 0)
     ws = DcpWorkspace(heads=state.heads, head_dim=16, dtype=torch.float32, device="cpu", max_num_tokens=4,
                       comm="ag_rs")
-    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=None, scale=world.scale, kernels="reference",
+    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=None, scale=world.scale, kernel_impl="reference",
                         workspace=ws)
     q, k, v, batch, positions = state.step([new for _, new in case.requests])
     with caplog.at_level(logging.WARNING, logger="dcp_plugin"):
@@ -127,7 +127,7 @@ def test_workspace_rejects_another_layout():
     other, _ = Case(name="ws", q_heads=8, kv_heads=2, head_dim=16, tp=1).layouts(1, 0)
     ws = DcpWorkspace(heads=other, head_dim=16, dtype=torch.float32, device="cpu", max_num_tokens=8, comm="ag_rs")
     with pytest.raises(ValueError, match="workspace was made for"):
-        DcpAttention(heads=heads, tokens=tokens, group=None, scale=0.25, kernels="reference", workspace=ws)
+        DcpAttention(heads=heads, tokens=tokens, group=None, scale=0.25, kernel_impl="reference", workspace=ws)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -151,15 +151,15 @@ def test_warm_up_runs_every_step_kind_and_leaves_the_cache_alone(trees, monkeypa
     two ranks, and no slot of the cache written."""
     case = Case(name="warm", q_heads=4, kv_heads=2, head_dim=16, requests=((3, 1),), seed=9)
     masks = []
-    real = reference.plan_extend
-    monkeypatch.setattr(reference, "plan_extend", lambda *a, chunk_mask=None, **k: masks.append(chunk_mask) or
+    real = reference.plan_chunk
+    monkeypatch.setattr(reference, "plan_chunk", lambda *a, chunk_mask=None, **k: masks.append(chunk_mask) or
                         real(*a, chunk_mask=chunk_mask, **k))
 
     def rank_fn(rank, exchange):
         state = RankState.create(case, World(case), 2, rank)
         before = state.key_cache.clone(), state.value_cache.clone()
         attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=ThreadGroup(exchange, rank), scale=0.25,
-                            kernels="reference")
+                            kernel_impl="reference")
         q = torch.zeros(5, 2, 16)
         kv = torch.zeros(5, 2, 16)
         steps = warm_up(attn, query=q, key=kv, value=kv, key_cache=state.key_cache, value_cache=state.value_cache,
@@ -192,11 +192,11 @@ def test_warm_up_adds_a_long_chunk_only_where_a_step_can_reach_it(monkeypatch):
     from types import SimpleNamespace
 
     from dcp_plugin import warmup
-    from dcp_plugin.kernels.extend_attention import SHORT_CHUNK
+    from dcp_plugin.kernels.chunk_attention import SHORT_CHUNK
 
     def attn(kernels, max_tokens):
         fits = None if max_tokens is None else SimpleNamespace(fits=lambda t: t <= max_tokens)
-        return SimpleNamespace(kernels=kernels, workspace=fits)
+        return SimpleNamespace(kernel_impl=kernels, workspace=fits)
 
     monkeypatch.setattr(warmup, "INTERPRET", False)
     assert warmup.steps_for(attn("triton", 8192))[-1] == warmup.LONG_CHUNK == ((SHORT_CHUNK + 1, 0),)
@@ -217,7 +217,8 @@ def test_model_dtype_partials_cost_at_most_two_roundings(comm, n):
     base = dict(q_heads=8, kv_heads=2, requests=requests, head_dim=32, seed=11, dtype="float16", comm=comm)
     world = World(Case(name="fp16", **base))
     single = RankState.create(Case(name="fp16", tp=1, **base), world, 1, 0)
-    attn = DcpAttention(heads=single.heads, tokens=single.tokens, group=None, scale=world.scale, kernels="reference")
+    attn = DcpAttention(heads=single.heads, tokens=single.tokens, group=None, scale=world.scale,
+                        kernel_impl="reference")
     q, k, v, batch, positions = single.step([new for _, new in requests])
     ref_out = attn.forward(q, k, v, single.key_cache, single.value_cache, batch).double()
     want = torch.cat([causal_attention_f64(world, b, p, range(8)) for b, p in enumerate(positions)])
@@ -225,7 +226,7 @@ def test_model_dtype_partials_cost_at_most_two_roundings(comm, n):
     def rank_fn(rank, exchange):
         state = RankState.create(Case(name="fp16", **base), world, n, rank)
         dcp = DcpAttention(heads=state.heads, tokens=state.tokens, group=ThreadGroup(exchange, rank),
-                           scale=world.scale, comm=comm, kernels="reference")
+                           scale=world.scale, comm=comm, kernel_impl="reference")
         q, k, v, batch, _ = state.step([new for _, new in requests])
         return dcp.forward(q, k, v, state.key_cache, state.value_cache, batch).double()
 
@@ -245,14 +246,14 @@ def test_a_mixed_steps_leading_decodes_get_their_own_decode_launch(n, comm, kern
     runs as two launches (the decodes' own, then the rest's), and every row is exact."""
     requests = ((30, 1), (45, 1), (20, 5), (0, 7))
     case = Case(name="decodes-first", q_heads=4, kv_heads=2, requests=requests, comm=comm, head_dim=16, seed=12,
-                kernels=kernels, tp=n if n > 1 else 1)
+                kernel_impl=kernels, tp=n if n > 1 else 1)
     world = World(case)
 
     def rank_fn(rank, exchange):
         state = RankState.create(case, world, n, rank)
         log = []
         attn = serial(DcpAttention(heads=state.heads, tokens=state.tokens, group=ThreadGroup(exchange, rank) if
-                                   n > 1 else None, scale=world.scale, comm=comm, kernels=kernels), log)
+                                   n > 1 else None, scale=world.scale, comm=comm, kernel_impl=kernels), log)
         q, k, v, batch, positions = state.step([new for _, new in requests])
         assert batch.num_decodes == 2
         out = torch.full(q.shape, float("nan"))
@@ -262,7 +263,7 @@ def test_a_mixed_steps_leading_decodes_get_their_own_decode_launch(n, comm, kern
                       state.heads.group_q_head_start + state.heads.num_group_q_heads)
         want = torch.cat([causal_attention_f64(world, b, p, heads) for b, p in enumerate(positions)])
         assert_matches(got, want, torch.float32, f"N={n} {comm} {kernels}")
-        return [name for name, *_ in log].count("paged_attention")
+        return [name for name, *_ in log].count("prefix_attention")
 
     assert run_threads(n, rank_fn) == [2] * n
 
@@ -286,12 +287,12 @@ def test_decodes_first_keeps_the_decode_rows_when_both_launches_split():
     decodes = tuple(t[:nd + (i == 2)] for i, t in enumerate(tables))
     rest = tuple(t[nd:] for t in tables)
     plan = DecodesFirst(
-        decodes=kernels.plan_paged(q[:nd], state.key_cache, state.value_cache, *decodes, out[:nd], lse[:nd],
-                                   max_query_len=1, **head_map),
-        rest=kernels.plan_paged(q, state.key_cache, state.value_cache, *rest, out, lse, max_query_len=6, **head_map),
+        decodes=kernels.plan_prefix(q[:nd], state.key_cache, state.value_cache, *decodes, out[:nd], lse[:nd],
+                                    max_query_len=1, **head_map),
+        rest=kernels.plan_prefix(q, state.key_cache, state.value_cache, *rest, out, lse, max_query_len=6, **head_map),
         num_decodes=nd, decode_tables=decodes, rest_tables=rest, rank_major=False)
     plan(q, state.key_cache, state.value_cache, *tables, out, lse)
-    want_out, want_lse = kernels.reference.paged_attention(
+    want_out, want_lse = kernels.reference.prefix_attention(
         q.double(), state.key_cache.double(), state.value_cache.double(), *tables, scale=world.scale,
         q_head_start=0, q_per_kv=2, kv_head_start=0, max_kv_len=40)
     assert_matches(out, want_out, torch.float32, "decodes-first out")
@@ -311,7 +312,7 @@ def test_warm_up_builds_its_batches_as_engines_do(monkeypatch):
     monkeypatch.setattr(DcpBatch, "build", staticmethod(build))
     case = Case(name="warm", q_heads=2, kv_heads=1, head_dim=16, requests=((3, 1),), seed=9)
     state = RankState.create(case, World(case), 1, 0)
-    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=None, scale=0.25, kernels="reference")
+    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=None, scale=0.25, kernel_impl="reference")
     q, kv = torch.zeros(5, 2, 16), torch.zeros(5, 1, 16)
     warm_up(attn, query=q, key=kv, value=kv, key_cache=state.key_cache, value_cache=state.value_cache,
             output=torch.zeros(5, 2, 16))

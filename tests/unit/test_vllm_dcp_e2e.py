@@ -139,21 +139,21 @@ def test_log_parsers():
     log = textwrap.dedent("""\
         (EngineCore pid=7) INFO 07-01 kv_cache_utils.py:2177] GPU KV cache size: 393,216 tokens
         (Worker_TP0 pid=9) WARNING 07-01 jit_monitor.py:140] Triton kernel JIT compilation during inference: \
-paged_attention_kernel (constexprs={BLOCK=16}; signature={}). This causes a latency spike; consider ...
+prefix_attention_kernel (constexprs={BLOCK=16}; signature={}). This causes a latency spike; consider ...
         (Worker_TP1 pid=10) WARNING 07-01 jit_monitor.py:140] Triton kernel JIT compilation during inference: \
 _fwd_kernel. This causes a latency spike; consider extending warmup to cover this shape/config.
         INFO unrelated line mentioning JIT compilation
         """)
     assert runner.kv_cache_tokens(log) == 393216 and runner.kv_cache_tokens("nothing") is None
-    assert runner.jit_compiles(log) == ["paged_attention_kernel", "_fwd_kernel"]
+    assert runner.jit_compiles(log) == ["prefix_attention_kernel", "_fwd_kernel"]
 
 
 def test_dcp_kernel_names_scan_kernel_sources(tmp_path):
     (tmp_path / "k.py").write_text('@triton.jit(do_not_specialize=("a",\n    "b"))  # why\ndef my_kernel(x):\n'
                                    "    pass\n\n\n@triton.jit\ndef helper(y):\n    pass\n\ndef not_a_kernel():\n")
     names = dcp_report.dcp_kernel_names(tmp_path)
-    assert {"my_kernel", "helper", "combine_kernel"} <= names and "not_a_kernel" not in names
-    assert "paged_attention_kernel" in dcp_report.dcp_kernel_names()  # the repository's own kernels/
+    assert {"my_kernel", "helper", "merge_kernel"} <= names and "not_a_kernel" not in names
+    assert "prefix_attention_kernel" in dcp_report.dcp_kernel_names()  # the repository's own kernels/
 
 
 def tput(load: str, tok_s: float) -> dict:
@@ -200,7 +200,7 @@ def fake_summary_jobs(tmp_path) -> dict:
         spec = jobs[f"tp1-{backend}-{mode}"].spec
         out[f"tp1-{backend}-{mode}"] = fake_job(spec, throughput=[tput("decode-heavy", tok_s), tput("small-batch", 9)])
     batches = [{"name": "first", "jit_compiles": ["_fwd_kernel"], "elapsed_s": 1.0, "cached_tokens": 0},
-               {"name": "new lengths", "jit_compiles": ["combine_kernel", "paged_attention_kernel", "_x"],
+               {"name": "new lengths", "jit_compiles": ["merge_kernel", "prefix_attention_kernel", "_x"],
                 "elapsed_s": 1.0, "cached_tokens": 0}]
     spec = jobs["jit-tp1-dcp-triton-graphs"].spec
     out["jit-tp1-dcp-triton-graphs"] = fake_job(spec, tasks={"compile-check": {"batches": batches, "log_read": True}})
@@ -246,7 +246,7 @@ def test_summary_fills_the_results_contract(tmp_path):
     assert saved["summary"]["loads"]["decode-heavy"]["flash_attn_dcp1"] is None
     md = (tmp_path / "dcp.md").read_text()
     assert "| decode-heavy | 950 | 900 | 950 | 1,000 | 800 | - |" in md
-    assert "| jit-tp1-dcp-triton-graphs | new lengths | 2 | 3 | _x, combine_kernel, paged_attention_kernel |" in md
+    assert "| jit-tp1-dcp-triton-graphs | new lengths | 2 | 3 | _x, merge_kernel, prefix_attention_kernel |" in md
     pytest.importorskip("matplotlib")
     assert tmp_path / "dcp.png" in paths and (tmp_path / "dcp.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -84,7 +84,7 @@ class LLM:
     def generate(self, prompts, params, use_tqdm=False):
         longest = max(len(p["prompt_token_ids"]) for p in prompts)
         if self.kw.get("jit_monitor_verbose") and longest > self.max_len > 0:
-            print("WARNING Triton kernel JIT compilation during inference: extend_attention_kernel (constexprs={}). "
+            print("WARNING Triton kernel JIT compilation during inference: chunk_attention_kernel (constexprs={}). "
                   "This causes a latency spike", flush=True)
         self.max_len = max(self.max_len, longest)
         return [self._one(p["prompt_token_ids"], params) for p in prompts]
@@ -149,7 +149,7 @@ def test_runner_end_to_end_with_the_real_engine_script(tmp_path, fake_engine, ca
     saved = json.loads((results / "dcp.json").read_text())
     assert all(j["status"] == "ok" for j in saved["jobs"].values()), saved["jobs"]
     assert all(j["log"] == f"work/logs/{name}.log" for name, j in saved["jobs"].items())  # from the root
-    assert saved["jobs"]["jit-tp1-dcp-triton-graphs"]["jit_after_warmup"] == ["extend_attention_kernel"]  # read so
+    assert saved["jobs"]["jit-tp1-dcp-triton-graphs"]["jit_after_warmup"] == ["chunk_attention_kernel"]  # read so
     assert saved["meta"]["provenance"] == {"commit": "c0ffee", "dirty": None, "triton": common.triton_version()}
     loads = saved["summary"]["loads"]
     assert loads["decode-heavy"]["dcp_triton_dcp2"] > 0 and loads["decode-heavy"]["flash_attn_dcp1"] > 0

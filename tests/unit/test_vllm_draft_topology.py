@@ -91,8 +91,8 @@ def test_draft_gets_its_own_parallel_state_at_dcp_1(worker):
     target, draft = make_impl(worker.target, TARGET), make_impl(worker.draft, DRAFT)
     assert (target.dcp_world_size, draft.dcp_world_size) == (2, 1)  # vLLM's AttentionImplBase.__new__
     t, d = target.topology, draft.topology
-    assert (t.ps.tp_rank, t.ps.tp_size, t.ps.attn_dcp_rank, t.ps.attn_dcp_size) == (1, 2, 1, 2)
-    assert (d.ps.tp_rank, d.ps.tp_size, d.ps.attn_dcp_rank, d.ps.attn_dcp_size) == (1, 2, 0, 1)
+    assert (t.parallel.tp_rank, t.parallel.tp_size, t.parallel.dcp_rank, t.parallel.dcp_size) == (1, 2, 1, 2)
+    assert (d.parallel.tp_rank, d.parallel.tp_size, d.parallel.dcp_rank, d.parallel.dcp_size) == (1, 2, 0, 1)
     # The target: TP's 2 Q heads of 4, the DCP group's 4 gathered, the one KV head the group shares.
     assert (t.heads.dcp_size, t.heads.q_head_start, t.heads.num_q_heads, t.heads.num_group_q_heads) == (2, 2, 2, 4)
     assert (t.heads.kv_head_start, t.heads.num_kv_heads) == (0, 1)

@@ -228,8 +228,8 @@ def test_jit_compiles_of_our_kernels_after_start_up_fail_the_run(tmp_path):
     logs = {"clean": "INFO dcp-triton: compiled the kernels of 9 step kinds before serving\n"
                      "WARNING Triton kernel JIT compilation during inference: _topk_log_softmax_kernel. This ...\n",
             "late": "INFO dcp-triton: compiled the kernels of 9 step kinds before serving\n"
-                    "WARNING Triton kernel JIT compilation during inference: paged_attention_kernel. This ...\n",
-            "old": "WARNING Triton kernel JIT compilation during inference: paged_attention_kernel. This ...\n"}
+                    "WARNING Triton kernel JIT compilation during inference: prefix_attention_kernel. This ...\n",
+            "old": "WARNING Triton kernel JIT compilation during inference: prefix_attention_kernel. This ...\n"}
     for name, text in logs.items():
         (tmp_path / f"{name}.log").write_text(text)
         job = fake_jobs()["a"]
@@ -240,7 +240,7 @@ def test_jit_compiles_of_our_kernels_after_start_up_fail_the_run(tmp_path):
     # vLLM's own kernels do not count; a log from before the start-up warm-up existed is not held to it
     assert checks == {"clean: no dcp-triton kernel compiled after start-up":
                       (True, "vLLM's JIT monitor named none of our kernels"),
-                      "late: no dcp-triton kernel compiled after start-up": (False, "paged_attention_kernel")}
+                      "late: no dcp-triton kernel compiled after start-up": (False, "prefix_attention_kernel")}
 
 
 FAKE_ENGINE = """

@@ -162,7 +162,7 @@ def test_fused_output_quantization_is_refused(worker, monkeypatch):
 def test_topology_comes_from_vllm_groups(worker, monkeypatch):
     impl = make_impl(monkeypatch, "reference")
     t = impl.topology
-    assert (t.ps.tp_size, t.ps.tp_rank, t.ps.attn_dcp_size, t.ps.attn_dcp_rank) == (1, 0, 1, 0)
+    assert (t.parallel.tp_size, t.parallel.tp_rank, t.parallel.dcp_size, t.parallel.dcp_rank) == (1, 0, 1, 0)
     assert (t.heads.num_q_heads, t.heads.num_kv_heads, t.heads.q_per_kv) == (H_Q, H_KV, H_Q // H_KV)
     assert (t.interleave, t.comm, t.group) == (1, "ag_rs", None)
     assert impl.kernel_path.startswith("reference")

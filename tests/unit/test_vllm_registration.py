@@ -282,15 +282,15 @@ def test_unknown_kernel_path_is_refused(vllm_config, monkeypatch):
 
 def test_dcp_group_straddling_kv_heads_is_refused():
     """tp=6, 2 KV heads, DCP=2: vLLM accepts it, but DCP group {2, 3} would hold KV heads 0 and 1."""
-    ps = ParallelState.from_tp(tp_rank=2, tp_size=6, dcp_size=2)
+    parallel = ParallelState.from_tp(tp_rank=2, tp_size=6, dcp_size=2)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=6, decode_context_parallel_size=2.*% dcp_size == 0"):
-        topology.head_layout(num_heads=2, num_kv_heads=1, total_kv_heads=2, ps=ps)
+        topology.head_layout(num_heads=2, num_kv_heads=1, total_kv_heads=2, parallel=parallel)
 
 
 def test_vllm_tp_head_layout_is_followed():
     """tp=8, 2 KV heads, DCP=4: TP rank 5 holds Q heads 20..23 and KV head 1, as QKVParallelLinear assigns."""
     heads = topology.head_layout(num_heads=4, num_kv_heads=1, total_kv_heads=2,
-                                 ps=ParallelState.from_tp(tp_rank=5, tp_size=8, dcp_size=4))
+                                 parallel=ParallelState.from_tp(tp_rank=5, tp_size=8, dcp_size=4))
     assert (heads.q_head_start, heads.num_q_heads, heads.kv_head_start, heads.num_kv_heads) == (20, 4, 1, 1)
     assert (heads.group_q_head_start, heads.num_group_q_heads) == (16, 16)
 

@@ -97,7 +97,7 @@ def test_built_outside_an_engine_it_matches_attention(outside_an_engine, monkeyp
     layer = SimpleNamespace(_q_scale=torch.tensor(1.0), _k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0))
     output = impl.forward(layer, q, k, v, cache, metadata, output=torch.full_like(q, float("nan")))
 
-    assert (impl.topology.ps.tp_size, impl.topology.heads.dcp_size) == (1, 1)
+    assert (impl.topology.parallel.tp_size, impl.topology.heads.dcp_size) == (1, 1)
     starts = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
     expected = torch.cat([
         causal_attention_f64(q[a:b], k_all[r], v_all[r], torch.arange(seq_lens[r] - (b - a), seq_lens[r]),

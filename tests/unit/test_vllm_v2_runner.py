@@ -173,7 +173,7 @@ def test_v2_steps_attend_exactly(monkeypatch, engine, dcp, interleave):
                     value_cache[slot // B, slot % B] = world.values[names.index(req)][p][kv].float()
         group = ThreadGroup(exchange, rank)
         attention = serial(DcpAttention(heads=heads, tokens=tokens, group=group, scale=world.scale, comm="ag_rs",
-                                        kernels="reference"))
+                                        kernel_impl="reference"))
         group_heads = range(heads.group_q_head_start, heads.group_q_head_start + heads.num_group_q_heads)
         for step, (scheduled, drafts, rejected, cg_mode) in enumerate(schedule):
             padded = 4 if cg_mode == "FULL" else None

@@ -1,4 +1,4 @@
-"""The inner loop of the prefix pass (``paged_attention_kernel``): a split's tiles of cached tokens read through the
+"""The inner loop of the prefix pass (``prefix_attention_kernel``): a split's tiles of cached tokens read through the
 block table (``attend_split``), each folded into the online softmax of a tile of query rows (``attend_cached_tile``)."""
 
 from dcp_plugin.kernels._mode import INTERPRET  # first: decides the interpreter before triton is imported
@@ -125,7 +125,7 @@ def attend_cached_tile(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc,
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
     if KV_FP8:  # dequantize in registers (the scales are applied to scores and output)
-        if FP8_WIDEN == 2:  # FP8_WIDEN: PagedConfig.fp8_widen
+        if FP8_WIDEN == 2:  # FP8_WIDEN: PrefixConfig.fp8_widen
             k = widen_fp8(k, q.dtype)
         else:
             k = k.to(q.dtype)

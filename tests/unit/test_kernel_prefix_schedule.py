@@ -1,4 +1,4 @@
-"""How paged_attention cuts its work (kernels/_schedule.py): head tiles that cover each local Q head once with its own
+"""How prefix_attention cuts its work (kernels/_schedule.py): head tiles that cover each local Q head once with its own
 KV head for every head map, and the automatic KV split count."""
 
 from __future__ import annotations
@@ -8,29 +8,29 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_plugin.kernels._schedule import SMALL_GRID_PER_SM, group_head_tile, head_tiling
-from dcp_plugin.kernels.paged_attention import MAX_AUTO_SPLITS, MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM, pick_num_splits
+from dcp_plugin.kernels._schedule import SMALL_GRID_PER_SM, kv_group_head_tile, head_tiling
+from dcp_plugin.kernels.prefix_attention import MAX_AUTO_SPLITS, MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM, pick_num_splits
 
-# (local Q heads, q_head_start, q_per_kv, kv_head_start): group sizes > 16 and not multiples of 16 (the grouped-
-# kernel bug of vLLM/SGLang), DCP ranks' gathered heads starting mid-group, MQA, and first KV heads other than 0.
+# (local Q heads, q_head_start, q_per_kv, kv_head_start): KV group sizes > 16 and not multiples of 16 (the grouped-
+# kernel bug of vLLM/SGLang), DCP ranks' gathered heads starting mid-KV-group, MQA, and first KV heads other than 0.
 HEAD_MAPS = [
     (4, 0, 1, 0), (6, 0, 3, 0), (10, 0, 5, 0), (16, 0, 8, 0), (8, 0, 8, 0), (48, 0, 24, 0), (40, 0, 20, 0),
     (56, 0, 28, 0), (24, 24, 24, 1), (8, 8, 16, 0), (6, 6, 4, 1), (6, 0, 4, 0), (8, 8, 4, 0), (5, 3, 2, 1),
     (7, 13, 5, 2), (33, 7, 48, 0), (100, 10, 48, 0), (17, 0, 17, 0),
 ]
-MAX_HEADS = 256  # room past every map's heads, so a tile writing past its group's end shows up
+MAX_HEADS = 256  # room past every map's heads, so a tile writing past its KV group's end shows up
 
 
 @triton.jit
 def _head_map_kernel(params_ptr, kv_of_head_ptr, writes_ptr, ROWS: tl.constexpr):
-    """Every head program of map ``cfg`` records, through the kernel's own ``group_head_tile``, which KV head each
+    """Every head program of map ``cfg`` records, through the kernel's own ``kv_group_head_tile``, which KV head each
     of its tile's Q heads would read, and counts the writes."""
     cfg = tl.program_id(0)
     pid_h = tl.program_id(1)
     p = params_ptr + cfg * 7
     if pid_h < tl.load(p + 6):
-        kv_head, tile_lo, head_hi = group_head_tile(pid_h, tl.load(p + 4), tl.load(p + 5), tl.load(p + 1),
-                                                    tl.load(p + 2), tl.load(p + 3), tl.load(p), ROWS)
+        kv_head, tile_lo, head_hi = kv_group_head_tile(pid_h, tl.load(p + 4), tl.load(p + 5), tl.load(p + 1),
+                                                       tl.load(p + 2), tl.load(p + 3), tl.load(p), ROWS)
         heads = tile_lo + tl.arange(0, ROWS)
         mask = heads < head_hi
         tl.store(kv_of_head_ptr + cfg * MAX_HEADS + heads, kv_head + 0 * heads, mask=mask)

@@ -8,7 +8,7 @@ diagonal part, masked causally. A step may instead bring a mask of its own (``ch
 step's tree, where a draft token sees its ancestors only): every key block of the sequence is then read and masked
 by it. Softmax runs in base 2 with ``scale * log2(e)`` folded into one multiplier; the LSE is converted
 to natural log once, at the end. On sm_90 with Triton 3.6 (unless ``DCP_TRITON_GLUON=0``),
-``plan_extend`` runs the persistent Gluon kernel (``gluon_chunk``) where ``_gluon.chunk_takes_gluon`` allows.
+``plan_chunk`` runs the persistent Gluon kernel (``gluon_chunk``) where ``_gluon.chunk_takes_gluon`` allows.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ExtendConfig:
+class ChunkConfig:
     block_m: int
     block_n: int
     num_warps: int
@@ -47,20 +47,20 @@ class ExtendConfig:
 # loads; D=64 304, no other candidate more than 2% faster (docs/kernels.md, current chunk). D=256's tiles fit the shared
 # memory; their speed is unmeasured.
 GPU_CONFIGS = {
-    64: ExtendConfig(block_m=128, block_n=128, num_warps=4, num_stages=3),
-    128: ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True),
-    256: ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    64: ChunkConfig(block_m=128, block_n=128, num_warps=4, num_stages=3),
+    128: ChunkConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True),
+    256: ChunkConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
 }
 # Steps whose chunks hold at most SHORT_CHUNK rows (max_query_len): D=128 in 64-row tiles, four warps, two programs
 # per SM (162 registers, 113 KiB of shared memory on sm_90), whose starts and ends then overlap: H200, bf16, 32 Q /
 # 8 KV heads, 325 TFLOP/s at 16 x 1024 and 395 at 4 x 2048 against 288 and 389 for GPU_CONFIGS' 128-row tiles, which
 # win at 2 x 4096 (461 against 437; docs/kernels.md, current chunk).
 SHORT_CHUNK = 2048
-GPU_SHORT_CONFIGS = {128: ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True)}
+GPU_SHORT_CONFIGS = {128: ChunkConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True)}
 # fp32 tiles take twice the shared memory; fp32 is for tests, so one small tile fits every head dim.
-GPU_FP32_CONFIG = ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+GPU_FP32_CONFIG = ChunkConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 # The interpreter pays per tile operation: small tiles keep CPU tests fast.
-INTERPRET_CONFIG = ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+INTERPRET_CONFIG = ChunkConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
 
 
 @triton.jit
@@ -113,7 +113,7 @@ def _attend_key_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, n_start,
 
 # Per-step sizes are not specialized on: one compiled variant serves every step.
 @triton.jit(do_not_specialize=("num_tokens", "num_reqs", "num_q_programs"))
-def extend_attention_kernel(
+def chunk_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_ptr, mask_ptr,
     num_tokens, num_reqs, num_q_programs, qk_scale, q_head_start, q_per_kv, kv_head_start,
     stride_qt, stride_qh, stride_qd,
@@ -215,8 +215,8 @@ def extend_attention_kernel(
     tl.store(lse_head + q_rows * stride_lt, lse, mask=m_mask)
 
 
-def _pick_config(head_dim: int, dtype: torch.dtype, config: ExtendConfig | None,
-                 max_query_len: int | None = None) -> ExtendConfig:
+def _pick_config(head_dim: int, dtype: torch.dtype, config: ChunkConfig | None,
+                 max_query_len: int | None = None) -> ChunkConfig:
     if config is None:
         padded = min(d for d in GPU_CONFIGS if d >= head_dim)
         if INTERPRET:
@@ -227,13 +227,13 @@ def _pick_config(head_dim: int, dtype: torch.dtype, config: ExtendConfig | None,
             config = GPU_SHORT_CONFIGS[padded]
         else:
             config = GPU_CONFIGS[padded]
-    if not isinstance(config, ExtendConfig) or config.block_m % config.block_n:
-        raise ValueError(f"config must be an ExtendConfig whose block_m is a multiple of block_n, got {config!r}")
+    if not isinstance(config, ChunkConfig) or config.block_m % config.block_n:
+        raise ValueError(f"config must be an ChunkConfig whose block_m is a multiple of block_n, got {config!r}")
     return config
 
 
-def extend_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
-                     out=None, lse=None, chunk_mask=None, config: ExtendConfig | None = None):
+def chunk_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
+                    out=None, lse=None, chunk_mask=None, config: ChunkConfig | None = None):
     """Causal attention of each sequence's queries to that sequence's own new keys (the DCP current chunk).
 
     ``q``: ``[T, Hq, D]`` (this rank's local Q heads), ``k``/``v``: ``[T, Hk, D]`` (the stored KV heads), all one
@@ -249,7 +249,7 @@ def extend_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_s
     that sees no key gets (0, -inf). ``config`` overrides the tile table (benchmarks only).
 
     Example (rank with local Q heads 8..15 of a 32 Q / 2 KV model, k holding KV heads 0..1):
-    ``o, l = extend_attention(q, k, v, cu, 4096, scale=128**-0.5, q_head_start=8, q_per_kv=16, kv_head_start=0)``
+    ``o, l = chunk_attention(q, k, v, cu, 4096, scale=128**-0.5, q_head_start=8, q_per_kv=16, kv_head_start=0)``
     """
     device = q.device if isinstance(q, torch.Tensor) else None
     check_kernel_tensor("q", q, ndim=3, device=device)
@@ -279,15 +279,15 @@ def extend_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_s
     else:
         check_out("lse", lse, (num_tokens, num_q_heads), device, dtypes=(torch.float32,))
     cfg = _pick_config(head_dim, q.dtype, config, max_query_len)  # a given config is checked here
-    plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, scale=scale, q_head_start=q_head_start,
-                q_per_kv=q_per_kv, kv_head_start=kv_head_start, chunk_mask=chunk_mask,
-                config=None if config is None else cfg)(q, k, v, out, lse, query_start_loc)
+    plan_chunk(q, k, v, out, lse, query_start_loc, max_query_len, scale=scale, q_head_start=q_head_start,
+               q_per_kv=q_per_kv, kv_head_start=kv_head_start, chunk_mask=chunk_mask,
+               config=None if config is None else cfg)(q, k, v, out, lse, query_start_loc)
     return out, lse
 
 
-def plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
-                chunk_mask=None, config: ExtendConfig | None = None) -> Launch:
-    """``extend_attention`` prepared for tensors shaped like these (no checks): call it with ``(q, k, v, out, lse,
+def plan_chunk(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start,
+               chunk_mask=None, config: ChunkConfig | None = None) -> Launch:
+    """``chunk_attention`` prepared for tensors shaped like these (no checks): call it with ``(q, k, v, out, lse,
     query_start_loc)``. ``max_query_len`` picks the tiles (``SHORT_CHUNK``); the grid covers any mix of sequence
     lengths. ``chunk_mask`` is bound to the launch (the step's own tensor, read at every call)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -310,7 +310,7 @@ def plan_extend(q, k, v, out, lse, query_start_loc, max_query_len, *, scale, q_h
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                       USE_TMA=cfg.tma and _tma_ok(q, k, v, head_dim), USE_MASK=chunk_mask is not None)
-    return Launch(extend_attention_kernel, grid, scalars, constexprs, num_warps=cfg.num_warps,
+    return Launch(chunk_attention_kernel, grid, scalars, constexprs, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages, scratch=constexprs["USE_TMA"], bound=(mask,))
 
 

@@ -2,7 +2,7 @@
 
 Stage 1 runs one program per (query block, head tile, KV split). A tile's rows are ``BLOCK_Q`` query tokens of one
 request times ``BLOCK_H`` Q heads of ONE KV group, so each K/V tile is loaded once for every Q head that reads it,
-and a tile never mixes two KV heads whatever the group size or the offset of the first Q head. A request's cached
+and a tile never mixes two KV heads whatever the KV group size or the offset of the first Q head. A request's cached
 tokens are cut into ``num_splits`` ranges of whole ``BLOCK_N`` tiles; with one split stage 1 writes ``out``/``lse``
 directly, otherwise it writes fp32 partials that stage 2 merges by LSE. A decode on a GPU cuts each request into
 its own number of splits instead (``BALANCED``, ``_schedule.balanced_split``). Softmax runs in base 2 with
@@ -13,10 +13,10 @@ request), short queries (speculative-decoding verify rows) and long ones (prefil
 their query blocks over the whole batch (``_schedule``), so a mixed step never launches ``requests x longest
 query`` programs. ``out``/``lse`` may be rank-major (``[R, T, H / R, D]``): the layout the DCP collectives send.
 On sm_90+ a tile that lies inside one page (pages of 64 tokens or more) comes through tensor descriptors, one TMA
-copy per K or V tile (``_paged_tile``); smaller pages are gathered token by token. A prefill step's prefix pass on
+copy per K or V tile (``_prefix_tile``); smaller pages are gathered token by token. A prefill step's prefix pass on
 sm_90 with Triton 3.6 (unless ``DCP_TRITON_GLUON=0``) runs ``gluon_prefix`` where ``_gluon.prefix_takes_gluon``
-allows, and a decode with more than ``GLUON_DECODE_MIN_GROUP`` Q heads per KV group runs ``gluon_decode`` as stage
-1 where ``_gluon.decode_takes_gluon`` allows. The ``tl`` kernel's launch constants: ``_paged_config``.
+allows, and a decode with more than ``GLUON_DECODE_MIN_KV_GROUP`` Q heads per KV group runs ``gluon_decode`` as stage
+1 where ``_gluon.decode_takes_gluon`` allows. The ``tl`` kernel's launch constants: ``_prefix_config``.
 """
 
 from __future__ import annotations
@@ -30,25 +30,25 @@ import triton.language as tl
 from dcp_plugin.kernels._launch import (
     LOG2E, Launch, cdiv, device_index, every_variant_wanted, next_pow2, num_sms,
 )
-from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_GROUP, decode_takes_gluon, prefix_takes_gluon
-from dcp_plugin.kernels._paged_checks import MAX_HEAD_DIM, MAX_SPLITS, checked_outputs  # noqa: F401
-from dcp_plugin.kernels._paged_config import (  # noqa: F401 - the tuning table is part of this module's API
-    DESCRIPTOR_DECODE_CONFIGS, DESCRIPTOR_DECODE_MAX_GROUP, FP8_DESCRIPTOR_DECODE_CONFIGS, GPU_CONFIGS,
-    GPU_FP32_CONFIGS, INTERPRET_CONFIG, POINTER_CONFIGS, PagedConfig, pick_config,
+from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_KV_GROUP, decode_takes_gluon, prefix_takes_gluon
+from dcp_plugin.kernels._prefix_checks import MAX_HEAD_DIM, MAX_SPLITS, checked_outputs  # noqa: F401
+from dcp_plugin.kernels._prefix_config import (  # noqa: F401 - the tuning table is part of this module's API
+    DESCRIPTOR_DECODE_CONFIGS, DESCRIPTOR_DECODE_MAX_KV_GROUP, FP8_DESCRIPTOR_DECODE_CONFIGS, GPU_CONFIGS,
+    GPU_FP32_CONFIGS, INTERPRET_CONFIG, POINTER_CONFIGS, PrefixConfig, pick_config,
 )
-from dcp_plugin.kernels._paged_tile import attend_split, cache_takes_descriptors
+from dcp_plugin.kernels._prefix_tile import attend_split, cache_takes_descriptors
 from dcp_plugin.kernels._pdl import main_loop_done, pdl_for, wait_for_previous_grid
 from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count constants are part of this module's API
     MAX_AUTO_SPLITS, MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM, SMALL_GRID_PER_SM, balanced_max_splits, balanced_split,
-    find_block, flat_programs, group_head_tile, head_tiling, pick_num_splits,
+    find_block, flat_programs, head_tiling, kv_group_head_tile, pick_num_splits,
 )
 from dcp_plugin.kernels.checks import FP8_DTYPES
 from dcp_plugin.kernels.split_kv import (
-    LAST_MERGE_PROGRAMS, LAST_MERGE_SPLITS, NARROW_SPLITS, PagedLaunch, auto_splits, fit_splits, head_offsets,
-    merge_split_rows, paged_attention_reduce_kernel, split_outputs, sync_counters, with_reduce,
+    LAST_MERGE_PROGRAMS, LAST_MERGE_SPLITS, NARROW_SPLITS, PrefixLaunch, auto_splits, fit_splits, head_offsets,
+    merge_split_rows, split_merge_kernel, split_outputs, sync_counters, with_merge,
 )
 
-__all__ = ["PagedConfig", "paged_attention", "paged_attention_kernel", "paged_attention_reduce_kernel", "plan_paged",
+__all__ = ["PrefixConfig", "prefix_attention", "prefix_attention_kernel", "split_merge_kernel", "plan_prefix",
            "split_capacity"]
 
 _LOG2E = tl.constexpr(LOG2E)  # the kernels' copy (jit functions read only constexpr globals)
@@ -67,13 +67,13 @@ SHORT_QUERY = 8  # at most this many query rows per request: the short-query var
                                "stride_bt_req", "stride_lse_r", "stride_lse_t", "stride_lse_h", "stride_lse_s",
                                "tma_rows", "split_slots", "small_slots"),
             # the batch tables may start mid-tensor (a mixed step's requests after its decodes); scalar loads anyway
-            do_not_specialize_on_alignment=("block_table_ptr", "context_lens_ptr", "query_start_loc_ptr",
+            do_not_specialize_on_alignment=("block_table_ptr", "kv_lens_ptr", "query_start_loc_ptr",
                                             "part_lse_ptr", "split_counts_ptr", "split_sync_ptr"))
-def paged_attention_kernel(
-    q_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, context_lens_ptr, query_start_loc_ptr,
+def prefix_attention_kernel(
+    q_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, kv_lens_ptr, query_start_loc_ptr,
     out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, part_out_ptr, part_lse_ptr, split_counts_ptr, split_sync_ptr,
     num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs,
-    qk_scale, q_head_start, q_per_kv, kv_head_start, first_kv_head, head_tiles_per_group, num_splits, head_programs,
+    qk_scale, q_head_start, q_per_kv, kv_head_start, first_kv_head, head_tiles_per_kv_group, num_splits, head_programs,
     stride_q_t, stride_q_h, stride_q_d,
     stride_kc_blk, stride_kc_tok, stride_kc_h, stride_kc_d,
     stride_vc_blk, stride_vc_tok, stride_vc_h, stride_vc_d,
@@ -93,7 +93,7 @@ def paged_attention_kernel(
     FP8_VIA_FP16: tl.constexpr,  # bf16 q over an fp8 cache: compute in fp16 (below)
     FP8_WIDEN: tl.constexpr,  # fp8 tiles widened before their shared-memory round trip: 0 none, 1 V, 2 K and V
     USE_TMA: tl.constexpr,  # whole tiles of one page through tensor descriptors (``cache_takes_descriptors``)
-    ROWS_AHEAD: tl.constexpr,  # with USE_TMA: descriptor rows read a chunk of tiles ahead (PagedConfig.rows_ahead)
+    ROWS_AHEAD: tl.constexpr,  # with USE_TMA: descriptor rows read a chunk of tiles ahead (PrefixConfig.rows_ahead)
     BALANCED: tl.constexpr = False,  # DECODE: each request's own split count (_schedule.balanced_split); out/lse
     # are then the final outputs, written by a request of one split, and part_out/part_lse ([T, Hq, num_splits, D]
     # and [T, Hq, num_splits]) take the partials of the others, split_counts ([T]) every token's split count
@@ -111,7 +111,7 @@ def paged_attention_kernel(
         pid_h = tl.program_id(1)
     split = tl.program_id(2)
     if BALANCED:  # program row pid_q is a work row: (request, split) pairs, then the padding rows
-        pid_q, split, req_splits = balanced_split(context_lens_ptr, query_start_loc_ptr, num_reqs, pid_q,
+        pid_q, split, req_splits = balanced_split(kv_lens_ptr, query_start_loc_ptr, num_reqs, pid_q,
                                                   split_slots, small_slots, head_programs, num_splits, BLOCK_N)
 
     # Programs past num_q_programs cover rows after query_start_loc[-1] (CUDA-graph padding) as a request with
@@ -127,15 +127,15 @@ def paged_attention_kernel(
     q_start = tl.load(query_start_loc_ptr + req).to(tl.int64)
     q_end = tl.load(query_start_loc_ptr + req + 1, mask=~is_tail, other=0).to(tl.int64)
     q_end = tl.where(is_tail, num_tokens, q_end)
-    context_len = tl.load(context_lens_ptr + req, mask=~is_tail, other=0).to(tl.int32)
+    kv_len = tl.load(kv_lens_ptr + req, mask=~is_tail, other=0).to(tl.int32)
     if (q_block < 0) | (q_block * BLOCK_Q >= q_end - q_start):
         return
     if BALANCED and not LAST_MERGES:  # a decode's token row: q_start + q_block (one split at most: no counts)
         if (split == 0) & (pid_h == 0) & (num_splits > 1):
             tl.store(split_counts_ptr + q_start + q_block, req_splits)
 
-    kv_head, tile_lo, head_hi = group_head_tile(pid_h, first_kv_head, head_tiles_per_group, q_head_start, q_per_kv,
-                                                kv_head_start, num_q_heads, BLOCK_H)
+    kv_head, tile_lo, head_hi = kv_group_head_tile(pid_h, first_kv_head, head_tiles_per_kv_group, q_head_start,
+                                                   q_per_kv, kv_head_start, num_q_heads, BLOCK_H)
     if tile_lo >= head_hi:
         return
 
@@ -159,13 +159,13 @@ def paged_attention_kernel(
         q = (q_f32 * tl.exp2(-q_shift)).to(tl.float16)
         qk_scale = qk_scale * tl.exp2(q_shift)
     # This split's whole tiles of the request's cached tokens.
-    num_tiles = (context_len + BLOCK_N - 1) // BLOCK_N
+    num_tiles = (kv_len + BLOCK_N - 1) // BLOCK_N
     if BALANCED:
         tiles_per_split = (num_tiles + req_splits - 1) // req_splits
     else:
         tiles_per_split = (num_tiles + num_splits - 1) // num_splits
     kv_start = split * tiles_per_split * BLOCK_N
-    kv_end = tl.minimum(context_len, kv_start + tiles_per_split * BLOCK_N)
+    kv_end = tl.minimum(kv_len, kv_start + tiles_per_split * BLOCK_N)
 
     k_head_ptr = key_cache_ptr + kv_head.to(tl.int64) * stride_kc_h
     v_head_ptr = value_cache_ptr + kv_head.to(tl.int64) * stride_vc_h
@@ -223,10 +223,10 @@ def paged_attention_kernel(
         tl.store(lse_rows + split_off * stride_lse_s, lse, mask=row_mask)
 
 
-def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_start_loc, *, scale, q_head_start,
-                    q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None, out=None, lse=None,
-                    config: PagedConfig | None = None, k_scale=None, v_scale=None):
-    """Every query row of request ``b`` attends, non-causally, to its cached tokens ``[0, context_lens[b])``.
+def prefix_attention(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, *, scale, q_head_start,
+                     q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None, out=None, lse=None,
+                     config: PrefixConfig | None = None, k_scale=None, v_scale=None):
+    """Every query row of request ``b`` attends, non-causally, to its cached tokens ``[0, kv_lens[b])``.
 
     Args:
         q: ``[T, Hq, D]`` fp16/bf16/fp32, any strides; request ``b`` owns rows
@@ -235,11 +235,11 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
             value / scale: then ``k_scale``/``v_scale``, one-element float32 tensors, are required), any strides
             (vLLM's views of one buffer are fine). Cached token ``j`` of request ``b`` is row
             ``j % block_size`` of page ``block_table[b, j // block_size]``.
-        block_table: ``[>= B, max_blocks]`` int32/int64. context_lens: ``[B]`` int. query_start_loc: ``[B + 1]``
+        block_table: ``[>= B, max_blocks]`` int32/int64. kv_lens: ``[B]`` int. query_start_loc: ``[B + 1]``
             int, ``query_start_loc[0] == 0``.
         scale: softmax scale. q_head_start, q_per_kv, kv_head_start: local Q head ``i`` reads stored KV head
             ``(q_head_start + i) // q_per_kv - kv_head_start``.
-        max_kv_len: host int >= every ``context_lens[b]`` (the most cached tokens a row attends to); only tunes
+        max_kv_len: host int >= every ``kv_lens[b]`` (the most cached tokens a row attends to); only tunes
             the split count.
         max_query_len: host int >= every request's query rows, or None (unknown). 1 selects the decode variant,
             ``<= 8`` the short-query one.
@@ -247,32 +247,32 @@ def paged_attention(q, key_cache, value_cache, block_table, context_lens, query_
         out: ``[T, Hq, D]`` or rank-major ``[R, T, Hq / R, D]`` (head ``h`` at ``[h // (Hq / R), t, h % (Hq / R)]``),
             any float dtype (default: ``[T, Hq, D]`` in q's dtype). lse: ``[T, Hq]`` float32, rank-major
             ``[R, T, Hq / R]`` with a rank-major ``out``. Written in place.
-        config: a ``PagedConfig`` overriding the tuning table (benchmarks).
+        config: a ``PrefixConfig`` overriding the tuning table (benchmarks).
 
     Returns:
         ``(out, lse)``: lse is the natural-log sum of exp of the scaled scores; no cached tokens -> (0, -inf).
 
     Example:
-        >>> out, lse = paged_attention(q, kc, vc, block_table, context_lens, query_start_loc, scale=D ** -0.5,
+        >>> out, lse = prefix_attention(q, kc, vc, block_table, kv_lens, query_start_loc, scale=D ** -0.5,
         ...                            q_head_start=0, q_per_kv=4, kv_head_start=0, max_kv_len=4096,
         ...                            max_query_len=1)
     """
-    out, lse = checked_outputs(q, key_cache, value_cache, block_table, context_lens, query_start_loc, scale=scale,
+    out, lse = checked_outputs(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, scale=scale,
                                q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
                                max_kv_len=max_kv_len, max_query_len=max_query_len, num_splits=num_splits, out=out,
                                lse=lse, k_scale=k_scale, v_scale=v_scale)
     head_dim = q.shape[-1]
     cfg = None if config is None else pick_config(head_dim, decode=max_query_len == 1, dtype=q.dtype, config=config)
-    launch = plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, scale=scale,
-                        q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
-                        max_kv_len=max_kv_len, max_query_len=max_query_len, num_splits=num_splits,
-                        config=cfg)
-    launch(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, k_scale, v_scale)
+    launch = plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, scale=scale,
+                         q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
+                         max_kv_len=max_kv_len, max_query_len=max_query_len, num_splits=num_splits,
+                         config=cfg)
+    launch(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, k_scale, v_scale)
     return out, lse
 
 
 def split_capacity(head_dim: int, device: torch.device) -> int:
-    """float32 elements that hold the split partials of any automatic split count on ``device`` (``plan_paged``'s
+    """float32 elements that hold the split partials of any automatic split count on ``device`` (``plan_prefix``'s
     ``split_buffer``): the split count keeps stage 1 within ``PROGRAMS_PER_SM`` programs per SM of at most
     ``block_m`` rows each, and a row's partial is ``head_dim + 1`` floats."""
     sms = num_sms(torch.cuda.current_device() if device.type == "cuda" and device.index is None else device.index or 0)
@@ -280,15 +280,15 @@ def split_capacity(head_dim: int, device: torch.device) -> int:
     return PROGRAMS_PER_SM * sms * block_m * (head_dim + 1)
 
 
-def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start_loc, out, lse, *, scale,
-               q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None,
-               split_buffer: torch.Tensor | None = None, config: PagedConfig | None = None,
-               gluon_decode: tuple[int, ...] | None = None, split_slots: int | None = None,
-               split_sync: torch.Tensor | None = None) -> PagedLaunch:
-    """``paged_attention`` prepared for tensors shaped like these (no checks). ``split_buffer``: float32 scratch of
+def plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, *, scale,
+                q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None,
+                split_buffer: torch.Tensor | None = None, config: PrefixConfig | None = None,
+                gluon_decode: tuple[int, ...] | None = None, split_slots: int | None = None,
+                split_sync: torch.Tensor | None = None) -> PrefixLaunch:
+    """``prefix_attention`` prepared for tensors shaped like these (no checks). ``split_buffer``: float32 scratch of
     ``split_capacity`` elements for the split partials (default: allocated here); an automatic split count is
     lowered until the partials fit in it. ``gluon_decode``: ``(pages, stages[, programs])`` of ``gluon_decode``
-    for a decode it can serve, whatever the group size (benchmarks). ``split_slots``: a decode the ``tl`` kernel
+    for a decode it can serve, whatever the KV group size (benchmarks). ``split_slots``: a decode the ``tl`` kernel
     serves with automatic splits takes each request's own split count (``_schedule.balanced_split``) over that many
     programs; None: ``PROGRAMS_PER_SM`` per SM on a GPU, none under the interpreter (one split, as ``auto_splits``);
     0: one count for every request. ``split_sync``: int32 counters, zero, at least tokens x head programs (the
@@ -296,19 +296,20 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     ``split_kv.sync_counters``); too few: the merge runs apart."""
     num_tokens, num_q_heads, head_dim = q.shape
     page_size = key_cache.shape[1]
-    num_reqs = context_lens.shape[0]
+    num_reqs = kv_lens.shape[0]
     decode = max_query_len == 1
     cfg = config or pick_config(head_dim, decode=decode, dtype=q.dtype)
-    if config is None and decode and (gluon_decode is not None or min(q_per_kv, num_q_heads) > GLUON_DECODE_MIN_GROUP) \
-            and decode_takes_gluon(q, key_cache, value_cache, out):  # the group first: no tensor checks for most steps
-        from dcp_plugin.kernels.gluon_decode import plan_paged_gluon_decode
+    wide = min(q_per_kv, num_q_heads) > GLUON_DECODE_MIN_KV_GROUP  # the KV group first: no tensor checks for most steps
+    if config is None and decode and (gluon_decode is not None or wide) \
+            and decode_takes_gluon(q, key_cache, value_cache, out):
+        from dcp_plugin.kernels.gluon_decode import plan_prefix_gluon_decode
 
-        return plan_paged_gluon_decode(q, key_cache, value_cache, block_table, context_lens, out, lse, scale=scale,
-                                       q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
-                                       max_kv_len=max_kv_len, num_splits=num_splits, split_buffer=split_buffer,
-                                       tiles=gluon_decode)
+        return plan_prefix_gluon_decode(q, key_cache, value_cache, block_table, kv_lens, out, lse, scale=scale,
+                                        q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
+                                        max_kv_len=max_kv_len, num_splits=num_splits, split_buffer=split_buffer,
+                                        tiles=gluon_decode)
     if config is None and decode and not INTERPRET and q.dtype != torch.float32 \
-            and min(q_per_kv, num_q_heads) <= DESCRIPTOR_DECODE_MAX_GROUP:
+            and min(q_per_kv, num_q_heads) <= DESCRIPTOR_DECODE_MAX_KV_GROUP:
         table = FP8_DESCRIPTOR_DECODE_CONFIGS if key_cache.dtype in FP8_DTYPES else DESCRIPTOR_DECODE_CONFIGS
         cfg = table.get(next_pow2(head_dim), cfg)
     use_tma = cfg.tma and cache_takes_descriptors(key_cache, value_cache, head_dim, cfg.block_n)
@@ -322,11 +323,11 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     elif max_query_len is not None and max_query_len <= SHORT_QUERY:
         block_q = min(block_q, SHORT_QUERY)
     block_h = max(block_h, cfg.min_rows // block_q)
-    first_kv_head, num_groups, head_tiles_per_group = head_tiling(
+    first_kv_head, num_kv_groups, head_tiles_per_kv_group = head_tiling(
         num_q_heads=num_q_heads, q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
         block_h=block_h)
     num_q_programs = num_reqs if decode else flat_programs(num_tokens, num_reqs, block_q)
-    head_programs = num_groups * head_tiles_per_group
+    head_programs = num_kv_groups * head_tiles_per_kv_group
     slots = split_slots if split_slots is not None else 0 if INTERPRET else PROGRAMS_PER_SM * num_sms(device_index(q))
     balanced = decode and num_splits is None and slots > 0
     if balanced:
@@ -340,9 +341,9 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
             and prefix_takes_gluon(q, key_cache, value_cache, out):  # a prefill step's prefix pass on Hopper
         from dcp_plugin.kernels.gluon_prefix import plan_gluon_prefix
 
-        return PagedLaunch(plan_gluon_prefix(q, key_cache, value_cache, block_table, context_lens, query_start_loc,
-                                             out, lse, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
-                                             kv_head_start=kv_head_start), None, None, None, 1)
+        return PrefixLaunch(plan_gluon_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc,
+                                              out, lse, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
+                                              kv_head_start=kv_head_start), None, None, None, 1)
     part_out, part_lse, counts, out_strides, lse_strides = split_outputs(q, out, lse, num_splits, split_buffer,
                                                                          balanced=balanced)
     # The last split merges where the plan's bound keeps every request within a few splits and the step has enough
@@ -361,9 +362,9 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
 
     def stage1_launch(last: bool) -> Launch:
         return Launch(
-            paged_attention_kernel, grid,
+            prefix_attention_kernel, grid,
             (num_tokens, num_reqs, num_q_heads, head_dim, num_q_programs, float(scale) * LOG2E, q_head_start,
-             q_per_kv, kv_head_start, first_kv_head, head_tiles_per_group, num_splits, head_programs, *q.stride(),
+             q_per_kv, kv_head_start, first_kv_head, head_tiles_per_kv_group, num_splits, head_programs, *q.stride(),
              *key_cache.stride(), *value_cache.stride(), *block_table.stride(), *out_strides, *lse_strides,
              rows_per_block, rows_per_block * key_cache.shape[0], max(slots, 1),
              max(1, slots * SMALL_GRID_PER_SM // PROGRAMS_PER_SM)),
@@ -380,7 +381,7 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
 
     stage1 = stage1_launch(last_merges)
     if not balanced:
-        return with_reduce(stage1, part_out, part_lse, out, lse, num_splits, stage1_extra=(None, None, None, None))
+        return with_merge(stage1, part_out, part_lse, out, lse, num_splits, stage1_extra=(None, None, None, None))
     def extra(last: bool) -> tuple:  # a balanced stage 1's trailing tensors: the counters only where it merges
         return part_out, part_lse, counts, sync if last else None
 
@@ -388,9 +389,9 @@ def plan_paged(q, key_cache, value_cache, block_table, context_lens, query_start
     # same buffers, rewritten next), so a step of either kind finds its kernel compiled.
     other = (stage1_launch(not last_merges), extra(not last_merges)) if mergeable and every_variant_wanted() else None
     if last_merges:  # stage 1 merges: no second launch
-        return PagedLaunch(stage1, None, part_out, part_lse, num_splits, stage1_extra=extra(True), stage1_other=other)
+        return PrefixLaunch(stage1, None, part_out, part_lse, num_splits, stage1_extra=extra(True), stage1_other=other)
     # The merge's variant by the splits a request takes on average: about slots / (requests x head programs).
-    return with_reduce(stage1, part_out, part_lse, out, lse, num_splits, split_counts=counts,
-                       stage1_extra=extra(False), stage1_other=other,
-                       narrow=num_reqs * head_programs * NARROW_SPLITS >= slots)
+    return with_merge(stage1, part_out, part_lse, out, lse, num_splits, split_counts=counts,
+                      stage1_extra=extra(False), stage1_other=other,
+                      narrow=num_reqs * head_programs * NARROW_SPLITS >= slots)
 

@@ -1,4 +1,4 @@
-"""merge_states, combine_partials, rescale_partial under the Triton interpreter vs the float64 torch reference."""
+"""merge_states, merge_partials, rescale_partial under the Triton interpreter vs the float64 torch reference."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from dcp_plugin import kernels as triton_kernels
 from dcp_plugin.kernels import reference
-from dcp_plugin.kernels.combine import combine_partials, merge_states, rescale_partial
+from dcp_plugin.kernels.merge import merge_partials, merge_states, rescale_partial
 from tests.kernel_checks import assert_matches, poisoned
 
 T, H, D = 6, 3, 80  # H and D not powers of two: the kernel masks both
@@ -35,18 +35,18 @@ def _ref64(t):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("num_parts", [1, 2, 3, 5])
-def test_combine_partials(num_parts, dtype):
+def test_merge_partials(num_parts, dtype):
     parts_out, parts_lse = _partials(num_parts, dtype)
     out, lse = poisoned((T, H, D), dtype), poisoned((T, H), torch.float32)
-    assert combine_partials(parts_out, parts_lse, out=out, lse=lse) == (out, lse)
-    want_out, want_lse = reference.combine_partials(parts_out.double(), parts_lse.double())
+    assert merge_partials(parts_out, parts_lse, out=out, lse=lse) == (out, lse)
+    want_out, want_lse = reference.merge_partials(parts_out.double(), parts_lse.double())
     assert_matches(out, want_out, dtype, "out")
     assert_matches(lse, want_lse, torch.float32, "lse")
     assert (out[0] == 0).all() and (lse[0] == float("-inf")).all(), "all-empty row must be (0, -inf)"
 
 
 @pytest.mark.parametrize("with_extra", [False, True], ids=["packed", "packed+extra"])
-def test_combine_packed_all_to_all_buffer(with_extra):
+def test_merge_packed_all_to_all_buffer(with_extra):
     parts_out, parts_lse = _partials(3, torch.float32, seed=1)
     buf = torch.cat([parts_out, parts_lse.unsqueeze(-1)], dim=-1)  # [N, T, H, D + 1], as received
     extra_out, extra_lse = (None, None)
@@ -55,18 +55,18 @@ def test_combine_packed_all_to_all_buffer(with_extra):
         extra_lse = torch.randn(T, H) * 4
         extra_lse[4, 0], extra_out[4, 0] = float("-inf"), float("nan")
     out = poisoned((T, H, D), torch.float16)
-    _, lse = combine_partials(buf[..., :D], buf[..., D], out=out, extra_out=extra_out, extra_lse=extra_lse)
-    want_out, want_lse = reference.combine_partials(parts_out.double(), parts_lse.double(),
-                                                    extra_out=_ref64(extra_out), extra_lse=_ref64(extra_lse))
+    _, lse = merge_partials(buf[..., :D], buf[..., D], out=out, extra_out=extra_out, extra_lse=extra_lse)
+    want_out, want_lse = reference.merge_partials(parts_out.double(), parts_lse.double(),
+                                                  extra_out=_ref64(extra_out), extra_lse=_ref64(extra_lse))
     assert_matches(out, want_out, torch.float16, "out")
     assert_matches(lse, want_lse, torch.float32, "lse")
 
 
-def test_combine_default_outputs_and_extra_only_nonempty():
+def test_merge_default_outputs_and_extra_only_nonempty():
     parts_out, parts_lse = _partials(2, torch.float16, seed=2)
     parts_lse[:] = float("-inf")  # every rank's prefix empty: the result is the extra partial alone
     extra_out, extra_lse = torch.randn(T, H, D, dtype=torch.float32), torch.randn(T, H)
-    out, lse = combine_partials(parts_out, parts_lse, extra_out=extra_out, extra_lse=extra_lse)
+    out, lse = merge_partials(parts_out, parts_lse, extra_out=extra_out, extra_lse=extra_lse)
     assert out.dtype == torch.float16 and lse.dtype == torch.float32
     assert_matches(out, extra_out.double(), torch.float16, "out")
     assert_matches(lse, extra_lse.double(), torch.float32, "lse")
@@ -98,7 +98,7 @@ def test_merge_states_into_strided_outputs():
 
 
 @pytest.mark.parametrize("num_ranks", [1, 3, 5])
-def test_rescale_partial_sums_to_the_combination(num_ranks):
+def test_rescale_partial_sums_to_the_merge(num_ranks):
     parts_out, parts_lse = _partials(num_ranks, torch.float16, seed=8)
     total = torch.zeros(T, H, D, dtype=torch.float64)
     for rank in range(num_ranks):
@@ -108,7 +108,7 @@ def test_rescale_partial_sums_to_the_combination(num_ranks):
         assert_matches(scaled, want_scaled, torch.float16, f"scaled[{rank}]")
         assert_matches(lse, want_lse, torch.float32, f"lse[{rank}]")
         total += scaled.double()
-    assert_matches(total, reference.combine_partials(parts_out.double(), parts_lse.double())[0], torch.float16, "sum")
+    assert_matches(total, reference.merge_partials(parts_out.double(), parts_lse.double())[0], torch.float16, "sum")
 
 
 def test_rescale_partial_default_output_is_float32():
@@ -119,24 +119,24 @@ def test_rescale_partial_default_output_is_float32():
                    torch.float16, "scaled")
 
 
-@pytest.mark.parametrize("op", ["combine", "combine+extra", "merge", "rescale"])
+@pytest.mark.parametrize("op", ["partials", "partials+extra", "states", "rescale"])
 @pytest.mark.parametrize("ops", ["triton", "reference"])
 def test_a_nan_lse_makes_its_row_nan(op, ops):
     """A NaN LSE comes from a NaN input: its (token, head) turns NaN in out and lse, as unsharded attention would,
     instead of being dropped as empty (a finite wrong answer); every other row is still exact."""
     parts_out, parts_lse = _partials(3, torch.float32, seed=10)
-    want_out, want_lse = reference.combine_partials(parts_out.double(), parts_lse.double())
+    want_out, want_lse = reference.merge_partials(parts_out.double(), parts_lse.double())
     parts_lse[1, 3, 2] = float("nan")
     kernels = reference if ops == "reference" else triton_kernels
     out, lse = poisoned((T, H, D), torch.float32), poisoned((T, H), torch.float32)
-    if op == "combine":
-        kernels.combine_partials(parts_out, parts_lse, out=out, lse=lse)
-    elif op == "combine+extra":  # the NaN in the extra partial (the current chunk) instead
+    if op == "partials":
+        kernels.merge_partials(parts_out, parts_lse, out=out, lse=lse)
+    elif op == "partials+extra":  # the NaN in the extra partial (the current chunk) instead
         extra_out, extra_lse = parts_out[1].clone(), parts_lse[1].clone()
-        kernels.combine_partials(parts_out[[0, 2]], parts_lse[[0, 2]], extra_out=extra_out, extra_lse=extra_lse,
-                                 out=out, lse=lse)
-    elif op == "merge":
-        extra_out, extra_lse = reference.combine_partials(parts_out[[0, 2]], parts_lse[[0, 2]])
+        kernels.merge_partials(parts_out[[0, 2]], parts_lse[[0, 2]], extra_out=extra_out, extra_lse=extra_lse,
+                               out=out, lse=lse)
+    elif op == "states":
+        extra_out, extra_lse = reference.merge_partials(parts_out[[0, 2]], parts_lse[[0, 2]])
         kernels.merge_states(extra_out, extra_lse, parts_out[1], parts_lse[1], out=out, lse=lse)
     else:  # ag_rs: each rank's scaled share, summed as the reduce-scatter would
         total = torch.zeros(T, H, D)
@@ -161,17 +161,17 @@ O3, L2 = torch.randn(T, H, D), torch.randn(T, H)
     (lambda: merge_states(O3, L2[:4], O3, L2), "lse_a must have shape"),
     (lambda: merge_states(O3, L2, O3, L2, out=torch.empty(T, H, D + 1)), "out must have shape"),
     (lambda: merge_states(O3, L2, O3, L2, lse=torch.empty(T, H, dtype=torch.float64)), "lse has dtype"),
-    (lambda: combine_partials(O3[None], L2[None].double()), "parts_lse has dtype"),
-    (lambda: combine_partials(O3[None], L2[None, :, :2]), "parts_lse must have shape"),
-    (lambda: combine_partials(O3[None], L2[None], extra_out=O3), "extra_out and extra_lse"),
-    (lambda: combine_partials(O3[None], L2[None], extra_out=O3[:, :, :4], extra_lse=L2), "extra_out must have"),
-    (lambda: combine_partials(O3[None][:0], L2[None][:0]), "at least one partial"),
+    (lambda: merge_partials(O3[None], L2[None].double()), "parts_lse has dtype"),
+    (lambda: merge_partials(O3[None], L2[None, :, :2]), "parts_lse must have shape"),
+    (lambda: merge_partials(O3[None], L2[None], extra_out=O3), "extra_out and extra_lse"),
+    (lambda: merge_partials(O3[None], L2[None], extra_out=O3[:, :, :4], extra_lse=L2), "extra_out must have"),
+    (lambda: merge_partials(O3[None][:0], L2[None][:0]), "at least one partial"),
     (lambda: rescale_partial(O3, L2[None], 1), "rank must be an int in \\[0, 1\\)"),
     (lambda: rescale_partial(O3, L2[None], -1), "rank must be"),
     (lambda: rescale_partial(O3, L2[None, :5], 0), "lse_all must have shape"),
     (lambda: rescale_partial(O3.long(), L2[None], 0), "part_out has dtype"),
 ], ids=["merge_shape", "merge_lse_dtype", "merge_lse_shape", "merge_out_shape", "merge_out_lse_dtype",
-        "combine_lse_dtype", "combine_lse_shape", "combine_extra_pair", "combine_extra_shape", "combine_empty_n",
+        "partials_lse_dtype", "partials_lse_shape", "partials_extra_pair", "partials_extra_shape", "partials_empty_n",
         "rescale_rank_high", "rescale_rank_negative", "rescale_lse_shape", "rescale_dtype"])
 def test_bad_input_raises(call, match):
     with pytest.raises(ValueError, match=match):

@@ -1,4 +1,4 @@
-"""``paged_attention``'s argument checks: one clear line naming a bad argument, before any work is done."""
+"""``prefix_attention``'s argument checks: one clear line naming a bad argument, before any work is done."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ MAX_HEAD_DIM = 256
 MAX_SPLITS = 256  # explicit num_splits upper bound
 
 
-def checked_outputs(q, key_cache, value_cache, block_table, context_lens, query_start_loc, *, scale, q_head_start,
+def checked_outputs(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, *, scale, q_head_start,
                     q_per_kv, kv_head_start, max_kv_len, max_query_len, num_splits, out, lse, k_scale, v_scale):
-    """``paged_attention``'s arguments checked, one clear line for a bad one -> ``(out, lse)``, made if None."""
+    """``prefix_attention``'s arguments checked, one clear line for a bad one -> ``(out, lse)``, made if None."""
     check_kernel_tensor("q", q, ndim=3)
     device = q.device
     num_tokens, num_q_heads, head_dim = q.shape
@@ -27,13 +27,13 @@ def checked_outputs(q, key_cache, value_cache, block_table, context_lens, query_
     check_shape("key_cache", key_cache, (None, None, None, head_dim))
     check_shape("value_cache", value_cache, tuple(key_cache.shape))
     _, page_size, num_kv_heads, _ = key_cache.shape
-    check_kernel_tensor("context_lens", context_lens, ndim=1, dtypes=INDEX_DTYPES, device=device)
-    num_reqs = context_lens.shape[0]
+    check_kernel_tensor("kv_lens", kv_lens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    num_reqs = kv_lens.shape[0]
     check_kernel_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=device)
     check_shape("query_start_loc", query_start_loc, (num_reqs + 1,))
     check_kernel_tensor("block_table", block_table, ndim=2, dtypes=INDEX_DTYPES, device=device)
     if block_table.shape[0] < num_reqs:
-        raise ValueError(f"block_table has {block_table.shape[0]} rows but context_lens has {num_reqs} requests")
+        raise ValueError(f"block_table has {block_table.shape[0]} rows but kv_lens has {num_reqs} requests")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head dim {head_dim} (q.shape[-1]) is not supported; use 1..{MAX_HEAD_DIM}")
     if page_size < 1:

@@ -1,4 +1,4 @@
-"""LSE math over partial attention results: ``merge_states``, ``combine_partials``, ``rescale_partial``.
+"""LSE math over partial attention results: ``merge_states``, ``merge_partials``, ``rescale_partial``.
 
 One kernel serves the three. A partial is ``(O [T, H, D], LSE [T, H])`` over a disjoint key set; the kernel reads
 ``N`` LSEs per (token, head) (plus an optional extra partial), forms the global LSE and weights exactly as in
@@ -24,7 +24,7 @@ LSE_DTYPES = (torch.float32,)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class CombineConfig:
+class MergeConfig:
     """``block_elems``: O elements per program (heads per program = block_elems // padded head dim)."""
 
     block_elems: int
@@ -32,11 +32,11 @@ class CombineConfig:
 
 
 # Memory-bound: 1K-element (token, head-block) tiles over 64 threads, two 16-byte loads per thread and partial.
-# H200, 8192 tokens x 32 heads x D=128, fraction of copy bandwidth: merge bf16 0.87, 4-way a2a combine from a
+# H200, 8192 tokens x 32 heads x D=128, fraction of copy bandwidth: merge bf16 0.87, 4-way a2a merge from a
 # packed fp32 buffer + bf16 extra 0.90, rescale 0.82 (4K-element tiles: 0.77 / 0.85 / 0.78).
-GPU_CONFIG = CombineConfig(block_elems=1024, num_warps=2)
+GPU_CONFIG = MergeConfig(block_elems=1024, num_warps=2)
 # The interpreter pays per program: one program per token.
-INTERPRET_CONFIG = CombineConfig(block_elems=1 << 30, num_warps=1)
+INTERPRET_CONFIG = MergeConfig(block_elems=1 << 30, num_warps=1)
 
 
 @triton.jit
@@ -48,7 +48,7 @@ def _sanitized_lse(lse_ptrs, mask):
 
 
 @triton.jit(do_not_specialize=("stride_pln",))  # LSE strides scale with the token count (LSE loads are scalar)
-def combine_kernel(
+def merge_kernel(
     parts_out_ptr, parts_lse_ptr, extra_out_ptr, extra_lse_ptr, out_ptr, lse_out_ptr,
     num_heads, num_parts, o_part_start, num_o_parts,
     stride_pon, stride_pot, stride_poh, stride_pod,
@@ -118,9 +118,9 @@ def combine_kernel(
     tl.store(lse_out_ptr + token * stride_lt + offs_h * stride_lh, lse_total, mask=h_mask)
 
 
-def plan_combine(parts_out, parts_lse, extra_out, extra_lse, out, lse, *, o_part_start: int = 0,
-                 num_o_parts: int | None = None) -> Launch:
-    """The combine kernel prepared for tensors shaped like these (no checks): ``parts_out [N, T, H, D]`` (only parts
+def plan_merge(parts_out, parts_lse, extra_out, extra_lse, out, lse, *, o_part_start: int = 0,
+               num_o_parts: int | None = None) -> Launch:
+    """The merge kernel prepared for tensors shaped like these (no checks): ``parts_out [N, T, H, D]`` (only parts
     ``o_part_start .. o_part_start + num_o_parts - 1`` are read, default all; stride 0 allowed), ``parts_lse
     [N, T, H]``, ``extra_*`` or ``None``, ``out [T, H, D]`` or rank-major ``[R, T, H / R, D]``, ``lse [T, H]``.
     Call it with the same six arguments (``None`` where ``extra_*`` was ``None``)."""
@@ -135,7 +135,7 @@ def plan_combine(parts_out, parts_lse, extra_out, extra_lse, out, lse, *, o_part
     grid = (num_tokens, cdiv(num_heads, block_h)) if num_tokens and num_heads else (0,)
     scalars = (num_heads, num_parts, o_part_start, num_parts if num_o_parts is None else num_o_parts,
                *parts_out.stride(), *parts_lse.stride(), *extra_strides, *head_strides(out, 3), *lse.stride())
-    return Launch(combine_kernel, grid, scalars,
+    return Launch(merge_kernel, grid, scalars,
                   dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_P=next_pow2(num_parts),
                        HAS_EXTRA=has_extra),
                   num_warps=config.num_warps, stand_ins=None if has_extra else {2: 4, 3: 5})
@@ -177,19 +177,19 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
     _check_partial("out_b", out_b, "lse_b", lse_b, device)
     out, lse = _outputs(out, lse, tuple(out_b.shape), out_b.dtype, device)
     parts = (out_a.unsqueeze(0), lse_a.unsqueeze(0), out_b, lse_b, out, lse)
-    plan_combine(*parts)(*parts)
+    plan_merge(*parts)(*parts)
     return out, lse
 
 
-def combine_partials(parts_out, parts_lse, *, out=None, lse=None, extra_out=None, extra_lse=None):
-    """Exact LSE-weighted combination of ``N`` partial results over disjoint key sets.
+def merge_partials(parts_out, parts_lse, *, out=None, lse=None, extra_out=None, extra_lse=None):
+    """Exact LSE-weighted merge of ``N`` partial results over disjoint key sets.
 
     ``parts_out``: ``[N, T, H, D]`` fp16/bf16/fp32, ``parts_lse``: ``[N, T, H]`` float32 (any strides, e.g.
     ``buf[..., :D]`` and ``buf[..., D]`` of one packed ``[N, T, H, D + 1]`` all-to-all buffer). Optionally one more
     partial ``extra_out [T, H, D]`` / ``extra_lse [T, H]`` (the current chunk) joins in the same launch.
     Returns ``(out [T, H, D] in parts_out's dtype by default, lse [T, H] float32)``; all-empty rows give (0, -inf).
 
-    Example: ``o, l = combine_partials(recv[..., :D], recv[..., D], extra_out=o_cur, extra_lse=lse_cur, out=o)``
+    Example: ``o, l = merge_partials(recv[..., :D], recv[..., D], extra_out=o_cur, extra_lse=lse_cur, out=o)``
     """
     device = parts_out.device if isinstance(parts_out, torch.Tensor) else None
     check_kernel_tensor("parts_out", parts_out, ndim=4, device=device)
@@ -205,19 +205,19 @@ def combine_partials(parts_out, parts_lse, *, out=None, lse=None, extra_out=None
         check_shape("extra_out", extra_out, shape)
     out, lse = _outputs(out, lse, shape, parts_out.dtype, device)
     parts = (parts_out, parts_lse, extra_out, extra_lse, out, lse)
-    plan_combine(*parts)(*parts)
+    plan_merge(*parts)(*parts)
     return out, lse
 
 
 def rescale_partial(part_out, lse_all, rank, *, out=None, lse=None):
-    """The ``ag_rs`` combine's local step: scale rank ``rank``'s partial by its share of the global softmax mass.
+    """The ``ag_rs`` merge's local step: scale rank ``rank``'s partial by its share of the global softmax mass.
 
     ``part_out``: ``[T, H, D]`` fp16/bf16/fp32; ``lse_all``: ``[N, T, H]`` float32, every rank's LSE (all-gathered).
     ``out`` may be ``[T, H, D]`` or rank-major ``[R, T, H / R, D]`` (head ``h`` at ``[h // (H / R), t, h % (H / R)]``:
     what a reduce-scatter along dim 0 gives each rank its heads from), any float dtype.
     Returns ``(scaled [T, H, D] float32 by default, lse [T, H] float32)`` with
     ``scaled = part_out * exp(lse_all[rank] - logsumexp(lse_all, 0))`` (exactly 0 where this rank is empty);
-    summing ``scaled`` over ranks (the reduce-scatter) gives the combined output, ``lse`` is the combined LSE.
+    summing ``scaled`` over ranks (the reduce-scatter) gives the merged output, ``lse`` is the merged LSE.
 
     Example: ``scaled, lse = rescale_partial(o_pre, gathered_lse, group.rank_in_group)``
     """
@@ -231,5 +231,5 @@ def rescale_partial(part_out, lse_all, rank, *, out=None, lse=None):
     out, lse = _outputs(out, lse, tuple(part_out.shape), torch.float32, device, rank_major_out=True)
     # Stride 0 over ranks: slot `rank` of this view is part_out, and only that slot is read.
     parts = (part_out.unsqueeze(0).expand(num_ranks, *part_out.shape), lse_all, None, None, out, lse)
-    plan_combine(*parts, o_part_start=rank, num_o_parts=1)(*parts)
+    plan_merge(*parts, o_part_start=rank, num_o_parts=1)(*parts)
     return out, lse

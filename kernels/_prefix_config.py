@@ -1,5 +1,5 @@
-"""The launch constants of ``paged_attention``'s ``tl`` kernel: the tuning table by head size and variant, the
-descriptor and pointer alternatives, and the check of a caller's own ``PagedConfig`` (benchmarks sweep others).
+"""The launch constants of ``prefix_attention``'s ``tl`` kernel: the tuning table by head size and variant, the
+descriptor and pointer alternatives, and the check of a caller's own ``PrefixConfig`` (benchmarks sweep others).
 Each entry's comment names the measurement that chose it."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from dcp_plugin.kernels._mode import INTERPRET
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class PagedConfig:
+class PrefixConfig:
     block_n: int  # KV tokens per tile; split boundaries are multiples of it
     block_m: int  # most rows (query tokens x Q heads of one KV group) per tile
     num_warps: int
     num_stages: int
     tma: bool = False  # on sm_90+, whole tiles of one page through tensor descriptors where the cache allows
-    rows_ahead: bool = False  # with tma: the tiles' descriptor rows read a chunk ahead (_paged_tile.TMA_CHUNK)
+    rows_ahead: bool = False  # with tma: the tiles' descriptor rows read a chunk ahead (_prefix_tile.TMA_CHUNK)
     min_rows: int = 16  # rows a tile has at least (Q heads past the group masked); 64: warpgroup MMAs on sm_90
-    # An fp8 cache's tiles widened to fp16 before their shared-memory round trip (``_paged_tile.widen_fp8``): 0 none
+    # An fp8 cache's tiles widened to fp16 before their shared-memory round trip (``_prefix_tile.widen_fp8``): 0 none
     # (V then reaches P x V a byte at a time), 1 V, 2 K and V. Other caches ignore it.
     fp8_widen: int = 0
     max_registers: int = 0  # a cap on registers per thread (Triton's maxnreg), for more programs per SM; 0: none
@@ -42,48 +42,48 @@ class PagedConfig:
 # the loop (pointer loads' best: 372 / 390); smaller pages (or strides descriptors refuse): ``POINTER_CONFIGS``,
 # 256-row tiles of 64 tokens, eight warps, 375 / 394 over 16-token pages (docs/kernels.md, prefix pass).
 GPU_CONFIGS = {
-    (64, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=3, last_split_merges=True),
-    (64, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=3),
-    (128, True): PagedConfig(block_n=128, block_m=64, num_warps=4, num_stages=3, fp8_widen=1,
-                             last_split_merges=True),
-    (128, False): PagedConfig(block_n=64, block_m=128, num_warps=4, num_stages=2, tma=True, rows_ahead=True),
-    (256, True): PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=2, last_split_merges=True),
-    (256, False): PagedConfig(block_n=64, block_m=64, num_warps=8, num_stages=2),
+    (64, True): PrefixConfig(block_n=64, block_m=64, num_warps=4, num_stages=3, last_split_merges=True),
+    (64, False): PrefixConfig(block_n=64, block_m=128, num_warps=4, num_stages=3),
+    (128, True): PrefixConfig(block_n=128, block_m=64, num_warps=4, num_stages=3, fp8_widen=1,
+                              last_split_merges=True),
+    (128, False): PrefixConfig(block_n=64, block_m=128, num_warps=4, num_stages=2, tma=True, rows_ahead=True),
+    (256, True): PrefixConfig(block_n=64, block_m=64, num_warps=4, num_stages=2, last_split_merges=True),
+    (256, False): PrefixConfig(block_n=64, block_m=64, num_warps=8, num_stages=2),
 }
 # A table entry that asks for tensor descriptors -> the constants for the same work through pointer loads.
-POINTER_CONFIGS = {GPU_CONFIGS[128, False]: PagedConfig(block_n=64, block_m=256, num_warps=8, num_stages=3)}
+POINTER_CONFIGS = {GPU_CONFIGS[128, False]: PrefixConfig(block_n=64, block_m=256, num_warps=8, num_stages=3)}
 # Decode over pages of 64+ tokens, at most 16 Q heads per KV group, bf16/fp16 cache: 64-token descriptor tiles, four
 # stages. H200, 32 Q / 8 KV, 64-token pages: 3,690 / 1,767 GB/s at 8 x 8K / 8 x 1K against 3,001 / 1,658 for the
 # 128-token pointer tiles; with 32 Q heads per KV head those win (2,566 against 2,092 at 32 x 8K); rows read ahead
 # and two warps lose (docs/kernels.md, decode).
 # Capped at 128 registers (135 uncapped: three programs an SM, four capped): 45.7 / 76.3 / 982.9 us at 1 x 32K / 8 x
 # 8K / 128 x 8K against 55.0 / 92.8 / 1,015.0 (32 Q / 8 KV; docs/kernels.md, fp8 decode).
-DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=4, tma=True,
-                                              max_registers=128, last_split_merges=True)}
+DESCRIPTOR_DECODE_CONFIGS = {128: PrefixConfig(block_n=64, block_m=64, num_warps=4, num_stages=4, tma=True,
+                                               max_registers=128, last_split_merges=True)}
 # The same over an fp8 cache: six stages, V widened, 96 registers (four programs an SM, by shared memory). 32 Q / 8
 # KV, 64-token pages: 36.3 / 57.0 / 179.7 / 664.8 us at 1 x 32K / 8 x 8K / 8 x 32K / 128 x 8K against 37.4 / 66.8 /
 # 207.5 / 770.6 for the 128-token pointer tiles (V widened too), 20.3 against 18.5 at 8 x 1K
 # (docs/kernels.md, fp8 decode).
-FP8_DESCRIPTOR_DECODE_CONFIGS = {128: PagedConfig(block_n=64, block_m=64, num_warps=4, num_stages=6, tma=True,
-                                                  fp8_widen=1, max_registers=96, last_split_merges=True)}
-DESCRIPTOR_DECODE_MAX_GROUP = 16
+FP8_DESCRIPTOR_DECODE_CONFIGS = {128: PrefixConfig(block_n=64, block_m=64, num_warps=4, num_stages=6, tma=True,
+                                                   fp8_widen=1, max_registers=96, last_split_merges=True)}
+DESCRIPTOR_DECODE_MAX_KV_GROUP = 16
 # float32 tiles take twice the shared memory: 128-token prefix tiles do not fit (256 KiB of 227).
-GPU_FP32_CONFIGS = {(128, False): PagedConfig(block_n=64, block_m=128, num_warps=8, num_stages=3)}
-INTERPRET_CONFIG = PagedConfig(block_n=32, block_m=32, num_warps=1, num_stages=1)
+GPU_FP32_CONFIGS = {(128, False): PrefixConfig(block_n=64, block_m=128, num_warps=8, num_stages=3)}
+INTERPRET_CONFIG = PrefixConfig(block_n=32, block_m=32, num_warps=1, num_stages=1)
 
 
 
 
 def pick_config(head_dim: int, *, decode: bool, dtype: torch.dtype = torch.bfloat16,
-                config: PagedConfig | None = None) -> PagedConfig:
+                config: PrefixConfig | None = None) -> PrefixConfig:
     """The launch constants a call uses: ``config`` if given (validated), else the table entry for q's dtype."""
     if config is None:
         if INTERPRET:
             return INTERPRET_CONFIG
         key = (min(d for d, _ in GPU_CONFIGS if d >= head_dim), decode)
         return GPU_FP32_CONFIGS.get(key, GPU_CONFIGS[key]) if dtype == torch.float32 else GPU_CONFIGS[key]
-    if not isinstance(config, PagedConfig):
-        raise ValueError(f"config must be a PagedConfig, got {type(config).__name__}")
+    if not isinstance(config, PrefixConfig):
+        raise ValueError(f"config must be a PrefixConfig, got {type(config).__name__}")
     for name in ("block_n", "block_m", "min_rows"):
         value = getattr(config, name)
         if value < 16 or value & (value - 1):

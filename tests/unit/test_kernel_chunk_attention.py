@@ -1,4 +1,4 @@
-"""extend_attention (the DCP current chunk) under the Triton interpreter vs the float64 torch reference."""
+"""chunk_attention (the DCP current chunk) under the Triton interpreter vs the float64 torch reference."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dcp_plugin.kernels import reference
-from dcp_plugin.kernels.extend_attention import ExtendConfig, extend_attention, plan_extend
+from dcp_plugin.kernels.chunk_attention import ChunkConfig, chunk_attention, plan_chunk
 from tests.kernel_checks import assert_matches, poisoned
 
 
@@ -27,11 +27,11 @@ def _check(lengths, *, num_q_heads, num_kv_heads, q_head_start, q_per_kv, kv_hea
     heads = dict(q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start)
     out = poisoned(q.shape, out_dtype or dtype)
     lse = poisoned(q.shape[:2], torch.float32)
-    got_out, got_lse = extend_attention(q, k, v, cu, max(lengths, default=0), scale=head_dim**-0.5, out=out, lse=lse,
-                                        config=config, **heads)
+    got_out, got_lse = chunk_attention(q, k, v, cu, max(lengths, default=0), scale=head_dim**-0.5, out=out, lse=lse,
+                                       config=config, **heads)
     assert got_out is out and got_lse is lse
-    want_out, want_lse = reference.extend_attention(q.double(), k.double(), v.double(), cu, max(lengths, default=0),
-                                                    scale=head_dim**-0.5, **heads)
+    want_out, want_lse = reference.chunk_attention(q.double(), k.double(), v.double(), cu, max(lengths, default=0),
+                                                   scale=head_dim**-0.5, **heads)
     assert_matches(out, want_out, dtype if out_dtype is None else min_precision(dtype, out_dtype), "out")
     assert_matches(lse, want_lse, dtype, "lse")
 
@@ -90,9 +90,9 @@ def test_strided_views_of_packed_buffers():
     lse_buf = poisoned((hq, 2 * num_tokens), torch.float32)
     out, lse = out_buf.transpose(0, 1), lse_buf[:, ::2].t()
     cu = _cu([11, 19])
-    extend_attention(q, k, v, cu, 19, scale=0.1, q_head_start=0, q_per_kv=2, kv_head_start=0, out=out, lse=lse)
-    want_out, want_lse = reference.extend_attention(q.double(), k.double(), v.double(), cu, 19, scale=0.1,
-                                                    q_head_start=0, q_per_kv=2, kv_head_start=0)
+    chunk_attention(q, k, v, cu, 19, scale=0.1, q_head_start=0, q_per_kv=2, kv_head_start=0, out=out, lse=lse)
+    want_out, want_lse = reference.chunk_attention(q.double(), k.double(), v.double(), cu, 19, scale=0.1,
+                                                   q_head_start=0, q_per_kv=2, kv_head_start=0)
     assert_matches(out, want_out, torch.float16, "out")
     assert_matches(lse, want_lse, torch.float32, "lse")
     assert torch.isnan(lse_buf[:, 1::2]).all(), "wrote outside the lse view"
@@ -101,10 +101,10 @@ def test_strided_views_of_packed_buffers():
 def test_config_override():
     q = torch.randn(20, 1, 64)
     cu = _cu([20])
-    out, lse = extend_attention(q, q, q, cu, 20, scale=0.125, q_head_start=0, q_per_kv=1, kv_head_start=0,
-                                config=ExtendConfig(block_m=32, block_n=16, num_warps=1, num_stages=1))
-    want_out, want_lse = reference.extend_attention(q.double(), q.double(), q.double(), cu, 20, scale=0.125,
-                                                    q_head_start=0, q_per_kv=1, kv_head_start=0)
+    out, lse = chunk_attention(q, q, q, cu, 20, scale=0.125, q_head_start=0, q_per_kv=1, kv_head_start=0,
+                               config=ChunkConfig(block_m=32, block_n=16, num_warps=1, num_stages=1))
+    want_out, want_lse = reference.chunk_attention(q.double(), q.double(), q.double(), cu, 20, scale=0.125,
+                                                   q_head_start=0, q_per_kv=1, kv_head_start=0)
     assert_matches(out, want_out, torch.float32, "out")
     assert_matches(lse, want_lse, torch.float32, "lse")
 
@@ -130,35 +130,35 @@ def _args(**overrides):
     (dict(scale=0.0), "scale"),
     (dict(lse=torch.empty(6, 4, dtype=torch.float16)), "lse has dtype"),
     (dict(out=torch.empty(6, 3, 64)), "out must have shape"),
-    (dict(config=ExtendConfig(block_m=16, block_n=32, num_warps=1, num_stages=1)), "block_m is a multiple"),
+    (dict(config=ChunkConfig(block_m=16, block_n=32, num_warps=1, num_stages=1)), "block_m is a multiple"),
 ], ids=["q_head_start", "kv_head_start", "q_per_kv", "k_dim", "v_tokens", "k_dtype", "head_dim", "qsl_dtype",
         "max_query_len_negative", "max_query_len_float", "scale", "lse_dtype", "out_shape", "config"])
 def test_bad_input_raises(overrides, match):
     args = _args(**overrides)
     with pytest.raises(ValueError, match=match):
-        extend_attention(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("query_start_loc"),
-                         args.pop("max_query_len"),
-                         **args)
+        chunk_attention(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("query_start_loc"),
+                        args.pop("max_query_len"),
+                        **args)
 
 
 def test_mixed_step_grid_is_about_one_program_per_row():
     """Sixty one-token rows and one 70-token chunk: about one program per row plus the chunk's blocks (not
     sequences x blocks of the longest), and every row exact."""
-    from dcp_plugin.kernels.extend_attention import plan_extend
+    from dcp_plugin.kernels.chunk_attention import plan_chunk
 
     lengths = [1] * 60 + [70]
     _check(lengths, num_q_heads=4, num_kv_heads=2, q_head_start=0, q_per_kv=2, kv_head_start=0, seed=5)
     q = torch.zeros(sum(lengths), 4, 64)
     kv = torch.zeros(sum(lengths), 2, 64)
-    plan = plan_extend(q, kv, kv, q, torch.zeros(q.shape[:2]), _cu(lengths), 70, scale=0.1, q_head_start=0,
-                       q_per_kv=2, kv_head_start=0)
+    plan = plan_chunk(q, kv, kv, q, torch.zeros(q.shape[:2]), _cu(lengths), 70, scale=0.1, q_head_start=0,
+                      q_per_kv=2, kv_head_start=0)
     block_m, num_tokens = plan.constexprs["BLOCK_M"], sum(lengths)
     assert plan.grid[0] == num_tokens // block_m + len(lengths) + 1  # + 1: the one program of padding rows
     assert plan.grid[0] * 3 < len(lengths) * -(-70 // block_m)
 
 
 # The Hopper selection (K/V through tensor descriptors) and the portable one, both under the interpreter.
-TMA = ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1, tma=True)
+TMA = ChunkConfig(block_m=16, block_n=16, num_warps=1, num_stages=1, tma=True)
 
 
 @pytest.mark.parametrize("lengths", [[1], [5, 0, 17, 1], [63, 40]], ids=["len1", "mixed_with_empty", "two_long"])
@@ -169,11 +169,11 @@ def test_tensor_descriptor_path(lengths, head_map):
            dtype=torch.float16, num_tokens=sum(lengths) + 3, config=TMA)
 
 
-def _use_tma(k: torch.Tensor, config: ExtendConfig) -> bool:
+def _use_tma(k: torch.Tensor, config: ChunkConfig) -> bool:
     q = torch.randn(k.shape[0], 2, k.shape[2])
     cu = torch.tensor([0, k.shape[0]], dtype=torch.int32)
-    launch = plan_extend(q, k, k, torch.empty_like(q), torch.empty(q.shape[:2]), cu, k.shape[0], scale=0.125,
-                         q_head_start=0, q_per_kv=2, kv_head_start=0, config=config)
+    launch = plan_chunk(q, k, k, torch.empty_like(q), torch.empty(q.shape[:2]), cu, k.shape[0], scale=0.125,
+                        q_head_start=0, q_per_kv=2, kv_head_start=0, config=config)
     return launch.constexprs["USE_TMA"] and launch.scratch
 
 
@@ -206,9 +206,9 @@ def _check_masked(lengths, mask, *, num_q_heads=4, num_kv_heads=2, dtype=torch.f
     cu = _cu(lengths)
     heads = dict(q_head_start=0, q_per_kv=num_q_heads // num_kv_heads, kv_head_start=0)
     out, lse = poisoned(q.shape, dtype), poisoned(q.shape[:2], torch.float32)
-    extend_attention(q, k, v, cu, max(lengths), scale=d**-0.5, out=out, lse=lse, chunk_mask=mask, **heads)
-    want_out, want_lse = reference.extend_attention(q.double(), k.double(), v.double(), cu, max(lengths),
-                                                    scale=d**-0.5, chunk_mask=mask, **heads)
+    chunk_attention(q, k, v, cu, max(lengths), scale=d**-0.5, out=out, lse=lse, chunk_mask=mask, **heads)
+    want_out, want_lse = reference.chunk_attention(q.double(), k.double(), v.double(), cu, max(lengths),
+                                                   scale=d**-0.5, chunk_mask=mask, **heads)
     assert_matches(out, want_out, dtype, "out")
     assert_matches(lse, want_lse, dtype, "lse")
     return out, lse
