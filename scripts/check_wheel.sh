@@ -2,7 +2,7 @@
 # Build dcp-triton's sdist and wheel (`python -m build`, as a release would) and check their metadata renders on
 # PyPI (`twine check --strict`), then install the wheel (not editable) into a fresh venv with its declared
 # dependencies (torch linked from .venv, every other one installed by pip), and check what an installed copy must
-# provide: the vllm.general_plugins entry point dcp_triton -> dcp_plugin.plugin:register (which, with no vLLM
+# provide: the vllm.general_plugins entry point dcp_triton -> dcp_plugin.adapters.vllm:register (which, with no vLLM
 # installed there, logs one warning and registers nothing) and the `dcp-triton plan` command.
 # Run from the repository root once .venv has torch (`make check-wheel`; a venv of its own builds, .venv's pip
 # installs into the fresh venv). The wheel is built from a copy of the checkout's tracked files, so nothing here is
@@ -56,19 +56,19 @@ from importlib import metadata
 import dcp_plugin
 import dcp_plugin.adapters.vllm.compat
 import dcp_plugin.kernels
-import dcp_plugin.plugin
+import dcp_plugin.adapters.vllm
 
 site = sysconfig.get_path("purelib")
 for module in (dcp_plugin, dcp_plugin.adapters.vllm.compat, dcp_plugin.kernels):
     assert module.__file__.startswith(site), f"{module.__name__} imported from {module.__file__}, not from {site}"
 (point,) = [p for p in metadata.entry_points(group="vllm.general_plugins") if p.name == "dcp_triton"]
-assert point.value == "dcp_plugin.plugin:register", point.value
-assert point.load() is dcp_plugin.plugin.register
+assert point.value == "dcp_plugin.adapters.vllm:register", point.value
+assert point.load() is dcp_plugin.adapters.vllm.register
 
 records = []
 handler = logging.Handler()
 handler.emit = records.append
-dcp_plugin.plugin.logger.addHandler(handler)
+dcp_plugin.adapters.vllm.logger.addHandler(handler)
 point.load()()  # no vLLM in this venv: one warning, no exception
 assert len(records) == 1 and records[0].getMessage().startswith("dcp-triton: no vLLM is installed"), records
 print(f"check_wheel: entry point {point.name} = {point.value}, dcp_plugin from {site}")

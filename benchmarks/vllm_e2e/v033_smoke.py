@@ -62,7 +62,7 @@ ENGINE_MODULES = (
     "vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner",
     "vllm.model_executor.models.llama", "vllm.v1.attention.backends.triton_attn",
     "vllm.v1.attention.backends.flash_attn", "vllm.v1.sample.sampler", "vllm.compilation.backends",
-    "vllm.platforms.cuda", "dcp_plugin.plugin",
+    "vllm.platforms.cuda", "dcp_plugin.adapters.vllm",
 )
 
 
@@ -76,12 +76,12 @@ def imports() -> None:
         except Exception as exc:  # every failure, not only the first
             failed[name] = f"{type(exc).__name__}: {exc}"
     registered = None
-    if "dcp_plugin.plugin" not in failed:
+    if "dcp_plugin.adapters.vllm" not in failed:
         try:
-            importlib.import_module("dcp_plugin.plugin").register()
+            importlib.import_module("dcp_plugin.adapters.vllm").register()
             registered = True
         except Exception as exc:
-            failed["dcp_plugin.plugin.register()"] = f"{type(exc).__name__}: {exc}"
+            failed["dcp_plugin.adapters.vllm.register()"] = f"{type(exc).__name__}: {exc}"
     from vllm.platforms import current_platform
 
     result(ok=not failed, failed=failed, platform=type(current_platform).__name__, plugin_registered=registered)

@@ -52,6 +52,21 @@ def test_the_core_imports_no_engine(path):
     assert not engines, f"{path.relative_to(ROOT)} imports an engine: {engines}"
 
 
+@pytest.mark.parametrize("path", sources(CORE), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_core_imports_no_adapter(path):
+    adapters = [f"line {line}: {module}" for line, module in imported_modules(path)
+                if module.startswith("dcp_plugin.adapters")]
+    assert not adapters, f"{path.relative_to(ROOT)} imports an adapter: {adapters}; the adapters sit above the core"
+
+
+def test_each_engine_enters_through_its_adapter_packages_register():
+    import tomllib
+
+    points = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert points["vllm.general_plugins"] == {"dcp_triton": "dcp_plugin.adapters.vllm:register"}
+    assert points["sglang.srt.plugins"] == {"dcp_triton": "dcp_plugin.adapters.sglang:register"}
+
+
 @pytest.mark.parametrize("path", sources(CORE) + sources(ADAPTERS), ids=lambda p: str(p.relative_to(ROOT)))
 def test_the_core_and_adapters_use_only_the_kernels_public_names(path):
     private = [f"line {line}: {module}" for line, module in imported_modules(path)
@@ -98,7 +113,8 @@ def loaded_by(*modules: str, code: str = "") -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("module", ["dcp_plugin.kernels.checks", "dcp_plugin.adapters.vllm.registration",
+@pytest.mark.parametrize("module", ["dcp_plugin.kernels.checks", "dcp_plugin.adapters.vllm",
+                                    "dcp_plugin.adapters.sglang", "dcp_plugin.adapters.vllm.registration",
                                     "dcp_plugin.adapters.vllm.support", "dcp_plugin.adapters.sglang.registration",
                                     "dcp_plugin.adapters.sglang.support"])
 def test_plugin_loading_imports_neither_triton_nor_the_kernels(module):

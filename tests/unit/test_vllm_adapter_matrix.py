@@ -27,7 +27,7 @@ from vllm.config.attention import AttentionConfig  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
-from dcp_plugin import plugin  # noqa: E402
+from dcp_plugin.adapters import vllm as vllm_adapter  # noqa: E402
 from dcp_plugin.adapters.vllm import compat, registration  # noqa: E402
 from dcp_plugin.adapters.vllm.backend import DcpTritonBackend  # noqa: E402
 from dcp_plugin.adapters.vllm.builder import DcpTritonMetadataBuilder  # noqa: E402
@@ -46,7 +46,7 @@ UNPICKLE = "import pickle, sys; print('PATH', pickle.loads(open(sys.argv[1], 'rb
 def member():
     """The enum member vLLM resolves for the backend, after the entry point ran as vLLM runs it."""
     (point,) = [p for p in metadata.entry_points(group="vllm.general_plugins") if p.name == "dcp_triton"]
-    assert point.load() is plugin.register
+    assert point.load() is vllm_adapter.register
     point.load()()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 

@@ -95,7 +95,7 @@ def cpu_attn_restored():
 
 def test_entry_point_is_in_the_installed_metadata():
     points = {p.name: p.value for p in metadata.entry_points(group="vllm.general_plugins")}
-    assert points.get("dcp_triton") == "dcp_plugin.plugin:register"
+    assert points.get("dcp_triton") == "dcp_plugin.adapters.vllm:register"
 
 
 def test_load_general_plugins_registers_the_backend(fresh_load):
