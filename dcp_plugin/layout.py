@@ -49,10 +49,14 @@ class HeadLayout:
     num_kv_heads: int
 
     @classmethod
-    def create(cls, *, total_q_heads: int, total_kv_heads: int, parallel: ParallelState,
-               kv_replication: KvReplication = "tp") -> HeadLayout:
+    def create(cls, *, total_q_heads: int, total_kv_heads: int, parallel: ParallelState | None = None,
+               kv_replication: KvReplication = "tp", ps: ParallelState | None = None) -> HeadLayout:
         """Layout of rank ``parallel`` for a model with ``total_q_heads`` / ``total_kv_heads`` heads in all (the
-        fields of the same names; the layout's ``num_q_heads`` / ``num_kv_heads`` are this rank's counts)."""
+        fields of the same names; the layout's ``num_q_heads`` / ``num_kv_heads`` are this rank's counts). ``ps``:
+        ``parallel`` under its former keyword, kept for code outside this repository."""
+        if (parallel is None) == (ps is None):
+            raise ValueError("HeadLayout.create takes the rank's ParallelState once, as parallel= (or ps=)")
+        parallel = parallel if ps is None else ps
         total_q, total_kv = total_q_heads, total_kv_heads
         for name, value in (("total_q_heads", total_q), ("total_kv_heads", total_kv)):
             check_int(name, value, low=1)

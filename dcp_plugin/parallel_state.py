@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from dcp_plugin.kernels.checks import check_int
 
 
+_FORMER = {"attn_dcp_size": "dcp_size", "attn_dcp_rank": "dcp_rank"}  # former field names -> current
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelState:
     """The parallel topology of one worker's attention layers.
@@ -64,8 +67,19 @@ class ParallelState:
 
     @classmethod
     def trivial(cls, **overrides: int) -> ParallelState:
-        """A single-GPU topology (everything 1/0) with optional field overrides."""
-        return cls(**overrides)
+        """A single-GPU topology (everything 1/0) with optional field overrides (``attn_dcp_size`` /
+        ``attn_dcp_rank``, the former names, still mean ``dcp_size`` / ``dcp_rank``)."""
+        return cls(**{_FORMER.get(name, name): value for name, value in overrides.items()})
+
+    @property
+    def attn_dcp_size(self) -> int:
+        """``dcp_size`` under its former name, kept for code outside this repository."""
+        return self.dcp_size
+
+    @property
+    def attn_dcp_rank(self) -> int:
+        """``dcp_rank`` under its former name, kept for code outside this repository."""
+        return self.dcp_rank
 
     @property
     def dcp_group_first_tp_rank(self) -> int:

@@ -46,10 +46,16 @@ _EXPORTS = {
     "plan_write_kv": "dcp_plugin.kernels.write_kv_cache",
     "write_kv_cache": "dcp_plugin.kernels.write_kv_cache",
 }
+# The names the public API had before the current chunk and the prefix pass named their kernels: kept for code
+# outside this repository, each the same function as its new name.
+_FORMER = {"extend_attention": "chunk_attention", "paged_attention": "prefix_attention"}
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
+    if name in _FORMER:
+        value = globals()[name] = __getattr__(_FORMER[name])
+        return value
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value  # later look-ups skip this function

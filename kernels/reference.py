@@ -271,3 +271,8 @@ def _rescale_launch(rank, parts_out, parts_lse, extra_out, extra_lse, out, lse):
 
 def split_capacity(head_dim: int, device) -> int:
     return 0
+
+
+# The former names of the public API (``dcp_plugin.kernels``' ``_FORMER``).
+extend_attention = chunk_attention
+paged_attention = prefix_attention
