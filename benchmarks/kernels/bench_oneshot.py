@@ -7,7 +7,8 @@ bf16), each function is called ``--calls`` times back to back after a warm-up, n
   host_us   time to issue one call (the loop without its final synchronisation; the GPU work of a short call hides
             behind it, so this is the host's share when it exceeds the GPU's)
   gpu_us    the same call replayed from a CUDA graph: the GPU's share
-  syncs     synchronising operations one call makes (``torch.cuda.set_sync_debug_mode``'s warnings)
+  syncs     synchronising operations one call makes (``torch.cuda.set_sync_debug_mode``'s warnings); where the
+            first of them happens (``sync_site``: the innermost frames of the call, raised as an error once)
 
 dcp-triton's call is split into its phases, each timed alone the same way: the argument checks (``checked_outputs``
 for the decode), the plan (``plan_prefix`` / ``plan_chunk``: launch constants, grid, scratch) and the prepared
@@ -16,6 +17,8 @@ own dispatch (``replay_dispatch``: a prepared launch on a Triton release outside
 compiled kernel directly; the summary's ``fallback_host_ratio`` is its host time over the fast replay's). FA3 is
 vLLM's build (``vllm.vllm_flash_attn``, ``fa_version=3``) called with no precomputed scheduler metadata, as a one-shot
 user calls it. The summary's ``oneshot_call_ratio_max`` is dcp-triton's ``call_us`` over FA3's, worst case.
+``--profile`` adds, for dcp-triton's call and each phase, the functions that take its host time (cProfile over one
+loop of calls: ``top_functions``, the ``PROFILE_TOP`` first by own time, microseconds per call).
 
     python benchmarks/kernels/bench_oneshot.py                # a GPU with vLLM's FA3 (run_h200.sh bench after unpack)
     python benchmarks/kernels/bench_oneshot.py --dry-run      # anywhere: the cases
@@ -25,10 +28,13 @@ Results: ``benchmarks/results/kernels_oneshot_<gpu>.json`` (``common.save``).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -40,6 +46,7 @@ CASES = {
     "prefill-1x1k": dict(kind="prefill", reqs=1, context=1024, q_heads=32, kv_heads=8, head_dim=128, page=64),
 }
 WARMUP_CALLS = 20
+PROFILE_TOP = 15
 
 
 def inputs(case: dict, device: str = "cuda", dtype=None):
@@ -129,9 +136,10 @@ def fa3_call(case: dict, t: dict):
                                           return_softmax_lse=True, fa_version=3)
 
 
-def timed(fn, calls: int) -> dict:
+def timed(fn, calls: int, *, profile: bool = False) -> dict:
     """``call_us``, ``host_us`` (medians of 5 loops of ``calls``), ``gpu_us`` (one call in a CUDA graph, replayed),
-    ``syncs`` (synchronising operations of one call)."""
+    ``syncs`` (synchronising operations of one call) and ``sync_site`` (where the first happens); with ``profile``
+    the call's top functions by host time (``top_functions``)."""
     import torch
 
     for _ in range(WARMUP_CALLS):
@@ -155,6 +163,10 @@ def timed(fn, calls: int) -> dict:
     torch.cuda.synchronize()
     result = dict(call_us=statistics.median(loops) * 1e6, host_us=statistics.median(issue) * 1e6,
                   syncs=sum("synchroniz" in str(w.message).lower() for w in caught))
+    if result["syncs"]:
+        result["sync_site"] = sync_site(fn)
+    if profile:
+        result["top_functions"] = top_functions(fn, calls)
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -164,6 +176,36 @@ def timed(fn, calls: int) -> dict:
         result["gpu_us"] = None
         result["graph_error"] = f"{type(error).__name__}: {error}"[:200]
     return result
+
+
+def sync_site(fn) -> list[str]:
+    """The innermost frames (``file:line function``) of ``fn``'s first synchronising operation, or [] if none."""
+    import torch
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except RuntimeError as error:
+        frames = traceback.extract_tb(error.__traceback__)
+        return [f"{'/'.join(Path(f.filename).parts[-2:])}:{f.lineno} {f.name}" for f in frames[-6:]]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    return []
+
+
+def top_functions(fn, calls: int) -> list[dict]:
+    """cProfile over ``calls`` calls of ``fn``: the ``PROFILE_TOP`` functions by own time, microseconds per call."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (prim calls, calls, own s, cumulative s, callers)}
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:PROFILE_TOP]
+    return [dict(function=f"{'/'.join(Path(file).parts[-2:])}:{line} {name}", own_us=round(own / calls * 1e6, 2),
+                 cum_us=round(cum / calls * 1e6, 2), calls=round(n / calls, 2))
+            for (file, line, name), (_, n, own, cum, _) in rows]
 
 
 def summarise(rows: dict[str, dict]) -> dict:
@@ -182,6 +224,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200, help="calls per timed loop (default 200)")
     parser.add_argument("--only", default=",".join(CASES), help=f"cases, comma-separated (of {', '.join(CASES)})")
     parser.add_argument("--dry-run", action="store_true", help="print the cases; time nothing")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile each dcp-triton phase's host time (cProfile; top functions)")
     args = parser.parse_args()
     chosen = [c.strip() for c in args.only.split(",") if c.strip()]
     unknown = [c for c in chosen if c not in CASES]
@@ -198,9 +242,9 @@ def main() -> None:
     rows = {}
     for name in chosen:
         case, tensors = CASES[name], inputs(CASES[name])
-        row = {"dcp-triton": timed(ours(case, tensors)["call"], args.calls),
-               "dcp-triton phases": {phase: timed(fn, args.calls) for phase, fn in ours(case, tensors).items()
-                                     if phase not in ("call", "planned")}}
+        row = {"dcp-triton": timed(ours(case, tensors)["call"], args.calls, profile=args.profile),
+               "dcp-triton phases": {phase: timed(fn, args.calls, profile=args.profile)
+                                     for phase, fn in ours(case, tensors).items() if phase not in ("call", "planned")}}
         peer = fa3_call(case, tensors)
         row["fa3"] = None if peer is None else timed(peer, args.calls)
         rows[name] = row

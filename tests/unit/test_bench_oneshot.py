@@ -62,3 +62,20 @@ def test_the_dispatch_replay_leaves_the_fast_launch_as_it_was():
     before = _launch.FAST_LAUNCH
     bench.through_dispatch(lambda *args: calls.append((_launch.FAST_LAUNCH, args)), 1, 2)
     assert calls == [(False, (1, 2))] and _launch.FAST_LAUNCH is before
+
+
+def _busy(n: int) -> int:
+    total = 0
+    for i in range(n):
+        total += i * i
+    return total
+
+
+def test_the_profile_names_the_function_that_takes_the_time():
+    """``--profile``'s table: per call, the function that does the work comes first with its call count; a
+    function called twice a call counts 2."""
+    top = bench.top_functions(lambda: (_busy(20000), _busy(10)), calls=5)
+    first = next(row for row in top if row["function"].endswith(" _busy"))
+    assert top[0] is first and first["calls"] == 2 and first["own_us"] > 0
+    assert first["cum_us"] >= first["own_us"]
+    assert first["function"].startswith("unit/test_bench_oneshot.py:")
