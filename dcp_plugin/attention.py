@@ -141,11 +141,12 @@ class DcpAttention:
         shards within the same bound: ``decode_signature``) replays that plan, launches prepared and kernels bound;
         any other step gets a new one."""
         signature = decode_signature(batch) if batch.max_query_len == 1 else None
+        warm_up = every_variant_wanted()  # its plans hold and run extra variants: planned afresh, not kept
         last = self._last_decode
-        if signature is not None and last is not None and last[0] == key and last[1] == signature:
+        if signature is not None and last is not None and last[0] == key and last[1] == signature and not warm_up:
             return last[2]
         plan = self._plan(q, k, v, key_cache, value_cache, batch, out, write_kv)
-        if signature is not None and not every_variant_wanted():  # a warm-up's plan runs extra variants: not kept
+        if signature is not None and not warm_up:
             self._last_decode = (key, signature, plan)
         return plan
 

@@ -270,11 +270,42 @@ class Launch:
                 c.run(*self.grid, _current_stream(self._device), c.function, c.packed_metadata, None, None, None,
                       *pointers, *self._tail)
                 return
+        variant = None
+        if FAST_LAUNCH and self._compiled is None:  # a first call: another launch may have compiled this variant
+            variant = self._variant(tensors)
+            shared = _COMPILED.get(variant)
+            if shared is not None and not _launch_hooks():
+                self._keep(shared, variant[-1], tensors)
+                shared.run(*self.grid, _current_stream(self._device), shared.function, shared.packed_metadata, None,
+                           None, None, *[t.data_ptr() for t in tensors], *self._tail)
+                return
         compiled = self.kernel[self.grid](*tensors, *self.scalars, **self.constexprs, **self.options)
-        if FAST_LAUNCH and self._compiled is None and hasattr(compiled, "packed_metadata"):
-            self._compiled, self._aligned = compiled, _alignment([t.data_ptr() for t in tensors])
-            self._all_aligned = self._aligned == (1 << len(tensors)) - 1
-            self._device = tensors[0].device.index
+        if variant is not None and self._compiled is None and hasattr(compiled, "packed_metadata"):
+            self._keep(compiled, variant[-1], tensors)
+            if len(_COMPILED) >= COMPILED_KEPT:
+                del _COMPILED[next(iter(_COMPILED))]  # the oldest
+            _COMPILED[variant] = compiled
+
+    def _keep(self, compiled, aligned: int, tensors) -> None:
+        """Replay ``compiled`` from now on for tensors of alignment pattern ``aligned``."""
+        self._compiled, self._aligned = compiled, aligned
+        self._all_aligned = aligned == (1 << len(tensors)) - 1
+        self._device = tensors[0].device.index
+
+    def _variant(self, tensors) -> tuple:
+        """What Triton's dispatch specializes this launch's kernel on for ``tensors``: the kernel, every scalar and
+        constexpr by type and value, the options, the device, each tensor's dtype and the alignment pattern (last)."""
+        return (self.kernel, tuple((type(v), v) for v in self.scalars),
+                tuple((name, type(v), v) for name, v in self.constexprs.items()), tuple(self.options.items()),
+                tensors[0].device.index, tuple(t.dtype for t in tensors), _alignment([t.data_ptr() for t in tensors]))
+
+
+# The compiled kernels that launches kept, by ``Launch._variant``: a launch prepared with the scalars, constexprs and
+# options of an earlier one (another step's plan of the same shapes, a repeated one-shot call) replays that one's
+# kernel from its first call, as Triton's dispatch would pick it for the same arguments, without dispatching. The
+# oldest is dropped past COMPILED_KEPT (keys differ in the scalars: token counts, lengths).
+COMPILED_KEPT = 4096
+_COMPILED: dict[tuple, object] = {}
 
 
 # Triton's global scratch (device-side tensor descriptors: a few hundred bytes per program), one buffer per stream,

@@ -301,8 +301,8 @@ def split_outputs(q, out, lse, num_splits: int, split_buffer, *, balanced: bool 
 
 def with_merge(stage1: Launch, part_out, part_lse, out, lse, num_splits: int, split_counts=None,
                stage1_extra: tuple = (), narrow: bool | None = None, stage1_other: tuple | None = None) -> PrefixLaunch:
-    """Stage 1 and, with several splits, the merge of its partials (and the merge's other variant, for the
-    warm-up); ``split_counts`` for a balanced decode (the merge reads them). ``narrow``: the merge's variant
+    """Stage 1 and, with several splits, the merge of its partials (and, planned inside ``every_variant()``, the
+    warm-up, the merge's other variant); ``split_counts`` for a balanced decode (the merge reads them). ``narrow``: the merge's variant
     (None: by the split count, ``merge_tiling``)."""
     if num_splits == 1:
         return PrefixLaunch(stage1, None, part_out, part_lse, num_splits, stage1_extra=stage1_extra)
@@ -312,7 +312,7 @@ def with_merge(stage1: Launch, part_out, part_lse, out, lse, num_splits: int, sp
     elif narrow is None:
         narrow = num_splits <= NARROW_SPLITS
     merge = plan_split_merge(part_out, part_lse, out, lse, counted=counted, narrow=narrow)
-    other = None if INTERPRET else plan_split_merge(part_out, part_lse, out, lse, counted=counted,
-                                                    narrow=not narrow)
+    other = plan_split_merge(part_out, part_lse, out, lse, counted=counted, narrow=not narrow) \
+        if every_variant_wanted() and not INTERPRET else None  # planned for the warm-up only
     return PrefixLaunch(stage1, merge, part_out, part_lse, num_splits, merge_other=other, split_counts=split_counts,
                         stage1_extra=stage1_extra, stage1_other=stage1_other)

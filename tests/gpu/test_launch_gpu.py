@@ -75,3 +75,26 @@ def test_a_misaligned_tensor_goes_back_through_the_dispatch():
         plan(*args, out, lse)
         assert_matches(out, reference_out(args)[0], torch.bfloat16, "after an alignment change")
     assert plan.stage1._compiled is compiled, "the kept kernel must stay the one compiled for aligned tensors"
+
+
+def test_a_plan_built_again_replays_the_first_plans_kernels_from_its_first_call(monkeypatch):
+    """A second plan of the same shapes (a repeated one-shot call, the next step's plan) replays, from its first
+    call, the kernels the first plan's dispatch returned (``_launch._COMPILED``): no dispatch, the same answer."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    args = layer(gen, 7, 500)
+    out, lse = poisoned((7, HQ, D), torch.bfloat16, "cuda"), poisoned((7, HQ), torch.float32, "cuda")
+    first = plan_for(args, out, lse, splits=4)
+    first(*args, out, lse)
+    want = out.clone()
+
+    def no_dispatch(*_, **__):
+        raise AssertionError("a plan built again went through Triton's dispatch")
+
+    second = plan_for(args, out, lse, splits=4)
+    for launch in (second.stage1, second.merge):  # kernel[grid](...) ends in the JIT function's run: its dispatch
+        monkeypatch.setattr(launch.kernel, "run", no_dispatch)
+    out.fill_(float("nan"))
+    second(*args, out, lse)
+    assert second.stage1._compiled is first.stage1._compiled and second.merge._compiled is first.merge._compiled
+    assert torch.equal(out, want)
+    assert_matches(out, reference_out(args)[0], torch.bfloat16, "a plan built again")

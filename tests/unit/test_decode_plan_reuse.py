@@ -80,3 +80,22 @@ def test_a_warm_up_keeps_no_decode_plan():
     warm_up(attn, query=torch.zeros(5, 4, 16), key=kv, value=kv, key_cache=state.key_cache,
             value_cache=state.value_cache, output=torch.zeros(5, 4, 16))
     assert made and attn._last_decode is None
+
+
+def test_a_warm_up_step_plans_afresh_even_where_a_serving_plan_matches():
+    """A plan made outside the warm-up holds only the variants its own sizes pick; a warm-up step like it (an
+    engine's dummy run came first) must plan afresh, inside ``every_variant``, so every variant compiles."""
+    from dcp_plugin.kernels import every_variant
+
+    case = Case(name="rewarm", q_heads=4, kv_heads=2, head_dim=16, requests=((5, 1), (7, 1)), decode_steps=2, seed=4)
+    state = RankState.create(case, World(case), 1, 0)
+    attn = DcpAttention(heads=state.heads, tokens=state.tokens, group=None, scale=0.25, kernel_impl="reference")
+    made = counted(attn)
+    engine = EngineBuffers(state, 2)
+    q, k, v, batch, _ = engine.decode_step()
+    attn.forward(q, k, v, state.key_cache, state.value_cache, batch)
+    kept = attn._last_decode
+    q, k, v, batch, _ = engine.decode_step()  # the same buffers and bound: a serving step replays the plan
+    with every_variant():
+        attn.forward(q, k, v, state.key_cache, state.value_cache, batch)
+    assert len(made) == 2 and attn._last_decode is kept

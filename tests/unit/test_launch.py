@@ -106,6 +106,41 @@ def test_a_kept_kernel_replays_only_for_the_alignment_it_was_compiled_for(monkey
     assert calls == 2 and replayed == [(shifted[2].data_ptr(), aligned[3].data_ptr())]
 
 
+def test_a_new_launch_replays_the_kernel_an_equal_launch_compiled_and_nothing_else(monkeypatch):
+    # A plan built again for the same shapes (a repeated one-shot call, the next step's plan) replays from its first
+    # call the kernel an earlier launch compiled, when everything Triton's dispatch specializes on is equal: scalars
+    # and constexprs by name, type and value, options, tensor dtypes and alignment. Anything else dispatches.
+    monkeypatch.setattr(_launch, "FAST_LAUNCH", True)
+    monkeypatch.setattr(_launch, "_current_stream", lambda device: 0)
+    monkeypatch.setattr(_launch, "_launch_hooks", lambda: False)
+    monkeypatch.setattr(_launch, "_COMPILED", {})
+    kernel = _CompilingKernel()
+    memory = [torch.zeros(256, dtype=torch.int8) for _ in range(2)]
+    aligned, shifted = [m[:64] for m in memory], [m[8:72] for m in memory]
+    halves = [m[:32].view(torch.float16) for m in memory]  # aligned too, another dtype
+
+    def launch(tensors, scalars=(5,), constexprs=(("A", 1), ("B", 0)), warps=4):
+        Launch(kernel, (2,), scalars, dict(constexprs), num_warps=warps)(*tensors)
+
+    launch(aligned)
+    assert len(kernel.calls) == 1 and not kernel.compiled.replays
+    launch(aligned)  # equal: no dispatch
+    assert len(kernel.calls) == 1 and len(kernel.compiled.replays) == 1
+    assert kernel.compiled.replays[0][9:] == (*[t.data_ptr() for t in aligned], 5, 1, 0)
+    for different in (dict(tensors=shifted), dict(tensors=halves), dict(tensors=aligned, scalars=(6,)),
+                      dict(tensors=aligned, scalars=(5.0,)), dict(tensors=aligned, constexprs=(("A", True), ("B", 0))),
+                      dict(tensors=aligned, constexprs=(("B", 1), ("A", 0))), dict(tensors=aligned, warps=8)):
+        dispatched = len(kernel.calls)
+        launch(**different)
+        assert len(kernel.calls) == dispatched + 1, f"{different}: replayed another launch's kernel"
+        launch(**different)  # now compiled for it: equal again
+        assert len(kernel.calls) == dispatched + 1, f"{different}: dispatched again"
+    monkeypatch.setattr(_launch, "_launch_hooks", lambda: True)  # a profiler wants every launch's metadata
+    dispatched = len(kernel.calls)
+    launch(aligned)
+    assert len(kernel.calls) == dispatched + 1
+
+
 @pytest.mark.parametrize("env, want", [({"DCP_TRITON_FAST_LAUNCH": "yes"}, "DCP_TRITON_FAST_LAUNCH must be 1"),
                                        ({"TRITON_INTERPRET": "true"}, "interpret True fast False"),
                                        ({"TRITON_INTERPRET": "on", "DCP_TRITON_FAST_LAUNCH": "0"},
