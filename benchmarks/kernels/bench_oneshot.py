@@ -15,12 +15,14 @@ for the decode), the plan (``plan_prefix`` / ``plan_chunk``: launch constants, g
 launch's replay (what the DCP core pays per layer inside vLLM and SGLang), and that replay once more through Triton's
 own dispatch (``replay_dispatch``: a prepared launch on a Triton release outside the fast launch's, which replays the
 compiled kernel directly; the summary's ``fallback_host_ratio`` is its host time over the fast replay's). FA3 is
-vLLM's build (``vllm.vllm_flash_attn``, ``fa_version=3``) called with no precomputed scheduler metadata, as a one-shot
-user calls it. The summary's ``oneshot_call_ratio_max`` is dcp-triton's ``call_us`` over FA3's, worst case.
+vLLM's build (``vllm.vllm_flash_attn``, ``fa_version=3``), else SGLang's (``sgl_kernel.flash_attn``), called with no
+precomputed scheduler metadata, as a one-shot user calls it (the row's ``source`` says which). The summary's
+``oneshot_call_ratio_max`` is dcp-triton's ``call_us`` over FA3's, worst case.
 ``--profile`` adds, for dcp-triton's call and each phase, the functions that take its host time (cProfile over one
 loop of calls: ``top_functions``, the ``PROFILE_TOP`` first by own time, microseconds per call).
 
     python benchmarks/kernels/bench_oneshot.py                # a GPU with vLLM's FA3 (run_h200.sh bench after unpack)
+                                                              # or SGLang's (run_h200_sglang.sh bench after install)
     python benchmarks/kernels/bench_oneshot.py --dry-run      # anywhere: the cases
 Results: ``benchmarks/results/kernels_oneshot_<gpu>.json`` (``common.save``).
 """
@@ -115,25 +117,47 @@ def ours(case: dict, t: dict) -> dict:
 
 
 def fa3_call(case: dict, t: dict):
-    """FA3's function as a one-shot user calls it (no scheduler metadata computed ahead), or None without it."""
+    """``(source, call)``: FA3's function as a one-shot user calls it (no scheduler metadata computed ahead), from
+    vLLM's build (``vllm.vllm_flash_attn``) or else SGLang's (``sgl_kernel.flash_attn``, the same FA3); None
+    without either."""
+    scale, n = case["head_dim"] ** -0.5, case["context"]
+    decode = case["kind"] == "decode"
     try:
         from vllm.vllm_flash_attn import flash_attn_varlen_func
         from vllm.vllm_flash_attn.flash_attn_interface import is_fa_version_supported
-    except Exception:  # noqa: BLE001 - no vLLM FA3 build here: the peer is absent, not an error
-        return None
+    except Exception:  # noqa: BLE001 - no vLLM FA3 build here: SGLang's, if any
+        return sglang_fa3_call(case, t)
     if not is_fa_version_supported(3):
+        return None
+    if decode:
+        lens, qsl = t["kv_lens"], t["query_start_loc"]
+        return "vllm.vllm_flash_attn", lambda: flash_attn_varlen_func(
+            t["q"], t["key_cache"], t["value_cache"], max_seqlen_q=1, cu_seqlens_q=qsl, max_seqlen_k=n, seqused_k=lens,
+            softmax_scale=scale, causal=True, block_table=t["block_table"], return_softmax_lse=True, fa_version=3)
+    qsl = t["query_start_loc"]
+    return "vllm.vllm_flash_attn", lambda: flash_attn_varlen_func(
+        t["q"], t["k"], t["v"], max_seqlen_q=n, cu_seqlens_q=qsl, max_seqlen_k=n, cu_seqlens_k=qsl,
+        softmax_scale=scale, causal=True, return_softmax_lse=True, fa_version=3)
+
+
+def sglang_fa3_call(case: dict, t: dict):
+    """SGLang's FA3 (``sgl_kernel.flash_attn``) called as SGLang's ``fa3`` backend calls it, or None without it."""
+    try:
+        from sgl_kernel.flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache, is_fa3_supported
+    except Exception:  # noqa: BLE001 - no SGLang FA3 build here: the peer is absent, not an error
+        return None
+    if not is_fa3_supported():
         return None
     scale, n = case["head_dim"] ** -0.5, case["context"]
     if case["kind"] == "decode":
-        lens, qsl = t["kv_lens"], t["query_start_loc"]
-        return lambda: flash_attn_varlen_func(t["q"], t["key_cache"], t["value_cache"], max_seqlen_q=1,
-                                              cu_seqlens_q=qsl, max_seqlen_k=n, seqused_k=lens, softmax_scale=scale,
-                                              causal=True, block_table=t["block_table"], return_softmax_lse=True,
-                                              fa_version=3)
+        return "sgl_kernel.flash_attn", lambda: flash_attn_with_kvcache(
+            t["q"], t["key_cache"], t["value_cache"], cache_seqlens=t["kv_lens"], page_table=t["block_table"],
+            cu_seqlens_q=t["query_start_loc"], max_seqlen_q=1, softmax_scale=scale, causal=True,
+            return_softmax_lse=True)
     qsl = t["query_start_loc"]
-    return lambda: flash_attn_varlen_func(t["q"], t["k"], t["v"], max_seqlen_q=n, cu_seqlens_q=qsl, max_seqlen_k=n,
-                                          cu_seqlens_k=qsl, softmax_scale=scale, causal=True,
-                                          return_softmax_lse=True, fa_version=3)
+    return "sgl_kernel.flash_attn", lambda: flash_attn_varlen_func(
+        t["q"], t["k"], t["v"], cu_seqlens_q=qsl, cu_seqlens_k=qsl, max_seqlen_q=n, max_seqlen_k=n,
+        softmax_scale=scale, causal=True, return_softmax_lse=True)
 
 
 def timed(fn, calls: int, *, profile: bool = False) -> dict:
@@ -212,7 +236,7 @@ def summarise(rows: dict[str, dict]) -> dict:
     """Per case dcp-triton's ``call_us`` over FA3's; the worst is ``oneshot_call_ratio_max`` (None without FA3). Per
     case the prepared launch's host time through Triton's dispatch over the fast replay's (``fallback_host_ratio``)."""
     ratios = {name: round(row["dcp-triton"]["call_us"] / row["fa3"]["call_us"], 2) for name, row in rows.items()
-              if row.get("fa3")}
+              if "call_us" in (row.get("fa3") or {})}
     fallback = {name: round(phases["replay_dispatch"]["host_us"] / phases["replay"]["host_us"], 2)
                 for name, row in rows.items() if "replay_dispatch" in (phases := row.get("dcp-triton phases") or {})}
     return dict(call_ratio=ratios, oneshot_call_ratio_max=max(ratios.values()) if ratios else None,
@@ -246,7 +270,10 @@ def main() -> None:
                "dcp-triton phases": {phase: timed(fn, args.calls, profile=args.profile)
                                      for phase, fn in ours(case, tensors).items() if phase not in ("call", "planned")}}
         peer = fa3_call(case, tensors)
-        row["fa3"] = None if peer is None else timed(peer, args.calls)
+        try:
+            row["fa3"] = None if peer is None else dict(timed(peer[1], args.calls), source=peer[0])
+        except Exception as error:  # noqa: BLE001 - a peer that fails is reported, dcp-triton's rows kept
+            row["fa3"] = dict(source=peer[0], error=f"{type(error).__name__}: {error}"[:300])
         rows[name] = row
         print(name, json.dumps(row, indent=1), flush=True)
     summary = dict(summarise(rows), gpu=common.gpu_name())

@@ -48,7 +48,8 @@ def test_the_call_and_the_prepared_launch_give_the_reference_kernels_answer():
 def test_the_summary_takes_the_worst_case_against_fa3():
     rows = {"decode": {"dcp-triton": {"call_us": 30.0}, "fa3": {"call_us": 20.0}},
             "prefill": {"dcp-triton": {"call_us": 50.0}, "fa3": {"call_us": 40.0}},
-            "other": {"dcp-triton": {"call_us": 9.0}, "fa3": None}}
+            "other": {"dcp-triton": {"call_us": 9.0}, "fa3": None},
+            "failed": {"dcp-triton": {"call_us": 9.0}, "fa3": {"source": "x", "error": "RuntimeError: no"}}}
     rows["decode"]["dcp-triton phases"] = {"replay": {"host_us": 4.0}, "replay_dispatch": {"host_us": 10.0}}
     assert bench.summarise(rows) == {"call_ratio": {"decode": 1.5, "prefill": 1.25}, "oneshot_call_ratio_max": 1.5,
                                      "fallback_host_ratio": {"decode": 2.5}}
