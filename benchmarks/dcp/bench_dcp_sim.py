@@ -25,7 +25,7 @@ from common import RESULTS, gpu_name, graph_ms, save  # noqa: E402
 import dcp_plugin as dp  # noqa: E402  (first: the repository root below must not shadow the installed package)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.dcp_harness import ShapeOnlyGroup  # noqa: E402  (collectives as local copies of the right shapes)
+from tests.helpers.dcp_harness import ShapeOnlyGroup  # noqa: E402  (collectives as local copies of the right shapes)
 
 DTYPE = torch.bfloat16
 HEAD_DIM = 128

@@ -1,7 +1,7 @@
 """Correctness part of multi_gpu_dcp.py: DCP attention over real process groups vs single-device attention.
 
 The sequences, every rank's sharded paged cache (shuffled pages, NaN where nothing was written) and the float64
-causal reference are the test suite's own (``tests/dcp_harness.py``): every rank derives the same sequences from a
+causal reference are the test suite's own (``tests/helpers/dcp_harness.py``): every rank derives the same sequences from a
 case's seed and runs ``DcpAttention`` over its DCP subgroup. The outputs of all ranks are gathered with plain
 ``torch.distributed`` (every rank holds different Q heads, so together they hold all of them) and rank 0 compares
 them with the reference; this module adds the cases of a multi-GPU run and its JSON report.
@@ -24,8 +24,8 @@ import torch.distributed as dist
 import dcp_plugin as dp  # first: the repository root below must not shadow the installed package
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests import dcp_harness as harness  # noqa: E402
-from tests.kernel_checks import TOLERANCES  # noqa: E402
+from tests.helpers import dcp_harness as harness  # noqa: E402
+from tests.helpers.kernel_checks import TOLERANCES  # noqa: E402
 
 COMMS = ("ag_rs", "a2a")
 LAYOUTS = ("tp", "replicated")

@@ -22,8 +22,8 @@ from dcp_plugin.kernels.chunk_attention import chunk_attention_kernel
 from dcp_plugin.kernels.prefix_attention import prefix_attention_kernel, split_merge_kernel
 from dcp_plugin.kernels.write_kv_cache import write_kv_cache_kernel
 from dcp_plugin.warmup import warm_up
-from tests.dcp_harness import Case, RankState, ThreadGroup, World, causal_attention_f64, run_threads, serial
-from tests.kernel_checks import assert_matches, gluon_kernels
+from tests.helpers.dcp_harness import Case, RankState, ThreadGroup, World, causal_attention_f64, run_threads, serial
+from tests.helpers.kernel_checks import assert_matches, gluon_kernels
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -231,8 +231,8 @@ def test_one_kv_head_compiles_nothing_after_warm_up():
 def test_draft_tree_verify_steps_compile_nothing_after_a_warm_up_for_trees():
     """An engine that verifies draft trees warms up with ``trees=True``: its verify steps (the current chunk under
     the batch's chunk_mask, beside decodes and chunks) then compile nothing."""
-    from tests.dcp_harness import tree_attention_f64
-    from tests.verify_steps import next_step, step_masks, verify_case
+    from tests.helpers.dcp_harness import tree_attention_f64
+    from tests.helpers.verify_steps import next_step, step_masks, verify_case
 
     case = verify_case("warm-trees", "decodes-first", seed=4, head_dim=128, dtype="bfloat16", kernel_impl="triton",
                        device="cuda", trees=True, q_heads=32, kv_heads=8, kv_replication="replicated")

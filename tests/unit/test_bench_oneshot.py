@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from dcp_plugin.kernels import reference
-from tests.kernel_checks import assert_matches
+from tests.helpers.kernel_checks import assert_matches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "kernels"))
 import bench_oneshot as bench  # noqa: E402

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from dcp_plugin import DcpAttention
-from tests.dcp_harness import (
+from tests.helpers.dcp_harness import (
     Case, RankState, ThreadGroup, World, causal_attention_f64, run_threads, serial,
 )
-from tests.kernel_checks import assert_matches
+from tests.helpers.kernel_checks import assert_matches
 
 N = 4
 FRESH = ((0, 5), (0, 1), (0, 3))  # no cached prefix anywhere: the current chunk is the whole answer

@@ -15,10 +15,10 @@ from dcp_plugin.kernels import reference
 from dcp_plugin.step_plan import A2aPlan, AgRsPlan, ChunkOnlyPlan, SingleRankPlan
 from dcp_plugin.warmup import STEPS, warm_up
 from dcp_plugin.workspace import packed_width, unpack
-from tests.dcp_harness import (
+from tests.helpers.dcp_harness import (
     Case, RankState, ShapeOnlyGroup, ThreadGroup, World, causal_attention_f64, run_threads, serial,
 )
-from tests.kernel_checks import assert_matches
+from tests.helpers.kernel_checks import assert_matches
 
 MIXED = ((0, 5), (9, 1), (14, 4), (2, 2), (30, 1))
 

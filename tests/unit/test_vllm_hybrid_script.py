@@ -11,7 +11,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e"
 sys.path.insert(0, str(BENCH))
 import vllm_hybrid_gpu as bench  # noqa: E402
-from tests.vllm_checks import script_output  # noqa: E402
+from tests.helpers.vllm_checks import script_output  # noqa: E402
 
 
 def cli(*args: str) -> list[str]:

@@ -13,7 +13,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e"
 sys.path.insert(0, str(BENCH))
 import vllm_e2e_engine as engine  # noqa: E402  (the job process's script: its spec_decode task)
 import vllm_spec_dcp as bench  # noqa: E402
-from tests.vllm_checks import script_output  # noqa: E402
+from tests.helpers.vllm_checks import script_output  # noqa: E402
 
 
 def cli(*args: str) -> list[str]:

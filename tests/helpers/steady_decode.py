@@ -9,8 +9,8 @@ import torch
 
 from dcp_plugin import DcpAttention, DcpBatch, DcpBatchBuffers
 from dcp_plugin.step_plan import decode_bound
-from tests.dcp_harness import Case, RankState, ThreadGroup, World, causal_attention_f64, serial
-from tests.kernel_checks import assert_matches
+from tests.helpers.dcp_harness import Case, RankState, ThreadGroup, World, causal_attention_f64, serial
+from tests.helpers.kernel_checks import assert_matches
 
 
 class EngineBuffers:

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from dcp_plugin import DcpAttention, DcpBatch, HeadLayout, ParallelState, TokenLayout
-from tests import kernel_checks
-from tests.kernel_checks import assert_matches
+from tests.helpers import kernel_checks
+from tests.helpers.kernel_checks import assert_matches
 
 @dataclass(frozen=True)
 class Case:

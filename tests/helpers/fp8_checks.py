@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from dcp_plugin import DcpAttention
-from tests.dcp_harness import Case, RankState, ThreadGroup, World, causal_attention_f64, run_threads, serial
-from tests.kernel_checks import assert_matches
+from tests.helpers.dcp_harness import Case, RankState, ThreadGroup, World, causal_attention_f64, run_threads, serial
+from tests.helpers.kernel_checks import assert_matches
 
 
 def fp8_round_trip(world: World, dtype: torch.dtype, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from dcp_plugin import DcpAttention
-from tests.dcp_harness import Case, RankState, World, causal_attention_f64, serial, tree_attention_f64
-from tests.kernel_checks import assert_matches
+from tests.helpers.dcp_harness import Case, RankState, World, causal_attention_f64, serial, tree_attention_f64
+from tests.helpers.kernel_checks import assert_matches
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 TINY_LLAMA = dict(
     hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -122,7 +122,7 @@ def generate_side_by_side(tmp: Path, runs: dict[str, tuple[Path, list[str]]]) ->
     caller with the log's end."""
     import subprocess
 
-    runner = Path(__file__).parent / "integration" / "vllm_generate.py"
+    runner = Path(__file__).parents[1] / "integration" / "vllm_generate.py"
     env = {k: v for k, v in os.environ.items() if k not in ("DCP_TRITON_CPU", "DCP_TRITON_KERNELS")}
     env.update(HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     procs = {}
