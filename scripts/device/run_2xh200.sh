@@ -54,7 +54,7 @@ case "$stage" in
     tests=(tests/gpu/test_launch_gpu.py tests/gpu/test_warmup_gpu.py tests/gpu/test_kernel_prefix_attention_gpu.py
            tests/gpu/test_kernel_chunk_attention_merge_gpu.py tests/gpu/test_decode_graph_gpu.py
            tests/gpu/test_jit_variants_gpu.py tests/gpu/test_gpu_tier.py)
-    limit "${GPU_TESTS_S:-260}" gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider -x "${tests[@]/#/$repo/}"
+    limit "${GPU_TESTS_S:-260}" gpu_tests "${PYTEST[@]}" -q -m gpu -x "${tests[@]/#/$repo/}"
     limit "${MULTI_GPU_S:-170}" multi_gpu torchrun --standalone --nproc-per-node 2 \
       "$repo/benchmarks/dcp/multi_gpu_dcp.py" --quick --results-dir "$OUT"
     limit "${HOST_S:-100}" host_overhead python3 "$repo/benchmarks/dcp/bench_host_overhead.py" --quick \

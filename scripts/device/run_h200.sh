@@ -54,16 +54,16 @@ case "$stage" in
     for arg in "$@"; do [[ $arg == tests/* ]] && targets+=("$repo/$arg") || targets+=("$arg"); done
     cd /tmp
     if [[ ${#targets[@]} -gt 0 && ${targets[0]} == "$repo"/tests/* ]]; then
-      PYTHONPATH=/tmp/dcp:$repo python3 -m pytest -q -m gpu -p no:cacheprovider --durations=25 \
+      PYTHONPATH=/tmp/dcp:$repo "${PYTEST[@]}" -q -m gpu --durations=25 \
         "${targets[@]}" 2>&1 | from_repo | tee "$OUT/gpu_tests.log"
     else  # the whole tier: the correctness files on xdist workers, then the serial ones
       serial=() parallel=()
       for f in "$repo"/tests/gpu/test_*.py; do
         if [[ " $SERIAL_TESTS " == *" $(basename "$f") "* ]]; then serial+=("$f"); else parallel+=("$f"); fi
       done
-      { PYTHONPATH=/tmp/dcp:$repo python3 -m pytest -q -m gpu -p no:cacheprovider --durations=25 \
+      { PYTHONPATH=/tmp/dcp:$repo "${PYTEST[@]}" -q -m gpu --durations=25 \
           -n "${TEST_WORKERS:-4}" "${parallel[@]}" "${targets[@]}" 2>&1
-        PYTHONPATH=/tmp/dcp:$repo python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 \
+        PYTHONPATH=/tmp/dcp:$repo "${PYTEST[@]}" -q -m gpu --durations=10 \
           "${serial[@]}" "${targets[@]}" 2>&1; } | from_repo | tee "$OUT/gpu_tests.log"
     fi
     ;;
@@ -87,7 +87,7 @@ case "$stage" in
     results_here
     for script in "$@"; do
       if [[ $script == tests/* ]]; then
-        DCP_TRITON_REQUIRE_VLLM=1 PYTHONPATH=$PYTHONPATH:$repo python3 -m pytest -q -m gpu -p no:cacheprovider \
+        DCP_TRITON_REQUIRE_VLLM=1 PYTHONPATH=$PYTHONPATH:$repo "${PYTEST[@]}" -q -m gpu \
           "$repo/$script" 2>&1 \
           | from_repo | tee -a "$OUT/gpu_tests_vllm.log"
         continue
