@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from dcp_plugin import kernels
-from tests.helpers.dcp_harness import Case, ThreadGroup, run_case, run_threads
+from dcp_plugin.testing import Case
+from tests.helpers.dcp_harness import ThreadGroup, run_case, run_threads
 from tests.helpers.fp8_checks import run_fp8_dcp
 from tests.helpers.verify_steps import head_layouts, run_verify_case, verify_case
 

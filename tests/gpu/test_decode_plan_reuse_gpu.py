@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dcp_plugin import step_plan
-from tests.helpers.dcp_harness import Case, run_threads
+from dcp_plugin.testing import Case
+from tests.helpers.dcp_harness import run_threads
 from tests.helpers.steady_decode import run_steady_decode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -22,8 +22,9 @@ import torch
 
 from dcp_plugin import kernels
 from dcp_plugin.kernels import reference
-from tests.helpers.dcp_harness import Case, ThreadGroup, run_case, run_threads
-from tests.helpers.kernel_checks import assert_matches, poisoned, shuffled_block_table
+from dcp_plugin.testing import Case, shuffled_block_table
+from tests.helpers.dcp_harness import ThreadGroup, run_case, run_threads
+from tests.helpers.kernel_checks import assert_matches, poisoned
 
 if not torch.cuda.is_available():
     pytest.skip("the GPU tier needs a CUDA GPU (run `pytest -m gpu tests/gpu` there)", allow_module_level=True)

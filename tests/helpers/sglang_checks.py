@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import torch
 
 from dcp_plugin.adapters.sglang import topology
-from tests.helpers.dcp_harness import World, causal_attention_f64
+from dcp_plugin.testing import World
 from tests.helpers.kernel_checks import assert_matches
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
@@ -280,7 +280,7 @@ def run_sglang_case(case: SgCase, n: int, rank: int, group, gather_heads, *, arg
     steps = schedule(case)
     for index, new in enumerate(steps):
         outs, positions = state.step(new)
-        want = torch.cat([causal_attention_f64(state.world, b, p, group_heads) for b, p in positions.items()])
+        want = torch.cat([state.world.causal_attention_f64(b, p, group_heads) for b, p in positions.items()])
         for layer_id, out in enumerate(outs):
             assert_matches(gather_heads(out), want, out.dtype, f"{case.name} (N={n}) step {index} layer {layer_id}")
     checked = len(steps) + sglang_spec_checks.run_verify_steps(state, gather_heads, group_heads)

@@ -19,7 +19,6 @@ import random
 
 import torch
 
-from tests.helpers.dcp_harness import causal_attention_f64, tree_attention_f64
 from tests.helpers.kernel_checks import assert_matches
 from tests.helpers.verify_steps import draft_tree, redraw
 
@@ -60,8 +59,8 @@ def run_verify_steps(state, gather_heads, group_heads) -> int:
         fb, positions, masks = verify_batch(state, trees=trees, layout=layout, rng=rng)
         state.attn.init_forward_metadata(fb)
         outs = state.forward(fb, positions)
-        want = torch.cat([causal_attention_f64(state.world, b, p, group_heads) if mask is None
-                          else tree_attention_f64(state.world, b, p, mask, group_heads)
+        want = torch.cat([state.world.causal_attention_f64(b, p, group_heads) if mask is None
+                          else state.world.tree_attention_f64(b, p, mask, group_heads)
                           for (b, p), mask in zip(positions.items(), masks)])
         for layer, out in zip(state.layers, outs):
             assert_matches(gather_heads(out), want, out.dtype,

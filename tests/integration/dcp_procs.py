@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers.dcp_harness import Case
+from dcp_plugin.testing import Case
 
 OK = "ok"
 GROUP_KEY = "__group__"  # a failure that is not any one case's (start-up, crash, timeout)

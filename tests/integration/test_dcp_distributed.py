@@ -13,7 +13,8 @@ import random
 
 import pytest
 
-from tests.helpers.dcp_harness import Case, random_case
+from dcp_plugin.testing import Case
+from tests.helpers.dcp_harness import random_case
 from tests.integration.dcp_procs import COLLECTIVES_KEY, GROUP_KEY, OK, run_group
 
 GROUP_SIZES = (2, 3, 4)

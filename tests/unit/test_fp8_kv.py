@@ -14,7 +14,7 @@ import torch
 from dcp_plugin import kernels
 from dcp_plugin.kernels import reference
 from dcp_plugin.kernels.prefix_attention import PrefixConfig
-from tests.helpers.dcp_harness import Case
+from dcp_plugin.testing import Case
 from tests.helpers.fp8_checks import run_fp8_dcp
 from tests.helpers.kernel_checks import assert_matches, poisoned
 

@@ -32,7 +32,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from dcp_plugin import DcpAttention  # noqa: E402
 from dcp_plugin.adapters.vllm.backend import DcpTritonBackend  # noqa: E402
 from dcp_plugin.kernels import reference  # noqa: E402
-from tests.helpers.dcp_harness import Case, ThreadGroup, World, causal_attention_f64, run_threads, serial  # noqa: E402
+from dcp_plugin.testing import Case, World  # noqa: E402
+from tests.helpers.dcp_harness import ThreadGroup, run_threads, serial  # noqa: E402
 from tests.helpers.kernel_checks import assert_matches  # noqa: E402
 from tests.helpers.vllm_checks import cpu_platform_if_unspecified, vllm_slot  # noqa: E402
 from tests.helpers.vllm_v2 import V2Runner, dcp_size_patch, table_width  # noqa: E402
@@ -188,7 +189,7 @@ def test_v2_steps_attend_exactly(monkeypatch, engine, dcp, interleave):
             v = torch.cat([world.values[i][p][:, kv] for i, p in rows]).float()
             out = torch.full_like(q, float("nan"))
             attention.forward(q, k, v, key_cache, value_cache, meta.batch, out=out)
-            want = torch.cat([causal_attention_f64(world, i, p, group_heads) for i, p in rows])
+            want = torch.cat([world.causal_attention_f64(i, p, group_heads) for i, p in rows])
             assert_matches(group.all_gather(out, dim=1), want, torch.float32, f"{engine} dcp{dcp} step {step}")
             runner.advance(scheduled, rejected)
         return True
