@@ -8,7 +8,7 @@ and tensor-pipe use, occupancy and its limits, DRAM and L2 throughput, issue rat
 conflicts and the warp stalls (cycles per issued instruction by reason, each one's share, the sampled shares).
 
     ncu --import OUT/attention.ncu-rep --page raw --csv > attention_raw.csv
-    python benchmarks/kernels/ncu_summary.py benchmarks/results/ncu_attention_h200_raw.csv.gz \\
+    python -m benchmarks.kernels.ncu_summary benchmarks/results/ncu_attention_h200_raw.csv.gz \\
         --details benchmarks/results/ncu_attention_h200_details.csv.gz --commit 3560296   # standard library only
 """
 

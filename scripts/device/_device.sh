@@ -17,6 +17,25 @@ VLLM_UNPACKED=/tmp/vs/.unpacked  # written once an unpack finished: a cut-short 
 
 vllm_unpacked() { test -f "$VLLM_UNPACKED"; }
 
+# The benchmarks are the package benchmarks/ of the repository, run as modules (python3 -m benchmarks.kernels.x) from
+# /tmp with the repository root last on PYTHONPATH: benchmarks come from the repository, dcp_plugin from the install
+# before it (/tmp/dcp). The calls name a script by its path from the repository root, as the pages do.
+module_of() {  # module_of SCRIPT.py: the module of a script named by its path from the repository root (or
+  # absolute under it): benchmarks/vllm_e2e/vllm_hybrid_gpu.py -> benchmarks.vllm_e2e.vllm_hybrid_gpu
+  local path=${1#"$repo"/}
+  path=${path#./}
+  [[ $path == *.py && $path != /* && $path != *..* ]] || { echo "not a script of the repository: $1" >&2; return 1; }
+  path=${path%.py}
+  echo "${path//\//.}"
+}
+
+repo_last() {  # PYTHONPATH with the repository root last (added once): benchmarks importable, the install first
+  case ":${PYTHONPATH:-}:" in
+    *":$repo:"*) echo "$PYTHONPATH" ;;
+    *) echo "${PYTHONPATH:+$PYTHONPATH:}$repo" ;;
+  esac
+}
+
 untar_vllm() {  # untar_vllm ARCHIVE: into a fresh /tmp/vs, marked complete only when tar succeeded
   rm -rf /tmp/vs && mkdir -p /tmp/vs && tar xJf "$1" -C /tmp/vs && touch "$VLLM_UNPACKED"
 }

@@ -28,7 +28,9 @@
 #         bash scripts/device/run_h200.sh bench "benchmarks/vllm_e2e/vllm_gpu_e2e.py --quick"
 #                                                     carry .gpu-bundle/extra, .gpu-bundle/core-rest
 # Everything runs from /tmp: in the repository root, its dcp_plugin/ folder (without the kernels/ and adapters/
-# packages that the install maps into it) would shadow the installed package for any child Python process.
+# packages that the install maps into it) would shadow the installed package for any child Python process. A script
+# named by its path runs as its module (python3 -m benchmarks.x.y: _device.sh's module_of), with the repository root
+# last on PYTHONPATH (repo_last): the benchmarks package from the repository, dcp_plugin from /tmp/dcp before it.
 # Logs land in $OUT, and every file the benchmarks wrote under benchmarks/results/ in $OUT/results_new.tar.gz.
 set -uo pipefail
 stage=${1:?usage: run_h200.sh unpack|tests|bench|moe|ab [arguments...]}
@@ -83,17 +85,19 @@ case "$stage" in
       export PYTHONPATH=/tmp/site-server${PYTHONPATH:+:$PYTHONPATH}
     fi
     export PYTHONPATH=/tmp/dcp${PYTHONPATH:+:$PYTHONPATH}
+    PYTHONPATH=$(repo_last)  # benchmarks and tests from the repository, dcp_plugin from /tmp/dcp
     cd /tmp
     results_here
     for script in "$@"; do
       if [[ $script == tests/* ]]; then
-        DCP_TRITON_REQUIRE_VLLM=1 PYTHONPATH=$PYTHONPATH:$repo "${PYTEST[@]}" -q -m gpu \
-          "$repo/$script" 2>&1 \
+        DCP_TRITON_REQUIRE_VLLM=1 "${PYTEST[@]}" -q -m gpu "$repo/$script" 2>&1 \
           | from_repo | tee -a "$OUT/gpu_tests_vllm.log"
         continue
       fi
-      # shellcheck disable=SC2086  # "name.py --flag value": word splitting is wanted
-      timeout -s INT -k 75 "${BENCH_TIMEOUT_S:-0}" python3 "$repo"/$script 2>&1 | tee -a "$OUT/bench.log"
+      # shellcheck disable=SC2086,SC2206  # "name.py --flag value": word splitting is wanted
+      words=($script)
+      module=$(module_of "${words[0]}") || continue
+      timeout -s INT -k 75 "${BENCH_TIMEOUT_S:-0}" python3 -m "$module" "${words[@]:1}" 2>&1 | tee -a "$OUT/bench.log"
     done
     pack_results "$OUT/install.log" "$OUT/results_new.tar.gz"  # what the scripts wrote
     ;;
@@ -104,14 +108,18 @@ case "$stage" in
     rm -rf /tmp/dcp_base_src /tmp/dcp_base && mkdir -p /tmp/dcp_base_src && tar xzf "$base/tree.tar.gz" -C /tmp/dcp_base_src
     python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/dcp_base /tmp/dcp_base_src \
       >"$OUT/install_base.log" 2>&1 || { cat "$OUT/install_base.log"; exit 1; }
+    # this tree's benchmarks over each dcp-triton: its install first, the repository root last
+    base_path=$(PYTHONPATH=/tmp/dcp_base${PYTHONPATH:+:$PYTHONPATH} repo_last)
+    ours_path=$(PYTHONPATH=/tmp/dcp${PYTHONPATH:+:$PYTHONPATH} repo_last)
     cd /tmp
     results_here
     for script in "$@"; do
-      # shellcheck disable=SC2086  # "name.py --flag value": word splitting is wanted
-      PYTHONPATH=/tmp/dcp_base${PYTHONPATH:+:$PYTHONPATH} DCP_TRITON_COMMIT=$(cat "$base/REV") \
-        DCP_BENCH_NAME_SUFFIX=_base python3 "$repo"/$script 2>&1 | tee -a "$OUT/bench_base.log"
-      # shellcheck disable=SC2086
-      PYTHONPATH=/tmp/dcp${PYTHONPATH:+:$PYTHONPATH} python3 "$repo"/$script 2>&1 | tee -a "$OUT/bench.log"
+      # shellcheck disable=SC2086,SC2206  # "name.py --flag value": word splitting is wanted
+      words=($script)
+      module=$(module_of "${words[0]}") || continue
+      PYTHONPATH=$base_path DCP_TRITON_COMMIT=$(cat "$base/REV") DCP_BENCH_NAME_SUFFIX=_base \
+        python3 -m "$module" "${words[@]:1}" 2>&1 | tee -a "$OUT/bench_base.log"
+      PYTHONPATH=$ours_path python3 -m "$module" "${words[@]:1}" 2>&1 | tee -a "$OUT/bench.log"
     done
     pack_results "$OUT/install.log" "$OUT/results_new.tar.gz"
     ;;

@@ -355,13 +355,11 @@ def test_the_sglang_example_asks_for_what_sglang_resolves(algorithm):
     """``examples/sglang_generate.py``'s engine arguments (a tree: topk 4, 8 draft tokens, the model drafting for
     itself; or n-gram trees), given to SGLang's own parser under the same names on a config-only Llama at TP = DCP
     = 2."""
-    import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "examples" / "sglang_generate.py"
-    spec = importlib.util.spec_from_file_location("sglang_generate_example", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    from tests.helpers.examples import load_example
+
+    example = load_example("sglang_generate")
     model = Path(config_argv(2)[1])
     args = example.build_parser().parse_args(["--model", str(model), "--tp", "2", "--dcp", "2", "--topk", "4",
                                               "--draft-tokens", "8", "--speculative-algorithm", algorithm])
