@@ -87,10 +87,11 @@ def _prefix_error(out, q, kc, vc, tables, lens, qsl, *, rows: int, k_scale=None,
 
 
 def _time_peers(row: dict, fns: dict, copies: int, *, graph: bool = True) -> None:
-    """``row[name_ms]`` (launch included, L2 flushed) and ``row[name_graph_ms]`` (graph replay over the cold
-    copies) for each ``name: fn(i)``; a peer that fails records its error instead. The first one's graph replay is
-    timed once more first and dropped: a shape's first graph timing read up to 22% slow at four of 43 decode shapes
-    (``gluon_decode_probe.py``, ``kernels_h200_gluon_decode.json`` ``runs[3]``: one launch timed twice in a row)."""
+    """``row[name_ms]`` (launch included, L2 flushed) and ``row[name_graph_ms]`` (graph replay over the cold copies) for
+    each ``name: fn(i)``; a peer that fails records its error instead. The first one's graph replay is timed once more
+    first and dropped: a shape's first graph timing read up to 22% slow at four of 43 decode shapes
+    (``probes/gluon_decode_probe.py``, ``kernels_h200_gluon_decode.json`` ``runs[3]``: one launch timed twice in a
+    row)."""
     first = next(iter(fns.values()), None)
     if graph and first is not None:
         try:

@@ -16,7 +16,7 @@
 #                  (the OpenAI server's wheels: uvicorn, watchfiles, ...) for server_aborts.py; BENCH_TIMEOUT_S=N
 #                  stops each script with SIGINT after N s (SIGKILL 75 s later: server_aborts.py stops its server
 #                  first), so what it wrote comes back inside the 10-minute limit. Scripts that need no vLLM
-#                  (benchmarks/kernels/probe_*.py) need no unpack call and carry nothing (bench_kernels.py then
+#                  (benchmarks/probes/probe_*.py) need no unpack call and carry nothing (bench_kernels.py then
 #                  measures no vLLM / FA3 peers).
 #   stage "moe":    carry .gpu-bundle/moe (scripts/device/make_moe_ext.sh: vLLM's MoE extension, 40 MiB) -> kept in
 #                  /tmp; the next bench call unpacks it beside vLLM (MoE models: vllm_e2e/vllm_hybrid_gpu.py)

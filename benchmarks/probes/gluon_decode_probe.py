@@ -15,7 +15,7 @@ config (unless ``--sweep``) on ``FULL_SHAPES`` (every decode shape of ``bench_ke
 batches of short contexts, batches of varied contexts) with half and twice the automatic split count and FA3 over
 64-token pages too. A call's configs are appended to the results file's ``runs`` with the call's provenance.
 
-    python -m benchmarks.kernels.gluon_decode_probe [--name kernels_h200_gluon_decode]
+    python -m benchmarks.probes.gluon_decode_probe [--name kernels_h200_gluon_decode]
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def compile_only(configs) -> None:
     32 and one of 4, with the report ``gluon_chunk_probe.py --compile-only`` prints."""
     import torch
     import triton
-    from benchmarks.kernels.gluon_chunk_probe import _sm90_report
+    from benchmarks.probes.gluon_chunk_probe import _sm90_report
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 

@@ -9,7 +9,7 @@ its buffer filled with NaN before the call; the run exits 1 above ``bench_kernel
 
 Writes ``benchmarks/results/kernels_h200_pdl.json`` (``rows``, ``gpu``, ``provenance``).
 
-    python -m benchmarks.kernels.probe_pdl [--shapes BxCTXxHQxHK,...] [--rounds 3] [--name STEM]
+    python -m benchmarks.probes.probe_pdl [--shapes BxCTXxHQxHK,...] [--rounds 3] [--name STEM]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the change costs where nothing was unbalanced; each with the split count planned
 for a 40K-token bound (vLLM's full decode graphs plan for the block table's capacity). Every output is checked
 against float64 attention first (exit 1 past bench_kernels.ERROR_BOUND or on NaN).
 
-    python -m benchmarks.kernels.balanced_decode_probe [--name kernels_h200_balanced_decode]
+    python -m benchmarks.probes.balanced_decode_probe [--name kernels_h200_balanced_decode]
 """
 
 from __future__ import annotations

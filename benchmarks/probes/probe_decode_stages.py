@@ -6,8 +6,8 @@ Writes ``benchmarks/results/decode_stages_h200.json`` (``rows``: one per shape a
 ``provenance``). No page quotes it, so it is not kept in the tree: the runs from before and after the one-step split
 merge are in the git history (``git log --diff-filter=D -- benchmarks/results/decode_stages_h200.json``).
 
-    python -m benchmarks.kernels.probe_decode_stages
-    bash scripts/device/run_h200.sh bench benchmarks/kernels/probe_decode_stages.py   # on the H200, nothing carried
+    python -m benchmarks.probes.probe_decode_stages
+    bash scripts/device/run_h200.sh bench benchmarks/probes/probe_decode_stages.py   # on the H200, nothing carried
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ pages, planned by ``plan_prefix`` as an sm_90 GPU would plan it; configs as ``sw
 them (``BNxWxSxTMAxAHEADxROWS[xWIDEN[xREGS]]``; ``default``: the kernels' own table). Needs Triton 3.6 (the
 device's) and ``TRITON_INTERPRET=0``; writes ``benchmarks/results/<--name>.json``.
 
-    TRITON_INTERPRET=0 python -m benchmarks.kernels.fp8_decode_sass [--configs default,128x4x3x0x0x64]
+    TRITON_INTERPRET=0 python -m benchmarks.probes.fp8_decode_sass [--configs default,128x4x3x0x0x64]
 """
 
 from __future__ import annotations

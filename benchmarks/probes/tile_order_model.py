@@ -10,7 +10,7 @@ which no shipped order does). The figure per order is the mean load over the lar
 to the end. No GPU: it prints and saves ``benchmarks/results/gluon_chunk_order_model_h200.json``, with the probe's
 measured SNAKE / round-robin ratio beside the model's where ``kernels_h200_gluon_probe.json`` has both.
 
-    python -m benchmarks.kernels.tile_order_model
+    python -m benchmarks.probes.tile_order_model
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""One H200 call for the Gluon kernels: the current chunk's prototype (``gluon_chunk.py``) and the current chunk
-and prefix pass dcp-triton ships on sm_90 (``dcp_plugin.kernels.gluon_chunk``, ``dcp_plugin.kernels.gluon_prefix``,
-the latter checked and timed by ``gluon_prefix_check.py``): are they right, and faster than the ``tl`` kernels and
-FA3?
+"""One H200 call for the Gluon kernels: the current chunk's prototype (``gluon_chunk_prototype.py``) and the current
+chunk and prefix pass dcp-triton ships on sm_90 (``dcp_plugin.kernels.gluon_chunk``,
+``dcp_plugin.kernels.gluon_prefix``, the latter checked and timed by ``gluon_prefix_check.py``): are they right, and
+faster than the ``tl`` kernels and FA3?
 
 Each config of ``CONFIGS`` runs in a child process with a time limit (a wrong mbarrier phase hangs a
 GPU, and the parent must still report): first against float64 attention on a varlen batch (lengths 1 .. 1,000,
@@ -9,8 +9,8 @@ GPU, and the parent must still report): first against float64 attention on a var
 replay on each of ``SHAPES`` beside ``plan_chunk`` and FA3 (when vLLM's FA3 imports) in the same process. A call's
 configs are appended to the results file's ``runs`` with the call's provenance.
 
-    python -m benchmarks.kernels.gluon_chunk_probe [--name kernels_h200_gluon_probe]
-    TRITON_INTERPRET=0 python -m benchmarks.kernels.gluon_chunk_probe --compile-only   # any machine, Triton 3.6
+    python -m benchmarks.probes.gluon_chunk_probe [--name kernels_h200_gluon_probe]
+    TRITON_INTERPRET=0 python -m benchmarks.probes.gluon_chunk_probe --compile-only   # any machine, Triton 3.6
 
 ``--compile-only`` compiles the prototype's schedules (``PROTOTYPE_SCHEDULES``) and the shipped kernels' configs
 of ``CONFIGS`` for sm_90 with Triton's own compiler (no GPU) and prints their registers, spills, shared
@@ -27,7 +27,7 @@ import subprocess
 from pathlib import Path
 
 
-# (BLOCK_N, STAGES, OVERLAP, PINGPONG[, PERSISTENT]): gluon_chunk.py's prototype, one program per block; OVERLAP 1:
+# (BLOCK_N, STAGES, OVERLAP, PINGPONG[, PERSISTENT]): gluon_chunk_prototype.py's, one program per block; OVERLAP 1:
 # tile i + 1's QK^T under tile i's softmax, 2: FA3's order (QK^T of tile i + 1 with P x V of tile i, the softmax
 # under P x V); PINGPONG: the warpgroups take turns issuing (FA3). PERSISTENT 1 (the third call's configs): one
 # program per SM over every tile, the prototype of the shipped kernel below, since replaced by it.
@@ -55,7 +55,7 @@ CHILD_TIMEOUT_S = 60  # a config compiles and runs in about 15 s
 
 
 def launch(q, k, v, out, lse, cu, max_len, *, scale, q_head_start, q_per_kv, kv_head_start, config):
-    from benchmarks.kernels.gluon_chunk import chunk_prototype_kernel
+    from benchmarks.probes.gluon_chunk_prototype import chunk_prototype_kernel
 
     from dcp_plugin.kernels._schedule import flat_programs
 
@@ -152,7 +152,7 @@ def child(config: tuple, out_path: str) -> None:
 
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     if config[0] == "prefix":
-        from benchmarks.kernels.gluon_prefix_check import check_prefix as check_fn, time_prefix as time_fn
+        from benchmarks.probes.gluon_prefix_check import check_prefix as check_fn, time_prefix as time_fn
     else:
         check_fn, time_fn = check, time_shapes
     result = dict(config=list(config), check=check_fn(config))
@@ -194,7 +194,7 @@ def compile_only() -> None:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from scripts import compile_for_hopper as ch
-    from benchmarks.kernels.gluon_chunk import chunk_prototype_kernel
+    from benchmarks.probes.gluon_chunk_prototype import chunk_prototype_kernel
 
     from dcp_plugin.kernels import gluon_chunk
 
