@@ -29,6 +29,17 @@ module_of() {  # module_of SCRIPT.py: the module of a script named by its path f
   echo "${path//\//.}"
 }
 
+script_argv() {  # script_argv SCRIPT.py [ARGS...]: sets ARGV, the command that runs a script named by its path from
+  # the repository root: a benchmark (or a tool of scripts/) as its module (module_of), an example by its path, as a
+  # user runs it (python3 examples/x.py: its folder first on the path, where its _shared.py is)
+  local path=${1#"$repo"/} module
+  shift
+  path=${path#./}
+  if [[ $path == examples/*.py && -f $repo/$path ]]; then ARGV=(python3 "$repo/$path" "$@"); return 0; fi
+  module=$(module_of "$path") || return 1
+  ARGV=(python3 -m "$module" "$@")
+}
+
 repo_last() {  # PYTHONPATH with the repository root last (added once): benchmarks importable, the install first
   case ":${PYTHONPATH:-}:" in
     *":$repo:"*) echo "$PYTHONPATH" ;;

@@ -29,8 +29,8 @@
 #                                                     carry .gpu-bundle/extra, .gpu-bundle/core-rest
 # Everything runs from /tmp: in the repository root, its dcp_plugin/ folder (without the kernels/ and adapters/
 # packages that the install maps into it) would shadow the installed package for any child Python process. A script
-# named by its path runs as its module (python3 -m benchmarks.x.y: _device.sh's module_of), with the repository root
-# last on PYTHONPATH (repo_last): the benchmarks package from the repository, dcp_plugin from /tmp/dcp before it.
+# named by its path runs as its module (python3 -m benchmarks.x.y; an example by its path: _device.sh's script_argv),
+# with the repository root last on PYTHONPATH (repo_last): benchmarks from the repository, dcp_plugin from /tmp/dcp.
 # Logs land in $OUT, and every file the benchmarks wrote under benchmarks/results/ in $OUT/results_new.tar.gz.
 set -uo pipefail
 stage=${1:?usage: run_h200.sh unpack|tests|bench|moe|ab [arguments...]}
@@ -94,10 +94,9 @@ case "$stage" in
           | from_repo | tee -a "$OUT/gpu_tests_vllm.log"
         continue
       fi
-      # shellcheck disable=SC2086,SC2206  # "name.py --flag value": word splitting is wanted
-      words=($script)
-      module=$(module_of "${words[0]}") || continue
-      timeout -s INT -k 75 "${BENCH_TIMEOUT_S:-0}" python3 -m "$module" "${words[@]:1}" 2>&1 | tee -a "$OUT/bench.log"
+      # shellcheck disable=SC2086  # "name.py --flag value": word splitting is wanted
+      script_argv $script || continue
+      timeout -s INT -k 75 "${BENCH_TIMEOUT_S:-0}" "${ARGV[@]}" 2>&1 | tee -a "$OUT/bench.log"
     done
     pack_results "$OUT/install.log" "$OUT/results_new.tar.gz"  # what the scripts wrote
     ;;
@@ -114,12 +113,11 @@ case "$stage" in
     cd /tmp
     results_here
     for script in "$@"; do
-      # shellcheck disable=SC2086,SC2206  # "name.py --flag value": word splitting is wanted
-      words=($script)
-      module=$(module_of "${words[0]}") || continue
-      PYTHONPATH=$base_path DCP_TRITON_COMMIT=$(cat "$base/REV") DCP_BENCH_NAME_SUFFIX=_base \
-        python3 -m "$module" "${words[@]:1}" 2>&1 | tee -a "$OUT/bench_base.log"
-      PYTHONPATH=$ours_path python3 -m "$module" "${words[@]:1}" 2>&1 | tee -a "$OUT/bench.log"
+      # shellcheck disable=SC2086  # "name.py --flag value": word splitting is wanted
+      script_argv $script || continue
+      PYTHONPATH=$base_path DCP_TRITON_COMMIT=$(cat "$base/REV") DCP_BENCH_NAME_SUFFIX=_base "${ARGV[@]}" 2>&1 \
+        | tee -a "$OUT/bench_base.log"
+      PYTHONPATH=$ours_path "${ARGV[@]}" 2>&1 | tee -a "$OUT/bench.log"
     done
     pack_results "$OUT/install.log" "$OUT/results_new.tar.gz"
     ;;

@@ -93,11 +93,11 @@ PY
 }
 
 bench() {  # bench [SCRIPT.py] [ARGS...]: one benchmark script over SGLang in /tmp/sgl, its logs and results to $OUT
-  local script=benchmarks/sglang_e2e/sglang_one_h200.py module
+  local script=benchmarks/sglang_e2e/sglang_one_h200.py
   if [[ ${1:-} == *.py ]]; then script=$1; shift; fi
-  module=$(module_of "$script") || return 1
+  script_argv "$script" "$@" || return 1
   (cd /tmp && PYTHONPATH=$(PYTHONPATH=/tmp/dcp:$sgl repo_last) timeout -s INT -k 75 "${BENCH_TIMEOUT_S:-0}" \
-    python3 -m "$module" "$@" 2>&1 | tee "$OUT/bench.log")
+    "${ARGV[@]}" 2>&1 | tee "$OUT/bench.log")
   if compgen -G "$DCP_BENCH_WORK/*.log" >/dev/null; then
     (cd "$DCP_BENCH_WORK" && tar czf "$OUT/sglang_job_logs.tar.gz" -- *.log)
   fi

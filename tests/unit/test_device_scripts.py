@@ -1,8 +1,9 @@
 """scripts/device/, which runs on the GPU machine only: from /tmp, dcp-triton installed into /tmp/dcp. A call names a
-benchmark by its path from the repository root; the script runs its module (``_device.sh``'s ``module_of``) with the
-repository root last on PYTHONPATH (``repo_last``), so ``benchmarks`` comes from the tree and ``dcp_plugin`` from the
-install, and pytest appends the root rather than putting it first (``PYTEST``: the root's ``dcp_plugin/`` folder lacks
-the kernels the install maps into it). Checked here from the scripts' text and their shared functions in bash."""
+benchmark by its path from the repository root; the script runs its module (``_device.sh``'s ``script_argv`` and
+``module_of``; an example by its path, as a user runs it) with the repository root last on PYTHONPATH (``repo_last``),
+so ``benchmarks`` comes from the tree and ``dcp_plugin`` from the install, and pytest appends the root rather than
+putting it first (``PYTEST``: the root's ``dcp_plugin/`` folder lacks the kernels the install maps into it). Checked
+here from the scripts' text and their shared functions in bash."""
 
 from __future__ import annotations
 
@@ -47,6 +48,18 @@ def test_what_is_no_script_of_the_tree_is_refused(path):
 
 
 @needs_bash
+@pytest.mark.parametrize(("words", "argv"), [
+    ("benchmarks/vllm_e2e/vllm_hybrid_gpu.py --budget-s 330",
+     "python3 -m benchmarks.vllm_e2e.vllm_hybrid_gpu --budget-s 330"),
+    ("scripts/compile_for_hopper.py --json x", "python3 -m scripts.compile_for_hopper --json x"),
+    ("examples/sglang_generate.py --plan-only", "python3 {repo}/examples/sglang_generate.py --plan-only"),
+])
+def test_a_call_runs_a_benchmark_as_its_module_and_an_example_by_its_path(words, argv):
+    done = shared(f'script_argv {words} && printf "%s " "${{ARGV[@]}}"')
+    assert done.returncode == 0 and done.stdout.strip() == argv.format(repo=ROOT), done.stderr
+
+
+@needs_bash
 @pytest.mark.parametrize(("before", "after"), [
     ("", "{repo}"), ("/tmp/dcp", "/tmp/dcp:{repo}"), ("/tmp/dcp:/tmp/sgl", "/tmp/dcp:/tmp/sgl:{repo}"),
     ("/tmp/dcp:{repo}", "/tmp/dcp:{repo}"), ("/tmp/dcp:{repo}:/tmp/vs", "/tmp/dcp:{repo}:/tmp/vs"),
@@ -61,8 +74,8 @@ def test_the_repository_root_comes_last_on_pythonpath_once(before, after):
 def test_no_repository_python_file_runs_by_its_path(script):
     """Run by path, a benchmark would find neither ``benchmarks`` nor its siblings (it runs from /tmp)."""
     code = [line.strip() for line in script.read_text().splitlines() if not line.lstrip().startswith("#")]
-    by_path = [line for line in code if re.search(r'python3?\s+"?\$\{?(repo|OLDPWD)\b', line)
-               or re.search(r'\$\{?repo\}?"?/(benchmarks|scripts|examples)/[^"\s]*\.py', line)]
+    by_path = [line for line in code if (re.search(r'python3?\s+"?\$\{?(repo|OLDPWD)\b', line)
+               or re.search(r'\$\{?repo\}?"?/(benchmarks|scripts)/[^"\s]*\.py', line)) and "examples/" not in line]
     assert not by_path, f"{script.name} runs repository files by path: {by_path}; use python3 -m \"$(module_of ...)\""
 
 
