@@ -243,6 +243,24 @@ def working_dir(path: Path):
         os.chdir(before)
 
 
+def module_command(module: str, *args: str) -> list[str]:
+    """``python -m module args``: how a benchmark starts a process of its own code (a job, a child of itself), e.g.
+    ``module_command("benchmarks.vllm_e2e.vllm_e2e_engine", spec)``; run it with ``child_env``'s environment."""
+    return [sys.executable, "-m", module, *args]
+
+
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) with the folder that holds the ``benchmarks`` package last on PYTHONPATH, so
+    a ``module_command`` process finds it from any working folder (jobs run in their work folder). Last: a
+    dcp-triton install earlier on PYTHONPATH keeps its place before the repository root, whose ``dcp_plugin/`` folder
+    lacks the ``kernels`` and ``adapters`` the install maps into it (the GPU machine's /tmp/dcp, scripts/device)."""
+    env = dict(os.environ if env is None else env)
+    root = str(Path(__file__).resolve().parents[1])  # where this file is (REPO may name a stand-in tree)
+    parts = [part for part in env.get("PYTHONPATH", "").split(os.pathsep) if part]
+    env["PYTHONPATH"] = os.pathsep.join(parts if root in parts else [*parts, root])
+    return env
+
+
 def save_random_llama(config: dict, target: str | Path, *, seed: int = 0) -> Path:
     """A random-weight ``LlamaForCausalLM(LlamaConfig(**config))``: ``save_random_model`` of a Llama config."""
     return save_random_model({"model_type": "llama", **config}, target, seed=seed)

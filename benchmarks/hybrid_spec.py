@@ -15,7 +15,7 @@ whose ``summary`` holds, per engine:
                     its greedy batch was timed more than once (a first run compiles for its prompt lengths)
   missing           each comparison that could not be made, and why
 
-    python benchmarks/hybrid_spec.py --gpu h100
+    python -m benchmarks.hybrid_spec --gpu h100
 """
 
 from __future__ import annotations
@@ -23,13 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 import tarfile
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent / "sglang_e2e")]
-import common  # noqa: E402
-import sglang_one_h200 as sglang_one  # noqa: E402
+from benchmarks import common
+from benchmarks.sglang_e2e import sglang_one_h200 as sglang_one
 
 SGLANG_PEERS = ("fa3", "triton")
 VLLM_PEER = "FLASH_ATTN"

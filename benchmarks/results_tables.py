@@ -4,8 +4,8 @@ block).
 
 A page marks each block ``<!-- generated: NAME -->`` ... ``<!-- end generated -->`` (NAME a key of ``blocks()``).
 
-    python benchmarks/results_tables.py           # prints every block
-    python benchmarks/results_tables.py --write   # rewrites the blocks in README.md and docs/*.md (PAGES)
+    python -m benchmarks.results_tables           # prints every block
+    python -m benchmarks.results_tables --write   # rewrites the blocks in README.md and docs/*.md (PAGES)
 """
 
 from __future__ import annotations

@@ -18,8 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _shared  # noqa: E402
+import _shared  # this script's folder is first on the path: python examples/NAME.py
 
 PROMPTS = ["The capital of France is", "Decode context parallelism shards the KV cache along tokens, so"]
 

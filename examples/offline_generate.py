@@ -17,8 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _shared  # noqa: E402
+import _shared  # this script's folder is first on the path: python examples/NAME.py
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 CPU_MAX_TOKENS = 6  # interpreted Triton costs ~12-20 s per decode step of this 30-layer model on 2 cores

@@ -20,8 +20,7 @@ import io
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _shared  # noqa: E402
+import _shared  # this script's folder is first on the path: python examples/NAME.py
 
 ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3", "NEXTN", "NGRAM", "none")
 PROMPTS = ["The capital of France is", "Decode context parallelism shards the KV cache along tokens, so"]

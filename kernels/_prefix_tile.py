@@ -151,7 +151,7 @@ def widen_fp8(x, dtype: tl.constexpr):
     """``x.to(dtype)``. An fp8 tile widening to fp16 on a GPU goes through an opaque conversion instead (inline
     assembly Triton cannot see through): Triton would otherwise move the tile's shared-memory round trip to before
     ``.to``, and an 8-bit tile read as P x V's second operand (along its tokens) comes out of shared memory a byte
-    at a time (benchmarks/kernels/fp8_decode_sass.py counts the loop). e4m3: the hardware's paired conversion;
+    at a time (benchmarks/probes/fp8_decode_sass.py counts the loop). e4m3: the hardware's paired conversion;
     e5m2: the byte is the top half of its fp16 value."""
     if (not _INTERPRET) and (dtype == tl.float16) and (x.dtype == tl.float8e4nv):
         return tl.inline_asm_elementwise(

@@ -7,7 +7,7 @@ across tile boundaries, while two consumer warpgroups (64 query rows each) run Q
 MMAs at their own pace: no program-wide barrier, and no SM idles between tiles on a program's start and end. H200,
 bf16, 32 Q / 8 KV heads, head size 128, graph replay beside the ``tl`` kernel and FA3 in one process: 415 / 436 / 504 /
 558 TFLOP/s at 16 x 1024 / 4 x 2048 / 2 x 4096 / 1 x 16384 causal against 324 / 392 / 460 / 537 for the ``tl``
-kernel and 438 / 526 / 633 / 642 for FA3 (two stages; ``benchmarks/kernels/gluon_chunk_probe.py``, config
+kernel and 438 / 526 / 633 / 642 for FA3 (two stages; ``benchmarks/probes/gluon_chunk_probe.py``, config
 ``(128, 2, 0, 0, 1)``; docs/kernels.md, current chunk).
 
 K and V are read through descriptors the producer builds over ``[tokens, kv_heads * head_dim]`` (heads
@@ -44,7 +44,7 @@ PRODUCER_FIX = True
 # How tiles are dealt to the persistent programs (``_tile_index``, ``_tile``): 0 round-robin, heaviest blocks first;
 # 1 (``SNAKE``) the same in rounds of alternating direction; 2 (``PAIRS``) a tile is two blocks of one request and Q
 # head, blocks j and n - 1 - j, whose causal costs sum to the same for every j. A model of the H200 probe's timings
-# (benchmarks/kernels/tile_order_model.py: a tile costs its KV tiles plus a constant) predicted its measured
+# (benchmarks/probes/tile_order_model.py: a tile costs its KV tiles plus a constant) predicted its measured
 # differences:
 # SNAKE lost 10% at 16 x 1024 and won 7% at 2 x 4096 against round-robin. With PAIRS, requests of one length give
 # tiles of one cost, so no program takes more than one tile beyond another (0.97 of ideal at all four shapes).

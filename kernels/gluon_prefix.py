@@ -7,7 +7,7 @@ QK^T -> softmax -> P x V on warpgroup MMAs, each at its own pace. The ``tl`` ker
 64-key tiles, and pays the softmax's per-tile costs (row maxima and sums, the accumulator's rescale) twice as often.
 H200, bf16, 32 Q / 8 KV heads: 580 TFLOP/s at 2 x 4096 rows over 32K cached and 589 at 1 x 2048 over 128K,
 against 518 / 510 for the ``tl`` kernel and 582 / 567 for FA3 in the same process
-(``benchmarks/kernels/gluon_chunk_probe.py``; docs/kernels.md, prefix pass).
+(``benchmarks/probes/gluon_chunk_probe.py``; docs/kernels.md, prefix pass).
 
 Imported only where ``_gluon.prefix_takes_gluon`` allows it (Triton 3.6, sm_90, unless ``DCP_TRITON_GLUON=0``);
 ``plan_prefix`` picks it for query blocks of a prefill step read in one split, else the ``tl`` kernel runs.

@@ -10,7 +10,7 @@ time with Triton's own compiler for ``cuda:90``, specialized the way Triton's di
 arguments equal to 1 become constants, multiples of 16 and pointers are marked 16-divisible). A kernel that does not compile for the GPU
 fails here, on any machine with Triton.
 
-    TRITON_INTERPRET=0 python scripts/compile_for_hopper.py [--dtype bfloat16] [--head-dim 128] [--json OUT]
+    TRITON_INTERPRET=0 python -m scripts.compile_for_hopper [--dtype bfloat16] [--head-dim 128] [--json OUT]
 
 ``--json``: ``variants`` (one row per variant: registers, local_bytes, shared, main_loop) and ``provenance``.
 """
@@ -212,8 +212,7 @@ def main() -> None:
               f"{ {k: v for k, v in constants.items() if k.isupper()} }", flush=True)
     print(f"{len(rows)} variants compiled for sm_90 (Triton {triton.__version__})")
     if args.json:  # with the provenance benchmarks/common.py gives every results file
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-        from common import provenance
+        from benchmarks.common import provenance
 
         with open(args.json, "w") as f:
             json.dump({"target": "cuda:90", "dtype": args.dtype, "head_dim": args.head_dim,

@@ -3,7 +3,7 @@
 # triton is first imported. (Importing the package alone decides nothing: its names load on first use.)
 from dcp_plugin.kernels import INTERPRET  # noqa: F401
 
-import pytest  # noqa: E402
+import pytest
 
 # `make test` hands whole modules to its workers in collection order. The sm_90 compile is one test of ~150 s (a
 # quarter of the tier's work): collected first, it runs beside the other modules; collected where its name falls,

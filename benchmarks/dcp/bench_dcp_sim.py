@@ -1,31 +1,26 @@
 """Per-rank DCP attention time on one GPU: DCP = 1, 2, 4, 8 simulated as one rank of an N-rank group.
 
-One rank of a DCP group holds 1/N of every request's context and attends with the group's N x Hq gathered Q
-heads. This script times that rank's whole ``DcpAttention.forward`` (cache write, current chunk, prefix over the
-local shard, LSE merge across ranks, merge with the current chunk) for decode steps, with a stand-in group whose
-collectives are local copies of the right shapes: the numbers are local work only and exclude interconnect time (issue 7 measures real NCCL).
+One rank of a DCP group holds 1/N of every request's context and attends with the group's N x Hq gathered Q heads. This
+script times that rank's whole ``DcpAttention.forward`` (cache write, current chunk, prefix over the local shard, LSE
+merge across ranks, merge with the current chunk) for decode steps, with a stand-in group whose collectives are local
+copies of the right shapes: the numbers are local work only and exclude interconnect time (issue 7 measures real NCCL).
 Timed by CUDA-graph replay (median). Writes benchmarks/results/dcp_sim_<name>.json and a PNG.
 
-    python benchmarks/dcp/bench_dcp_sim.py [--quick]
+    python -m benchmarks.dcp.bench_dcp_sim [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import sys
 import traceback
 from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
-from common import RESULTS, gpu_name, graph_ms, save  # noqa: E402
-
-import dcp_plugin as dp  # noqa: E402  (first: the repository root below must not shadow the installed package)
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.dcp_harness import ShapeOnlyGroup  # noqa: E402  (collectives as local copies of the right shapes)
+from benchmarks.common import RESULTS, gpu_name, graph_ms, save
+import dcp_plugin as dp
+from dcp_plugin.testing import ShapeOnlyGroup  # (collectives as local copies of the right shapes)
 
 DTYPE = torch.bfloat16
 HEAD_DIM = 128

@@ -17,7 +17,7 @@ synchronisation inside the timed loop), medians of repeated runs.
 Writes ``benchmarks/results/host_overhead_h200.json`` (``summary.forward_host_us_dcp2_decode`` and
 ``summary.first_layer_host_us_planned_replayed``, merged into the file's other keys) and prints a table.
 
-    python benchmarks/dcp/bench_host_overhead.py [--quick]
+    python -m benchmarks.dcp.bench_host_overhead [--quick]
 """
 
 from __future__ import annotations
@@ -26,17 +26,14 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
-from common import RESULTS, gpu_name  # noqa: E402
-
-import dcp_plugin as dp  # noqa: E402
-from dcp_plugin import kernels  # noqa: E402
+from benchmarks.common import RESULTS, gpu_name
+import dcp_plugin as dp
+from dcp_plugin import kernels
 
 DTYPE, HEAD_DIM, PAGE = torch.bfloat16, 128, 16
 TOTAL_Q, TOTAL_KV, TP, N = 16, 1, 2, 2

@@ -1,10 +1,10 @@
 """Correctness part of multi_gpu_dcp.py: DCP attention over real process groups vs single-device attention.
 
-The sequences, every rank's sharded paged cache (shuffled pages, NaN where nothing was written) and the float64
-causal reference are the test suite's own (``tests/dcp_harness.py``): every rank derives the same sequences from a
-case's seed and runs ``DcpAttention`` over its DCP subgroup. The outputs of all ranks are gathered with plain
-``torch.distributed`` (every rank holds different Q heads, so together they hold all of them) and rank 0 compares
-them with the reference; this module adds the cases of a multi-GPU run and its JSON report.
+The sequences, every rank's sharded paged cache (shuffled pages, NaN where nothing was written) and the float64 causal
+reference come from ``dcp_plugin.testing``, as in the test suite's DCP checks: every rank derives the same sequences
+from a case's seed and runs ``DcpAttention`` over its DCP subgroup. The outputs of all ranks are gathered with plain
+``torch.distributed`` (every rank holds different Q heads, so together they hold all of them) and rank 0 compares them
+with the reference; this module adds the cases of a multi-GPU run and its JSON report.
 
 Kind ``decode-graph`` runs decode the way vLLM's full CUDA graphs would at DCP > 1: one step captured (collectives
 included) after an eager warm-up, then later steps replayed after their inputs were copied into the captured
@@ -14,18 +14,13 @@ same closure again, which reads the same buffers and the same frozen host values
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import dcp_plugin as dp  # first: the repository root below must not shadow the installed package
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests import dcp_harness as harness  # noqa: E402
-from tests.kernel_checks import TOLERANCES  # noqa: E402
+import dcp_plugin as dp
+from dcp_plugin import testing
 
 COMMS = ("ag_rs", "a2a")
 LAYOUTS = ("tp", "replicated")
@@ -90,7 +85,7 @@ def model_heads(layout: str, world: int, dcp: int, local_q: int) -> tuple[int, i
 class GraphStep:
     """One decode step of ``attn`` captured once and replayed on later steps (see the module docstring)."""
 
-    def __init__(self, attn: dp.DcpAttention, shard: harness.RankState) -> None:
+    def __init__(self, attn: dp.DcpAttention, shard: testing.RankState) -> None:
         self.attn, self.shard, self.replay = attn, shard, None
 
     def run(self, q, k, v, batch: dp.DcpBatch) -> torch.Tensor:
@@ -133,7 +128,7 @@ class GraphStep:
 def compare(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> dict:
     """Errors of ``got`` vs the float64 ``want``; passes when no NaN and every element is within the dtype's
     ``atol + rtol * |want|``. ``max_rel_err`` is the largest error relative to the largest reference value."""
-    atol, rtol = TOLERANCES[dtype]
+    atol, rtol = testing.TOLERANCES[dtype]
     got, want = got.to(torch.float64), want.to(got.device, torch.float64)
     nan_count = int(torch.isnan(got).sum())
     err = (got - want).abs().nan_to_num(nan=float("inf"))
@@ -157,14 +152,14 @@ def run_case(case: Case, *, sizes: Sizes, groups: dict, rank: int, world: int, d
     q_heads, kv_heads = model_heads(case.layout, world, case.dcp, sizes.local_q_heads)
     requests = sizes.prefill if case.kind == "prefill" else sizes.decode
     decode_steps = {"decode": 0, "prefill": 1, "decode-graph": GRAPH_STEPS - 1}[case.kind]  # after the first step
-    spec = harness.Case(
+    spec = testing.Case(
         name=case.name(world), q_heads=q_heads, kv_heads=kv_heads, kv_replication=case.layout, tp=world,
         group_index=rank // case.dcp, block_size=sizes.block_size, head_dim=sizes.head_dim, requests=requests,
         comm=case.comm, dtype=str(dtype).removeprefix("torch."), decode_steps=decode_steps, seed=case.seed,
         device=str(device),
     )
-    sequences = harness.World(spec)
-    shard = harness.RankState.create(spec, sequences, case.dcp, rank % case.dcp)
+    sequences = testing.World(spec)
+    shard = testing.RankState.create(spec, sequences, case.dcp, rank % case.dcp)
     attn = dp.DcpAttention(heads=shard.heads, tokens=shard.tokens, group=groups[case.dcp], scale=sequences.scale,
                            comm=case.comm, kernel_impl=ops)
     graph = GraphStep(attn, shard) if case.kind == "decode-graph" else None
@@ -180,7 +175,7 @@ def run_case(case: Case, *, sizes: Sizes, groups: dict, rank: int, world: int, d
         parts = [torch.empty_like(out) for _ in range(world)]
         dist.all_gather(parts, out)  # TP rank r holds Q heads [r * local_q, (r + 1) * local_q)
         if rank == 0:
-            want = torch.cat([harness.causal_attention_f64(sequences, b, p, range(q_heads))
+            want = torch.cat([sequences.causal_attention_f64(b, p, range(q_heads))
                               for b, p in enumerate(positions)])
             result = worst(result, compare(torch.cat(parts, dim=1), want, dtype))
     shard.check_cache()  # every owned token at its slot, bit for bit (raises otherwise)

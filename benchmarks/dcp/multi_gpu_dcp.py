@@ -1,7 +1,7 @@
 """DCP attention on N real ranks (NCCL; gloo on CPU): correctness vs single-device attention, and per-step time.
 
-    torchrun --nproc-per-node N benchmarks/dcp/multi_gpu_dcp.py [--quick] [--contexts 8K,32K] [--batches 1,8]
-    torchrun --nproc-per-node 2 benchmarks/dcp/multi_gpu_dcp.py --backend gloo --kernels reference --quick   # CPU
+    torchrun --nproc-per-node N -m benchmarks.dcp.multi_gpu_dcp [--quick] [--contexts 8K,32K] [--batches 1,8]
+    torchrun --nproc-per-node 2 -m benchmarks.dcp.multi_gpu_dcp --backend gloo --kernels reference --quick   # CPU
 
 Correctness: DCP = N and, when N >= 4, every TP x DCP split (DCP groups of consecutive ranks, TP = N), both head
 layouts, both comm modes, a decode step, a chunked-prefill step over a cached prefix (then a decode step), and
@@ -36,10 +36,8 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
-from common import RESULTS, capture_graph, cold_copies, events_ms, gpu_name, replay_ms, save  # noqa: E402
-from multi_gpu_checks import COMMS, CPU_SIZES, GPU_SIZES, all_cases, dcp_splits, run_case  # noqa: E402
-
+from benchmarks.common import RESULTS, capture_graph, cold_copies, events_ms, gpu_name, replay_ms, save  # noqa: E402
+from benchmarks.dcp.multi_gpu_checks import COMMS, CPU_SIZES, GPU_SIZES, all_cases, dcp_splits, run_case  # noqa: E402
 import dcp_plugin as dp  # noqa: E402
 
 # Timed (contexts, batches) by (device, --quick). On CPU only the script is tested, so the shapes are tiny.

@@ -15,7 +15,7 @@ Every dcp-triton output is compared with float64 attention (prefill: with SDPA);
 ERROR_BOUND (or NaN) makes the run exit 1 after saving. Peers are measured when vLLM imports (on a machine without
 vLLM, unpack its wheel's Python files and compiled extensions and put them on PYTHONPATH, as run_h200.sh does).
 
-    python benchmarks/kernels/bench_kernels.py [--quick] [--only decode,prefix,...] [--name STEM]
+    python -m benchmarks.kernels.bench_kernels [--quick] [--only decode,prefix,...] [--name STEM]
 """
 
 from __future__ import annotations
@@ -29,14 +29,12 @@ from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
-from common import cold_copies, copy_bandwidth_gbs, gpu_name, graph_ms, median_ms, repo_relative, save  # noqa: E402
-
-from dcp_plugin.kernels import chunk_attention, merge_states, prefix_attention  # noqa: E402
-from dcp_plugin.kernels.chunk_attention import plan_chunk  # noqa: E402
-from dcp_plugin.kernels.prefix_attention import plan_prefix  # noqa: E402
-from dcp_plugin.kernels import reference  # noqa: E402
-import kernel_peers  # noqa: E402
+from benchmarks.common import cold_copies, copy_bandwidth_gbs, gpu_name, graph_ms, median_ms, repo_relative, save
+from benchmarks.kernels import kernel_peers
+from dcp_plugin.kernels import chunk_attention, merge_states, prefix_attention
+from dcp_plugin.kernels import reference
+from dcp_plugin.kernels.chunk_attention import plan_chunk
+from dcp_plugin.kernels.prefix_attention import plan_prefix
 
 DTYPE, HEAD_DIM, PAGE = torch.bfloat16, 128, 16
 ERROR_BOUND = 1e-2  # relative (Frobenius) error of a bf16 output: ~2e-3 is rounding, a wrong answer is ~1
@@ -89,10 +87,11 @@ def _prefix_error(out, q, kc, vc, tables, lens, qsl, *, rows: int, k_scale=None,
 
 
 def _time_peers(row: dict, fns: dict, copies: int, *, graph: bool = True) -> None:
-    """``row[name_ms]`` (launch included, L2 flushed) and ``row[name_graph_ms]`` (graph replay over the cold
-    copies) for each ``name: fn(i)``; a peer that fails records its error instead. The first one's graph replay is
-    timed once more first and dropped: a shape's first graph timing read up to 22% slow at four of 43 decode shapes
-    (``gluon_decode_probe.py``, ``kernels_h200_gluon_decode.json`` ``runs[3]``: one launch timed twice in a row)."""
+    """``row[name_ms]`` (launch included, L2 flushed) and ``row[name_graph_ms]`` (graph replay over the cold copies) for
+    each ``name: fn(i)``; a peer that fails records its error instead. The first one's graph replay is timed once more
+    first and dropped: a shape's first graph timing read up to 22% slow at four of 43 decode shapes
+    (``probes/gluon_decode_probe.py``, ``kernels_h200_gluon_decode.json`` ``runs[3]``: one launch timed twice in a
+    row)."""
     first = next(iter(fns.values()), None)
     if graph and first is not None:
         try:

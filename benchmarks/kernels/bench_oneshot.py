@@ -21,9 +21,9 @@ precomputed scheduler metadata, as a one-shot user calls it (the row's ``source`
 ``--profile`` adds, for dcp-triton's call and each phase, the functions that take its host time (cProfile over one
 loop of calls: ``top_functions``, the ``PROFILE_TOP`` first by own time, microseconds per call).
 
-    python benchmarks/kernels/bench_oneshot.py                # a GPU with vLLM's FA3 (run_h200.sh bench after unpack)
+    python -m benchmarks.kernels.bench_oneshot                # a GPU with vLLM's FA3 (run_h200.sh bench after unpack)
                                                               # or SGLang's (run_h200_sglang.sh bench after install)
-    python benchmarks/kernels/bench_oneshot.py --dry-run      # anywhere: the cases
+    python -m benchmarks.kernels.bench_oneshot --dry-run      # anywhere: the cases
 Results: ``benchmarks/results/kernels_oneshot_<gpu>.json`` (``common.save``).
 """
 
@@ -40,8 +40,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common  # noqa: E402
+from benchmarks import common
 
 CASES = {
     "decode-1x1k": dict(kind="decode", reqs=1, context=1024, q_heads=32, kv_heads=8, head_dim=128, page=64),

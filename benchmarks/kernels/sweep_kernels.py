@@ -22,25 +22,21 @@ Each sweep's output is checked against float64 attention before it is timed (an 
 row). Results in ``benchmarks/results/<name>.json``; the chosen configs go into the kernels' tables by hand, each
 citing the file.
 
-    python benchmarks/kernels/sweep_kernels.py --only prefill,prefix,decode,fp8 [--name kernels_h200_sweep]
+    python -m benchmarks.kernels.sweep_kernels --only prefill,prefix,decode,fp8 [--name kernels_h200_sweep]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
-from bench_kernels import (  # noqa: E402
+from benchmarks.common import gpu_name, graph_ms, median_ms, repo_relative, save
+from benchmarks.kernels.bench_kernels import (
     DTYPE, ERROR_BOUND, HEAD_DIM, _prefix_error, _prefix_setup,
 )
-from common import gpu_name, graph_ms, median_ms, repo_relative, save  # noqa: E402
-
-from dcp_plugin.kernels import chunk_attention, prefix_attention  # noqa: E402
+from dcp_plugin.kernels import chunk_attention, prefix_attention
 
 
 def decode_config(fields: tuple, *, block_m: int):

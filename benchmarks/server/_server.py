@@ -20,8 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
-from common import REPO, provenance, save_random_llama  # noqa: E402
+from benchmarks.common import REPO, provenance, save_random_llama
 
 TINY_LLAMA = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, head_dim=64,
                   num_hidden_layers=2, vocab_size=512, max_position_embeddings=2048, rms_norm_eps=1e-5,

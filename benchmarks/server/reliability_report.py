@@ -12,8 +12,8 @@ engines, bf16 and float32), run under their own name. This script adds to the se
 - the engine report's burst checks and one check per repeatability set (dcp-triton identical in every prompt),
   appended to ``checks``; ``passed`` is recomputed over all checks.
 
-    python benchmarks/vllm_e2e/vllm_gpu_e2e.py --only 'oom-*,mix128k-*,repeat-*' --name vllm_e2e_reliability_h200
-    python benchmarks/server/reliability_report.py     # --server reliability_h200 --engine vllm_e2e_reliability_h200
+    python -m benchmarks.vllm_e2e.vllm_gpu_e2e --only 'oom-*,mix128k-*,repeat-*' --name vllm_e2e_reliability_h200
+    python -m benchmarks.server.reliability_report     # --server reliability_h200 --engine vllm_e2e_reliability_h200
 """
 
 from __future__ import annotations
@@ -21,11 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "vllm_e2e")]
-from common import RESULTS  # noqa: E402
-from vllm_e2e_bursts import CASES, OURS  # noqa: E402
+from benchmarks.common import RESULTS
+from benchmarks.vllm_e2e.vllm_e2e_bursts import CASES, OURS
 
 MEMORY_KEYS = ("status", "served", "requests", "completed", "prompt_tokens", "peak_reserved_bytes",
                "peak_allocated_bytes", "budget_bytes", "growth_bytes")

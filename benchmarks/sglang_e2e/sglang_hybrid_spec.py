@@ -19,22 +19,20 @@ mean accepted lengths (tokens per verify step: SGLang's ``spec_verify_ct``); per
 the greedy agreement and dcp-triton's output tokens/s over the peer's per load. A job whose results file is already
 in the work folder (an earlier call of the same machine) is not run again (``--force`` reruns it).
 
-    python benchmarks/sglang_e2e/sglang_hybrid_spec.py --budget-s 420   # the GPU machine: run_h200_sglang.sh bench
-    python benchmarks/sglang_e2e/sglang_hybrid_spec.py --dry-run        # no GPU, no SGLang: jobs and engine kwargs
+    python -m benchmarks.sglang_e2e.sglang_hybrid_spec --budget-s 420   # the GPU machine: run_h200_sglang.sh bench
+    python -m benchmarks.sglang_e2e.sglang_hybrid_spec --dry-run        # no GPU, no SGLang: jobs and engine kwargs
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-import common  # noqa: E402
-import sglang_one_h200 as one  # noqa: E402  (its import applies the float32 jobs' native ops in a job process)
-import sglang_spec_gpu as spec_gpu  # noqa: E402
+from benchmarks import common
+from benchmarks.sglang_e2e import sglang_one_h200 as one  # in a job process, applies float32 jobs' native ops
+from benchmarks.sglang_e2e import sglang_spec_gpu as spec_gpu
 
 MODELS = {"q3n-mtp": dict(spec_gpu.MODELS["q3n"], num_nextn_predict_layers=1)}
 NEXTN = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=1,
@@ -128,7 +126,7 @@ def main() -> None:
     for model, config in MODELS.items():
         common.save_random_model(config, paths[model], seed=0)
     spec = dict(models={m: str(p) for m, p in paths.items()}, tp=1)
-    spec_gpu.run_jobs(chosen, spec, work, script=__file__, budget_s=args.budget_s, summarise_fn=summarise,
+    spec_gpu.run_jobs(chosen, spec, work, module=__spec__.name, budget_s=args.budget_s, summarise_fn=summarise,
                       keep_earlier=not args.force,
                       save=lambda results: common.save(name, dict(summary=summarise(results), models=MODELS,
                                                                   loads=LOADS, gpu=common.gpu_name(), jobs=results)))

@@ -15,8 +15,8 @@ process, run one after the other:
   ``<backend>-fp32``  float32, eager: prompt logprobs (``return_logprob``, ``logprob_start_len=0``) and greedy
                       tokens of the check prompts
 
-    python benchmarks/sglang_e2e/sglang_one_h200.py              # the GPU machine: scripts/device/run_h200_sglang.sh
-    python benchmarks/sglang_e2e/sglang_one_h200.py --dry-run    # no GPU, no SGLang: config, jobs, engine kwargs
+    python -m benchmarks.sglang_e2e.sglang_one_h200              # the GPU machine: scripts/device/run_h200_sglang.sh
+    python -m benchmarks.sglang_e2e.sglang_one_h200 --dry-run    # no GPU, no SGLang: config, jobs, engine kwargs
 
 Results: ``benchmarks/results/<--name>.json`` (``common.save``): ``summary`` = greedy agreement per dtype (sequences
 equal, differing positions, each prompt's first difference), ``fp32_max_abs_logprob_diff`` against
@@ -38,8 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
-import common  # noqa: E402
+from benchmarks import common
 
 MODEL = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
              num_hidden_layers=4, vocab_size=8192, max_position_embeddings=16384, rms_norm_eps=1e-5,
@@ -218,16 +217,16 @@ def job_env(job: dict) -> dict:
     return env
 
 
-def run_one(job: dict, spec: dict, work: Path, *, script: str = __file__) -> dict:
-    """One job in its own process (``script --child SPEC``: this one, or another benchmark's that reuses this runner);
-    its log in ``work``; its results, or ``error`` with the log's tail."""
+def run_one(job: dict, spec: dict, work: Path, *, module: str = __spec__.name) -> dict:
+    """One job in its own process (``python -m module --child SPEC``: this one, or another benchmark's that reuses this
+    runner); its log in ``work``; its results, or ``error`` with the log's tail."""
     spec_path, out, log = (work / f"{job['name']}{ext}" for ext in (".spec.json", ".json", ".log"))
     spec_path.write_text(json.dumps(dict(spec, job=job, out=str(out))))
     out.unlink(missing_ok=True)
     began = time.monotonic()
     with open(log, "w") as sink:  # its own process group, so the scheduler processes it starts end with it
-        proc = subprocess.Popen([sys.executable, script, "--child", str(spec_path)], stdout=sink,
-                                stderr=subprocess.STDOUT, cwd=work, process_group=0, env=job_env(job))
+        proc = subprocess.Popen(common.module_command(module, "--child", str(spec_path)), stdout=sink,
+                                stderr=subprocess.STDOUT, cwd=work, process_group=0, env=common.child_env(job_env(job)))
         try:
             code = proc.wait(timeout=JOB_TIMEOUT_S)
         except subprocess.TimeoutExpired:

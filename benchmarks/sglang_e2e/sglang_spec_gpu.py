@@ -18,9 +18,9 @@ The summary compares greedy tokens (sequences equal, first difference) of q3n-dc
 chain with q3n-dcp-triton and of the tree with its float32 reference, and gives each speculative job's mean
 accepted length (SGLang's ``spec_verify_ct``) and output tokens/s.
 
-    python benchmarks/sglang_e2e/sglang_spec_gpu.py --budget-s 480   # the GPU machine: run_h200_sglang.sh bench
-    python benchmarks/sglang_e2e/sglang_spec_gpu.py --tp 2 --budget-s 480   # two GPUs: every job at DCP = 2
-    python benchmarks/sglang_e2e/sglang_spec_gpu.py --dry-run        # no GPU, no SGLang: jobs and engine kwargs
+    python -m benchmarks.sglang_e2e.sglang_spec_gpu --budget-s 480   # the GPU machine: run_h200_sglang.sh bench
+    python -m benchmarks.sglang_e2e.sglang_spec_gpu --tp 2 --budget-s 480   # two GPUs: every job at DCP = 2
+    python -m benchmarks.sglang_e2e.sglang_spec_gpu --dry-run        # no GPU, no SGLang: jobs and engine kwargs
 """
 
 from __future__ import annotations
@@ -33,12 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-import common  # noqa: E402
-import sglang_one_h200 as one  # noqa: E402  (its import applies the float32 jobs' native ops in a job process)
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm_e2e"))
-from vllm_hybrid_gpu import CONFIG as Q3N, FULL_EVERY  # noqa: E402
+from benchmarks import common
+from benchmarks.sglang_e2e import sglang_one_h200 as one  # in a job process, applies float32 jobs' native ops
+from benchmarks.vllm_e2e.vllm_hybrid_gpu import CONFIG as Q3N, FULL_EVERY
 
 MODELS = {
     "q3n": {**{k: v for k, v in Q3N.items() if k != "num_nextn_predict_layers"}, "full_attention_interval": FULL_EVERY},
@@ -122,7 +119,7 @@ def summarise(results: list[dict]) -> dict:
 
 
 def child(spec_path: str, run=None) -> None:
-    """A job process (``one.run_one`` starts it as ``script --child SPEC``): ``run(job, models, tp)`` (default
+    """A job process (``one.run_one`` starts it as ``python -m MODULE --child SPEC``): ``run(job, models, tp)`` (default
     ``run_job``) into the spec's out file."""
     spec = json.loads(Path(spec_path).read_text())
     result = (run or run_job)(spec["job"], {name: Path(p) for name, p in spec["models"].items()}, spec["tp"])
@@ -151,7 +148,7 @@ def chosen_jobs(jobs: list[dict], args) -> list[dict]:
     return chosen
 
 
-def run_jobs(chosen: list[dict], spec: dict, work: Path, *, script: str, budget_s: float, save, summarise_fn,
+def run_jobs(chosen: list[dict], spec: dict, work: Path, *, module: str, budget_s: float, save, summarise_fn,
              keep_earlier: bool = False) -> None:
     """Each job in its own process (``one.run_one``), none started past ``budget_s``; ``save(results)`` after each
     returns the results file. ``keep_earlier``: a job whose results file an earlier call left in ``work`` is not
@@ -166,7 +163,7 @@ def run_jobs(chosen: list[dict], spec: dict, work: Path, *, script: str, budget_
             print(f"not started (budget): {job['name']}", flush=True)
             continue
         else:
-            results.append(one.run_one(job, spec, work, script=script))
+            results.append(one.run_one(job, spec, work, module=module))
         path = save(results)
         print(f"[{time.strftime('%H:%M:%S')}] {job['name']} done", flush=True)
     print(json.dumps(summarise_fn(results), indent=1))
@@ -193,7 +190,7 @@ def main() -> None:
     for name in {m for j in chosen for m in (j["model"], (j.get("spec") or {}).get("draft")) if m}:
         common.save_random_model(models[name], paths[name], seed=0)
     spec = dict(models={name: str(p) for name, p in paths.items()}, tp=args.tp)
-    run_jobs(chosen, spec, work, script=__file__, budget_s=args.budget_s, summarise_fn=summarise,
+    run_jobs(chosen, spec, work, module=__spec__.name, budget_s=args.budget_s, summarise_fn=summarise,
              save=lambda results: common.save(args.name, dict(summary=summarise(results), models=models, tp=args.tp,
                                                               jobs=results)))
 

@@ -1,13 +1,13 @@
 """The job runner shared by the vLLM end-to-end benchmarks (``vllm_gpu_e2e.py``, ``vllm_dcp_e2e.py``).
 
-A job is one process (``vllm_e2e_engine.py SPEC.json``: build a checkpoint or run one vLLM engine) with its own log
-and timeout. The runner starts jobs in catalogue order, at most ``--jobs`` at once, keeps exclusive jobs alone, gives
-each job that names ``gpus`` its own GPUs (``CUDA_VISIBLE_DEVICES``), reuses finished jobs' results (resumable),
-rewrites the summary after every job (its ``meta`` stamped with ``common.provenance()``: which commit and Triton),
-and mirrors what it wrote (``$OUT`` on the GPU machine). Job logs are cited relative to the repository root when
-they lie under it (``common.repo_relative``), so committed summaries name no machine's folders. Also here: the log
-facts the summaries read (backend start-up line, KV-cache capacity, JIT compiles after warm-up) and the CLI
-options both scripts share. No torch, no vLLM.
+A job is one process (``python -m benchmarks.vllm_e2e.vllm_e2e_engine SPEC.json``: build a checkpoint or run one vLLM
+engine) with its own log and timeout. The runner starts jobs in catalogue order, at most ``--jobs`` at once, keeps
+exclusive jobs alone, gives each job that names ``gpus`` its own GPUs (``CUDA_VISIBLE_DEVICES``), reuses finished jobs'
+results (resumable), rewrites the summary after every job (its ``meta`` stamped with ``common.provenance()``: which
+commit and Triton), and mirrors what it wrote (``$OUT`` on the GPU machine). Job logs are cited relative to the
+repository root when they lie under it (``common.repo_relative``), so committed summaries name no machine's folders.
+Also here: the log facts the summaries read (backend start-up line, KV-cache capacity, JIT compiles after warm-up) and
+the CLI options both scripts share. No torch, no vLLM.
 """
 
 from __future__ import annotations
@@ -22,15 +22,13 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import tarfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
-import common  # noqa: E402
+from benchmarks import common
 
 DCP_STARTUP = "dcp-triton attention: backend=DCP_TRITON"
 STAGGER_S = 2.0  # between job starts: engines pick ports and fill compile caches at start-up
@@ -65,10 +63,10 @@ class Runner:
     kept in one tarball, rewritten after every job and mirrored instead of the single files (``unpack`` restores
     them into the state folders: a cold machine resumes from the tarball that travelled back)."""
 
-    def __init__(self, args, jobs: list[Job], all_jobs: list[Job], paths: dict[str, Path], *, engine_script: Path,
+    def __init__(self, args, jobs: list[Job], all_jobs: list[Job], paths: dict[str, Path], *, engine_module: str,
                  summarise: Summarise, gpu_ids: list[str] | None = None, pack: Path | None = None) -> None:
         self.args, self.jobs, self.all_jobs, self.paths = args, jobs, all_jobs, paths
-        self.engine_script, self.summarise, self.pack = engine_script, summarise, pack
+        self.engine_module, self.summarise, self.pack = engine_module, summarise, pack
         self.gpu_ids, self.free_gpus = list(gpu_ids or []), list(gpu_ids or [])
         self.state: dict[str, dict] = {}
         self.provenance = common.provenance()  # once: the code that runs the jobs
@@ -126,9 +124,10 @@ class Runner:
             limit = min(limit, self._left())
         print(f"[{time.strftime('%H:%M:%S')}] start {job.name} (limit {limit:.0f} s"
               + (f", GPUs {env['CUDA_VISIBLE_DEVICES']})" if job.gpus else ")"), flush=True)
-        with open(log, "w") as sink:  # run in the work folder: a repository root on a child's path would shadow
-            proc = subprocess.Popen([sys.executable, str(self.engine_script), str(spec_path)], stdout=sink,
-                                    stderr=subprocess.STDOUT, start_new_session=True, cwd=self.paths["work"])
+        with open(log, "w") as sink:  # in the work folder; the repository root after any install (common.child_env)
+            proc = subprocess.Popen(common.module_command(self.engine_module, str(spec_path)), stdout=sink,
+                                    stderr=subprocess.STDOUT, start_new_session=True, cwd=self.paths["work"],
+                                    env=common.child_env())
         return {"job": job, "proc": proc, "began": time.monotonic(), "limit": limit, "gpus": gpus}
 
     def _reap(self, job: Job, proc: subprocess.Popen, began: float, limit: float, gpus: list[str]) -> bool:

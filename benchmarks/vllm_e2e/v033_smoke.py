@@ -89,8 +89,7 @@ def imports() -> None:
 
 def build(path: str) -> None:
     """The e2e engine's random-initialised Llama builder (transformers' default init), on a small GQA config."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import vllm_e2e_engine
+    from benchmarks.vllm_e2e import vllm_e2e_engine
 
     config = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
                   num_hidden_layers=4, vocab_size=4096, max_position_embeddings=4096, rms_norm_eps=1e-5,

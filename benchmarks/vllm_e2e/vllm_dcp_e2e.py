@@ -33,24 +33,22 @@ job (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVL
 The state (checkpoint, logs, raw results) lives in --work-dir; finished jobs are reused, so a second call
 continues where the first stopped (a cold machine resumes from the tarball).
 
-    python benchmarks/vllm_e2e/vllm_dcp_e2e.py --budget-s 540         # 2 GPUs: everything, in order
-    python benchmarks/vllm_e2e/vllm_dcp_e2e.py --dcp-full-graphs 1    # dcp-triton DCP > 1 decode in full CUDA graphs
-    python benchmarks/vllm_e2e/vllm_dcp_e2e.py --only 'tp1-*,jit-*'   # 1 GPU: the single-GPU set, the compile check
-    python benchmarks/vllm_e2e/vllm_dcp_e2e.py --plan --budget-s 540
-    python benchmarks/vllm_e2e/vllm_dcp_e2e.py --summarise            # here, from a tarball that came back
+    python -m benchmarks.vllm_e2e.vllm_dcp_e2e --budget-s 540         # 2 GPUs: everything, in order
+    python -m benchmarks.vllm_e2e.vllm_dcp_e2e --dcp-full-graphs 1    # dcp-triton DCP > 1 decode in full CUDA graphs
+    python -m benchmarks.vllm_e2e.vllm_dcp_e2e --only 'tp1-*,jit-*'   # 1 GPU: the single-GPU set, the compile check
+    python -m benchmarks.vllm_e2e.vllm_dcp_e2e --plan --budget-s 540
+    python -m benchmarks.vllm_e2e.vllm_dcp_e2e --summarise            # here, from a tarball that came back
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import e2e_runner as runner  # noqa: E402
-import vllm_dcp_report as dcp_report  # noqa: E402
-from e2e_runner import Job  # noqa: E402
-from vllm_dcp_report import LOADS, LONG_LOAD  # noqa: E402
-from vllm_gpu_e2e import ENGINE_SCRIPT, GRAPH_SIZES, LLAMA_COMMON  # noqa: E402
+from benchmarks.vllm_e2e import e2e_runner as runner
+from benchmarks.vllm_e2e import vllm_dcp_report as dcp_report
+from benchmarks.vllm_e2e.e2e_runner import Job
+from benchmarks.vllm_e2e.vllm_dcp_report import LOADS, LONG_LOAD
+from benchmarks.vllm_e2e.vllm_gpu_e2e import ENGINE_MODULE, GRAPH_SIZES, LLAMA_COMMON
 
 MODEL = "mqa-d128"
 CONFIG = dict(LLAMA_COMMON, hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=1,
@@ -211,7 +209,7 @@ def one_engine_at_a_time(args, all_jobs: list[Job], summarise: runner.Summarise,
         return
 
     def job_runner(jobs: list[Job], **options) -> runner.Runner:
-        return runner.Runner(args, jobs, all_jobs, paths, engine_script=ENGINE_SCRIPT, pack=pack,
+        return runner.Runner(args, jobs, all_jobs, paths, engine_module=ENGINE_MODULE, pack=pack,
                              summarise=summarise, **options)
 
     runner.unpack(pack, {"raw": paths["raw"], "logs": paths["logs"]})  # what an earlier machine finished
@@ -267,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         runner.require(REQUIRED_MODULES)
     runner.unpack(pack, {"raw": paths["raw"], "logs": paths["logs"]})  # what an earlier machine finished
     if args.summarise:
-        runner.Runner(args, [], all_jobs, paths, engine_script=ENGINE_SCRIPT,
+        runner.Runner(args, [], all_jobs, paths, engine_module=ENGINE_MODULE,
                       summarise=lambda found: summarise(args, paths, found)).write_summary()
         return
     jobs = select(all_jobs, only=args.only, eager=not args.no_eager, force=args.force)
@@ -276,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         print_plan(jobs, gpus=len(gpu_ids) if args.gpus is not None or gpu_ids else 2, parallel=args.jobs,
                    budget_s=args.budget_s)
         return
-    run = runner.Runner(args, jobs, all_jobs, paths, engine_script=ENGINE_SCRIPT, gpu_ids=gpu_ids, pack=pack,
+    run = runner.Runner(args, jobs, all_jobs, paths, engine_module=ENGINE_MODULE, gpu_ids=gpu_ids, pack=pack,
                         summarise=lambda found: summarise(args, paths, found))
     runner.run_jobs(run, paths["results"] / f"{args.name}.md")
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import e2e_runner as runner
-import vllm_e2e_report as report
+from benchmarks.vllm_e2e import e2e_runner as runner
+from benchmarks.vllm_e2e import vllm_e2e_report as report
 
 LOADS = {"decode-heavy": (256, 512, 512), "small-batch": (64, 512, 128), "prefill-heavy": (32, 8192, 64),
          "long-context": (16, 32768, 64)}  # requests, prompt tokens, output tokens

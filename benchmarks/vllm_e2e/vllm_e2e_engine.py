@@ -1,7 +1,7 @@
 """One job of ``vllm_gpu_e2e.py`` / ``vllm_dcp_e2e.py`` in its own process: build a random Llama checkpoint, or run
 one vLLM engine.
 
-    python benchmarks/vllm_e2e/vllm_e2e_engine.py SPEC.json
+    python -m benchmarks.vllm_e2e.vllm_e2e_engine SPEC.json
 
 ``SPEC["kind"]``: ``build`` (the config's model, a Llama by default, with transformers' init, saved in float32) or
 ``engine`` (one ``vllm.LLM`` with ``SPEC["engine"]`` as its arguments, then ``SPEC["tasks"]`` in order). The result
@@ -20,10 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
-import common  # noqa: E402
-import e2e_runner as runner  # noqa: E402
-import vllm_e2e_report as report  # noqa: E402
+from benchmarks import common
+from benchmarks.vllm_e2e import e2e_runner as runner
+from benchmarks.vllm_e2e import vllm_e2e_report as report
 
 
 def build(spec: dict) -> None:

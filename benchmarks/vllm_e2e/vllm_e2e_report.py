@@ -11,8 +11,8 @@ import math
 import random
 from pathlib import Path
 
-import e2e_runner as runner
-import vllm_e2e_bursts as bursts
+from benchmarks.vllm_e2e import e2e_runner as runner
+from benchmarks.vllm_e2e import vllm_e2e_bursts as bursts
 
 FP32_LOGPROB_TOL = 1e-3  # max |logprob(dcp-triton) - logprob(TRITON_ATTN)| in float32
 # A float32 greedy divergence is explained when both backends see a top-2 gap this small there: two logprobs that

@@ -27,24 +27,21 @@ beside 64 short ones (256-4K tokens), 64 greedy tokens each, judged the same way
 against both on 8 prompts, five engines at once. float32 jobs run with TRITON_F32_DEFAULT=ieee, so vLLM's Triton
 kernels compute float32 dots in float32, not TF32.
 
-    python benchmarks/vllm_e2e/vllm_gpu_e2e.py --quick --budget-s 220
-    python benchmarks/vllm_e2e/vllm_gpu_e2e.py --only 'agree-gqa5-*' --jobs 3
-    python benchmarks/vllm_e2e/vllm_gpu_e2e.py --only 'repeat-*' --jobs 2 --name vllm_e2e_repeat_h200
-    python benchmarks/vllm_e2e/vllm_gpu_e2e.py --list
+    python -m benchmarks.vllm_e2e.vllm_gpu_e2e --quick --budget-s 220
+    python -m benchmarks.vllm_e2e.vllm_gpu_e2e --only 'agree-gqa5-*' --jobs 3
+    python -m benchmarks.vllm_e2e.vllm_gpu_e2e --only 'repeat-*' --jobs 2 --name vllm_e2e_repeat_h200
+    python -m benchmarks.vllm_e2e.vllm_gpu_e2e --list
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import e2e_runner as runner  # noqa: E402
-import vllm_e2e_report as report  # noqa: E402
-from e2e_runner import Job  # noqa: E402
+from benchmarks.vllm_e2e import e2e_runner as runner
+from benchmarks.vllm_e2e import vllm_e2e_report as report
+from benchmarks.vllm_e2e.e2e_runner import Job
 
-HERE = Path(__file__).resolve().parent
-ENGINE_SCRIPT = HERE / "vllm_e2e_engine.py"
+ENGINE_MODULE = "benchmarks.vllm_e2e.vllm_e2e_engine"  # each job's process
 LLAMA_COMMON = dict(num_hidden_layers=4, vocab_size=8192, max_position_embeddings=16384, rms_norm_eps=1e-5,
               rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 MODELS = {
@@ -199,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         runner.print_list(jobs)
         return
     runner.require(REQUIRED_MODULES)
-    run = runner.Runner(args, jobs, all_jobs, paths, engine_script=ENGINE_SCRIPT,
+    run = runner.Runner(args, jobs, all_jobs, paths, engine_module=ENGINE_MODULE,
                         summarise=lambda found: summarise(args, paths, found))
     runner.run_jobs(run, paths["results"] / f"{args.name}.md")
 

@@ -21,11 +21,11 @@ compares each job with the one it names: dcp-triton's prompt logprobs and greedy
 TRITON_ATTN's against FLASH_ATTN's (how far two vLLM backends part in bf16), each MTP job's greedy tokens with its
 backend's plain job, and gives the attention block size each engine ran with.
 
-    python benchmarks/vllm_e2e/vllm_hybrid_gpu.py --budget-s 520      # the GPU machine, after run_h200.sh's unpack
+    python -m benchmarks.vllm_e2e.vllm_hybrid_gpu --budget-s 520      # the GPU machine, after run_h200.sh's unpack
                                                                        # and moe calls (vLLM's MoE extension)
-    python benchmarks/vllm_e2e/vllm_hybrid_gpu.py --tp 2 --budget-s 520  # two GPUs (run_2xh200.sh's unpack first)
-    python benchmarks/vllm_e2e/vllm_hybrid_gpu.py --plan               # the order and estimated times; no vLLM
-    python benchmarks/vllm_e2e/vllm_hybrid_gpu.py --summarise          # here, from the tarball that came back
+    python -m benchmarks.vllm_e2e.vllm_hybrid_gpu --tp 2 --budget-s 520  # two GPUs (run_2xh200.sh's unpack first)
+    python -m benchmarks.vllm_e2e.vllm_hybrid_gpu --plan               # the order and estimated times; no vLLM
+    python -m benchmarks.vllm_e2e.vllm_hybrid_gpu --summarise          # here, from the tarball that came back
 
 Results: ``benchmarks/results/<name>.json / .md`` and ``<name>_jobs.tar.gz`` (every job's log and raw result).
 """
@@ -35,16 +35,14 @@ from __future__ import annotations
 import json
 import re
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import e2e_runner as runner  # noqa: E402
-import vllm_dcp_e2e as dcp_e2e  # noqa: E402
-import vllm_e2e_report as report  # noqa: E402
-import vllm_spec_dcp as spec_dcp  # noqa: E402
-from e2e_runner import Job  # noqa: E402
-from vllm_gpu_e2e import GRAPH_SIZES  # noqa: E402
+from benchmarks.vllm_e2e import e2e_runner as runner
+from benchmarks.vllm_e2e import vllm_dcp_e2e as dcp_e2e
+from benchmarks.vllm_e2e import vllm_e2e_report as report
+from benchmarks.vllm_e2e import vllm_spec_dcp as spec_dcp
+from benchmarks.vllm_e2e.e2e_runner import Job
+from benchmarks.vllm_e2e.vllm_gpu_e2e import GRAPH_SIZES
 
 MODEL = "qwen3next-h256"
 FULL_EVERY = 4

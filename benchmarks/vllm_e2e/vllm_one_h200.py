@@ -20,9 +20,9 @@ and in the attention layers' ``forward`` (perf_counter around vLLM's calls; for 
 ``PARTS``) and GPU time per kernel (torch profiler) -> ``profile`` in the results, keyed
 ``<backend>/<mode>`` (``<backend>/<mode>/<load>`` for another load, ``<model>/`` first for another model).
 
-    python benchmarks/vllm_e2e/vllm_one_h200.py --only 'llama8-*-graphs' --name vllm_one_h200_graphs
-    python benchmarks/vllm_e2e/vllm_one_h200.py --only 'llama8-*-graphs' --loads small-batch,mixed  # these only
-    python benchmarks/vllm_e2e/vllm_one_h200.py --merge benchmarks/results/vllm_one_h200_*.json  # -> vllm_one_h200.json
+    python -m benchmarks.vllm_e2e.vllm_one_h200 --only 'llama8-*-graphs' --name vllm_one_h200_graphs
+    python -m benchmarks.vllm_e2e.vllm_one_h200 --only 'llama8-*-graphs' --loads small-batch,mixed  # these only
+    python -m benchmarks.vllm_e2e.vllm_one_h200 --merge benchmarks/results/vllm_one_h200_*.json  # -> vllm_one_h200.json
 
 Results: ``benchmarks/results/<name>.json``: ``summary.loads.<model>/<load>.<mode>`` = ``{"dcp_triton": tok/s,
 "flash_attn": tok/s, "triton_attn": tok/s}``, ``jobs`` (every run, start-up seconds and vLLM's start-up stages, the
@@ -42,10 +42,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
-import common  # noqa: E402
-import vllm_startup  # noqa: E402
-from vllm_startup import STARTUP_CACHES, init_breakdown, warmup_lines, warmup_seconds  # noqa: E402, F401
+from benchmarks import common
+from benchmarks.vllm_e2e import vllm_startup
+from benchmarks.vllm_e2e.vllm_startup import STARTUP_CACHES, init_breakdown, warmup_lines, warmup_seconds  # noqa: F401
 
 VOCAB = 8192
 MODELS = {
@@ -348,8 +347,9 @@ def main() -> None:
         t = time.monotonic()
         with open(log, "w") as sink:
             try:
-                code = subprocess.run([sys.executable, __file__, "--child", str(spec)], stdout=sink,
-                                      stderr=subprocess.STDOUT, env=env, cwd=work, timeout=JOB_TIMEOUT_S).returncode
+                code = subprocess.run(common.module_command(__spec__.name, "--child", str(spec)), stdout=sink,
+                                      stderr=subprocess.STDOUT, env=common.child_env(env), cwd=work,
+                                      timeout=JOB_TIMEOUT_S).returncode
             except subprocess.TimeoutExpired:
                 code = "timeout"
         text = log.read_text(errors="replace")

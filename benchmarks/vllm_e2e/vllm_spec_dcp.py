@@ -27,24 +27,22 @@ against the reference's (speed-up). Results:
     benchmarks/results/<name>.json / .md          summary (rows per job), table
     benchmarks/results/<name>_jobs.tar.gz         every job's log and raw result (also unpacked to resume)
 
-    python benchmarks/vllm_e2e/vllm_spec_dcp.py --budget-s 540      # 2 GPUs: everything, in order (a rerun resumes)
-    python benchmarks/vllm_e2e/vllm_spec_dcp.py --tp 1 --budget-s 540   # 1 GPU: DCP = 1
-    python benchmarks/vllm_e2e/vllm_spec_dcp.py --plan               # the order and estimated times; no torch, no vLLM
-    python benchmarks/vllm_e2e/vllm_spec_dcp.py --summarise          # here, from the tarball that came back
+    python -m benchmarks.vllm_e2e.vllm_spec_dcp --budget-s 540      # 2 GPUs: everything, in order (a rerun resumes)
+    python -m benchmarks.vllm_e2e.vllm_spec_dcp --tp 1 --budget-s 540   # 1 GPU: DCP = 1
+    python -m benchmarks.vllm_e2e.vllm_spec_dcp --plan               # the order and estimated times; no torch, no vLLM
+    python -m benchmarks.vllm_e2e.vllm_spec_dcp --summarise          # here, from the tarball that came back
 """
 
 from __future__ import annotations
 
 import json
 import random
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import e2e_runner as runner  # noqa: E402
-import vllm_dcp_e2e as dcp_e2e  # noqa: E402
-from e2e_runner import Job  # noqa: E402
-from vllm_gpu_e2e import GRAPH_SIZES, LLAMA_COMMON  # noqa: E402
+from benchmarks.vllm_e2e import e2e_runner as runner
+from benchmarks.vllm_e2e import vllm_dcp_e2e as dcp_e2e
+from benchmarks.vllm_e2e.e2e_runner import Job
+from benchmarks.vllm_e2e.vllm_gpu_e2e import GRAPH_SIZES, LLAMA_COMMON
 
 DRAFT_MODEL = "draft-d64"
 DRAFT_CONFIG = dict(LLAMA_COMMON, num_hidden_layers=2, hidden_size=512, intermediate_size=1024,

@@ -9,9 +9,43 @@
 # unpacked in one go. run_h200_sglang.sh joins SGLang's wheel archive (scripts/device/make_sglang_bundle.sh: parts of
 # <= 45 MiB, one a call) the same way (join_checked).
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+# pytest over the repository's tests, dcp-triton from /tmp/dcp: tests/ is a package, and pytest's default import mode
+# would put the repository root first on sys.path, where its dcp_plugin/ folder (without the kernels/ and adapters/
+# that the install maps into it) shadows the install; "append" leaves the root where PYTHONPATH has it, after /tmp/dcp.
+PYTEST=(python3 -m pytest --import-mode=append -p no:cacheprovider)
 VLLM_UNPACKED=/tmp/vs/.unpacked  # written once an unpack finished: a cut-short tar leaves /tmp/vs without it
 
 vllm_unpacked() { test -f "$VLLM_UNPACKED"; }
+
+# The benchmarks are the package benchmarks/ of the repository, run as modules (python3 -m benchmarks.kernels.x) from
+# /tmp with the repository root last on PYTHONPATH: benchmarks come from the repository, dcp_plugin from the install
+# before it (/tmp/dcp). The calls name a script by its path from the repository root, as the pages do.
+module_of() {  # module_of SCRIPT.py: the module of a script named by its path from the repository root (or
+  # absolute under it): benchmarks/vllm_e2e/vllm_hybrid_gpu.py -> benchmarks.vllm_e2e.vllm_hybrid_gpu
+  local path=${1#"$repo"/}
+  path=${path#./}
+  [[ $path == *.py && $path != /* && $path != *..* ]] || { echo "not a script of the repository: $1" >&2; return 1; }
+  path=${path%.py}
+  echo "${path//\//.}"
+}
+
+script_argv() {  # script_argv SCRIPT.py [ARGS...]: sets ARGV, the command that runs a script named by its path from
+  # the repository root: a benchmark (or a tool of scripts/) as its module (module_of), an example by its path, as a
+  # user runs it (python3 examples/x.py: its folder first on the path, where its _shared.py is)
+  local path=${1#"$repo"/} module
+  shift
+  path=${path#./}
+  if [[ $path == examples/*.py && -f $repo/$path ]]; then ARGV=(python3 "$repo/$path" "$@"); return 0; fi
+  module=$(module_of "$path") || return 1
+  ARGV=(python3 -m "$module" "$@")
+}
+
+repo_last() {  # PYTHONPATH with the repository root last (added once): benchmarks importable, the install first
+  case ":${PYTHONPATH:-}:" in
+    *":$repo:"*) echo "$PYTHONPATH" ;;
+    *) echo "${PYTHONPATH:+$PYTHONPATH:}$repo" ;;
+  esac
+}
 
 untar_vllm() {  # untar_vllm ARCHIVE: into a fresh /tmp/vs, marked complete only when tar succeeded
   rm -rf /tmp/vs && mkdir -p /tmp/vs && tar xJf "$1" -C /tmp/vs && touch "$VLLM_UNPACKED"

@@ -23,7 +23,8 @@
 #         bash scripts/device/run_2xh200.sh check        carry .gpu-bundle/core-rest, then
 #         bash scripts/device/run_2xh200.sh e2e --budget-s 540    carry .gpu-bundle/extra
 # Everything runs from /tmp: in the repository root, its dcp_plugin/ folder (without the kernels/ and adapters/
-# packages that the install maps into it) would shadow the installed package for child processes.
+# packages that the install maps into it) would shadow the installed package for child processes. The benchmarks run
+# as modules (python3 -m / torchrun -m), the repository root last on PYTHONPATH (run_h200.sh says how).
 set -uo pipefail
 stage=${1:?usage: run_2xh200.sh unpack|check|e2e|spec|moe|hybrid [arguments...]}
 shift
@@ -54,10 +55,10 @@ case "$stage" in
     tests=(tests/gpu/test_launch_gpu.py tests/gpu/test_warmup_gpu.py tests/gpu/test_kernel_prefix_attention_gpu.py
            tests/gpu/test_kernel_chunk_attention_merge_gpu.py tests/gpu/test_decode_graph_gpu.py
            tests/gpu/test_jit_variants_gpu.py tests/gpu/test_gpu_tier.py)
-    limit "${GPU_TESTS_S:-260}" gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider -x "${tests[@]/#/$repo/}"
+    limit "${GPU_TESTS_S:-260}" gpu_tests "${PYTEST[@]}" -q -m gpu -x "${tests[@]/#/$repo/}"
     limit "${MULTI_GPU_S:-170}" multi_gpu torchrun --standalone --nproc-per-node 2 \
-      "$repo/benchmarks/dcp/multi_gpu_dcp.py" --quick --results-dir "$OUT"
-    limit "${HOST_S:-100}" host_overhead python3 "$repo/benchmarks/dcp/bench_host_overhead.py" --quick \
+      -m "$(module_of benchmarks/dcp/multi_gpu_dcp.py)" --quick --results-dir "$OUT"
+    limit "${HOST_S:-100}" host_overhead python3 -m "$(module_of benchmarks/dcp/bench_host_overhead.py)" --quick \
       --out "$OUT/host_overhead_h200.json"
     wait
     ;;
@@ -73,13 +74,14 @@ case "$stage" in
     if test -f /tmp/moe.tar.gz; then tar xzf /tmp/moe.tar.gz -C /tmp/vs || exit 1; fi
     source "$repo/.gpu-bundle/extra/setup.sh"
     export PYTHONPATH=/tmp/dcp:$PYTHONPATH
+    PYTHONPATH=$(repo_last)  # the benchmarks from the repository, dcp_plugin from /tmp/dcp
     cd /tmp
     case "$stage" in
       e2e) script=(vllm_dcp_e2e.py) ;;
       spec) script=(vllm_spec_dcp.py) ;;
       hybrid) script=(vllm_hybrid_gpu.py --tp 2) ;;
     esac
-    python3 "$repo/benchmarks/vllm_e2e/${script[0]}" "${script[@]:1}" --mirror "$OUT" "$@" 2>&1 \
+    python3 -m "$(module_of "benchmarks/vllm_e2e/${script[0]}")" "${script[@]:1}" --mirror "$OUT" "$@" 2>&1 \
       | tee "/tmp/logs/$stage.log" | tail -n 60
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;

@@ -16,7 +16,7 @@
 #                  (the OpenAI server's wheels: uvicorn, watchfiles, ...) for server_aborts.py; BENCH_TIMEOUT_S=N
 #                  stops each script with SIGINT after N s (SIGKILL 75 s later: server_aborts.py stops its server
 #                  first), so what it wrote comes back inside the 10-minute limit. Scripts that need no vLLM
-#                  (benchmarks/kernels/probe_*.py) need no unpack call and carry nothing (bench_kernels.py then
+#                  (benchmarks/probes/probe_*.py) need no unpack call and carry nothing (bench_kernels.py then
 #                  measures no vLLM / FA3 peers).
 #   stage "moe":    carry .gpu-bundle/moe (scripts/device/make_moe_ext.sh: vLLM's MoE extension, 40 MiB) -> kept in
 #                  /tmp; the next bench call unpacks it beside vLLM (MoE models: vllm_e2e/vllm_hybrid_gpu.py)
@@ -28,7 +28,9 @@
 #         bash scripts/device/run_h200.sh bench "benchmarks/vllm_e2e/vllm_gpu_e2e.py --quick"
 #                                                     carry .gpu-bundle/extra, .gpu-bundle/core-rest
 # Everything runs from /tmp: in the repository root, its dcp_plugin/ folder (without the kernels/ and adapters/
-# packages that the install maps into it) would shadow the installed package for any child Python process.
+# packages that the install maps into it) would shadow the installed package for any child Python process. A script
+# named by its path runs as its module (python3 -m benchmarks.x.y; an example by its path: _device.sh's script_argv),
+# with the repository root last on PYTHONPATH (repo_last): benchmarks from the repository, dcp_plugin from /tmp/dcp.
 # Logs land in $OUT, and every file the benchmarks wrote under benchmarks/results/ in $OUT/results_new.tar.gz.
 set -uo pipefail
 stage=${1:?usage: run_h200.sh unpack|tests|bench|moe|ab [arguments...]}
@@ -54,16 +56,16 @@ case "$stage" in
     for arg in "$@"; do [[ $arg == tests/* ]] && targets+=("$repo/$arg") || targets+=("$arg"); done
     cd /tmp
     if [[ ${#targets[@]} -gt 0 && ${targets[0]} == "$repo"/tests/* ]]; then
-      PYTHONPATH=/tmp/dcp:$repo python3 -m pytest -q -m gpu -p no:cacheprovider --durations=25 \
+      PYTHONPATH=/tmp/dcp:$repo "${PYTEST[@]}" -q -m gpu --durations=25 \
         "${targets[@]}" 2>&1 | from_repo | tee "$OUT/gpu_tests.log"
     else  # the whole tier: the correctness files on xdist workers, then the serial ones
       serial=() parallel=()
       for f in "$repo"/tests/gpu/test_*.py; do
         if [[ " $SERIAL_TESTS " == *" $(basename "$f") "* ]]; then serial+=("$f"); else parallel+=("$f"); fi
       done
-      { PYTHONPATH=/tmp/dcp:$repo python3 -m pytest -q -m gpu -p no:cacheprovider --durations=25 \
+      { PYTHONPATH=/tmp/dcp:$repo "${PYTEST[@]}" -q -m gpu --durations=25 \
           -n "${TEST_WORKERS:-4}" "${parallel[@]}" "${targets[@]}" 2>&1
-        PYTHONPATH=/tmp/dcp:$repo python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 \
+        PYTHONPATH=/tmp/dcp:$repo "${PYTEST[@]}" -q -m gpu --durations=10 \
           "${serial[@]}" "${targets[@]}" 2>&1; } | from_repo | tee "$OUT/gpu_tests.log"
     fi
     ;;
@@ -83,17 +85,18 @@ case "$stage" in
       export PYTHONPATH=/tmp/site-server${PYTHONPATH:+:$PYTHONPATH}
     fi
     export PYTHONPATH=/tmp/dcp${PYTHONPATH:+:$PYTHONPATH}
+    PYTHONPATH=$(repo_last)  # benchmarks and tests from the repository, dcp_plugin from /tmp/dcp
     cd /tmp
     results_here
     for script in "$@"; do
       if [[ $script == tests/* ]]; then
-        DCP_TRITON_REQUIRE_VLLM=1 PYTHONPATH=$PYTHONPATH:$repo python3 -m pytest -q -m gpu -p no:cacheprovider \
-          "$repo/$script" 2>&1 \
+        DCP_TRITON_REQUIRE_VLLM=1 "${PYTEST[@]}" -q -m gpu "$repo/$script" 2>&1 \
           | from_repo | tee -a "$OUT/gpu_tests_vllm.log"
         continue
       fi
       # shellcheck disable=SC2086  # "name.py --flag value": word splitting is wanted
-      timeout -s INT -k 75 "${BENCH_TIMEOUT_S:-0}" python3 "$repo"/$script 2>&1 | tee -a "$OUT/bench.log"
+      script_argv $script || continue
+      timeout -s INT -k 75 "${BENCH_TIMEOUT_S:-0}" "${ARGV[@]}" 2>&1 | tee -a "$OUT/bench.log"
     done
     pack_results "$OUT/install.log" "$OUT/results_new.tar.gz"  # what the scripts wrote
     ;;
@@ -104,14 +107,17 @@ case "$stage" in
     rm -rf /tmp/dcp_base_src /tmp/dcp_base && mkdir -p /tmp/dcp_base_src && tar xzf "$base/tree.tar.gz" -C /tmp/dcp_base_src
     python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/dcp_base /tmp/dcp_base_src \
       >"$OUT/install_base.log" 2>&1 || { cat "$OUT/install_base.log"; exit 1; }
+    # this tree's benchmarks over each dcp-triton: its install first, the repository root last
+    base_path=$(PYTHONPATH=/tmp/dcp_base${PYTHONPATH:+:$PYTHONPATH} repo_last)
+    ours_path=$(PYTHONPATH=/tmp/dcp${PYTHONPATH:+:$PYTHONPATH} repo_last)
     cd /tmp
     results_here
     for script in "$@"; do
       # shellcheck disable=SC2086  # "name.py --flag value": word splitting is wanted
-      PYTHONPATH=/tmp/dcp_base${PYTHONPATH:+:$PYTHONPATH} DCP_TRITON_COMMIT=$(cat "$base/REV") \
-        DCP_BENCH_NAME_SUFFIX=_base python3 "$repo"/$script 2>&1 | tee -a "$OUT/bench_base.log"
-      # shellcheck disable=SC2086
-      PYTHONPATH=/tmp/dcp${PYTHONPATH:+:$PYTHONPATH} python3 "$repo"/$script 2>&1 | tee -a "$OUT/bench.log"
+      script_argv $script || continue
+      PYTHONPATH=$base_path DCP_TRITON_COMMIT=$(cat "$base/REV") DCP_BENCH_NAME_SUFFIX=_base "${ARGV[@]}" 2>&1 \
+        | tee -a "$OUT/bench_base.log"
+      PYTHONPATH=$ours_path "${ARGV[@]}" 2>&1 | tee -a "$OUT/bench.log"
     done
     pack_results "$OUT/install.log" "$OUT/results_new.tar.gz"
     ;;

@@ -21,7 +21,8 @@
 #         bash scripts/device/run_h200_sglang.sh install    carry .gpu-bundle/sglang-part-01
 #         BENCH_TIMEOUT_S=540 bash scripts/device/run_h200_sglang.sh bench --budget-s 400
 # Logs land in $OUT, the jobs' logs in $OUT/sglang_job_logs.tar.gz, and every file the benchmark wrote under
-# benchmarks/results/ in $OUT/results_new.tar.gz. Everything runs from /tmp (run_h200.sh says why).
+# benchmarks/results/ in $OUT/results_new.tar.gz. Everything runs from /tmp, the script as its module (run_h200.sh
+# says why and how).
 set -uo pipefail
 stage=${1:?usage: run_h200_sglang.sh part|install|bench [benchmark arguments...]}
 shift
@@ -94,8 +95,9 @@ PY
 bench() {  # bench [SCRIPT.py] [ARGS...]: one benchmark script over SGLang in /tmp/sgl, its logs and results to $OUT
   local script=benchmarks/sglang_e2e/sglang_one_h200.py
   if [[ ${1:-} == *.py ]]; then script=$1; shift; fi
-  (cd /tmp && PYTHONPATH=/tmp/dcp:$sgl timeout -s INT -k 75 "${BENCH_TIMEOUT_S:-0}" \
-    python3 "$repo/$script" "$@" 2>&1 | tee "$OUT/bench.log")
+  script_argv "$script" "$@" || return 1
+  (cd /tmp && PYTHONPATH=$(PYTHONPATH=/tmp/dcp:$sgl repo_last) timeout -s INT -k 75 "${BENCH_TIMEOUT_S:-0}" \
+    "${ARGV[@]}" 2>&1 | tee "$OUT/bench.log")
   if compgen -G "$DCP_BENCH_WORK/*.log" >/dev/null; then
     (cd "$DCP_BENCH_WORK" && tar czf "$OUT/sglang_job_logs.tar.gz" -- *.log)
   fi

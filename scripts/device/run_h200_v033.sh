@@ -17,7 +17,8 @@
 #   v033_logs.tar.gz (every step's log, the e2e reports and per-job vLLM logs).
 #   e.g.  bash scripts/device/run_h200_v033.sh core   carry .gpu-bundle-033/core, then
 #         bash scripts/device/run_h200_v033.sh run    carry .gpu-bundle-033/extra
-# Everything runs from /tmp: the repository root's dcp_plugin/ would shadow the installed package.
+# Everything runs from /tmp: the repository root's dcp_plugin/ would shadow the installed package; the benchmarks run
+# as modules, the repository root last on PYTHONPATH (run_h200.sh says how).
 # _device.sh (sourced) sets $repo and installs dcp-triton.
 set -uo pipefail
 stage=${1:?usage: run_h200_v033.sh core|run}
@@ -35,8 +36,9 @@ case $stage in
   run)
     start=$SECONDS budget=${BUDGET_S:-510} L=/tmp/v033-logs
     rm -rf "$L" && mkdir -p "$L"
+    smoke=(python3 -m "$(module_of benchmarks/vllm_e2e/v033_smoke.py)")
     finish() {
-      python3 "$repo/benchmarks/vllm_e2e/v033_smoke.py" summary "$L" "$OUT/v033_summary.json"
+      PYTHONPATH=$(repo_last) "${smoke[@]}" summary "$L" "$OUT/v033_summary.json"
       tar czf "$OUT/v033_logs.tar.gz" --exclude=mirror -C "$L" .
     }
     trap finish EXIT
@@ -61,8 +63,8 @@ case $stage in
     ((rc == 0)) || { echo "setup failed"; tail -20 "$L/setup.log"; exit 1; }
     echo "RESULT {}" >> "$L/setup.log"
     export PYTHONPATH=/tmp/dcp:$PYTHONPATH
+    PYTHONPATH=$(repo_last)  # the benchmarks from the repository, dcp_plugin from /tmp/dcp
     cd /tmp
-    smoke=(python3 "$repo/benchmarks/vllm_e2e/v033_smoke.py")
     step a-versions 120 "${smoke[@]}" versions
     step a-probe-c 120 "${smoke[@]}" probe-c &
     step a-probe-fa3 120 "${smoke[@]}" probe-fa3 &
@@ -83,7 +85,7 @@ case $stage in
       skip b-build b-generate-TRITON_ATTN-float32 b-generate-TRITON_ATTN-bfloat16
     fi
     if ok b-generate-TRITON_ATTN-float32 || ok b-generate-TRITON_ATTN-bfloat16; then
-      e2e=(python3 "$repo/benchmarks/vllm_e2e/vllm_gpu_e2e.py" --triton-f32 ieee)
+      e2e=(python3 -m "$(module_of benchmarks/vllm_e2e/vllm_gpu_e2e.py)" --triton-f32 ieee)
       step c-build-model 150 "${e2e[@]}" --work-dir /tmp/e33 --only build-gqa5-d64 --results-dir "$L/c-build" --mirror "$L/c-build"
       echo "RESULT {}" >> "$L/c-build-model.log"  # the runner prints no RESULT line: its rc tells
       left=$((budget - (SECONDS - start) - 30))

@@ -1,10 +1,10 @@
-"""DCP simulated on one GPU (one thread per rank, ``tests.dcp_harness.ThreadGroup`` moving CUDA tensors), beyond the
-GPU tier's mixed batches (``tests/gpu/test_gpu_tier.py``), every output gathered over the group and compared with
+"""DCP simulated on one GPU (one thread per rank, ``tests.helpers.dcp_harness.ThreadGroup`` moving CUDA tensors), beyond
+the GPU tier's mixed batches (``tests/gpu/test_gpu_tier.py``), every output gathered over the group and compared with
 float64 single-rank causal attention:
 
 1. speculative-decoding verify steps (k + 1 query rows over a sharded prefix, random acceptance, rejected entries
    written over by the next step) mixed with decodes and prefill chunks, at N = 2 and 4: both head layouts, both
-   comm modes, interleave 1 and 16, bf16, head size 128 (the cases and their runner: ``tests/verify_steps.py``);
+   comm modes, interleave 1 and 16, bf16, head size 128 (the cases and their runner: ``tests/helpers/verify_steps.py``);
 2. an fp8 KV cache (e4m3 and e5m2, scales that are not powers of two) at N = 1, 2 and 4, against float64 over the
    dequantized cache: DCP = N and DCP = 1 meet the same bound;
 3. 128K cached tokens per rank (N = 2 over a 262K-token context), decode, verify and chunk rows.
@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from dcp_plugin import kernels
-from tests.dcp_harness import Case, ThreadGroup, run_case, run_threads
-from tests.fp8_checks import run_fp8_dcp
-from tests.verify_steps import head_layouts, run_verify_case, verify_case
+from dcp_plugin.testing import Case
+from tests.helpers.dcp_harness import ThreadGroup, run_case, run_threads
+from tests.helpers.fp8_checks import run_fp8_dcp
+from tests.helpers.verify_steps import head_layouts, run_verify_case, verify_case
 
 if not torch.cuda.is_available():
     pytest.skip("the GPU simulation needs a CUDA GPU (run `pytest -m gpu tests/gpu` there)", allow_module_level=True)

@@ -1,5 +1,5 @@
 """Decode steps of DcpAttention captured in a CUDA graph and replayed on later steps, as vLLM's full decode graphs
-run them (``tests/graph_replay.py``): single-token steps and speculative verify steps of 1 + 4 rows per request,
+run them (``tests/helpers/graph_replay.py``): single-token steps and speculative verify steps of 1 + 4 rows per request,
 bf16 and fp16, 32 Q / 8 KV heads, head size 128, block tables addressing 4096 tokens per request; vs float64."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.graph_replay import Step, check_replays
+from tests.helpers.graph_replay import Step, check_replays
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

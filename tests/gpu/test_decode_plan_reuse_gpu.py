@@ -1,6 +1,7 @@
 """Steady decoding on the GPU's own decode path (balanced splits, a split pass whose last split may merge, 64-token
-pages): decode steps over persistent buffers replay the last step's plan until the longest shard passes its bound,
-and every step matches float64 (``tests/steady_decode.py``), at DCP = 1 and 2, both comm modes, bf16, head size 128."""
+pages): decode steps over persistent buffers replay the last step's plan until the longest shard passes its bound, and
+every step matches float64 (``tests/helpers/steady_decode.py``), at DCP = 1 and 2, both comm modes, bf16, head size
+128."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 
 from dcp_plugin import step_plan
-from tests.dcp_harness import Case, run_threads
-from tests.steady_decode import run_steady_decode
+from dcp_plugin.testing import Case
+from tests.helpers.dcp_harness import run_threads
+from tests.helpers.steady_decode import run_steady_decode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

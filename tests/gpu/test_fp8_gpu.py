@@ -10,7 +10,8 @@ import torch
 from dcp_plugin.kernels import reference
 from dcp_plugin.kernels.prefix_attention import prefix_attention
 from dcp_plugin.kernels.write_kv_cache import write_kv_cache
-from tests.kernel_checks import assert_matches, poisoned, shuffled_block_table
+from dcp_plugin.testing import shuffled_block_table
+from tests.helpers.kernel_checks import assert_matches, poisoned
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

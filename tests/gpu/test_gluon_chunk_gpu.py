@@ -14,7 +14,7 @@ from dcp_plugin.kernels import _gluon
 from dcp_plugin.kernels._gluon import GLUON_ENV, gluon_supported
 from dcp_plugin.kernels.chunk_attention import chunk_attention, plan_chunk
 from dcp_plugin.kernels.gluon_chunk import PAIRS, ROUND_ROBIN, SNAKE, plan_gluon_chunk
-from tests.kernel_checks import assert_matches, poisoned
+from tests.helpers.kernel_checks import assert_matches, poisoned
 
 pytestmark = [
     pytest.mark.gpu,

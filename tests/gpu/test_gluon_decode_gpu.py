@@ -14,7 +14,8 @@ import torch
 from dcp_plugin.kernels import reference
 from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_KV_GROUP, GLUON_ENV, gluon_supported
 from dcp_plugin.kernels.prefix_attention import prefix_attention, plan_prefix
-from tests.kernel_checks import assert_matches, poisoned, shuffled_block_table
+from dcp_plugin.testing import shuffled_block_table
+from tests.helpers.kernel_checks import assert_matches, poisoned
 
 pytestmark = [
     pytest.mark.gpu,

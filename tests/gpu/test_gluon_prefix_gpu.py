@@ -14,7 +14,8 @@ from dcp_plugin.kernels import _gluon
 from dcp_plugin.kernels._gluon import GLUON_ENV, gluon_supported
 from dcp_plugin.kernels.gluon_prefix import plan_gluon_prefix
 from dcp_plugin.kernels.prefix_attention import prefix_attention, plan_prefix
-from tests.kernel_checks import assert_matches, poisoned, shuffled_block_table
+from dcp_plugin.testing import shuffled_block_table
+from tests.helpers.kernel_checks import assert_matches, poisoned
 
 pytestmark = [
     pytest.mark.gpu,

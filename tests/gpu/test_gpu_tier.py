@@ -22,8 +22,9 @@ import torch
 
 from dcp_plugin import kernels
 from dcp_plugin.kernels import reference
-from tests.dcp_harness import Case, ThreadGroup, run_case, run_threads
-from tests.kernel_checks import assert_matches, poisoned, shuffled_block_table
+from dcp_plugin.testing import Case, shuffled_block_table
+from tests.helpers.dcp_harness import ThreadGroup, run_case, run_threads
+from tests.helpers.kernel_checks import assert_matches, poisoned
 
 if not torch.cuda.is_available():
     pytest.skip("the GPU tier needs a CUDA GPU (run `pytest -m gpu tests/gpu` there)", allow_module_level=True)
@@ -243,8 +244,8 @@ def test_repeated_runs_are_bitwise_identical(name):
 
 
 def run_dcp_threads(case: Case, n: int) -> list[int]:
-    """Every rank of ``case`` on its own thread (``tests.dcp_harness.run_case``: each step's output, gathered over
-    the group, vs float64 causal attention; then the caches bit for bit). Returns each rank's checked steps."""
+    """Every rank of ``case`` on its own thread (``tests.helpers.dcp_harness.run_case``: each step's output, gathered
+    over the group, vs float64 causal attention; then the caches bit for bit). Returns each rank's checked steps."""
 
     def rank_main(rank, exchange):
         group = ThreadGroup(exchange, rank)
@@ -274,7 +275,7 @@ def dcp_case(n: int, layout: str, comm: str, dtype: str, *, requests=DCP_REQUEST
                 decode_steps=decode_steps, seed=zlib.crc32(name.encode()), device=device, **placement)
 
 
-# The single-kernel tolerances of tests/kernel_checks.py hold for the DCP output: the prefix partials and the
+# The single-kernel tolerances of tests/helpers/kernel_checks.py hold for the DCP output: the prefix partials and the
 # cross-rank merge stay in float32, and its only rounding beyond one kernel's is the current chunk's output stored
 # in the input dtype before the merge. Both roundings together are <= u * (w * |o_cur| + |out|), w the chunk's
 # softmax weight, u = 2**-8 (bf16) / 2**-11 (fp16) ~ a quarter of the table's rtol: the |out| term fits in rtol,

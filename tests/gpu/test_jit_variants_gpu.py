@@ -11,7 +11,7 @@ from dcp_plugin.kernels import reference
 from dcp_plugin.kernels.merge import merge_kernel, merge_states
 from dcp_plugin.kernels.chunk_attention import chunk_attention, chunk_attention_kernel
 from dcp_plugin.kernels.prefix_attention import prefix_attention, prefix_attention_kernel, split_merge_kernel
-from tests.kernel_checks import assert_matches, gluon_kernels, poisoned
+from tests.helpers.kernel_checks import assert_matches, gluon_kernels, poisoned
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -9,7 +9,7 @@ from dcp_plugin.kernels import reference
 from dcp_plugin.kernels.merge import merge_partials, merge_states, rescale_partial
 from dcp_plugin.kernels.chunk_attention import chunk_attention
 from dcp_plugin.kernels._gluon import GLUON_ENV
-from tests.kernel_checks import assert_matches, kernel_switches, poisoned
+from tests.helpers.kernel_checks import assert_matches, kernel_switches, poisoned
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

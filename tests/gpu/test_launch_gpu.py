@@ -9,7 +9,7 @@ import torch
 
 from dcp_plugin import kernels
 from dcp_plugin.kernels import _launch, reference
-from tests.kernel_checks import assert_matches, poisoned
+from tests.helpers.kernel_checks import assert_matches, poisoned
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -11,7 +11,8 @@ import torch
 from dcp_plugin.kernels import plan_write_kv, reference
 from dcp_plugin.kernels._pdl import programmatic_launches
 from dcp_plugin.kernels.prefix_attention import plan_prefix
-from tests.kernel_checks import assert_matches, shuffled_block_table
+from dcp_plugin.testing import shuffled_block_table
+from tests.helpers.kernel_checks import assert_matches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

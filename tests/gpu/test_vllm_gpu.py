@@ -14,15 +14,13 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e"
-sys.path.insert(0, str(BENCH))
-import vllm_e2e_report as report  # noqa: E402
+from benchmarks import common
+from benchmarks.vllm_e2e import vllm_e2e_report as report
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,8 +43,8 @@ def launch(spec: dict, tmp: Path, name: str) -> tuple[subprocess.Popen, Path]:
     path, log = tmp / f"{name}.spec.json", tmp / f"{name}.log"
     path.write_text(json.dumps(spec))
     with open(log, "w") as sink:
-        proc = subprocess.Popen([sys.executable, str(BENCH / "vllm_e2e_engine.py"), str(path)], stdout=sink,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(common.module_command("benchmarks.vllm_e2e.vllm_e2e_engine", str(path)), stdout=sink,
+                                stderr=subprocess.STDOUT, start_new_session=True, env=common.child_env())
     return proc, log
 
 

@@ -22,8 +22,9 @@ from dcp_plugin.kernels.chunk_attention import chunk_attention_kernel
 from dcp_plugin.kernels.prefix_attention import prefix_attention_kernel, split_merge_kernel
 from dcp_plugin.kernels.write_kv_cache import write_kv_cache_kernel
 from dcp_plugin.warmup import warm_up
-from tests.dcp_harness import Case, RankState, ThreadGroup, World, causal_attention_f64, run_threads, serial
-from tests.kernel_checks import assert_matches, gluon_kernels
+from dcp_plugin.testing import Case, RankState, World
+from tests.helpers.dcp_harness import ThreadGroup, run_threads, serial
+from tests.helpers.kernel_checks import assert_matches, gluon_kernels
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -130,7 +131,7 @@ def no_compiles_after_warm_up(n, comm, workers, block_size, monkeypatch, cache_d
             out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
             attn.forward(q, k, v, state.key_cache, state.value_cache, batch, out=out)
             got = group.all_gather(out, dim=1) if group else out
-            want = torch.cat([causal_attention_f64(world, b, p, group_heads) for b, p in enumerate(positions)])
+            want = torch.cat([world.causal_attention_f64(b, p, group_heads) for b, p in enumerate(positions)])
             assert_matches(got, want, torch.bfloat16, f"N={n} {comm} step {step}")
         state.check_cache()
         return before, compiled_counts()
@@ -199,7 +200,7 @@ def _one_rank_steps(case: Case, max_num_tokens: int, steps: list, heads: range) 
         q, k, v, batch, positions = state.step(new_tokens)
         out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
         attn.forward(q, k, v, state.key_cache, state.value_cache, batch, out=out)
-        want = torch.cat([causal_attention_f64(world, b, p, heads) for b, p in enumerate(positions)])
+        want = torch.cat([world.causal_attention_f64(b, p, heads) for b, p in enumerate(positions)])
         assert_matches(out, want, torch.bfloat16, f"step {step}")
     assert compiled_counts() == before, f"serving steps compiled new variants: {before} -> {compiled_counts()}"
     return warmed, before
@@ -231,8 +232,7 @@ def test_one_kv_head_compiles_nothing_after_warm_up():
 def test_draft_tree_verify_steps_compile_nothing_after_a_warm_up_for_trees():
     """An engine that verifies draft trees warms up with ``trees=True``: its verify steps (the current chunk under
     the batch's chunk_mask, beside decodes and chunks) then compile nothing."""
-    from tests.dcp_harness import tree_attention_f64
-    from tests.verify_steps import next_step, step_masks, verify_case
+    from tests.helpers.verify_steps import next_step, step_masks, verify_case
 
     case = verify_case("warm-trees", "decodes-first", seed=4, head_dim=128, dtype="bfloat16", kernel_impl="triton",
                        device="cuda", trees=True, q_heads=32, kv_heads=8, kv_replication="replicated")
@@ -254,8 +254,8 @@ def test_draft_tree_verify_steps_compile_nothing_after_a_warm_up_for_trees():
         q, k, v, batch, positions = state.step(new_tokens, chunk_mask)
         out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
         attn.forward(q, k, v, state.key_cache, state.value_cache, batch, out=out)
-        want = torch.cat([causal_attention_f64(world, b, p, range(32)) if t is None
-                          else tree_attention_f64(world, b, p, t, range(32))
+        want = torch.cat([world.causal_attention_f64(b, p, range(32)) if t is None
+                          else world.tree_attention_f64(b, p, t, range(32))
                           for b, (p, t) in enumerate(zip(positions, trees))])
         assert_matches(out, want, torch.bfloat16, f"step {step}")
     assert compiled_counts() == before, f"tree verify steps compiled new variants: {before} -> {compiled_counts()}"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tests.dcp_harness import Case
+from dcp_plugin.testing import Case
 
 OK = "ok"
 GROUP_KEY = "__group__"  # a failure that is not any one case's (start-up, crash, timeout)
@@ -29,8 +29,8 @@ COLLECTIVES_KEY = "TorchDcpGroup-collectives"
 def run_group(n: int, cases: list[Case], workdir: Path, *, timeout_s: float, runner=None) -> dict[str, str]:
     """Verdict per case name (``OK`` or the failure text), plus ``GROUP_KEY`` on trouble.
 
-    ``runner(case, n, rank, group, gather_heads)`` runs one case on one rank (default ``tests.dcp_harness.run_case``);
-    it must be a module-level function, since the spawned ranks unpickle it."""
+    ``runner(case, n, rank, group, gather_heads)`` runs one case on one rank (default
+    ``tests.helpers.dcp_harness.run_case``); it must be a module-level function, since the spawned ranks unpickle it."""
     context = multiprocessing.get_context("spawn")
     store = workdir / "store"
     procs = [context.Process(target=_worker, args=(rank, n, str(store), cases, str(workdir), runner), daemon=True)
@@ -69,7 +69,7 @@ def _worker(rank: int, n: int, store: str, cases: list[Case], workdir: str, runn
     import torch.distributed as dist
 
     from dcp_plugin import TorchDcpGroup
-    from tests.dcp_harness import run_case
+    from tests.helpers.dcp_harness import run_case
 
     torch.set_num_threads(1)  # n processes share two cores
     # TorchDcpGroup must pick torch's current collective names (torch 2.13 deprecates the old ones).

@@ -3,7 +3,7 @@
 Every rank derives the same full random sequences from a case's seed, stores the tokens it owns (by the token
 layout) in its own paged cache with a shuffled block table, runs ``DcpAttention`` with ``TorchDcpGroup``, and the
 outputs gathered across ranks must match a float64 softmax over each full sequence with a causal mask
-(``tests.dcp_harness.causal_attention_f64``). One process group per N runs all of that N's cases.
+(``tests.helpers.dcp_harness.causal_attention_f64``). One process group per N runs all of that N's cases.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import random
 
 import pytest
 
-from tests.dcp_harness import Case, random_case
+from dcp_plugin.testing import Case
+from tests.helpers.dcp_harness import random_case
 from tests.integration.dcp_procs import COLLECTIVES_KEY, GROUP_KEY, OK, run_group
 
 GROUP_SIZES = (2, 3, 4)

@@ -4,26 +4,23 @@ attention, the timing rows and the JSON come out, and a wrong kernel output make
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-DCP = BENCHMARKS / "dcp"
-SCRIPT = DCP / "multi_gpu_dcp.py"
+from benchmarks import common
+from benchmarks.dcp import multi_gpu_checks as checks
+
+MODULE = "benchmarks.dcp.multi_gpu_dcp"
 TINY = ["--backend", "gloo", "--kernels", "reference", "--contexts", "16,40", "--batches", "1,3"]
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 # Wraps the script and scales every prefix_attention output by 1.001: far outside float32's tolerance.
-FAULTY_WRAPPER = f"""
-import sys
-sys.path.insert(0, {str(DCP)!r})
-import multi_gpu_dcp
+FAULTY_WRAPPER = """
+from benchmarks.dcp import multi_gpu_dcp
 from dcp_plugin.kernels import reference
 exact = reference.prefix_attention
 def off_by_a_little(*args, **kwargs):
@@ -35,26 +32,18 @@ multi_gpu_dcp.main()
 """
 
 
-def torchrun(script: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
-               *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=cwd)
+def torchrun(*target: str, cwd) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node 2 TARGET`` in ``cwd`` (``-m MODULE ARGS`` as scripts/device runs it,
+    or a script's path), ``benchmarks`` importable there as in any job of the benchmarks (``common.child_env``)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *target]
+    return subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=cwd, env=common.child_env())
 
 
-@pytest.fixture(scope="module")
-def checks():
-    sys.path.insert(0, str(DCP))
-    try:
-        return importlib.import_module("multi_gpu_checks")
-    finally:
-        sys.path.remove(str(DCP))
-
-
-def test_two_gloo_ranks_pass_every_case_and_write_the_json(tmp_path, checks):
-    before = set((BENCHMARKS / "results").glob("*"))
-    result = torchrun(SCRIPT, *TINY, "--results-dir", str(tmp_path), "--out", "cpu_run", cwd=tmp_path)
+def test_two_gloo_ranks_pass_every_case_and_write_the_json(tmp_path):
+    before = set(common.RESULTS.glob("*"))
+    result = torchrun("-m", MODULE, *TINY, "--results-dir", str(tmp_path), "--out", "cpu_run", cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert set((BENCHMARKS / "results").glob("*")) == before, "the CPU run must not write into benchmarks/results"
+    assert set(common.RESULTS.glob("*")) == before, "the CPU run must not write into benchmarks/results"
     report = json.loads((tmp_path / "cpu_run.json").read_text())
     assert (report["world_size"], report["backend"], report["kernels"], report["dtype"]) == (
         2, "gloo", "reference", "float32")
@@ -84,10 +73,10 @@ def test_two_gloo_ranks_pass_every_case_and_write_the_json(tmp_path, checks):
     assert crossover == {(2, comm, batch) for comm in ("ag_rs", "a2a") for batch in (1, 3)}
 
 
-def test_wrong_attention_output_exits_nonzero(tmp_path, checks):
+def test_wrong_attention_output_exits_nonzero(tmp_path):
     wrapper = tmp_path / "faulty.py"
     wrapper.write_text(FAULTY_WRAPPER)
-    result = torchrun(wrapper, *TINY, "--results-dir", str(tmp_path), "--out", "faulty", cwd=tmp_path)
+    result = torchrun(str(wrapper), *TINY, "--results-dir", str(tmp_path), "--out", "faulty", cwd=tmp_path)
     assert result.returncode != 0, result.stdout[-3000:]
     assert "CORRECTNESS FAILED" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "faulty.json").read_text())
@@ -96,7 +85,7 @@ def test_wrong_attention_output_exits_nonzero(tmp_path, checks):
     assert report["timing"]["rows"] == [] and report["timing"]["skipped"] == "correctness failed"
 
 
-def test_compare_flags_errors_and_nan(checks):
+def test_compare_flags_errors_and_nan():
     want = torch.randn(5, 4, 8, dtype=torch.float64)
     exact = checks.compare(want.to(torch.bfloat16), want, torch.bfloat16)
     assert exact["passed"] and exact["tol_ratio"] < 1 and exact["nan_count"] == 0
@@ -110,7 +99,7 @@ def test_compare_flags_errors_and_nan(checks):
     assert not nan["passed"] and nan["nan_count"] == 1
 
 
-def test_dcp_splits_and_heads(checks):
+def test_dcp_splits_and_heads():
     assert checks.dcp_splits(2) == [2]
     assert checks.dcp_splits(4) == [4, 2]
     assert checks.dcp_splits(8) == [8, 4, 2]

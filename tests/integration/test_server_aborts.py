@@ -4,7 +4,6 @@ with the torch reference kernels. About a minute on 2 cores, most of it the serv
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -12,25 +11,19 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("httpx")
 
+from benchmarks.server import server_aborts  # noqa: E402
+
 pytestmark = pytest.mark.slow
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "server" / "server_aborts.py"
 MAX_TOKENS = 8
 ARGS = ["--streams", "8", "--rounds", "2", "--abort-fraction", "0.5", "--max-tokens", str(MAX_TOKENS),
         "--prompt-min", "16", "--prompt-max", "64", "--long-prompt", "768", "--max-num-batched-tokens", "128",
         "--kernels", "reference", "--timeout-s", "120"]
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("server_aborts", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("server_aborts") / "result.json"
-    return load_script().run([*ARGS, "--out", str(out)])
+    return server_aborts.run([*ARGS, "--out", str(out)])
 
 
 def test_server_served_every_round_and_a_last_request(result):
@@ -72,8 +65,9 @@ def test_aborted_requests_were_aborted(result):
 @pytest.mark.parametrize(("argv", "option"), [
     (["--streams", "0"], "--streams"), (["--abort-fraction", "1.5"], "--abort-fraction"),
     (["--max-tokens", "2"], "--max-tokens"), (["--long-prompt", "4000"], "--long-prompt"),
-    (["--prompt-min", "10", "--prompt-max", "5"], "--prompt-max"), (["--model", str(SCRIPT.parent)], "--model")])
+    (["--prompt-min", "10", "--prompt-max", "5"], "--prompt-max"),
+    (["--model", str(Path(server_aborts.__file__).parent)], "--model")])
 def test_bad_options_are_named(argv, option, capsys):
     with pytest.raises(SystemExit) as exc:
-        load_script().parse_args(argv)
+        server_aborts.parse_args(argv)
     assert exc.value.code == 2 and f"error: {option}" in capsys.readouterr().err

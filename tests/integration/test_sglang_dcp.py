@@ -1,14 +1,14 @@
 """The SGLang backend at DCP = 2 and 4 on real processes (torch.distributed, gloo) equals single-rank attention.
 
-Each rank builds its own SGLang objects (``tests.sglang_checks``): SGLang's paged allocator hands out the widened
-slots (pages of ``page_size * dcp``), ``ForwardBatch`` describes every step (a prefill, an extend over that cached
-prefix, decode steps), and the backend writes the tokens it owns into SGLang's ``MHATokenToKVPool`` by SGLang's
-placement and runs DCP attention over ``TorchDcpGroup``. Every layer's output, gathered across ranks, must match
-float64 causal attention over the full sequences; each rank's pool must hold its tokens at SGLang's rows.
+Each rank builds its own SGLang objects (``tests.helpers.sglang_checks``): SGLang's paged allocator hands out the
+widened slots (pages of ``page_size * dcp``), ``ForwardBatch`` describes every step (a prefill, an extend over that
+cached prefix, decode steps), and the backend writes the tokens it owns into SGLang's ``MHATokenToKVPool`` by SGLang's
+placement and runs DCP attention over ``TorchDcpGroup``. Every layer's output, gathered across ranks, must match float64
+causal attention over the full sequences; each rank's pool must hold its tokens at SGLang's rows.
 
 Hybrid models (``hybrid``: SGLang's hybrid pools and its ``HybridLinearAttnBackend`` around the backend) and
 speculative verify steps (``speculative``: EAGLE chains and trees, n-gram trees in SGLang's full-mask layout;
-tests/sglang_spec_checks.py) run the same way, the seeds' workload among them.
+tests/helpers/sglang_spec_checks.py) run the same way, the seeds' workload among them.
 
 Head layouts: the seeds' topology (32 Q / 2 KV heads at TP 4, DCP 4: ranks 0-1 read KV head 0, ranks 2-3 KV head
 1) and 12 Q / 3 KV heads at TP 2, DCP 2, where each rank stores all 3 KV heads and rank 0's Q heads 0-5 read KV
@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("sglang", reason="SGLang runs in its own venv: make test-sglang-matrix")
 
 from tests.integration.dcp_procs import GROUP_KEY, OK, run_group  # noqa: E402
-from tests.sglang_checks import SgCase, run_sglang_case  # noqa: E402
+from tests.helpers.sglang_checks import SgCase, run_sglang_case  # noqa: E402
 
 MIXED = ((5, 3), (0, 4), (9, 1), (2, 2))  # (cached context, new tokens): a prefix, a fresh prompt, short ones
 

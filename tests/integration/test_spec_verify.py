@@ -1,5 +1,5 @@
-"""Speculative-decoding verify steps under DCP equal float64 causal attention, on DCP = 1, 2, 4 gloo processes
-(the cases and their runner: tests/verify_steps.py). Both head layouts, both comm modes, interleave 1 and 16 (block
+"""Speculative-decoding verify steps under DCP equal float64 causal attention, on DCP = 1, 2, 4 gloo processes (the
+cases and their runner: tests/helpers/verify_steps.py). Both head layouts, both comm modes, interleave 1 and 16 (block
 size 16), reference kernels; draft trees (the batch's chunk_mask); a few small cases run the Triton kernels
 (interpreter).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.dcp_procs import GROUP_KEY, OK, run_group
-from tests.verify_steps import MIXES, VerifyCase, head_layouts, run_verify_case, verify_case
+from tests.helpers.verify_steps import MIXES, VerifyCase, head_layouts, run_verify_case, verify_case
 
 GROUP_SIZES = (1, 2, 4)
 GROUP_TIMEOUT_S = 300

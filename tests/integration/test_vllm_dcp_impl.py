@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from tests.vllm_checks import vllm_slot, write_llama_config  # noqa: E402
+from tests.helpers.vllm_checks import vllm_slot, write_llama_config  # noqa: E402
 
 N, Q_HEADS, D, BLOCK = 2, 4, 64, 16  # MQA: vLLM allows DCP=2 only when tp > kv heads and tp/kv % dcp == 0
 BATCHES = {  # (cached context, new tokens) per request
@@ -39,7 +39,7 @@ def run_case(rank: int, config, comm: str, interleave: int, kernels: str, batch:
 
     from dcp_plugin.adapters.vllm.builder import DcpTritonMetadataBuilder
     from dcp_plugin.adapters.vllm.impl import DcpTritonImpl
-    from tests.kernel_checks import assert_matches
+    from tests.helpers.kernel_checks import assert_matches
 
     requests = BATCHES[batch]
     config.parallel_config.dcp_comm_backend = comm

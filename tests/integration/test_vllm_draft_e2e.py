@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.vllm_checks import generate_speculative, write_random_llama  # noqa: E402
+from tests.helpers.vllm_checks import generate_speculative, write_random_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
 DRAFT_TOKENS = 3

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.vllm_checks import cpu_args, write_random_llama  # noqa: E402
+from tests.helpers.vllm_checks import cpu_args, write_random_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
 RUNNER = Path(__file__).with_name("vllm_generate.py")

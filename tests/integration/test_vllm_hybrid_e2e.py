@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.vllm_checks import TINY_GRANITE_HYBRID, generate_side_by_side, write_random_model  # noqa: E402
+from tests.helpers.vllm_checks import TINY_GRANITE_HYBRID, generate_side_by_side, write_random_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SCENARIOS = ("batch", "chunked", "prefix")

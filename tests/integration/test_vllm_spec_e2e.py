@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.vllm_checks import generate_speculative  # noqa: E402
+from tests.helpers.vllm_checks import generate_speculative  # noqa: E402
 
 pytestmark = pytest.mark.slow
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}

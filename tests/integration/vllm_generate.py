@@ -113,7 +113,7 @@ def main() -> None:
                         "repeats")
     parser.add_argument("--speculative-config", default=None, help="vLLM's speculative_config as JSON")
     parser.add_argument("--cpu", type=int, default=None, help="run on this one CPU (the engine's processes inherit "
-                        "it): for engines run side by side, see tests.vllm_checks.cpu_args")
+                        "it): for engines run side by side, see tests.helpers.vllm_checks.cpu_args")
     args = parser.parse_args()
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})

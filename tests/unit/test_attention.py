@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 from dcp_plugin import DcpAttention, DcpBatch, HeadLayout, ParallelState, TokenLayout, TorchDcpGroup
-from tests.dcp_harness import Case, RankState, ShapeOnlyGroup, World, run_case
-from tests.kernel_checks import assert_matches, attention_f64
+from dcp_plugin.testing import Case, RankState, ShapeOnlyGroup, World, attention_f64
+from tests.helpers.dcp_harness import run_case
+from tests.helpers.kernel_checks import assert_matches
 
 SINGLE = dict(q_heads=6, kv_heads=2, requests=((0, 5), (9, 1), (14, 4), (1, 2)), block_size=4)
 

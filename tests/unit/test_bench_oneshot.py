@@ -3,16 +3,12 @@ phases (here under Triton's interpreter, float32) against the torch reference ke
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import torch
 
+from benchmarks.kernels import bench_oneshot as bench
 from dcp_plugin.kernels import reference
-from tests.kernel_checks import assert_matches
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "kernels"))
-import bench_oneshot as bench  # noqa: E402
+from tests.helpers.kernel_checks import assert_matches
 
 SMALL = dict(reqs=2, context=40, q_heads=4, kv_heads=1, head_dim=64, page=16)
 

@@ -1,8 +1,8 @@
 """benchmarks/results/ holds only cited results, and every citation names a file that is there: each results file is
-listed in the index (benchmarks/README.md) and cited outside benchmarks/ (the README, docs/, or the code it backs),
-and every results file, benchmark script or device script that the pages name exists. A results file that left the
-tree is cited as it was in the git history, `<commit>:benchmarks/results/NAME` (a 7- or 40-digit commit, as
-`git show` takes it): that names no file of the tree, and the commit must hold it."""
+listed in the index (benchmarks/README.md) and cited outside benchmarks/ (the README, docs/, or the code it backs), and
+every results file, benchmark script (by its path, or the module a command runs) or device script that the pages name
+exists. A results file that left the tree is cited as it was in the git history, `<commit>:benchmarks/results/NAME` (a
+7- or 40-digit commit, as `git show` takes it): that names no file of the tree, and the commit must hold it."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ RESULT_NAME = re.compile(r"(?<![\w/.-])(?:benchmarks/results/)?" + NAME)
 # A results file of the git history, not of the tree: `<commit>:benchmarks/results/NAME`, as `git show` takes it.
 HISTORY_CITATION = re.compile(r"(?<![\w/.:-])([0-9a-f]{40}|[0-9a-f]{7}):benchmarks/results/" + NAME)
 SCRIPT_PATH = re.compile(r"(?<![\w/.-])((?:benchmarks|scripts)/[\w/.-]+\.(?:py|sh))(?![\w.-])")
+# A command runs a script as its module, from the repository root: `python -m benchmarks.kernels.bench_oneshot`.
+SCRIPT_MODULE = re.compile(r"(?<![\w.-])-m +((?:benchmarks|scripts)(?:\.\w+)+)")
 
 
 def tracked_results() -> set[str]:
@@ -106,15 +108,31 @@ def test_every_results_file_a_page_names_exists(page):
     assert not missing, f"{page.relative_to(ROOT)} names results that benchmarks/results/ lacks: {sorted(missing)}"
 
 
+def named_scripts(text: str) -> set[str]:
+    """The scripts a text names: by path (a citation), or as the module a command runs (``-m benchmarks.x.y``)."""
+    return ({m[1] for m in SCRIPT_PATH.finditer(text)}
+            | {m[1].replace(".", "/") + ".py" for m in SCRIPT_MODULE.finditer(text)})
+
+
+def test_a_script_is_named_by_its_path_or_by_its_module():
+    text = ("`benchmarks/kernels/bench_kernels.py`, `python -m benchmarks.kernels.bench_oneshot --dry-run`, "
+            "`torchrun --nproc-per-node 2 -m benchmarks.dcp.multi_gpu_dcp`, `bash scripts/device/run_h200.sh`, "
+            "`python -m pytest`, `python -m scripts.compile_for_hopper`, dcp_plugin.kernels.prefix_attention")
+    assert named_scripts(text) == {"benchmarks/kernels/bench_kernels.py", "benchmarks/kernels/bench_oneshot.py",
+                                   "benchmarks/dcp/multi_gpu_dcp.py", "scripts/device/run_h200.sh",
+                                   "scripts/compile_for_hopper.py"}
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_script_a_page_names_exists(page):
-    named = {m[1] for m in SCRIPT_PATH.finditer(page.read_text())}
+    named = named_scripts(page.read_text())
     missing = sorted(path for path in named if not (ROOT / path).is_file())
     assert not missing, f"{page.relative_to(ROOT)} names scripts that are not there: {missing}"
 
 
 def test_the_index_names_every_benchmark_script():
-    scripts = {str(path.relative_to(ROOT / "benchmarks")) for path in (ROOT / "benchmarks").rglob("*.py")}
+    scripts = {str(path.relative_to(ROOT / "benchmarks")) for path in (ROOT / "benchmarks").rglob("*.py")
+               if path.name != "__init__.py"}  # the package's folders, not scripts
     text = INDEX.read_text()
     unnamed = sorted(s for s in scripts if Path(s).name not in text)
     assert not unnamed, f"benchmarks/README.md does not say where these belong: {unnamed}"

@@ -9,8 +9,9 @@ import torch
 from dcp_plugin import DcpAttention, DcpBatch, step_plan
 from dcp_plugin.step_plan import decode_bound
 from dcp_plugin.warmup import warm_up
-from tests.dcp_harness import Case, RankState, World, run_threads
-from tests.steady_decode import EngineBuffers, counted, run_steady_decode
+from dcp_plugin.testing import Case, RankState, World
+from tests.helpers.dcp_harness import run_threads
+from tests.helpers.steady_decode import EngineBuffers, counted, run_steady_decode
 
 BOUND_STEP = 8  # small enough that the CPU cases' shards cross a few bounds
 

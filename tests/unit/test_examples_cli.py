@@ -162,11 +162,9 @@ def test_one_gpu_is_said_in_the_singular(tmp_path, monkeypatch):
 
 def test_a_failed_start_names_the_workers_error_not_the_engines_summary():
     """vLLM prefixes every line of its processes' log; the example's one error line is the worker's exception."""
-    import importlib.util
+    from tests.helpers.examples import load_example
 
-    spec = importlib.util.spec_from_file_location("examples_shared", EXAMPLES / "_shared.py")
-    _shared = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(_shared)
+    _shared = load_example("_shared")
     log = ("(EngineCore pid=11) INFO 12-06 10:00:00 [core.py:90] starting\n"
            "(EngineCore pid=11) ERROR 12-06 10:00:01 [core.py:700] Traceback (most recent call last):\n"
            "(EngineCore pid=11) ERROR 12-06 10:00:01 [core.py:700] ValueError: dcp-triton cannot run this model: "

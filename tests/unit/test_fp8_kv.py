@@ -14,9 +14,9 @@ import torch
 from dcp_plugin import kernels
 from dcp_plugin.kernels import reference
 from dcp_plugin.kernels.prefix_attention import PrefixConfig
-from tests.dcp_harness import Case
-from tests.fp8_checks import run_fp8_dcp
-from tests.kernel_checks import assert_matches, poisoned
+from dcp_plugin.testing import Case
+from tests.helpers.fp8_checks import run_fp8_dcp
+from tests.helpers.kernel_checks import assert_matches, poisoned
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALES = {torch.float8_e4m3fn: (0.02, 0.03), torch.float8_e5m2: (0.5, 0.25)}

@@ -1,13 +1,13 @@
 """The CPU twin of tests/gpu/test_decode_graph_gpu.py: a decode step and a speculative verify step (1 + k rows per
 request) prepared once and replayed after the inputs, the workspace, the request count and the contexts change,
-under the interpreter (the replay re-runs the capture's prepared launches; see tests/graph_replay.py)."""
+under the interpreter (the replay re-runs the capture's prepared launches; see tests/helpers/graph_replay.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.graph_replay import Step, check_replays
+from tests.helpers.graph_replay import Step, check_replays
 
 
 @pytest.mark.parametrize("query_len", [1, 3], ids=["decode", "verify-k2"])

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import io
 import json
-import sys
 import tarfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path[:0] = [str(ROOT), str(ROOT / "sglang_e2e")]
-import hybrid_spec  # noqa: E402
-import sglang_hybrid_spec as sglang_bench  # noqa: E402
+from benchmarks import hybrid_spec
+from benchmarks.sglang_e2e import sglang_hybrid_spec as sglang_bench
 
 
 def test_every_job_speculates_with_the_models_own_mtp_layer_and_only_the_backend_differs():

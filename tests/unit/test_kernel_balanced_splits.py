@@ -14,7 +14,7 @@ import torch
 from dcp_plugin.kernels import reference
 from dcp_plugin.kernels._launch import every_variant
 from dcp_plugin.kernels.prefix_attention import INTERPRET_CONFIG, plan_prefix
-from tests.kernel_checks import assert_matches, poisoned
+from tests.helpers.kernel_checks import assert_matches, poisoned
 from tests.unit.test_kernel_prefix_attention import Case, _heads, _inputs
 
 

@@ -9,7 +9,7 @@ import torch
 
 from dcp_plugin.kernels import reference
 from dcp_plugin.kernels.chunk_attention import ChunkConfig, chunk_attention, plan_chunk
-from tests.kernel_checks import assert_matches, poisoned
+from tests.helpers.kernel_checks import assert_matches, poisoned
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:

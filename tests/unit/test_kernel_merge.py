@@ -8,7 +8,7 @@ import torch
 from dcp_plugin import kernels as triton_kernels
 from dcp_plugin.kernels import reference
 from dcp_plugin.kernels.merge import merge_partials, merge_states, rescale_partial
-from tests.kernel_checks import assert_matches, poisoned
+from tests.helpers.kernel_checks import assert_matches, poisoned
 
 T, H, D = 6, 3, 80  # H and D not powers of two: the kernel masks both
 

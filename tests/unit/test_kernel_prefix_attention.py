@@ -12,7 +12,7 @@ import triton
 
 from dcp_plugin.kernels import reference
 from dcp_plugin.kernels.prefix_attention import PrefixConfig, prefix_attention, plan_prefix
-from tests.kernel_checks import assert_matches, poisoned
+from tests.helpers.kernel_checks import assert_matches, poisoned
 
 
 @dataclasses.dataclass(frozen=True)

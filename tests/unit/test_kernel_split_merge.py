@@ -10,7 +10,7 @@ import torch
 
 from dcp_plugin.kernels import _launch, split_kv
 from dcp_plugin.kernels.split_kv import NARROW_SPLITS, PrefixLaunch, merge_tiling, plan_split_merge
-from tests.kernel_checks import assert_matches, poisoned
+from tests.helpers.kernel_checks import assert_matches, poisoned
 
 
 def merged_f64(part_out: torch.Tensor, part_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compile_for_hopper.py"
+ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"write_kv_cache_kernel", "chunk_attention_kernel", "prefix_attention_kernel",
            "split_merge_kernel", "merge_kernel"}
 
@@ -22,8 +22,8 @@ def test_every_serving_variant_compiles_for_sm90_without_spills(tmp_path):
     pytest.importorskip("triton.backends.nvidia")
     report = tmp_path / "variants.json"
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    done = subprocess.run([sys.executable, str(SCRIPT), "--json", str(report)], capture_output=True, text=True,
-                          env=env, timeout=900)
+    done = subprocess.run([sys.executable, "-m", "scripts.compile_for_hopper", "--json", str(report)], cwd=ROOT,
+                          capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads(report.read_text())["variants"]
     import triton

@@ -1,8 +1,9 @@
-"""The layers' import rules, read from the source (every import statement, at any depth): the kernels
-(``kernels/``, the bottom layer) import nothing else of dcp_plugin, the engine-neutral core (``dcp_plugin/``) imports
-neither vLLM nor SGLang, and the core and the adapters take the kernels through ``dcp_plugin.kernels``' public names
-and public modules, never its private ``_*`` modules. And, in a fresh process: what an engine's plugin loading imports
-(the shared checks, the adapters' registration) loads neither triton nor the kernels."""
+"""The layers' import rules, read from the source (every import statement, at any depth): the kernels (``kernels/``, the
+bottom layer) import nothing else of dcp_plugin, the engine-neutral core (``dcp_plugin/``) imports neither vLLM nor
+SGLang, and the core and the adapters take the kernels through ``dcp_plugin.kernels``' public names and public modules,
+never its private ``_*`` modules; no module of the core imports ``dcp_plugin.testing`` (beside it, for the tests and the
+benchmarks' checks). And, in a fresh process: what an engine's plugin loading imports (the shared checks, the adapters'
+registration) loads neither triton nor the kernels."""
 
 from __future__ import annotations
 
@@ -57,6 +58,15 @@ def test_the_core_imports_no_adapter(path):
     adapters = [f"line {line}: {module}" for line, module in imported_modules(path)
                 if module.startswith("dcp_plugin.adapters")]
     assert not adapters, f"{path.relative_to(ROOT)} imports an adapter: {adapters}; the adapters sit above the core"
+
+
+@pytest.mark.parametrize("path", sources(CORE), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_core_never_imports_its_testing_module_nor_the_tests(path):
+    """``dcp_plugin.testing`` (float64 references and DCP cases, for the tests and the benchmarks' checks) stands
+    beside the core: it imports the core, never the other way round; and nothing of the package imports ``tests``."""
+    found = [f"line {line}: {module}" for line, module in imported_modules(path) if module.split(".")[0] == "tests"
+             or (module == "dcp_plugin.testing" and path != CORE / "testing.py")]
+    assert not found, f"{path.relative_to(ROOT)} imports the testing module or the tests: {found}"
 
 
 def test_each_engine_enters_through_its_adapter_packages_register():

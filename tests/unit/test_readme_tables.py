@@ -1,18 +1,17 @@
 """The README's headline numbers and the tables of docs/performance.md and docs/kernels.md are the committed
 benchmark results: every block a page marks as generated equals what ``benchmarks/results_tables.py`` derives from
-``benchmarks/results/*.json`` (``python benchmarks/results_tables.py --write`` rewrites them after a new run)."""
+``benchmarks/results/*.json`` (``python -m benchmarks.results_tables --write`` rewrites them after a new run)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import results_tables
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import results_tables  # noqa: E402
 
 EXPECTED_BLOCKS = {"README.md": {"headlines"},
                    "docs/performance.md": {"vllm_dcp2", "vllm_one"},
@@ -25,7 +24,8 @@ def test_generated_blocks_are_the_committed_results(page):
     assert set(held) == EXPECTED_BLOCKS[page]
     generated = results_tables.blocks()
     for name, lines in held.items():
-        assert lines == generated[name], f"{page}: block {name} differs; run python benchmarks/results_tables.py --write"
+        assert lines == generated[name], (f"{page}: block {name} differs; run python -m benchmarks.results_tables "
+                                          "--write")
 
 
 def test_decode_table_has_every_shape_of_the_run():

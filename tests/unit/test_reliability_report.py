@@ -4,13 +4,9 @@ vllm_e2e_report.py from hand-made job results, folded into a hand-made server ru
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path[:0] = [str(BENCH / "server"), str(BENCH / "vllm_e2e")]
-import reliability_report  # noqa: E402
-import vllm_e2e_report as report  # noqa: E402
+from benchmarks.server import reliability_report
+from benchmarks.vllm_e2e import vllm_e2e_report as report
 
 GIB, MIB = 1 << 30, 1 << 20
 SERVER = {"summary": {"errors": 0, "nan": 0, "aborted": 80}, "passed": True,  # server_reliability.py's form

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from dcp_plugin import DcpAttention
-from tests.dcp_harness import (
-    Case, RankState, ThreadGroup, World, causal_attention_f64, run_threads, serial,
-)
-from tests.kernel_checks import assert_matches
+from dcp_plugin.testing import Case, RankState, World
+from tests.helpers.dcp_harness import ThreadGroup, run_threads, serial
+from tests.helpers.kernel_checks import assert_matches
 
 N = 4
 FRESH = ((0, 5), (0, 1), (0, 3))  # no cached prefix anywhere: the current chunk is the whole answer
@@ -45,7 +44,7 @@ def _forward(case: Case, poison_kv_head: dict[int, int] | None = None):
         out = attn.forward(q, k, v, state.key_cache, state.value_cache, batch,
                            out=torch.full(q.shape, float("nan"), dtype=q.dtype))
         local = range(state.heads.q_head_start, state.heads.q_head_start + state.heads.num_q_heads)
-        want = torch.cat([causal_attention_f64(world, b, p, local) for b, p in enumerate(positions)])
+        want = torch.cat([world.causal_attention_f64(b, p, local) for b, p in enumerate(positions)])
         return log, k, v, state.heads, out, want
 
     return run_threads(N, rank_fn)

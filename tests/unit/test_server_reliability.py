@@ -4,18 +4,12 @@ seeded request mix, how an answer is judged, and the summary and checks on synth
 from __future__ import annotations
 
 import copy
-import importlib.util
 import itertools
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "server" / "server_reliability.py"
-spec = importlib.util.spec_from_file_location("server_reliability", SCRIPT)
-rel = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up there
-spec.loader.exec_module(rel)
+from benchmarks.server import server_reliability as rel
 
 VOCAB, MAX_LEN = 512, 2048
 

@@ -22,7 +22,7 @@ import dcp_plugin.adapters.sglang as plugin  # noqa: E402
 from dcp_plugin.adapters.sglang import compat, registration  # noqa: E402
 from dcp_plugin.adapters.sglang.metadata import StepBuilder  # noqa: E402
 from dcp_plugin.layout import TokenLayout  # noqa: E402
-from tests.sglang_checks import SgCase, SglangRank, config_argv, run_sglang_case, server_args  # noqa: E402
+from tests.helpers.sglang_checks import SgCase, SglangRank, config_argv, run_sglang_case, server_args  # noqa: E402
 
 EXPECTED_SGLANG_ENV = "DCP_TRITON_EXPECT_SGLANG"
 
@@ -218,8 +218,7 @@ def test_decode_graph_hooks_replay_on_fixed_addresses():
     """SGLang's decode CUDA-graph hooks: ``init_cuda_graph_state``, then ``init_forward_metadata_out_graph`` at
     capture and at every replay. A replay refreshes the captured batch's buffers in place; running the captured
     step again (what a graph replay does: the same launches on the same addresses) gives the new step's answer."""
-    from tests.dcp_harness import causal_attention_f64
-    from tests.kernel_checks import assert_matches
+    from tests.helpers.kernel_checks import assert_matches
 
     case = SgCase(name="graphs", q_heads=8, kv_heads=2, page_size=2, requests=((5, 1), (9, 1), (2, 1)), decode_steps=3)
     state = SglangRank(case, 1, 0, None, server_args(config_argv(1)))
@@ -237,7 +236,7 @@ def test_decode_graph_hooks_replay_on_fixed_addresses():
         replay = backend.forward_metadata
         assert [t.data_ptr() for t in (replay.seq_lens, replay.block_table, replay.slot_mapping)] == addresses
         backend.forward_metadata = captured
-        want = torch.cat([causal_attention_f64(state.world, b, p, range(8)) for b, p in positions.items()])
+        want = torch.cat([state.world.causal_attention_f64(b, p, range(8)) for b, p in positions.items()])
         for out in state.forward(fb, positions):
             assert_matches(out, want, out.dtype, f"replay {step}")
 

@@ -7,31 +7,25 @@ import dataclasses
 import inspect
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sglang_e2e" / "sglang_one_h200.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import sglang_one_h200 as bench  # noqa: E402
+from benchmarks.sglang_e2e import sglang_one_h200 as bench
+from tests.helpers.bench_scripts import run_module
 
 
-def run_script(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-X", "importtime", str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=60, env=dict(os.environ, DCP_BENCH_WORK=str(tmp_path / "work")))
-
-
-def imported_modules(stderr: str) -> set[str]:
-    return {line.split("|")[-1].strip().split(".")[0] for line in stderr.splitlines() if "|" in line}
+def run_script(*args: str, tmp_path: Path, module: str = "benchmarks.sglang_e2e.sglang_one_h200"):
+    """The script's CLI (default: sglang_one_h200's), with its work folder under ``tmp_path``: the finished process and
+    the top-level modules it imported."""
+    return run_module(module, *args, env=dict(os.environ, DCP_BENCH_WORK=str(tmp_path / "work")))
 
 
 def test_dry_run_prints_the_config_jobs_and_engine_kwargs_without_torch_or_sglang(tmp_path):
-    done = run_script("--dry-run", tmp_path=tmp_path)
+    done, imported = run_script("--dry-run", tmp_path=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "json" in imported_modules(done.stderr)
-    assert not imported_modules(done.stderr) & {"torch", "transformers", "sglang", "triton"}
+    assert "json" in imported
+    assert not imported & {"torch", "transformers", "sglang", "triton"}
     plan = json.loads(done.stdout)
     model = plan["model"]
     assert (model["num_attention_heads"], model["num_key_value_heads"], model["head_dim"], model["hidden_size"]) == \
@@ -52,14 +46,14 @@ def test_dry_run_prints_the_config_jobs_and_engine_kwargs_without_torch_or_sglan
 
 
 def test_dry_run_options_select_jobs_and_change_kwargs(tmp_path):
-    done = run_script("--dry-run", "--dummy", "--no-prefill-graph", "--only", "*-bf16", tmp_path=tmp_path)
+    done, _ = run_script("--dry-run", "--dummy", "--no-prefill-graph", "--only", "*-bf16", tmp_path=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     jobs = json.loads(done.stdout)["jobs"]
     assert [j["name"] for j in jobs] == ["dcp-triton-bf16", "triton-bf16"]
     assert all(j["engine"]["load_format"] == "dummy" and j["engine"]["disable_prefill_cuda_graph"] for j in jobs)
-    listed = run_script("--list", tmp_path=tmp_path)
+    listed, _ = run_script("--list", tmp_path=tmp_path)
     assert listed.returncode == 0 and listed.stdout.split() == [j["name"] for j in bench.jobs()]
-    assert run_script("--only", "nothing", tmp_path=tmp_path).returncode == 2
+    assert run_script("--only", "nothing", tmp_path=tmp_path)[0].returncode == 2
 
 
 def test_engine_kwargs_are_server_args_fields():
@@ -150,7 +144,7 @@ def test_native_ops_make_sglangs_layers_dispatch_to_forward_native(monkeypatch):
     assert SiluProbe()._forward_method.__func__ is SiluAndMul.forward_native
 
 
-SPEC_SCRIPT = SCRIPT.parent / "sglang_spec_gpu.py"
+SPEC_MODULE = "benchmarks.sglang_e2e.sglang_spec_gpu"
 
 
 def test_spec_script_dry_run_needs_no_torch_and_its_kwargs_are_server_args_fields(tmp_path):
@@ -158,10 +152,9 @@ def test_spec_script_dry_run_needs_no_torch_and_its_kwargs_are_server_args_field
     model is Qwen3.5's attention layout (16 Q / 2 KV heads of size 256) under SGLang's ``full_attention_interval``;
     the speculative jobs name their draft checkpoint, and every engine argument is a ServerArgs field (where SGLang
     is installed)."""
-    done = subprocess.run([sys.executable, "-X", "importtime", str(SPEC_SCRIPT), "--dry-run"], capture_output=True,
-                          text=True, timeout=60, env=dict(os.environ, DCP_BENCH_WORK=str(tmp_path / "work")))
+    done, imported = run_script("--dry-run", tmp_path=tmp_path, module=SPEC_MODULE)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert not imported_modules(done.stderr) & {"torch", "transformers", "sglang", "triton"}
+    assert not imported & {"torch", "transformers", "sglang", "triton"}
     plan = json.loads(done.stdout)
     q3n = plan["models"]["q3n"]
     assert (q3n["num_attention_heads"], q3n["num_key_value_heads"], q3n["head_dim"]) == (16, 2, 256)
@@ -182,8 +175,7 @@ def test_spec_script_dry_run_needs_no_torch_and_its_kwargs_are_server_args_field
 
 
 def test_spec_script_summary_compares_each_job_with_its_reference():
-    sys.path.insert(0, str(SPEC_SCRIPT.parent))
-    import sglang_spec_gpu as spec
+    from benchmarks.sglang_e2e import sglang_spec_gpu as spec
 
     def job(name, greedy, verify=None, tok_s=100.0):
         return dict(name=name, init_s=1.0, greedy=greedy, verify_steps=verify, load=dict(output_tok_s=tok_s))
@@ -203,8 +195,7 @@ def test_spec_script_summary_compares_each_job_with_its_reference():
 
 
 def test_spec_script_two_gpu_set_runs_every_job_at_dcp_2_on_one_kv_head(tmp_path):
-    done = subprocess.run([sys.executable, str(SPEC_SCRIPT), "--dry-run", "--tp", "2"], capture_output=True,
-                          text=True, timeout=60, env=dict(os.environ, DCP_BENCH_WORK=str(tmp_path / "work")))
+    done, _ = run_script("--dry-run", "--tp", "2", tmp_path=tmp_path, module=SPEC_MODULE)
     assert done.returncode == 0, done.stderr[-2000:]
     plan = json.loads(done.stdout)
     assert {config["num_key_value_heads"] for config in plan["models"].values()} == {1}

@@ -19,9 +19,10 @@ pytest.importorskip("sglang", reason="SGLang runs in its own venv: make test-sgl
 from dcp_plugin.adapters.sglang import compat, support  # noqa: E402
 from dcp_plugin.adapters.sglang.draft import DcpTritonDraftSteps, DraftSteps  # noqa: E402
 from dcp_plugin.layout import TokenLayout  # noqa: E402
-from tests.kernel_checks import assert_matches, attention_f64  # noqa: E402
-from tests.sglang_checks import SgCase, SglangRank, config_argv, server_args  # noqa: E402
-from tests import sglang_spec_checks  # noqa: E402
+from dcp_plugin.testing import attention_f64  # noqa: E402
+from tests.helpers.kernel_checks import assert_matches  # noqa: E402
+from tests.helpers.sglang_checks import SgCase, SglangRank, config_argv, server_args  # noqa: E402
+from tests.helpers import sglang_spec_checks  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -205,7 +206,6 @@ def test_graph_steps_replay_padded_batches_on_fixed_addresses(speculative):
     captured 4 (SGLang's replay view). A replay refreshes the captured batch's buffers in place (the draft trees
     too), its padded tokens write nothing; running the captured step again (what a replay does) gives the new step's
     answer for the real requests."""
-    from tests.dcp_harness import causal_attention_f64, tree_attention_f64
 
     case = SgCase(name="graphs", q_heads=8, kv_heads=2, page_size=2, requests=((5, 0), (9, 0), (2, 0)),
                   speculative=speculative, draft_tokens=4, verify_steps=4, decode_steps=4)
@@ -233,8 +233,8 @@ def test_graph_steps_replay_padded_batches_on_fixed_addresses(speculative):
         q, k, v = (torch.cat(t) for t in zip(*(state._qkv(b, p) for b, p in positions.items())))
         q, k, v = (torch.cat([t, torch.zeros(d, *t.shape[1:])]) for t in (q, k, v))
         out = backend.forward_decode(q.flatten(1), k, v, state.layers[0], fb).view(q.shape)
-        want = torch.cat([causal_attention_f64(state.world, b, p, range(8)) if m is None
-                          else tree_attention_f64(state.world, b, p, m, range(8))
+        want = torch.cat([state.world.causal_attention_f64(b, p, range(8)) if m is None
+                          else state.world.tree_attention_f64(b, p, m, range(8))
                           for (b, p), m in zip(positions.items(), masks)])
         assert_matches(out[:3 * d], want, out.dtype, f"replay {step}")
         if speculative:
@@ -251,7 +251,6 @@ def test_draft_extend_graph_steps_replay_padded_windows():
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     from dcp_plugin.adapters.sglang.draft import draft_extend_backend
-    from tests.dcp_harness import causal_attention_f64
 
     d = 4
     case = SgCase(name="draft-extend", q_heads=8, kv_heads=2, page_size=2, requests=((5, 0), (9, 0), (2, 0)),
@@ -275,7 +274,7 @@ def test_draft_extend_graph_steps_replay_padded_windows():
         q, k, v = (torch.cat(t) for t in zip(*(state._qkv(b, p) for b, p in positions.items())))
         q, k, v = (torch.cat([t, torch.zeros(d, *t.shape[1:])]) for t in (q, k, v))
         out = backend.forward_extend(q.flatten(1), k, v, state.layers[0], fb).view(q.shape)
-        want = torch.cat([causal_attention_f64(state.world, b, p, range(8)) for b, p in positions.items()])
+        want = torch.cat([state.world.causal_attention_f64(b, p, range(8)) for b, p in positions.items()])
         assert_matches(out[:3 * d], want, out.dtype, f"replay {step}")
 
 
@@ -356,13 +355,11 @@ def test_the_sglang_example_asks_for_what_sglang_resolves(algorithm):
     """``examples/sglang_generate.py``'s engine arguments (a tree: topk 4, 8 draft tokens, the model drafting for
     itself; or n-gram trees), given to SGLang's own parser under the same names on a config-only Llama at TP = DCP
     = 2."""
-    import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "examples" / "sglang_generate.py"
-    spec = importlib.util.spec_from_file_location("sglang_generate_example", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    from tests.helpers.examples import load_example
+
+    example = load_example("sglang_generate")
     model = Path(config_argv(2)[1])
     args = example.build_parser().parse_args(["--model", str(model), "--tp", "2", "--dcp", "2", "--topk", "4",
                                               "--draft-tokens", "8", "--speculative-algorithm", algorithm])

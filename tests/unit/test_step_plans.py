@@ -15,10 +15,9 @@ from dcp_plugin.kernels import reference
 from dcp_plugin.step_plan import A2aPlan, AgRsPlan, ChunkOnlyPlan, SingleRankPlan
 from dcp_plugin.warmup import STEPS, warm_up
 from dcp_plugin.workspace import packed_width, unpack
-from tests.dcp_harness import (
-    Case, RankState, ShapeOnlyGroup, ThreadGroup, World, causal_attention_f64, run_threads, serial,
-)
-from tests.kernel_checks import assert_matches
+from dcp_plugin.testing import Case, RankState, ShapeOnlyGroup, World
+from tests.helpers.dcp_harness import ThreadGroup, run_threads, serial
+from tests.helpers.kernel_checks import assert_matches
 
 MIXED = ((0, 5), (9, 1), (14, 4), (2, 2), (30, 1))
 
@@ -42,7 +41,7 @@ def test_layers_share_one_plan_per_step_and_each_gets_its_own_answer(comm):
         out_b = layers[1].forward(q_b, k_b, v_b, state_b.key_cache, state_b.value_cache, batch)
         heads = range(state_a.heads.q_head_start, state_a.heads.q_head_start + state_a.heads.num_q_heads)
         for world, out in ((world_a, out_a), (world_b, out_b)):
-            want = torch.cat([causal_attention_f64(world, b, p, heads) for b, p in enumerate(positions)])
+            want = torch.cat([world.causal_attention_f64(b, p, heads) for b, p in enumerate(positions)])
             assert_matches(out, want, torch.float32, f"rank {rank}")
         return len(batch.plans)
 
@@ -111,7 +110,7 @@ def test_a_step_larger_than_the_shared_workspace_is_still_exact(caplog):
     with caplog.at_level(logging.WARNING, logger="dcp_plugin"):
         out = attn.forward(q, k, v, state.key_cache, state.value_cache, batch)
     assert "does not fit the shared workspace" in caplog.text
-    want = torch.cat([causal_attention_f64(world, b, p, range(4)) for b, p in enumerate(positions)])
+    want = torch.cat([world.causal_attention_f64(b, p, range(4)) for b, p in enumerate(positions)])
     assert_matches(out, want, torch.float32, "oversized step")
     (kept,) = attn._overflow
     again = dataclasses.replace(batch, plans={})  # a next step of that size (a new plan) reuses it, silently
@@ -221,7 +220,7 @@ def test_model_dtype_partials_cost_at_most_two_roundings(comm, n):
                         kernel_impl="reference")
     q, k, v, batch, positions = single.step([new for _, new in requests])
     ref_out = attn.forward(q, k, v, single.key_cache, single.value_cache, batch).double()
-    want = torch.cat([causal_attention_f64(world, b, p, range(8)) for b, p in enumerate(positions)])
+    want = torch.cat([world.causal_attention_f64(b, p, range(8)) for b, p in enumerate(positions)])
 
     def rank_fn(rank, exchange):
         state = RankState.create(Case(name="fp16", **base), world, n, rank)
@@ -261,7 +260,7 @@ def test_a_mixed_steps_leading_decodes_get_their_own_decode_launch(n, comm, kern
         got = attn.group.all_gather(out, dim=1) if n > 1 else out
         heads = range(state.heads.group_q_head_start,
                       state.heads.group_q_head_start + state.heads.num_group_q_heads)
-        want = torch.cat([causal_attention_f64(world, b, p, heads) for b, p in enumerate(positions)])
+        want = torch.cat([world.causal_attention_f64(b, p, heads) for b, p in enumerate(positions)])
         assert_matches(got, want, torch.float32, f"N={n} {comm} {kernels}")
         return [name for name, *_ in log].count("prefix_attention")
 

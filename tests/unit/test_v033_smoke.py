@@ -4,11 +4,8 @@ exact errors, which model runner each engine log shows, and the checks of the e2
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e"))
-import v033_smoke  # noqa: E402
+from benchmarks.vllm_e2e import v033_smoke
 
 
 def test_runner_of_reads_the_engine_log():

@@ -31,7 +31,7 @@ from dcp_plugin.adapters import vllm as vllm_adapter  # noqa: E402
 from dcp_plugin.adapters.vllm import compat, registration  # noqa: E402
 from dcp_plugin.adapters.vllm.backend import DcpTritonBackend  # noqa: E402
 from dcp_plugin.adapters.vllm.builder import DcpTritonMetadataBuilder  # noqa: E402
-from tests.vllm_checks import (  # noqa: E402
+from tests.helpers.vllm_checks import (  # noqa: E402
     TINY_QWEN3_NEXT, cpu_platform_if_unspecified, single_process_vllm_groups,
 )
 

@@ -20,7 +20,7 @@ from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens  # noqa: E40
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
 from dcp_plugin.adapters.vllm.builder import DcpTritonMetadataBuilder  # noqa: E402
-from tests.vllm_checks import vllm_slot  # noqa: E402
+from tests.helpers.vllm_checks import vllm_slot  # noqa: E402
 
 BLOCK_SIZE = 16
 

@@ -33,8 +33,8 @@ from dcp_plugin.adapters.vllm import compat, registration  # noqa: E402
 from dcp_plugin.adapters.vllm.backend import DcpTritonBackend  # noqa: E402
 from dcp_plugin.adapters.vllm.builder import DcpTritonMetadataBuilder  # noqa: E402
 from dcp_plugin.adapters.vllm.impl import DcpTritonImpl  # noqa: E402
-from tests.kernel_checks import assert_matches, poisoned  # noqa: E402
-from tests.vllm_checks import single_process_vllm_groups, write_llama_config  # noqa: E402
+from tests.helpers.kernel_checks import assert_matches, poisoned  # noqa: E402
+from tests.helpers.vllm_checks import single_process_vllm_groups, write_llama_config  # noqa: E402
 
 REGISTRY_MODULE = "vllm.v1.attention.backends.registry"
 

@@ -6,24 +6,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e"
-sys.path.insert(0, str(BENCH))
-import e2e_runner as runner  # noqa: E402
-import vllm_dcp_e2e as dcp  # noqa: E402
-import vllm_dcp_report as dcp_report  # noqa: E402
+from benchmarks.vllm_e2e import e2e_runner as runner
+from benchmarks.vllm_e2e import vllm_dcp_e2e as dcp
+from benchmarks.vllm_e2e import vllm_dcp_report as dcp_report
+from tests.helpers.bench_scripts import run_module
 
 
 def run_script(*args: str) -> tuple[subprocess.CompletedProcess, set[str]]:
-    done = subprocess.run([sys.executable, "-X", "importtime", str(BENCH / "vllm_dcp_e2e.py"), *args],
-                          capture_output=True, text=True, timeout=60)
-    imported = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "|" in line}
-    return done, imported
+    return run_module("benchmarks.vllm_e2e.vllm_dcp_e2e", *args)
 
 
 def test_help_list_and_plan_run_without_torch_or_vllm(tmp_path):

@@ -5,21 +5,18 @@ resuming from the tarball on a cold machine; the plan's scheduling and the tarba
 from __future__ import annotations
 
 import json
+import os
 import shutil
-import sys
 import tarfile
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e"
-sys.path[:0] = [str(BENCH), str(BENCH.parent)]
-import common  # noqa: E402
-import e2e_runner as runner  # noqa: E402
-import vllm_dcp_e2e as dcp  # noqa: E402
-import vllm_dcp_report as dcp_report  # noqa: E402
+from benchmarks import common
+from benchmarks.vllm_e2e import e2e_runner as runner
+from benchmarks.vllm_e2e import vllm_dcp_e2e as dcp
+from benchmarks.vllm_e2e import vllm_dcp_report as dcp_report
 
 
 def test_simulate_keeps_two_gpu_jobs_alone_and_pairs_one_gpu_jobs():
@@ -105,8 +102,6 @@ class LLM:
 FAKE_ENGINE = '''
 import json, sys, types
 from pathlib import Path
-sys.path.insert(0, {bench!r})
-sys.path.insert(0, {here!r})
 spec = json.loads(Path(sys.argv[1]).read_text())
 if spec["kind"] == "build":
     Path(spec["model_dir"]).mkdir(parents=True)
@@ -116,7 +111,7 @@ if spec["kind"] == "build":
 sys.modules["torch"] = types.SimpleNamespace(__version__="fake", cuda=types.SimpleNamespace(is_available=lambda: False))
 import fake_vllm
 sys.modules["vllm"] = fake_vllm
-import vllm_e2e_engine
+from benchmarks.vllm_e2e import vllm_e2e_engine
 vllm_e2e_engine.main()
 '''
 
@@ -124,9 +119,9 @@ vllm_e2e_engine.main()
 @pytest.fixture
 def fake_engine(tmp_path, monkeypatch):
     (tmp_path / "fake_vllm.py").write_text(textwrap.dedent(FAKE_VLLM))
-    script = tmp_path / "fake_engine.py"
-    script.write_text(textwrap.dedent(FAKE_ENGINE.format(bench=str(BENCH), here=str(tmp_path))))
-    monkeypatch.setattr(dcp, "ENGINE_SCRIPT", script)
+    (tmp_path / "fake_engine.py").write_text(textwrap.dedent(FAKE_ENGINE))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setattr(dcp, "ENGINE_MODULE", "fake_engine")  # each job: python -m fake_engine SPEC
     monkeypatch.setattr(runner, "STAGGER_S", 0.0)
     monkeypatch.setattr(dcp, "REQUIRED_MODULES", ())
     monkeypatch.setattr(dcp, "LOG_SETTLE_S", 0.05)

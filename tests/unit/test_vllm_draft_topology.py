@@ -24,9 +24,10 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from dcp_plugin.adapters.vllm import spec  # noqa: E402
 from dcp_plugin.adapters.vllm.builder import DcpTritonMetadataBuilder  # noqa: E402
 from dcp_plugin.adapters.vllm.impl import DcpTritonImpl  # noqa: E402
-from tests.kernel_checks import assert_matches, causal_attention_f64  # noqa: E402
+from dcp_plugin.testing import causal_attention_f64  # noqa: E402
+from tests.helpers.kernel_checks import assert_matches  # noqa: E402
 from tests.unit.test_vllm_builder import BLOCK_SIZE, common_metadata  # noqa: E402
-from tests.vllm_checks import single_process_vllm_groups, vllm_slot, write_llama_config  # noqa: E402
+from tests.helpers.vllm_checks import single_process_vllm_groups, vllm_slot, write_llama_config  # noqa: E402
 
 D = 64
 TARGET = dict(num_attention_heads=4, num_key_value_heads=1)  # per TP rank: 2 Q heads, KV head 0 (shared by DCP)

@@ -9,11 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e"
-sys.path.insert(0, str(BENCH))
-import vllm_e2e_engine as engine  # noqa: E402
-import vllm_e2e_report as report  # noqa: E402
-import vllm_gpu_e2e as e2e  # noqa: E402
+from benchmarks.vllm_e2e import vllm_e2e_engine as engine
+from benchmarks.vllm_e2e import vllm_e2e_report as report
+from benchmarks.vllm_e2e import vllm_gpu_e2e as e2e
 
 MIB, GIB = 1 << 20, 1 << 30
 

@@ -6,27 +6,22 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import subprocess
-import sys
+import os
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from benchmarks.vllm_e2e import e2e_runner as runner
+from benchmarks.vllm_e2e import vllm_e2e_report as report
+from benchmarks.vllm_e2e import vllm_gpu_e2e as e2e
 from dcp_plugin.warmup import warmed_up_line
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e"
-sys.path.insert(0, str(BENCH))
-import e2e_runner as runner  # noqa: E402
-import vllm_e2e_report as report  # noqa: E402
-import vllm_gpu_e2e as e2e  # noqa: E402
+from tests.helpers.bench_scripts import run_module
 
 
 def test_help_runs_without_torch_or_vllm():
-    done = subprocess.run([sys.executable, "-X", "importtime", str(BENCH / "vllm_gpu_e2e.py"), "--help"],
-                          capture_output=True, text=True, timeout=60)
+    done, imported = run_module("benchmarks.vllm_e2e.vllm_gpu_e2e", "--help")
     assert done.returncode == 0 and "--quick" in done.stdout and "--only" in done.stdout, done.stderr[-2000:]
-    imported = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "|" in line}
     assert "argparse" in imported and not imported & {"torch", "vllm", "transformers"}
 
 
@@ -246,8 +241,7 @@ def test_jit_compiles_of_our_kernels_after_start_up_fail_the_run(tmp_path):
 FAKE_ENGINE = """
 import gzip, json, sys, time
 from pathlib import Path
-sys.path.insert(0, {bench!r})
-import vllm_e2e_report as report
+from benchmarks.vllm_e2e import vllm_e2e_report as report
 spec = json.loads(Path(sys.argv[1]).read_text())
 if spec["kind"] == "build":
     Path(spec["model_dir"]).mkdir(parents=True)
@@ -276,9 +270,9 @@ with gzip.open(spec["out"], "wt") as f:
 def test_runner_runs_times_out_resumes_and_mirrors(tmp_path, monkeypatch, capsys):
     flag = tmp_path / "flag"
     flag.write_text("HANG")
-    script = tmp_path / "fake_engine.py"
-    script.write_text(textwrap.dedent(FAKE_ENGINE.format(bench=str(BENCH), flag=str(flag))))
-    monkeypatch.setattr(e2e, "ENGINE_SCRIPT", script)
+    (tmp_path / "fake_engine.py").write_text(textwrap.dedent(FAKE_ENGINE.format(flag=str(flag))))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setattr(e2e, "ENGINE_MODULE", "fake_engine")  # each job: python -m fake_engine SPEC
     monkeypatch.setattr(runner, "STAGGER_S", 0.0)
     monkeypatch.setattr(e2e, "REQUIRED_MODULES", ())  # the stand-in engine needs neither vLLM nor transformers
     results, out = tmp_path / "results", tmp_path / "out"

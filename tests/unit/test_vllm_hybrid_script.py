@@ -5,17 +5,14 @@ of the jobs' results."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e"
-sys.path.insert(0, str(BENCH))
-import vllm_hybrid_gpu as bench  # noqa: E402
-from tests.vllm_checks import script_output  # noqa: E402
+from benchmarks.vllm_e2e import vllm_hybrid_gpu as bench
+from tests.helpers.vllm_checks import script_output
 
 
 def cli(*args: str) -> list[str]:
-    return script_output(BENCH / "vllm_hybrid_gpu.py", *args)
+    return script_output("benchmarks.vllm_e2e.vllm_hybrid_gpu", *args)
 
 
 def test_list_plan_and_summarise_run_without_torch_or_vllm(tmp_path):

@@ -24,8 +24,9 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from dcp_plugin.adapters.vllm.builder import DcpTritonMetadataBuilder  # noqa: E402
 from dcp_plugin.adapters.vllm.impl import DcpTritonImpl  # noqa: E402
-from tests.kernel_checks import assert_matches, causal_attention_f64, shuffled_block_table  # noqa: E402
-from tests.vllm_checks import single_process_vllm_groups, write_llama_config  # noqa: E402
+from dcp_plugin.testing import causal_attention_f64, shuffled_block_table  # noqa: E402
+from tests.helpers.kernel_checks import assert_matches  # noqa: E402
+from tests.helpers.vllm_checks import single_process_vllm_groups, write_llama_config  # noqa: E402
 
 H_Q, H_KV, D, BLOCK, NUM_BLOCKS = 4, 2, 64, 16, 24
 BATCHES = {  # (cached context, new tokens) per request

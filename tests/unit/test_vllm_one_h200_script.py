@@ -7,9 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e" / "vllm_one_h200.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import vllm_one_h200 as bench  # noqa: E402
+from benchmarks.vllm_e2e import vllm_one_h200 as bench
 
 
 def test_startup_jobs_are_listed_only_when_asked_for():

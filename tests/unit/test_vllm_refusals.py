@@ -23,7 +23,7 @@ from vllm.v1.attention.selector import AttentionSelectorConfig  # noqa: E402
 
 from dcp_plugin.adapters.vllm.backend import DcpTritonBackend  # noqa: E402
 from dcp_plugin.adapters.vllm.builder import DcpTritonMetadataBuilder  # noqa: E402
-from tests.vllm_checks import single_process_vllm_groups, write_llama_config  # noqa: E402
+from tests.helpers.vllm_checks import single_process_vllm_groups, write_llama_config  # noqa: E402
 
 CHUNK = 64
 

@@ -28,7 +28,7 @@ from dcp_plugin.adapters.vllm import compat, registration, topology  # noqa: E40
 from dcp_plugin.adapters.vllm.backend import DcpTritonBackend  # noqa: E402
 from dcp_plugin.adapters.vllm.impl import DcpTritonImpl  # noqa: E402
 from dcp_plugin.parallel_state import ParallelState  # noqa: E402
-from tests.vllm_checks import write_llama_config  # noqa: E402
+from tests.helpers.vllm_checks import write_llama_config  # noqa: E402
 
 CPU_ATTN_DEFAULT = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
 

@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_e2e"
-sys.path.insert(0, str(BENCH))
-import vllm_e2e_engine as engine  # noqa: E402  (the job process's script: its spec_decode task)
-import vllm_spec_dcp as bench  # noqa: E402
-from tests.vllm_checks import script_output  # noqa: E402
+from benchmarks.vllm_e2e import vllm_e2e_engine as engine  # the job process: its spec_decode task
+from benchmarks.vllm_e2e import vllm_spec_dcp as bench
+from tests.helpers.vllm_checks import script_output
 
 
 def cli(*args: str) -> list[str]:
-    return script_output(BENCH / "vllm_spec_dcp.py", *args)
+    return script_output("benchmarks.vllm_e2e.vllm_spec_dcp", *args)
 
 
 def test_list_and_plan_run_without_torch_or_vllm(tmp_path):

@@ -22,8 +22,9 @@ from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
 from dcp_plugin.adapters.vllm.backend import DcpTritonBackend  # noqa: E402
-from tests.kernel_checks import assert_matches, causal_attention_f64, shuffled_block_table  # noqa: E402
-from tests.vllm_checks import cpu_platform_if_unspecified, write_llama_config  # noqa: E402
+from dcp_plugin.testing import causal_attention_f64, shuffled_block_table  # noqa: E402
+from tests.helpers.kernel_checks import assert_matches  # noqa: E402
+from tests.helpers.vllm_checks import cpu_platform_if_unspecified, write_llama_config  # noqa: E402
 
 BLOCK, HEAD = 16, 128
 # vLLM's BATCH_SPECS (seq_lens, query_lens) that its causal test runs, the CPU-sized ones.

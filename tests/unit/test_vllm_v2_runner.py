@@ -1,7 +1,7 @@
 """The metadata builder on vLLM's V2 model runner (vLLM 0.33's default; the vLLM 0.26 jobs this repository ran on
 GPUs used 0.26's): steps, FULL-graph capture and replay, spec-decode order, exact attention, adaptive verification.
 
-vLLM's own V2 code builds every ``CommonAttentionMetadata`` here (``tests/vllm_v2.py``: its ``InputBatch``,
+vLLM's own V2 code builds every ``CommonAttentionMetadata`` here (``tests/helpers/vllm_v2.py``: its ``InputBatch``,
 ``DefaultModelState.prepare_attn``, ``build_attn_metadata``, ``AttentionGroup``, ``prepare_inputs_to_capture``), with
 torch copies of its four Triton kernels, which the last test compares with the real ones where vLLM lets Triton
 run on CPU. Expected values come from the requests and from ``vllm_slot`` (vLLM's slot formula written out), never
@@ -32,10 +32,11 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from dcp_plugin import DcpAttention  # noqa: E402
 from dcp_plugin.adapters.vllm.backend import DcpTritonBackend  # noqa: E402
 from dcp_plugin.kernels import reference  # noqa: E402
-from tests.dcp_harness import Case, ThreadGroup, World, causal_attention_f64, run_threads, serial  # noqa: E402
-from tests.kernel_checks import assert_matches  # noqa: E402
-from tests.vllm_checks import cpu_platform_if_unspecified, vllm_slot  # noqa: E402
-from tests.vllm_v2 import V2Runner, dcp_size_patch, table_width  # noqa: E402
+from dcp_plugin.testing import Case, World  # noqa: E402
+from tests.helpers.dcp_harness import ThreadGroup, run_threads, serial  # noqa: E402
+from tests.helpers.kernel_checks import assert_matches  # noqa: E402
+from tests.helpers.vllm_checks import cpu_platform_if_unspecified, vllm_slot  # noqa: E402
+from tests.helpers.vllm_v2 import V2Runner, dcp_size_patch, table_width  # noqa: E402
 
 B, MAX_MODEL_LEN = 16, 256
 TOPOLOGIES = [(1, 0, 1), (2, 1, 1), (4, 2, 1), (2, 0, 8), (4, 3, 4)]  # (dcp, rank, interleave)
@@ -188,7 +189,7 @@ def test_v2_steps_attend_exactly(monkeypatch, engine, dcp, interleave):
             v = torch.cat([world.values[i][p][:, kv] for i, p in rows]).float()
             out = torch.full_like(q, float("nan"))
             attention.forward(q, k, v, key_cache, value_cache, meta.batch, out=out)
-            want = torch.cat([causal_attention_f64(world, i, p, group_heads) for i, p in rows])
+            want = torch.cat([world.causal_attention_f64(i, p, group_heads) for i, p in rows])
             assert_matches(group.all_gather(out, dim=1), want, torch.float32, f"{engine} dcp{dcp} step {step}")
             runner.advance(scheduled, rejected)
         return True
@@ -218,7 +219,7 @@ def test_adaptive_verification_is_refused_by_vllms_selector(monkeypatch):
     assert get_query_lens_mismatch_unsupported_backend(runner.attn_groups) == "DcpTritonBackend"
 
 
-KERNEL_CHECK = Path(__file__).parents[1] / "vllm_v2_kernel_check.py"
+KERNEL_CHECK = "tests.helpers.vllm_v2_kernel_check"  # run as a module, the repository root on its PYTHONPATH
 
 
 def test_the_kernel_copies_equal_vllms_triton_kernels():
@@ -230,7 +231,7 @@ def test_the_kernel_copies_equal_vllms_triton_kernels():
         pytest.skip("vLLM's CPU build disables Triton without Triton's CPU backend")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(KERNEL_CHECK)], capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run([sys.executable, "-m", KERNEL_CHECK], capture_output=True, text=True, env=env, timeout=600)
     tail = (done.stdout + done.stderr)[-4000:]
     if "NO_TRITON" in done.stdout:
         pytest.skip("vLLM disables Triton here (its CPU build needs Triton's CPU backend)")

@@ -1,5 +1,5 @@
-"""Speculative verify steps on SGLang's objects (``tests.sglang_checks``): SGLang's ``TARGET_VERIFY`` batches as its
-EAGLE and n-gram workers build them, checked against float64 attention.
+"""Speculative verify steps on SGLang's objects (``tests.helpers.sglang_checks``): SGLang's ``TARGET_VERIFY`` batches as
+its EAGLE and n-gram workers build them, checked against float64 attention.
 
 A verify step gives every request ``d`` draft tokens in the slots ``req_to_token[req, seq_len:seq_len + d]``
 (allocated past the committed tokens, as SGLang over-allocates a window), with ``seq_lens`` the committed lengths and
@@ -19,9 +19,8 @@ import random
 
 import torch
 
-from tests.dcp_harness import causal_attention_f64, tree_attention_f64
-from tests.kernel_checks import assert_matches
-from tests.verify_steps import draft_tree, redraw
+from tests.helpers.kernel_checks import assert_matches
+from tests.helpers.verify_steps import draft_tree, redraw
 
 # SgCase.speculative -> (SGLang's arguments beyond the draft model and draft-token count, trees, mask layout)
 SPECULATION = {
@@ -44,7 +43,7 @@ def argv(case) -> list[str]:
 
 
 def _draft_model_dir() -> str:
-    from tests.sglang_checks import config_argv
+    from tests.helpers.sglang_checks import config_argv
 
     return config_argv(1)[1]  # a config-only Llama: SGLang resolves the draft's arguments from its config
 
@@ -60,8 +59,8 @@ def run_verify_steps(state, gather_heads, group_heads) -> int:
         fb, positions, masks = verify_batch(state, trees=trees, layout=layout, rng=rng)
         state.attn.init_forward_metadata(fb)
         outs = state.forward(fb, positions)
-        want = torch.cat([causal_attention_f64(state.world, b, p, group_heads) if mask is None
-                          else tree_attention_f64(state.world, b, p, mask, group_heads)
+        want = torch.cat([state.world.causal_attention_f64(b, p, group_heads) if mask is None
+                          else state.world.tree_attention_f64(b, p, mask, group_heads)
                           for (b, p), mask in zip(positions.items(), masks)])
         for layer, out in zip(state.layers, outs):
             assert_matches(gather_heads(out), want, out.dtype,

@@ -8,7 +8,7 @@ and tensor-pipe use, occupancy and its limits, DRAM and L2 throughput, issue rat
 conflicts and the warp stalls (cycles per issued instruction by reason, each one's share, the sampled shares).
 
     ncu --import OUT/attention.ncu-rep --page raw --csv > attention_raw.csv
-    python benchmarks/kernels/ncu_summary.py benchmarks/results/ncu_attention_h200_raw.csv.gz \\
+    python -m benchmarks.probes.ncu_summary benchmarks/results/ncu_attention_h200_raw.csv.gz \\
         --details benchmarks/results/ncu_attention_h200_details.csv.gz --commit 3560296   # standard library only
 """
 
@@ -66,8 +66,8 @@ SCALE = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6, "byte": 1e-6, "Kbyte": 1e-3
 STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio")
 SAMPLED = re.compile(r"smsp__pcsamp_warps_issue_stalled_(\w+)")
 SOURCE = {
-    "commands": [("cd /tmp && PYTHONPATH=/tmp/dcp:/tmp/fa3peer ncu --clock-control none --profile-from-start off "
-                  "--set full -o $OUT/attention -f python3 $OLDPWD/benchmarks/kernels/ncu_attention.py"),
+    "commands": [("cd /tmp && PYTHONPATH=/tmp/dcp:/tmp/fa3peer:$OLDPWD ncu --clock-control none --profile-from-start "
+                  "off --set full -o $OUT/attention -f python3 -m benchmarks.probes.ncu_attention"),
                  "ncu --import OUT/attention.ncu-rep --page raw --csv > attention_raw.csv",
                  "ncu --import OUT/attention.ncu-rep --page details --csv > attention_details.csv"],
     "software": "Triton 3.6, torch 2.11, FA3 from vLLM 0.26's wheel",

@@ -15,7 +15,7 @@ config (unless ``--sweep``) on ``FULL_SHAPES`` (every decode shape of ``bench_ke
 batches of short contexts, batches of varied contexts) with half and twice the automatic split count and FA3 over
 64-token pages too. A call's configs are appended to the results file's ``runs`` with the call's provenance.
 
-    python benchmarks/kernels/gluon_decode_probe.py [--name kernels_h200_gluon_decode]
+    python -m benchmarks.probes.gluon_decode_probe [--name kernels_h200_gluon_decode]
 """
 
 from __future__ import annotations
@@ -25,11 +25,7 @@ import importlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
-
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1]),
-                str(Path(__file__).resolve().parents[2] / "scripts")]  # and benchmarks/, scripts/
 
 # (pages per key tile, stages); the first: gluon_decode's own
 CONFIGS = [(1, 4), (1, 3), (2, 3)]
@@ -111,9 +107,9 @@ def check(config) -> dict:
 def time_shapes(config, shapes, full: bool) -> list[dict]:
     import torch
 
-    import kernel_peers
-    from bench_kernels import _as_pages, _prefix_setup
-    from common import graph_ms
+    from benchmarks.kernels import kernel_peers
+    from benchmarks.kernels.bench_kernels import _as_pages, _prefix_setup
+    from benchmarks.common import graph_ms
     from dcp_plugin.kernels.prefix_attention import plan_prefix
 
     rows = []
@@ -182,11 +178,11 @@ def compile_only(configs) -> None:
     32 and one of 4, with the report ``gluon_chunk_probe.py --compile-only`` prints."""
     import torch
     import triton
-    from gluon_chunk_probe import _sm90_report
+    from benchmarks.probes.gluon_chunk_probe import _sm90_report
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    import compile_for_hopper as ch
+    from scripts import compile_for_hopper as ch
     from dcp_plugin.kernels import _gluon, gluon_decode, split_kv
 
     prefix_attention = importlib.import_module("dcp_plugin.kernels.prefix_attention")  # the package exports a function
@@ -225,7 +221,7 @@ def main() -> None:
     configs = [tuple(map(int, c.split(","))) for c in args.configs.split()] if args.configs else CONFIGS
     if args.compile_only:
         return compile_only(configs)
-    from common import RESULTS, gpu_name, provenance
+    from benchmarks.common import RESULTS, child_env, gpu_name, module_command, provenance
 
     path = RESULTS / f"{args.name}.json"  # this call's configs join the file's earlier calls (runs[])
     record = json.loads(path.read_text()) if path.exists() else dict(gpu=gpu_name(), runs=[])
@@ -236,8 +232,8 @@ def main() -> None:
         out.unlink(missing_ok=True)
         mode = "full" if n == 0 and not args.sweep else "sweep"
         try:
-            done = subprocess.run([sys.executable, __file__, "--child", json.dumps(config), mode, str(out)],
-                                  capture_output=True, text=True, env=dict(os.environ),
+            done = subprocess.run(module_command(__spec__.name, "--child", json.dumps(config), mode, str(out)),
+                                  capture_output=True, text=True, env=child_env(),
                                   timeout=CHILD_TIMEOUT_S * (3 if mode == "full" else 1))
             result = json.loads(out.read_text()) if out.exists() else dict(
                 config=list(config), error=(done.stdout + done.stderr)[-3000:], returncode=done.returncode)

@@ -9,7 +9,7 @@ its buffer filled with NaN before the call; the run exits 1 above ``bench_kernel
 
 Writes ``benchmarks/results/kernels_h200_pdl.json`` (``rows``, ``gpu``, ``provenance``).
 
-    python benchmarks/kernels/probe_pdl.py [--shapes BxCTXxHQxHK,...] [--rounds 3] [--name STEM]
+    python -m benchmarks.probes.probe_pdl [--shapes BxCTXxHQxHK,...] [--rounds 3] [--name STEM]
 """
 
 from __future__ import annotations
@@ -18,18 +18,15 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
-from bench_kernels import ERROR_BOUND, HEAD_DIM, _as_pages, _prefix_error, _prefix_setup  # noqa: E402
-from common import gpu_name, graph_ms, save  # noqa: E402
-
-from dcp_plugin.kernels import plan_write_kv  # noqa: E402
-from dcp_plugin.kernels._pdl import programmatic_launches  # noqa: E402
-from dcp_plugin.kernels.prefix_attention import plan_prefix  # noqa: E402
-import kernel_peers  # noqa: E402
+from benchmarks.common import gpu_name, graph_ms, save
+from benchmarks.kernels import kernel_peers
+from benchmarks.kernels.bench_kernels import ERROR_BOUND, HEAD_DIM, _as_pages, _prefix_error, _prefix_setup
+from dcp_plugin.kernels import plan_write_kv
+from dcp_plugin.kernels._pdl import programmatic_launches
+from dcp_plugin.kernels.prefix_attention import plan_prefix
 
 # name: (stage 1's trigger, the cache write's and the merge's), ``_pdl.TRIGGER`` keys or "off" (launched without).
 MODES = {"start": ("start", "start"), "end": ("end", "start"), "exit": ("exit", "start"), "merge": ("off", "start"),

@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import torch
 
 from dcp_plugin.adapters.sglang import topology
-from tests.dcp_harness import World, causal_attention_f64
-from tests.kernel_checks import assert_matches
+from dcp_plugin.testing import World
+from tests.helpers.kernel_checks import assert_matches
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
           "intermediate_size": 512, "vocab_size": 512, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
@@ -31,10 +31,10 @@ HYBRID_FULL_LAYERS = (1, 3)  # model layer ids of a hybrid case's full-attention
 
 @dataclass(frozen=True)
 class SgCase:
-    """One configuration: ``requests`` are ``(cached context, new tokens)``; the context is prefilled first (an
-    extend step of its own), then the new tokens extend it (a cached prefix), then ``decode_steps`` decode steps.
-    ``speculative`` (``tests.sglang_spec_checks.SPECULATION``) replaces the decode steps by ``verify_steps`` verify
-    steps of ``draft_tokens`` tokens per request, chains or trees, accepting some of each request's drafts."""
+    """One configuration: ``requests`` are ``(cached context, new tokens)``; the context is prefilled first (an extend
+    step of its own), then the new tokens extend it (a cached prefix), then ``decode_steps`` decode steps.
+    ``speculative`` (``tests.helpers.sglang_spec_checks.SPECULATION``) replaces the decode steps by ``verify_steps``
+    verify steps of ``draft_tokens`` tokens per request, chains or trees, accepting some of each request's drafts."""
 
     name: str
     q_heads: int
@@ -268,7 +268,7 @@ def schedule(case: SgCase) -> list[dict[int, int]]:
 def run_sglang_case(case: SgCase, n: int, rank: int, group, gather_heads, *, args=None) -> int:
     """Run ``case`` on this rank through the SGLang backend and check every layer's gathered output of every step
     against float64 attention (the same verdict on every rank). Returns the number of checked steps."""
-    from tests import sglang_spec_checks
+    from tests.helpers import sglang_spec_checks
 
     if args is None:
         key = (n, case.speculative)
@@ -280,7 +280,7 @@ def run_sglang_case(case: SgCase, n: int, rank: int, group, gather_heads, *, arg
     steps = schedule(case)
     for index, new in enumerate(steps):
         outs, positions = state.step(new)
-        want = torch.cat([causal_attention_f64(state.world, b, p, group_heads) for b, p in positions.items()])
+        want = torch.cat([state.world.causal_attention_f64(b, p, group_heads) for b, p in positions.items()])
         for layer_id, out in enumerate(outs):
             assert_matches(gather_heads(out), want, out.dtype, f"{case.name} (N={n}) step {index} layer {layer_id}")
     checked = len(steps) + sglang_spec_checks.run_verify_steps(state, gather_heads, group_heads)

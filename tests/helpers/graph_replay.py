@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from dcp_plugin import DcpAttention, DcpBatch, DcpBatchBuffers, HeadLayout, ParallelState, TokenLayout
-from tests.kernel_checks import assert_matches, causal_attention_f64
+from dcp_plugin.testing import causal_attention_f64
+from tests.helpers.kernel_checks import assert_matches
 
 
 class Step:

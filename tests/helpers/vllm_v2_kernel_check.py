@@ -1,11 +1,11 @@
-"""vLLM's V2-runner Triton kernels against their torch copies in ``tests/vllm_v2.py``, on random batches.
+"""vLLM's V2-runner Triton kernels against their torch copies in ``tests/helpers/vllm_v2.py``, on random batches.
 
-Run by ``tests/unit/test_vllm_v2_runner.py`` with ``CUDA_VISIBLE_DEVICES=''`` and ``TRITON_INTERPRET=1``, under which
-vLLM's CUDA build keeps Triton (``vllm/triton_utils/importing.py``: no active driver is tolerated when the visible
-device list is empty) and the kernels run interpreted on CPU tensors. Prints ``NO_TRITON`` where vLLM replaced
-Triton with placeholders, else ``KERNELS_EQUAL`` once every comparison held. The slot-mapping kernel is compared at
-DCP size 1 only: at DCP > 1 the interpreter refuses its boolean mask (an int8 there); the test's ``vllm_slot``
-checks that copy instead.
+Run by ``tests/unit/test_vllm_v2_runner.py`` (``python -m tests.helpers.vllm_v2_kernel_check``) with
+``CUDA_VISIBLE_DEVICES=''`` and ``TRITON_INTERPRET=1``, under which vLLM's CUDA build keeps Triton
+(``vllm/triton_utils/importing.py``: no active driver is tolerated when the visible device list is empty) and the
+kernels run interpreted on CPU tensors. Prints ``NO_TRITON`` where vLLM replaced Triton with placeholders, else
+``KERNELS_EQUAL`` once every comparison held. The slot-mapping kernel is compared at DCP size 1 only: at DCP > 1 the
+interpreter refuses its boolean mask (an int8 there); the test's ``vllm_slot`` checks that copy instead.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ if not vllm.triton_utils.HAS_TRITON:
 
 from vllm.v1.worker.gpu import block_table, cp_utils, input_batch  # noqa: E402
 
-from tests import vllm_v2  # noqa: E402
+from tests.helpers import vllm_v2  # noqa: E402
 
 MAX_REQS, WIDTH, MAX_TOKENS, BLOCK = 8, 6, 64, 16
 

@@ -79,9 +79,9 @@ def time_prefix(config) -> list[dict]:
     (``prefix_attention``) and FA3, in one process."""
     import torch
 
-    import kernel_peers
-    from bench_kernels import _prefix_setup
-    from common import median_ms
+    from benchmarks.kernels import kernel_peers
+    from benchmarks.kernels.bench_kernels import _prefix_setup
+    from benchmarks.common import median_ms
 
     from dcp_plugin.kernels import prefix_attention
     from dcp_plugin.kernels.prefix_attention import GPU_CONFIGS

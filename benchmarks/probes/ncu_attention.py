@@ -5,8 +5,8 @@ pass (2 x 4096 rows over 32K cached tokens, 64-token pages; dcp-triton as it run
 and decode (128 requests x 8K, 32 Q / 1 KV heads, 64-token pages; dcp-triton's split pass and merge, FA3). Every
 kernel runs once before the range (compiles, warm-up), so ncu sees only the timed launch.
 
-    ncu --clock-control none --profile-from-start off --set full -o OUT/attention -f \\
-        python3 benchmarks/kernels/ncu_attention.py
+    PYTHONPATH=/tmp/dcp:REPO ncu --clock-control none --profile-from-start off --set full -o OUT/attention -f \\
+        python3 -m benchmarks.probes.ncu_attention     # from /tmp, dcp-triton installed in /tmp/dcp (run_h200.sh)
     ncu --import OUT/attention.ncu-rep --page details --csv > OUT/attention_details.csv
 
 Without ncu it prints each kernel's time (CUDA events, after the warm-up), so a call that cannot profile still says
@@ -15,17 +15,13 @@ what ran.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
-import kernel_peers  # noqa: E402
-from bench_kernels import DTYPE, HEAD_DIM, _prefix_setup  # noqa: E402
-
-from dcp_plugin.kernels import prefix_attention  # noqa: E402
-from dcp_plugin.kernels.chunk_attention import _pick_config, plan_chunk  # noqa: E402
+from benchmarks.kernels import kernel_peers
+from benchmarks.kernels.bench_kernels import DTYPE, HEAD_DIM, _prefix_setup
+from dcp_plugin.kernels import prefix_attention
+from dcp_plugin.kernels.chunk_attention import _pick_config, plan_chunk
 
 
 def current_chunk(gen) -> dict:
@@ -39,7 +35,7 @@ def current_chunk(gen) -> dict:
                         config=_pick_config(HEAD_DIM, DTYPE, None, length))
     fns = {"chunk_tl": lambda: launch(q, k, v, out, lse, cu)}
     try:
-        from gluon_chunk_probe import launch as gluon_launch
+        from benchmarks.probes.gluon_chunk_probe import launch as gluon_launch
 
         fns["chunk_gluon"] = lambda: gluon_launch(q, k, v, out, lse, cu, length, config=(128, 2, 0, 0), **kw)
         fns["chunk_gluon_persistent"] = lambda: gluon_launch(q, k, v, out, lse, cu, length, config=("chunk", 1),

@@ -7,7 +7,7 @@ the change costs where nothing was unbalanced; each with the split count planned
 for a 40K-token bound (vLLM's full decode graphs plan for the block table's capacity). Every output is checked
 against float64 attention first (exit 1 past bench_kernels.ERROR_BOUND or on NaN).
 
-    python benchmarks/kernels/balanced_decode_probe.py [--name kernels_h200_balanced_decode]
+    python -m benchmarks.probes.balanced_decode_probe [--name kernels_h200_balanced_decode]
 """
 
 from __future__ import annotations
@@ -15,17 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
-import kernel_peers  # noqa: E402
-from bench_kernels import ERROR_BOUND, _prefix_error, _prefix_setup  # noqa: E402
-from common import gpu_name, graph_ms, save  # noqa: E402
-
-from dcp_plugin.kernels.prefix_attention import plan_prefix, split_capacity  # noqa: E402
-from dcp_plugin.kernels.split_kv import auto_splits  # noqa: E402
+from benchmarks.common import gpu_name, graph_ms, save
+from benchmarks.kernels import kernel_peers
+from benchmarks.kernels.bench_kernels import ERROR_BOUND, _prefix_error, _prefix_setup
+from dcp_plugin.kernels.prefix_attention import plan_prefix, split_capacity
+from dcp_plugin.kernels.split_kv import auto_splits
 
 GRAPH_BOUND = 40960  # a 40K-token model's block table: what a captured decode graph plans for
 

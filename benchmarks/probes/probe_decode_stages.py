@@ -6,23 +6,19 @@ Writes ``benchmarks/results/decode_stages_h200.json`` (``rows``: one per shape a
 ``provenance``). No page quotes it, so it is not kept in the tree: the runs from before and after the one-step split
 merge are in the git history (``git log --diff-filter=D -- benchmarks/results/decode_stages_h200.json``).
 
-    python benchmarks/kernels/probe_decode_stages.py
-    bash scripts/device/run_h200.sh bench benchmarks/kernels/probe_decode_stages.py   # on the H200, nothing carried
+    python -m benchmarks.probes.probe_decode_stages
+    bash scripts/device/run_h200.sh bench benchmarks/probes/probe_decode_stages.py   # on the H200, nothing carried
 """
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
-from bench_kernels import HEAD_DIM, _prefix_setup  # noqa: E402
-from common import graph_ms, save  # noqa: E402
-
-from dcp_plugin.kernels.prefix_attention import plan_prefix  # noqa: E402
+from benchmarks.common import graph_ms, save
+from benchmarks.kernels.bench_kernels import HEAD_DIM, _prefix_setup
+from dcp_plugin.kernels.prefix_attention import plan_prefix
 
 
 def main() -> None:

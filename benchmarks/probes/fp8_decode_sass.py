@@ -8,7 +8,7 @@ pages, planned by ``plan_prefix`` as an sm_90 GPU would plan it; configs as ``sw
 them (``BNxWxSxTMAxAHEADxROWS[xWIDEN[xREGS]]``; ``default``: the kernels' own table). Needs Triton 3.6 (the
 device's) and ``TRITON_INTERPRET=0``; writes ``benchmarks/results/<--name>.json``.
 
-    TRITON_INTERPRET=0 python benchmarks/kernels/fp8_decode_sass.py [--configs default,128x4x3x0x0x64]
+    TRITON_INTERPRET=0 python -m benchmarks.probes.fp8_decode_sass [--configs default,128x4x3x0x0x64]
 """
 
 from __future__ import annotations
@@ -17,24 +17,21 @@ import argparse
 import importlib
 import os
 import sys
-from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET", "0") != "0":
     sys.exit("run with TRITON_INTERPRET=0: the kernels must be defined for the compiler, not the interpreter")
 os.environ["TRITON_INTERPRET"] = "0"
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "kernels")]
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-import compile_for_hopper as hopper  # noqa: E402
-from common import repo_relative, save  # noqa: E402
-from sweep_kernels import decode_config  # noqa: E402
+from benchmarks.common import repo_relative, save  # noqa: E402
+from benchmarks.kernels.sweep_kernels import decode_config  # noqa: E402
 from dcp_plugin.kernels import _prefix_tile, split_kv  # noqa: E402
 from dcp_plugin.kernels._prefix_config import PrefixConfig  # noqa: E402
+from scripts import compile_for_hopper as hopper  # noqa: E402
 
 paged = importlib.import_module("dcp_plugin.kernels.prefix_attention")
 paged.num_sms = split_kv.num_sms = lambda device_index: hopper.H100_SMS  # what an sm_90 GPU answers

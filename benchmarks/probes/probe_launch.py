@@ -1,6 +1,6 @@
 """Where a prepared launch's host time goes (one GPU): the pieces of Launch.__call__ timed alone.
 For tuning kernels/_launch.py's replay path; prints µs, no file.
-H200: bash scripts/device/run_h200.sh bench benchmarks/kernels/probe_launch.py"""
+H200: bash scripts/device/run_h200.sh bench benchmarks/probes/probe_launch.py"""
 import math, statistics, time, torch, triton
 from dcp_plugin.kernels import _launch, plan_write_kv
 def t(fn, n=300):

@@ -8,7 +8,6 @@ import os
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 TINY_LLAMA = dict(
     hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -44,22 +43,18 @@ def write_random_llama(path: Path, *, seed: int = 0, **overrides) -> Path:
     """
     if (path / "model.safetensors").exists():
         return path
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    from common import save_random_llama
+    from benchmarks.common import save_random_llama
 
     return save_random_llama({**TINY_LLAMA, "initializer_range": 0.2, **overrides}, path, seed=seed)
 
 
-def script_output(script: Path, *args: str, heavy: tuple[str, ...] = ("torch", "vllm", "transformers")) -> list[str]:
-    """A benchmark script's output lines for ``args``; it must succeed without importing any of ``heavy`` (the CLI
-    paths that need no GPU: listing, planning, summarising)."""
-    import subprocess
+def script_output(module: str, *args: str, heavy: tuple[str, ...] = ("torch", "vllm", "transformers")) -> list[str]:
+    """A benchmark's output lines for ``args`` (``python -m module``); it must succeed without importing any of
+    ``heavy`` (the CLI paths that need no GPU: listing, planning, summarising)."""
+    from tests.helpers.bench_scripts import run_module
 
-    done = subprocess.run([sys.executable, "-X", "importtime", str(script), *args], capture_output=True, text=True,
-                          timeout=60)
+    done, imported = run_module(module, *args)
     assert done.returncode == 0, done.stderr[-2000:]
-    imported = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "|" in line}
     assert not imported & set(heavy), f"{args} imported {imported & set(heavy)}"
     return done.stdout.splitlines()
 
@@ -122,7 +117,7 @@ def generate_side_by_side(tmp: Path, runs: dict[str, tuple[Path, list[str]]]) ->
     caller with the log's end."""
     import subprocess
 
-    runner = Path(__file__).parent / "integration" / "vllm_generate.py"
+    runner = Path(__file__).parents[1] / "integration" / "vllm_generate.py"
     env = {k: v for k, v in os.environ.items() if k not in ("DCP_TRITON_CPU", "DCP_TRITON_KERNELS")}
     env.update(HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     procs = {}
@@ -173,8 +168,6 @@ def write_random_model(path: Path, config: dict, *, seed: int = 0) -> Path:
     """A random-weight checkpoint of ``config`` (``benchmarks/common.py``'s ``save_random_model``; float32, atomic).
     ``initializer_range=0.2`` (as in ``TINY_GRANITE_HYBRID``) makes attention far from uniform
     (``write_random_llama``)."""
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    from common import save_random_model
+    from benchmarks.common import save_random_model
 
     return save_random_model(config, path, seed=seed)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 
 from dcp_plugin import DcpAttention
-from tests.dcp_harness import Case, RankState, ThreadGroup, World, causal_attention_f64, run_threads, serial
-from tests.kernel_checks import assert_matches
+from dcp_plugin.testing import Case, RankState, World
+from tests.helpers.dcp_harness import ThreadGroup, run_threads, serial
+from tests.helpers.kernel_checks import assert_matches
 
 
 def fp8_round_trip(world: World, dtype: torch.dtype, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
@@ -42,7 +43,7 @@ def run_fp8_dcp(case: Case, n: int, dtype: torch.dtype, k_scale: torch.Tensor, v
             out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
             attn.forward(q, k, v, *to_fp8, batch, out=out, k_scale=k_scale, v_scale=v_scale)
             got = group.all_gather(out, dim=1) if n > 1 else out
-            want = torch.cat([causal_attention_f64(world, b, p, group_heads) for b, p in enumerate(positions)])
+            want = torch.cat([world.causal_attention_f64(b, p, group_heads) for b, p in enumerate(positions)])
             assert_matches(got, want, q.dtype, f"{label} N={n} step {step}")
         return len(schedule)
 

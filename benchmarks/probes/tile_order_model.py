@@ -10,7 +10,7 @@ which no shipped order does). The figure per order is the mean load over the lar
 to the end. No GPU: it prints and saves ``benchmarks/results/gluon_chunk_order_model_h200.json``, with the probe's
 measured SNAKE / round-robin ratio beside the model's where ``kernels_h200_gluon_probe.json`` has both.
 
-    python benchmarks/kernels/tile_order_model.py
+    python -m benchmarks.probes.tile_order_model
 """
 
 from __future__ import annotations
@@ -18,11 +18,8 @@ from __future__ import annotations
 import heapq
 import json
 import math
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
-from common import RESULTS, save  # noqa: E402
+from benchmarks.common import RESULTS, save
 
 SHAPES = [(16, 1024), (4, 2048), (2, 4096), (1, 16384)]  # the probe's (sequences, length), 32 Q heads
 HEADS, BLOCK, PROGRAMS, OVERHEAD = 32, 128, 132, 0.3  # H200: 132 SMs, one program each

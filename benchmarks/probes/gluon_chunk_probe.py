@@ -1,7 +1,7 @@
-"""One H200 call for the Gluon kernels: the current chunk's prototype (``gluon_chunk.py``) and the current chunk
-and prefix pass dcp-triton ships on sm_90 (``dcp_plugin.kernels.gluon_chunk``, ``dcp_plugin.kernels.gluon_prefix``,
-the latter checked and timed by ``gluon_prefix_check.py``): are they right, and faster than the ``tl`` kernels and
-FA3?
+"""One H200 call for the Gluon kernels: the current chunk's prototype (``gluon_chunk_prototype.py``) and the current
+chunk and prefix pass dcp-triton ships on sm_90 (``dcp_plugin.kernels.gluon_chunk``,
+``dcp_plugin.kernels.gluon_prefix``, the latter checked and timed by ``gluon_prefix_check.py``): are they right, and
+faster than the ``tl`` kernels and FA3?
 
 Each config of ``CONFIGS`` runs in a child process with a time limit (a wrong mbarrier phase hangs a
 GPU, and the parent must still report): first against float64 attention on a varlen batch (lengths 1 .. 1,000,
@@ -9,8 +9,8 @@ GPU, and the parent must still report): first against float64 attention on a var
 replay on each of ``SHAPES`` beside ``plan_chunk`` and FA3 (when vLLM's FA3 imports) in the same process. A call's
 configs are appended to the results file's ``runs`` with the call's provenance.
 
-    python benchmarks/kernels/gluon_chunk_probe.py [--name kernels_h200_gluon_probe]
-    TRITON_INTERPRET=0 python benchmarks/kernels/gluon_chunk_probe.py --compile-only   # any machine, Triton 3.6
+    python -m benchmarks.probes.gluon_chunk_probe [--name kernels_h200_gluon_probe]
+    TRITON_INTERPRET=0 python -m benchmarks.probes.gluon_chunk_probe --compile-only   # any machine, Triton 3.6
 
 ``--compile-only`` compiles the prototype's schedules (``PROTOTYPE_SCHEDULES``) and the shipped kernels' configs
 of ``CONFIGS`` for sm_90 with Triton's own compiler (no GPU) and prints their registers, spills, shared
@@ -24,12 +24,10 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and benchmarks/
 
-# (BLOCK_N, STAGES, OVERLAP, PINGPONG[, PERSISTENT]): gluon_chunk.py's prototype, one program per block; OVERLAP 1:
+# (BLOCK_N, STAGES, OVERLAP, PINGPONG[, PERSISTENT]): gluon_chunk_prototype.py's, one program per block; OVERLAP 1:
 # tile i + 1's QK^T under tile i's softmax, 2: FA3's order (QK^T of tile i + 1 with P x V of tile i, the softmax
 # under P x V); PINGPONG: the warpgroups take turns issuing (FA3). PERSISTENT 1 (the third call's configs): one
 # program per SM over every tile, the prototype of the shipped kernel below, since replaced by it.
@@ -57,7 +55,7 @@ CHILD_TIMEOUT_S = 60  # a config compiles and runs in about 15 s
 
 
 def launch(q, k, v, out, lse, cu, max_len, *, scale, q_head_start, q_per_kv, kv_head_start, config):
-    from gluon_chunk import chunk_prototype_kernel
+    from benchmarks.probes.gluon_chunk_prototype import chunk_prototype_kernel
 
     from dcp_plugin.kernels._schedule import flat_programs
 
@@ -117,8 +115,8 @@ def check(config) -> dict:
 def time_shapes(config) -> list[dict]:
     import torch
 
-    import kernel_peers
-    from common import graph_ms
+    from benchmarks.kernels import kernel_peers
+    from benchmarks.common import graph_ms
     from dcp_plugin.kernels.chunk_attention import _pick_config, plan_chunk
 
     rows, d = [], chunk_head_dim(config)
@@ -154,7 +152,7 @@ def child(config: tuple, out_path: str) -> None:
 
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     if config[0] == "prefix":
-        from gluon_prefix_check import check_prefix as check_fn, time_prefix as time_fn
+        from benchmarks.probes.gluon_prefix_check import check_prefix as check_fn, time_prefix as time_fn
     else:
         check_fn, time_fn = check, time_shapes
     result = dict(config=list(config), check=check_fn(config))
@@ -175,8 +173,7 @@ def _sm90_report(compiled) -> str:
 
     import triton
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    import compile_for_hopper as ch
+    from scripts import compile_for_hopper as ch
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -196,9 +193,8 @@ def compile_only() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    import compile_for_hopper as ch
-    from gluon_chunk import chunk_prototype_kernel
+    from scripts import compile_for_hopper as ch
+    from benchmarks.probes.gluon_chunk_prototype import chunk_prototype_kernel
 
     from dcp_plugin.kernels import gluon_chunk
 
@@ -263,7 +259,7 @@ def main() -> None:
         return compile_only()
     if args.child:
         return child(tuple(json.loads(args.child[0])), args.child[1])
-    from common import RESULTS, gpu_name, provenance
+    from benchmarks.common import RESULTS, child_env, gpu_name, module_command, provenance
 
     path = RESULTS / f"{args.name}.json"  # this call's configs join the file's earlier calls (runs[])
     record = json.loads(path.read_text()) if path.exists() else dict(gpu=gpu_name(), runs=[])
@@ -273,8 +269,8 @@ def main() -> None:
         out = Path(f"/tmp/gluon_probe_{'_'.join(map(str, config))}.json")
         out.unlink(missing_ok=True)
         try:
-            done = subprocess.run([sys.executable, __file__, "--child", json.dumps(config), str(out)],
-                                  capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=dict(os.environ))
+            done = subprocess.run(module_command(__spec__.name, "--child", json.dumps(config), str(out)),
+                                  capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=child_env())
             result = json.loads(out.read_text()) if out.exists() else dict(
                 config=list(config), error=(done.stdout + done.stderr)[-2000:], returncode=done.returncode)
         except subprocess.TimeoutExpired:

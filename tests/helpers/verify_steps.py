@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from dcp_plugin import DcpAttention
-from tests.dcp_harness import Case, RankState, World, causal_attention_f64, serial, tree_attention_f64
-from tests.kernel_checks import assert_matches
+from dcp_plugin.testing import Case, RankState, World
+from tests.helpers.dcp_harness import serial
+from tests.helpers.kernel_checks import assert_matches
 
 
 @dataclass(frozen=True)
@@ -157,8 +158,8 @@ def run_verify_case(case: VerifyCase, n: int, rank: int, group, gather_heads) ->
         seen |= step_kinds(case, batch, new_tokens) | ({"tree"} if any(t is not None for t in trees) else set())
         out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
         attn.forward(q, k, v, state.key_cache, state.value_cache, batch, out=out)
-        want = torch.cat([causal_attention_f64(world, b, p, group_heads) if tree is None
-                          else tree_attention_f64(world, b, p, tree, group_heads)
+        want = torch.cat([world.causal_attention_f64(b, p, group_heads) if tree is None
+                          else world.tree_attention_f64(b, p, tree, group_heads)
                           for b, (p, tree) in enumerate(zip(positions, trees))])
         assert_matches(gather_heads(out), want, q.dtype, f"{case.name} (N={n}) step {step} tokens {new_tokens}")
         for b, kind in enumerate(case.kinds):

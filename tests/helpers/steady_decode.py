@@ -9,8 +9,9 @@ import torch
 
 from dcp_plugin import DcpAttention, DcpBatch, DcpBatchBuffers
 from dcp_plugin.step_plan import decode_bound
-from tests.dcp_harness import Case, RankState, ThreadGroup, World, causal_attention_f64, serial
-from tests.kernel_checks import assert_matches
+from dcp_plugin.testing import Case, RankState, World
+from tests.helpers.dcp_harness import ThreadGroup, serial
+from tests.helpers.kernel_checks import assert_matches
 
 
 class EngineBuffers:
@@ -72,7 +73,7 @@ def run_steady_decode(case: Case, n: int, rank: int, exchange) -> tuple[int, int
         (paged,) = [kwargs for name, _, kwargs in log if name == "prefix_attention"]
         assert batch.max_local_seq_len <= paged["max_kv_len"] == decode_bound(batch), f"step {step}"
         got = out if n == 1 else torch.cat(exchange.swap(rank, out), dim=1)
-        want = torch.cat([causal_attention_f64(world, b, p, group_heads) for b, p in enumerate(positions)])
+        want = torch.cat([world.causal_attention_f64(b, p, group_heads) for b, p in enumerate(positions)])
         assert_matches(got, want, q.dtype, f"{case.name} rank {rank} step {step}")
     state.check_cache()
     return len(made), len(bounds)
