@@ -302,8 +302,8 @@ def split_outputs(q, out, lse, num_splits: int, split_buffer, *, balanced: bool 
 def with_merge(stage1: Launch, part_out, part_lse, out, lse, num_splits: int, split_counts=None,
                stage1_extra: tuple = (), narrow: bool | None = None, stage1_other: tuple | None = None) -> PrefixLaunch:
     """Stage 1 and, with several splits, the merge of its partials (and, planned inside ``every_variant()``, the
-    warm-up, the merge's other variant); ``split_counts`` for a balanced decode (the merge reads them). ``narrow``: the merge's variant
-    (None: by the split count, ``merge_tiling``)."""
+    warm-up, the merge's other variant); ``split_counts`` for a balanced decode (the merge reads them). ``narrow``:
+    the merge's variant (None: by the split count, ``merge_tiling``)."""
     if num_splits == 1:
         return PrefixLaunch(stage1, None, part_out, part_lse, num_splits, stage1_extra=stage1_extra)
     counted = split_counts is not None
