@@ -1,8 +1,8 @@
 """Decode context parallelism on several GPUs: vLLM with tensor_parallel_size=--tp and
 decode_context_parallel_size=--dcp, attention by dcp-triton.
 
-Prints the `dcp-triton plan` table of the topology (which Q/KV heads each rank holds, KV bytes per token), then
-generates. vLLM runs DCP > 1 only when tp > num_kv_heads and (tp / num_kv_heads) % dcp == 0, which SmolLM2
+Prints the topology's capacity report (`dcp_plugin.capacity`: which Q/KV heads each rank holds, KV bytes per token),
+then generates. vLLM runs DCP > 1 only when tp > num_kv_heads and (tp / num_kv_heads) % dcp == 0, which SmolLM2
 (3 KV heads) cannot meet on 8 GPUs; so without --model the script builds (once, in ~/.cache/dcp-triton) a
 random-initialised Llama with 16 Q heads and --kv-heads KV heads (default tp / dcp), head_dim 128, 4 layers, and
 no tokenizer: prompts are then sent as their UTF-8 bytes, one token id each, and completions print as token ids.

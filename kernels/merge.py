@@ -185,11 +185,14 @@ def merge_partials(parts_out, parts_lse, *, out=None, lse=None, extra_out=None, 
     """Exact LSE-weighted merge of ``N`` partial results over disjoint key sets.
 
     ``parts_out``: ``[N, T, H, D]`` fp16/bf16/fp32, ``parts_lse``: ``[N, T, H]`` float32 (any strides, e.g.
-    ``buf[..., :D]`` and ``buf[..., D]`` of one packed ``[N, T, H, D + 1]`` all-to-all buffer). Optionally one more
-    partial ``extra_out [T, H, D]`` / ``extra_lse [T, H]`` (the current chunk) joins in the same launch.
-    Returns ``(out [T, H, D] in parts_out's dtype by default, lse [T, H] float32)``; all-empty rows give (0, -inf).
+    views of one received all-to-all buffer holding each rank's outputs and, bit-cast, their float32 LSEs).
+    Optionally one more partial ``extra_out [T, H, D]`` / ``extra_lse [T, H]`` (the current chunk) joins in the
+    same launch. Returns ``(out [T, H, D] in parts_out's dtype by default, lse [T, H] float32)``; all-empty rows
+    give (0, -inf).
 
-    Example: ``o, l = merge_partials(recv[..., :D], recv[..., D], extra_out=o_cur, extra_lse=lse_cur, out=o)``
+    Example (a fp32 buffer packed ``[N, T, H, D + 1]``, LSE last)::
+
+        o, l = merge_partials(recv[..., :D], recv[..., D], extra_out=o_cur, extra_lse=lse_cur, out=o)
     """
     device = parts_out.device if isinstance(parts_out, torch.Tensor) else None
     check_kernel_tensor("parts_out", parts_out, ndim=4, device=device)

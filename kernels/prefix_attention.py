@@ -8,8 +8,8 @@ directly, otherwise it writes fp32 partials that stage 2 merges by LSE. A decode
 its own number of splits instead (``BALANCED``, ``_schedule.balanced_split``). Softmax runs in base 2 with
 ``scale * log2(e)`` folded into one multiplier; LSE is stored in natural log.
 
-Three compiled variants serve every step of a serving engine: decode (one query row per request, one program per
-request), short queries (speculative-decoding verify rows) and long ones (prefill chunks); the last two number
+Three compiled variants serve every step of a serving engine: decode (one query row per request; its programs take
+(request, split) work items for each head tile), short queries (speculative-decoding verify rows) and long ones (prefill chunks); the last two number
 their query blocks over the whole batch (``_schedule``), so a mixed step never launches ``requests x longest
 query`` programs. ``out``/``lse`` may be rank-major (``[R, T, H / R, D]``): the layout the DCP collectives send.
 On sm_90+ a tile that lies inside one page (pages of 64 tokens or more) comes through tensor descriptors, one TMA
@@ -53,9 +53,6 @@ __all__ = ["PrefixConfig", "prefix_attention", "prefix_attention_kernel", "split
 
 _LOG2E = tl.constexpr(LOG2E)  # the kernels' copy (jit functions read only constexpr globals)
 SHORT_QUERY = 8  # at most this many query rows per request: the short-query variant (speculative verify steps)
-# A decode on a GPU takes balanced splits (each request its own split count, ``_schedule.balanced_split``) over
-# PROGRAMS_PER_SM programs a SM: one count for every request, sized for the longest context (a captured graph's
-# bound), left a long context to one program among many short ones (docs/performance.md, balanced splits).
 
 
 # Per-step sizes (and the LSE strides, which scale with them) are not specialized on: every step of an engine runs

