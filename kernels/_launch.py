@@ -274,7 +274,7 @@ class Launch:
         if FAST_LAUNCH and self._compiled is None:  # a first call: another launch may have compiled this variant
             variant = self._variant(tensors)
             shared = _COMPILED.get(variant)
-            if shared is not None and not _launch_hooks():
+            if shared is not None and not _launch_hooks() and _held(self.kernel, variant[4], shared):
                 self._keep(shared, variant[-1], tensors)
                 shared.run(*self.grid, _current_stream(self._device), shared.function, shared.packed_metadata, None,
                            None, None, *[t.data_ptr() for t in tensors], *self._tail)
@@ -302,10 +302,21 @@ class Launch:
 
 # The compiled kernels that launches kept, by ``Launch._variant``: a launch prepared with the scalars, constexprs and
 # options of an earlier one (another step's plan of the same shapes, a repeated one-shot call) replays that one's
-# kernel from its first call, as Triton's dispatch would pick it for the same arguments, without dispatching. The
-# oldest is dropped past COMPILED_KEPT (keys differ in the scalars: token counts, lengths).
+# kernel from its first call, as Triton's dispatch would pick it for the same arguments, without dispatching, while
+# Triton's own cache still holds it (``_held``). The oldest is dropped past COMPILED_KEPT (keys differ in the
+# scalars: token counts, lengths).
 COMPILED_KEPT = 4096
 _COMPILED: dict[tuple, object] = {}
+
+
+def _held(kernel, device: int, compiled) -> bool:
+    """Whether Triton's in-process cache of ``kernel`` on ``device`` (``JITFunction.device_caches``: the compiled
+    kernels by specialization first) still holds ``compiled``. A process that emptied it (the warm-up's GPU tests do,
+    to watch what compiles) gets its variants through the dispatch again, as Triton would compile them, instead of
+    kernels no cache lists; a few identity checks, paid on a launch's first call only."""
+    caches = getattr(kernel, "device_caches", None)
+    entry = caches.get(device) if isinstance(caches, dict) else None  # .get: a defaultdict would create an entry
+    return entry is not None and any(value is compiled for value in entry[0].values())
 
 
 # Triton's global scratch (device-side tensor descriptors: a few hundred bytes per program), one buffer per stream,

@@ -63,15 +63,19 @@ class _Compiled:
 
 
 class _CompilingKernel(_RecordingKernel):
-    """A ``@triton.jit`` stand-in whose dispatch returns one compiled kernel, as Triton's does."""
+    """A ``@triton.jit`` stand-in whose dispatch returns one compiled kernel and lists it in its in-process cache
+    (``device_caches``: per device, the compiled kernels by specialization first), as Triton's does. CPU tensors'
+    device index is None."""
 
     def __init__(self):
         super().__init__()
         self.compiled = _Compiled()
+        self.device_caches = {None: ({}, None)}
 
     def __getitem__(self, grid):
         def dispatch(*args, **kwargs):
             self.calls.append(("launch", grid, args, kwargs))
+            self.device_caches[None][0][len(self.calls)] = self.compiled
             return self.compiled
 
         return dispatch
@@ -141,6 +145,33 @@ def test_a_new_launch_replays_the_kernel_an_equal_launch_compiled_and_nothing_el
     assert len(kernel.calls) == dispatched + 1
 
 
+def test_a_kept_kernel_is_replayed_only_while_tritons_cache_holds_it(monkeypatch):
+    # A process that empties Triton's in-process cache (the warm-up's GPU tests, to watch what compiles) must see
+    # the next launch go through the dispatch, as Triton compiles it again, not replay a kernel no cache lists.
+    monkeypatch.setattr(_launch, "FAST_LAUNCH", True)
+    monkeypatch.setattr(_launch, "_current_stream", lambda device: 0)
+    monkeypatch.setattr(_launch, "_launch_hooks", lambda: False)
+    monkeypatch.setattr(_launch, "_COMPILED", {})
+    kernel = _CompilingKernel()
+    tensors = [torch.zeros(256, dtype=torch.int8)[:64] for _ in range(2)]
+
+    def launch():
+        Launch(kernel, (2,), (5,), {"A": 1}, num_warps=4)(*tensors)
+
+    launch()
+    launch()  # held: replayed
+    assert len(kernel.calls) == 1 and len(kernel.compiled.replays) == 1
+    kernel.device_caches[None][0].clear()
+    launch()  # no longer held: dispatched (and listed again)
+    assert len(kernel.calls) == 2 and len(kernel.compiled.replays) == 1
+    launch()
+    assert len(kernel.calls) == 2 and len(kernel.compiled.replays) == 2
+    kernel.device_caches[None][0].clear()
+    kernel.device_caches[None][0]["other"] = _Compiled()  # another variant cached: still not this one
+    launch()
+    assert len(kernel.calls) == 3
+
+
 @pytest.mark.parametrize("env, want", [({"DCP_TRITON_FAST_LAUNCH": "yes"}, "DCP_TRITON_FAST_LAUNCH must be 1"),
                                        ({"TRITON_INTERPRET": "true"}, "interpret True fast False"),
                                        ({"TRITON_INTERPRET": "on", "DCP_TRITON_FAST_LAUNCH": "0"},
@@ -178,6 +209,10 @@ def test_the_installed_triton_dispatch_ends_in_the_call_a_replay_makes():
                      r"launch_metadata, knobs\.runtime\.launch_enter_hook, knobs\.runtime\.launch_exit_hook, "
                      r"\*bound_args\.values\(\)\)", dispatch)
     assert call, f"Triton {triton.__version__}'s dispatch no longer ends in the launcher call a replay makes"
+    cached = " ".join(inspect.getsource(JITFunction).split())  # where _launch._held looks for a kept kernel
+    assert re.search(r"kernel_cache, \w+, target, backend, binder = self\.device_caches\[device\]", dispatch) \
+        and "kernel_cache[key] = kernel" in cached, \
+        f"Triton {triton.__version__} no longer lists its compiled kernels first in device_caches[device]"
     kept = inspect.getsource(CompiledKernel)  # what a replay reads off the kernel it kept
     assert all(f"self.{name} =" in kept for name in ("function", "packed_metadata")), \
         f"Triton {triton.__version__}'s compiled kernel no longer keeps its function and packed metadata"
