@@ -108,7 +108,8 @@ def check_kernel_dtype(choice: KernelChoice, dtype: torch.dtype | None, *, dtype
 
 def gluon_state(choice: KernelChoice) -> str:
     """The startup lines' ``gluon=``: ``on`` where this process's compiled Triton kernels include the Gluon ones
-    (sm_90, Triton 3.6, ``DCP_TRITON_GLUON`` not 0; they then serve head sizes 64 and 128 in fp16/bf16), ``off`` elsewhere."""
+    (sm_90, Triton 3.6, ``DCP_TRITON_GLUON`` not 0; they then serve head sizes 64 and 128 in fp16/bf16), ``off``
+    elsewhere."""
     if not choice.compiled or not torch.cuda.is_available():
         return "off"
     from dcp_plugin.kernels import gluon_enabled

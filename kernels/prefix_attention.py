@@ -9,9 +9,10 @@ its own number of splits instead (``BALANCED``, ``_schedule.balanced_split``). S
 ``scale * log2(e)`` folded into one multiplier; LSE is stored in natural log.
 
 Three compiled variants serve every step of a serving engine: decode (one query row per request; its programs take
-(request, split) work items for each head tile), short queries (speculative-decoding verify rows) and long ones (prefill chunks); the last two number
-their query blocks over the whole batch (``_schedule``), so a mixed step never launches ``requests x longest
-query`` programs. ``out``/``lse`` may be rank-major (``[R, T, H / R, D]``): the layout the DCP collectives send.
+(request, split) work items for each head tile), short queries (speculative-decoding verify rows) and long ones
+(prefill chunks); the last two number their query blocks over the whole batch (``_schedule``), so a mixed step
+never launches ``requests x longest query`` programs. ``out``/``lse`` may be rank-major (``[R, T, H / R, D]``): the
+layout the DCP collectives send.
 On sm_90+ a tile that lies inside one page (pages of 64 tokens or more) comes through tensor descriptors, one TMA
 copy per K or V tile (``_prefix_tile``); smaller pages are gathered token by token. A prefill step's prefix pass on
 sm_90 with Triton 3.6 (unless ``DCP_TRITON_GLUON=0``) runs ``gluon_prefix`` where ``_gluon.prefix_takes_gluon``

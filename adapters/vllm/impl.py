@@ -37,8 +37,9 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
     The topology, kernel path, option checks and scratch workspace are decided here at model construction (the
     workspace allocated now, so vLLM's memory profiling counts it); what waits for the first ``forward`` with a
     KV cache is what only that cache tells: its block size (``DcpAttention`` is built then, one per token layout,
-    ``_bind``) and its K/V views (kept while the cache is the same). The backend declares ``forward_includes_kv_cache_update``: ``forward`` writes this step's K/V itself,
-    which saves vLLM a separate op (and a graph break) per layer. The first ``forward`` that sees the real KV cache
+    ``_bind``) and its K/V views (kept while the cache is the same). The backend declares
+    ``forward_includes_kv_cache_update``: ``forward`` writes this step's K/V itself, which saves vLLM a separate op
+    (and a graph break) per layer. The first ``forward`` that sees the real KV cache
     (vLLM's warm-up, before serving) compiles every kernel variant serving can need (``dcp_plugin.warmup``).
     """
 
