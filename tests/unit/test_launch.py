@@ -81,12 +81,18 @@ class _CompilingKernel(_RecordingKernel):
         return dispatch
 
 
-def test_a_kept_kernel_replays_only_for_the_alignment_it_was_compiled_for(monkeypatch):
-    # Triton specializes pointer arguments on 16-byte alignment: a launch replays the kernel its first call compiled
-    # (addresses passed as ints) while every tensor keeps that call's alignment, and otherwise asks the dispatch.
+@pytest.fixture
+def replaying(monkeypatch):
+    """Replays on, as on a GPU with Triton 3.4-3.6: no launch hook, a stand-in stream, no kernel kept yet."""
     monkeypatch.setattr(_launch, "FAST_LAUNCH", True)
     monkeypatch.setattr(_launch, "_current_stream", lambda device: 0)
     monkeypatch.setattr(_launch, "_launch_hooks", lambda: False)
+    monkeypatch.setattr(_launch, "_COMPILED", {})
+
+
+def test_a_kept_kernel_replays_only_for_the_alignment_it_was_compiled_for(replaying):
+    # Triton specializes pointer arguments on 16-byte alignment: a launch replays the kernel its first call compiled
+    # (addresses passed as ints) while every tensor keeps that call's alignment, and otherwise asks the dispatch.
     memory = [torch.zeros(256, dtype=torch.int8) for _ in range(4)]
     aligned = [m[:64] for m in memory]
     shifted = [m[8:72] for m in memory]  # 8 bytes past a 16-byte boundary: aligned to 8, not 16
@@ -110,14 +116,10 @@ def test_a_kept_kernel_replays_only_for_the_alignment_it_was_compiled_for(monkey
     assert calls == 2 and replayed == [(shifted[2].data_ptr(), aligned[3].data_ptr())]
 
 
-def test_a_new_launch_replays_the_kernel_an_equal_launch_compiled_and_nothing_else(monkeypatch):
+def test_a_new_launch_replays_the_kernel_an_equal_launch_compiled_and_nothing_else(replaying, monkeypatch):
     # A plan built again for the same shapes (a repeated one-shot call, the next step's plan) replays from its first
     # call the kernel an earlier launch compiled, when everything Triton's dispatch specializes on is equal: scalars
     # and constexprs by name, type and value, options, tensor dtypes and alignment. Anything else dispatches.
-    monkeypatch.setattr(_launch, "FAST_LAUNCH", True)
-    monkeypatch.setattr(_launch, "_current_stream", lambda device: 0)
-    monkeypatch.setattr(_launch, "_launch_hooks", lambda: False)
-    monkeypatch.setattr(_launch, "_COMPILED", {})
     kernel = _CompilingKernel()
     memory = [torch.zeros(256, dtype=torch.int8) for _ in range(2)]
     aligned, shifted = [m[:64] for m in memory], [m[8:72] for m in memory]
@@ -145,13 +147,9 @@ def test_a_new_launch_replays_the_kernel_an_equal_launch_compiled_and_nothing_el
     assert len(kernel.calls) == dispatched + 1
 
 
-def test_a_kept_kernel_is_replayed_only_while_tritons_cache_holds_it(monkeypatch):
+def test_a_kept_kernel_is_replayed_only_while_tritons_cache_holds_it(replaying):
     # A process that empties Triton's in-process cache (the warm-up's GPU tests, to watch what compiles) must see
     # the next launch go through the dispatch, as Triton compiles it again, not replay a kernel no cache lists.
-    monkeypatch.setattr(_launch, "FAST_LAUNCH", True)
-    monkeypatch.setattr(_launch, "_current_stream", lambda device: 0)
-    monkeypatch.setattr(_launch, "_launch_hooks", lambda: False)
-    monkeypatch.setattr(_launch, "_COMPILED", {})
     kernel = _CompilingKernel()
     tensors = [torch.zeros(256, dtype=torch.int8)[:64] for _ in range(2)]
 
