@@ -7,8 +7,9 @@ bf16), each function is called ``--calls`` times back to back after a warm-up, n
   host_us   time to issue one call (the loop without its final synchronisation; the GPU work of a short call hides
             behind it, so this is the host's share when it exceeds the GPU's)
   gpu_us    the same call replayed from a CUDA graph: the GPU's share
-  syncs     synchronising operations one call makes (``torch.cuda.set_sync_debug_mode``'s warnings); where the
-            first of them happens (``sync_site``: the innermost frames of the call, raised as an error once)
+  syncs     synchronising operations one call makes (warnings naming a synchronisation while
+            ``torch.cuda.set_sync_debug_mode`` warns; their text in ``sync_messages``); where the first of them happens
+            (``sync_site``: the innermost frames of the call, raised as an error once; [] where nothing raised)
 
 dcp-triton's call is split into its phases, each timed alone the same way: the argument checks (``checked_outputs``
 for the decode), the plan (``plan_prefix`` / ``plan_chunk``: launch constants, grid, scratch) and the prepared
@@ -161,7 +162,8 @@ def sglang_fa3_call(case: dict, t: dict):
 
 def timed(fn, calls: int, *, profile: bool = False) -> dict:
     """``call_us``, ``host_us`` (medians of 5 loops of ``calls``), ``gpu_us`` (one call in a CUDA graph, replayed),
-    ``syncs`` (synchronising operations of one call) and ``sync_site`` (where the first happens); with ``profile``
+    ``syncs`` (synchronising operations of one call), their warnings (``sync_messages``) and ``sync_site`` (where the
+    first happens: [] where torch's sync-debug mode raised nothing, so the warning was not its); with ``profile``
     the call's top functions by host time (``top_functions``)."""
     import torch
 
@@ -184,9 +186,11 @@ def timed(fn, calls: int, *, profile: bool = False) -> dict:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+    messages = [f"{w.category.__name__}: {w.message}"[:200] for w in caught if "synchroniz" in str(w.message).lower()]
     result = dict(call_us=statistics.median(loops) * 1e6, host_us=statistics.median(issue) * 1e6,
-                  syncs=sum("synchroniz" in str(w.message).lower() for w in caught))
-    if result["syncs"]:
+                  syncs=len(messages))
+    if messages:  # what was counted: torch's sync-debug warning, or another naming a synchronisation
+        result["sync_messages"] = sorted(set(messages))
         result["sync_site"] = sync_site(fn)
     if profile:
         result["top_functions"] = top_functions(fn, calls)
