@@ -26,6 +26,7 @@ from dcp_plugin.kernels._launch import (
     INDEX_DTYPES, LOG2E, Launch, check_head_map, check_int, check_kernel_tensor, check_out, check_shape,
     descriptor_ready, next_pow2, tma_available,
 )
+from dcp_plugin.kernels import _plan_cache
 from dcp_plugin.kernels._gluon import chunk_takes_gluon
 from dcp_plugin.kernels._schedule import find_block, flat_programs
 from dcp_plugin.kernels.checks import check_chunk_mask
@@ -279,9 +280,18 @@ def chunk_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_st
     else:
         check_out("lse", lse, (num_tokens, num_q_heads), device, dtypes=(torch.float32,))
     cfg = _pick_config(head_dim, q.dtype, config, max_query_len)  # a given config is checked here
-    plan_chunk(q, k, v, out, lse, query_start_loc, max_query_len, scale=scale, q_head_start=q_head_start,
-               q_per_kv=q_per_kv, kv_head_start=kv_head_start, chunk_mask=chunk_mask,
-               config=None if config is None else cfg)(q, k, v, out, lse, query_start_loc)
+
+    def plan() -> Launch:
+        return plan_chunk(q, k, v, out, lse, query_start_loc, max_query_len, scale=scale, q_head_start=q_head_start,
+                          q_per_kv=q_per_kv, kv_head_start=kv_head_start, chunk_mask=chunk_mask,
+                          config=None if config is None else cfg)
+
+    # A call laid out like a recent one replays its plan (``_plan_cache``); a config of its own or a chunk mask (bound
+    # to its plan) plans afresh.
+    launch = plan() if config is not None or chunk_mask is not None else _plan_cache.kept(
+        ("chunk", _plan_cache.layout(q, k, v, out, lse, query_start_loc), max_query_len, scale, q_head_start,
+         q_per_kv, kv_head_start), q.device, plan)
+    launch(q, k, v, out, lse, query_start_loc)
     return out, lse
 
 

@@ -31,6 +31,7 @@ import triton.language as tl
 from dcp_plugin.kernels._launch import (
     LOG2E, Launch, cdiv, device_index, every_variant_wanted, next_pow2, num_sms,
 )
+from dcp_plugin.kernels import _plan_cache
 from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_KV_GROUP, decode_takes_gluon, prefix_takes_gluon
 from dcp_plugin.kernels._prefix_checks import MAX_HEAD_DIM, MAX_SPLITS, checked_outputs  # noqa: F401
 from dcp_plugin.kernels._prefix_config import (  # noqa: F401 - the tuning table is part of this module's API
@@ -261,10 +262,16 @@ def prefix_attention(q, key_cache, value_cache, block_table, kv_lens, query_star
                                lse=lse, k_scale=k_scale, v_scale=v_scale)
     head_dim = q.shape[-1]
     cfg = None if config is None else pick_config(head_dim, decode=max_query_len == 1, dtype=q.dtype, config=config)
-    launch = plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, scale=scale,
-                         q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
-                         max_kv_len=max_kv_len, max_query_len=max_query_len, num_splits=num_splits,
-                         config=cfg)
+
+    def plan() -> PrefixLaunch:
+        return plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, scale=scale,
+                           q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
+                           max_kv_len=max_kv_len, max_query_len=max_query_len, num_splits=num_splits, config=cfg)
+
+    # A call laid out like a recent one replays its plan (``_plan_cache``); a config of its own plans afresh.
+    launch = plan() if config is not None else _plan_cache.kept(
+        ("prefix", _plan_cache.layout(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse),
+         scale, q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len, num_splits), q.device, plan)
     launch(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, k_scale, v_scale)
     return out, lse
 

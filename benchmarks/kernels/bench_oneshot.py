@@ -11,7 +11,9 @@ bf16), each function is called ``--calls`` times back to back after a warm-up, n
             ``torch.cuda.set_sync_debug_mode`` warns; their text in ``sync_messages``); where the first of them happens
             (``sync_site``: the innermost frames of the call, raised as an error once; [] where nothing raised)
 
-dcp-triton's call is split into its phases, each timed alone the same way: the argument checks (``checked_outputs``
+dcp-triton's call, repeated with tensors laid out alike as the loops repeat it, replays the plan its first call kept
+(``dcp_plugin.kernels._plan_cache``): its time holds the checks, the kept plan's lookup and the replay. It is split
+into its phases, each timed alone the same way: the argument checks (``checked_outputs``
 for the decode), the plan (``plan_prefix`` / ``plan_chunk``: launch constants, grid, scratch) and the prepared
 launch's replay (what the DCP core pays per layer inside vLLM and SGLang), and that replay once more through Triton's
 own dispatch (``replay_dispatch``: a prepared launch on a Triton release outside the fast launch's, which replays the
