@@ -225,6 +225,21 @@ def merge_jobs(name: str, paths: list[str], summarise, *, results_dir: Path = RE
     return path
 
 
+def summarise_by_gpu(doc: str, combine) -> None:
+    """The command line of a script that summarises one card's results files (``hybrid_spec.py``, ``parity.py``):
+    ``--gpu`` and ``--results-dir``, then ``combine(gpu, results_dir)`` -> the file it wrote, whose summary is
+    printed."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--gpu", required=True, help="the card in the results' names: h100, h200")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    path = combine(args.gpu, args.results_dir)
+    print(json.dumps(json.loads(path.read_text())["summary"], indent=1))
+    print(f"wrote {repo_relative(path)}")
+
+
 def repo_relative(path: str | Path) -> str:
     """``path`` relative to the repository root when it lies under it, else absolute: what committed results cite
     (``benchmarks/results/vllm_e2e_logs/x.log``), so they name no machine's folders."""

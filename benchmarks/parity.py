@@ -26,7 +26,6 @@ file it came from under ``sources``; a number no file gives is null, with the re
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -130,15 +129,5 @@ def combine(gpu: str, results_dir: Path = common.RESULTS) -> Path:
                        results_dir=results_dir, origin=origin)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gpu", required=True, help="the card in the results' names: h100, h200")
-    parser.add_argument("--results-dir", type=Path, default=common.RESULTS)
-    args = parser.parse_args()
-    path = combine(args.gpu, args.results_dir)
-    print(json.dumps(json.loads(path.read_text())["summary"], indent=1))
-    print(f"wrote {common.repo_relative(path)}")
-
-
 if __name__ == "__main__":
-    main()
+    common.summarise_by_gpu(__doc__, combine)

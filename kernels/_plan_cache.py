@@ -44,10 +44,12 @@ def switches() -> tuple:
     return os.environ.get(GLUON_ENV), os.environ.get(_pdl.PDL_ENV), on, tuple(sorted(triggers.items()))
 
 
-def kept(key: tuple, device, plan: Callable[[], object]):
-    """The plan kept under ``key`` (on ``device``'s current stream, under the same switches, with the warm-up's
-    variants or not), else ``plan()`` kept there."""
-    key = (key, device, stream_key(device), switches(), every_variant_wanted())
+def kept(kind: str, tensors: tuple, host_args: tuple, plan: Callable[[], object]):
+    """The ``kind`` plan kept for ``tensors`` laid out alike (``layout``) and equal ``host_args``, on the first
+    tensor's device and its current stream, under the same switches, with the warm-up's variants or not; else
+    ``plan()``, kept there."""
+    device = tensors[0].device
+    key = (kind, layout(*tensors), host_args, device, stream_key(device), switches(), every_variant_wanted())
     found = _plans.get(key)
     if found is not None:
         _plans.move_to_end(key)

@@ -289,8 +289,8 @@ def chunk_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_st
     # A call laid out like a recent one replays its plan (``_plan_cache``); a config of its own or a chunk mask (bound
     # to its plan) plans afresh.
     launch = plan() if config is not None or chunk_mask is not None else _plan_cache.kept(
-        ("chunk", _plan_cache.layout(q, k, v, out, lse, query_start_loc), max_query_len, scale, q_head_start,
-         q_per_kv, kv_head_start), q.device, plan)
+        "chunk", (q, k, v, out, lse, query_start_loc), (max_query_len, scale, q_head_start, q_per_kv, kv_head_start),
+        plan)
     launch(q, k, v, out, lse, query_start_loc)
     return out, lse
 

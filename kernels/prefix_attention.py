@@ -260,8 +260,7 @@ def prefix_attention(q, key_cache, value_cache, block_table, kv_lens, query_star
                                q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
                                max_kv_len=max_kv_len, max_query_len=max_query_len, num_splits=num_splits, out=out,
                                lse=lse, k_scale=k_scale, v_scale=v_scale)
-    head_dim = q.shape[-1]
-    cfg = None if config is None else pick_config(head_dim, decode=max_query_len == 1, dtype=q.dtype, config=config)
+    cfg = None if config is None else pick_config(q.shape[-1], decode=max_query_len == 1, dtype=q.dtype, config=config)
 
     def plan() -> PrefixLaunch:
         return plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, scale=scale,
@@ -270,8 +269,8 @@ def prefix_attention(q, key_cache, value_cache, block_table, kv_lens, query_star
 
     # A call laid out like a recent one replays its plan (``_plan_cache``); a config of its own plans afresh.
     launch = plan() if config is not None else _plan_cache.kept(
-        ("prefix", _plan_cache.layout(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse),
-         scale, q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len, num_splits), q.device, plan)
+        "prefix", (q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse),
+        (scale, q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len, num_splits), plan)
     launch(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, k_scale, v_scale)
     return out, lse
 
