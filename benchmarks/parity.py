@@ -6,8 +6,9 @@ Reads, under ``<results>`` (``benchmarks/results/`` by default), for ``--gpu`` (
                             fp8 KV cache, dcp-triton and FLASH_ATTN
   kernels_<gpu>.json        ``kernels/bench_kernels.py``: the fp8 and bf16 decode (``decode_fp8``) and the causal
                             prefill against FA3 (``prefill``), CUDA-graph times
-  vllm_one_<gpu>.json       ``vllm_e2e/vllm_one_h200.py --startup``: engine start-up seconds, cold (empty caches)
-                            and warm, graphs and eager
+  vllm_one_<gpu>_startup.json  ``vllm_e2e/vllm_one_h200.py --startup --only 'startup-*' --name
+                            vllm_one_<gpu>_startup``: engine start-up seconds, cold (empty caches) and warm,
+                            graphs and eager
   kernels_oneshot_<gpu>.json  ``kernels/bench_oneshot.py``: a public kernel function's per-call time against FA3's
 
 and writes ``<results>/parity_<gpu>.json`` whose ``summary`` holds (each ratio rounded to 3 places, each with the
@@ -98,7 +99,7 @@ METRICS = {
     "vllm_fp8_ratio_min": ("vllm_one_{gpu}_fp8", vllm_fp8),
     "fp8_decode_time_ratio_max": ("kernels_{gpu}", fp8_decode),
     "prefill_ratio_min": ("kernels_{gpu}", prefill),
-    "cold_start_ratio_max": ("vllm_one_{gpu}", cold_start),
+    "cold_start_ratio_max": ("vllm_one_{gpu}_startup", cold_start),
     "oneshot_call_ratio_max": ("kernels_oneshot_{gpu}", oneshot),
 }
 

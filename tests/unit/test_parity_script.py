@@ -39,7 +39,7 @@ def _every_file(folder: Path) -> None:
                                                      fa3_graph_ms=1.2, ours_graph_ms=1.0),
                                                 dict(num_seqs=1, seq_len=512, q_heads=8, kv_heads=8, head_dim=64,
                                                      fa3_graph_ms=None, ours_graph_ms=1.0)]})  # no FA3: left out
-    _write(folder, "vllm_one_h100", {"summary": {"loads": {}, "startup_s": {
+    _write(folder, "vllm_one_h100_startup", {"summary": {"loads": {}, "startup_s": {
         "dcp-triton-graphs-cold": 46.0, "FLASH_ATTN-graphs-cold": 40.0,  # 1.15
         "dcp-triton-eager-cold": 30.0, "FLASH_ATTN-eager-cold": 25.0,  # 1.2: the worse
         "dcp-triton-graphs-warm": 99.0, "FLASH_ATTN-graphs-warm": 1.0}}})  # warm starts do not count
@@ -55,8 +55,8 @@ def test_each_number_is_the_worst_qualifying_row_of_its_file(tmp_path):
     assert result["missing"] == {}
     assert result["sources"]["vllm_fp8_ratio_min"] == "vllm_one_h100_fp8.json: llama8/long (graphs)"
     assert result["sources"]["fp8_decode_time_ratio_max"].endswith("batch 8 x 8192, 32 Q / 8 KV, 64-token pages")
-    assert result["sources"]["cold_start_ratio_max"] == "vllm_one_h100.json: eager"
-    assert set(result["provenance"]) == {"vllm_one_h100_fp8.json", "kernels_h100.json", "vllm_one_h100.json",
+    assert result["sources"]["cold_start_ratio_max"] == "vllm_one_h100_startup.json: eager"
+    assert set(result["provenance"]) == {"vllm_one_h100_fp8.json", "kernels_h100.json", "vllm_one_h100_startup.json",
                                          "kernels_oneshot_h100.json"}
 
 
@@ -64,7 +64,7 @@ def test_a_missing_file_or_peer_gives_null_and_says_why(tmp_path):
     _write(tmp_path, "kernels_h200", {"gpu": "NVIDIA H200", "decode_fp8": [_decode_row(4, 8192, 1.0, 1.0, 1.0, 1.0)],
                                       "prefill": [dict(num_seqs=2, seq_len=4096, q_heads=32, kv_heads=8, head_dim=128,
                                                        fa3_graph_ms=None, ours_graph_ms=1.0)]})
-    _write(tmp_path, "vllm_one_h200", {"summary": {"loads": {}, "startup_s": {"dcp-triton-graphs-cold": 50.0}}})
+    _write(tmp_path, "vllm_one_h200_startup", {"summary": {"loads": {}, "startup_s": {"dcp-triton-graphs-cold": 50.0}}})
     _write(tmp_path, "kernels_oneshot_h200", {"summary": {"oneshot_call_ratio_max": None}})
     result = json.loads(parity.combine("h200", tmp_path).read_text())
     assert {k: v for k, v in result["summary"].items() if k != "gpu"} == dict.fromkeys(parity.METRICS)
