@@ -37,6 +37,10 @@ class DcpTritonAttnBackend(AttentionBackend):
     ``topology`` overrides what SGLang's parallel context says (tests running ranks as gloo processes).
     """
 
+    # No step reads SGLang's host copy of seq_lens (``metadata.longest_on_host``): with this False on every backend
+    # of a run, SGLang's overlap scheduler skips that copy, which waits each step for the step before to finish.
+    needs_cpu_seq_lens = False
+
     def __init__(self, model_runner, *, topology: topology_mod.Topology | None = None) -> None:
         super().__init__()
         compat.check_supported_sglang()

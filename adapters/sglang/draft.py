@@ -25,6 +25,7 @@ import inspect
 
 import torch
 
+from dcp_plugin.adapters.sglang.metadata import longest_on_host
 from dcp_plugin.batch import DcpBatch, DcpBatchBuffers
 
 HOOK_TARGET = "sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend"
@@ -71,6 +72,8 @@ class DcpTritonDraftSteps:
     decode step, views of one ``DcpTritonAttnBackend`` of the draft runner (its workspace and compiled launches
     shared), each reading its own step's batch; CUDA graphs capture all steps over persistent buffers. ``topology``:
     as for ``DcpTritonAttnBackend`` (tests)."""
+
+    needs_cpu_seq_lens = False  # as DcpTritonAttnBackend's: no step reads seq_lens_cpu
 
     def __init__(self, model_runner, topk: int, num_steps: int, *, topology=None) -> None:
         from dcp_plugin.adapters.sglang.backend import DcpTritonAttnBackend
@@ -142,7 +145,8 @@ class DraftSteps:
         seq = fb.seq_lens[:bs].to(torch.int64)
         slot_rows = self.req_to_token[fb.req_pool_indices[:bs].long()]
         base, span = self.layout(seq)
-        longest = None if graph or fb.seq_lens_cpu is None or not bs else int(fb.seq_lens_cpu[:bs].max())
+        capacity = self.req_to_token.shape[1] - steps  # the longest prefix whose drafts the slot row holds
+        longest = None if graph else longest_on_host(fb, bs, capacity)
         width = self.width if longest is None else min(self.width, -(-(longest + steps) // page))
         columns = (torch.arange(width, device=device) * page).expand(bs, width)
         table = slot_rows.gather(1, self.slot_index(columns, base, span).view(bs, -1)) // page
@@ -160,10 +164,9 @@ class DraftSteps:
             query_start_loc = g["query_start_loc"][:rows + 1]
         else:
             query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
-        bounds = [None] * steps if longest is None and not graph else \
-            [self.req_to_token.shape[1] if graph else longest + i + 1 for i in range(steps)]
+        bounds = [self.req_to_token.shape[1] if graph else longest + i + 1 for i in range(steps)]
         return [DcpBatch.build(query_start_loc=query_start_loc, seq_lens=lens[i], block_table=table,
                                slot_mapping=slots[i], tokens=self.tokens, max_query_len=1, max_seq_len=bounds[i],
-                               max_context_len=None if bounds[i] is None else bounds[i] - 1, num_decodes=0,
+                               max_context_len=bounds[i] - 1, num_decodes=0,
                                buffers=self.graph["buffers"][i] if graph else None)
                 for i in range(steps)]

@@ -69,9 +69,8 @@ class StepBuilder:
         seq_lens = fb.seq_lens[:bs].to(torch.int32)
         if fb.forward_mode.is_decode():
             query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=seq_lens.device)
-            max_seq = int(fb.seq_lens_cpu[:bs].max()) if fb.seq_lens_cpu is not None and bs else None
-            hints = dict(max_query_len=1 if bs else 0, max_seq_len=max_seq,
-                         max_context_len=None if max_seq is None else max(max_seq - 1, 0))
+            max_seq = longest_on_host(fb, bs, self.max_context_len)
+            hints = dict(max_query_len=1 if bs else 0, max_seq_len=max_seq, max_context_len=max(max_seq - 1, 0))
             num_tokens = bs
         else:
             extend = fb.extend_seq_lens[:bs].to(torch.int32)
@@ -90,10 +89,8 @@ class StepBuilder:
         d = fb.spec_info.draft_token_num
         seq_lens = (fb.seq_lens[:bs] + d).to(torch.int32)  # SGLang's seq_lens leave out the draft tokens
         query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=seq_lens.device) * d
-        hints = dict(max_query_len=d, max_seq_len=None, max_context_len=None)
-        if fb.seq_lens_cpu is not None and bs:
-            longest = int(fb.seq_lens_cpu[:bs].max())
-            hints.update(max_seq_len=longest + d, max_context_len=longest)
+        longest = longest_on_host(fb, bs, self.max_context_len - d)
+        hints = dict(max_query_len=d, max_seq_len=longest + d, max_context_len=longest)
         return DcpBatch.build(
             query_start_loc=query_start_loc, seq_lens=seq_lens,
             block_table=self.block_table(fb.req_pool_indices[:bs], self._width(hints["max_seq_len"])),
@@ -162,6 +159,17 @@ class StepBuilder:
         if max_seq_len is None:
             return self.width
         return max(1, min(self.width, -(-max_seq_len // self.span)))
+
+
+def longest_on_host(fb, bs: int, capacity: int) -> int:
+    """The longest of the batch's ``seq_lens`` as a host int, never read from the GPU: SGLang's host copy
+    (``seq_lens_cpu``) where the step has one, else ``capacity`` (what the slot table holds). SGLang's overlap
+    scheduler leaves that copy out when every backend of the run declares ``needs_cpu_seq_lens = False``, as
+    dcp-triton's do: copying it would wait, each step, for the step before to finish on the GPU."""
+    if not bs:
+        return 0
+    cpu = getattr(fb, "seq_lens_cpu", None)
+    return int(cpu[:bs].max()) if cpu is not None else capacity
 
 
 def graphed(forward_mode) -> bool:

@@ -53,6 +53,7 @@ class SgCase:
     speculative: str = ""
     draft_tokens: int = 4
     verify_steps: int = 0
+    host_lengths: bool = True  # steps carry SGLang's host copy of seq_lens (its overlap scheduler's speculative don't)
 
 
 def server_args(argv: list[str]):
@@ -168,7 +169,7 @@ class SglangRank:
         positions = [torch.arange(self.lens[b], self.lens[b] + new[b]) for b in reqs]
         for b in reqs:
             self.lens[b] += new[b]
-        fields = dict(seq_lens_cpu=seq, positions=torch.cat(positions))
+        fields = dict(seq_lens_cpu=seq if self.case.host_lengths else None, positions=torch.cat(positions))
         if not decode:
             fields.update(extend_num_tokens=int(counts.sum()), extend_seq_lens=counts, extend_prefix_lens=prefix,
                           extend_start_loc=torch.cumsum(counts, 0) - counts, extend_prefix_lens_cpu=prefix.tolist(),

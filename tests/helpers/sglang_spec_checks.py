@@ -88,7 +88,8 @@ def verify_batch(state, *, trees: bool, layout: str, rng: random.Random):
     fb = ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY, batch_size=len(reqs),
                       input_ids=torch.zeros(len(reqs) * d, dtype=torch.int64),
                       req_pool_indices=torch.tensor(reqs, dtype=torch.int64), seq_lens=seq_lens,
-                      out_cache_loc=out_cache_loc, seq_lens_sum=int(seq_lens.sum()), seq_lens_cpu=seq_lens,
+                      out_cache_loc=out_cache_loc, seq_lens_sum=int(seq_lens.sum()),
+                      seq_lens_cpu=seq_lens if case.host_lengths else None,
                       positions=(seq_lens[:, None] + depth).flatten(), spec_info=spec_info)
     positions = {b: torch.arange(lens[b], lens[b] + d) for b in reqs}  # KV indices: where each draft is stored
     return fb, positions, masks

@@ -36,7 +36,7 @@ CASES = {
         SgCase(name="triton-12q3kv-p2", q_heads=12, kv_heads=3, page_size=2, requests=((3, 2), (0, 3)),
                decode_steps=1, kernel_impl="triton"),
         SgCase(name="hybrid-12q3kv-p2-eagle-chain", q_heads=12, kv_heads=3, page_size=2, requests=MIXED, hybrid=True,
-               speculative="eagle-chain", decode_steps=0, verify_steps=3),
+               speculative="eagle-chain", decode_steps=0, verify_steps=3, host_lengths=False),
         SgCase(name="eagle-tree-p1-a2a", q_heads=8, kv_heads=2, requests=MIXED, comm="a2a", speculative="eagle-tree",
                draft_tokens=6, decode_steps=0, verify_steps=3),
         SgCase(name="ngram-full-p4", q_heads=8, kv_heads=2, page_size=4, requests=MIXED, speculative="ngram-full",
@@ -48,9 +48,10 @@ CASES = {
         SgCase(name="seeds-32q2kv-p64-a2a", q_heads=32, kv_heads=2, page_size=64, requests=MIXED, comm="a2a"),
         SgCase(name="triton-seeds-32q2kv-p1", q_heads=32, kv_heads=2, requests=((5, 2), (0, 2)), decode_steps=1,
                kernel_impl="triton"),
-        # The seeds' workload: Qwen3.5's layout (hybrid pools, 32 Q / 2 KV heads at TP 4, DCP 4) with MTP drafts.
+        # The seeds' workload: Qwen3.5's layout (hybrid pools, 32 Q / 2 KV heads at TP 4, DCP 4) with MTP drafts,
+        # its verify steps without SGLang's host copy of the lengths (as its overlap scheduler runs them).
         SgCase(name="seeds-hybrid-32q2kv-p1-eagle-chain", q_heads=32, kv_heads=2, requests=MIXED, hybrid=True,
-               speculative="eagle-chain", decode_steps=0, verify_steps=3),
+               speculative="eagle-chain", decode_steps=0, verify_steps=3, host_lengths=False),
         SgCase(name="seeds-hybrid-32q2kv-p2-eagle-tree-a2a", q_heads=32, kv_heads=2, page_size=2, requests=MIXED,
                hybrid=True, comm="a2a", speculative="eagle-tree", draft_tokens=6, decode_steps=0, verify_steps=2),
         SgCase(name="triton-seeds-hybrid-32q2kv-eagle-tree", q_heads=32, kv_heads=2, requests=((5, 2), (0, 2)),

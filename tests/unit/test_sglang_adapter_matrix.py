@@ -187,6 +187,7 @@ def test_kv_write_is_sglangs(n, page, ops_name):
 
 DCP1_CASES = [
     SgCase(name="p1", q_heads=8, kv_heads=2),
+    SgCase(name="p2-no-host-lengths", q_heads=8, kv_heads=2, page_size=2, host_lengths=False),
     SgCase(name="p4-mqa-fp16", q_heads=4, kv_heads=1, page_size=4, dtype="float16"),
     SgCase(name="triton-p2", q_heads=4, kv_heads=2, page_size=2, requests=((3, 2), (0, 3)), decode_steps=1,
            kernel_impl="triton"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -107,13 +108,16 @@ def test_draft_steps_read_what_sglangs_draft_kernel_reads(page, topk, steps):
             assert int(batch.slot_mapping[r]) == int(theirs[i][r][-1])  # the step writes the token it reads last
 
 
-@pytest.mark.parametrize("page, topk, kernels", [(1, 1, "reference"), (1, 3, "reference"), (4, 3, "reference"),
-                                                 (2, 2, "triton")])
-def test_draft_steps_match_float64_attention(page, topk, kernels):
+@pytest.mark.parametrize("page, topk, kernels, host_lengths", [(1, 1, "reference", True), (1, 3, "reference", False),
+                                                               (4, 3, "reference", True), (2, 2, "triton", False)])
+def test_draft_steps_match_float64_attention(page, topk, kernels, host_lengths):
     """The multi-step draft decode through ``DcpTritonDraftSteps`` on SGLang's objects: each step writes each
-    branch's new token and attends the prefix and the branch's tokens so far, equal to float64 attention."""
+    branch's new token and attends the prefix and the branch's tokens so far, equal to float64 attention; with
+    SGLang's host copy of the lengths and without it (its overlap scheduler's speculative steps)."""
     steps, lengths = 4, (3, 7, 2 * page + 1)
     state, fb, _ = _drafting(page, topk, steps, lengths, kernel_impl=kernels)
+    if not host_lengths:
+        fb.seq_lens_cpu = None
     state.runner.is_draft_worker = True
     drafts = DcpTritonDraftSteps(state.runner, topk, steps, topology=state.backend.topology)
     for backend in drafts.attn_backends:
@@ -185,6 +189,48 @@ def test_sglangs_draft_backend_factory_builds_dcp_tritons(monkeypatch):
     factory.draft_attn_backend = "dcp-tritonn"  # --speculative-draft-attention-backend
     with context(), pytest.raises(ValueError, match="EAGLE is not supported in decode attention backend dcp-tritonn"):
         factory.create_decode_backend()
+
+
+def test_no_step_needs_sglangs_host_copy_of_the_lengths(monkeypatch):
+    """SGLang's overlap scheduler copies each speculative step's lengths to the host, which waits for the step before
+    to finish on the GPU, unless every backend of the run says ``needs_cpu_seq_lens = False``. SGLang's own decision
+    over a hybrid target's run (the target inside SGLang's hybrid wrapper, dcp-triton's draft decode steps and draft
+    extend) skips the copy, and a backend that does not say so would bring it back. Without the copy
+    (``seq_lens_cpu`` None) each decode, verify and draft decode step is built with every host bound given, which on
+    a GPU is what keeps ``DcpBatch.build`` from reading the device."""
+    from sglang.srt.managers.overlap_utils import decide_needs_cpu_seq_lens
+
+    from dcp_plugin.adapters.sglang import topology
+    from dcp_plugin.batch import DcpBatch
+
+    case = SgCase(name="overlap", q_heads=8, kv_heads=2, page_size=2, hybrid=True, speculative="eagle-chain",
+                  requests=((5, 0), (9, 0), (2, 0)), decode_steps=8)
+    state = SglangRank(case, 1, 0, None, server_args(config_argv(1) + sglang_spec_checks.argv(case)))
+    state.step({0: 5, 1: 9, 2: 2})
+    target = state.backend
+    state.runner.is_draft_worker = True
+    monkeypatch.setattr(topology, "from_sglang", lambda runner: target.topology)  # no SGLang runtime here
+    factory, context = _factory(state.runner, topk=1, steps=3)
+    with context():
+        steps, extend = factory.create_decode_backend(), factory.create_draft_extend_backend()
+        server = (state.runner.server_args,) if "server_args" in inspect.signature(
+            decide_needs_cpu_seq_lens).parameters else ()  # 0.5.17 takes them, 0.5.23 reads its context
+        assert decide_needs_cpu_seq_lens(*server, (state.attn, steps, extend)) is False
+        assert decide_needs_cpu_seq_lens(*server, (state.attn, steps, SimpleNamespace())) is True
+    built = []
+    build = DcpBatch.build.__func__
+    monkeypatch.setattr(DcpBatch, "build", classmethod(lambda cls, **kw: built.append(kw) or build(cls, **kw)))
+    decode, _ = state.allocate({0: 1, 1: 1, 2: 1})
+    verify, _, _ = sglang_spec_checks.verify_batch(state, trees=False, layout="qlen", rng=random.Random(0))
+    for fb in (decode, verify):
+        fb.seq_lens_cpu = None
+        target.init_forward_metadata(fb)
+    kinds = [str(fb.forward_mode) for fb in (decode, verify)]
+    steps.init_forward_metadata(SimpleNamespace(batch_size=3, seq_lens=fb.seq_lens, seq_lens_cpu=None,
+                                                req_pool_indices=fb.req_pool_indices))
+    assert len(built) == 2 + len(steps.attn_backends), kinds
+    for kw in built:
+        assert None not in (kw["max_query_len"], kw["max_seq_len"], kw["max_context_len"]), kw
 
 
 def _padded(fb, bs: int, per_request: int):
