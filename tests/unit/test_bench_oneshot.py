@@ -76,3 +76,14 @@ def test_the_profile_names_the_function_that_takes_the_time():
     assert top[0] is first and first["calls"] == 2 and first["own_us"] > 0
     assert first["cum_us"] >= first["own_us"]
     assert first["function"].startswith("unit/test_bench_oneshot.py:")
+
+
+def test_torchs_notice_about_its_sync_debug_mode_is_not_counted_as_a_synchronisation():
+    """torch warns once per process that its sync-debug mode is a prototype; at 556b8f3 that notice was the decode's
+    one counted "synchronisation" (the first case timed). A warning torch gives for a synchronising call counts."""
+    notice = ("UserWarning: Synchronization debug mode is a prototype feature and does not yet detect all "
+              "synchronizing operations (Triggered internally at Module.cpp:1003.)")
+    sync = "UserWarning: called a synchronizing CUDA operation (Triggered internally at Module.cpp:1000.)"
+    assert bench.sync_warnings([notice, "UserWarning: something else"]) == []
+    assert bench.sync_warnings([notice, sync]) == [sync]
+
