@@ -11,8 +11,10 @@ tokens. Jobs, each an offline ``sglang.Engine`` (token ids in) in its own proces
                                          bf16, CUDA graphs (SGLang's defaults): greedy tokens and verify steps of the
                                          check prompts, then output tokens/s on each of ``LOADS`` (one warm-up with
                                          other prompts, then the best of 2)
-  q3n-fp32-dcp-triton, q3n-fp32-triton   float32, eager (SGLang's torch ops: ``sglang_one_h200.use_native_ops``):
-                                         the greedy tokens and verify steps (fa3 takes no float32)
+  q3n-fp32-dcp-triton, q3n-fp32-triton   float32, eager (SGLang's torch ops: ``sglang_one_h200.use_native_ops``;
+                                         its chunked GDN prefill, which refuses float32, on bf16 inputs in both:
+                                         ``sglang_one_h200.bf16_chunked_gdn``): the greedy tokens and verify steps
+                                         (fa3 takes no float32)
 
 The summary (``summary``): float32 greedy tokens of dcp-triton against triton (every sequence equal or not) and both
 mean accepted lengths (tokens per verify step: SGLang's ``spec_verify_ct``); per bf16 peer the accepted-length ratio,

@@ -72,8 +72,36 @@ def use_native_ops() -> None:
     MultiPlatformOp.dispatch_forward = lambda self: self.forward_native
 
 
+def bf16_chunked_gdn(chunk):
+    """SGLang's chunked Gated-DeltaNet prefill (``chunk_gated_delta_rule``, hybrid models' linear-attention layers)
+    refuses float32 by a check of its own (0.5.17 and 0.5.23): in the float32 jobs its ``q``, ``k``, ``v`` and
+    ``beta`` go in as bf16 (``g``, the log decay, stays float32, as in SGLang's bf16 runs) and ``o`` and the
+    intermediate states come back as float32. Both backends' float32 jobs run it the same way: the full-attention
+    layers, the backends' part, stay float32, and so do the GDN decode and verify kernels."""
+    import torch
+
+    def chunk_fp32(q, k, v, g, beta, **kwargs):
+        if q.dtype != torch.float32:
+            return chunk(q, k, v, g, beta, **kwargs)
+        o, final, states = chunk(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16(), **kwargs)
+        wide = lambda t: t.float() if t is not None and t.is_floating_point() else t  # noqa: E731
+        return wide(o), wide(final), wide(states)
+
+    return chunk_fp32
+
+
+def use_bf16_chunked_gdn() -> None:
+    """``bf16_chunked_gdn`` in place of the function SGLang's Triton GDN kernels call (no-op where SGLang has none)."""
+    try:
+        from sglang.srt.layers.attention.linear.kernels import gdn_triton
+    except ImportError:
+        return
+    gdn_triton.chunk_gated_delta_rule = bf16_chunked_gdn(gdn_triton.chunk_gated_delta_rule)
+
+
 if os.environ.get(NATIVE_OPS_ENV) == "1":
     use_native_ops()
+    use_bf16_chunked_gdn()
 
 
 def jobs() -> list[dict]:
@@ -210,7 +238,7 @@ def job_env(job: dict) -> dict:
     float32 products in full precision (TRITON_F32_DEFAULT=ieee: by default SGLang's ``triton`` backend rounds
     their inputs to TF32, about 1e-3 relative, the size of the logprob bound), and a hybrid model's convolution
     state in float32 (SGLANG_MAMBA_CONV_DTYPE: SGLang keeps it in bf16 whatever the model's dtype, and its GDN
-    prefill then fails to store a float32 state)."""
+    prefill then fails to store a float32 state), its chunked GDN prefill on bf16 inputs (``bf16_chunked_gdn``)."""
     env = dict(os.environ, **{NATIVE_OPS_ENV: "1" if job["dtype"] == "fp32" else "0"})
     if job["dtype"] == "fp32":
         env.update(TRITON_F32_DEFAULT="ieee", SGLANG_MAMBA_CONV_DTYPE="float32")

@@ -201,3 +201,38 @@ def test_spec_script_two_gpu_set_runs_every_job_at_dcp_2_on_one_kv_head(tmp_path
     assert {config["num_key_value_heads"] for config in plan["models"].values()} == {1}
     assert all((j["engine"]["tp_size"], j["engine"]["dcp_size"]) == (2, 2) for j in plan["jobs"])
     assert all(j["engine"]["model_path"].endswith("-kv1") for j in plan["jobs"])
+
+
+def test_the_float32_jobs_run_sglangs_chunked_gdn_on_bf16_inputs():
+    """SGLang's chunked GDN prefill refuses float32: the float32 jobs hand it q, k, v and beta in bf16 (g as given)
+    and get float32 back; a bf16 call passes through untouched."""
+    import torch
+
+    seen = []
+
+    def chunk(q, k, v, g, beta, **kwargs):
+        seen.append(([t.dtype for t in (q, k, v, g, beta)], kwargs))
+        return (q * 2, None, k.clone()) if q.dtype == torch.bfloat16 else (q, None, None)
+
+    wrapped = bench.bf16_chunked_gdn(chunk)
+    q, k, v, beta = (torch.full((1, 3, 2, 4), 1.0 + 2.0 ** -12) for _ in range(4))
+    g = torch.zeros(1, 3, 2)
+    o, final, states = wrapped(q, k, v, g, beta, cu_seqlens="lens")
+    assert seen[0] == ([torch.bfloat16] * 3 + [torch.float32, torch.bfloat16], {"cu_seqlens": "lens"})
+    assert o.dtype == states.dtype == torch.float32 and final is None
+    assert torch.equal(o, torch.full_like(q, 2.0))  # computed on bf16 inputs: 1 + 2^-12 rounds to 1
+    bf16 = q.bfloat16()
+    assert wrapped(bf16, bf16, bf16, g, bf16)[0].dtype == torch.bfloat16
+    assert seen[1][0][0] == torch.bfloat16
+
+
+
+def test_the_float32_jobs_patch_the_function_sglangs_gdn_prefill_calls(monkeypatch):
+    """The patch lands where SGLang's Triton GDN kernel looks the function up when it runs its prefill."""
+    gdn = pytest.importorskip("sglang.srt.layers.attention.linear.kernels.gdn_triton",
+                              reason="SGLang runs in its own venv: make test-sglang-matrix")
+    original = gdn.chunk_gated_delta_rule
+    monkeypatch.setattr(gdn, "chunk_gated_delta_rule", original)  # put back after the test
+    assert "return chunk_gated_delta_rule(" in inspect.getsource(gdn.TritonGDNKernel.extend)
+    bench.use_bf16_chunked_gdn()
+    assert gdn.chunk_gated_delta_rule is not original and gdn.chunk_gated_delta_rule.__name__ == "chunk_fp32"
