@@ -18,7 +18,7 @@ import time
 import torch
 
 from dcp_plugin.batch import DcpBatch, DcpBatchBuffers
-from dcp_plugin.kernels import INTERPRET, compile_ahead, compile_workers, every_variant, launches_run
+from dcp_plugin.kernels import INTERPRET, compile_ahead, compile_workers, every_variant, join_early, launches_run
 from dcp_plugin.kernels.chunk_attention import SHORT_CHUNK
 
 # (query rows, cached context) per request of each dummy step. A 4096-token context puts several KV splits on any
@@ -56,10 +56,11 @@ def warmed_up_line(steps: int, seconds: float, dcp_size: int, dtype, compiles: d
     (``compile_ahead``'s report): variants the worker processes compiled first."""
     counted = "" if compiles is None else (f"; {compiles['built']} kernel variants built in "
                                            f"{compiles['build_s']:.1f} s, {compiles['cached']} from Triton's cache")
-    if ahead:
-        counted += (f"; compile-ahead: {ahead['variants']} variants, {ahead['missing']} not in Triton's cache, "
-                    f"{ahead['compiled']} compiled by {ahead['workers']} worker processes"
-                    + (f", {ahead['failed']} failed: {ahead['reason']}" if ahead["failed"] else ""))
+    for name, report in (("compile-ahead started early", (ahead or {}).get("early")), ("compile-ahead", ahead)):
+        if report:
+            counted += (f"; {name}: {report['variants']} variants, {report['missing']} not in Triton's cache, "
+                        f"{report['compiled']} compiled by {report['workers']} worker processes"
+                        + (f", {report['failed']} failed: {report['reason']}" if report["failed"] else ""))
     return (f"dcp-triton: compiled the kernels of {steps} step kinds before serving in {seconds:.1f} s "
             f"(dcp_size={dcp_size}, {dtype}{counted})")
 
@@ -118,12 +119,41 @@ def warm_up(attention, *, query: torch.Tensor, key: torch.Tensor, value: torch.T
     buffers = DcpBatchBuffers(max(len(requests) for requests in steps), device)
     args = dict(query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache, output=output,
                 k_scale=k_scale, v_scale=v_scale)
-    workers = compile_workers() if device.type == "cuda" else 0
+    workers = _workers_for(device)
+    early = join_early()  # what ``warm_up_early`` started is in Triton's cache before anything is looked up
+    if early is not None and report is not None:
+        report["early"] = early
     with every_variant():  # also the variants other sizes of a step kind pick (the split merge's two)
         if workers:  # the steps recorded, the variants Triton's cache lacks compiled side by side, then for real
             with compile_ahead(workers, report=report):
                 _run_steps(attention, steps, buffers, **args)
         return _run_steps(attention, steps, buffers, **args)
+
+
+def warm_up_early(attention, *, trees: bool = False, **tensors) -> bool:
+    """Start ``warm_up``'s compiles before the engine's warm-up, without waiting for them: its steps recorded now
+    (compile-ahead) on tensors laid out as the engine's will be, a ``key_cache`` / ``value_cache`` of a few pages
+    among them, and the variants Triton's cache lacks handed to worker processes that compile while the engine goes
+    on (its profiling run, its KV-cache allocation). ``warm_up`` waits for them first, then looks every variant up
+    and compiles only what they did not (a variant recorded on another layout than the engine's is compiled then,
+    as without this). Runs what ``warm_up`` runs besides the attention kernels (the batches' length kernel), and
+    the collectives at DCP > 1: every rank of the group must call it at the same point. False where compile-ahead
+    is off (no GPU, ``DCP_TRITON_COMPILE_WORKERS=0``)."""
+    query = tensors["query"]
+    workers = _workers_for(query.device)
+    if not workers:
+        return False
+    steps = steps_for(attention, trees=trees)
+    buffers = DcpBatchBuffers(max(len(requests) for requests in steps), query.device)
+    args = dict(dict.fromkeys(("k_scale", "v_scale")), **tensors)
+    with every_variant(), compile_ahead(workers, wait=False):
+        _run_steps(attention, steps, buffers, **args)
+    return True
+
+
+def _workers_for(device: torch.device) -> int:
+    """Compile-ahead's worker processes for a warm-up on ``device`` (0, off, but on a GPU)."""
+    return compile_workers() if device.type == "cuda" else 0
 
 
 def _run_steps(attention, steps, buffers, *, query, key, value, key_cache, value_cache, output, k_scale,

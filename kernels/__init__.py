@@ -8,8 +8,8 @@ Each public function checks its inputs and launches. Each also has a ``plan_*`` 
 returns a prepared launch (``Launch``) for tensors shaped like the ones given: the DCP core prepares its launches
 once per step and replays them for every layer. What the core also takes from here, by these names only: which
 kernel paths a process asks for (``gluon_asked``, ``gluon_enabled``, ``pdl_asked``) and how it compiles its
-variants before serving (``compile_ahead``, ``compile_workers``, ``every_variant``, ``every_variant_wanted``,
-``launches_run``). The argument checks the core shares with the kernels are ``dcp_plugin.kernels.checks``.
+variants before serving (``compile_ahead``, ``compile_workers``, ``join_early``, ``every_variant``,
+``every_variant_wanted``, ``launches_run``). The argument checks the core shares with the kernels are ``dcp_plugin.kernels.checks``.
 
 The names below are imported on first use, so ``dcp_plugin.kernels.checks`` and ``dcp_plugin.kernels.reference``
 load without triton and without asking torch about CUDA (an engine's plugin loading imports the checks).
@@ -30,6 +30,7 @@ _EXPORTS = {
     "launches_run": "dcp_plugin.kernels._launch",
     "compile_ahead": "dcp_plugin.kernels._compile_ahead",
     "compile_workers": "dcp_plugin.kernels._compile_ahead",
+    "join_early": "dcp_plugin.kernels._compile_ahead",
     "gluon_asked": "dcp_plugin.kernels._gluon",
     "gluon_enabled": "dcp_plugin.kernels._gluon",
     "pdl_asked": "dcp_plugin.kernels._pdl",

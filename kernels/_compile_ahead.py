@@ -18,6 +18,7 @@ as without compile-ahead. Threads (Triton's ``AsyncCompileMode``, which this rep
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import hashlib
@@ -25,6 +26,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -108,12 +110,13 @@ def _install(on: bool) -> None:
 
 
 @contextlib.contextmanager
-def compile_ahead(workers: int, *, launchers: bool = True, report: dict | None = None):
+def compile_ahead(workers: int, *, launchers: bool = True, report: dict | None = None, wait: bool = True):
     """Within: every ``Launch`` records its kernel variant and launches nothing (``launches_run`` lifts that); on
     exit the variants missing from Triton's cache are compiled by up to ``workers`` processes (with ``launchers``,
     their launchers built too). ``report``, when given, receives ``variants`` (recorded), ``missing`` (not in the
     cache, handed to the workers), ``compiled`` (by them), ``workers`` (started), ``failed`` (workers that failed or
-    ran out of time) and, after a failure, its last line (``reason``)."""
+    ran out of time) and, after a failure, its last line (``reason``). With ``wait`` False the workers are started
+    and left compiling while this process goes on; ``join_early`` waits for them and gives their report."""
     variants: list = []
     _install(True)
     tokens = _RECORDING.set(variants), _launch.set_compile_only(True)
@@ -126,10 +129,21 @@ def compile_ahead(workers: int, *, launchers: bool = True, report: dict | None =
     outcome = dict(variants=len(variants), missing=0, compiled=0, workers=0, failed=0)
     if variants and workers > 0:
         try:
-            with tempfile.TemporaryDirectory(prefix="dcp-triton-compile-") as scratch:
-                _compile_elsewhere(variants, workers, launchers, scratch, outcome)
+            started = _Workers(variants, workers, launchers, outcome)
         except Exception as error:  # planning in this process failed: nothing lost but the speed
             outcome.update(failed=outcome["failed"] + 1, reason=f"{type(error).__name__}: {error}")
+        else:
+            if not wait:
+                _early.append((started, outcome, report))
+                if report is not None:
+                    report.update(outcome)
+                return
+            started.wait(outcome)
+    _finish(outcome, report)
+
+
+def _finish(outcome: dict, report: dict | None) -> None:
+    """A compile-ahead's outcome: its failure said in one warning line, ``report`` filled."""
     if outcome["failed"]:
         reason = outcome["reason"].strip()
         outcome["reason"] = reason.splitlines()[-1][-200:] if reason else "?"
@@ -139,55 +153,102 @@ def compile_ahead(workers: int, *, launchers: bool = True, report: dict | None =
         report.update(outcome)
 
 
+# Compile-aheads started with ``wait=False`` whose workers nobody has waited for yet: (workers, outcome, report).
+_early: list = []
+
+
+def join_early() -> dict | None:
+    """Wait for the workers of every compile-ahead started without waiting (``compile_ahead(wait=False)``) and give
+    their report, summed (``variants``, ``missing``, ``compiled``, ``workers``, ``failed``, ``reason`` after a
+    failure); None when none was started."""
+    if not _early:
+        return None
+    total = dict(variants=0, missing=0, compiled=0, workers=0, failed=0)
+    while _early:
+        started, outcome, report = _early.pop(0)
+        started.wait(outcome)
+        _finish(outcome, report)
+        for key in total:
+            total[key] += outcome[key]
+        if outcome["failed"]:
+            total.setdefault("reason", outcome["reason"])
+    return total
+
+
+@atexit.register
+def _stop_early() -> None:
+    """No worker outlives this process (an engine that stopped before its warm-up waited for them)."""
+    while _early:
+        _early.pop()[0].stop()
+
+
 # A worker runs this module as ``-m`` would, without the working directory first on its path (``-m`` and ``-c`` put it
 # there): a file in the engine's working directory must not shadow a module the worker imports.
 _WORKER_MAIN = f"import runpy, sys; sys.path.pop(0); runpy.run_module({__name__!r}, run_name='__main__')"
 
 
-def _compile_elsewhere(variants: list, workers: int, launchers: bool, scratch: str, outcome: dict) -> None:
-    """Hand the variants Triton's cache lacks to up to ``workers`` processes and wait for them; ``outcome`` counts."""
-    plan = _Plan(triton.runtime.driver.active.get_current_target())
-    missing = [dict(v, key=key) for v in variants if not plan.cached(key := plan.key(v))]
-    outcome["missing"] = len(missing)
-    if not missing:
-        return
-    # The workers find every module where this process found it (its sys.path first), and compile into its cache.
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=triton.knobs.cache.dir,
-               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    count = min(workers, len(missing))
-    started = []
-    try:
-        for i in range(count):
-            work, done = os.path.join(scratch, f"work{i}.json"), os.path.join(scratch, f"done{i}.json")
-            with open(work, "w") as f:
-                json.dump({"target": [plan.target.backend, plan.target.arch, plan.target.warp_size],
-                           "launchers": launchers, "backend_hash": plan.backend_hash, "env_vars": plan.env_vars,
-                           "variants": missing[i::count]}, f)
-            started.append((subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, work, done], stdin=subprocess.DEVNULL,
-                                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True),
-                            done))
-            outcome["workers"] += 1
-        deadline = time.monotonic() + WORKER_TIMEOUT_S
-        for proc, done in started:
-            try:
-                _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                _, err = proc.communicate()
-                err = f"{err}\nstopped after {WORKER_TIMEOUT_S} s"
-            result = {"compiled": 0, "reason": None}
-            if os.path.exists(done):
-                with open(done) as f:
-                    result = json.load(f)
-            outcome["compiled"] += result["compiled"]
-            if proc.returncode != 0:
-                outcome["failed"] += 1
-                outcome.setdefault("reason", result["reason"] or err or f"exit status {proc.returncode}")
-    finally:
-        for proc, _ in started:  # after an error here: no worker outlives the warm-up
+class _Workers:
+    """Up to ``workers`` processes started on the variants Triton's cache lacks (``outcome["missing"]`` counts them,
+    ``outcome["workers"]`` the processes), each with its share in a scratch folder of its own; ``wait`` collects."""
+
+    def __init__(self, variants: list, workers: int, launchers: bool, outcome: dict) -> None:
+        plan = _Plan(triton.runtime.driver.active.get_current_target())
+        missing = [dict(v, key=key) for v in variants if not plan.cached(key := plan.key(v))]
+        outcome["missing"] = len(missing)
+        self.started: list = []
+        self.scratch = tempfile.mkdtemp(prefix="dcp-triton-compile-") if missing else None
+        if not missing:
+            return
+        # The workers find every module where this process found it (its sys.path first), and compile into its cache.
+        env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=triton.knobs.cache.dir,
+                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        count = min(workers, len(missing))
+        try:
+            for i in range(count):
+                work, done = os.path.join(self.scratch, f"work{i}.json"), os.path.join(self.scratch, f"done{i}.json")
+                with open(work, "w") as f:
+                    json.dump({"target": [plan.target.backend, plan.target.arch, plan.target.warp_size],
+                               "launchers": launchers, "backend_hash": plan.backend_hash, "env_vars": plan.env_vars,
+                               "variants": missing[i::count]}, f)
+                self.started.append((subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, work, done],
+                                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                      stderr=subprocess.PIPE, env=env, text=True), done))
+                outcome["workers"] += 1
+        except BaseException:
+            self.stop()
+            raise
+        self.deadline = time.monotonic() + WORKER_TIMEOUT_S
+
+    def wait(self, outcome: dict) -> None:
+        """Each worker's end (stopped at the deadline) counted into ``outcome``; the scratch folder removed."""
+        try:
+            for proc, done in self.started:
+                try:
+                    _, err = proc.communicate(timeout=max(1.0, self.deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    _, err = proc.communicate()
+                    err = f"{err}\nstopped after {WORKER_TIMEOUT_S} s"
+                result = {"compiled": 0, "reason": None}
+                if os.path.exists(done):
+                    with open(done) as f:
+                        result = json.load(f)
+                outcome["compiled"] += result["compiled"]
+                if proc.returncode != 0:
+                    outcome["failed"] += 1
+                    outcome.setdefault("reason", result["reason"] or err or f"exit status {proc.returncode}")
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """Every worker still running killed, the scratch folder removed."""
+        for proc, _ in self.started:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
 
 
 class _Plan:

@@ -13,7 +13,7 @@ from dcp_plugin.adapters.vllm.builder import DcpTritonMetadata
 from dcp_plugin.attention import DcpAttention
 from dcp_plugin.kernel_choice import check_kernel_dtype, choose_kernel_impl, gluon_state, kernel_ops_for
 from dcp_plugin.layout import TokenLayout, check_same_position
-from dcp_plugin.warmup import timed_warm_up
+from dcp_plugin.warmup import timed_warm_up, warm_up_early
 from dcp_plugin.workspace import DcpWorkspace
 
 logger = logging.getLogger("vllm.dcp_triton")
@@ -21,6 +21,7 @@ _logged_startup: set[tuple] = set()
 # One scratch workspace per worker and layer kind (layers run one after another), and the kinds warmed up.
 _workspaces: dict[tuple, DcpWorkspace] = {}
 _warmed: set[tuple] = set()
+_warmed_early: set[tuple] = set()  # the kinds whose compiles started in vLLM's profiling run (_warm_up_early)
 
 
 def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +97,7 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         self._attention: dict[TokenLayout, DcpAttention] = {}
         self._kv_views: tuple | None = None  # (kv_cache, key view, value view) of the last cache seen
         self._warm = False  # this layer's kernel variants are compiled (checked once, not per call)
+        self._early_block_size = _early_block_size(vllm_config)
         # One workspace per worker, counted by vLLM's memory profiling; outside an engine (no model config, so no
         # dtype or step size to plan for) each layer sizes its own on its first step.
         self.workspace = None if model_config is None else \
@@ -116,9 +118,11 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise ValueError("dcp-triton does not fuse output quantization (output_scale / output_block_scale)")
-        if not self._warm and kv_cache.numel() and self._compiled \
-                and not torch.cuda.is_current_stream_capturing():
-            self._warm_up_once(layer, query, key, value, kv_cache, output)
+        if not self._warm and self._compiled and not torch.cuda.is_current_stream_capturing():
+            if kv_cache.numel():
+                self._warm_up_once(layer, query, key, value, kv_cache, output)
+            elif self._early_block_size:  # vLLM's profiling run: no KV cache yet
+                self._warm_up_early(layer, query, key, value, output)
         if attn_metadata is None:  # profiling / dummy run
             return output.fill_(0)
         batch = attn_metadata.batch
@@ -166,6 +170,38 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
                                   key_cache=key_cache, value_cache=value_cache,
                                   output=output.view(output.shape[0], self.num_heads, -1), **self._scales(layer)))
 
+    def _warm_up_early(self, layer, query, key, value, output) -> None:
+        """vLLM's profiling run, before the KV cache exists: start compiling the warm-up's kernel variants in worker
+        processes (``warm_up_early``) over a cache of two blocks laid out as vLLM will allocate the real one, so they
+        compile while vLLM profiles and allocates; ``_warm_up_once`` waits for them. Once per worker and layer
+        kind; every rank of a DCP group reaches it at the same layer of the same profiling step."""
+        block = self._early_block_size
+        self._early_block_size = None  # once per layer
+        try:
+            self._start_early(layer, query, key, value, output, block)
+        except Exception as error:  # only a head start: the warm-up proper compiles whatever this did not
+            logger.warning("dcp-triton: the warm-up's compiles could not start in vLLM's profiling run (%s: %s); "
+                           "they run in the warm-up", type(error).__name__, error)
+
+    def _start_early(self, layer, query, key, value, output, block: int) -> None:
+        heads = self.topology.heads
+        shape = compat.kv_cache_shape(2, block, self.num_kv_heads, self.head_size)
+        order = compat.kv_cache_stride_order()
+        stored = torch.zeros([shape[i] for i in order], dtype=torch.uint8 if self._fp8_dtype else query.dtype,
+                             device=query.device).permute([order.index(i) for i in range(len(order))])
+        key_cache, value_cache = split_kv_cache(stored if self._fp8_dtype is None else stored.view(self._fp8_dtype),
+                                                self.head_size)
+        signature = (heads, self.topology.interleave, self.topology.comm, query.dtype, query.stride(), key.stride(),
+                     output.stride(), key_cache.dtype, key_cache.shape[1:], key_cache.stride(), value_cache.stride())
+        if signature in _warmed_early:
+            return
+        _warmed_early.add(signature)
+        tokens = TokenLayout(dcp_size=heads.dcp_size, dcp_rank=heads.dcp_rank, interleave=self.topology.interleave,
+                             block_size=block)
+        attention = self._attention.get(tokens) or self._bind(tokens, stored)
+        warm_up_early(attention, query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                      output=output.view(output.shape[0], self.num_heads, -1), **self._scales(layer))
+
     def _bind(self, tokens: TokenLayout, kv_cache: torch.Tensor) -> DcpAttention:
         """First step with this token layout (the KV-cache block size is known only then): build DcpAttention."""
         heads = self.topology.heads
@@ -199,6 +235,18 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         if args not in _logged_startup:  # once per worker (and once more for a draft with another topology)
             _logged_startup.add(args)
             logger.info(line, *args)
+
+
+def _early_block_size(vllm_config) -> int | None:
+    """The KV-cache block size the first forward with a cache will show (``_warm_up_early``'s), where it is known at
+    model construction: vLLM's block size when the model is not hybrid (vLLM then keeps it as the kernels' block:
+    any multiple of 16). None otherwise (a hybrid model's blocks are fitted to its state pages later): no early
+    start."""
+    cache, model = getattr(vllm_config, "cache_config", None), getattr(vllm_config, "model_config", None)
+    block = getattr(cache, "block_size", None)
+    if model is None or getattr(model, "is_hybrid", True) or not isinstance(block, int) or block % 16:
+        return None
+    return block
 
 
 def _shared_workspace(topology, head_size: int, dtype, kernels, vllm_config) -> DcpWorkspace:

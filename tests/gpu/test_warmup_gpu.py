@@ -86,7 +86,14 @@ def test_compile_ahead_keys_its_variants_as_this_process_does_when_ptxas_moved(m
     no_compiles_after_warm_up(1, "ag_rs", 4, 64, monkeypatch, tmp_path / "cache")
 
 
-def no_compiles_after_warm_up(n, comm, workers, block_size, monkeypatch, cache_dir) -> None:
+def test_a_warm_up_started_early_on_two_pages_leaves_the_warm_up_nothing_to_compile(monkeypatch, tmp_path):
+    """``warm_up_early`` over the cache's first two pages (an engine's profiling run, before its cache exists), then
+    ``warm_up`` over the whole cache, into an empty Triton cache: the warm-up finds every variant the early workers
+    compiled, nothing compiles in this process after them, and serving steps compile nothing."""
+    no_compiles_after_warm_up(1, "ag_rs", 4, 64, monkeypatch, tmp_path, early=True)
+
+
+def no_compiles_after_warm_up(n, comm, workers, block_size, monkeypatch, cache_dir, early: bool = False) -> None:
     monkeypatch.setenv("DCP_TRITON_COMPILE_WORKERS", str(workers))
     built = {"recording": [], "after": []}  # compiled or a launcher built in this process: while recording / after
     if workers:  # into an empty Triton cache, from nothing compiled in this process: the workers compile it all
@@ -115,9 +122,16 @@ def no_compiles_after_warm_up(n, comm, workers, block_size, monkeypatch, cache_d
         like = torch.zeros(4, state.heads.num_q_heads, 128, dtype=torch.bfloat16, device="cuda")
         kv_like = torch.zeros(4, state.heads.num_kv_heads, 128, dtype=torch.bfloat16, device="cuda")
         report = {}
+        if early:  # the variants recorded on two pages of the cache, their workers left compiling
+            assert warmup.warm_up_early(attn, query=like, key=kv_like, value=kv_like, key_cache=state.key_cache[:2],
+                                        value_cache=state.value_cache[:2], output=like)
         warm_up(attn, query=like, key=kv_like, value=kv_like, key_cache=state.key_cache,
                 value_cache=state.value_cache, output=like, report=report)
-        if workers:  # into an empty cache: the workers compiled (ranks as threads may share the variants)
+        if early:
+            started = report["early"]
+            assert started["failed"] == 0 and started["compiled"] == started["missing"] >= 5, report
+            assert report["missing"] == 0, report  # the warm-up's own look-up found every one
+        elif workers:  # into an empty cache: the workers compiled (ranks as threads may share the variants)
             assert report["failed"] == 0 and report["compiled"] == report["missing"] >= 1, report
             assert report["workers"] == min(workers, report["missing"]), report
             if n == 1:

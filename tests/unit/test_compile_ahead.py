@@ -148,6 +148,21 @@ SCRIPT = textwrap.dedent("""
     [t.join() for t in threads]
     out["threads"] = reports + [triton.knobs.runtime.jit_cache_hook is before]
 
+    # Started without waiting (an engine's profiling run): the worker compiles while this process goes on, and
+    # join_early waits for it and reports; Triton's dispatch then finds the variant in its cache.
+    early = {}
+    with _compile_ahead.compile_ahead(2, launchers=False, report=early, wait=False):
+        launch, args = write_kv(torch.bfloat16, 8)  # a dtype no block above compiled
+        launch(*args)
+    out["early_started"] = dict(early)
+    out["early_joined"] = _compile_ahead.join_early()
+    out["early_report"] = early
+    hits.clear()
+    launch.kernel.device_caches[0][0].clear()
+    ask(launch, args)
+    out["early_hits"] = list(hits)
+    out["early_again"] = _compile_ahead.join_early()
+
     failing = {}
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     sys.executable = "/bin/false"  # a worker that exits at once, with status 1
@@ -222,6 +237,15 @@ def test_an_error_inside_the_block_propagates_and_leaves_nothing_behind(run):
 def test_ranks_as_threads_record_their_own_variants(run):
     out, _ = run
     assert out["threads"] == [{"variants": 1, "missing": 1, "compiled": 1, "workers": 1, "failed": 0}] * 2 + [True]
+
+
+def test_workers_started_without_waiting_compile_while_the_process_goes_on_and_are_joined(run):
+    out, _ = run
+    started = {"variants": 1, "missing": 1, "compiled": 0, "workers": 1, "failed": 0}
+    assert out["early_started"] == started  # nothing compiled yet when the block ends
+    assert out["early_joined"] == out["early_report"] == dict(started, compiled=1)
+    assert out["early_hits"] == [True]  # the worker's compile is where Triton's dispatch looks
+    assert out["early_again"] is None  # joined once: nothing left to wait for
 
 
 def test_a_failing_worker_is_reported_in_one_warning_and_nothing_raises(run):

@@ -187,3 +187,70 @@ def test_forward_writes_the_cache_and_layers_share_one_workspace(worker, monkeyp
 def test_fp8_cache_with_the_triton_interpreter_is_refused_at_startup(worker, monkeypatch):
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' with the Triton interpreter"):
         make_impl(monkeypatch, "triton", "fp8")
+
+
+def test_the_profiling_run_starts_the_warm_up_early_on_a_cache_laid_out_as_vllms(worker, monkeypatch):
+    """vLLM's profiling run (an empty KV cache, no metadata) starts compiling the warm-up's kernel variants in worker
+    processes (``warm_up_early``), once per layer kind, over a cache of two blocks whose K/V views have the real
+    cache's block shape and dtype, and strides Triton specializes alike (1, or multiples of 16) in every layout vLLM
+    allocates; the first forward with the real cache runs the warm-up proper on the same ``DcpAttention``."""
+    from dcp_plugin.adapters.vllm import impl as impl_module
+    from dcp_plugin.adapters.vllm.impl import split_kv_cache
+
+    calls = []
+    monkeypatch.setattr(impl_module, "warm_up_early", lambda attention, **t: calls.append(("early", attention, t)))
+    monkeypatch.setattr(impl_module, "timed_warm_up", lambda attention, **t: calls.append(("proper", attention, t))
+                        or "warmed up")
+    monkeypatch.setattr(impl_module, "_warmed_early", set())
+    monkeypatch.setattr(impl_module, "_warmed", set())
+    first, second = make_impl(monkeypatch, "reference"), make_impl(monkeypatch, "reference")
+    first._compiled = second._compiled = True  # as on a GPU (the torch reference kernels compile nothing)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # this torch has no CUDA
+    q, k, v = torch.randn(5, H_Q, D), torch.randn(5, H_KV, D), torch.randn(5, H_KV, D)
+    output = torch.full((5, H_Q, D), float("nan"))
+    for impl in (first, first, second):  # two layers of one kind, the first called twice
+        impl.forward(None, q, k, v, torch.empty(0), None, output)
+    assert [c[0] for c in calls] == ["early"] and torch.equal(output, torch.zeros_like(output))
+    early = calls[0][2]
+
+    def specialized(t: torch.Tensor) -> list[bool]:
+        return [s == 1 or s % 16 == 0 for s in t.stride()]
+
+    for layout in KVCacheLayout:
+        real_k, real_v = split_kv_cache(layer_kv_cache(layout, torch.float32)[0], D)
+        for mine, theirs in ((early["key_cache"], real_k), (early["value_cache"], real_v)):
+            assert (mine.shape[1:], mine.dtype) == (theirs.shape[1:], theirs.dtype)
+            assert specialized(mine) == specialized(theirs), layout
+    kv_cache, _ = layer_kv_cache(KVCacheLayout.LBNHC, torch.float32)
+    first.forward(None, q, k, v, kv_cache, None, output)
+    assert [c[0] for c in calls] == ["early", "proper"] and calls[1][1] is calls[0][1]
+
+
+@pytest.mark.parametrize(("hybrid", "block", "want"), [(False, 64, 64), (False, 16, 16), (True, 64, None),
+                                                       (False, 24, None), (False, None, None)])
+def test_the_early_warm_up_needs_the_block_size_known_at_construction(hybrid, block, want):
+    from dcp_plugin.adapters.vllm.impl import _early_block_size
+
+    config = SimpleNamespace(cache_config=SimpleNamespace(block_size=block),
+                             model_config=SimpleNamespace(is_hybrid=hybrid))
+    assert _early_block_size(config) == want
+    assert _early_block_size(SimpleNamespace(cache_config=config.cache_config, model_config=None)) is None
+
+
+def test_an_early_warm_up_that_fails_is_a_warning_and_the_profiling_run_goes_on(worker, monkeypatch, caplog):
+    from dcp_plugin.adapters.vllm import impl as impl_module
+
+    def broken(attention, **tensors):
+        raise RuntimeError("no worker could start")
+
+    monkeypatch.setattr(impl_module, "warm_up_early", broken)
+    monkeypatch.setattr(impl_module, "_warmed_early", set())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    impl = make_impl(monkeypatch, "reference")
+    impl._compiled = True
+    output = torch.full((3, H_Q, D), float("nan"))
+    with caplog.at_level("WARNING", logger="vllm.dcp_triton"):
+        impl.forward(None, torch.randn(3, H_Q, D), torch.randn(3, H_KV, D), torch.randn(3, H_KV, D), torch.empty(0),
+                     None, output)
+    assert torch.equal(output, torch.zeros_like(output))
+    assert "could not start in vLLM's profiling run (RuntimeError: no worker could start)" in caplog.text
