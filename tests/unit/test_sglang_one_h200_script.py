@@ -236,3 +236,12 @@ def test_the_float32_jobs_patch_the_function_sglangs_gdn_prefill_calls(monkeypat
     assert "return chunk_gated_delta_rule(" in inspect.getsource(gdn.TritonGDNKernel.extend)
     bench.use_bf16_chunked_gdn()
     assert gdn.chunk_gated_delta_rule is not original and gdn.chunk_gated_delta_rule.__name__ == "chunk_fp32"
+
+
+def test_the_hybrid_script_runs_sglangs_triton_first():
+    """The first job of a machine compiles SGLang's own GDN and MoE kernels too: the reference pays that, so the
+    start-ups of dcp-triton and fa3 after it compare."""
+    from benchmarks.sglang_e2e import sglang_hybrid_spec as hybrid
+
+    assert [job["name"] for job in hybrid.JOBS] == ["q3n-bf16-triton", "q3n-bf16-dcp-triton", "q3n-bf16-fa3",
+                                                     "q3n-fp32-dcp-triton", "q3n-fp32-triton"]
