@@ -9,7 +9,8 @@ returns a prepared launch (``Launch``) for tensors shaped like the ones given: t
 once per step and replays them for every layer. What the core also takes from here, by these names only: which
 kernel paths a process asks for (``gluon_asked``, ``gluon_enabled``, ``pdl_asked``) and how it compiles its
 variants before serving (``compile_ahead``, ``compile_workers``, ``join_early``, ``every_variant``,
-``every_variant_wanted``, ``launches_run``). The argument checks the core shares with the kernels are ``dcp_plugin.kernels.checks``.
+``every_variant_wanted``, ``launches_run``). The argument checks the core shares with the kernels are
+``dcp_plugin.kernels.checks``.
 
 The names below are imported on first use, so ``dcp_plugin.kernels.checks`` and ``dcp_plugin.kernels.reference``
 load without triton and without asking torch about CUDA (an engine's plugin loading imports the checks).
