@@ -57,6 +57,9 @@ INIT_LINES = {
     "torch_compile_s": r"torch\.compile took ([0-9.]+) s in total",
     "graph_capture_s": r"Graph capturing finished in ([0-9.]+) secs",
     "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s",
+    # What vLLM's memory profiling left for the KV cache: anything else on the GPU during its profiling run (a
+    # process started then, as compile-ahead's workers are) would show here as less.
+    "kv_cache_gib": r"Available KV cache memory: ([0-9.]+) GiB",
 }
 
 

@@ -136,9 +136,10 @@ def test_vllms_start_up_stages_come_from_its_log_lines():
     log = ("(EngineCore pid=8268) INFO 12-01 02:27:00 [model_runner.py:305] Model loading took 0.62 GiB and 1.605612 "
            "seconds\n(EngineCore pid=8268) INFO [monitor.py:53] torch.compile took 9.47 s in total\n"
            "(EngineCore pid=8268) INFO [model_runner.py:747] Graph capturing finished in 8 secs, took 0.13 GiB\n"
+           "(EngineCore pid=8268) INFO [gpu_worker.py:561] Available KV cache memory: 61.34 GiB\n"
            "(EngineCore pid=8268) INFO [core.py:340] init engine (profile, create kv cache, warmup model) took 35.80 s "
            "(compilation: 9.47 s)\n")
     assert bench.init_breakdown(log) == {"model_load_s": 1.605612, "torch_compile_s": 9.47, "graph_capture_s": 8.0,
-                                         "init_engine_s": 35.8}
+                                         "init_engine_s": 35.8, "kv_cache_gib": 61.34}
     assert bench.init_breakdown("INFO eager: init engine (profile, create kv cache, warmup model) took 14.51 s\n") \
         == {"init_engine_s": 14.51}  # eager: no compile, no capture
