@@ -97,7 +97,8 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         self._attention: dict[TokenLayout, DcpAttention] = {}
         self._kv_views: tuple | None = None  # (kv_cache, key view, value view) of the last cache seen
         self._warm = False  # this layer's kernel variants are compiled (checked once, not per call)
-        self._early_block_size = _early_block_size(vllm_config)
+        # vLLM's cache settings, read at its profiling run (_warm_up_early), once vLLM has settled the block size
+        self._early = None if model_config is None else getattr(vllm_config, "cache_config", None)
         # One workspace per worker, counted by vLLM's memory profiling; outside an engine (no model config, so no
         # dtype or step size to plan for) each layer sizes its own on its first step.
         self.workspace = None if model_config is None else \
@@ -121,7 +122,7 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         if not self._warm and self._compiled and not torch.cuda.is_current_stream_capturing():
             if kv_cache.numel():
                 self._warm_up_once(layer, query, key, value, kv_cache, output)
-            elif self._early_block_size:  # vLLM's profiling run: no KV cache yet
+            elif self._early is not None:  # vLLM's profiling run: no KV cache yet
                 self._warm_up_early(layer, query, key, value, output)
         if attn_metadata is None:  # profiling / dummy run
             return output.fill_(0)
@@ -174,9 +175,13 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         """vLLM's profiling run, before the KV cache exists: start compiling the warm-up's kernel variants in worker
         processes (``warm_up_early``) over a cache of two blocks laid out as vLLM will allocate the real one, so they
         compile while vLLM profiles and allocates; ``_warm_up_once`` waits for them. Once per worker and layer
-        kind; every rank of a DCP group reaches it at the same layer of the same profiling step."""
-        block = self._early_block_size
-        self._early_block_size = None  # once per layer
+        kind; every rank of a DCP group reaches it at the same layer of the same profiling step. A guess that misses
+        (another block size or layout at the first real step) costs only the workers' time: the warm-up compiles
+        what it finds missing."""
+        block = _early_block_size(self._early)
+        self._early = None  # once per layer
+        if block is None:
+            return
         try:
             self._start_early(layer, query, key, value, output, block)
         except Exception as error:  # only a head start: the warm-up proper compiles whatever this did not
@@ -237,16 +242,13 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
             logger.info(line, *args)
 
 
-def _early_block_size(vllm_config) -> int | None:
-    """The KV-cache block size the first forward with a cache will show (``_warm_up_early``'s), where it is known at
-    model construction: vLLM's block size when the model is not hybrid (vLLM then keeps it as the kernels' block:
-    any multiple of 16). None otherwise (a hybrid model's blocks are fitted to its state pages later): no early
-    start."""
-    cache, model = getattr(vllm_config, "cache_config", None), getattr(vllm_config, "model_config", None)
-    block = getattr(cache, "block_size", None)
-    if model is None or getattr(model, "is_hybrid", True) or not isinstance(block, int) or block % 16:
-        return None
-    return block
+def _early_block_size(cache_config) -> int | None:
+    """The block size the first forward with a KV cache will show (``_warm_up_early``'s): vLLM's cache block size
+    as it stands at its profiling run, after vLLM settled it (the backend's preferred 64 on Hopper, a hybrid model's
+    block grown to hold its state pages), which vLLM keeps as the kernels' block where they take it (any multiple
+    of 16: vLLM's ``select_common_block_size``). None where it is not such a size yet: no early start."""
+    block = getattr(cache_config, "block_size", None)
+    return block if isinstance(block, int) and block > 0 and block % 16 == 0 else None
 
 
 def _shared_workspace(topology, head_size: int, dtype, kernels, vllm_config) -> DcpWorkspace:

@@ -226,15 +226,24 @@ def test_the_profiling_run_starts_the_warm_up_early_on_a_cache_laid_out_as_vllms
     assert [c[0] for c in calls] == ["early", "proper"] and calls[1][1] is calls[0][1]
 
 
-@pytest.mark.parametrize(("hybrid", "block", "want"), [(False, 64, 64), (False, 16, 16), (True, 64, None),
-                                                       (False, 24, None), (False, None, None)])
-def test_the_early_warm_up_needs_the_block_size_known_at_construction(hybrid, block, want):
-    from dcp_plugin.adapters.vllm.impl import _early_block_size
+@pytest.mark.parametrize(("block", "want"), [(64, 64), (16, 16), (192, 192), (24, None), (0, None), (None, None)])
+def test_the_early_warm_up_takes_vllms_block_size_as_its_profiling_run_finds_it(worker, monkeypatch, block, want):
+    """The block size is read when the profiling run reaches the layer (vLLM settles it after building the model:
+    the backend's preferred size, a hybrid model's grown block), not at construction; one vLLM would not keep as
+    the kernels' block (not a multiple of 16) starts nothing."""
+    from dcp_plugin.adapters.vllm import impl as impl_module
 
-    config = SimpleNamespace(cache_config=SimpleNamespace(block_size=block),
-                             model_config=SimpleNamespace(is_hybrid=hybrid))
-    assert _early_block_size(config) == want
-    assert _early_block_size(SimpleNamespace(cache_config=config.cache_config, model_config=None)) is None
+    calls = []
+    monkeypatch.setattr(impl_module, "warm_up_early", lambda attention, **t: calls.append(t["key_cache"].shape[1]))
+    monkeypatch.setattr(impl_module, "_warmed_early", set())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    impl = make_impl(monkeypatch, "reference")
+    impl._compiled = True
+    monkeypatch.setattr(worker.cache_config, "block_size", block)  # settled after the impl was built
+    output = torch.zeros(3, H_Q, D)
+    impl.forward(None, torch.randn(3, H_Q, D), torch.randn(3, H_KV, D), torch.randn(3, H_KV, D), torch.empty(0),
+                 None, output)
+    assert calls == ([] if want is None else [want])
 
 
 def test_an_early_warm_up_that_fails_is_a_warning_and_the_profiling_run_goes_on(worker, monkeypatch, caplog):
