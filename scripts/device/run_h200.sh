@@ -10,7 +10,8 @@
 #                  on TEST_WORKERS pytest-xdist processes (default 4) sharing the GPU, then SERIAL_TESTS (the files
 #                  that watch compiles, launches or the allocator's peak) in one process
 #   stage "bench":  carry .gpu-bundle/extra and .gpu-bundle/core-rest -> join the part an unpack call left in /tmp,
-#                  check the whole archive's sha256 and unpack vLLM into /tmp/vs, vLLM's deps, then each benchmark
+#                  check the whole archive's sha256 and unpack vLLM into /tmp/vs, vLLM's deps (a later bench call of
+#                  the same warm machine may carry nothing: it takes what the first installed), then each benchmark
 #                  script given (its path from the repository root, with its arguments); an argument naming tests/...
 #                  runs those tests with pytest (the ones that need vLLM importable). Also carry .gpu-bundle/server
 #                  (the OpenAI server's wheels: uvicorn, watchfiles, ...) for server_aborts.py; BENCH_TIMEOUT_S=N
@@ -77,7 +78,10 @@ case "$stage" in
     install_dcp "$OUT/install.log" || exit 1
     join_core || exit 1
     if test -f /tmp/moe.tar.gz && vllm_unpacked; then tar xzf /tmp/moe.tar.gz -C /tmp/vs || exit 1; fi
-    if test -f "$repo/.gpu-bundle/extra/setup.sh" && vllm_unpacked; then source "$repo/.gpu-bundle/extra/setup.sh"; fi
+    if test -f "$repo/.gpu-bundle/extra/setup.sh" && vllm_unpacked; then source "$repo/.gpu-bundle/extra/setup.sh"
+    elif vllm_unpacked && test -d /tmp/site; then  # vLLM's deps from an earlier bench call of this warm machine
+      export PYTHONPATH=/tmp/vs:/tmp/site${PYTHONPATH:+:$PYTHONPATH} VLLM_USE_FLASHINFER_SAMPLER=0
+    fi
     rm -rf /tmp/site-server
     if compgen -G "$repo/.gpu-bundle/server/*.whl" >/dev/null; then  # the OpenAI server's wheels, when carried
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-server \
