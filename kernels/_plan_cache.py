@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dcp_plugin.kernels import _pdl
 from dcp_plugin.kernels._gluon import GLUON_ENV
 from dcp_plugin.kernels._launch import every_variant_wanted
+from dcp_plugin.kernels._prefix_config import FP8_DOT_ENV
 
 KEPT = 8  # plans kept, the least recently used dropped first (each holds its split scratch, a few MiB at most)
 _plans: OrderedDict = OrderedDict()
@@ -38,10 +39,11 @@ def stream_key(device) -> int | None:
 
 
 def switches() -> tuple:
-    """The switches planning reads at each call: the Gluon and PDL variables as set, and a ``programmatic_launches``
-    block's choice."""
+    """The switches planning reads at each call: the Gluon, PDL and fp8-product variables as set, and a
+    ``programmatic_launches`` block's choice."""
     on, triggers = _pdl._OVERRIDE.get() or (None, {})
-    return os.environ.get(GLUON_ENV), os.environ.get(_pdl.PDL_ENV), on, tuple(sorted(triggers.items()))
+    return (os.environ.get(GLUON_ENV), os.environ.get(_pdl.PDL_ENV), os.environ.get(FP8_DOT_ENV), on,
+            tuple(sorted(triggers.items())))
 
 
 def kept(kind: str, tensors: tuple, host_args: tuple, plan: Callable[[], object]):

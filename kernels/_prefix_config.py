@@ -5,6 +5,7 @@ Each entry's comment names the measurement that chose it."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -26,6 +27,12 @@ class PrefixConfig:
     max_registers: int = 0  # a cap on registers per thread (Triton's maxnreg), for more programs per SM; 0: none
     # A balanced decode's splits merged by the last of them to finish (``LAST_MERGES``), not by a second launch.
     last_split_merges: bool = False
+    # Over an e4m3 cache, the prefix pass's products in fp8 on the tensor cores, as FA3 runs them (``FP8_DOT``): 0
+    # none (the tiles widened to 16 bits), 1 Q x K (each program's q scaled by a power of two into e4m3), 2 P x V
+    # too (P in e4m3). None: ``$DCP_TRITON_FP8_DOT`` (``fp8_dot_asked``, default 0). Other caches ignore it, and so
+    # does decode: compiled for sm_90 (Triton 3.9, scripts/compile_for_hopper.py) its loop was the same with 1 and
+    # longer with 2 (byte-wide shared loads), where the prefix pass's took fewer MMAs and less shared memory.
+    fp8_dot: int | None = None
 
 
 # (padded head dim, decode) -> launch constants for Hopper; benchmarks sweep others via ``config=``. "decode" = the
@@ -92,8 +99,33 @@ def pick_config(head_dim: int, *, decode: bool, dtype: torch.dtype = torch.bfloa
         raise ValueError(f"config.min_rows ({config.min_rows}) must be <= config.block_m ({config.block_m})")
     if config.fp8_widen not in (0, 1, 2):
         raise ValueError(f"config.fp8_widen must be 0 (none), 1 (V) or 2 (K and V), got {config.fp8_widen!r}")
+    if config.fp8_dot not in (None, 0, 1, 2):
+        raise ValueError(f"config.fp8_dot must be None (the environment's), 0 (none), 1 (Q x K) or 2 (Q x K and "
+                         f"P x V), got {config.fp8_dot!r}")
     if config.max_registers and not 24 <= config.max_registers <= 255:
         raise ValueError(f"config.max_registers must be 0 (no cap) or 24..255, got {config.max_registers!r}")
     if config.num_warps < 1 or config.num_stages < 1:
         raise ValueError(f"config.num_warps and config.num_stages must be >= 1, got {config!r}")
     return config
+
+
+FP8_DOT_ENV = "DCP_TRITON_FP8_DOT"
+
+
+def fp8_dot_asked() -> int:
+    """``$DCP_TRITON_FP8_DOT``: over an e4m3 cache, 0 (unset: the tiles widened to 16 bits for both products), 1
+    (Q x K in fp8) or 2 (Q x K and P x V in fp8)."""
+    value = os.environ.get(FP8_DOT_ENV, "").strip()
+    if value not in ("", "0", "1", "2"):
+        raise ValueError(f"{FP8_DOT_ENV} must be 0 (16-bit products), 1 (Q x K in fp8) or 2 (Q x K and P x V in "
+                         f"fp8), got {value!r}")
+    return int(value or 0)
+
+
+def fp8_dot_for(config: PrefixConfig, cache_dtype: torch.dtype) -> int:
+    """The ``FP8_DOT`` a launch takes: ``config.fp8_dot`` (the environment's where None) over an e4m3 cache, else 0
+    (e5m2 caches and 16-bit caches keep 16-bit products)."""
+    if cache_dtype != torch.float8_e4m3fn:
+        return 0
+    return fp8_dot_asked() if config.fp8_dot is None else config.fp8_dot
+

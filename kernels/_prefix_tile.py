@@ -43,14 +43,31 @@ def _row_here(table_ptr, n_start, stride_bt_blk, rows_per_block, PAGE_SIZE: tl.c
 
 
 @triton.jit
+def narrow_q(q, qk_scale, FP8_DOT: tl.constexpr, FP8_VIA_FP16: tl.constexpr):
+    """``(q, qk_scale)`` for the products over an fp8 cache: with ``FP8_DOT``, q in e4m3 for fp8 products; with
+    ``FP8_VIA_FP16`` (bf16 q, 16-bit products) q in fp16, because fp8 widens to fp16 in one instruction per two
+    values and to bf16 in several, enough to make decode compute-bound. Either way q is first scaled by a power of
+    two (exact) into the format's range (|q| <= 2^8 for e4m3, whose largest value is 448; <= 2^15 for fp16) and the
+    factor moves into the score scale. A NaN or inf in q still gives NaN. Otherwise ``q`` as it is."""
+    if FP8_DOT or FP8_VIA_FP16:
+        top: tl.constexpr = 8.0 if FP8_DOT else 15.0
+        q_f32 = q.to(tl.float32)
+        q_shift = tl.maximum(tl.ceil(tl.log2(tl.max(tl.abs(q_f32)))) - top, 0.0)
+        q = (q_f32 * tl.exp2(-q_shift)).to(tl.float8e4nv if FP8_DOT else tl.float16)
+        qk_scale = qk_scale * tl.exp2(q_shift)
+    return q, qk_scale
+
+
+@triton.jit
 def attend_split(q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, kv_start, kv_end, dims, dim_mask, qk_scale,
                  stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d, stride_bt_blk,
                  rows_per_block, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_WIDEN: tl.constexpr, USE_TMA: tl.constexpr,
-                 ROWS_AHEAD: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_WIDEN: tl.constexpr, FP8_DOT: tl.constexpr,
+                 USE_TMA: tl.constexpr, ROWS_AHEAD: tl.constexpr):
     """The online softmax of ``q`` [BLOCK_M, BLOCK_D] over cached tokens ``[kv_start, kv_end)`` (a split starts on a
     tile boundary): ``(acc, l_i, m_i)``, scores in base-2 units. ``ROWS_AHEAD`` (with ``USE_TMA``): descriptor rows
-    read a chunk of tiles ahead; otherwise each tile's row is read in its own iteration."""
+    read a chunk of tiles ahead; otherwise each tile's row is read in its own iteration. ``FP8_DOT`` (an e4m3
+    cache, ``PrefixConfig.fp8_dot``): ``q`` is e4m3 and the products run in fp8 (1: Q x K, 2: P x V too)."""
     BLOCK_M: tl.constexpr = q.shape[0]
     BLOCK_D: tl.constexpr = q.shape[1]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -68,7 +85,8 @@ def attend_split(q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, kv_start,
                     kv_end, pick_row(rows_ahead, j, TMA_CHUNK), dims, dim_mask, qk_scale, stride_kc_blk,
                     stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d, stride_bt_blk,
                     PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASK_TOKENS=False, EVEN_D=EVEN_D,
-                    DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, FP8_WIDEN=FP8_WIDEN, USE_TMA=USE_TMA)
+                    DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, FP8_WIDEN=FP8_WIDEN, FP8_DOT=FP8_DOT,
+                    USE_TMA=USE_TMA)
     else:
         for n_start in range(kv_start, full_end, BLOCK_N):
             acc, l_i, m_i = attend_cached_tile(
@@ -76,14 +94,15 @@ def attend_split(q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, kv_start,
                 _row_here(table_ptr, n_start, stride_bt_blk, rows_per_block, PAGE_SIZE, BLOCK_N, USE_TMA), dims,
                 dim_mask, qk_scale, stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok,
                 stride_vc_d, stride_bt_blk, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASK_TOKENS=False, EVEN_D=EVEN_D,
-                DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, FP8_WIDEN=FP8_WIDEN, USE_TMA=USE_TMA)
+                DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, FP8_WIDEN=FP8_WIDEN, FP8_DOT=FP8_DOT,
+                USE_TMA=USE_TMA)
     for n_start in range(full_end, kv_end, BLOCK_N):
         acc, l_i, m_i = attend_cached_tile(
             acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, n_start, kv_end,
             _row_here(table_ptr, n_start, stride_bt_blk, rows_per_block, PAGE_SIZE, BLOCK_N, USE_TMA), dims,
             dim_mask, qk_scale, stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d,
             stride_bt_blk, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASK_TOKENS=True, EVEN_D=EVEN_D,
-            DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, FP8_WIDEN=FP8_WIDEN, USE_TMA=USE_TMA)
+            DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, FP8_WIDEN=FP8_WIDEN, FP8_DOT=FP8_DOT, USE_TMA=USE_TMA)
 
     return acc, l_i, m_i
 
@@ -93,7 +112,8 @@ def attend_cached_tile(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc,
                        dims, dim_mask, qk_scale, stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk,
                        stride_vc_tok, stride_vc_d, stride_bt_blk, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                        MASK_TOKENS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       KV_FP8: tl.constexpr, FP8_WIDEN: tl.constexpr, USE_TMA: tl.constexpr):
+                       KV_FP8: tl.constexpr, FP8_WIDEN: tl.constexpr, FP8_DOT: tl.constexpr,
+                       USE_TMA: tl.constexpr):
     """One online-softmax step over cached tokens ``n_start + [0, BLOCK_N)``; scores in base-2 units.
     ``MASK_TOKENS``: the tile may pass ``kv_end`` (it always holds at least one token before it). ``USE_TMA``: the
     tile lies inside one page (``BLOCK_N`` divides ``PAGE_SIZE``) and comes through the tensor descriptors from
@@ -124,7 +144,7 @@ def attend_cached_tile(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc,
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-    if KV_FP8:  # dequantize in registers (the scales are applied to scores and output)
+    if KV_FP8 and FP8_DOT == 0:  # dequantize in registers (the scales are applied to scores and output)
         if FP8_WIDEN == 2:  # FP8_WIDEN: PrefixConfig.fp8_widen
             k = widen_fp8(k, q.dtype)
         else:
@@ -133,6 +153,9 @@ def attend_cached_tile(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc,
             v = widen_fp8(v, q.dtype)
         else:
             v = v.to(q.dtype)
+    elif KV_FP8 and FP8_DOT == 1:  # K meets the e4m3 q as stored; V widened for a 16-bit P x V
+        v = widen_fp8(v, tl.float16)
+    # FP8_DOT == 2: K and V as stored, P goes to e4m3 for P x V (probabilities <= 1: in range)
     scores = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
     if MASK_TOKENS:
         scores = tl.where(pos_mask[None, :], scores, float("-inf"))

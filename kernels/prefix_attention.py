@@ -36,9 +36,9 @@ from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_KV_GROUP, decode_takes_gl
 from dcp_plugin.kernels._prefix_checks import MAX_HEAD_DIM, MAX_SPLITS, checked_outputs  # noqa: F401
 from dcp_plugin.kernels._prefix_config import (  # noqa: F401 - the tuning table is part of this module's API
     DESCRIPTOR_DECODE_CONFIGS, DESCRIPTOR_DECODE_MAX_KV_GROUP, FP8_DESCRIPTOR_DECODE_CONFIGS, GPU_CONFIGS,
-    GPU_FP32_CONFIGS, INTERPRET_CONFIG, POINTER_CONFIGS, PrefixConfig, pick_config,
+    GPU_FP32_CONFIGS, INTERPRET_CONFIG, POINTER_CONFIGS, PrefixConfig, fp8_dot_for, pick_config,
 )
-from dcp_plugin.kernels._prefix_tile import attend_split, cache_takes_descriptors
+from dcp_plugin.kernels._prefix_tile import attend_split, cache_takes_descriptors, narrow_q
 from dcp_plugin.kernels._pdl import main_loop_done, pdl_for, wait_for_previous_grid
 from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count constants are part of this module's API
     MAX_AUTO_SPLITS, MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM, SMALL_GRID_PER_SM, balanced_max_splits, balanced_split,
@@ -91,6 +91,7 @@ def prefix_attention_kernel(
     KV_FP8: tl.constexpr,  # the cache holds value / scale in fp8: scale the scores by k_scale, the output by v_scale
     FP8_VIA_FP16: tl.constexpr,  # bf16 q over an fp8 cache: compute in fp16 (below)
     FP8_WIDEN: tl.constexpr,  # fp8 tiles widened before their shared-memory round trip: 0 none, 1 V, 2 K and V
+    FP8_DOT: tl.constexpr,  # an e4m3 cache's products in fp8: 0 none, 1 Q x K (q to e4m3 below), 2 P x V too
     USE_TMA: tl.constexpr,  # whole tiles of one page through tensor descriptors (``cache_takes_descriptors``)
     ROWS_AHEAD: tl.constexpr,  # with USE_TMA: descriptor rows read a chunk of tiles ahead (PrefixConfig.rows_ahead)
     BALANCED: tl.constexpr = False,  # DECODE: each request's own split count (_schedule.balanced_split); out/lse
@@ -149,14 +150,7 @@ def prefix_attention_kernel(
 
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
-    if FP8_VIA_FP16:
-        # fp8 widens to fp16 in one instruction per two values, to bf16 in several: enough to make decode compute-
-        # bound. So K, V and P go to fp16, and q too, first scaled by a power of two (exact) into |q| <= 2^15;
-        # the factor moves into the score scale. A NaN or inf in q still gives NaN.
-        q_f32 = q.to(tl.float32)
-        q_shift = tl.maximum(tl.ceil(tl.log2(tl.max(tl.abs(q_f32)))) - 15.0, 0.0)
-        q = (q_f32 * tl.exp2(-q_shift)).to(tl.float16)
-        qk_scale = qk_scale * tl.exp2(q_shift)
+    q, qk_scale = narrow_q(q, qk_scale, FP8_DOT=FP8_DOT, FP8_VIA_FP16=FP8_VIA_FP16)
     # This split's whole tiles of the request's cached tokens.
     num_tiles = (kv_len + BLOCK_N - 1) // BLOCK_N
     if BALANCED:
@@ -181,7 +175,7 @@ def prefix_attention_kernel(
         q, k_head_ptr, v_head_ptr, k_desc, v_desc, table_ptr, kv_start, kv_end, dims, dim_mask, qk_scale,
         stride_kc_blk, stride_kc_tok, stride_kc_d, stride_vc_blk, stride_vc_tok, stride_vc_d, stride_bt_blk,
         rows_per_block, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
-        KV_FP8=KV_FP8, FP8_WIDEN=FP8_WIDEN, USE_TMA=USE_TMA, ROWS_AHEAD=ROWS_AHEAD)
+        KV_FP8=KV_FP8, FP8_WIDEN=FP8_WIDEN, FP8_DOT=FP8_DOT, USE_TMA=USE_TMA, ROWS_AHEAD=ROWS_AHEAD)
     main_loop_done(PDL)
 
     # No cached tokens: acc = 0, l_i = 0, m_i = -inf -> (0, -inf). A NaN input leaves l_i NaN: NaN out and lse.
@@ -361,6 +355,7 @@ def plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc
         if num_tokens else (0,)
     block_d = max(16, next_pow2(head_dim))
     kv_fp8 = key_cache.dtype in FP8_DTYPES
+    fp8_dot = 0 if decode else fp8_dot_for(cfg, key_cache.dtype)  # decode: no better on sm_90 (_prefix_config)
     rows_per_block = key_cache.stride(0) // key_cache.stride(1) if use_tma else 0
     pdl = pdl_for(q.device, "stage1")
 
@@ -375,7 +370,8 @@ def plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc
             dict(PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
                  EVEN_D=block_d == head_dim, DECODE=decode,
                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                 KV_FP8=kv_fp8, FP8_VIA_FP16=kv_fp8 and q.dtype == torch.bfloat16, FP8_WIDEN=cfg.fp8_widen * kv_fp8,
+                 KV_FP8=kv_fp8, FP8_VIA_FP16=kv_fp8 and q.dtype == torch.bfloat16 and not fp8_dot,
+                 FP8_WIDEN=cfg.fp8_widen * kv_fp8, FP8_DOT=fp8_dot,
                  USE_TMA=use_tma,
                  ROWS_AHEAD=use_tma and cfg.rows_ahead, BALANCED=balanced, LAST_MERGES=last, PDL=pdl),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=None if INTERPRET else cfg.max_registers,

@@ -3,7 +3,8 @@ one's registers, spills and steady-state loop (instructions per warp and iterati
 
 The variants are the ones ``dcp_plugin.warmup`` compiles: the dummy steps run through ``DcpAttention`` on CPU
 tensors with kernel plans that record their launches instead of running them (at DCP = 1 and DCP = 2, both comm
-modes, caches in the model dtype and in fp8 e4m3 / e5m2, pages of 16 and 64 tokens), with the Hopper selections
+modes, caches in the model dtype and in fp8 e4m3 / e5m2, pages of 16 and 64 tokens; over e4m3 also with the products
+in fp8, ``DCP_TRITON_FP8_DOT`` 1 and 2), with the Hopper selections
 (tensor descriptors) on, as an sm_90 GPU would answer: the ``tl`` kernels (``DCP_TRITON_GLUON=0``), then with
 Triton 3.6 a second time with the Gluon kernels on (the default there). Each recorded launch is compiled ahead of
 time with Triton's own compiler for ``cuda:90``, specialized the way Triton's dispatch specializes it (integer
@@ -39,6 +40,7 @@ from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction 
 import dcp_plugin as dp  # noqa: E402
 from dcp_plugin import kernels  # noqa: E402
 from dcp_plugin.kernels import _gluon, _launch, _pdl, _prefix_tile, split_kv  # noqa: E402
+from dcp_plugin.kernels._prefix_config import FP8_DOT_ENV  # noqa: E402
 from dcp_plugin.warmup import warm_up  # noqa: E402
 
 H100_SMS = 132
@@ -184,8 +186,13 @@ def main() -> None:
                    sys.modules[kernels.write_kv_cache.__module__]):  # programmatic dependent launches: sm_90 takes them
         module.pdl_for = _sm90_pdl
     dtype, cache_dtypes = getattr(torch, args.dtype), (None, torch.float8_e4m3fn, torch.float8_e5m2)
+    os.environ.pop(FP8_DOT_ENV, None)  # the default products first
     _gluon.gluon_enabled = lambda device: False  # the tl selections first (DCP_TRITON_GLUON=0)
     record = collect(dtype, args.head_dim, cache_dtypes)
+    for products in ("1", "2"):  # an e4m3 cache's prefix-pass products in fp8 (DCP_TRITON_FP8_DOT, off by default)
+        os.environ[FP8_DOT_ENV] = products
+        record = {**record, **collect(dtype, args.head_dim, (torch.float8_e4m3fn,))}
+    os.environ.pop(FP8_DOT_ENV)
     if triton.__version__.startswith(_gluon.GLUON_TRITON):  # then with the Gluon kernels on (the default on sm_90)
         from dcp_plugin.kernels import gluon_chunk, gluon_decode
 

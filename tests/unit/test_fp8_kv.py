@@ -13,7 +13,7 @@ import torch
 
 from dcp_plugin import kernels
 from dcp_plugin.kernels import reference
-from dcp_plugin.kernels.prefix_attention import PrefixConfig
+from dcp_plugin.kernels.prefix_attention import PrefixConfig, pick_config
 from dcp_plugin.testing import Case
 from tests.helpers.fp8_checks import run_fp8_dcp
 from tests.helpers.kernel_checks import assert_matches, poisoned
@@ -128,3 +128,81 @@ def test_dcp_over_fp8_shards_equals_attention_over_the_fp8_cache(n, comm, name):
                 decode_steps=1)
     k_scale, v_scale = _scales(dtype)
     assert run_fp8_dcp(case, n, dtype, k_scale, v_scale, _kernels(name), label=f"fp8 {comm} {name}") == [2] * n
+
+
+def _fp8_dot_launch(dtype, *, config=None, q_dtype=torch.float16, decode=False):
+    q = torch.zeros(3, 8, 64, dtype=q_dtype)
+    cache = torch.zeros(4, 16, 2, 128, dtype=dtype)
+    launch = kernels.plan_prefix(q, cache[..., :64], cache[..., 64:], torch.zeros(3, 2, dtype=torch.int32),
+                                 torch.ones(3, dtype=torch.int32), torch.arange(4, dtype=torch.int32),
+                                 torch.empty(3, 8, 64), torch.empty(3, 8), scale=0.125, q_head_start=0, q_per_kv=4,
+                                 kv_head_start=0, max_kv_len=1, num_splits=1, config=config,
+                                 max_query_len=1 if decode else None)
+    return launch.stage1.constexprs
+
+
+def test_fp8_products_are_chosen_by_the_config_or_the_environment(monkeypatch):
+    """Over an e4m3 cache the prefix pass's products run in fp8 where ``DCP_TRITON_FP8_DOT`` (or a config's
+    ``fp8_dot``) asks: 16-bit products by default; decode, e5m2 and 16-bit caches keep them; a bad value is refused
+    naming the variable."""
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    base = dict(block_n=16, block_m=32, num_warps=4, num_stages=1)
+    assert _fp8_dot_launch(e4m3)["FP8_DOT"] == 0
+    monkeypatch.setenv("DCP_TRITON_FP8_DOT", "2")
+    picked = _fp8_dot_launch(e4m3, q_dtype=torch.bfloat16)
+    assert picked["FP8_DOT"] == 2 and not picked["FP8_VIA_FP16"]  # q goes to e4m3, not to fp16
+    assert _fp8_dot_launch(e4m3, config=PrefixConfig(**base, fp8_dot=1))["FP8_DOT"] == 1  # the config's own
+    assert _fp8_dot_launch(e5m2)["FP8_DOT"] == 0 and _fp8_dot_launch(torch.float16)["FP8_DOT"] == 0
+    assert _fp8_dot_launch(e4m3, decode=True)["FP8_DOT"] == 0
+    monkeypatch.setenv("DCP_TRITON_FP8_DOT", "yes")
+    with pytest.raises(ValueError, match=r"DCP_TRITON_FP8_DOT must be 0 .*, got 'yes'"):
+        _fp8_dot_launch(e4m3)
+    with pytest.raises(ValueError, match="config.fp8_dot must be"):  # what the public call checks a config by
+        pick_config(64, decode=False, config=PrefixConfig(**base, fp8_dot=3))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dot", [1, 2])
+def test_fp8_products_over_an_e4m3_cache(dot, splits):
+    """Q x K in fp8 (q to e4m3 in the kernel): with q's values exactly representable in e4m3 (the interpreter rounds
+    other values to e4m3 wrongly, up to 100% off for about 3% of them) the scores are exact, so ``lse`` equals
+    float64 attention's and, with P x V in fp16 (``dot`` 1), ``out`` too. P in e4m3 (``dot`` 2) is rounded in the
+    kernel: there every row is written and finite here, its accuracy is the GPU tier's (tests/gpu/test_fp8_gpu.py)."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(5, 8, 64, generator=gen).to(torch.float8_e4m3fn).to(torch.float16)
+    k_scale, v_scale = _scales(torch.float8_e4m3fn)
+    cache = (torch.randn(12, 16, 2, 128, generator=gen) / torch.cat([k_scale.expand(64), v_scale.expand(64)]))
+    cache = cache.to(torch.float8_e4m3fn)
+    kc, vc = cache[..., :64], cache[..., 64:]
+    table = torch.randperm(12, generator=gen).to(torch.int32).view(3, 4)
+    lens, qsl = torch.tensor([40, 0, 63], dtype=torch.int32), torch.tensor([0, 1, 2, 5], dtype=torch.int32)
+    out, lse = poisoned(q.shape, torch.float32), poisoned(q.shape[:2], torch.float32)
+    heads = dict(scale=0.125, q_head_start=0, q_per_kv=4, kv_head_start=0, max_kv_len=63)
+    config = PrefixConfig(block_n=16, block_m=32, num_warps=4, num_stages=1, fp8_dot=dot)
+    kernels.prefix_attention(q, kc, vc, table, lens, qsl, **heads, num_splits=splits, out=out, lse=lse,
+                             k_scale=k_scale, v_scale=v_scale, config=config)
+    want_out, want_lse = reference.prefix_attention(q.double(), kc.double() * k_scale.double(),
+                                                    vc.double() * v_scale.double(), table, lens, qsl, **heads)
+    assert_matches(lse, want_lse, torch.float32, f"fp8 products {dot} lse")
+    if dot == 1:
+        assert_matches(out, want_out, torch.float16, "fp8 Q x K out")
+    else:
+        assert torch.isfinite(out[[0, 2, 3, 4]]).all() and torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_fp8_products_do_round_q_to_e4m3():
+    """The control of the test above: q with values e4m3 cannot hold gives other scores with fp8 products than with
+    16-bit ones (3 mantissa bits against 10), so that test's agreement is not the 16-bit path's."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 64, generator=gen).to(torch.float16)
+    cache = torch.randn(2, 16, 1, 128, generator=gen).to(torch.float8_e4m3fn)
+    lses = []
+    for dot in (0, 1):
+        out, lse = poisoned(q.shape, torch.float32), poisoned(q.shape[:2], torch.float32)
+        kernels.prefix_attention(q, cache[..., :64], cache[..., 64:], torch.tensor([[0, 1]], dtype=torch.int32),
+                                 torch.tensor([30], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32),
+                                 scale=0.125, q_head_start=0, q_per_kv=4, kv_head_start=0, max_kv_len=30, out=out,
+                                 lse=lse, k_scale=torch.ones(1), v_scale=torch.ones(1),
+                                 config=PrefixConfig(block_n=16, block_m=32, num_warps=4, num_stages=1, fp8_dot=dot))
+        lses.append(lse)
+    assert (lses[0] - lses[1]).abs().max() > 1e-2

@@ -64,5 +64,17 @@ def test_every_serving_variant_compiles_for_sm90_without_spills(tmp_path):
     # loads either, e4m3 through the hardware's conversion, e5m2 by moving its bytes.
     fp8 = [r for r in attention if r["constants"].get("KV_FP8") == "True"]
     assert fp8 and not [r for r in fp8 if r["main_loop"]["shared_byte_loads"]], fp8
-    e4m3 = [r for r in fp8 if r["kv_cache"] == "*fp8e4nv"]
+    e4m3 = [r for r in fp8 if r["kv_cache"] == "*fp8e4nv" and r["constants"].get("FP8_DOT") in (None, "0")]
     assert e4m3 and all(r["main_loop"]["fp8_converts"] > 0 for r in e4m3)
+    # With DCP_TRITON_FP8_DOT the prefix pass's products run in fp8 (1: Q x K, 2: P x V too), in no more MMA
+    # instructions per tile loop than the same tiles' 16-bit products (fp8 MMAs take twice the K per instruction);
+    # decode keeps its 16-bit products.
+    dots = {}
+    for r in attention:
+        c = r["constants"]
+        if r["kernel"] == "prefix_attention_kernel" and r["kv_cache"] == "*fp8e4nv" and c["DECODE"] == "False":
+            tiles = tuple(c[k] for k in ("PAGE_SIZE", "USE_TMA", "BLOCK_Q", "BLOCK_H", "BLOCK_N"))
+            dots.setdefault(tiles, {})[c["FP8_DOT"]] = r["main_loop"]["mma"]
+    assert dots and all(set(d) == {"0", "1", "2"} and d["2"] <= d["1"] < d["0"] for d in dots.values()), dots
+    assert not [r for r in attention if r["constants"].get("DECODE") == "True" and r["constants"].get("FP8_DOT")
+                not in (None, "0")]

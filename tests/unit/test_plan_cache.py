@@ -11,6 +11,7 @@ import torch
 
 from dcp_plugin.kernels import _plan_cache, reference
 from dcp_plugin.kernels._gluon import GLUON_ENV
+from dcp_plugin.kernels._prefix_config import FP8_DOT_ENV
 from dcp_plugin.kernels._launch import every_variant
 from tests.helpers.kernel_checks import assert_matches, poisoned
 
@@ -94,9 +95,12 @@ def test_anything_planning_reads_plans_again(plans_built, monkeypatch):
     monkeypatch.setenv(GLUON_ENV, "0")  # a switch planning reads at each call
     _decode(_paged(2))
     assert plans_built["prefix"] == len(variations) + 2
+    monkeypatch.setenv(FP8_DOT_ENV, "2")  # another one
+    _decode(_paged(2))
+    assert plans_built["prefix"] == len(variations) + 3
     with every_variant():  # the warm-up's extra variants
         _decode(_paged(2))
-    assert plans_built["prefix"] == len(variations) + 3
+    assert plans_built["prefix"] == len(variations) + 4
 
 
 def test_only_the_latest_plans_are_kept(plans_built):
