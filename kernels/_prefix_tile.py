@@ -47,13 +47,18 @@ def narrow_q(q, qk_scale, FP8_DOT: tl.constexpr, FP8_VIA_FP16: tl.constexpr):
     """``(q, qk_scale)`` for the products over an fp8 cache: with ``FP8_DOT``, q in e4m3 for fp8 products; with
     ``FP8_VIA_FP16`` (bf16 q, 16-bit products) q in fp16, because fp8 widens to fp16 in one instruction per two
     values and to bf16 in several, enough to make decode compute-bound. Either way q is first scaled by a power of
-    two (exact) into the format's range (|q| <= 2^8 for e4m3, whose largest value is 448; <= 2^15 for fp16) and the
-    factor moves into the score scale. A NaN or inf in q still gives NaN. Otherwise ``q`` as it is."""
+    two (exact) and the factor moves into the score scale: for e4m3 so that the tile's largest |q| lies in
+    (2^7, 2^8] (e4m3's largest value is 448, and below 2^-6 it keeps fewer than its 3 mantissa bits), for fp16 down
+    into |q| <= 2^15 only. A NaN or inf in q still gives NaN. Otherwise ``q`` as it is."""
     if FP8_DOT or FP8_VIA_FP16:
-        top: tl.constexpr = 8.0 if FP8_DOT else 15.0
         q_f32 = q.to(tl.float32)
-        q_shift = tl.maximum(tl.ceil(tl.log2(tl.max(tl.abs(q_f32)))) - top, 0.0)
-        q = (q_f32 * tl.exp2(-q_shift)).to(tl.float8e4nv if FP8_DOT else tl.float16)
+        top = tl.ceil(tl.log2(tl.max(tl.abs(q_f32))))
+        if FP8_DOT:
+            q_shift = tl.maximum(top - 8.0, -64.0)  # an all-zero tile: any shift
+            q = (q_f32 * tl.exp2(-q_shift)).to(tl.float8e4nv)
+        else:
+            q_shift = tl.maximum(top - 15.0, 0.0)
+            q = (q_f32 * tl.exp2(-q_shift)).to(tl.float16)
         qk_scale = qk_scale * tl.exp2(q_shift)
     return q, qk_scale
 

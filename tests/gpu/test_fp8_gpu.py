@@ -109,18 +109,19 @@ def test_bf16_queries_past_fp16_range_over_an_fp8_cache(fp8):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("dot", [1, 2])
 def test_fp8_products_over_an_e4m3_cache(dot, dtype, block_size, mode, monkeypatch):
-    """``DCP_TRITON_FP8_DOT``: the prefix pass's Q x K in fp8 (q rounded to e4m3 in the kernel: |q| < 256 here, so
-    by torch's rounding too) equals float64 attention of the rounded q to the model dtype's bounds, P x V in 16 bits
-    (``dot`` 1); with P in e4m3 too (``dot`` 2) the output's RMS error stays within 3% of its RMS (FA3's fp8
-    products are of that order), the LSE (from unrounded P) within the dtype's bounds, and nothing is NaN. Decode
-    keeps its 16-bit products: equal to float64 attention of q itself."""
+    """``DCP_TRITON_FP8_DOT``: the prefix pass's Q x K in fp8, with q's values normal e4m3 values (which the kernel's
+    power-of-two scaling and rounding to e4m3 keep exactly), equals float64 attention to the model dtype's bounds,
+    P x V in 16 bits (``dot`` 1); with P in e4m3 too (``dot`` 2) the output's RMS error stays within 3% of its RMS
+    (FA3's fp8 products are of that order), the LSE (from unrounded P) within the dtype's bounds, and nothing is NaN.
+    Decode keeps its 16-bit products."""
     monkeypatch.setenv("DCP_TRITON_FP8_DOT", str(dot))
     gen = torch.Generator(device="cuda").manual_seed(5)
     q_lens = {"decode": [1, 1, 1, 1], "mixed": [1, 9, 1, 3], "prefill": [300, 64, 1, 129]}[mode]
     ctx = [4097, 300, 0, 2000]
     pages = [max(1, -(-c // block_size)) for c in ctx]
     k_scale, v_scale = _scales()
-    q = torch.randn(sum(q_lens), 16, 128, device="cuda", generator=gen).to(dtype)
+    q = torch.randn(sum(q_lens), 16, 128, device="cuda", generator=gen)
+    q = torch.where(q.abs() < 2**-6, 0.0, q).to(torch.float8_e4m3fn).to(dtype)  # normal e4m3 values (or zero)
     raw = torch.randn(sum(pages) + 3, block_size, 2, 256, device="cuda", generator=gen)
     buf = (raw * 0.1 / torch.cat([k_scale.expand(128), v_scale.expand(128)])).to(torch.float8_e4m3fn)
     kc, vc = buf[..., :128], buf[..., 128:]
@@ -131,8 +132,7 @@ def test_fp8_products_over_an_e4m3_cache(dot, dtype, block_size, mode, monkeypat
     out, lse = poisoned(q.shape, dtype, "cuda"), poisoned(q.shape[:2], torch.float32, "cuda")
     prefix_attention(q, kc, vc, table, lens, qsl, **heads, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale,
                      max_query_len=max(q_lens))
-    rounded = q.double() if mode == "decode" else q.to(torch.float8_e4m3fn).double()
-    want_out, want_lse = reference.prefix_attention(rounded, kc.double() * k_scale.double(),
+    want_out, want_lse = reference.prefix_attention(q.double(), kc.double() * k_scale.double(),
                                                     vc.double() * v_scale.double(), table, lens, qsl, **heads)
     assert_matches(lse, want_lse, dtype, f"fp8 products {dot} lse")
     if dot == 1 or mode == "decode":
