@@ -165,7 +165,7 @@ def test_fp8_products_are_chosen_by_the_config_or_the_environment(monkeypatch):
 @pytest.mark.parametrize("dot", [1, 2])
 def test_fp8_products_over_an_e4m3_cache(dot, splits):
     """Q x K in fp8 (q to e4m3 in the kernel): with q's values exactly representable in e4m3 (the interpreter rounds
-    other values to e4m3 wrongly, up to 100% off for about 3% of them) the scores are exact, so ``lse`` equals
+    other values to e4m3 wrongly: the test below) the scores are exact, so ``lse`` equals
     float64 attention's and, with P x V in fp16 (``dot`` 1), ``out`` too. P in e4m3 (``dot`` 2) is rounded in the
     kernel: there every row is written and finite here, its accuracy is the GPU tier's (tests/gpu/test_fp8_gpu.py)."""
     gen = torch.Generator().manual_seed(4)
@@ -206,3 +206,26 @@ def test_fp8_products_do_round_q_to_e4m3():
                                  config=PrefixConfig(block_n=16, block_m=32, num_warps=4, num_stages=1, fp8_dot=dot))
         lses.append(lse)
     assert (lses[0] - lses[1]).abs().max() > 1e-2
+
+
+def test_the_interpreter_rounds_float32_to_e4m3_wrongly_but_keeps_e4m3_values():
+    """Why the CPU tests of the fp8 products feed q values e4m3 holds: Triton's interpreter rounds some float32 values
+    to e4m3 otherwise than torch (a few percent of them, by up to half their value), and casts values e4m3 holds
+    exactly. Should a Triton release fix the first, these tests can round q freely (this one then fails)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def to_e4m3(x_ptr, y_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(y_ptr + i, tl.load(x_ptr + i).to(tl.float8e4nv).to(tl.float32))
+
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(6))
+    held = x.to(torch.float8_e4m3fn).float()
+    rounded, kept = torch.empty_like(x), torch.empty_like(x)
+    to_e4m3[(1,)](x, rounded, N=1024)
+    to_e4m3[(1,)](held, kept, N=1024)
+    wrong = rounded != held
+    assert 0 < int(wrong.sum()) < 1024 * 0.1
+    assert float(((rounded - held).abs() / held.abs())[wrong].max()) >= 0.25  # no last-bit difference
+    assert torch.equal(kept, held)
