@@ -112,14 +112,10 @@ def warm_up(attention, *, query: torch.Tensor, key: torch.Tensor, value: torch.T
     the steps are first recorded and their kernel variants compiled by worker processes side by side (``report``
     receives what ``compile_ahead`` reports), then run.
     """
-    device = query.device
-    # Built into persistent buffers, as engines build their batches: on a GPU that runs (and compiles) the kernel
-    # that derives the per-request lengths (dcp_plugin.kernels.batch_lengths) too.
-    steps = steps_for(attention, trees=trees)
-    buffers = DcpBatchBuffers(max(len(requests) for requests in steps), device)
+    steps, buffers = _steps(attention, trees, query.device)
     args = dict(query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache, output=output,
                 k_scale=k_scale, v_scale=v_scale)
-    workers = _workers_for(device)
+    workers = _workers_for(query.device)
     early = join_early()  # what ``warm_up_early`` started is in Triton's cache before anything is looked up
     if early is not None and report is not None:
         report["early"] = early
@@ -143,12 +139,18 @@ def warm_up_early(attention, *, trees: bool = False, **tensors) -> bool:
     workers = _workers_for(query.device)
     if not workers:
         return False
-    steps = steps_for(attention, trees=trees)
-    buffers = DcpBatchBuffers(max(len(requests) for requests in steps), query.device)
+    steps, buffers = _steps(attention, trees, query.device)
     args = dict(dict.fromkeys(("k_scale", "v_scale")), **tensors)
     with every_variant(), compile_ahead(workers, wait=False):
         _run_steps(attention, steps, buffers, **args)
     return True
+
+
+def _steps(attention, trees: bool, device: torch.device) -> tuple:
+    """The warm-up's steps and the persistent buffers their batches are built into, as engines build theirs: on a
+    GPU that runs (and compiles) the kernel that derives the per-request lengths (``kernels.batch_lengths``) too."""
+    steps = steps_for(attention, trees=trees)
+    return steps, DcpBatchBuffers(max(len(requests) for requests in steps), device)
 
 
 def _workers_for(device: torch.device) -> int:

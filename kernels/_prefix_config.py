@@ -5,11 +5,11 @@ Each entry's comment names the measurement that chose it."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
 from dcp_plugin.kernels._mode import INTERPRET
+from dcp_plugin.kernels.checks import env_choice
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -115,11 +115,8 @@ FP8_DOT_ENV = "DCP_TRITON_FP8_DOT"
 def fp8_dot_asked() -> int:
     """``$DCP_TRITON_FP8_DOT``: over an e4m3 cache, 0 (unset: the tiles widened to 16 bits for both products), 1
     (Q x K in fp8) or 2 (Q x K and P x V in fp8)."""
-    value = os.environ.get(FP8_DOT_ENV, "").strip()
-    if value not in ("", "0", "1", "2"):
-        raise ValueError(f"{FP8_DOT_ENV} must be 0 (16-bit products), 1 (Q x K in fp8) or 2 (Q x K and P x V in "
-                         f"fp8), got {value!r}")
-    return int(value or 0)
+    return int(env_choice(FP8_DOT_ENV, {"0": "16-bit products", "1": "Q x K in fp8", "2": "Q x K and P x V in fp8"},
+                          "0"))
 
 
 def fp8_dot_for(config: PrefixConfig, cache_dtype: torch.dtype) -> int:

@@ -73,11 +73,16 @@ def check_kv_scales(cache_dtype: torch.dtype, k_scale, v_scale, device: torch.de
     return True
 
 
+def env_choice(name: str, choices: dict[str, str], default: str) -> str:
+    """``$name``, one of ``choices`` (value -> meaning), ``default`` when unset or empty; any other value is refused
+    with every meaning."""
+    value = os.environ.get(name, "").strip() or default
+    if value not in choices:
+        listed = [f"{v} ({meaning}{', the default' if v == default else ''})" for v, meaning in choices.items()]
+        raise ValueError(f"{name} must be {', '.join(listed[:-1])} or {listed[-1]}, got {value!r}")
+    return value
+
+
 def env_switch(name: str, *, on: str, off: str, default: bool = True) -> bool:
-    """The switch ``$name``: 1 (``on``) or 0 (``off``), ``default`` when unset or empty; any other value is refused
-    with both meanings."""
-    value = os.environ.get(name, "").strip() or ("1" if default else "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{name} must be 1 ({on}{', the default' if default else ''}) or 0 "
-                         f"({off}{'' if default else ', the default'}), got {value!r}")
-    return value == "1"
+    """The switch ``$name``: 1 (``on``) or 0 (``off``), ``default`` when unset or empty (``env_choice``)."""
+    return env_choice(name, {"1": on, "0": off}, "1" if default else "0") == "1"

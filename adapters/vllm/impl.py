@@ -157,9 +157,7 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         """Compile every kernel variant now (once per worker and layer kind), not on a user's request. Every rank
         of a DCP group reaches this at the same layer of the same step, so the dummy steps' collectives pair up."""
         key_cache, value_cache = self._split(kv_cache)
-        signature = (self.topology.heads, self.topology.interleave, self.topology.comm, query.dtype, query.stride(),
-                     key.stride(), output.stride(), key_cache.dtype, key_cache.shape[1:], key_cache.stride(),
-                     value_cache.stride())
+        signature = self._kind(query, key, output, key_cache, value_cache)
         self._warm = True  # a layer's later calls share this signature: the same cache, dtypes and strides
         if signature in _warmed:
             return
@@ -170,6 +168,12 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         logger.info(timed_warm_up(attention, dcp_size=tokens.dcp_size, query=query, key=key, value=value,
                                   key_cache=key_cache, value_cache=value_cache,
                                   output=output.view(output.shape[0], self.num_heads, -1), **self._scales(layer)))
+
+    def _kind(self, query, key, output, key_cache, value_cache) -> tuple:
+        """What a warm-up's kernel variants depend on: layers alike in it share one warm-up."""
+        return (self.topology.heads, self.topology.interleave, self.topology.comm, query.dtype, query.stride(),
+                key.stride(), output.stride(), key_cache.dtype, key_cache.shape[1:], key_cache.stride(),
+                value_cache.stride())
 
     def _warm_up_early(self, layer, query, key, value, output) -> None:
         """vLLM's profiling run, before the KV cache exists: start compiling the warm-up's kernel variants in worker
@@ -196,8 +200,7 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
                              device=query.device).permute([order.index(i) for i in range(len(order))])
         key_cache, value_cache = split_kv_cache(stored if self._fp8_dtype is None else stored.view(self._fp8_dtype),
                                                 self.head_size)
-        signature = (heads, self.topology.interleave, self.topology.comm, query.dtype, query.stride(), key.stride(),
-                     output.stride(), key_cache.dtype, key_cache.shape[1:], key_cache.stride(), value_cache.stride())
+        signature = self._kind(query, key, output, key_cache, value_cache)
         if signature in _warmed_early:
             return
         _warmed_early.add(signature)
