@@ -46,6 +46,7 @@ for version in "$@"; do
     echo "== sglang $version"
     DCP_TRITON_EXPECT_SGLANG="sglang==$version" TRITON_INTERPRET=1 "$venv/bin/python" -m pytest -q \
         -p no:cacheprovider tests/unit/test_sglang_adapter_matrix.py tests/unit/test_sglang_speculative.py \
+        tests/unit/test_sglang_graph_steps.py \
         tests/integration/test_sglang_dcp.py tests/unit/test_sglang_one_h200_script.py || failed=1
 done
 exit "$failed"
