@@ -245,8 +245,8 @@ def summarise(results: list[dict]) -> dict:
     for r in results:
         for name, runs in r.get("runs", {}).items():
             best = max(x["output_tok_s"] for x in runs)
-            loads.setdefault(f"{r['model']}/{name}", {}).setdefault(r["mode"], {})[BACKENDS[r["backend"]]] = \
-                round(best, 1)
+            key = BACKENDS[r["backend"]] + (f"_fp8dot{r['fp8_dot']}" if r.get("fp8_dot") else "")
+            loads.setdefault(f"{r['model']}/{name}", {}).setdefault(r["mode"], {})[key] = round(best, 1)
     profile = {("" if r["model"] == "llama8" else f"{r['model']}/") + f"{r['backend']}/{r['mode']}"
                + ("" if r.get("load", "small-batch") == "small-batch" else f"/{r['load']}"): r["profile"]
                for r in results if "profile" in r}
@@ -259,6 +259,12 @@ def results_name(kv_cache_dtype: str, gpu: str | None = None) -> str:
     """The results file's stem by default: ``vllm_one_<gpu>`` (``h100``, ``h200``; ``cpu`` for ``--smoke``), with
     ``_fp8`` (or ``_fp8_e5m2``, ...) for an fp8 cache."""
     return f"vllm_one_{common.gpu_tag(gpu)}" + ("" if kv_cache_dtype == "auto" else f"_{kv_cache_dtype}")
+
+
+def fp8_dot_twins(chosen: list[dict], fp8_dot: int | None) -> list[dict]:
+    """``--fp8-dot N``: a twin of each dcp-triton throughput job, run after them with ``DCP_TRITON_FP8_DOT=N``."""
+    return [dict(j, name=j["name"].replace("dcp-triton", f"dcp-triton-fp8dot{fp8_dot}"), fp8_dot=fp8_dot)
+            for j in chosen if fp8_dot and j["backend"] == "dcp-triton" and j["kind"] == "throughput"]
 
 
 def shrink_for_smoke() -> None:
@@ -285,6 +291,8 @@ def job_env(job: dict, work: Path, *, smoke: bool, cold_triton_cache: bool) -> d
     env = dict(os.environ, DCP_TRITON_KERNELS="reference" if smoke else "triton", VLLM_USE_FLASHINFER_SAMPLER="0")
     if job["kind"] == "profile":
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if job.get("fp8_dot"):  # --fp8-dot: the twin of a dcp-triton job, its fp8 cache's products in fp8
+        env["DCP_TRITON_FP8_DOT"] = str(job["fp8_dot"])
     if cold_triton_cache:
         env["TRITON_CACHE_DIR"] = str(work / f"triton-cache-{job['name']}-{time.time_ns()}")
     if "caches" in job:  # the start-up jobs' own caches: emptied for a cold start, kept for a warm one
@@ -321,6 +329,8 @@ def main() -> None:
                         "and warm: dcp-triton, also with compile-ahead on 8 worker processes; FLASH_ATTN)")
     parser.add_argument("--loads", help=f"comma-separated loads the throughput jobs run (default all: "
                         f"{','.join(LOADS)})")
+    parser.add_argument("--fp8-dot", type=int, choices=(1, 2), help="with an fp8 cache: each dcp-triton throughput "
+                        "job chosen also runs with DCP_TRITON_FP8_DOT=N (its name and summary key say fp8dotN)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -342,6 +352,9 @@ def main() -> None:
     chosen = [dict(j, smoke=args.smoke, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, loads=loads)
               for j in jobs(args.profile, args.startup, args.profile_load, args.profile_model)
               if any(fnmatch.fnmatch(j["name"], p) for p in patterns)]
+    if args.fp8_dot and args.kv_cache_dtype == "auto":
+        parser.error("--fp8-dot needs an fp8 cache: add --kv-cache-dtype fp8 (or fp8_e4m3)")
+    chosen += fp8_dot_twins(chosen, args.fp8_dot)
     if args.list or not chosen:
         print("\n".join(j["name"] for j in jobs(True, True)) if args.list else f"--only {args.only!r} matches no job")
         sys.exit(0 if args.list else 2)

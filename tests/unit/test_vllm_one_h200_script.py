@@ -143,3 +143,20 @@ def test_vllms_start_up_stages_come_from_its_log_lines():
                                          "init_engine_s": 35.8, "kv_cache_gib": 61.34}
     assert bench.init_breakdown("INFO eager: init engine (profile, create kv cache, warmup model) took 14.51 s\n") \
         == {"init_engine_s": 14.51}  # eager: no compile, no capture
+
+
+def test_fp8_dot_twins_run_dcp_tritons_throughput_jobs_with_the_variable_and_their_own_summary_key(tmp_path,
+                                                                                                   monkeypatch):
+    monkeypatch.delenv("DCP_TRITON_FP8_DOT", raising=False)
+    chosen = [dict(j, kv_cache_dtype="fp8") for j in bench.jobs(profile=True, startup=True)
+              if j["model"] == "llama8" and j["mode"] == "graphs" or j["kind"] != "throughput"]
+    assert bench.fp8_dot_twins(chosen, None) == []
+    twins = bench.fp8_dot_twins(chosen, 2)
+    assert [t["name"] for t in twins] == ["llama8-dcp-triton-fp8dot2-graphs"]
+    env = bench.job_env(twins[0], tmp_path, smoke=False, cold_triton_cache=False)
+    assert env["DCP_TRITON_FP8_DOT"] == "2"
+    plain = next(j for j in chosen if j["name"] == "llama8-dcp-triton-graphs")
+    assert "DCP_TRITON_FP8_DOT" not in bench.job_env(plain, tmp_path, smoke=False, cold_triton_cache=False)
+    runs = {"long": [dict(output_tok_s=10.0)]}
+    summary = bench.summarise([dict(plain, runs=runs), dict(twins[0], runs={"long": [dict(output_tok_s=12.0)]})])
+    assert summary["loads"]["llama8/long"]["graphs"] == {"dcp_triton": 10.0, "dcp_triton_fp8dot2": 12.0}
