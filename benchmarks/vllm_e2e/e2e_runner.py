@@ -116,6 +116,8 @@ class Runner:
         if job.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         spec = dict(job.spec, env=env, log=str(log))
+        if "out" in spec:  # a (forced) rerun's failure or timeout must not leave the earlier run's result
+            Path(spec["out"]).unlink(missing_ok=True)
         spec_path = self.paths["work"] / "specs" / f"{job.name}.json"
         spec_path.parent.mkdir(parents=True, exist_ok=True)
         spec_path.write_text(json.dumps(spec, indent=1))

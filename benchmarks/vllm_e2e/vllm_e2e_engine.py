@@ -254,7 +254,8 @@ def _versions() -> dict:
 
     return {"vllm": vllm.__version__, "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "triton_f32_default": os.environ.get("TRITON_F32_DEFAULT")}
+            "triton_f32_default": os.environ.get("TRITON_F32_DEFAULT"),
+            "commit": common.provenance()["commit"]}  # per result: a summary may join runs of several commits
 
 
 def _read_from(path: str, offset: int) -> tuple[str, int]:

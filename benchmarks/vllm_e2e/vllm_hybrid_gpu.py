@@ -127,7 +127,8 @@ def analyse(jobs: dict[str, dict]) -> dict:
         log = Path(job["log"]).read_text(errors="replace") if job.get("log") and Path(job["log"]).exists() else ""
         sizes = sorted({int(m) for m in BLOCK_SIZE.findall(log)})
         row = {"status": job.get("status"), "backend": spec["backend"], "method": spec["method"],
-               "block_size": sizes[-1] if sizes else None, "dcp_triton_ran": bool(job.get("backend_line"))}
+               "block_size": sizes[-1] if sizes else None, "dcp_triton_ran": bool(job.get("backend_line")),
+               "commit": (job.get("result") or {}).get("commit")}  # the run behind the numbers (older: None)
         greedy = tasks[name].get("greedy")
         if greedy is not None:
             row.update(output_tok_s=greedy["output_tok_s"], timed_runs=len(greedy.get("timed_runs_s", [None])),
@@ -147,7 +148,7 @@ def write_summary(summary: dict, meta: dict, results: Path, name: str) -> list[P
     lines = [f"# A hybrid model (Qwen3-Next, GDN + attention) on dcp-triton ({meta.get('vllm')}, {meta.get('gpu')}, "
              "bf16, CUDA graphs)", "",
              "| job | versus | block size | prompt logprobs max / median abs diff | greedy = versus | acceptance | "
-             "output tok/s |", "|---|---|---|---|---|---|---|"]
+             "output tok/s | commit |", "|---|---|---|---|---|---|---|---|"]
     fmt = spec_dcp.fmt
     for job, row in summary["jobs"].items():
         lp, greedy = row.get("logprobs"), row.get("greedy")
@@ -156,7 +157,8 @@ def write_summary(summary: dict, meta: dict, results: Path, name: str) -> list[P
             "" if not greedy["divergences"] else " (first at gaps " + ", ".join(
                 f"{d['ref_top2_gap']:.3f}" for d in greedy["divergences"]) + ")")
         lines.append(f"| {job} | {row.get('versus', '-')} | {row['block_size'] or '-'} | {logprobs} | {same} | "
-                     f"{fmt(row.get('acceptance_rate'))} | {fmt(row.get('output_tok_s'), '{:,.0f}')} |")
+                     f"{fmt(row.get('acceptance_rate'))} | {fmt(row.get('output_tok_s'), '{:,.0f}')} | "
+                     f"{(row.get('commit') or '-')[:7]} |")
     return spec_dcp.write_files(summary, meta, results, name, lines)
 
 

@@ -100,11 +100,13 @@ class LLM:
 '''
 
 FAKE_ENGINE = '''
-import json, sys, types
+import json, os, sys, types
 from pathlib import Path
 spec = json.loads(Path(sys.argv[1]).read_text())
+if spec["kind"] == "engine" and os.environ.get("FAKE_FAIL"):
+    sys.exit(3)
 if spec["kind"] == "build":
-    Path(spec["model_dir"]).mkdir(parents=True)
+    Path(spec["model_dir"]).mkdir(parents=True, exist_ok=True)
     (Path(spec["model_dir"]) / "config.json").write_text(json.dumps(spec["config"]))
     print("built", flush=True)
     sys.exit(0)
@@ -207,3 +209,17 @@ def test_missing_vllm_fails_fast(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="vllm not importable here"):
         dcp.main(["--budget-s", "540", "--results-dir", str(tmp_path / "r"), "--work-dir", str(tmp_path / "w")])
     assert time.monotonic() - began < 1.0 and not (tmp_path / "w").exists()
+
+
+def test_a_forced_rerun_that_fails_leaves_no_earlier_result_under_its_name(tmp_path, fake_engine, monkeypatch):
+    args = ["--only", "tp1-TRITON_ATTN-eager", "--gpus", "1", "--results-dir", str(tmp_path / "r"), "--work-dir",
+            str(tmp_path / "w"), "--name", "d"]
+    dcp.main(args)
+    first = json.loads((tmp_path / "r" / "d.json").read_text())
+    assert first["jobs"]["tp1-TRITON_ATTN-eager"]["status"] == "ok"
+    assert [r["job"] for r in first["throughput"]] == ["tp1-TRITON_ATTN-eager"] * 2  # its two loads' rows
+    monkeypatch.setenv("FAKE_FAIL", "1")
+    dcp.main([*args, "--force"])
+    again = json.loads((tmp_path / "r" / "d.json").read_text())
+    assert again["jobs"]["tp1-TRITON_ATTN-eager"]["status"] == "failed (exit 3)"
+    assert again["throughput"] == []  # not the first run's numbers under the failed run's status

@@ -65,7 +65,9 @@ def _found(tmp_path: Path) -> dict:
 
 
 def test_summary_compares_with_flash_attn_beside_triton_attn_and_mtp_with_plain(tmp_path):
-    rows = bench.analyse(_found(tmp_path))["jobs"]
+    found = _found(tmp_path)
+    found["q3n-dcp-triton"]["result"]["commit"] = "0123456789abcdef"  # the engine's own record of its code
+    rows = bench.analyse(found)["jobs"]
     ours, triton, mtp = rows["q3n-dcp-triton"], rows["q3n-TRITON_ATTN"], rows["q3n-mtp-dcp-triton"]
     assert ours["versus"] == triton["versus"] == "q3n-FLASH_ATTN" and mtp["versus"] == "q3n-dcp-triton"
     assert ours["logprobs"]["max_abs"] == 0.25 and triton["logprobs"]["max_abs"] == 0.125
@@ -76,6 +78,9 @@ def test_summary_compares_with_flash_attn_beside_triton_attn_and_mtp_with_plain(
     written = bench.write_summary({"jobs": rows}, {"vllm": "0.26.0", "gpu": "H100"}, tmp_path / "r", "t")
     table = written[1].read_text()
     assert "| q3n-dcp-triton | q3n-FLASH_ATTN | 576 | 0.250 / 0.1250 (2) | 0/1 (first at gaps 0.200) |" in table
+    assert ours["commit"] == "0123456789abcdef" and triton["commit"] is None  # a result without one: None, not ours
+    assert next(line for line in table.splitlines() if line.startswith("| q3n-dcp-triton ")).endswith("| 0123456 |")
+    assert next(line for line in table.splitlines() if line.startswith("| q3n-TRITON_ATTN ")).endswith("| - |")
     assert json.loads(written[0].read_text())["summary"]["jobs"]["q3n-mtp-dcp-triton"]["greedy"]["identical"] == 1
 
 
