@@ -19,7 +19,7 @@
 #                  first), so what it wrote comes back inside the 10-minute limit. Scripts that need no vLLM
 #                  (benchmarks/probes/probe_*.py) need no unpack call and carry nothing (bench_kernels.py then
 #                  measures no vLLM / FA3 peers).
-#   stage "moe":    carry .gpu-bundle/moe (scripts/device/make_moe_ext.sh: vLLM's MoE extension, 40 MiB) -> kept in
+#   stage "moe":    carry .gpu-bundle/moe (scripts/device/make_moe_ext.sh: MoE extension, compressed-tensors) -> kept in
 #                  /tmp; the next bench call unpacks it beside vLLM (MoE models: vllm_e2e/vllm_hybrid_gpu.py)
 #   stage "ab":     carry .gpu-bundle/base (scripts/device/make_base_tree.sh REV) -> each benchmark script given runs
 #                  twice in this call, first over REV's dcp-triton (results named *_base, provenance REV), then over
