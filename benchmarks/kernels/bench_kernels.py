@@ -82,7 +82,7 @@ def _prefix_error(out, q, kc, vc, tables, lens, qsl, *, rows: int, k_scale=None,
               for cache, s in ((kc, k_scale), (vc, v_scale)))  # bytes gathered: fp8 tensors index poorly
     end = min(int(qsl[n]), q_limit)
     ref, _ = reference.prefix_attention(q[:end].double(), kd, vd, sub_table, lens[:n], qsl[: n + 1].clamp(max=end),
-                                        scale=HEAD_DIM ** -0.5, q_head_start=0, q_per_kv=q.shape[1] // kc.shape[2],
+                                        scale=q.shape[-1] ** -0.5, q_head_start=0, q_per_kv=q.shape[1] // kc.shape[2],
                                         kv_head_start=0, max_kv_len=int(lens.max()))
     return ((out[:end].double() - ref).norm() / ref.norm()).item()
 
@@ -109,13 +109,15 @@ def _time_peers(row: dict, fns: dict, copies: int, *, graph: bool = True) -> Non
 
 
 def bench_decode(shapes, copy_gbs: float) -> list[dict]:
+    """Decode over ``(batch, ctx, q_heads, kv_heads[, head_dim])`` (head size ``HEAD_DIM`` unless given)."""
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for batch, ctx, hq, hk in shapes:
-        kv_bytes, copies, q, kc, vc, tables, lens, qsl = _prefix_setup(batch, ctx, hq, hk, gen)
+    for shape in shapes:
+        batch, ctx, hq, hk, d = (*shape, HEAD_DIM)[:5]
+        kv_bytes, copies, q, kc, vc, tables, lens, qsl = _prefix_setup(batch, ctx, hq, hk, gen, head_dim=d)
         out = torch.full_like(q, float("nan"))
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
-        kwargs = dict(scale=HEAD_DIM ** -0.5, q_head_start=0, q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx,
+        kwargs = dict(scale=d ** -0.5, q_head_start=0, q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx,
                       max_query_len=1)
         # "ours": as the DCP core runs it, planned once per step shape and launched by every layer of the step;
         # "ours_api": the public function, which checks its arguments and plans on every call; "ours_p64": the
@@ -130,7 +132,7 @@ def bench_decode(shapes, copy_gbs: float) -> list[dict]:
         def ours_p64(i=0):
             launch64(q, kc64, vc64, tables64[i], lens, qsl, out, lse)
 
-        row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, kv_bytes=kv_bytes)
+        row = dict(batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, head_dim=d, kv_bytes=kv_bytes)
         for key, fn, caches in (("rel_err_p64", ours_p64, (kc64, vc64, tables64)), ("rel_err", ours, (kc, vc, tables))):
             out.fill_(float("nan"))
             fn()  # correct first: a slice of the batch against the float64 reference
@@ -144,7 +146,7 @@ def bench_decode(shapes, copy_gbs: float) -> list[dict]:
         for key in [k for k in row if k.endswith("_ms")]:
             row[key.replace("_ms", "_pct_copy")] = 100 * kv_bytes / row[key] / 1e6 / copy_gbs
         rows.append(row)
-        print(f"decode b={batch:4d} ctx={ctx:6d} {hq}/{hk}: % of copy, graph (launch included): "
+        print(f"decode b={batch:4d} ctx={ctx:6d} {hq}/{hk} D{d}: % of copy, graph (launch included): "
               + " ".join(f"{name} {row.get(f'{name}_graph_pct_copy', float('nan')):5.1f}"
                          f" ({row.get(f'{name}_pct_copy', float('nan')):5.1f})" for name in peers)
               + f" err {row['rel_err']:.1e}", flush=True)
@@ -328,8 +330,8 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
-    parser.add_argument("--only", help="comma-separated sections: decode, decode_fp8, prefix, prefill, merge "
-                        "(default: all)")
+    parser.add_argument("--only", help="comma-separated sections: decode, decode_fp8, prefix, prefill, merge, "
+                        "decode_d256, prefill_d256 (default: all)")
     parser.add_argument("--name", help="results file stem under benchmarks/results/ (default kernels_<gpu>: h100, ...)")
     args = parser.parse_args()
     fa3 = kernel_peers.fa3() is not None
@@ -340,16 +342,22 @@ def main() -> None:
     fp8_shapes = [(1, 32768, 32, 8), (8, 8192, 32, 8), (8, 32768, 32, 8), (32, 8192, 32, 1), (128, 8192, 32, 8)]
     prefix_shapes = [(2, 4096, 32768, 32, 8), (2, 4096, 32768, 32, 1), (1, 2048, 131072, 32, 8)]
     prefill_shapes = PREFILL_SHAPES
+    # Qwen3-Next's / Qwen3.5's full-attention layers (16 Q / 2 KV heads of 256 at tp 1): the hybrid benchmarks' shape
+    d256_decode = [(b, c, 16, 2, 256) for b in (16, 64) for c in (2048, 8192)]
+    d256_prefill = [(n, s, 16, 2, 256) for n, s in ((16, 1024), (4, 4096))]
     if args.quick:
         decode_shapes = [(1, 32768, 32, 8), (32, 8192, 32, 1), (128, 32768, 32, 8)]
         fp8_shapes, prefix_shapes, prefill_shapes = fp8_shapes[:1], prefix_shapes[:1], prefill_shapes[:1]
+        d256_decode, d256_prefill = d256_decode[:1], d256_prefill[:1]
     args.name = args.name or f"kernels_{gpu_tag()}"
     results = dict(gpu=gpu_name(), copy_gbs=copy_gbs, torch=torch.__version__, fa3_peer=fa3)
     sections = (("decode", lambda: bench_decode(decode_shapes, copy_gbs)),
                 ("decode_fp8", lambda: bench_decode_fp8(fp8_shapes, copy_gbs)),
                 ("prefix", lambda: bench_prefix(prefix_shapes)),
                 ("prefill", lambda: bench_prefill(prefill_shapes)),
-                ("merge", lambda: bench_merge(copy_gbs)))
+                ("merge", lambda: bench_merge(copy_gbs)),
+                ("decode_d256", lambda: bench_decode(d256_decode, copy_gbs)),
+                ("prefill_d256", lambda: bench_prefill(d256_prefill)))
     chosen = set(args.only.split(",")) if args.only else {name for name, _ in sections}
     for name, fn in sections:
         if name not in chosen:
