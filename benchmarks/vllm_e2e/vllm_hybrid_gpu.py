@@ -75,7 +75,9 @@ ENGINES_TP2 = [("q3n-tp2-dcp1-dcp-triton", "dcp-triton", False, 1, None),
                ("q3n-tp2-dcp2-dcp-triton", "dcp-triton", False, 2, "q3n-tp2-dcp1-dcp-triton"),
                ("q3n-tp2-dcp2-FLASH_ATTN", "FLASH_ATTN", False, 2, "q3n-tp2-dcp1-dcp-triton"),
                ("q3n-tp2-dcp2-mtp-dcp-triton", "dcp-triton", True, 2, "q3n-tp2-dcp2-dcp-triton")]
-ESTIMATE_S = {"build": 40, "engine": 100}
+# An engine job's seconds on one H100 (6ec93d6): 166-195 s, most of it start-up (vLLM's profiling run ~90 s). A job
+# starts only while that much of --budget-s is left: one started with less timed out without a result.
+ESTIMATE_S = {"build": 40, "engine": 190}
 BLOCK_SIZE = re.compile(r"Setting attention block size to (\d+) tokens")
 
 
