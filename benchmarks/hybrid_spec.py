@@ -52,6 +52,9 @@ def sglang_part(result: dict) -> dict:
         part["acceptance_ratio"][peer] = versus["acceptance_ratio"]
         for load, ratio in versus["tok_s_ratio"].items():
             part["tok_s_ratio"].setdefault(load, {})[peer] = ratio
+    for peer, versus in summary.get("bf16_p64_vs", {}).items():  # every backend on 64-token pages
+        for load, ratio in versus["tok_s_ratio"].items():
+            part.setdefault("tok_s_ratio_p64", {}).setdefault(load, {})[peer] = ratio
     a, b = (jobs.get(f"q3n-bf16-{peer}") for peer in SGLANG_PEERS)
     if a and b:
         part["greedy_bf16"][" vs ".join(SGLANG_PEERS)] = _equal(sglang_one.greedy_agreement(a["greedy"], b["greedy"]))

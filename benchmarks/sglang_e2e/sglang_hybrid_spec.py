@@ -17,10 +17,15 @@ tokens. Jobs, each an offline ``sglang.Engine`` (token ids in) in its own proces
                                          its chunked GDN prefill, which refuses float32, on bf16 inputs in both:
                                          ``sglang_one_h200.bf16_chunked_gdn``): the greedy tokens and verify steps
                                          (fa3 takes no float32)
+  q3n-bf16-triton-p64, q3n-bf16-dcp-triton-p64, q3n-bf16-fa3-p64
+                                         the bf16 jobs again with 64-token pages (``--page-size 64``; SGLang's
+                                         default is 1, the worst case for dcp-triton's paged kernels, which read
+                                         whole pages through tensor descriptors on an H100/H200)
 
 The summary (``summary``): float32 greedy tokens of dcp-triton against triton (every sequence equal or not) and both
 mean accepted lengths (tokens per verify step: SGLang's ``spec_verify_ct``); per bf16 peer the accepted-length ratio,
-the greedy agreement and dcp-triton's output tokens/s over the peer's per load. A job whose results file is already
+the greedy agreement and dcp-triton's output tokens/s over the peer's per load (``bf16_vs``; both on 64-token pages:
+``bf16_p64_vs``). A job whose results file is already
 in the work folder (an earlier call of the same machine) is not run again (``--force`` reruns it).
 
     python -m benchmarks.sglang_e2e.sglang_hybrid_spec --budget-s 420   # the GPU machine: run_h200_sglang.sh bench
@@ -45,6 +50,8 @@ PEERS = ("fa3", "triton")
 JOBS = [dict(name=f"q3n-{dtype}-{backend}", model="q3n-mtp", backend=backend, dtype=dtype, spec=NEXTN)
         for dtype, backends in (("bf16", ("triton", "dcp-triton", "fa3")), ("fp32", ("dcp-triton", "triton")))
         for backend in backends]
+JOBS += [dict(job, name=f"{job['name']}-p64", page_size=64) for job in JOBS if job["dtype"] == "bf16"]
+PAGES = {"": "bf16_vs", "-p64": "bf16_p64_vs"}  # job-name suffix -> the summary's key of that page size
 LOADS = {"decode": dict(requests=32, prompt_len=512, output_len=256),
          "long_prompt": dict(requests=4, prompt_len=7168, output_len=64)}
 OUTPUT_LEN = 64
@@ -99,15 +106,16 @@ def summarise(results: list[dict]) -> dict:
         summary["fp32_vs_triton"] = dict(greedy=agreement,
                                          greedy_identical=agreement["equal"] == agreement["sequences"],
                                          acceptance_ratio=ratio(accepted_length(ours), accepted_length(ref)))
-    ours = done.get("q3n-bf16-dcp-triton")
-    summary["bf16_vs"] = {}
-    for peer in PEERS:
-        theirs = done.get(f"q3n-bf16-{peer}")
-        if ours and theirs:
-            summary["bf16_vs"][peer] = dict(
-                greedy=one.greedy_agreement(ours["greedy"], theirs["greedy"]),
-                acceptance_ratio=ratio(accepted_length(ours), accepted_length(theirs)),
-                tok_s_ratio={load: ratio(best_tok_s(ours, load), best_tok_s(theirs, load)) for load in LOADS})
+    for suffix, key in PAGES.items():
+        ours = done.get(f"q3n-bf16-dcp-triton{suffix}")
+        summary[key] = {}
+        for peer in PEERS:
+            theirs = done.get(f"q3n-bf16-{peer}{suffix}")
+            if ours and theirs:
+                summary[key][peer] = dict(
+                    greedy=one.greedy_agreement(ours["greedy"], theirs["greedy"]),
+                    acceptance_ratio=ratio(accepted_length(ours), accepted_length(theirs)),
+                    tok_s_ratio={load: ratio(best_tok_s(ours, load), best_tok_s(theirs, load)) for load in LOADS})
     return summary
 
 

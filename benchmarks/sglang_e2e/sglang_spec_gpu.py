@@ -76,6 +76,8 @@ def engine_kwargs(job: dict, models: dict[str, Path], tp: int = 1) -> dict:
         kwargs.update(tp_size=tp, dcp_size=tp)
     if job["dtype"] == "fp32":
         kwargs["disable_cuda_graph"] = True
+    if job.get("page_size"):
+        kwargs["page_size"] = job["page_size"]
     if job.get("spec"):
         spec = dict(job["spec"])
         draft = spec.pop("draft")

@@ -21,7 +21,11 @@ def test_every_job_speculates_with_the_models_own_mtp_layer_and_only_the_backend
     assert {n: e["attention_backend"] for n, e in engines.items() if "fp32" in n} == {
         "q3n-fp32-dcp-triton": "dcp-triton", "q3n-fp32-triton": "triton"}  # fa3 takes no float32
     assert {e["attention_backend"] for n, e in engines.items() if "bf16" in n} == {"dcp-triton", "triton", "fa3"}
-    same = [dict(e, attention_backend=None, dtype=None, disable_cuda_graph=None) for e in engines.values()]
+    assert {n: e.get("page_size") for n, e in engines.items() if n.endswith("-p64")} == {
+        "q3n-bf16-triton-p64": 64, "q3n-bf16-dcp-triton-p64": 64, "q3n-bf16-fa3-p64": 64}
+    assert all("page_size" not in e for n, e in engines.items() if not n.endswith("-p64"))  # SGLang's default
+    same = [dict(e, attention_backend=None, dtype=None, disable_cuda_graph=None, page_size=None)
+            for e in engines.values()]
     assert all(e == same[0] for e in same)
 
 
@@ -48,6 +52,19 @@ def test_sglang_summary_gives_float32_identity_acceptance_and_best_tok_s_ratios(
     assert fa3["acceptance_ratio"] == 2.0  # 4 tokens in 2 verify steps against 4 in 4
     assert fa3["tok_s_ratio"] == {"decode": 0.9, "long_prompt": 0.8} and fa3["greedy"]["equal"] == 0
     assert "triton" not in summary["bf16_vs"]
+    assert summary["bf16_p64_vs"] == {}  # no 64-token-page jobs: nothing compared there
+
+
+def test_the_64_token_page_jobs_compare_among_themselves():
+    results = [*_sglang_results(), _job("q3n-bf16-dcp-triton-p64", [[1, 2, 3, 4]], [2], (120.0, 60.0)),
+               _job("q3n-bf16-triton-p64", [[1, 2, 3, 4]], [2], (100.0, 40.0))]
+    summary = sglang_bench.summarise(results)
+    assert summary["bf16_p64_vs"]["triton"]["tok_s_ratio"] == {"decode": 1.2, "long_prompt": 1.5}
+    assert summary["bf16_vs"]["fa3"]["tok_s_ratio"] == {"decode": 0.9, "long_prompt": 0.8}  # page 1's unchanged
+    assert "fa3" not in summary["bf16_p64_vs"]
+    part = hybrid_spec.sglang_part(dict(summary=summary, jobs=results))
+    assert part["tok_s_ratio_p64"] == {"decode": {"triton": 1.2}, "long_prompt": {"triton": 1.5}}
+    assert part["tok_s_ratio"] == {"decode": {"fa3": 0.9}, "long_prompt": {"fa3": 0.8}}
 
 
 def _jobs_tarball(path: Path, logs: dict[str, str]) -> None:

@@ -244,4 +244,5 @@ def test_the_hybrid_script_runs_sglangs_triton_first():
     from benchmarks.sglang_e2e import sglang_hybrid_spec as hybrid
 
     assert [job["name"] for job in hybrid.JOBS] == ["q3n-bf16-triton", "q3n-bf16-dcp-triton", "q3n-bf16-fa3",
-                                                     "q3n-fp32-dcp-triton", "q3n-fp32-triton"]
+                                                     "q3n-fp32-dcp-triton", "q3n-fp32-triton", "q3n-bf16-triton-p64",
+                                                     "q3n-bf16-dcp-triton-p64", "q3n-bf16-fa3-p64"]
