@@ -2,9 +2,9 @@
 engine's own attention backends, summarised from the two engines' results files.
 
 Reads ``<results>/sglang_hybrid_spec_<gpu>.json`` (``sglang_e2e/sglang_hybrid_spec.py``: NEXTN against SGLang's
-``triton`` and ``fa3``) and ``<results>/vllm_hybrid_<gpu>.json`` (``vllm_e2e/vllm_hybrid_gpu.py``: with and
-without MTP against ``FLASH_ATTN``, and ``TRITON_ATTN`` beside it) and writes ``<results>/hybrid_spec_<gpu>.json``
-whose ``summary`` holds, per engine:
+``triton`` and ``fa3``; ``..._<gpu>_p64.json`` too where its 64-token-page jobs ran apart) and
+``<results>/vllm_hybrid_<gpu>.json`` (``vllm_e2e/vllm_hybrid_gpu.py``: with and without MTP against ``FLASH_ATTN``,
+and ``TRITON_ATTN`` beside it) and writes ``<results>/hybrid_spec_<gpu>.json`` whose ``summary`` holds, per engine:
 
   greedy_identical  float32 greedy tokens (with speculation) of dcp-triton equal to the peer's: true / false; null
                     where no float32 pair ran (vLLM's GDN kernels take no float32), with ``greedy_bf16``: how many
@@ -12,7 +12,8 @@ whose ``summary`` holds, per engine:
                     other (bf16 rounding makes greedy tokens of a random model part at near-ties)
   acceptance_ratio  per peer: dcp-triton's mean accepted length (tokens per verify step) over the peer's
   tok_s_ratio       per load and peer: dcp-triton's output tokens/s over the peer's (best runs); vLLM's only where
-                    its greedy batch was timed more than once (a first run compiles for its prompt lengths)
+                    its greedy batch was timed more than once (a first run compiles for its prompt lengths); SGLang's
+                    on 64-token pages, all backends alike, in ``tok_s_ratio_p64``
   missing           each comparison that could not be made, and why
 
     python -m benchmarks.hybrid_spec --gpu h100
@@ -33,7 +34,9 @@ VLLM_PEER = "FLASH_ATTN"
 ERROR_LINE = re.compile(r"^\w+(Error|Exception): ")
 
 
-def sglang_part(result: dict) -> dict:
+def sglang_part(result: dict, pages64: dict | None = None) -> dict:
+    """SGLang's summary; ``pages64``: a run of the 64-token-page jobs alone (``--only '*-p64'``, its own file),
+    whose comparisons stand for the main file's."""
     summary, jobs = result["summary"], {j["name"]: j for j in result["jobs"] if "error" not in j}
     fp32 = summary.get("fp32_vs_triton")
     part: dict = dict(engine="SGLang", speculation="NEXTN (MTP): 3 steps, topk 1, 4 draft tokens",
@@ -52,7 +55,7 @@ def sglang_part(result: dict) -> dict:
         part["acceptance_ratio"][peer] = versus["acceptance_ratio"]
         for load, ratio in versus["tok_s_ratio"].items():
             part["tok_s_ratio"].setdefault(load, {})[peer] = ratio
-    for peer, versus in summary.get("bf16_p64_vs", {}).items():  # every backend on 64-token pages
+    for peer, versus in (pages64 or result)["summary"].get("bf16_p64_vs", {}).items():  # all on 64-token pages
         for load, ratio in versus["tok_s_ratio"].items():
             part.setdefault("tok_s_ratio_p64", {}).setdefault(load, {})[peer] = ratio
     a, b = (jobs.get(f"q3n-bf16-{peer}") for peer in SGLANG_PEERS)
@@ -120,13 +123,14 @@ def job_errors(jobs_tarball: Path) -> dict[str, str]:
 
 def combine(gpu: str, results_dir: Path = common.RESULTS) -> Path:
     sources = {"sglang": results_dir / f"sglang_hybrid_spec_{gpu}.json",
+               "sglang_p64": results_dir / f"sglang_hybrid_spec_{gpu}_p64.json",
                "vllm": results_dir / f"vllm_hybrid_{gpu}.json"}
     loaded = {engine: json.loads(path.read_text()) for engine, path in sources.items() if path.exists()}
     if "sglang" in loaded:  # why a job failed: its log's exception, from the jobs' logs beside the results
         loaded["sglang"]["job_logs"] = job_errors(results_dir / f"sglang_hybrid_spec_{gpu}_jobs.tar.gz")
     summary = {"gpu": next((r.get("gpu") or r.get("meta", {}).get("gpu") for r in loaded.values()), None)}
     if "sglang" in loaded:
-        summary["sglang"] = sglang_part(loaded["sglang"])
+        summary["sglang"] = sglang_part(loaded["sglang"], loaded.get("sglang_p64"))
     if "vllm" in loaded:
         summary["vllm"] = vllm_part(loaded["vllm"])
     origin = {engine: r.get("provenance") or r.get("meta", {}).get("provenance") for engine, r in loaded.items()}

@@ -65,6 +65,13 @@ def test_the_64_token_page_jobs_compare_among_themselves():
     part = hybrid_spec.sglang_part(dict(summary=summary, jobs=results))
     assert part["tok_s_ratio_p64"] == {"decode": {"triton": 1.2}, "long_prompt": {"triton": 1.5}}
     assert part["tok_s_ratio"] == {"decode": {"fa3": 0.9}, "long_prompt": {"fa3": 0.8}}
+    apart = [_job("q3n-bf16-dcp-triton-p64", [[1]], [1], (80.0, 60.0)),
+             _job("q3n-bf16-fa3-p64", [[1]], [1], (100.0, 50.0))]
+    main = _sglang_results()  # the page-1 run's file; the 64-token-page jobs ran into a file of their own
+    part = hybrid_spec.sglang_part(dict(summary=sglang_bench.summarise(main), jobs=main),
+                                   dict(summary=sglang_bench.summarise(apart), jobs=apart))
+    assert part["tok_s_ratio_p64"] == {"decode": {"fa3": 0.8}, "long_prompt": {"fa3": 1.2}}
+    assert part["tok_s_ratio"] == {"decode": {"fa3": 0.9}, "long_prompt": {"fa3": 0.8}}
 
 
 def _jobs_tarball(path: Path, logs: dict[str, str]) -> None:
