@@ -19,8 +19,8 @@ tokens. Jobs, each an offline ``sglang.Engine`` (token ids in) in its own proces
                                          (fa3 takes no float32)
   q3n-bf16-triton-p64, q3n-bf16-dcp-triton-p64, q3n-bf16-fa3-p64
                                          the bf16 jobs again with 64-token pages (``--page-size 64``; SGLang's
-                                         default is 1, the worst case for dcp-triton's paged kernels, which read
-                                         whole pages through tensor descriptors on an H100/H200)
+                                         default is 1, and dcp-triton reads a cache through tensor descriptors on
+                                         an H100/H200 only in pages of 64 tokens, as its quickstart asks for)
 
 The summary (``summary``): float32 greedy tokens of dcp-triton against triton (every sequence equal or not) and both
 mean accepted lengths (tokens per verify step: SGLang's ``spec_verify_ct``); per bf16 peer the accepted-length ratio,
