@@ -60,9 +60,21 @@ def warmed_up_line(steps: int, seconds: float, dcp_size: int, dtype, compiles: d
         if report:
             counted += (f"; {name}: {report['variants']} variants, {report['missing']} not in Triton's cache, "
                         f"{report['compiled']} compiled by {report['workers']} worker processes"
+                        + _times(report)
                         + (f", {report['failed']} failed: {report['reason']}" if report["failed"] else ""))
     return (f"dcp-triton: compiled the kernels of {steps} step kinds before serving in {seconds:.1f} s "
             f"(dcp_size={dcp_size}, {dtype}{counted})")
+
+
+def _times(report: dict) -> str:
+    """Where a compile-ahead's seconds went (its report's ``times``: the worker that finished last) and, for one
+    started early, how long the warm-up still waited for it (``waited_s``)."""
+    times, waited = report.get("times"), report.get("waited_s")
+    text = "" if times is None else (
+        f" in {times['end_s']:.1f} s (the last: started in {times['start_s']:.1f} s, "
+        f"imports {times['imports_s']:.1f} s, compiles {times['compile_s']:.1f} s, "
+        f"launchers {times['launcher_s']:.1f} s)")
+    return text + ("" if waited is None else f", waited for {waited:.1f} s")
 
 
 @contextlib.contextmanager

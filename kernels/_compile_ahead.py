@@ -117,8 +117,10 @@ def compile_ahead(workers: int, *, launchers: bool = True, report: dict | None =
     exit the variants missing from Triton's cache are compiled by up to ``workers`` processes (with ``launchers``,
     their launchers built too). ``report``, when given, receives ``variants`` (recorded), ``missing`` (not in the
     cache, handed to the workers), ``compiled`` (by them), ``workers`` (started), ``failed`` (workers that failed or
-    ran out of time) and, after a failure, its last line (``reason``). With ``wait`` False the workers are started
-    and left compiling while this process goes on; ``join_early`` waits for them and gives their report."""
+    ran out of time), after a failure its last line (``reason``) and, once a worker finished, ``times``: where the
+    slowest one's seconds went (``_Workers.wait``). With ``wait`` False the workers are started and left compiling
+    while this process goes on; ``join_early`` waits for them and gives their report, with ``waited_s``: how long
+    this process waited for them (what the head start left on the critical path)."""
     variants: list = []
     _install(True)
     tokens = _RECORDING.set(variants), _launch.set_compile_only(True)
@@ -162,18 +164,25 @@ _early: list = []
 def join_early() -> dict | None:
     """Wait for the workers of every compile-ahead started without waiting (``compile_ahead(wait=False)``) and give
     their report, summed (``variants``, ``missing``, ``compiled``, ``workers``, ``failed``, ``reason`` after a
-    failure); None when none was started."""
+    failure), with ``waited_s`` (the seconds this call waited) and the ``times`` of the one that ended last; None
+    when none was started."""
     if not _early:
         return None
     total = dict(variants=0, missing=0, compiled=0, workers=0, failed=0)
+    began = time.monotonic()
     while _early:
         started, outcome, report = _early.pop(0)
+        waiting = time.monotonic()
         started.wait(outcome)
+        outcome["waited_s"] = round(time.monotonic() - waiting, 2)
         _finish(outcome, report)
         for key in total:
             total[key] += outcome[key]
         if outcome["failed"]:
             total.setdefault("reason", outcome["reason"])
+        if "times" in outcome and outcome["times"]["end_s"] > total.get("times", {}).get("end_s", -1.0):
+            total["times"] = outcome["times"]
+    total["waited_s"] = round(time.monotonic() - began, 2)
     return total
 
 
@@ -205,6 +214,7 @@ class _Workers:
         env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=triton.knobs.cache.dir,
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         count = min(workers, len(missing))
+        self.spawned = time.monotonic()  # the workers' times are counted from here (CLOCK_MONOTONIC: system-wide)
         try:
             for i in range(count):
                 work, done = os.path.join(self.scratch, f"work{i}.json"), os.path.join(self.scratch, f"done{i}.json")
@@ -222,7 +232,10 @@ class _Workers:
         self.deadline = time.monotonic() + WORKER_TIMEOUT_S
 
     def wait(self, outcome: dict) -> None:
-        """Each worker's end (stopped at the deadline) counted into ``outcome``; the scratch folder removed."""
+        """Each worker's end (stopped at the deadline) counted into ``outcome``, and ``times``: the seconds of the
+        worker that finished last, from the start of the first worker: ``start_s`` (until it was ready: Python,
+        torch and Triton imported), ``imports_s`` (its variants' modules), ``compile_s`` (``triton.compile``),
+        ``launcher_s`` (their launchers), ``end_s`` (when it finished); the scratch folder removed."""
         try:
             for proc, done in self.started:
                 try:
@@ -236,6 +249,11 @@ class _Workers:
                     with open(done) as f:
                         result = json.load(f)
                 outcome["compiled"] += result["compiled"]
+                if "done_at" in result and result["done_at"] - self.spawned > outcome.get("times", {}).get(
+                        "end_s", -1.0):
+                    outcome["times"] = {"start_s": round(result["ready_at"] - self.spawned, 2),
+                                        **{k: round(result[k], 2) for k in ("imports_s", "compile_s", "launcher_s")},
+                                        "end_s": round(result["done_at"] - self.spawned, 2)}
                 if proc.returncode != 0:
                     outcome["failed"] += 1
                     outcome.setdefault("reason", result["reason"] or err or f"exit status {proc.returncode}")
@@ -328,15 +346,20 @@ def _worker(work_path: str, done_path: str) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
 
+    ready_at = time.monotonic()  # this module's imports done: Python, torch, Triton
     with open(work_path) as f:
         work = json.load(f)
+    for module in dict.fromkeys(variant["module"] for variant in work["variants"]):
+        with contextlib.suppress(Exception):  # a module that cannot be imported fails its variants below
+            importlib.import_module(module)
+    imports_s = time.monotonic() - ready_at
     target = GPUTarget(*work["target"])
     backend = make_backend(target)
     if get_cache_invalidating_env_vars() != work["env_vars"]:
         raise RuntimeError("the cache-invalidating environment differs from the engine process's")
     backend_hash = work["backend_hash"]
     type(backend).hash = lambda self: backend_hash  # the recording process's (see _Plan)
-    compiled, reasons = 0, []
+    compiled, reasons, seconds = 0, [], {"compile_s": 0.0, "launcher_s": 0.0}
     for variant in work["variants"]:
         try:
             src, options = _source(variant)
@@ -345,16 +368,21 @@ def _worker(work_path: str, done_path: str) -> None:
             if differ:  # compiled here it would land where the engine's process does not look
                 raise RuntimeError(f"{variant['name']}: the cache key's {' and '.join(differ)} "
                                    f"{'parts differ' if len(differ) > 1 else 'part differs'} from the engine process's")
+            began = time.monotonic()
             kernel = triton.compile(src, target=target, options=options, _env_vars=work["env_vars"])
+            seconds["compile_s"] += time.monotonic() - began
             if kernel.hash != variant["key"]["hash"]:
                 raise RuntimeError(f"{variant['name']}: compiled under another cache key than the engine process's")
             if work["launchers"]:
+                began = time.monotonic()
                 triton.runtime.driver.active.launcher_cls(kernel.src, kernel.metadata)
+                seconds["launcher_s"] += time.monotonic() - began
             compiled += 1
         except Exception as error:  # the rest of the share still compiles
             reasons.append(f"{type(error).__name__}: {error}".strip().splitlines()[-1])
     with open(done_path, "w") as f:
-        json.dump({"compiled": compiled, "reason": reasons[0] if reasons else None}, f)
+        json.dump({"compiled": compiled, "reason": reasons[0] if reasons else None, "ready_at": ready_at,
+                   "imports_s": imports_s, **seconds, "done_at": time.monotonic()}, f)
     sys.exit(1 if reasons else 0)
 
 

@@ -58,7 +58,12 @@ SCRIPT = textwrap.dedent("""
     os.chmod(other, stat.S_IRWXU)
 
     launches = [write_kv(torch.float16, 8), write_kv(torch.float32, 8), write_kv(torch.float16, 2)]
-    hits, heard, out = [], [], {}
+    hits, heard, out = [], [], {"times": {}}
+
+    def timed(name, report):  # a report without its seconds (checked apart: they differ run to run)
+        out["times"][name] = {key: report.pop(key) for key in ("times", "waited_s") if key in report}
+        return report
+
     triton.knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
 
     def before(*, fn, is_manual_warmup, **kw):
@@ -74,7 +79,7 @@ SCRIPT = textwrap.dedent("""
         with _launch.launches_run():  # a compile asked for outside compile-only mode: not recorded, compiled here
             ask(*launches[2])
         os.environ["TRITON_PTXAS_PATH"] = os.environ["TRITON_PTXAS_BLACKWELL_PATH"] = other
-    out["report"], out["heard"], out["hook_back"] = report, list(heard), triton.knobs.runtime.jit_cache_hook is before
+    out["report"], out["heard"], out["hook_back"] = timed("report", report), list(heard), triton.knobs.runtime.jit_cache_hook is before
     out["compiled_during"] = list(hits)
     hits.clear()
     for launch, args in launches:  # now Triton's dispatch compiles each (no launch on this CPU)
@@ -119,7 +124,7 @@ SCRIPT = textwrap.dedent("""
         write_kv(torch.float16, 32)[0](*write_kv(torch.float16, 32)[1])
         with open(os.path.join(probe_dir, "ahead_probe.py"), "w") as f:
             f.write(probe + "    tl.store(x + tl.arange(0, N), tl.zeros([N], tl.float32) + 1.0)\\n")
-    out["moved"] = moved
+    out["moved"] = timed("moved", moved)
 
     # A kernel this process cannot name for a worker (defined inside a function): planning fails, nothing raises.
     unnamed = {}
@@ -146,7 +151,7 @@ SCRIPT = textwrap.dedent("""
     threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    out["threads"] = reports + [triton.knobs.runtime.jit_cache_hook is before]
+    out["threads"] = [timed(f"thread{i}", r) for i, r in enumerate(reports)] + [triton.knobs.runtime.jit_cache_hook is before]
 
     # Started without waiting (an engine's profiling run): the worker compiles while this process goes on, and
     # join_early waits for it and reports; Triton's dispatch then finds the variant in its cache.
@@ -155,8 +160,8 @@ SCRIPT = textwrap.dedent("""
         launch, args = write_kv(torch.bfloat16, 8)  # a dtype no block above compiled
         launch(*args)
     out["early_started"] = dict(early)
-    out["early_joined"] = _compile_ahead.join_early()
-    out["early_report"] = early
+    out["early_joined"] = timed("early_joined", _compile_ahead.join_early())
+    out["early_report"] = timed("early_report", early)
     hits.clear()
     launch.kernel.device_caches[0][0].clear()
     ask(launch, args)
@@ -169,7 +174,7 @@ SCRIPT = textwrap.dedent("""
     with _compile_ahead.compile_ahead(1, launchers=False, report=failing):
         launch, args = write_kv(torch.float16, 16)
         launch(*args)
-    out["failing"] = failing
+    out["failing"] = timed("failing", failing)
     print("RESULT " + json.dumps(out))
 """)
 
@@ -197,6 +202,21 @@ def test_recorded_variants_are_compiled_by_the_workers_under_the_key_triton_look
     # keyed its compiles on (the third, the parent's own, from the cache too)
     assert out["hits_after"] == [True, True, True]
     assert out["control"] == [False]  # a variant nobody compiled ahead is built: the check above can fail
+
+
+def test_the_workers_say_where_their_seconds_went(run):
+    out, _ = run
+    times = out["times"]
+    for name in ("report", "moved", "thread0", "thread1", "early_report"):
+        t = times[name]["times"]
+        assert set(t) == {"start_s", "imports_s", "compile_s", "launcher_s", "end_s"}, name
+        assert 0 < t["start_s"] < t["end_s"] and t["compile_s"] > 0 and t["imports_s"] >= 0, (name, t)
+        assert t["launcher_s"] == 0  # launchers=False: none built
+        assert t["start_s"] + t["imports_s"] + t["compile_s"] <= t["end_s"] + 0.02, (name, t)  # rounding
+    assert "waited_s" not in times["report"]  # waited for inside the block: no head start to account for
+    early, joined = times["early_report"], times["early_joined"]
+    assert early["times"] == joined["times"] and 0 <= early["waited_s"] <= joined["waited_s"]
+    assert times["failing"] == {}  # a worker that wrote nothing has no seconds to tell
 
 
 def test_variants_already_in_tritons_cache_start_no_worker(run):

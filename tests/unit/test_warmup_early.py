@@ -70,6 +70,13 @@ def test_the_warm_up_reports_what_the_early_workers_compiled(monkeypatch):
                     "torch.bfloat16; compile-ahead started early: 14 variants, 14 not in Triton's cache, 14 compiled "
                     "by 8 worker processes; compile-ahead: 3 variants, 0 not in Triton's cache, 0 compiled by 0 "
                     "worker processes)")
+    # where the early workers' seconds went, and what of them the warm-up still waited for
+    report["early"] = dict(early, times=dict(start_s=2.25, imports_s=0.5, compile_s=4.0, launcher_s=1.5, end_s=8.5),
+                           waited_s=0.75)
+    line = warmup.warmed_up_line(10, 1.25, 1, torch.bfloat16, None, report)
+    assert ("compile-ahead started early: 14 variants, 14 not in Triton's cache, 14 compiled by 8 worker processes "
+            "in 8.5 s (the last: started in 2.2 s, imports 0.5 s, compiles 4.0 s, launchers 1.5 s), waited for "
+            "0.8 s; compile-ahead: 3 variants") in line
 
 
 def test_no_early_warm_up_without_compile_ahead(monkeypatch):
