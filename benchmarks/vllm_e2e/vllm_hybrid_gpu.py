@@ -9,7 +9,9 @@ own process, CUDA graphs on (vLLM's default FULL_AND_PIECEWISE), one GPU, in run
 
   q3n-dcp-triton, q3n-FLASH_ATTN                       no speculation
   q3n-mtp-dcp-triton, q3n-mtp-FLASH_ATTN               MTP drafts (``qwen3_next_mtp``, 2 tokens; the draft's
-                                                       attention layer on the same backend)
+                                                       attention layer on the same backend: vLLM picks a draft's
+                                                       backend apart from the target's unless the speculative
+                                                       config names one, so each job names its own)
   q3n-TRITON_ATTN                                      no speculation (how far two vLLM backends part in bf16)
 
 ``--tp 2``: the DCP = 2 set on two GPUs (``ENGINES_TP2``, the model with one KV head: vLLM's DCP needs more TP ranks
@@ -100,7 +102,7 @@ def catalogue(work: Path, raw: Path, *, tp: int = 1) -> list[Job]:
                       decode_context_parallel_size=dcp, compilation_config={"cudagraph_capture_sizes": GRAPH_SIZES},
                       additional_config={"gdn_prefill_backend": "triton"})  # FlashInfer's is not in the bundle
         if mtp:
-            kwargs["speculative_config"] = dict(MTP)
+            kwargs["speculative_config"] = dict(MTP, attention_backend=backend)
         spec = {"kind": "engine", "model": model, "backend": backend, "dtype": "bfloat16", "mode": "graphs",
                 "method": "mtp" if mtp else None, "dcp": dcp, "versus": versus, "vocab": vocab, "engine": kwargs,
                 "tasks": tasks, "out": str(raw / f"{name}.json.gz")}

@@ -37,6 +37,9 @@ def test_the_model_is_qwen35s_attention_layout_with_mtp_and_engines_differ_only_
     assert [n for n, e in engines.items() if "speculative_config" in e] == ["q3n-mtp-dcp-triton",
                                                                           "q3n-mtp-FLASH_ATTN"]
     assert engines["q3n-mtp-dcp-triton"]["speculative_config"]["method"] == "qwen3_next_mtp"
+    # the draft's attention layer on the job's backend: vLLM does not give a draft the target's unless asked
+    assert {n: e["speculative_config"]["attention_backend"] for n, e in engines.items() if "mtp" in n} == {
+        "q3n-mtp-dcp-triton": "dcp-triton", "q3n-mtp-FLASH_ATTN": "FLASH_ATTN"}
     plain = dict(engines["q3n-dcp-triton"], attention_backend=None)
     assert all(dict(e, attention_backend=None) == plain for n, e in engines.items() if "mtp" not in n)
 
