@@ -66,3 +66,15 @@ def resolved_server_arg(model_runner, name: str):
     from sglang.srt.arg_groups.overrides import resolved_view
 
     return getattr(resolved_view(model_runner.server_args), name, None)
+
+
+def runtime_spec_arg(name: str, default):
+    """A speculative setting as SGLang's runtime config holds it now (``get_spec()``): an adaptive run
+    (``--speculative-adaptive``) overrides its draft-token count there, not in the server arguments, while it builds
+    each candidate step count's target backend and graphs. ``default`` where no config is published (tests)."""
+    try:
+        from sglang.srt.runtime_context import get_spec
+
+        return getattr(get_spec(), name)
+    except (ImportError, ValueError, AttributeError):
+        return default

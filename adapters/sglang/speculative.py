@@ -41,6 +41,8 @@ def from_runner(model_runner) -> Speculation:
     algorithm = str(getattr(algorithm, "name", algorithm)).upper()
     topk = compat.resolved_server_arg(model_runner, "speculative_eagle_topk") or 1
     tokens = compat.resolved_server_arg(model_runner, "speculative_num_draft_tokens") or 0
+    if compat.resolved_server_arg(model_runner, "speculative_adaptive"):  # this candidate's count (compat)
+        tokens = compat.runtime_spec_arg("speculative_num_draft_tokens", tokens) or 0
     return Speculation(algorithm=algorithm, draft_tokens=tokens, trees=algorithm == "NGRAM" or topk > 1)
 
 

@@ -115,3 +115,41 @@ def test_draft_extend_graph_steps_replay_padded_windows():
         out = backend.forward_extend(q.flatten(1), k, v, state.layers[0], fb).view(q.shape)
         want = torch.cat([state.world.causal_attention_f64(b, p, range(8)) for b, p in positions.items()])
         assert_matches(out[:3 * d], want, out.dtype, f"replay {step}")
+
+
+def test_an_adaptive_runs_candidate_backend_captures_its_own_draft_count():
+    """``--speculative-adaptive``: SGLang builds a target backend and verify graphs for each candidate step count
+    while its runtime config says that count (``get_context().override``, as its EAGLE worker does; the server
+    arguments keep the start-up count). The candidate's backend takes the candidate's count: it captures a verify
+    step of 3 draft tokens per request (the run started with 4), padded to the captured 4 requests, and gives each
+    draft token its float64 attention."""
+    import dataclasses
+
+    from sglang.srt import runtime_context
+
+    from dcp_plugin.adapters.sglang.backend import DcpTritonAttnBackend
+
+    case = SgCase(name="adaptive", q_heads=8, kv_heads=2, page_size=2, requests=((5, 0), (9, 0), (2, 0)),
+                  speculative="eagle-chain", draft_tokens=4, verify_steps=1, decode_steps=4)
+    args = server_args(config_argv(1) + sglang_spec_checks.argv(case) + ["--speculative-adaptive"])
+    state = SglangRank(case, 1, 0, None, args)
+    state.step({0: 5, 1: 9, 2: 2})
+    assert state.backend.speculation.draft_tokens == 4  # no runtime config published: the server arguments'
+    runtime_context.publish(args, role="test")
+    try:
+        runtime_context.get_context().override("adaptive_spec.capture_override", speculative_num_steps=2,
+                                               speculative_num_draft_tokens=3)
+        backend = DcpTritonAttnBackend(state.runner, topology=state.backend.topology)
+    finally:
+        runtime_context.reset_context()
+    d = 3
+    assert backend.speculation.draft_tokens == d
+    backend.init_cuda_graph_state(4, 4 * d)
+    state.case = dataclasses.replace(case, draft_tokens=d)
+    fb, positions, masks = sglang_spec_checks.verify_batch(state, trees=False, layout="qlen", rng=random.Random(0))
+    backend.init_forward_metadata_out_graph(_padded(fb, 4, d), in_capture=True)
+    q, k, v = (torch.cat(t) for t in zip(*(state._qkv(b, p) for b, p in positions.items())))
+    q, k, v = (torch.cat([t, torch.zeros(d, *t.shape[1:])]) for t in (q, k, v))
+    out = backend.forward_decode(q.flatten(1), k, v, state.layers[0], fb).view(q.shape)
+    want = torch.cat([state.world.causal_attention_f64(b, p, range(8)) for b, p in positions.items()])
+    assert_matches(out[:3 * d], want, out.dtype, "the candidate's verify step")
