@@ -67,7 +67,7 @@ class StepBuilder:
         if fb.forward_mode.is_target_verify():
             return self._build_verify(fb, bs)
         seq_lens = fb.seq_lens[:bs].to(torch.int32)
-        if fb.forward_mode.is_decode():
+        if fb.forward_mode.is_decode_or_idle():  # an IDLE batch (a DP-attention rank without requests, padded) too
             query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=seq_lens.device)
             max_seq = longest_on_host(fb, bs, self.max_context_len)
             hints = dict(max_query_len=1 if bs else 0, max_seq_len=max_seq, max_context_len=max(max_seq - 1, 0))
@@ -174,7 +174,7 @@ def longest_on_host(fb, bs: int, capacity: int) -> int:
 
 def graphed(forward_mode) -> bool:
     """Whether ``StepBuilder.build_graph`` builds a step of ``forward_mode`` (the modes SGLang replays from graphs)."""
-    return forward_mode.is_decode() or forward_mode.is_target_verify() or is_draft_extend_window(forward_mode)
+    return forward_mode.is_decode_or_idle() or forward_mode.is_target_verify() or is_draft_extend_window(forward_mode)
 
 
 def is_draft_extend_window(forward_mode) -> bool:

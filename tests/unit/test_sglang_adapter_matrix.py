@@ -201,6 +201,31 @@ def test_backend_at_dcp1_on_sglang_objects(case):
     assert run_sglang_case(case, 1, 0, None, lambda out: out) == 4 - (case.decode_steps < 2)
 
 
+@pytest.mark.parametrize("hybrid", [False, True], ids=["plain", "hybrid"])
+def test_a_padded_idle_batch_gets_decode_metadata(hybrid):
+    """A DP-attention rank without requests runs an IDLE batch that SGLang padded to the DP group's size (seq_len 1,
+    request slot 0, cache location 0: SGLang's padding slot). SGLang builds its attention metadata (and skips the
+    attention itself): the backend, directly or inside the hybrid wrapper, takes it as decode rows, as SGLang's own
+    backends do, and nothing is written to the cache."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    case = SgCase(name="idle", q_heads=8, kv_heads=2, page_size=2, requests=((5, 0), (9, 0)), hybrid=hybrid)
+    state = SglangRank(case, 1, 0, None, server_args(config_argv(1)))
+    state.step({0: 5, 1: 9})
+    bs, layer = 2, state.layers[0]
+    ones, zeros = torch.ones(bs, dtype=torch.int64), torch.zeros(bs, dtype=torch.int64)
+    fb = ForwardBatch(forward_mode=ForwardMode.IDLE, batch_size=bs, input_ids=zeros, req_pool_indices=zeros,
+                      seq_lens=ones, out_cache_loc=zeros, seq_lens_sum=bs, seq_lens_cpu=ones, positions=zeros)
+    keys = state.kv_pool.get_key_buffer(layer.layer_id)
+    before = keys.clone()
+    state.attn.init_forward_metadata(fb)
+    batch = state.backend.forward_metadata
+    assert (batch.num_tokens, batch.seq_lens.tolist(), batch.max_query_len) == (bs, [1, 1], 1)
+    q, k, v = (torch.randn(bs, n, case.head_dim) for n in (8, 2, 2))
+    state.attn.forward(q.flatten(1), k, v, layer, fb)  # as RadixAttention calls it
+    assert bool((keys.nan_to_num(7.0) == before.nan_to_num(7.0)).all())
+
+
 @pytest.mark.parametrize(("page_size", "descriptors"), [(64, True), (1, False), (16, False)])
 def test_pages_of_64_tokens_let_hopper_read_the_cache_through_tensor_descriptors(monkeypatch, page_size, descriptors):
     """With ``--page-size 64`` the backend's views of SGLang's KV buffers take whole 64-token tiles through tensor
