@@ -158,6 +158,31 @@ class DcpTritonMetadataBuilder(AttentionMetadataBuilder[DcpTritonMetadata]):
         )
         return DcpTritonMetadata(batch=batch, num_actual_tokens=cm.num_actual_tokens)
 
+    def build_for_drafting(self, common_attn_metadata: CommonAttentionMetadata,
+                           draft_index: int) -> DcpTritonMetadata:
+        """A draft model's step. At DCP > 1 vLLM's V1 drafter gives its later steps (``draft_index`` >= 1: one new
+        token per request, at position seq_len - 1) slots computed as if the cache were not sharded (its EAGLE step
+        kernel: ``block_table[pos // block_size] * block_size + pos % block_size``, on every rank), so each draft
+        token would land in another token's row: they are rewritten in place, in vLLM's own slot buffer (which its
+        KV-cache update reads too), to the owner rank's slot and -1 on the others. Where vLLM's slots were right
+        already (its V2 runner) the same values are written."""
+        cm = common_attn_metadata
+        if draft_index > 0 and self.tokens.dcp_size > 1 and cm.max_query_len == 1 and cm.num_reqs:
+            _owner_slots(cm, self.tokens)
+        return self.build(common_prefix_len=0, common_attn_metadata=cm, fast_build=True)
+
+
+def _owner_slots(cm: CommonAttentionMetadata, tokens: TokenLayout) -> None:
+    """Each request's one new token (position seq_len - 1) given this rank's slot for it in ``cm.slot_mapping``, -1
+    where another rank owns it; slots vLLM left at -1 (padding, a position past the model's length) stay -1."""
+    n = cm.num_reqs
+    slots, table = cm.slot_mapping[:n], cm.block_table_tensor[:n]
+    pos = cm.seq_lens[:n].to(torch.int64) - 1
+    column = tokens.virtual_block(pos.clamp_min(0)).clamp_max(table.shape[1] - 1)
+    block = table.gather(1, column[:, None]).squeeze(1).to(torch.int64)
+    mine = (tokens.owner(pos) == tokens.dcp_rank) & (pos >= 0) & (slots >= 0)
+    slots.copy_(torch.where(mine, block * tokens.block_size + tokens.local_offset(pos), -1))
+
 
 def _first(t: torch.Tensor, n: int) -> torch.Tensor:
     """``t[:n]``, or ``t`` itself when it has ``n`` entries (vLLM's eager steps pass them cut to size already)."""

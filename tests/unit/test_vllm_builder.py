@@ -249,3 +249,45 @@ def test_decode_split_count_is_fixed_under_full_graphs(monkeypatch, mode, kind, 
     own_context = max(context_lens)
     context = capacity - cm.max_query_len if sized_for_capacity and kind == "verify" else own_context
     assert batch.max_context_len == context
+
+
+@pytest.mark.parametrize("topology", [(2, 0, 1), (2, 1, 1), (4, 3, 1), (4, 1, 8)],
+                         ids=lambda t: f"dcp{t[0]}-rank{t[1]}-il{t[2]}")
+def test_a_v1_drafters_later_steps_get_the_owner_ranks_slots(monkeypatch, topology):
+    """vLLM's V1 drafter computes the slots of its later draft steps (EAGLE / MTP with 2+ speculative tokens) with
+    its EAGLE step kernel, ``block_table[pos // B] * B + pos % B`` on every rank (``v1/spec_decode/utils.py``), as if
+    the cache were not sharded. ``build_for_drafting`` gives each new token (position seq_len - 1) vLLM's own DCP slot
+    (``vllm_slot``: the owner rank's row, -1 elsewhere), in vLLM's buffer too; the first draft step (index 0, the
+    target's slots) and a slot vLLM padded (-1) are kept."""
+    dcp, rank, interleave = topology
+    builder = make_builder(monkeypatch, dcp=dcp, rank=rank, interleave=interleave, speculative_tokens=3)
+    seq_lens = [71, 2, 130, 1, 47]
+    width = -(-max(seq_lens) // (BLOCK_SIZE * dcp)) + 2
+    pages = torch.randperm(len(seq_lens) * width, generator=torch.Generator().manual_seed(5)).to(torch.int32)
+    pages = pages.view(len(seq_lens), width)
+
+    def eagle_step_slot(req: int) -> int:  # vLLM's kernel, its block number clamped to the table's width
+        pos = seq_lens[req] - 1
+        return int(pages[req, min(pos // BLOCK_SIZE, width - 1)]) * BLOCK_SIZE + pos % BLOCK_SIZE
+
+    def drafting_step(draft_index: int, padded: int | None = None):
+        slots = [eagle_step_slot(r) for r in range(len(seq_lens))]
+        if padded is not None:
+            slots[padded] = -1
+        n = len(seq_lens)
+        qsl, seq = torch.arange(n + 1, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
+        cm = CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq, num_reqs=n, num_actual_tokens=n,
+            max_query_len=1, max_seq_len=max(seq_lens), block_table_tensor=pages,
+            slot_mapping=torch.tensor(slots + [-1, -1], dtype=torch.int64), seq_lens_cpu_upper_bound=seq.clone())
+        return cm, builder.build_for_drafting(cm, draft_index=draft_index).batch.slot_mapping.tolist(), slots
+
+    want = [vllm_slot(s - 1, pages[r].tolist(), block_size=BLOCK_SIZE, dcp=dcp, rank=rank, interleave=interleave)
+            for r, s in enumerate(seq_lens)]
+    cm, got, _ = drafting_step(draft_index=1)
+    assert got == want and cm.slot_mapping.tolist() == want + [-1, -1]
+    assert got != [eagle_step_slot(r) for r in range(len(seq_lens))]  # vLLM's kernel got some of them wrong
+    _, got, _ = drafting_step(draft_index=2, padded=2)
+    assert got == want[:2] + [-1] + want[3:]
+    _, got, given = drafting_step(draft_index=0)
+    assert got == given
