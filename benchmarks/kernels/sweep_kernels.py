@@ -1,8 +1,9 @@
 """Tuning sweeps for the attention kernels on one GPU: each candidate launch config timed in one process, with the
 default (``None``: the kernels' own table) first, so a row's gain is read against the default of the same run.
 
-- ``prefill``: ``chunk_attention`` configs ``(block_m, block_n, num_warps, num_stages, tma)`` per head size on
-  each of ``--prefill-shapes`` (2 x 4096 unless given) causal, 32 Q / 8 KV heads, in TFLOP/s (``tma``: K/V
+- ``prefill``: ``chunk_attention`` configs ``(block_m, block_n, num_warps, num_stages, tma)`` per head size
+  (``--prefill-dims``, 128 and 64 unless given) on each of ``--prefill-shapes`` (2 x 4096 unless given) causal,
+  32 Q / 8 KV heads unless ``--prefill-heads`` says otherwise, in TFLOP/s (``tma``: K/V
   through tensor descriptors; 47214dc:benchmarks/results/kernels_h200_sweep2.json timed it as a separate candidate
   kernel, 6-tuples with warp specialization, which gained nothing, before it became this option);
 - ``prefix``: ``prefix_attention`` configs ``(block_n, block_m, num_warps, num_stages[, tma[, rows_ahead]])`` on the
@@ -23,6 +24,8 @@ row). Results in ``benchmarks/results/<name>.json``; the chosen configs go into 
 citing the file.
 
     python -m benchmarks.kernels.sweep_kernels --only prefill,prefix,decode,fp8 [--name kernels_h200_sweep]
+    python -m benchmarks.kernels.sweep_kernels --only prefill --prefill-dims 256 --prefill-heads 16x2 \
+        --prefill-shapes 16x1024,4x4096 --name kernels_h200_sweep_d256      # Qwen3-Next / Qwen3.5's attention
 """
 
 from __future__ import annotations
@@ -204,7 +207,13 @@ def best(rows: list[dict], key: str, group) -> dict:
 PREFILL_CONFIGS = {
     128: [(128, 128, 8, 3, False), (128, 64, 8, 3, True), (128, 128, 8, 2, True), (128, 64, 8, 4, True)],
     64: [(128, 128, 8, 3, True), (128, 64, 4, 3, True), (128, 128, 4, 3, True), (128, 64, 4, 4, False)],
+    # D=256 (Qwen3-Next / Qwen3.5: --prefill-dims 256 --prefill-heads 16x2): the default's tiles through tensor
+    # descriptors, and smaller ones (Q 128 x 256 bf16 is 64 KiB of the 227 alone)
+    256: [(128, 64, 8, 2, True), (64, 64, 4, 2, True), (64, 64, 4, 3, True), (128, 32, 8, 3, True),
+          (64, 32, 4, 4, True), (64, 128, 8, 2, True), (64, 64, 8, 3, True)],
 }
+PREFILL_DIMS = [128, 64]  # --prefill-dims
+PREFILL_HEADS = [32, 8]  # Q and KV heads of the prefill sweep, --prefill-heads
 PREFILL_SHAPES = [(2, 4096)]  # (sequences, tokens each), --prefill-shapes
 PAGE_SIZE = [16]  # the cache's page size for the prefix and decode sweeps (--page)
 PREFIX_CONFIGS = [(32, 128, 4, 5), (64, 256, 8, 2), (32, 128, 4, 6), (64, 128, 4, 4), (128, 256, 8, 2)]
@@ -237,8 +246,10 @@ def main() -> None:
     parser.add_argument("--decode-shapes", help="replace the decode shapes: BATCHxCTXxHQxHK,... (also fp8's)")
     parser.add_argument("--splits", help="replace the fixed split counts timed beside the automatic one (decode and "
                         "fp8): N,N,... or 'none' for the automatic one alone")
-    parser.add_argument("--prefill-configs", help="replace the D=128 prefill candidates: BMxBNxWxSxTMA,... "
-                        "(TMA 0/1, e.g. 128x128x8x3x1)")
+    parser.add_argument("--prefill-configs", help="replace the prefill candidates of every --prefill-dims head size: "
+                        "BMxBNxWxSxTMA,... (TMA 0/1, e.g. 128x128x8x3x1)")
+    parser.add_argument("--prefill-dims", help="the prefill sweep's head sizes: D,... (default 128,64; 256 too)")
+    parser.add_argument("--prefill-heads", help="the prefill sweep's Q and KV heads: HQxHK (default 32x8)")
     parser.add_argument("--prefill-shapes", help="replace the prefill shapes: SEQSxLEN,... (e.g. 16x1024,2x4096)")
     args = parser.parse_args()
     PAGE_SIZE[0] = args.page
@@ -254,13 +265,22 @@ def main() -> None:
         DECODE_SPLITS[:] = FP8_SPLITS[:] = [] if args.splits == "none" else [int(x) for x in args.splits.split(",")]
     if args.prefix_configs:
         PREFIX_CONFIGS[:] = [tuple(int(x) for x in c.split("x")) for c in args.prefix_configs.split(",")]
+    if args.prefill_dims:
+        PREFILL_DIMS[:] = [int(d) for d in args.prefill_dims.split(",")]
+        unknown = [d for d in PREFILL_DIMS if d not in PREFILL_CONFIGS]
+        if unknown and not args.prefill_configs:
+            parser.error(f"--prefill-dims {unknown}: no candidates for that head size; give --prefill-configs or "
+                         f"one of {sorted(PREFILL_CONFIGS)}")
+    if args.prefill_heads:
+        PREFILL_HEADS[:] = [int(x) for x in args.prefill_heads.split("x")]
     if args.prefill_configs:
-        PREFILL_CONFIGS[128] = [(*(int(x) for x in c.split("x")[:4]), c.split("x")[4] == "1")
-                                for c in args.prefill_configs.split(",")]
-        PREFILL_CONFIGS.pop(64)
+        for d in PREFILL_DIMS:
+            PREFILL_CONFIGS[d] = [(*(int(x) for x in c.split("x")[:4]), c.split("x")[4] == "1")
+                                  for c in args.prefill_configs.split(",")]
     results = dict(gpu=gpu_name(), torch=torch.__version__)
     sweeps = {
-        "prefill": (lambda: sweep_prefill(tuple(PREFILL_CONFIGS), PREFILL_CONFIGS, PREFILL_SHAPES), "tflops",
+        "prefill": (lambda: sweep_prefill(PREFILL_DIMS, PREFILL_CONFIGS, PREFILL_SHAPES, hq=PREFILL_HEADS[0],
+                                          hk=PREFILL_HEADS[1]), "tflops",
                     lambda r: [r["head_dim"], *r["shape"][:2]]),
         "prefix": (lambda: sweep_prefix(PREFIX_SHAPES, PREFIX_CONFIGS), "tflops", lambda r: r["shape"]),
         "decode": (lambda: sweep_decode(DECODE_SHAPES, DECODE_SPLITS, DECODE_CONFIGS), "gbs",
