@@ -5,8 +5,8 @@ Inside ``compile_ahead(workers)`` a ``Launch`` asks Triton for its variant (``ke
 ``jit_cache_hook`` stops the compile before it starts: the variant's specialization is recorded instead, in
 Triton's own serialization (the one ``JITFunction.preload`` reads). Only dcp-triton's kernels are recorded; the
 kernels the warm-up runs for real (``launches_run``) compile in this process as usual. On exit the variants Triton's
-cache lacks are shared out to up to ``workers`` Python processes (this module run as ``__main__``, the working
-directory off their path):
+cache lacks are handed to up to ``workers`` Python processes (this module run as ``__main__``, the working
+directory off their path), which take them one at a time from one list:
 each imports the variants' modules, compiles them for this GPU with ``triton.compile`` under this process's backend
 hash and cache-invalidating environment (``_Plan``), checks that each lands under the cache key this process
 computed, and builds its launcher (a C module, from the host's compiler) into the same cache. The warm-up's steps
@@ -200,7 +200,11 @@ _WORKER_MAIN = f"import runpy, sys; sys.path.pop(0); runpy.run_module({__name__!
 
 class _Workers:
     """Up to ``workers`` processes started on the variants Triton's cache lacks (``outcome["missing"]`` counts them,
-    ``outcome["workers"]`` the processes), each with its share in a scratch folder of its own; ``wait`` collects."""
+    ``outcome["workers"]`` the processes), in a scratch folder of their own; ``wait`` collects. The workers share one
+    list and each takes the next variant no other has claimed (a file created exclusively per variant), so one that
+    drew cheap variants goes on to the next instead of idling while another compiles two expensive ones: fixed
+    shares (every ``count``-th variant) left the last of 8 workers compiling two for 8.3 s on one H200 (16 variants,
+    docs/performance.md)."""
 
     def __init__(self, variants: list, workers: int, launchers: bool, outcome: dict) -> None:
         plan = _Plan(triton.runtime.driver.active.get_current_target())
@@ -215,13 +219,15 @@ class _Workers:
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         count = min(workers, len(missing))
         self.spawned = time.monotonic()  # the workers' times are counted from here (CLOCK_MONOTONIC: system-wide)
+        work, claims = os.path.join(self.scratch, "work.json"), os.path.join(self.scratch, "claims")
+        os.mkdir(claims)
+        with open(work, "w") as f:
+            json.dump({"target": [plan.target.backend, plan.target.arch, plan.target.warp_size], "claims": claims,
+                       "launchers": launchers, "backend_hash": plan.backend_hash, "env_vars": plan.env_vars,
+                       "variants": missing}, f)
         try:
             for i in range(count):
-                work, done = os.path.join(self.scratch, f"work{i}.json"), os.path.join(self.scratch, f"done{i}.json")
-                with open(work, "w") as f:
-                    json.dump({"target": [plan.target.backend, plan.target.arch, plan.target.warp_size],
-                               "launchers": launchers, "backend_hash": plan.backend_hash, "env_vars": plan.env_vars,
-                               "variants": missing[i::count]}, f)
+                done = os.path.join(self.scratch, f"done{i}.json")
                 self.started.append((subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, work, done],
                                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                                       stderr=subprocess.PIPE, env=env, text=True), done))
@@ -339,9 +345,10 @@ def _source(variant: dict):
 
 
 def _worker(work_path: str, done_path: str) -> None:
-    """A worker: compile its share (``work_path``, JSON) as the process that recorded it would, each variant checked
-    to land under the key that process computed, and build each launcher; every variant is tried. Writes
-    ``{"compiled", "reason"}`` to ``done_path``; exits 1 when a variant failed."""
+    """A worker: compile each variant of the shared list (``work_path``, JSON) that no other worker claimed first,
+    as the process that recorded it would, each checked to land under the key that process computed, and build each
+    launcher; every variant it claims is tried. Writes ``{"compiled", "reason"}`` and its seconds to ``done_path``;
+    exits 1 when a variant failed."""
     from triton._C.libtriton import get_cache_invalidating_env_vars
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -360,7 +367,11 @@ def _worker(work_path: str, done_path: str) -> None:
     backend_hash = work["backend_hash"]
     type(backend).hash = lambda self: backend_hash  # the recording process's (see _Plan)
     compiled, reasons, seconds = 0, [], {"compile_s": 0.0, "launcher_s": 0.0}
-    for variant in work["variants"]:
+    for index, variant in enumerate(work["variants"]):
+        try:  # the next variant no other worker has taken
+            os.close(os.open(os.path.join(work["claims"], str(index)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
         try:
             src, options = _source(variant)
             parts = key_parts(src, backend.parse_options(options))
