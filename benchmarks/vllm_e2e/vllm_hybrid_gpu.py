@@ -77,9 +77,11 @@ ENGINES_TP2 = [("q3n-tp2-dcp1-dcp-triton", "dcp-triton", False, 1, None),
                ("q3n-tp2-dcp2-dcp-triton", "dcp-triton", False, 2, "q3n-tp2-dcp1-dcp-triton"),
                ("q3n-tp2-dcp2-FLASH_ATTN", "FLASH_ATTN", False, 2, "q3n-tp2-dcp1-dcp-triton"),
                ("q3n-tp2-dcp2-mtp-dcp-triton", "dcp-triton", True, 2, "q3n-tp2-dcp2-dcp-triton")]
-# An engine job's seconds on one H100 (6ec93d6): 166-195 s, most of it start-up (vLLM's profiling run ~90 s). A job
-# starts only while that much of --budget-s is left: one started with less timed out without a result.
-ESTIMATE_S = {"build": 40, "engine": 190}
+# An engine job's seconds on one H100 (6ec93d6): 166-195 s, most of it start-up (vLLM's profiling run ~90 s); with
+# MTP drafts 270 s on one H200 (26e3d81: the draft's compile and graphs too). A job starts only while that much of
+# --budget-s is left: one started with less timed out without a result. Two MTP jobs do not fit one 10-minute device
+# call: run them as two calls of one machine (--only each), the second resuming the first's work folder.
+ESTIMATE_S = {"build": 40, "engine": 190, "mtp": 270}
 BLOCK_SIZE = re.compile(r"Setting attention block size to (\d+) tokens")
 
 
@@ -106,8 +108,9 @@ def catalogue(work: Path, raw: Path, *, tp: int = 1) -> list[Job]:
         spec = {"kind": "engine", "model": model, "backend": backend, "dtype": "bfloat16", "mode": "graphs",
                 "method": "mtp" if mtp else None, "dcp": dcp, "versus": versus, "vocab": vocab, "engine": kwargs,
                 "tasks": tasks, "out": str(raw / f"{name}.json.gz")}
-        jobs.append(Job(name, spec, 3 * ESTIMATE_S["engine"], [build.name], exclusive=True, gpus=tp,
-                        env=dict(dcp_e2e.NO_MULTICAST), estimate_s=ESTIMATE_S["engine"],
+        estimate = ESTIMATE_S["mtp" if mtp else "engine"]
+        jobs.append(Job(name, spec, 3 * estimate, [build.name], exclusive=True, gpus=tp,
+                        env=dict(dcp_e2e.NO_MULTICAST), estimate_s=estimate,
                         group="mtp" if mtp else "plain"))
     return jobs
 
