@@ -22,7 +22,7 @@ SYS_PATH_EDIT = re.compile(r"\bsys\.path\s*(?:\.\s*(?:insert|append|extend|remov
                            r"(?!=))")
 # The edits that stay, and why (each must still be there: a stale exception hides nothing).
 ALLOWED_SYS_PATH_EDITS = {
-    "kernels/_compile_ahead.py": "a compile-ahead worker drops its own sys.path[0] (the engine's folder) for isolation",
+    "kernels/_compile_workers.py": "a compile-ahead worker drops its own sys.path[0] (the engine's folder) for isolation",
     "tests/unit/test_compile_ahead.py": "checks that a worker finds a module where the engine found it on sys.path",
 }
 OUTSIDE_TESTS = ("benchmarks", "examples", "scripts", "dcp_plugin", "kernels", "adapters")
