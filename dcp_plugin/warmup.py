@@ -13,13 +13,16 @@ only page 0. At DCP > 1 it runs the collectives too: every rank of the group mus
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 
 import torch
 
 from dcp_plugin.batch import DcpBatch, DcpBatchBuffers
-from dcp_plugin.kernels import INTERPRET, compile_ahead, compile_workers, every_variant, join_early, launches_run
+from dcp_plugin.kernels import INTERPRET, compile_ahead, compile_workers, every_variant, join_early, launches_run, stand_by
 from dcp_plugin.kernels.chunk_attention import SHORT_CHUNK
+
+_log = logging.getLogger("dcp_plugin")
 
 # (query rows, cached context) per request of each dummy step. A 4096-token context puts several KV splits on any
 # GPU (the split count fills the SMs only while the tiles last); tiny contexts keep one split.
@@ -156,6 +159,21 @@ def warm_up_early(attention, *, trees: bool = False, **tensors) -> bool:
     with every_variant(), compile_ahead(workers, wait=False):
         _run_steps(attention, steps, buffers, **args)
     return True
+
+
+def workers_ahead(device: torch.device) -> int:
+    """Start compile-ahead's worker processes now, before any warm-up has work for them (an engine building its
+    model): their start (Python, torch, Triton) then overlaps the engine's instead of delaying ``warm_up_early``'s
+    compiles (``dcp_plugin.kernels.stand_by``; none where Triton's cache already holds what the last start
+    compiled). Returns how many wait; 0 where compile-ahead is off, and where they could not start (said in one
+    warning line: only a head start is lost)."""
+    workers = _workers_for(device)
+    try:
+        return stand_by(workers) if workers else 0
+    except Exception as error:
+        _log.warning("dcp-triton: compile workers could not start ahead (%s: %s); they start when there is work",
+                     type(error).__name__, error)
+        return 0
 
 
 def _steps(attention, trees: bool, device: torch.device) -> tuple:

@@ -8,7 +8,7 @@ Each public function checks its inputs and launches. Each also has a ``plan_*`` 
 returns a prepared launch (``Launch``) for tensors shaped like the ones given: the DCP core prepares its launches
 once per step and replays them for every layer. What the core also takes from here, by these names only: which
 kernel paths a process asks for (``gluon_asked``, ``gluon_enabled``, ``pdl_asked``) and how it compiles its
-variants before serving (``compile_ahead``, ``compile_workers``, ``join_early``, ``every_variant``,
+variants before serving (``compile_ahead``, ``compile_workers``, ``join_early``, ``stand_by``, ``every_variant``,
 ``every_variant_wanted``, ``launches_run``). The argument checks the core shares with the kernels are
 ``dcp_plugin.kernels.checks``.
 
@@ -32,6 +32,7 @@ _EXPORTS = {
     "compile_ahead": "dcp_plugin.kernels._compile_ahead",
     "compile_workers": "dcp_plugin.kernels._compile_ahead",
     "join_early": "dcp_plugin.kernels._compile_ahead",
+    "stand_by": "dcp_plugin.kernels._compile_workers",
     "gluon_asked": "dcp_plugin.kernels._gluon",
     "gluon_enabled": "dcp_plugin.kernels._gluon",
     "pdl_asked": "dcp_plugin.kernels._pdl",

@@ -4,16 +4,19 @@ processes under the cache keys the engine's process computes.
 ``Workers`` starts up to N processes (this module run as ``__main__``) on one shared list of variants; each takes the
 next variant no other has claimed, rebuilds its source from the recorded specialization (``_source``), checks that
 its cache key's parts are the engine process's (``Plan``, ``key_parts``), compiles it with ``triton.compile`` and
-builds its launcher, and reports what it compiled and where its seconds went.
+builds its launcher, and reports what it compiled and where its seconds went. ``stand_by`` starts workers before
+there is work (an engine's model construction), so their imports are done when ``Workers`` hands them a list.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import importlib
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -24,6 +27,8 @@ import dcp_plugin.kernels._mode  # noqa: F401 - first: decides the interpreter b
 import triton
 
 WORKER_TIMEOUT_S = 600  # a worker still compiling then is stopped (its variants compile at their first launch)
+STANDBY_TIMEOUT_S = 600  # a worker started ahead (``stand_by``) that got no work by then exits
+VARIANTS_FILE = "dcp-triton-variants.json"  # in Triton's cache folder: the keys of the last variants recorded
 
 
 # A worker runs this module as ``-m`` would, without the working directory first on its path (``-m`` and ``-c`` put it
@@ -41,29 +46,31 @@ class Workers:
 
     def __init__(self, variants: list, workers: int, launchers: bool, outcome: dict) -> None:
         plan = Plan(triton.runtime.driver.active.get_current_target())
-        missing = [dict(v, key=key) for v in variants if not plan.cached(key := plan.key(v))]
+        keys = [plan.key(v) for v in variants]
+        missing = [dict(v, key=key) for v, key in zip(variants, keys) if not plan.cached(key)]
         outcome["missing"] = len(missing)
+        _remember(keys)
+        if not missing:
+            release()  # the cache is warm: workers started ahead have nothing to do
         self.started: list = []
         self.scratch = tempfile.mkdtemp(prefix="dcp-triton-compile-") if missing else None
         if not missing:
             return
-        # The workers find every module where this process found it (its sys.path first), and compile into its cache.
-        env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=triton.knobs.cache.dir,
-                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         count = min(workers, len(missing))
         self.spawned = time.monotonic()  # the workers' times are counted from here (CLOCK_MONOTONIC: system-wide)
         work, claims = os.path.join(self.scratch, "work.json"), os.path.join(self.scratch, "claims")
         os.mkdir(claims)
+        # The workers find every module where this process finds it (its sys.path first) and compile into its
+        # cache (a worker started ahead takes both from here: they may have changed since).
         with open(work, "w") as f:
             json.dump({"target": [plan.target.backend, plan.target.arch, plan.target.warp_size], "claims": claims,
                        "launchers": launchers, "backend_hash": plan.backend_hash, "env_vars": plan.env_vars,
+                       "cache_dir": triton.knobs.cache.dir, "path": [p for p in sys.path if p],
                        "variants": missing}, f)
         try:
             for i in range(count):
                 done = os.path.join(self.scratch, f"done{i}.json")
-                self.started.append((subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, work, done],
-                                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                                      stderr=subprocess.PIPE, env=env, text=True), done))
+                self.started.append((_handed(work, done) or _spawn([work, done], subprocess.DEVNULL), done))
                 outcome["workers"] += 1
         except BaseException:
             self.stop()
@@ -108,6 +115,82 @@ class Workers:
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
             self.scratch = None
+
+
+def _spawn(argv: list, stdin) -> subprocess.Popen:
+    """A worker process (this module as ``__main__``) with ``argv``; its environment is this process's, off the
+    interpreter, with this process's module path."""
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=triton.knobs.cache.dir,
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    return subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, *argv], stdin=stdin, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env=env, text=True)
+
+
+# Workers started ahead (``stand_by``) and not yet handed work, with the process that started them (a forked child
+# inherits the list, not the workers' pipes to use).
+_standby: dict = {"pid": None, "procs": []}
+
+
+def stand_by(count: int) -> int:
+    """Start workers now, before there is work, so their start (Python, torch and Triton imported: the 4.9 s before
+    the last of 8 workers was ready on one H200) overlaps what the engine does meanwhile (building its model,
+    loading its weights); the next ``Workers`` hands its list to them first. Up to ``count`` wait at once; none
+    start where the variants the last compile-ahead recorded are all in Triton's cache already (``_remember``: a warm
+    restart spends nothing on them). A worker with no work after ``STANDBY_TIMEOUT_S`` exits; ``release`` lets them
+    all go. Returns how many wait."""
+    if _standby["pid"] != os.getpid():
+        _standby.update(pid=os.getpid(), procs=[])
+    waiting = _standby["procs"] = [p for p in _standby["procs"] if p.poll() is None]
+    if len(waiting) < count and not _remembered_cached():
+        for _ in range(count - len(waiting)):
+            waiting.append(_spawn([], subprocess.PIPE))
+    return len(waiting)
+
+
+def _handed(work: str, done: str) -> subprocess.Popen | None:
+    """A worker started ahead, given ``work`` (None when none waits)."""
+    if _standby["pid"] != os.getpid():
+        return None
+    while _standby["procs"]:
+        proc = _standby["procs"].pop(0)
+        try:
+            proc.stdin.write(json.dumps([work, done]) + "\n")
+            proc.stdin.flush()  # left open: ``Workers.wait`` (communicate) closes it
+            return proc
+        except (BrokenPipeError, ValueError):  # it exited (its time ran out): the next, else a new one
+            proc.kill()
+            proc.communicate()
+    return None
+
+
+@atexit.register
+def release() -> None:
+    """Every worker started ahead and still waiting told to exit (its input closed)."""
+    if _standby["pid"] == os.getpid():
+        for proc in _standby["procs"]:
+            with contextlib.suppress(OSError, ValueError):
+                proc.stdin.close()
+    _standby["procs"] = []
+
+
+def _remember(keys: list) -> None:
+    """The cache keys of the variants just recorded, kept in Triton's cache folder (replaced atomically)."""
+    path = os.path.join(triton.knobs.cache.dir, VARIANTS_FILE)
+    with contextlib.suppress(OSError):
+        os.makedirs(triton.knobs.cache.dir, exist_ok=True)
+        with open(f"{path}.{os.getpid()}", "w") as f:
+            json.dump([{"hash": k["hash"], "file": k["file"]} for k in keys], f)
+        os.replace(f"{path}.{os.getpid()}", path)
+
+
+def _remembered_cached() -> bool:
+    """Whether the variants the last compile-ahead recorded (``_remember``) are all in Triton's cache now."""
+    try:
+        with open(os.path.join(triton.knobs.cache.dir, VARIANTS_FILE)) as f:
+            keys = json.load(f)
+        return bool(keys) and all(Plan.cached(key) for key in keys)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 class Plan:
@@ -186,9 +269,18 @@ def _worker(work_path: str, done_path: str) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
 
-    ready_at = time.monotonic()  # this module's imports done: Python, torch, Triton
+    ready_at = time.monotonic()  # this module's imports done (Python, torch, Triton), or its work came (stand_by)
     with open(work_path) as f:
         work = json.load(f)
+    # As the engine's process is now (a worker started ahead took this process's environment then): its cache
+    # folder, its module path, its cache-invalidating variables.
+    os.environ["TRITON_CACHE_DIR"] = work["cache_dir"]
+    sys.path[:0] = [p for p in work["path"] if p not in sys.path]
+    for name in set(get_cache_invalidating_env_vars()) | set(work["env_vars"]):
+        if name in work["env_vars"]:
+            os.environ[name] = work["env_vars"][name]
+        else:
+            os.environ.pop(name, None)
     for module in dict.fromkeys(variant["module"] for variant in work["variants"]):
         with contextlib.suppress(Exception):  # a module that cannot be imported fails its variants below
             importlib.import_module(module)
@@ -230,5 +322,15 @@ def _worker(work_path: str, done_path: str) -> None:
     sys.exit(1 if reasons else 0)
 
 
+def _stand_by() -> None:
+    """A worker started ahead: waits for one line on its input naming its work and report files (JSON), then is
+    ``_worker``; its input closed, or no line after ``STANDBY_TIMEOUT_S``, it exits."""
+    if not select.select([sys.stdin], [], [], STANDBY_TIMEOUT_S)[0]:
+        return
+    line = sys.stdin.readline()
+    if line.strip():
+        _worker(*json.loads(line))
+
+
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])
+    _worker(sys.argv[1], sys.argv[2]) if len(sys.argv) == 3 else _stand_by()

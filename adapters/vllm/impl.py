@@ -13,7 +13,7 @@ from dcp_plugin.adapters.vllm.builder import DcpTritonMetadata
 from dcp_plugin.attention import DcpAttention
 from dcp_plugin.kernel_choice import check_kernel_dtype, choose_kernel_impl, gluon_state, kernel_ops_for
 from dcp_plugin.layout import TokenLayout, check_same_position
-from dcp_plugin.warmup import timed_warm_up, warm_up_early
+from dcp_plugin.warmup import timed_warm_up, warm_up_early, workers_ahead
 from dcp_plugin.workspace import DcpWorkspace
 
 logger = logging.getLogger("vllm.dcp_triton")
@@ -103,6 +103,8 @@ class DcpTritonImpl(AttentionImpl[DcpTritonMetadata]):
         # dtype or step size to plan for) each layer sizes its own on its first step.
         self.workspace = None if model_config is None else \
             _shared_workspace(self.topology, head_size, model_dtype, self._kernel_ops, vllm_config)
+        if self._early is not None and torch.cuda.is_available():  # an engine on a GPU: its warm-up will compile
+            workers_ahead(torch.device("cuda"))
         self._log_startup()
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

@@ -168,6 +168,37 @@ SCRIPT = textwrap.dedent("""
     out["early_hits"] = list(hits)
     out["early_again"] = _compile_ahead.join_early()
 
+    # Workers started ahead (an engine building its model) wait; the next compile-ahead hands its list to them, and
+    # what changed in between (the cache folder, a cache-invalidating variable) is the engine's at the hand-over.
+    from dcp_plugin.kernels import _compile_workers
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # nothing remembered there: they start
+    out["ahead_started"] = _compile_workers.stand_by(2)
+    waiting = list(_compile_workers._standby["procs"])
+    out["ahead_again"] = _compile_workers.stand_by(2)  # two wait already: none more
+    spawn, _compile_workers._spawn = _compile_workers._spawn, None  # a worker started now would fail the block
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()
+    os.environ["TRITON_DISABLE_LINE_INFO"] = "1"
+    ahead = {}
+    with _compile_ahead.compile_ahead(2, launchers=False, report=ahead):
+        launches_ahead = [write_kv(torch.float16, 40), write_kv(torch.float32, 40)]
+        for launch, args in launches_ahead:
+            launch(*args)
+    out["ahead"] = timed("ahead", ahead)
+    out["ahead_exits"] = [p.wait(timeout=60) for p in waiting]
+    hits.clear()
+    for launch, args in launches_ahead:
+        launch.kernel.device_caches[0][0].clear()
+        ask(launch, args)
+    out["ahead_hits"] = list(hits)
+    _compile_workers._spawn = spawn
+    out["ahead_warm"] = _compile_workers.stand_by(2)  # what the last compile-ahead recorded is cached: none start
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()
+    out["ahead_cold"] = _compile_workers.stand_by(1)
+    released = list(_compile_workers._standby["procs"])
+    _compile_workers.release()
+    out["released_exits"] = [p.wait(timeout=60) for p in released]
+    del os.environ["TRITON_DISABLE_LINE_INFO"]
+
     failing = {}
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     sys.executable = "/bin/false"  # a worker that exits at once, with status 1
@@ -266,6 +297,24 @@ def test_workers_started_without_waiting_compile_while_the_process_goes_on_and_a
     assert out["early_joined"] == out["early_report"] == dict(started, compiled=1)
     assert out["early_hits"] == [True]  # the worker's compile is where Triton's dispatch looks
     assert out["early_again"] is None  # joined once: nothing left to wait for
+
+
+def test_workers_started_ahead_take_the_next_list_under_the_engines_cache_and_environment(run):
+    out, _ = run
+    assert (out["ahead_started"], out["ahead_again"]) == (2, 2)
+    # the two waiting workers compiled both variants (none could be started then) and exited cleanly
+    assert out["ahead"] == {"variants": 2, "missing": 2, "compiled": 2, "workers": 2, "failed": 0}
+    assert out["ahead_exits"] == [0, 0]
+    # in the cache folder and under the variable set after they started: where Triton's dispatch looks
+    assert out["ahead_hits"] == [True, True]
+    assert 0 < out["times"]["ahead"]["times"]["start_s"] < out["times"]["ahead"]["times"]["end_s"]
+
+
+def test_no_worker_starts_ahead_over_a_warm_cache_and_waiting_ones_can_be_released(run):
+    out, _ = run
+    assert out["ahead_warm"] == 0  # every variant the last compile-ahead recorded is in the cache
+    assert out["ahead_cold"] == 1  # another (empty) cache folder: one starts
+    assert out["released_exits"] == [0]
 
 
 def test_a_failing_worker_is_reported_in_one_warning_and_nothing_raises(run):

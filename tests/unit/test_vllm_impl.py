@@ -189,6 +189,24 @@ def test_fp8_cache_with_the_triton_interpreter_is_refused_at_startup(worker, mon
         make_impl(monkeypatch, "triton", "fp8")
 
 
+def test_an_engine_on_a_gpu_starts_its_compile_workers_when_it_builds_the_model(worker, monkeypatch):
+    """Each layer built inside an engine on a GPU asks for the compile workers ahead (``workers_ahead``: started
+    once, then counted); a layer built outside an engine (no model config) or off the GPU does not."""
+    from dcp_plugin.adapters.vllm import impl as impl_module
+
+    asked = []
+    monkeypatch.setattr(impl_module, "workers_ahead", lambda device: asked.append(device.type) or 8)
+    make_impl(monkeypatch, "reference")
+    assert asked == []  # this machine has no GPU
+    monkeypatch.setattr(impl_module.torch.cuda, "is_available", lambda: True)
+    make_impl(monkeypatch, "reference")
+    make_impl(monkeypatch, "reference")
+    assert asked == ["cuda", "cuda"]
+    monkeypatch.setattr(worker, "model_config", None)
+    make_impl(monkeypatch, "reference")
+    assert asked == ["cuda", "cuda"]
+
+
 def test_the_profiling_run_starts_the_warm_up_early_on_a_cache_laid_out_as_vllms(worker, monkeypatch):
     """vLLM's profiling run (an empty KV cache, no metadata) starts compiling the warm-up's kernel variants in worker
     processes (``warm_up_early``), once per layer kind, over a cache of two blocks whose K/V views have the real

@@ -88,3 +88,23 @@ def test_no_early_warm_up_without_compile_ahead(monkeypatch):
 
 def test_off_the_gpu_there_are_no_workers():
     assert warmup._workers_for(torch.device("cpu")) == 0
+
+
+def test_workers_start_ahead_on_a_gpu_only_and_a_failure_to_start_is_one_warning(monkeypatch, caplog):
+    asked = []
+    monkeypatch.setattr(warmup, "stand_by", lambda count: asked.append(count) or count)
+    assert warmup.workers_ahead(torch.device("cpu")) == 0 and asked == []  # off the GPU: nothing starts
+    monkeypatch.setattr(warmup, "_workers_for", lambda device: 6)
+    assert warmup.workers_ahead(torch.device("cuda")) == 6 and asked == [6]
+    monkeypatch.setattr(warmup, "_workers_for", lambda device: 0)  # compile-ahead off
+    assert warmup.workers_ahead(torch.device("cuda")) == 0 and asked == [6]
+
+    def broken(count):
+        raise OSError("no processes left")
+
+    monkeypatch.setattr(warmup, "_workers_for", lambda device: 6)
+    monkeypatch.setattr(warmup, "stand_by", broken)
+    assert warmup.workers_ahead(torch.device("cuda")) == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "dcp-triton: compile workers could not start ahead (OSError: no processes left); they start when there is "
+        "work"]
