@@ -46,11 +46,13 @@ class ChunkConfig:
 # Hopper defaults for fp16/bf16 by padded head dim (the benchmark sweeps candidates through ``config=``). H200, bf16, 2
 # x 4096 causal, 32 Q / 8 KV heads: D=128 with K/V through tensor descriptors 479 TFLOP/s, against 394 with pointer
 # loads; D=64 304, no other candidate more than 2% faster (docs/kernels.md, current chunk). D=256 (16 Q / 2 KV heads,
-# 16 x 1024 and 4 x 4096): 289 and 408 TFLOP/s, 0.55x and 0.64x FA3's (docs/kernels.md, head size 256).
+# 16 x 1024 and 4 x 4096), H100: 128 x 64 tiles through tensor descriptors 306 and 458 TFLOP/s against 278 and 412
+# with pointer loads, the best of 6 candidates that fit sm_90's shared memory (H200 with pointer loads 289 and 408,
+# 0.55x and 0.64x FA3's; docs/kernels.md, head size 256).
 GPU_CONFIGS = {
     64: ChunkConfig(block_m=128, block_n=128, num_warps=4, num_stages=3),
     128: ChunkConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True),
-    256: ChunkConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    256: ChunkConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=True),
 }
 # Steps whose chunks hold at most SHORT_CHUNK rows (max_query_len): D=128 in 64-row tiles, four warps, two programs
 # per SM (162 registers, 113 KiB of shared memory on sm_90), whose starts and ends then overlap: H200, bf16, 32 Q /
