@@ -4,7 +4,7 @@ engine's own attention backends, summarised from the two engines' results files.
 Reads ``<results>/sglang_hybrid_spec_<gpu>.json`` (``sglang_e2e/sglang_hybrid_spec.py``: NEXTN against SGLang's
 ``triton`` and ``fa3``; ``..._<gpu>_p64.json`` too where its 64-token-page jobs ran apart) and
 ``<results>/vllm_hybrid_<gpu>.json`` (``vllm_e2e/vllm_hybrid_gpu.py``: with and without MTP against ``FLASH_ATTN``,
-and ``TRITON_ATTN`` beside it) and writes ``<results>/hybrid_spec_<gpu>.json`` whose ``summary`` holds, per engine:
+and ``TRITON_ATTN`` beside it; ``..._<gpu>_mtp.json`` too where its two MTP jobs ran apart, on one machine) and writes ``<results>/hybrid_spec_<gpu>.json`` whose ``summary`` holds, per engine:
 
   greedy_identical  float32 greedy tokens (with speculation) of dcp-triton equal to the peer's: true / false; null
                     where no float32 pair ran (vLLM's GDN kernels take no float32), with ``greedy_bf16``: how many
@@ -64,8 +64,13 @@ def sglang_part(result: dict, pages64: dict | None = None) -> dict:
     return part
 
 
-def vllm_part(result: dict) -> dict:
-    rows = result["summary"]["jobs"]
+def vllm_part(result: dict, mtp: dict | None = None) -> dict:
+    """vLLM's summary; ``mtp``: a run of the MTP jobs alone (``--only 'q3n-mtp-*'``, its own file), whose MTP rows
+    stand for the main file's."""
+    rows = dict(result["summary"]["jobs"])
+    if mtp is not None:
+        rows = {name: row for name, row in rows.items() if not name.startswith("q3n-mtp-")}
+        rows.update({name: row for name, row in mtp["summary"]["jobs"].items() if name.startswith("q3n-mtp-")})
     part: dict = dict(engine="vLLM", speculation=f"MTP ({result['meta'].get('mtp')})", greedy_identical=None,
                       greedy_bf16={}, acceptance_ratio={}, tok_s_ratio={}, missing=[
                           "float32 greedy: vLLM's GDN kernels take no float32 (bf16 only)"])
@@ -124,7 +129,8 @@ def job_errors(jobs_tarball: Path) -> dict[str, str]:
 def combine(gpu: str, results_dir: Path = common.RESULTS) -> Path:
     sources = {"sglang": results_dir / f"sglang_hybrid_spec_{gpu}.json",
                "sglang_p64": results_dir / f"sglang_hybrid_spec_{gpu}_p64.json",
-               "vllm": results_dir / f"vllm_hybrid_{gpu}.json"}
+               "vllm": results_dir / f"vllm_hybrid_{gpu}.json",
+               "vllm_mtp": results_dir / f"vllm_hybrid_{gpu}_mtp.json"}
     loaded = {engine: json.loads(path.read_text()) for engine, path in sources.items() if path.exists()}
     if "sglang" in loaded:  # why a job failed: its log's exception, from the jobs' logs beside the results
         loaded["sglang"]["job_logs"] = job_errors(results_dir / f"sglang_hybrid_spec_{gpu}_jobs.tar.gz")
@@ -132,7 +138,7 @@ def combine(gpu: str, results_dir: Path = common.RESULTS) -> Path:
     if "sglang" in loaded:
         summary["sglang"] = sglang_part(loaded["sglang"], loaded.get("sglang_p64"))
     if "vllm" in loaded:
-        summary["vllm"] = vllm_part(loaded["vllm"])
+        summary["vllm"] = vllm_part(loaded["vllm"], loaded.get("vllm_mtp"))
     origin = {engine: r.get("provenance") or r.get("meta", {}).get("provenance") for engine, r in loaded.items()}
     return common.save(f"hybrid_spec_{gpu}", dict(summary=summary, sources={e: p.name for e, p in sources.items()
                                                                              if e in loaded}),

@@ -120,3 +120,24 @@ def test_both_engines_summarised_with_what_is_missing_and_why(tmp_path):
     assert any(m.startswith("MTP acceptance against FLASH_ATTN: q3n-mtp-dcp-triton ok, q3n-mtp-FLASH_ATTN not run")
                for m in vllm["missing"])
     assert any(m.startswith("tokens/s mtp against FLASH_ATTN") for m in vllm["missing"])
+
+
+def test_the_mtp_jobs_run_apart_stand_for_the_main_files_mtp_rows(tmp_path):
+    """vLLM's two MTP jobs ran as calls of their own (``vllm_hybrid_<gpu>_mtp.json``): their rows replace the main
+    file's MTP rows (here one that timed out), and the MTP ratios come from that pair; the plain rows stay."""
+    results = tmp_path / "r"
+    results.mkdir()
+    meta = {"gpu": "NVIDIA H100", "mtp": {"method": "qwen3_next_mtp"}, "provenance": {"commit": "def"}}
+    rows = {"q3n-dcp-triton": _vllm_row("dcp-triton", versus="q3n-FLASH_ATTN", identical=3, tok_s=8.0, runs=3),
+            "q3n-FLASH_ATTN": _vllm_row("FLASH_ATTN", tok_s=10.0, runs=3),
+            "q3n-mtp-dcp-triton": dict(_vllm_row("dcp-triton", "mtp"), status="timeout after 160 s")}
+    (results / "vllm_hybrid_h100.json").write_text(json.dumps(dict(summary={"jobs": rows}, meta=meta)))
+    mtp = {"q3n-mtp-dcp-triton": _vllm_row("dcp-triton", "mtp", tok_s=9.0, runs=3, accepted=1.2),
+           "q3n-mtp-FLASH_ATTN": _vllm_row("FLASH_ATTN", "mtp", tok_s=10.0, runs=3, accepted=1.5)}
+    (results / "vllm_hybrid_h100_mtp.json").write_text(json.dumps(dict(summary={"jobs": mtp}, meta=meta)))
+    out = json.loads(hybrid_spec.combine("h100", results).read_text())
+    vllm = out["summary"]["vllm"]
+    assert vllm["tok_s_ratio"] == {"plain": {"FLASH_ATTN": 0.8}, "mtp": {"FLASH_ATTN": 0.9}}
+    assert vllm["acceptance_ratio"] == {"FLASH_ATTN": 0.8}
+    assert vllm["missing"] == ["float32 greedy: vLLM's GDN kernels take no float32 (bf16 only)"]
+    assert out["sources"] == {"vllm": "vllm_hybrid_h100.json", "vllm_mtp": "vllm_hybrid_h100_mtp.json"}
