@@ -2,11 +2,14 @@
 like an earlier call's replay that call's plan instead of planning again (FlashInfer's plan / run, done for the
 caller, who may still call ``plan_prefix`` / ``plan_chunk`` once and keep the plan).
 
-A plan is keyed by everything planning reads: each tensor's shape, strides, dtype and 16-byte alignment, the device,
-the current stream (a plan holds its split scratch: calls on two streams must not share it), every host argument,
-the switches planning reads per call (``DCP_TRITON_GLUON``, ``DCP_TRITON_PDL`` and ``programmatic_launches``) and
-whether the warm-up's extra variants are wanted (``every_variant``). The ``KEPT`` latest plans are kept, with
-their scratch; a call with a config of its own or a chunk mask (bound to its plan) plans afresh.
+A plan is keyed by everything planning and the argument checks read: each tensor's shape, strides, dtype, device
+and 16-byte alignment (None for an output to be made), the current stream (a plan holds its split scratch: calls on
+two streams must not share it), every host argument with its type, the switches planning reads per call
+(``DCP_TRITON_GLUON``, ``DCP_TRITON_PDL``, ``DCP_TRITON_FP8_DOT`` and ``programmatic_launches``) and whether the
+warm-up's extra variants are wanted (``every_variant``). A plan is kept only after its call's arguments passed the
+checks, which read nothing else (no tensor's values), so a call that finds it skips them: they would pass again.
+The ``KEPT`` latest plans are kept, with their scratch; a call with a config of its own or a chunk mask (bound to
+its plan) is checked and plans afresh.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ _plans: OrderedDict = OrderedDict()
 
 
 def layout(*tensors) -> tuple:
-    """What planning reads of ``tensors`` (None stays None): shape, strides, dtype, 16-byte alignment."""
-    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, not t.data_ptr() & 15) for t in tensors)
+    """What planning and the checks read of ``tensors`` (None stays None): shape, strides, dtype, device (its index,
+    -1 on CPU, beside the device type the key holds), 16-byte alignment."""
+    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(), not t.data_ptr() & 15)
+                 for t in tensors)
 
 
 def stream_key(device) -> int | None:
@@ -46,20 +51,36 @@ def switches() -> tuple:
             tuple(sorted(triggers.items())))
 
 
-def kept(kind: str, tensors: tuple, host_args: tuple, plan: Callable[[], object]):
-    """The ``kind`` plan kept for ``tensors`` laid out alike (``layout``) and equal ``host_args``, on the first
-    tensor's device and its current stream, under the same switches, with the warm-up's variants or not; else
-    ``plan()``, kept there."""
-    device = tensors[0].device
-    key = (kind, layout(*tensors), host_args, device, stream_key(device), switches(), every_variant_wanted())
-    found = _plans.get(key)
+def checked(kind: str, tensors: tuple, host_args: tuple, *, check: Callable[[], tuple],
+            outputs: Callable[[], tuple], plan: Callable[..., object], keep: bool = True) -> tuple:
+    """``(launch, outputs)`` of a ``kind`` call: the plan kept for a call whose ``tensors`` were laid out alike and
+    whose ``host_args`` were equal and of the same types, with ``outputs()`` (its outputs, made where the call gave
+    None); else ``check()`` (the arguments checked, one clear line for a bad one -> the outputs), then
+    ``plan(*outputs)``, kept unless ``keep`` is False. A call whose arguments cannot form a key (not tensors,
+    unhashable values) is checked, which names what is wrong."""
+    key = _key(kind, tensors, host_args) if keep else None
+    found = None if key is None else _plans.get(key)
     if found is not None:
         _plans.move_to_end(key)
-        return found
-    found = _plans[key] = plan()
-    if len(_plans) > KEPT:
-        _plans.popitem(last=False)
-    return found
+        return found, outputs()
+    made = check()
+    found = plan(*made)
+    if key is not None:
+        _plans[key] = found
+        if len(_plans) > KEPT:
+            _plans.popitem(last=False)
+    return found, made
+
+
+def _key(kind: str, tensors: tuple, host_args: tuple) -> tuple | None:
+    try:
+        device = tensors[0].device
+        key = (kind, layout(*tensors), tuple((type(a), a) for a in host_args), device.type, stream_key(device),
+               switches(), every_variant_wanted())
+        hash(key)
+    except (AttributeError, TypeError):
+        return None
+    return key
 
 
 def clear() -> None:

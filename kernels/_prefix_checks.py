@@ -47,15 +47,24 @@ def checked_outputs(q, key_cache, value_cache, block_table, kv_lens, query_start
         check_int("max_query_len", max_query_len, low=0)
     if num_splits is not None:
         check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
-    if out is None:
-        out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=device)
-    check_heads_out("out", out, (num_tokens, num_q_heads, head_dim), device)
-    if lse is None:
-        lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=device)
-        if out.dim() == 4:
-            lse = lse.view(num_tokens, out.shape[0], -1).transpose(0, 1)
+    if out is not None:
+        check_heads_out("out", out, (num_tokens, num_q_heads, head_dim), device)
+    out, lse = outputs(q, out, lse)
     check_heads_out("lse", lse, (num_tokens, num_q_heads), device, dtypes=(torch.float32,))
     if (out.dim() == 4) != (lse.dim() == 3) or out.dim() == 4 and out.shape[0] != lse.shape[0]:
         raise ValueError(f"out {tuple(out.shape)} and lse {tuple(lse.shape)} must both be plain ([T, Hq, ...]) or "
                          "both rank-major over the same number of ranks")
+    return out, lse
+
+
+def outputs(q, out, lse) -> tuple:
+    """``(out, lse)``, each made where None: ``out`` ``[T, Hq, D]`` in q's dtype, ``lse`` ``[T, Hq]`` float32
+    (rank-major ``[R, T, Hq / R]`` beside a rank-major ``out``)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    if out is None:
+        out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q.device)
+        if out.dim() == 4:
+            lse = lse.view(num_tokens, out.shape[0], -1).transpose(0, 1)
     return out, lse

@@ -254,6 +254,26 @@ def chunk_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_st
     Example (rank with local Q heads 8..15 of a 32 Q / 2 KV model, k holding KV heads 0..1):
     ``o, l = chunk_attention(q, k, v, cu, 4096, scale=128**-0.5, q_head_start=8, q_per_kv=16, kv_head_start=0)``
     """
+    # A call laid out like a recent one whose arguments passed the checks replays its plan (``_plan_cache``); a config
+    # of its own or a chunk mask (bound to its plan) is checked and plans afresh.
+    launch, (out, lse) = _plan_cache.checked(
+        "chunk", (q, k, v, out, lse, query_start_loc), (max_query_len, scale, q_head_start, q_per_kv, kv_head_start),
+        check=lambda: _checked_outputs(q, k, v, query_start_loc, max_query_len, scale=scale, q_head_start=q_head_start,
+                                       q_per_kv=q_per_kv, kv_head_start=kv_head_start, out=out, lse=lse,
+                                       chunk_mask=chunk_mask, config=config),
+        outputs=lambda: _outputs(q, out, lse),
+        plan=lambda o, o_lse: plan_chunk(q, k, v, o, o_lse, query_start_loc, max_query_len, scale=scale,
+                                         q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
+                                         chunk_mask=chunk_mask, config=None if config is None else
+                                         _pick_config(q.shape[-1], q.dtype, config, max_query_len)),
+        keep=config is None and chunk_mask is None)
+    launch(q, k, v, out, lse, query_start_loc)
+    return out, lse
+
+
+def _checked_outputs(q, k, v, query_start_loc, max_query_len, *, scale, q_head_start, q_per_kv, kv_head_start, out,
+                     lse, chunk_mask, config) -> tuple:
+    """``chunk_attention``'s arguments checked, one clear line for a bad one -> ``(out, lse)``, made where None."""
     device = q.device if isinstance(q, torch.Tensor) else None
     check_kernel_tensor("q", q, ndim=3, device=device)
     check_kernel_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=device)
@@ -273,27 +293,20 @@ def chunk_attention(q, k, v, query_start_loc, max_query_len, *, scale, q_head_st
                    kv_head_start=kv_head_start, num_kv_heads=k.shape[1], kv_name="k")
     if chunk_mask is not None:
         check_chunk_mask(chunk_mask, query_start_loc.shape[0] - 1, max_query_len, device)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    else:
+    if out is not None:
         check_out("out", out, tuple(q.shape), device)
-    if lse is None:
-        lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=device)
-    else:
+    if lse is not None:
         check_out("lse", lse, (num_tokens, num_q_heads), device, dtypes=(torch.float32,))
-    cfg = _pick_config(head_dim, q.dtype, config, max_query_len)  # a given config is checked here
+    _pick_config(head_dim, q.dtype, config, max_query_len)  # a given config is checked here
+    return _outputs(q, out, lse)
 
-    def plan() -> Launch:
-        return plan_chunk(q, k, v, out, lse, query_start_loc, max_query_len, scale=scale, q_head_start=q_head_start,
-                          q_per_kv=q_per_kv, kv_head_start=kv_head_start, chunk_mask=chunk_mask,
-                          config=None if config is None else cfg)
 
-    # A call laid out like a recent one replays its plan (``_plan_cache``); a config of its own or a chunk mask (bound
-    # to its plan) plans afresh.
-    launch = plan() if config is not None or chunk_mask is not None else _plan_cache.kept(
-        "chunk", (q, k, v, out, lse, query_start_loc), (max_query_len, scale, q_head_start, q_per_kv, kv_head_start),
-        plan)
-    launch(q, k, v, out, lse, query_start_loc)
+def _outputs(q, out, lse) -> tuple:
+    """``(out, lse)``, each made where None: ``out`` like q, ``lse`` ``[T, Hq]`` float32."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     return out, lse
 
 

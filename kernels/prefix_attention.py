@@ -33,7 +33,7 @@ from dcp_plugin.kernels._launch import (
 )
 from dcp_plugin.kernels import _plan_cache
 from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_KV_GROUP, decode_takes_gluon, prefix_takes_gluon
-from dcp_plugin.kernels._prefix_checks import MAX_HEAD_DIM, MAX_SPLITS, checked_outputs  # noqa: F401
+from dcp_plugin.kernels._prefix_checks import MAX_HEAD_DIM, MAX_SPLITS, checked_outputs, outputs  # noqa: F401
 from dcp_plugin.kernels._prefix_config import (  # noqa: F401 - the tuning table is part of this module's API
     DESCRIPTOR_DECODE_CONFIGS, DESCRIPTOR_DECODE_MAX_KV_GROUP, FP8_DESCRIPTOR_DECODE_CONFIGS, GPU_CONFIGS,
     GPU_FP32_CONFIGS, INTERPRET_CONFIG, POINTER_CONFIGS, PrefixConfig, fp8_dot_for, pick_config,
@@ -250,21 +250,22 @@ def prefix_attention(q, key_cache, value_cache, block_table, kv_lens, query_star
         ...                            q_head_start=0, q_per_kv=4, kv_head_start=0, max_kv_len=4096,
         ...                            max_query_len=1)
     """
-    out, lse = checked_outputs(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, scale=scale,
-                               q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
-                               max_kv_len=max_kv_len, max_query_len=max_query_len, num_splits=num_splits, out=out,
-                               lse=lse, k_scale=k_scale, v_scale=v_scale)
-    cfg = None if config is None else pick_config(q.shape[-1], decode=max_query_len == 1, dtype=q.dtype, config=config)
-
-    def plan() -> PrefixLaunch:
-        return plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, scale=scale,
-                           q_head_start=q_head_start, q_per_kv=q_per_kv, kv_head_start=kv_head_start,
-                           max_kv_len=max_kv_len, max_query_len=max_query_len, num_splits=num_splits, config=cfg)
-
-    # A call laid out like a recent one replays its plan (``_plan_cache``); a config of its own plans afresh.
-    launch = plan() if config is not None else _plan_cache.kept(
-        "prefix", (q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse),
-        (scale, q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len, num_splits), plan)
+    tensors = (q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse)
+    # A call laid out like a recent one whose arguments passed the checks replays its plan (``_plan_cache``); a config
+    # of its own is checked and plans afresh.
+    launch, (out, lse) = _plan_cache.checked(
+        "prefix", (*tensors, k_scale, v_scale),
+        (scale, q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len, num_splits),
+        check=lambda: checked_outputs(*tensors[:6], scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
+                                      kv_head_start=kv_head_start, max_kv_len=max_kv_len, max_query_len=max_query_len,
+                                      num_splits=num_splits, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale),
+        outputs=lambda: outputs(q, out, lse),
+        plan=lambda o, o_lse: plan_prefix(*tensors[:6], o, o_lse, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
+                                      kv_head_start=kv_head_start, max_kv_len=max_kv_len,
+                                      max_query_len=max_query_len, num_splits=num_splits, config=None if config is None
+                                      else pick_config(q.shape[-1], decode=max_query_len == 1, dtype=q.dtype,
+                                                       config=config)),
+        keep=config is None)
     launch(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, k_scale, v_scale)
     return out, lse
 

@@ -13,10 +13,10 @@ bf16), each function is called ``--calls`` times back to back after a warm-up, n
             (``sync_site``: the innermost frames of the call, raised as an error once; [] where nothing raised)
 
 dcp-triton's call, repeated with tensors laid out alike as the loops repeat it, replays the plan its first call kept
-(``dcp_plugin.kernels._plan_cache``): its time holds the checks, the kept plan's lookup and the replay. It is split
-into its phases, each timed alone the same way: the argument checks (``checked_outputs``
-for the decode), the plan (``plan_prefix`` / ``plan_chunk``: launch constants, grid, scratch) and the prepared
-launch's replay (what the DCP core pays per layer inside vLLM and SGLang), and that replay once more through Triton's
+(``dcp_plugin.kernels._plan_cache``): its time holds the kept plan's lookup and the replay (the argument checks run
+at a layout's first call only). It is split into its phases, each timed alone the same way: the argument checks
+(``checked_outputs`` for the decode: what a first call adds), the plan (``plan_prefix`` / ``plan_chunk``: launch
+constants, grid, scratch) and the prepared launch's replay (what the DCP core pays per layer inside vLLM and SGLang), and that replay once more through Triton's
 own dispatch (``replay_dispatch``: a prepared launch on a Triton release outside the fast launch's, which replays the
 compiled kernel directly; the summary's ``fallback_host_ratio`` is its host time over the fast replay's). FA3 is
 vLLM's build (``vllm.vllm_flash_attn``, ``fa_version=3``), else SGLang's (``sgl_kernel.flash_attn``), called with no

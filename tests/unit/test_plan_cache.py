@@ -137,3 +137,42 @@ def test_the_current_chunk_replays_its_plan_but_a_chunk_mask_plans_afresh(plans_
     for mask in (causal, tree):  # one layout, two masks: each call reads its own
         _chunk(3, mask)
     assert plans_built["chunk"] == 3
+
+
+def test_a_kept_plan_skips_the_checks_its_layout_passed_and_a_bad_argument_is_still_refused(plans_built, monkeypatch):
+    """The checks read layouts and host arguments only: a call laid out as one that passed them replays its plan
+    without them. A host argument equal to a kept one but of another type (False for 0), or not a tensor where one
+    belongs, is checked, and refused in one line."""
+    checked = {"prefix": 0, "chunk": 0}
+
+    def counted(kind, check):
+        def wrapper(*args, **kwargs):
+            checked[kind] += 1
+            return check(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(prefix_module, "checked_outputs", counted("prefix", prefix_module.checked_outputs))
+    monkeypatch.setattr(chunk_module, "_checked_outputs", counted("chunk", chunk_module._checked_outputs))
+    for seed in range(3):
+        _decode(_paged(seed))
+        _chunk(seed)
+    assert checked == {"prefix": 1, "chunk": 1} and plans_built == {"prefix": 1, "chunk": 1}
+    tensors = _paged(4)
+    for out in (None, None):  # outputs made by the call: checked once, then made on the kept plan's path
+        got, got_lse = prefix_module.prefix_attention(*tensors, scale=D ** -0.5, **HEADS, max_kv_len=40,
+                                                      max_query_len=1, out=out)
+        want, want_lse = reference.prefix_attention(*(t.double() for t in tensors[:3]), *tensors[3:], scale=D ** -0.5,
+                                                    **HEADS, max_kv_len=40)
+        assert_matches(got, want, torch.float32, "out")
+        assert_matches(got_lse, want_lse, torch.float32, "lse")
+    assert checked["prefix"] == 2
+    with pytest.raises(ValueError, match="kv_head_start must be an int >= 0, got False"):
+        prefix_module.prefix_attention(*_paged(5), scale=D ** -0.5, q_head_start=0, q_per_kv=2, kv_head_start=False,
+                                       max_kv_len=40, max_query_len=1)
+    q, kc, vc, table, lens, cu = _paged(5)
+    with pytest.raises(ValueError, match="kv_lens must be a torch.Tensor, got list"):
+        prefix_module.prefix_attention(q, kc, vc, table, lens.tolist(), cu, scale=D ** -0.5, **HEADS, max_kv_len=40,
+                                       max_query_len=1)
+    q, k, v = (torch.randn(8, h, D) for h in (4, 2, 2))
+    with pytest.raises(ValueError, match="scale must be a positive float, got True"):
+        chunk_module.chunk_attention(q, k, v, torch.tensor([0, 3, 8], dtype=torch.int32), 5, scale=True, **HEADS)
