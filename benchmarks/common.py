@@ -291,17 +291,21 @@ def save_random_model(config: dict, target: str | Path, *, seed: int = 0) -> Pat
     ``Qwen3NextMTP`` and SGLang's ``Qwen3NextForCausalLMMTP`` read (transformers has no MTP module): ``mtp.layers.{i}``
     copies the decoder layer of the last full-attention layer as saved (transformers 5 keeps experts fused in memory
     and saves them per expert, the names the engines load), ``mtp.fc`` is random, its norms are the final norm's.
+
+    ``config["draftable"]`` (``DRAFTABLE``; not saved in config.json): a random model whose MTP drafts get accepted.
+    A random MTP layer's drafts never are (none of 2,016 in vLLM), which leaves speculation's accepted path untimed
+    and acceptance compared as 0 against 0. Here the token embedding is scaled up (``embed_scale``) and every layer's
+    output projection down (``output_damp``: attention's and Gated-DeltaNet's ``o_proj`` / ``out_proj``, the MLPs'
+    ``down_proj``), so the residual stream is mostly the current token's embedding and the next token mostly that
+    embedding's own prediction, the layers (attention among them) deciding the rest; ``mtp.fc`` passes the next
+    token's normalised embedding on, scaled by ``mtp_fc_scale`` (its first half ``mtp_fc_scale * I``, the hidden
+    state's half zero), so the MTP layer drafts that embedding's prediction too.
     """
     target = Path(target)
     if (target / "config.json").exists():
         return target
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = dict(config)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config))
-    model = model.to(torch.float32)  # saved with dtype float32
+    draftable = config.get("draftable")
+    model = random_model(config, seed=seed)
     partial = target.with_name(target.name + ".partial")
     model.save_pretrained(partial)
     if config.get("num_nextn_predict_layers"):
@@ -309,14 +313,49 @@ def save_random_model(config: dict, target: str | Path, *, seed: int = 0) -> Pat
 
         (shard,) = partial.glob("*.safetensors")  # a tiny model: one shard
         saved = load_file(shard)
-        save_file({**saved, **_mtp_weights(model.config, saved, seed)}, str(shard), metadata={"format": "pt"})
+        save_file({**saved, **_mtp_weights(model.config, saved, seed, draftable)}, str(shard),
+                  metadata={"format": "pt"})
     partial.rename(target)
     return target
 
 
-def _mtp_weights(config, saved: dict, seed: int) -> dict:
+def random_model(config: dict, *, seed: int = 0):
+    """``save_random_model``'s model before it is saved: transformers' class for ``config``, initialised after
+    ``torch.manual_seed(seed)``, in float32, made draftable where ``config["draftable"]`` says so."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dict(config)
+    draftable = config.pop("draftable", None)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config))
+    model = model.to(torch.float32)  # saved with dtype float32
+    if draftable:
+        _make_draftable(model, draftable)
+    return model
+
+
+# save_random_model's draftable model: in the hybrid Qwen3-Next of vllm_e2e/vllm_hybrid_gpu.py (transformers, float32)
+# the current token's embedding alone predicts the model's next token on 47 of 72 greedy positions of three prompts
+# (0 of 72 without), the layers deciding the rest (tests/unit/test_vllm_hybrid_script.py).
+DRAFTABLE = {"embed_scale": 100.0, "output_damp": 0.03, "mtp_fc_scale": 10.0}
+_OUTPUT_PROJECTIONS = (".o_proj.", ".out_proj.", ".down_proj")
+
+
+def _make_draftable(model, draftable: dict) -> None:
+    """``save_random_model``'s draftable model: the embedding scaled up, every layer's output projection down."""
+    import torch
+
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(draftable["embed_scale"])
+        for name, param in model.named_parameters():
+            if name.startswith("model.layers.") and any(p in name for p in _OUTPUT_PROJECTIONS):
+                param.mul_(draftable["output_damp"])
+
+
+def _mtp_weights(config, saved: dict, seed: int, draftable: dict | None = None) -> dict:
     """Qwen3-Next's MTP weights (``save_random_model``) from the ``saved`` checkpoint's tensors, contiguous float32
-    tensors by name."""
+    tensors by name; ``draftable``: ``mtp.fc`` passes the next token's embedding on (``save_random_model``)."""
     import torch
 
     if config.model_type != "qwen3_next":
@@ -327,6 +366,9 @@ def _mtp_weights(config, saved: dict, seed: int) -> dict:
     hidden = config.hidden_size
     gen = torch.Generator().manual_seed(seed + 1)
     out = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=gen) * config.initializer_range}
+    if draftable:  # [inputs_embeds, hidden_states] in both engines' MTP layers: the embedding's half passed on
+        out["mtp.fc.weight"] = torch.cat([torch.eye(hidden) * draftable["mtp_fc_scale"],
+                                          torch.zeros(hidden, hidden)], dim=1)
     for name in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
         out[f"mtp.{name}.weight"] = saved["model.norm.weight"].clone()
     for i in range(config.num_nextn_predict_layers):

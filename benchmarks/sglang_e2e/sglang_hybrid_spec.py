@@ -3,7 +3,8 @@
 
 The checkpoint is ``q3n-mtp``: the Qwen3-Next of ``sglang_spec_gpu.py`` (8 layers, every fourth full attention with
 16 Q / 2 KV heads of size 256, Gated-DeltaNet between, MoE) with one multi-token-prediction layer
-(``num_nextn_predict_layers``), random-initialised and saved in float32 on the machine (``common.save_random_model``).
+(``num_nextn_predict_layers``), random-initialised and saved in float32 on the machine, draftable
+(``common.save_random_model``: its MTP layer drafts what the target mostly predicts, so drafts get accepted).
 Every job speculates with that MTP layer as SGLang serves Qwen3-Next: ``NEXTN``, a chain of 3 steps, topk 1, 4 draft
 tokens. Jobs, each an offline ``sglang.Engine`` (token ids in) in its own process, in run order:
 
@@ -43,7 +44,7 @@ from benchmarks import common
 from benchmarks.sglang_e2e import sglang_one_h200 as one  # in a job process, applies float32 jobs' native ops
 from benchmarks.sglang_e2e import sglang_spec_gpu as spec_gpu
 
-MODELS = {"q3n-mtp": dict(spec_gpu.MODELS["q3n"], num_nextn_predict_layers=1)}
+MODELS = {"q3n-mtp": dict(spec_gpu.MODELS["q3n"], num_nextn_predict_layers=1, draftable=common.DRAFTABLE)}
 NEXTN = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=1,
              speculative_num_draft_tokens=4, draft="q3n-mtp")
 PEERS = ("fa3", "triton")

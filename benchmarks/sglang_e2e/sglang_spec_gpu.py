@@ -38,7 +38,8 @@ from benchmarks.sglang_e2e import sglang_one_h200 as one  # in a job process, ap
 from benchmarks.vllm_e2e.vllm_hybrid_gpu import CONFIG as Q3N, FULL_EVERY
 
 MODELS = {
-    "q3n": {**{k: v for k, v in Q3N.items() if k != "num_nextn_predict_layers"}, "full_attention_interval": FULL_EVERY},
+    "q3n": {**{k: v for k, v in Q3N.items() if k not in ("num_nextn_predict_layers", "draftable")},
+            "full_attention_interval": FULL_EVERY},
     "llama": dict(one.MODEL, model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=2),
     "draft": dict(one.MODEL, model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=2,
                   hidden_size=512, intermediate_size=1024,

@@ -2,7 +2,8 @@
 
 The model is a random Qwen3-Next (``CONFIG``: 8 layers, every fourth full attention with 16 Q / 2 KV heads of head
 size 256, as Qwen3.5's; GDN layers with 4 key / 8 value heads; MoE of 8 experts; one MTP layer), built on the
-machine in float32 with its multi-token-prediction weights (``common.save_random_model``) and served in bf16 (vLLM's
+machine in float32 with its multi-token-prediction weights, draftable (``common.save_random_model``: most greedy
+tokens are the current token's embedding's own prediction, which the MTP layer drafts) and served in bf16 (vLLM's
 GDN kernels take no float32). vLLM gives the full-attention layers a KV-cache group of their own whose block size
 makes a page as large as a GDN layer's state, and hands dcp-triton only those layers. Jobs, each one engine in its
 own process, CUDA graphs on (vLLM's default FULL_AND_PIECEWISE), one GPU, in run order (``ENGINES``):
@@ -39,6 +40,7 @@ import re
 import statistics
 from pathlib import Path
 
+from benchmarks import common
 from benchmarks.vllm_e2e import e2e_runner as runner
 from benchmarks.vllm_e2e import vllm_dcp_e2e as dcp_e2e
 from benchmarks.vllm_e2e import vllm_e2e_report as report
@@ -46,7 +48,7 @@ from benchmarks.vllm_e2e import vllm_spec_dcp as spec_dcp
 from benchmarks.vllm_e2e.e2e_runner import Job
 from benchmarks.vllm_e2e.vllm_gpu_e2e import GRAPH_SIZES
 
-MODEL = "qwen3next-h256"
+MODEL = "qwen3next-h256-draftable"
 FULL_EVERY = 4
 # vLLM's Qwen3-Next runs MoE layers only, which need vLLM's MoE extension on the GPU machine: make_moe_ext.sh.
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, shared_expert_intermediate_size=512,
@@ -59,6 +61,7 @@ CONFIG = dict(
     linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=16384,
     rms_norm_eps=1e-6, rope_theta=10000.0, partial_rotary_factor=0.25, tie_word_embeddings=False, bos_token_id=1,
     eos_token_id=2, initializer_range=0.1, num_nextn_predict_layers=1, **MOE,
+    draftable=common.DRAFTABLE,  # drafts the MTP layer gets accepted (common.save_random_model)
 )
 MTP = {"method": "qwen3_next_mtp", "num_speculative_tokens": 2}
 LOGPROB_PROMPTS = dict(count=8, min_len=64, max_len=4000, seed=21)

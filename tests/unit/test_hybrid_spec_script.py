@@ -8,7 +8,7 @@ import json
 import tarfile
 from pathlib import Path
 
-from benchmarks import hybrid_spec
+from benchmarks import common, hybrid_spec
 from benchmarks.sglang_e2e import sglang_hybrid_spec as sglang_bench
 
 
@@ -16,6 +16,9 @@ def test_every_job_speculates_with_the_models_own_mtp_layer_and_only_the_backend
     models = {"q3n-mtp": Path("/m")}
     engines = {job["name"]: sglang_bench.spec_gpu.engine_kwargs(job, models) for job in sglang_bench.JOBS}
     assert sglang_bench.MODELS["q3n-mtp"]["num_nextn_predict_layers"] == 1
+    # drafts that get accepted (common.save_random_model); the other SGLang jobs' Qwen3-Next stays as it was
+    assert sglang_bench.MODELS["q3n-mtp"]["draftable"] == common.DRAFTABLE
+    assert "draftable" not in sglang_bench.spec_gpu.MODELS["q3n"]
     assert {e["speculative_algorithm"] for e in engines.values()} == {"NEXTN"}
     assert {e["speculative_draft_model_path"] for e in engines.values()} == {"/m"}
     assert {n: e["attention_backend"] for n, e in engines.items() if "fp32" in n} == {

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from benchmarks import common
 from benchmarks.vllm_e2e import vllm_hybrid_gpu as bench
 from tests.helpers.vllm_checks import script_output
 
@@ -100,3 +101,40 @@ def test_the_two_gpu_set_shards_the_cache_of_a_one_kv_head_model(tmp_path):
         "q3n-tp2-dcp2-mtp-dcp-triton": (2, "q3n-tp2-dcp2-dcp-triton")}
     assert cli("--tp", "2", "--plan", "--work-dir", str(tmp_path / "w"), "--results-dir", str(tmp_path / "r"))[0] \
         .endswith("[2 GPUs, 1 jobs at once]")
+
+
+def _embedding_agreement(config: dict) -> tuple[int, int]:
+    """On how many greedy positions (3 prompts, 24 new tokens each, float32) the current token's embedding alone
+    (final norm, lm_head) predicts the model's next token."""
+    import torch
+
+    model = common.random_model(config).eval()
+    gen = torch.Generator().manual_seed(1)
+    agree = total = 0
+    with torch.no_grad():
+        for n in (50, 200, 400):
+            prompt = torch.randint(3, config["vocab_size"], (1, n), generator=gen)
+            seq = model.generate(prompt, max_new_tokens=24, do_sample=False)[0]
+            full = model(seq[None]).logits[0].argmax(-1)
+            alone = model.lm_head(model.model.norm(model.model.embed_tokens(seq))).argmax(-1)
+            agree += int((full[n - 1:-1] == alone[n - 1:-1]).sum())
+            total += len(seq) - n
+    return agree, total
+
+
+def test_the_models_mtp_drafts_are_those_a_draftable_model_accepts():
+    """A random MTP layer's drafts are never accepted; the model is built draftable (``common.DRAFTABLE``): the
+    current token's embedding alone then predicts most of the model's greedy tokens (the layers, attention among
+    them, deciding the rest; without it none), and the MTP layer's fc passes the next token's embedding on, so it
+    drafts that prediction."""
+    import torch
+
+    assert bench.CONFIG["draftable"] == common.DRAFTABLE
+    agree, total = _embedding_agreement(bench.CONFIG)
+    plain, _ = _embedding_agreement({k: v for k, v in bench.CONFIG.items() if k != "draftable"})
+    assert total == 72 and 0.5 * total <= agree < total and plain <= 2, (agree, plain)
+    model = common.random_model(bench.CONFIG)
+    mtp = common._mtp_weights(model.config, model.state_dict(), 0, common.DRAFTABLE)
+    hidden = bench.CONFIG["hidden_size"]
+    assert torch.equal(mtp["mtp.fc.weight"], torch.cat([torch.eye(hidden) * 10.0, torch.zeros(hidden, hidden)], 1))
+    assert torch.equal(mtp["mtp.norm.weight"], torch.zeros(hidden))  # (1 + weight): every channel alike
