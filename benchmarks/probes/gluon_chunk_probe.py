@@ -9,7 +9,7 @@ GPU, and the parent must still report): first against float64 attention on a var
 replay on each of ``SHAPES`` beside ``plan_chunk`` and FA3 (when vLLM's FA3 imports) in the same process. A call's
 configs are appended to the results file's ``runs`` with the call's provenance.
 
-    python -m benchmarks.probes.gluon_chunk_probe [--name kernels_h200_gluon_probe]
+    python -m benchmarks.probes.gluon_chunk_probe [--name kernels_h200_gluon_probe] [--configs JSON]
     TRITON_INTERPRET=0 python -m benchmarks.probes.gluon_chunk_probe --compile-only   # any machine, Triton 3.6
 
 ``--compile-only`` compiles the prototype's schedules (``PROTOTYPE_SCHEDULES``) and the shipped kernels' configs
@@ -43,11 +43,16 @@ from pathlib import Path
 # outside the loop). ("prefix", 2, STAGES[, HEAD_DIM[, PRODUCER_FIX, OVERLAP]]): the shipped prefix pass
 # (gluon_prefix_check.py), e.g. at head size 64, or with three stages, the V rows zeroed by the producer and FA3's
 # order. The earlier calls' configs are in kernels_h200_gluon_probe.json.
+# ("wide", BLOCK_N, STAGES, OVERLAP, PINGPONG): the prototype at head size 256 (Qwen3-Next / Qwen3.5's attention,
+# timed at 16 Q / 2 KV heads), where the shipped Gluon chunk does not serve: Q from shared memory (OVERLAP >= 1),
+# 64-key tiles two stages deep (192 KiB of shared memory with the two Q buffers). Run them with --configs.
 CONFIGS = [("chunk", 1), ("chunk", 0), ("chunk", 2), ("chunk", 2, 128, 3, 1), ("chunk", 2, 128, 2, 0, 1),
            ("chunk", 1, 128, 3, 1, 1), ("chunk", 2, 128, 3, 1, 1), ("chunk", 2, 64), ("chunk", 2, 64, 3, 1, 1),
            ("prefix", 2, 2), ("prefix", 2, 2, 128, 0, 1), ("prefix", 2, 3, 128, 1, 0), ("prefix", 2, 3, 128, 1, 1),
            ("prefix", 2, 2, 64), ("prefix", 2, 3, 64, 1, 1)]
 PROTOTYPE_SCHEDULES = [(128, 2, o, p) for o in (0, 1, 2, 3) for p in (0, 1) if not p or o >= 2]  # --compile-only
+WIDE_CONFIGS = [("wide", 64, 2, 1, 0), ("wide", 64, 2, 2, 0), ("wide", 64, 2, 3, 0), ("wide", 64, 2, 2, 1),
+                ("wide", 64, 2, 3, 1)]  # --compile-only; --configs for a GPU run
 SHAPES = [(16, 1024), (4, 2048), (2, 4096), (1, 16384)]  # (sequences, length), 32 Q / 8 KV heads
 CHECK_LENS = [1, 17, 64, 127, 128, 129, 300, 1000]
 ERROR_BOUND = 1e-2  # relative Frobenius error of a bf16 output (bench_kernels.py's bound)
@@ -66,6 +71,8 @@ def launch(q, k, v, out, lse, cu, max_len, *, scale, q_head_start, q_per_kv, kv_
         return plan_gluon_chunk(q, k, v, out, lse, cu, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
                                 kv_head_start=kv_head_start, order=config[1], stages=stages,
                                 producer_fix=bool(producer_fix), overlap=bool(overlap))(q, k, v, out, lse, cu)
+    if config[0] == "wide":  # the prototype at head size 256 (q's)
+        config = config[1:]
     block_n, stages, overlap, pingpong, *_ = config  # a fifth entry, PERSISTENT, is the shipped kernel's ancestor
     num_tokens, num_reqs = q.shape[0], cu.shape[0] - 1
     num_q_programs = flat_programs(num_tokens, num_reqs, 128)
@@ -79,8 +86,15 @@ def launch(q, k, v, out, lse, cu, max_len, *, scale, q_head_start, q_per_kv, kv_
 
 
 def chunk_head_dim(config) -> int:
-    """A chunk config's head size: its third entry, 128 without one (prototype configs: 128)."""
+    """A chunk config's head size: its third entry, 128 without one; prototype configs 128, ``wide`` ones 256."""
+    if config[0] == "wide":
+        return 256
     return config[2] if config[0] == "chunk" and len(config) > 2 else 128
+
+
+def timed_heads(d: int) -> tuple[int, int]:
+    """Q and KV heads of the timed shapes: 16 / 2 at head size 256 (the hybrid models'), else 32 / 8."""
+    return (16, 2) if d == 256 else (32, 8)
 
 
 def check(config) -> dict:
@@ -120,22 +134,23 @@ def time_shapes(config) -> list[dict]:
     from dcp_plugin.kernels.chunk_attention import _pick_config, plan_chunk
 
     rows, d = [], chunk_head_dim(config)
+    hq, hk = timed_heads(d)
     gen = torch.Generator(device="cuda").manual_seed(1)
     for seqs, length in SHAPES:
         total = seqs * length
-        q = torch.randn(total, 32, d, dtype=torch.bfloat16, device="cuda", generator=gen)
-        k = torch.randn(total, 8, d, dtype=torch.bfloat16, device="cuda", generator=gen)
-        v = torch.randn(total, 8, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+        q = torch.randn(total, hq, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+        k = torch.randn(total, hk, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+        v = torch.randn(total, hk, d, dtype=torch.bfloat16, device="cuda", generator=gen)
         cu = torch.arange(0, total + 1, length, dtype=torch.int32, device="cuda")
-        out, lse = torch.empty_like(q), torch.empty(total, 32, dtype=torch.float32, device="cuda")
-        kw = dict(scale=d ** -0.5, q_head_start=0, q_per_kv=4, kv_head_start=0)
-        flops = 2 * 2 * seqs * length * length * 32 * d / 2
+        out, lse = torch.empty_like(q), torch.empty(total, hq, dtype=torch.float32, device="cuda")
+        kw = dict(scale=d ** -0.5, q_head_start=0, q_per_kv=hq // hk, kv_head_start=0)
+        flops = 2 * 2 * seqs * length * length * hq * d / 2
         tl_launch = plan_chunk(q, k, v, out, lse, cu, length, **kw,  # the tl kernel, whatever DCP_TRITON_GLUON says
                                config=_pick_config(d, torch.bfloat16, None, length))
         fns = {"gluon": lambda: launch(q, k, v, out, lse, cu, length, config=config, **kw),
                "ours_tl": lambda: tl_launch(q, k, v, out, lse, cu)}
         fns.update({name: (lambda fn=fn: fn(0)) for name, fn in kernel_peers.fa3_prefill(q, k, v, cu, length).items()})
-        row = dict(num_seqs=seqs, seq_len=length, head_dim=d)
+        row = dict(num_seqs=seqs, seq_len=length, head_dim=d, heads=[hq, hk])
         for name, fn in fns.items():
             try:
                 ms = graph_ms([fn])
@@ -199,8 +214,9 @@ def compile_only() -> None:
     from dcp_plugin.kernels import gluon_chunk
 
     target = GPUTarget("cuda", 90, 32)
-    for config in PROTOTYPE_SCHEDULES:
-        block_n, stages, overlap, pingpong = config
+    for config in [*PROTOTYPE_SCHEDULES, *WIDE_CONFIGS]:
+        head_dim = chunk_head_dim(config)
+        block_n, stages, overlap, pingpong = config[1:] if config[0] == "wide" else config
         fn = chunk_prototype_kernel
         signature, attrs = {}, {}
         for i, name in enumerate(fn.arg_names):
@@ -213,7 +229,7 @@ def compile_only() -> None:
                     "fp32" if name == "qk_scale" else "i32")
                 if name.startswith("stride_") and name != "stride_lh":
                     attrs[(i,)] = [["tt.divisibility", 16]]
-        constants = dict(HEAD_DIM=128, STAGES=stages, stride_lh=1, BLOCK_N=block_n, OVERLAP=overlap,
+        constants = dict(HEAD_DIM=head_dim, STAGES=stages, stride_lh=1, BLOCK_N=block_n, OVERLAP=overlap,
                          PINGPONG=bool(pingpong))
         compiled = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
                                   target=target, options=dict(num_warps=4))
@@ -253,8 +269,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--name", default="kernels_h200_gluon_probe")
     parser.add_argument("--compile-only", action="store_true", help="compile for sm_90 here (no GPU) and report")
+    parser.add_argument("--configs", help="a JSON list of configs to run instead of CONFIGS, e.g. "
+                        "'[[\"wide\", 64, 2, 2, 0]]' (WIDE_CONFIGS: the prototype at head size 256)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    try:
+        configs = [tuple(c) for c in json.loads(args.configs)] if args.configs else CONFIGS
+    except (ValueError, TypeError) as error:
+        parser.error(f"--configs must be a JSON list of config lists, e.g. '[[\"wide\", 64, 2, 2, 0]]': {error}")
     if args.compile_only:
         return compile_only()
     if args.child:
@@ -265,7 +287,7 @@ def main() -> None:
     record = json.loads(path.read_text()) if path.exists() else dict(gpu=gpu_name(), runs=[])
     results = []
     record["runs"].append(dict(provenance=provenance(), configs=results))
-    for config in CONFIGS:
+    for config in configs:
         out = Path(f"/tmp/gluon_probe_{'_'.join(map(str, config))}.json")
         out.unlink(missing_ok=True)
         try:
