@@ -21,21 +21,26 @@ HEADS = dict(q_head_start=0, q_per_kv=2, kv_head_start=0)
 D, PAGE = 64, 16
 
 
+def _count_calls(monkeypatch, names: dict) -> dict:
+    """``{"prefix": name, "chunk": name}``: each module's function of that name counted per call."""
+    calls = dict.fromkeys(names, 0)
+
+    def counted(kind, fn):
+        def wrapper(*args, **kwargs):
+            calls[kind] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for kind, module in (("prefix", prefix_module), ("chunk", chunk_module)):
+        monkeypatch.setattr(module, names[kind], counted(kind, getattr(module, names[kind])))
+    return calls
+
+
 @pytest.fixture
 def plans_built(monkeypatch):
     """How many plans the public calls build (each kept plan cleared first)."""
     _plan_cache.clear()
-    built = {"prefix": 0, "chunk": 0}
-
-    def counted(kind, plan):
-        def wrapper(*args, **kwargs):
-            built[kind] += 1
-            return plan(*args, **kwargs)
-        return wrapper
-
-    monkeypatch.setattr(prefix_module, "plan_prefix", counted("prefix", prefix_module.plan_prefix))
-    monkeypatch.setattr(chunk_module, "plan_chunk", counted("chunk", chunk_module.plan_chunk))
-    yield built
+    yield _count_calls(monkeypatch, {"prefix": "plan_prefix", "chunk": "plan_chunk"})
     _plan_cache.clear()
 
 
@@ -143,16 +148,7 @@ def test_a_kept_plan_skips_the_checks_its_layout_passed_and_a_bad_argument_is_st
     """The checks read layouts and host arguments only: a call laid out as one that passed them replays its plan
     without them. A host argument equal to a kept one but of another type (False for 0), or not a tensor where one
     belongs, is checked, and refused in one line."""
-    checked = {"prefix": 0, "chunk": 0}
-
-    def counted(kind, check):
-        def wrapper(*args, **kwargs):
-            checked[kind] += 1
-            return check(*args, **kwargs)
-        return wrapper
-
-    monkeypatch.setattr(prefix_module, "checked_outputs", counted("prefix", prefix_module.checked_outputs))
-    monkeypatch.setattr(chunk_module, "_checked_outputs", counted("chunk", chunk_module._checked_outputs))
+    checked = _count_calls(monkeypatch, {"prefix": "checked_outputs", "chunk": "_checked_outputs"})
     for seed in range(3):
         _decode(_paged(seed))
         _chunk(seed)
