@@ -8,8 +8,18 @@ first use, so ``import dcp_plugin`` (and the ``dcp-triton`` command's ``--help``
 from __future__ import annotations
 
 import importlib
+import os
 
 __version__ = "0.1.0"
+
+# A source checkout keeps the kernels and the adapters beside this folder (``kernels/``, ``adapters/``), and the
+# install maps them into it (``dcp_plugin.kernels``, ``dcp_plugin.adapters``). A process started in the checkout's
+# root (``python -m vllm...``, ``python -m sglang...``) imports this folder ahead of any install: its subpackages are
+# then found beside it, the checkout's code throughout, instead of none.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if not os.path.isdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")) and all(
+        os.path.isfile(os.path.join(_ROOT, name, "__init__.py")) for name in ("kernels", "adapters")):
+    __path__.append(_ROOT)  # noqa: F821 - the package's own search path
 
 # Public name -> the module that defines it.
 _EXPORTS = {

@@ -10,8 +10,8 @@
 # <= 45 MiB, one a call) the same way (join_checked).
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 # pytest over the repository's tests, dcp-triton from /tmp/dcp: tests/ is a package, and pytest's default import mode
-# would put the repository root first on sys.path, where its dcp_plugin/ folder (without the kernels/ and adapters/
-# that the install maps into it) shadows the install; "append" leaves the root where PYTHONPATH has it, after /tmp/dcp.
+# would put the repository root first on sys.path, where its dcp_plugin/ folder (the checkout's code) comes before the
+# install; "append" leaves the root where PYTHONPATH has it, after /tmp/dcp.
 PYTEST=(python3 -m pytest --import-mode=append -p no:cacheprovider)
 VLLM_UNPACKED=/tmp/vs/.unpacked  # written once an unpack finished: a cut-short tar leaves /tmp/vs without it
 

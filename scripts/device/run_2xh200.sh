@@ -22,8 +22,8 @@
 #   e.g.  bash scripts/device/run_2xh200.sh unpack       carry .gpu-bundle/core-part, then
 #         bash scripts/device/run_2xh200.sh check        carry .gpu-bundle/core-rest, then
 #         bash scripts/device/run_2xh200.sh e2e --budget-s 540    carry .gpu-bundle/extra
-# Everything runs from /tmp: in the repository root, its dcp_plugin/ folder (without the kernels/ and adapters/
-# packages that the install maps into it) would shadow the installed package for child processes. The benchmarks run
+# Everything runs from /tmp: in the repository root, its dcp_plugin/ folder (the checkout's code) would come before the
+# installed package in child processes. The benchmarks run
 # as modules (python3 -m / torchrun -m), the repository root last on PYTHONPATH (run_h200.sh says how).
 set -uo pipefail
 stage=${1:?usage: run_2xh200.sh unpack|check|e2e|spec|moe|hybrid [arguments...]}

@@ -28,8 +28,8 @@
 #   e.g.  bash scripts/device/run_h200.sh unpack     carry .gpu-bundle/core-part, then
 #         bash scripts/device/run_h200.sh bench "benchmarks/vllm_e2e/vllm_gpu_e2e.py --quick"
 #                                                     carry .gpu-bundle/extra, .gpu-bundle/core-rest
-# Everything runs from /tmp: in the repository root, its dcp_plugin/ folder (without the kernels/ and adapters/
-# packages that the install maps into it) would shadow the installed package for any child Python process. A script
+# Everything runs from /tmp: in the repository root, its dcp_plugin/ folder (the checkout's code) would come before the
+# installed package in any child Python process. A script
 # named by its path runs as its module (python3 -m benchmarks.x.y; an example by its path: _device.sh's script_argv),
 # with the repository root last on PYTHONPATH (repo_last): benchmarks from the repository, dcp_plugin from /tmp/dcp.
 # Logs land in $OUT, and every file the benchmarks wrote under benchmarks/results/ in $OUT/results_new.tar.gz.

@@ -7,6 +7,7 @@ the repository (the strings included: a script a test writes and runs is code to
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -118,3 +119,35 @@ def test_plain_pytest_imports_the_tests_and_the_benchmarks_by_package(tmp_path):
                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "test_bench_common.py::" in done.stdout and "test_kernel_merge.py::" in done.stdout, done.stdout[-2000:]
+
+
+FIND = ("import importlib.util, json, dcp_plugin; print(json.dumps([dcp_plugin.__path__] + [getattr("
+        "importlib.util.find_spec(name), 'origin', None) for name in ('dcp_plugin.kernels', 'dcp_plugin.adapters')]))")
+
+
+def test_the_checkout_root_finds_the_kernels_and_adapters_without_an_editable_install():
+    """A process started in the checkout's root imports its ``dcp_plugin/`` ahead of any install: the kernels and
+    adapters beside it are found (``python -S``: no site-packages, so no editable install's finder maps them)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-S", "-c", FIND], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    path, kernels, adapters = json.loads(done.stdout)
+    assert path == [str(ROOT / "dcp_plugin"), str(ROOT)]
+    assert (kernels, adapters) == (str(ROOT / "kernels" / "__init__.py"), str(ROOT / "adapters" / "__init__.py"))
+
+
+def test_an_installed_package_keeps_its_own_path(tmp_path):
+    """Installed, the package holds ``kernels/`` and ``adapters/`` itself: nothing beside it joins its path, even where
+    folders of those names lie next to it."""
+    site = tmp_path / "site"
+    for name in ("dcp_plugin/kernels", "dcp_plugin/adapters", "kernels", "adapters"):
+        (site / name).mkdir(parents=True)
+        (site / name / "__init__.py").write_text("")
+    (site / "dcp_plugin" / "__init__.py").write_text((ROOT / "dcp_plugin" / "__init__.py").read_text())
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-S", "-c", FIND], capture_output=True, text=True, cwd=site, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    path, kernels, _ = json.loads(done.stdout)
+    assert path == [str(site / "dcp_plugin")] and kernels == str(site / "dcp_plugin" / "kernels" / "__init__.py")
