@@ -168,9 +168,16 @@ def headline_rows(vllm_dcp: dict, kernels: dict, one: dict) -> list[str]:
     prefix = [r["ours_tflops"] / r["fa3_tflops"] for r in kernels.get("prefix", []) if r.get("page") == 64]
     meta, page, kernel_page = vllm_dcp["meta"], "docs/performance.md", "docs/kernels.md"
     model = f"{meta['config']['num_attention_heads']} Q / {meta['config']['num_key_value_heads']} KV heads"
+    peer_dcp2 = capacity.get(("flash_attn_dcp2", "graphs"))
+    vs_fa_dcp2 = [t["dcp_triton_dcp2_ag_rs"] / t["flash_attn_dcp2"] for t in _dcp2_throughput(vllm_dcp).values()
+                  if t.get("flash_attn_dcp2") and t.get("dcp_triton_dcp2_ag_rs")]
+    peer = ((f" (vLLM's FLASH_ATTN at DCP = 2 holds {'as many' if peer_dcp2 == dcp2 else f'{peer_dcp2:,}'})"
+             if peer_dcp2 else "")
+            + (f", at {span(vs_fa_dcp2)} FLASH_ATTN's output tokens/s at DCP = 2 over {len(vs_fa_dcp2)} loads"
+               if vs_fa_dcp2 else ""))
     return [
-        f"- **{dcp2 / dcp1:.1f}x the KV cache at DCP = 2**: {dcp2:,} tokens against {dcp1:,} at DCP = 1, inside vLLM "
-        f"{meta['vllm']} on two {meta['gpu']}s at tp = 2 ({model}), float32 prompt logprobs within "
+        f"- **{dcp2 / dcp1:.1f}x the KV cache at DCP = 2**: {dcp2:,} tokens against {dcp1:,} at DCP = 1{peer}, "
+        f"inside vLLM {meta['vllm']} on two {meta['gpu']}s at tp = 2 ({model}), float32 prompt logprobs within "
         f"{vllm_dcp['summary']['fp32_max_abs_logprob_diff']:.1e} of vLLM's `TRITON_ATTN` "
         f"([details]({page}#dcp--2-inside-vllm-two-h200s), `benchmarks/results/vllm_dcp_2xh200.json`).",
         f"- **{min(vs_fa):.2f}x-{max(vs_fa):.2f}x the output tokens/s of vLLM's FLASH_ATTN**{triton} over "

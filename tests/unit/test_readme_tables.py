@@ -66,7 +66,12 @@ def test_headlines_from_hand_made_results():
                                  "m/b": {"graphs": {"dcp_triton": 130.0, "flash_attn": 100.0, "triton_attn": 130.0},
                                          "eager": {"dcp_triton": 1.0, "flash_attn": 100.0}}}}}
     text = "\n".join(results_tables.headline_rows(vllm_dcp, kernels, one))
-    assert "**2.0x the KV cache at DCP = 2**: 2,000 tokens against 1,000" in text
+    assert ("**2.0x the KV cache at DCP = 2**: 2,000 tokens against 1,000 at DCP = 1, at 0.90x-1.20x FLASH_ATTN's "
+            "output tokens/s at DCP = 2 over 2 loads, inside vLLM 0.26.0" in text)  # no FLASH_ATTN capacity row
+    vllm_dcp["kv_capacity"].append({"config": "flash_attn_dcp2", "mode": "graphs", "kv_cache_tokens": 2000})
+    with_peer = "\n".join(results_tables.headline_rows(vllm_dcp, kernels, one))
+    assert ("2,000 tokens against 1,000 at DCP = 1 (vLLM's FLASH_ATTN at DCP = 2 holds as many), at 0.90x-1.20x "
+            "FLASH_ATTN's output tokens/s at DCP = 2 over 2 loads, inside vLLM" in with_peer)
     assert "(16 Q / 1 KV heads), float32 prompt logprobs within 1.5e-06" in text
     assert "**0.90x-1.30x the output tokens/s of vLLM's FLASH_ATTN** (and 1.00x-2.00x `TRITON_ATTN`'s) over 2 loads" \
         in text  # graphs only: the eager row's 0.01x is not a headline
