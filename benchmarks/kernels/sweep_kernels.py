@@ -7,7 +7,10 @@ default (``None``: the kernels' own table) first, so a row's gain is read agains
   through tensor descriptors; 47214dc:benchmarks/results/kernels_h200_sweep2.json timed it as a separate candidate
   kernel, 6-tuples with warp specialization, which gained nothing, before it became this option);
 - ``prefix``: ``prefix_attention`` configs ``(block_n, block_m, num_warps, num_stages[, tma[, rows_ahead]])`` on the
-  DCP prefix pass;
+  DCP prefix pass; ``fp8prefix``: the same pass over an e4m3 cache (a prefill step's chunk reading its prefix from an
+  fp8 cache, as vLLM's chunked prefill does), configs ``(... rows_ahead[, fp8_widen[, fp8_dot]])``, each shape's
+  first row the default over the bf16 cache the e4m3 one was rounded from (``fp8: false``, the Gluon prefix pass
+  where it serves), for the fp8 / bf16 time;
 - ``decode`` / ``fp8``: decode configs ``(block_n, num_warps, num_stages[, tma[, rows_ahead[, min_rows[,
   fp8_widen[, max_registers[, last_split_merges]]]]]])`` crossed with split counts, graph replay, GB/s of cache
   bytes read (bf16 / e4m3 cache); ``min_rows`` 64 pads a tile's Q heads to 64 rows, which ``tl.dot`` runs as
@@ -113,30 +116,44 @@ def _check_then_time(row: dict, call, out, error, *, flops: float) -> None:
         row["error"] = repr(err)[:200]
 
 
-def sweep_prefix(shapes, configs) -> list[dict]:
-    """TFLOP/s of each ``(block_n, block_m, num_warps, num_stages)`` on each ``(batch, q_rows, ctx, hq, hk)``."""
+def prefix_config(consts: tuple):
+    """A prefix candidate ``(block_n, block_m, num_warps, num_stages[, tma[, rows_ahead[, fp8_widen[, fp8_dot]]]])``
+    as a ``PrefixConfig``; None stays None (the kernels' own table)."""
     from dcp_plugin.kernels.prefix_attention import PrefixConfig
 
+    if consts is None:
+        return None
+    flag = lambda i: len(consts) > i and bool(consts[i])  # noqa: E731
+    return PrefixConfig(*consts[:4], tma=flag(4), rows_ahead=flag(5), fp8_widen=consts[6] if len(consts) > 6 else 0,
+                        fp8_dot=consts[7] if len(consts) > 7 else None)
+
+
+def sweep_prefix(shapes, configs, *, fp8: bool = False) -> list[dict]:
+    """TFLOP/s of each prefix candidate (``prefix_config``) on each ``(batch, q_rows, ctx, hq, hk)``; ``fp8``: over
+    an e4m3 cache (unit scales), after the default over the bf16 cache it was rounded from."""
     rows = []
     for shape in shapes:
         batch, q_rows, ctx, hq, hk = shape
-        _, _, q, kc, vc, tables, lens, qsl = _prefix_setup(batch, ctx, hq, hk, torch.Generator("cuda").manual_seed(6),
-                                                           q_rows=q_rows, page=PAGE_SIZE[0])
+        _, _, q, kc16, vc16, tables, lens, qsl = _prefix_setup(batch, ctx, hq, hk,
+                                                               torch.Generator("cuda").manual_seed(6),
+                                                               q_rows=q_rows, page=PAGE_SIZE[0])
         out = torch.empty_like(q)
-        for consts in [None, *configs]:
-            cfg = None if consts is None else PrefixConfig(*consts[:4], tma=len(consts) > 4 and bool(consts[4]),
-                                                           rows_ahead=len(consts) > 5 and bool(consts[5]))
-            row = dict(shape=list(shape), page=PAGE_SIZE[0], config=consts)
+        runs = [(False, None, {})] if fp8 else []
+        scales = dict(k_scale=torch.ones(1, device="cuda"), v_scale=torch.ones(1, device="cuda")) if fp8 else {}
+        runs += [(fp8, consts, scales) for consts in [None, *configs]]
+        for on_fp8, consts, kw in runs:
+            kc, vc = (kc16.to(torch.float8_e4m3fn), vc16.to(torch.float8_e4m3fn)) if on_fp8 else (kc16, vc16)
+            row = dict(shape=list(shape), page=PAGE_SIZE[0], fp8=on_fp8, config=consts)
 
-            def call(cfg=cfg):
+            def call(cfg=prefix_config(consts), kc=kc, vc=vc, kw=kw):
                 prefix_attention(q, kc, vc, tables[0], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
                                  q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=q_rows, out=out,
-                                 config=cfg)
-            _check_then_time(row, call, out, lambda: _prefix_error(out, q, kc, vc, tables, lens, qsl, rows=1,
-                                                                   q_limit=128),
-                             flops=4 * batch * q_rows * ctx * hq * HEAD_DIM)
+                                 config=cfg, **kw)
+            _check_then_time(row, call, out, lambda kc=kc, vc=vc, kw=kw: _prefix_error(
+                out, q, kc, vc, tables, lens, qsl, rows=1, q_limit=128, **kw),
+                flops=4 * batch * q_rows * ctx * hq * HEAD_DIM)
             rows.append(row)
-            print(f"sweep prefix {shape} config={row['config']}: {row.get('tflops', 0):.0f} TFLOP/s "
+            print(f"sweep prefix {shape} fp8={on_fp8} config={row['config']}: {row.get('tflops', 0):.0f} TFLOP/s "
                   f"err {row.get('rel_err', float('nan')):.1e} {row.get('error', '')}", flush=True)
         torch.cuda.empty_cache()
     return rows
@@ -219,6 +236,12 @@ PREFILL_SHAPES = [(2, 4096)]  # (sequences, tokens each), --prefill-shapes
 PAGE_SIZE = [16]  # the cache's page size for the prefix and decode sweeps (--page)
 PREFIX_CONFIGS = [(32, 128, 4, 5), (64, 256, 8, 2), (32, 128, 4, 6), (64, 128, 4, 4), (128, 256, 8, 2)]
 PREFIX_SHAPES = [(2, 4096, 32768, 32, 8), (1, 2048, 131072, 32, 8)]
+# Over an e4m3 cache (--only fp8prefix, --page 64 as vLLM's blocks for dcp-triton): the default (tl, 64-token tiles
+# through descriptors, the fp8 tiles widened in registers), V / K and V widened before their shared-memory round trip,
+# and Q x K in fp8; 8 x 2K over 32K: a 32K prompt's late chunk in vLLM's long load.
+FP8_PREFIX_CONFIGS = [(64, 128, 4, 2, 1, 1, 1), (64, 128, 4, 2, 1, 1, 2), (64, 128, 4, 3, 1, 1, 1),
+                      (64, 64, 4, 3, 1, 1, 1), (64, 128, 8, 2, 1, 1, 1), (64, 128, 4, 2, 1, 1, 1, 1)]
+FP8_PREFIX_SHAPES = [(8, 2048, 32768, 32, 8), (2, 4096, 32768, 32, 8)]
 DECODE_SHAPES = [(1, 1024, 32, 8), (8, 1024, 32, 8), (32, 1024, 32, 8), (1, 8192, 32, 8), (8, 8192, 32, 8),
                  (32, 8192, 32, 1), (128, 8192, 32, 1), (8, 32768, 32, 1), (128, 1024, 32, 8)]  # 32 x 1K: 0.81x FA3
 DECODE_SPLITS = [1, 2, 4, 8, 16, 32]
@@ -244,6 +267,8 @@ def main() -> None:
                         "BNxWxS[xTMA[xAHEAD[xROWS[xWIDEN[xREGS[xMERGE]]]]]],... (e.g. 64x4x3x1x1, 64x4x4x1x0x64, "
                         "128x4x3x0x0x16x1x168; MERGE 1: the last split merges, no merge launch)")
     parser.add_argument("--fp8-configs", help="replace the fp8 decode candidates, as --decode-configs")
+    parser.add_argument("--fp8-prefix-configs", help="replace the fp8prefix candidates: "
+                        "BNxBMxWxSxTMAxAHEADxWIDENxDOT,... (WIDEN 0-2, DOT 0-2)")
     parser.add_argument("--decode-shapes", help="replace the decode shapes: BATCHxCTXxHQxHK,... (also fp8's)")
     parser.add_argument("--splits", help="replace the fixed split counts timed beside the automatic one (decode and "
                         "fp8): N,N,... or 'none' for the automatic one alone")
@@ -264,6 +289,8 @@ def main() -> None:
         DECODE_SHAPES[:] = FP8_SHAPES[:] = [tuple(int(x) for x in c.split("x")) for c in args.decode_shapes.split(",")]
     if args.splits:
         DECODE_SPLITS[:] = FP8_SPLITS[:] = [] if args.splits == "none" else [int(x) for x in args.splits.split(",")]
+    if args.fp8_prefix_configs:
+        FP8_PREFIX_CONFIGS[:] = [tuple(int(x) for x in c.split("x")) for c in args.fp8_prefix_configs.split(",")]
     if args.prefix_configs:
         PREFIX_CONFIGS[:] = [tuple(int(x) for x in c.split("x")) for c in args.prefix_configs.split(",")]
     if args.prefill_dims:
@@ -284,6 +311,8 @@ def main() -> None:
                                           hk=PREFILL_HEADS[1]), "tflops",
                     lambda r: [r["head_dim"], *r["shape"][:2]]),
         "prefix": (lambda: sweep_prefix(PREFIX_SHAPES, PREFIX_CONFIGS), "tflops", lambda r: r["shape"]),
+        "fp8prefix": (lambda: sweep_prefix(FP8_PREFIX_SHAPES, FP8_PREFIX_CONFIGS, fp8=True), "tflops",
+                      lambda r: [*r["shape"], r["fp8"]]),
         "decode": (lambda: sweep_decode(DECODE_SHAPES, DECODE_SPLITS, DECODE_CONFIGS), "gbs",
                    lambda r: [r["batch"], r["ctx"], r["q_heads"], r["kv_heads"]]),
         "fp8": (lambda: sweep_decode(FP8_SHAPES, FP8_SPLITS, FP8_CONFIGS, fp8=True), "gbs",
