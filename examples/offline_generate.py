@@ -14,13 +14,16 @@ On CPU, vLLM runs DCP = 1 only.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import _shared  # this script's folder is first on the path: python examples/NAME.py
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
-CPU_MAX_TOKENS = 6  # interpreted Triton costs ~12-20 s per decode step of this 30-layer model on 2 cores
+# On CPU, per kernel path: interpreted Triton runs every kernel program in Python (seconds per decode step of this
+# 30-layer model), the torch references, the CPU default, far faster.
+CPU_MAX_TOKENS = {"triton": 6, "reference": 16}
 GPU_MAX_TOKENS = 64
 
 
@@ -30,11 +33,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "without a tokenizer, prompts go in as UTF-8 bytes and completions print as token ids")
     _shared.add_engine_args(
         p, prompts=PROMPTS, max_tokens=None,
-        max_tokens_help=f"tokens to generate per prompt (default {GPU_MAX_TOKENS} on GPU, {CPU_MAX_TOKENS} on CPU)",
+        max_tokens_help=f"tokens to generate per prompt (default {GPU_MAX_TOKENS} on GPU; on CPU "
+                        f"{CPU_MAX_TOKENS['reference']}, {CPU_MAX_TOKENS['triton']} with --kernels triton)",
         tp=1, tp_help="tensor-parallel size (default 1)", dcp=1,
         kernels_help="kernel path of the backend: the Triton kernels, or the torch references; default: "
                      f"${_shared.KERNEL_ENV}, else triton on a GPU and reference without one")
     return p
+
+
+def cpu_kernels() -> str:
+    """The kernel path vLLM's workers take on CPU: ``$DCP_TRITON_KERNELS`` (``--kernels`` sets it), else the torch
+    references."""
+    return "triton" if os.environ.get(_shared.KERNEL_ENV) == "triton" else "reference"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model = smollm2_checkpoint(progress=args.verbose)
     _shared.check_topology(parser, args, args.model)
     _shared.set_env_defaults(tp=args.tp, gpu=gpu, kernels=args.kernels)
-    max_tokens = args.max_tokens or (GPU_MAX_TOKENS if gpu else CPU_MAX_TOKENS)
+    max_tokens = args.max_tokens or (GPU_MAX_TOKENS if gpu else CPU_MAX_TOKENS[cpu_kernels()])
     return _shared.run(args.model, args, prompts=args.prompts or PROMPTS, max_tokens=max_tokens, gpu=gpu)
 
 

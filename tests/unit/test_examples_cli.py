@@ -174,3 +174,16 @@ def test_a_failed_start_names_the_workers_error_not_the_engines_summary():
     assert _shared.root_cause("torch.OutOfMemoryError: CUDA out of memory\n") == \
         "torch.OutOfMemoryError: CUDA out of memory"
     assert _shared.root_cause("INFO all well\n") is None
+
+
+def test_offline_generate_takes_its_cpu_default_length_from_the_kernel_path(monkeypatch):
+    """Interpreted Triton generates a few tokens on CPU; the torch references, the CPU default, more."""
+    from tests.helpers.examples import load_example
+
+    example = load_example("offline_generate")
+    monkeypatch.delenv("DCP_TRITON_KERNELS", raising=False)
+    assert example.cpu_kernels() == "reference"
+    monkeypatch.setenv("DCP_TRITON_KERNELS", "triton")
+    assert example.cpu_kernels() == "triton"
+    assert example.CPU_MAX_TOKENS["triton"] < example.CPU_MAX_TOKENS["reference"]
+    assert example.build_parser().format_help().count("with --kernels triton") == 1
