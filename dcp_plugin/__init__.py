@@ -16,8 +16,9 @@ __version__ = "0.1.0"
 # install maps them into it (``dcp_plugin.kernels``, ``dcp_plugin.adapters``). A process started in the checkout's
 # root (``python -m vllm...``, ``python -m sglang...``) imports this folder ahead of any install: its subpackages are
 # then found beside it, the checkout's code throughout, instead of none.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if not os.path.isdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")) and all(
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+if not os.path.isdir(os.path.join(_HERE, "kernels")) and all(
         os.path.isfile(os.path.join(_ROOT, name, "__init__.py")) for name in ("kernels", "adapters")):
     __path__.append(_ROOT)  # noqa: F821 - the package's own search path
 
