@@ -45,7 +45,7 @@ _EXPORTS = {
     "plan_chunk": "dcp_plugin.kernels.chunk_attention",
     "prefix_attention": "dcp_plugin.kernels.prefix_attention",
     "plan_prefix": "dcp_plugin.kernels.prefix_attention",
-    "split_capacity": "dcp_plugin.kernels.prefix_attention",
+    "split_capacity": "dcp_plugin.kernels.split_kv",
     "plan_write_kv": "dcp_plugin.kernels.write_kv_cache",
     "write_kv_cache": "dcp_plugin.kernels.write_kv_cache",
 }

@@ -319,26 +319,36 @@ def _held(kernel, device: int, compiled) -> bool:
     return entry is not None and any(value is compiled for value in entry[0].values())
 
 
-# Triton's global scratch (device-side tensor descriptors: a few hundred bytes per program), one buffer per stream,
-# grown when a launch needs more: a launch reuses the buffer of the stream's previous launch, which stream order has
-# finished with, so once the largest launch has run (the warm-up runs it) a step allocates nothing. A superseded
-# buffer is kept: a CUDA graph captured over it holds its address.
-_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}
-_SCRATCH_SUPERSEDED: list[torch.Tensor] = []
+class GrownBuffers:
+    """One buffer per key (a device and stream, as a rule), grown when a launch needs more and never shrunk: a launch
+    reuses the buffer of its key's previous launch, which stream order has finished with, so once the largest launch
+    has run (the warm-up runs it) a step allocates nothing. A superseded buffer is kept (``superseded``): a CUDA graph
+    captured over it holds its address. ``make(count, key)`` allocates a buffer of ``count`` elements."""
+
+    def __init__(self, make) -> None:
+        self._make = make
+        self.buffers: dict = {}
+        self.superseded: list[torch.Tensor] = []
+
+    def get(self, key, count: int) -> torch.Tensor:
+        """The buffer of ``key``, at least ``count`` elements: grown to ``max(count, 2 x its size)`` when smaller."""
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.numel() < count:
+            if buffer is not None:
+                self.superseded.append(buffer)
+            buffer = self.buffers[key] = self._make(max(count, 2 * buffer.numel() if buffer is not None else 0), key)
+        return buffer
+
+
+# Triton's global scratch (device-side tensor descriptors: a few hundred bytes per program), one buffer per device and
+# stream, from torch's caching allocator (512-byte aligned, more than the 128 bytes a descriptor needs).
+_SCRATCH = GrownBuffers(lambda count, key: torch.empty(count, dtype=torch.int8,
+                                                      device="cuda" if key[0] >= 0 else "cpu"))
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Triton's allocator hook (``triton.set_allocator``): at least ``size`` bytes for a launch on ``stream``, from
-    torch's caching allocator (512-byte aligned, more than the 128 bytes a descriptor needs)."""
-    cuda = torch.cuda.is_available()
-    key = (torch.cuda.current_device() if cuda else -1, stream or 0)
-    buffer = _SCRATCH.get(key)
-    if buffer is None or buffer.numel() < size:
-        if buffer is not None:
-            _SCRATCH_SUPERSEDED.append(buffer)
-        grown = max(size, 2 * buffer.numel()) if buffer is not None else size
-        buffer = _SCRATCH[key] = torch.empty(grown, dtype=torch.int8, device="cuda" if cuda else "cpu")
-    return buffer
+    """Triton's allocator hook (``triton.set_allocator``): at least ``size`` bytes for a launch on ``stream``."""
+    return _SCRATCH.get((torch.cuda.current_device() if torch.cuda.is_available() else -1, stream or 0), size)
 
 
 def _launch_hooks() -> bool:

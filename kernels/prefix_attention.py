@@ -47,7 +47,7 @@ from dcp_plugin.kernels._schedule import (  # noqa: F401 - the split-count const
 from dcp_plugin.kernels.checks import FP8_DTYPES
 from dcp_plugin.kernels.split_kv import (
     LAST_MERGE_PROGRAMS, LAST_MERGE_SPLITS, NARROW_SPLITS, PrefixLaunch, auto_splits, fit_splits, head_offsets,
-    merge_split_rows, split_merge_kernel, split_outputs, sync_counters, with_merge,
+    merge_split_rows, split_capacity, split_merge_kernel, split_outputs, sync_counters, with_merge,
 )
 
 __all__ = ["PrefixConfig", "prefix_attention", "prefix_attention_kernel", "split_merge_kernel", "plan_prefix",
@@ -268,15 +268,6 @@ def prefix_attention(q, key_cache, value_cache, block_table, kv_lens, query_star
         keep=config is None)
     launch(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, k_scale, v_scale)
     return out, lse
-
-
-def split_capacity(head_dim: int, device: torch.device) -> int:
-    """float32 elements that hold the split partials of any automatic split count on ``device`` (``plan_prefix``'s
-    ``split_buffer``): the split count keeps stage 1 within ``PROGRAMS_PER_SM`` programs per SM of at most
-    ``block_m`` rows each, and a row's partial is ``head_dim + 1`` floats."""
-    sms = num_sms(torch.cuda.current_device() if device.type == "cuda" and device.index is None else device.index or 0)
-    block_m = max(c.block_m for c in (INTERPRET_CONFIG, *GPU_CONFIGS.values(), *POINTER_CONFIGS.values()))
-    return PROGRAMS_PER_SM * sms * block_m * (head_dim + 1)
 
 
 def plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, *, scale,

@@ -15,9 +15,10 @@ import triton
 import triton.language as tl
 
 from dcp_plugin.kernels._launch import (
-    LOG2E, Launch, cdiv, device_index, every_variant_wanted, head_strides, next_pow2, num_sms,
+    LOG2E, GrownBuffers, Launch, cdiv, device_index, every_variant_wanted, head_strides, next_pow2, num_sms,
 )
 from dcp_plugin.kernels._pdl import pdl_for, wait_for_previous_grid
+from dcp_plugin.kernels._prefix_config import GPU_CONFIGS, INTERPRET_CONFIG, POINTER_CONFIGS
 from dcp_plugin.kernels._schedule import MAX_AUTO_SPLITS, PROGRAMS_PER_SM, pick_num_splits
 
 _LOG2E = tl.constexpr(LOG2E)
@@ -224,24 +225,24 @@ class PrefixLaunch:
         self.merge(self.part_out, self.part_lse, out, lse, counts)
 
 
-# Split counters of standalone launches whose last split merges (``plan_prefix`` without ``split_sync``): one zeroed
-# buffer per device and stream, grown when a launch needs more, and every launch leaves them zero. A superseded
-# buffer is kept: a CUDA graph captured over it holds its address. Engines pass their workspace's own.
-_SYNC: dict[tuple[str, int | None, int], torch.Tensor] = {}
-_SYNC_SUPERSEDED: list[torch.Tensor] = []
+# Split counters of standalone launches whose last split merges (``plan_prefix`` without ``split_sync``): zeroed, one
+# buffer per device and stream, and every launch leaves them zero. Engines pass their workspace's own.
+_SYNC = GrownBuffers(lambda count, key: torch.zeros(count, dtype=torch.int32, device=torch.device(*key[:2])))
 
 
 def sync_counters(device: torch.device, count: int) -> torch.Tensor:
     """At least ``count`` zeroed int32 split counters on ``device`` for launches on its current stream."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    buffer = _SYNC.get(key)
-    if buffer is None or buffer.numel() < count:
-        if buffer is not None:
-            _SYNC_SUPERSEDED.append(buffer)
-        buffer = _SYNC[key] = torch.zeros(max(count, 2 * (buffer.numel() if buffer is not None else 0)),
-                                          dtype=torch.int32, device=device)
-    return buffer
+    return _SYNC.get((device.type, device.index, stream), count)
+
+
+def split_capacity(head_dim: int, device: torch.device) -> int:
+    """float32 elements that hold the split partials of any automatic split count on ``device`` (``plan_prefix``'s
+    ``split_buffer``): the split count keeps stage 1 within ``PROGRAMS_PER_SM`` programs per SM of at most
+    ``block_m`` rows each, and a row's partial is ``head_dim + 1`` floats."""
+    sms = num_sms(torch.cuda.current_device() if device.type == "cuda" and device.index is None else device.index or 0)
+    block_m = max(c.block_m for c in (INTERPRET_CONFIG, *GPU_CONFIGS.values(), *POINTER_CONFIGS.values()))
+    return PROGRAMS_PER_SM * sms * block_m * (head_dim + 1)
 
 
 def split_views(buffer, num_tokens: int, num_heads: int, num_splits: int, head_dim: int, device, *,

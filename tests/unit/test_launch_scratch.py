@@ -4,12 +4,12 @@ from dcp_plugin.kernels import _launch
 
 
 def test_a_stream_reuses_its_buffer_and_keeps_what_it_outgrew():
-    _launch._SCRATCH.clear()
+    _launch._SCRATCH.buffers.clear()
     first = _launch._scratch(1000, 128, 11)
     assert first.numel() == 1000 and _launch._scratch(600, 128, 11) is first  # reused, not reallocated
     other = _launch._scratch(600, 128, 12)
     assert other is not first  # another stream: its own buffer (launches on two streams may overlap)
     grown = _launch._scratch(1500, 128, 11)
     assert grown.numel() == 2000 and grown is not first  # at least doubled: a few growths in all
-    assert any(b is first for b in _launch._SCRATCH_SUPERSEDED)  # a graph captured over it keeps a valid address
+    assert any(b is first for b in _launch._SCRATCH.superseded)  # a graph captured over it keeps a valid address
     assert _launch._scratch(2000, 128, 11) is grown
