@@ -26,7 +26,8 @@ if TYPE_CHECKING:  # for the annotations; imported where used, so the runner's p
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 SWITCHES = ("DCP_TRITON_GLUON", "DCP_TRITON_KERNELS", "DCP_TRITON_FAST_LAUNCH", "DCP_TRITON_COMPILE_WORKERS",
-            "DCP_TRITON_PDL", "DCP_TRITON_DCP_FULL_GRAPHS")  # recorded in provenance() when set
+            "DCP_TRITON_PDL", "DCP_TRITON_DCP_FULL_GRAPHS", "DCP_TRITON_FP8_DOT",
+            "DCP_TRITON_FP8_PREFILL")  # recorded in provenance() when set
 COMMIT_ENV = "DCP_TRITON_COMMIT"  # the commit, where the tree has no .git (the device machine's copy)
 COLD_BYTES = 256 << 20  # disjoint data per timed graph until this many bytes (> 4x an H200's 60 MB L2)
 MAX_COPIES = 32

@@ -55,10 +55,12 @@ def choose_kernel_impl(*, engine: str) -> KernelChoice:
     ``DCP_TRITON_KERNELS=triton`` runs the Triton kernels interpreted on CPU. ``engine``: the host's name, for the
     messages."""
     from dcp_plugin import kernels
-    from dcp_plugin.kernels import compile_workers, gluon_asked, pdl_asked
+    from dcp_plugin.kernels import compile_workers, fp8_copy_asked, fp8_dot_asked, gluon_asked, pdl_asked
 
     gluon_asked()  # DCP_TRITON_GLUON: refused here, at the engine's start, when it is neither 0 nor 1
     pdl_asked()  # DCP_TRITON_PDL likewise
+    fp8_dot_asked()  # DCP_TRITON_FP8_DOT likewise, when it is not 0, 1 or 2
+    fp8_copy_asked()  # DCP_TRITON_FP8_PREFILL likewise, when it is neither tiles nor copy
     compile_workers()  # DCP_TRITON_COMPILE_WORKERS likewise, when it is not a whole number
     asked = os.environ.get(KERNELS_ENV, "").strip().lower()
     name = asked or ("reference" if kernels.INTERPRET else "triton")

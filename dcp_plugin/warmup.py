@@ -20,7 +20,9 @@ import torch
 
 from dcp_plugin.batch import DcpBatch, DcpBatchBuffers
 from dcp_plugin.kernels import INTERPRET, compile_ahead, compile_workers, every_variant, join_early, launches_run, stand_by
+from dcp_plugin.kernels.checks import FP8_DTYPES
 from dcp_plugin.kernels.chunk_attention import SHORT_CHUNK
+from dcp_plugin.kernels.fp8_prefill import COPY_MIN_ROWS, fp8_copy_asked
 
 _log = logging.getLogger("dcp_plugin")
 
@@ -39,17 +41,23 @@ STEPS = (
 )
 LONG_CHUNK = ((SHORT_CHUNK + 1, 0),)  # a chunk past SHORT_CHUNK rows: the current chunk's larger tiles
 TREE_VERIFY = ((3, 1), (3, 5))  # verify rows whose proposals form trees: the current chunk under a chunk_mask
+# An fp8 cache's prefill steps through their 16-bit copy (``DCP_TRITON_FP8_PREFILL=copy``): the copy, and the pass
+# over it in one split (the Gluon pass on sm_90) and in several.
+FP8_COPY_STEPS = (((COPY_MIN_ROWS, 3),), ((COPY_MIN_ROWS, 4096),))
 
 
-def steps_for(attention, *, trees: bool = False) -> tuple:
-    """``STEPS``, ``LONG_CHUNK`` where a step can reach it (the GPU's Triton kernels: the interpreter and the torch
-    references tile every chunk alike; and a workspace that holds it, or none: the layer sizes its own), and
-    ``TREE_VERIFY`` when an engine verifies draft trees (``trees``)."""
+def steps_for(attention, *, trees: bool = False, fp8_copy: bool = False) -> tuple:
+    """``STEPS``, ``TREE_VERIFY`` when an engine verifies draft trees (``trees``), and where a step can reach them
+    (the GPU's Triton kernels: the interpreter and the torch references tile every step alike; and a workspace that
+    holds the step, or none: the layer sizes its own) ``LONG_CHUNK`` and, over an fp8 cache whose prefill steps take
+    the copy (``fp8_copy``), ``FP8_COPY_STEPS``."""
     workspace = attention.workspace
     steps = STEPS + ((TREE_VERIFY,) if trees else ())
-    if attention.kernel_impl != "triton" or INTERPRET or not (workspace is None or workspace.fits(SHORT_CHUNK + 1)):
+    if attention.kernel_impl != "triton" or INTERPRET:
         return steps
-    return (*steps, LONG_CHUNK)
+    fits = lambda rows: workspace is None or workspace.fits(rows)  # noqa: E731
+    return (*steps, *((LONG_CHUNK,) if fits(SHORT_CHUNK + 1) else ()),
+            *(FP8_COPY_STEPS if fp8_copy and fits(COPY_MIN_ROWS) else ()))
 
 
 def warmed_up_line(steps: int, seconds: float, dcp_size: int, dtype, compiles: dict | None = None,
@@ -127,7 +135,7 @@ def warm_up(attention, *, query: torch.Tensor, key: torch.Tensor, value: torch.T
     the steps are first recorded and their kernel variants compiled by worker processes side by side (``report``
     receives what ``compile_ahead`` reports), then run.
     """
-    steps, buffers = _steps(attention, trees, query.device)
+    steps, buffers = _steps(attention, trees, query.device, key_cache)
     args = dict(query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache, output=output,
                 k_scale=k_scale, v_scale=v_scale)
     workers = _workers_for(query.device)
@@ -154,7 +162,7 @@ def warm_up_early(attention, *, trees: bool = False, **tensors) -> bool:
     workers = _workers_for(query.device)
     if not workers:
         return False
-    steps, buffers = _steps(attention, trees, query.device)
+    steps, buffers = _steps(attention, trees, query.device, tensors["key_cache"])
     args = dict(dict.fromkeys(("k_scale", "v_scale")), **tensors)
     with every_variant(), compile_ahead(workers, wait=False):
         _run_steps(attention, steps, buffers, **args)
@@ -176,10 +184,10 @@ def workers_ahead(device: torch.device) -> int:
         return 0
 
 
-def _steps(attention, trees: bool, device: torch.device) -> tuple:
+def _steps(attention, trees: bool, device: torch.device, key_cache: torch.Tensor) -> tuple:
     """The warm-up's steps and the persistent buffers their batches are built into, as engines build theirs: on a
     GPU that runs (and compiles) the kernel that derives the per-request lengths (``kernels.batch_lengths``) too."""
-    steps = steps_for(attention, trees=trees)
+    steps = steps_for(attention, trees=trees, fp8_copy=key_cache.dtype in FP8_DTYPES and fp8_copy_asked())
     return steps, DcpBatchBuffers(max(len(requests) for requests in steps), device)
 
 

@@ -7,9 +7,9 @@ override.
 Each public function checks its inputs and launches. Each also has a ``plan_*`` twin that checks nothing and
 returns a prepared launch (``Launch``) for tensors shaped like the ones given: the DCP core prepares its launches
 once per step and replays them for every layer. What the core also takes from here, by these names only: which
-kernel paths a process asks for (``gluon_asked``, ``gluon_enabled``, ``pdl_asked``) and how it compiles its
-variants before serving (``compile_ahead``, ``compile_workers``, ``join_early``, ``stand_by``, ``every_variant``,
-``every_variant_wanted``, ``launches_run``). The argument checks the core shares with the kernels are
+kernel paths a process asks for (``gluon_asked``, ``gluon_enabled``, ``pdl_asked``, ``fp8_dot_asked``,
+``fp8_copy_asked``) and how it compiles its variants before serving (``compile_ahead``, ``compile_workers``,
+``join_early``, ``stand_by``, ``every_variant``, ``every_variant_wanted``, ``launches_run``). The argument checks the core shares with the kernels are
 ``dcp_plugin.kernels.checks``.
 
 The names below are imported on first use, so ``dcp_plugin.kernels.checks`` and ``dcp_plugin.kernels.reference``
@@ -36,6 +36,8 @@ _EXPORTS = {
     "gluon_asked": "dcp_plugin.kernels._gluon",
     "gluon_enabled": "dcp_plugin.kernels._gluon",
     "pdl_asked": "dcp_plugin.kernels._pdl",
+    "fp8_dot_asked": "dcp_plugin.kernels._prefix_config",
+    "fp8_copy_asked": "dcp_plugin.kernels.fp8_prefill",
     "merge_partials": "dcp_plugin.kernels.merge",
     "merge_states": "dcp_plugin.kernels.merge",
     "plan_merge": "dcp_plugin.kernels.merge",

@@ -5,8 +5,8 @@ caller, who may still call ``plan_prefix`` / ``plan_chunk`` once and keep the pl
 A plan is keyed by everything planning and the argument checks read: each tensor's shape, strides, dtype, device
 and 16-byte alignment (None for an output to be made), the current stream (a plan holds its split scratch: calls on
 two streams must not share it), every host argument with its type, the switches planning reads per call
-(``DCP_TRITON_GLUON``, ``DCP_TRITON_PDL``, ``DCP_TRITON_FP8_DOT`` and ``programmatic_launches``) and whether the
-warm-up's extra variants are wanted (``every_variant``). A plan is kept only after its call's arguments passed the
+(``DCP_TRITON_GLUON``, ``DCP_TRITON_PDL``, ``DCP_TRITON_FP8_DOT``, ``DCP_TRITON_FP8_PREFILL`` and
+``programmatic_launches``) and whether the warm-up's extra variants are wanted (``every_variant``). A plan is kept only after its call's arguments passed the
 checks, which read nothing else (no tensor's values), so a call that finds it skips them: they would pass again.
 The ``KEPT`` latest plans are kept, with their scratch; a call with a config of its own or a chunk mask (bound to
 its plan) is checked and plans afresh.
@@ -22,6 +22,7 @@ from dcp_plugin.kernels import _pdl
 from dcp_plugin.kernels._gluon import GLUON_ENV
 from dcp_plugin.kernels._launch import every_variant_wanted
 from dcp_plugin.kernels._prefix_config import FP8_DOT_ENV
+from dcp_plugin.kernels.fp8_prefill import FP8_PREFILL_ENV
 
 KEPT = 8  # plans kept, the least recently used dropped first (each holds its split scratch, a few MiB at most)
 _plans: OrderedDict = OrderedDict()
@@ -44,11 +45,11 @@ def stream_key(device) -> int | None:
 
 
 def switches() -> tuple:
-    """The switches planning reads at each call: the Gluon, PDL and fp8-product variables as set, and a
+    """The switches planning reads at each call: the Gluon, PDL, fp8-product and fp8-prefill variables as set, and a
     ``programmatic_launches`` block's choice."""
     on, triggers = _pdl._OVERRIDE.get() or (None, {})
-    return (os.environ.get(GLUON_ENV), os.environ.get(_pdl.PDL_ENV), os.environ.get(FP8_DOT_ENV), on,
-            tuple(sorted(triggers.items())))
+    return (os.environ.get(GLUON_ENV), os.environ.get(_pdl.PDL_ENV), os.environ.get(FP8_DOT_ENV),
+            os.environ.get(FP8_PREFILL_ENV), on, tuple(sorted(triggers.items())))
 
 
 def checked(kind: str, tensors: tuple, host_args: tuple, *, check: Callable[[], tuple],

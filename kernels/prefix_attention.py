@@ -17,7 +17,9 @@ On sm_90+ a tile that lies inside one page (pages of 64 tokens or more) comes th
 copy per K or V tile (``_prefix_tile``); smaller pages are gathered token by token. A prefill step's prefix pass on
 sm_90 with Triton 3.6 (unless ``DCP_TRITON_GLUON=0``) runs ``gluon_prefix`` where ``_gluon.prefix_takes_gluon``
 allows, and a decode with more than ``GLUON_DECODE_MIN_KV_GROUP`` Q heads per KV group runs ``gluon_decode`` as stage
-1 where ``_gluon.decode_takes_gluon`` allows. The ``tl`` kernel's launch constants: ``_prefix_config``.
+1 where ``_gluon.decode_takes_gluon`` allows. Over an fp8 cache, ``DCP_TRITON_FP8_PREFILL=copy`` sends a prefill
+step's pass through a 16-bit copy of its pages (``fp8_prefill``). The ``tl`` kernel's launch constants:
+``_prefix_config``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dcp_plugin.kernels._launch import (
 )
 from dcp_plugin.kernels import _plan_cache
 from dcp_plugin.kernels._gluon import GLUON_DECODE_MIN_KV_GROUP, decode_takes_gluon, prefix_takes_gluon
+from dcp_plugin.kernels.fp8_prefill import plan_copy
 from dcp_plugin.kernels._prefix_checks import MAX_HEAD_DIM, MAX_SPLITS, checked_outputs, outputs  # noqa: F401
 from dcp_plugin.kernels._prefix_config import (  # noqa: F401 - the tuning table is part of this module's API
     DESCRIPTOR_DECODE_CONFIGS, DESCRIPTOR_DECODE_MAX_KV_GROUP, FP8_DESCRIPTOR_DECODE_CONFIGS, GPU_CONFIGS,
@@ -288,6 +291,13 @@ def plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc
     page_size = key_cache.shape[1]
     num_reqs = kv_lens.shape[0]
     decode = max_query_len == 1
+    if config is None and not decode and key_cache.dtype in FP8_DTYPES:  # DCP_TRITON_FP8_PREFILL=copy (fp8_prefill)
+        copied = plan_copy(q, key_cache, value_cache, block_table, kv_lens, max_kv_len, lambda kc, vc, table: plan_prefix(
+            q, kc, vc, table, kv_lens, query_start_loc, out, lse, scale=scale, q_head_start=q_head_start,
+            q_per_kv=q_per_kv, kv_head_start=kv_head_start, max_kv_len=max_kv_len, max_query_len=max_query_len,
+            num_splits=num_splits, split_buffer=split_buffer, split_slots=split_slots, split_sync=split_sync))
+        if copied is not None:
+            return copied
     cfg = config or pick_config(head_dim, decode=decode, dtype=q.dtype)
     wide = min(q_per_kv, num_q_heads) > GLUON_DECODE_MIN_KV_GROUP  # the KV group first: no tensor checks for most steps
     if config is None and decode and (gluon_decode is not None or wide) \

@@ -4,8 +4,8 @@ one's registers, spills and steady-state loop (instructions per warp and iterati
 The variants are the ones ``dcp_plugin.warmup`` compiles: the dummy steps run through ``DcpAttention`` on CPU
 tensors with kernel plans that record their launches instead of running them (at DCP = 1 and DCP = 2, both comm
 modes, caches in the model dtype and in fp8 e4m3 / e5m2, pages of 16 and 64 tokens; over e4m3 also with the products
-in fp8, ``DCP_TRITON_FP8_DOT`` 1 and 2), with the Hopper selections
-(tensor descriptors) on, as an sm_90 GPU would answer: the ``tl`` kernels (``DCP_TRITON_GLUON=0``), then with
+in fp8, ``DCP_TRITON_FP8_DOT`` 1 and 2; over e4m3 and e5m2 also with a prefill's pages widened into a 16-bit copy,
+``DCP_TRITON_FP8_PREFILL=copy``), with the Hopper selections (tensor descriptors) on, as an sm_90 GPU would answer: the ``tl`` kernels (``DCP_TRITON_GLUON=0``), then with
 Triton 3.6 a second time with the Gluon kernels on (the default there). Each recorded launch is compiled ahead of
 time with Triton's own compiler for ``cuda:90``, specialized the way Triton's dispatch specializes it (integer
 arguments equal to 1 become constants, multiples of 16 and pointers are marked 16-divisible). A kernel that does not compile for the GPU
@@ -41,6 +41,7 @@ import dcp_plugin as dp  # noqa: E402
 from dcp_plugin import kernels  # noqa: E402
 from dcp_plugin.kernels import _gluon, _launch, _pdl, _prefix_tile, split_kv  # noqa: E402
 from dcp_plugin.kernels._prefix_config import FP8_DOT_ENV  # noqa: E402
+from dcp_plugin.kernels.fp8_prefill import FP8_PREFILL_ENV  # noqa: E402
 from dcp_plugin.warmup import warm_up  # noqa: E402
 
 H100_SMS = 132
@@ -125,6 +126,16 @@ def collect(dtype: torch.dtype, head_dim: int, cache_dtypes: tuple) -> dict:
     return record
 
 
+def fp8_copy_collect(dtype: torch.dtype, head_dim: int) -> dict:
+    """``collect`` over fp8 caches with a prefill step's pages widened into a 16-bit copy first
+    (``DCP_TRITON_FP8_PREFILL=copy``, off by default): the copy's kernel and the passes over the copy."""
+    os.environ[FP8_PREFILL_ENV] = "copy"
+    try:
+        return collect(dtype, head_dim, (torch.float8_e4m3fn, torch.float8_e5m2))
+    finally:
+        os.environ.pop(FP8_PREFILL_ENV)
+
+
 def cuobjdump(cubin: bytes, flag: str) -> str:
     """Triton's bundled cuobjdump ``flag`` on the cubin ('' if it cannot run)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -193,13 +204,14 @@ def main() -> None:
         os.environ[FP8_DOT_ENV] = products
         record = {**record, **collect(dtype, args.head_dim, (torch.float8_e4m3fn,))}
     os.environ.pop(FP8_DOT_ENV)
+    record = {**record, **fp8_copy_collect(dtype, args.head_dim)}
     if triton.__version__.startswith(_gluon.GLUON_TRITON):  # then with the Gluon kernels on (the default on sm_90)
         from dcp_plugin.kernels import gluon_chunk, gluon_decode
 
         gluon_chunk.num_sms = gluon_decode.num_sms = lambda device_index: H100_SMS
         gluon_decode.pdl_for = _sm90_pdl
         _gluon.gluon_enabled = lambda device: True
-        record = {**collect(dtype, args.head_dim, cache_dtypes), **record}
+        record = {**collect(dtype, args.head_dim, cache_dtypes), **fp8_copy_collect(dtype, args.head_dim), **record}
     target = GPUTarget("cuda", 90, 32)
     rows = []
     for launch, (name, signature, _, constants, attrs, options) in record.values():

@@ -10,7 +10,8 @@ default (``None``: the kernels' own table) first, so a row's gain is read agains
   DCP prefix pass; ``fp8prefix``: the same pass over an e4m3 cache (a prefill step's chunk reading its prefix from an
   fp8 cache, as vLLM's chunked prefill does), configs ``(... rows_ahead[, fp8_widen[, fp8_dot]])``, each shape's
   first row the default over the bf16 cache the e4m3 one was rounded from (``fp8: false``, the Gluon prefix pass
-  where it serves), for the fp8 / bf16 time;
+  where it serves), for the fp8 / bf16 time, and the row ``config: "copy"`` the pass through a 16-bit copy of the
+  pages (``DCP_TRITON_FP8_PREFILL=copy``);
 - ``decode`` / ``fp8``: decode configs ``(block_n, num_warps, num_stages[, tma[, rows_ahead[, min_rows[,
   fp8_widen[, max_registers[, last_split_merges]]]]]])`` crossed with split counts, graph replay, GB/s of cache
   bytes read (bf16 / e4m3 cache); ``min_rows`` 64 pads a tile's Q heads to 64 rows, which ``tl.dot`` runs as
@@ -34,7 +35,9 @@ citing the file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 
 import torch
 
@@ -128,9 +131,26 @@ def prefix_config(consts: tuple):
                         fp8_dot=consts[7] if len(consts) > 7 else None)
 
 
+@contextlib.contextmanager
+def fp8_prefill_setting(value: str):
+    """``DCP_TRITON_FP8_PREFILL`` set to ``value`` within, as it was after."""
+    from dcp_plugin.kernels.fp8_prefill import FP8_PREFILL_ENV
+
+    before = os.environ.get(FP8_PREFILL_ENV)
+    os.environ[FP8_PREFILL_ENV] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(FP8_PREFILL_ENV)
+        else:
+            os.environ[FP8_PREFILL_ENV] = before
+
+
 def sweep_prefix(shapes, configs, *, fp8: bool = False) -> list[dict]:
     """TFLOP/s of each prefix candidate (``prefix_config``) on each ``(batch, q_rows, ctx, hq, hk)``; ``fp8``: over
-    an e4m3 cache (unit scales), after the default over the bf16 cache it was rounded from."""
+    an e4m3 cache (unit scales), after the default over the bf16 cache it was rounded from, and then through the
+    16-bit copy (``FP8_COPY``, ``DCP_TRITON_FP8_PREFILL=copy``: the copy and the pass over it timed together)."""
     rows = []
     for shape in shapes:
         batch, q_rows, ctx, hq, hk = shape
@@ -140,15 +160,16 @@ def sweep_prefix(shapes, configs, *, fp8: bool = False) -> list[dict]:
         out = torch.empty_like(q)
         runs = [(False, None, {})] if fp8 else []
         scales = dict(k_scale=torch.ones(1, device="cuda"), v_scale=torch.ones(1, device="cuda")) if fp8 else {}
-        runs += [(fp8, consts, scales) for consts in [None, *configs]]
+        runs += [(fp8, consts, scales) for consts in [None, *([FP8_COPY] if fp8 else []), *configs]]
         for on_fp8, consts, kw in runs:
             kc, vc = (kc16.to(torch.float8_e4m3fn), vc16.to(torch.float8_e4m3fn)) if on_fp8 else (kc16, vc16)
             row = dict(shape=list(shape), page=PAGE_SIZE[0], fp8=on_fp8, config=consts)
 
-            def call(cfg=prefix_config(consts), kc=kc, vc=vc, kw=kw):
-                prefix_attention(q, kc, vc, tables[0], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
-                                 q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=q_rows, out=out,
-                                 config=cfg, **kw)
+            def call(consts=consts, kc=kc, vc=vc, kw=kw):
+                with fp8_prefill_setting("copy" if consts == FP8_COPY else "tiles"):
+                    prefix_attention(q, kc, vc, tables[0], lens, qsl, scale=HEAD_DIM ** -0.5, q_head_start=0,
+                                     q_per_kv=hq // hk, kv_head_start=0, max_kv_len=ctx, max_query_len=q_rows,
+                                     out=out, config=None if consts == FP8_COPY else prefix_config(consts), **kw)
             _check_then_time(row, call, out, lambda kc=kc, vc=vc, kw=kw: _prefix_error(
                 out, q, kc, vc, tables, lens, qsl, rows=1, q_limit=128, **kw),
                 flops=4 * batch * q_rows * ctx * hq * HEAD_DIM)
@@ -241,7 +262,10 @@ PREFIX_SHAPES = [(2, 4096, 32768, 32, 8), (1, 2048, 131072, 32, 8)]
 # and Q x K in fp8; 8 x 2K over 32K: a 32K prompt's late chunk in vLLM's long load.
 FP8_PREFIX_CONFIGS = [(64, 128, 4, 2, 1, 1, 1), (64, 128, 4, 2, 1, 1, 2), (64, 128, 4, 3, 1, 1, 1),
                       (64, 64, 4, 3, 1, 1, 1), (64, 128, 8, 2, 1, 1, 1), (64, 128, 4, 2, 1, 1, 1, 1)]
-FP8_PREFIX_SHAPES = [(8, 2048, 32768, 32, 8), (2, 4096, 32768, 32, 8)]
+# FP8_COPY: the default table's pass through a 16-bit copy of the pages (``DCP_TRITON_FP8_PREFILL=copy``), which
+# serves copies of up to 256 MiB (``fp8_prefill.COPY_MAX_BYTES``: not 8 x 32K, the first shape; 2 x 32K and 1 x 16K).
+FP8_COPY = "copy"
+FP8_PREFIX_SHAPES = [(8, 2048, 32768, 32, 8), (2, 4096, 32768, 32, 8), (1, 16384, 16384, 32, 8)]
 DECODE_SHAPES = [(1, 1024, 32, 8), (8, 1024, 32, 8), (32, 1024, 32, 8), (1, 8192, 32, 8), (8, 8192, 32, 8),
                  (32, 8192, 32, 1), (128, 8192, 32, 1), (8, 32768, 32, 1), (128, 1024, 32, 8)]  # 32 x 1K: 0.81x FA3
 DECODE_SPLITS = [1, 2, 4, 8, 16, 32]

@@ -23,6 +23,8 @@ and in the attention layers' ``forward`` (perf_counter around vLLM's calls; for 
     python -m benchmarks.vllm_e2e.vllm_one_h200 --only 'llama8-*-graphs' --name vllm_one_h200_graphs
     python -m benchmarks.vllm_e2e.vllm_one_h200 --only 'llama8-*-graphs' --loads small-batch,mixed  # these only
     python -m benchmarks.vllm_e2e.vllm_one_h200 --only '*-dcp-triton-*,*-FLASH_ATTN-*' --kv-cache-dtype fp8
+    python -m benchmarks.vllm_e2e.vllm_one_h200 --only 'llama8-*-graphs' --kv-cache-dtype fp8 --loads long \
+        --fp8-prefill copy                           # dcp-triton also through its 16-bit prefill copy
     python -m benchmarks.vllm_e2e.vllm_one_h200 --merge benchmarks/results/vllm_one_h200_*.json --name vllm_one_h200
 
 Results: ``benchmarks/results/<name>.json`` (default ``vllm_one_<gpu>``, ``vllm_one_<gpu>_fp8`` with an fp8 cache):
@@ -173,7 +175,7 @@ def summarise(results: list[dict]) -> dict:
     for r in results:
         for name, runs in r.get("runs", {}).items():
             best = max(x["output_tok_s"] for x in runs)
-            key = BACKENDS[r["backend"]] + (f"_fp8dot{r['fp8_dot']}" if r.get("fp8_dot") else "")
+            key = BACKENDS[r["backend"]] + twin_suffix(r)
             loads.setdefault(f"{r['model']}/{name}", {}).setdefault(r["mode"], {})[key] = round(best, 1)
     profile = {("" if r["model"] == "llama8" else f"{r['model']}/") + f"{r['backend']}/{r['mode']}"
                + ("" if r.get("load", "small-batch") == "small-batch" else f"/{r['load']}"): r["profile"]
@@ -189,10 +191,21 @@ def results_name(kv_cache_dtype: str, gpu: str | None = None) -> str:
     return f"vllm_one_{common.gpu_tag(gpu)}" + ("" if kv_cache_dtype == "auto" else f"_{kv_cache_dtype}")
 
 
-def fp8_dot_twins(chosen: list[dict], fp8_dot: int | None) -> list[dict]:
-    """``--fp8-dot N``: a twin of each dcp-triton throughput job, run after them with ``DCP_TRITON_FP8_DOT=N``."""
-    return [dict(j, name=j["name"].replace("dcp-triton", f"dcp-triton-fp8dot{fp8_dot}"), fp8_dot=fp8_dot)
-            for j in chosen if fp8_dot and j["backend"] == "dcp-triton" and j["kind"] == "throughput"]
+# A twin job's field -> (the variable its process gets, the tag its name and summary key take for a value).
+TWINS = {"fp8_dot": ("DCP_TRITON_FP8_DOT", "fp8dot{}"), "fp8_prefill": ("DCP_TRITON_FP8_PREFILL", "fp8{}")}
+
+
+def twins(chosen: list[dict], field: str, value) -> list[dict]:
+    """``--fp8-dot N`` / ``--fp8-prefill copy``: a twin of each dcp-triton throughput job, run after them with
+    ``TWINS[field]``'s variable set to ``value`` (none for a ``value`` of None)."""
+    tag = TWINS[field][1].format(value)
+    return [dict(j, name=j["name"].replace("dcp-triton", f"dcp-triton-{tag}"), **{field: value})
+            for j in chosen if value and j["backend"] == "dcp-triton" and j["kind"] == "throughput"]
+
+
+def twin_suffix(job: dict) -> str:
+    """The summary key's suffix of a twin job (``_fp8dot2``, ``_fp8copy``); '' for others."""
+    return "".join(f"_{tag.format(job[field])}" for field, (_, tag) in TWINS.items() if job.get(field))
 
 
 def shrink_for_smoke() -> None:
@@ -219,8 +232,9 @@ def job_env(job: dict, work: Path, *, smoke: bool, cold_triton_cache: bool) -> d
     env = dict(os.environ, DCP_TRITON_KERNELS="reference" if smoke else "triton", VLLM_USE_FLASHINFER_SAMPLER="0")
     if job["kind"] == "profile":
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if job.get("fp8_dot"):  # --fp8-dot: the twin of a dcp-triton job, its fp8 cache's products in fp8
-        env["DCP_TRITON_FP8_DOT"] = str(job["fp8_dot"])
+    for field, (variable, _) in TWINS.items():  # --fp8-dot, --fp8-prefill: the twin of a dcp-triton job
+        if job.get(field):
+            env[variable] = str(job[field])
     if cold_triton_cache:
         env["TRITON_CACHE_DIR"] = str(work / f"triton-cache-{job['name']}-{time.time_ns()}")
     if "caches" in job:  # the start-up jobs' own caches: emptied for a cold start, kept for a warm one
@@ -259,6 +273,8 @@ def main() -> None:
                         f"{','.join(LOADS)})")
     parser.add_argument("--fp8-dot", type=int, choices=(1, 2), help="with an fp8 cache: each dcp-triton throughput "
                         "job chosen also runs with DCP_TRITON_FP8_DOT=N (its name and summary key say fp8dotN)")
+    parser.add_argument("--fp8-prefill", choices=("copy",), help="with an fp8 cache: each dcp-triton throughput job "
+                        "chosen also runs with DCP_TRITON_FP8_PREFILL=copy (its name and summary key say fp8copy)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -280,9 +296,10 @@ def main() -> None:
     chosen = [dict(j, smoke=args.smoke, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, loads=loads)
               for j in jobs(args.profile, args.startup, args.profile_load, args.profile_model)
               if any(fnmatch.fnmatch(j["name"], p) for p in patterns)]
-    if args.fp8_dot and args.kv_cache_dtype == "auto":
-        parser.error("--fp8-dot needs an fp8 cache: add --kv-cache-dtype fp8 (or fp8_e4m3)")
-    chosen += fp8_dot_twins(chosen, args.fp8_dot)
+    for option, value in (("--fp8-dot", args.fp8_dot), ("--fp8-prefill", args.fp8_prefill)):
+        if value and args.kv_cache_dtype == "auto":
+            parser.error(f"{option} needs an fp8 cache: add --kv-cache-dtype fp8 (or fp8_e4m3)")
+    chosen += twins(chosen, "fp8_dot", args.fp8_dot) + twins(chosen, "fp8_prefill", args.fp8_prefill)
     if args.list or not chosen:
         print("\n".join(j["name"] for j in jobs(True, True)) if args.list else f"--only {args.only!r} matches no job")
         sys.exit(0 if args.list else 2)

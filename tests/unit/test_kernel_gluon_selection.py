@@ -179,11 +179,15 @@ def test_chunk_everything_else_takes_tl(change):
     assert _chunk(**change) == "chunk_attention_kernel"
 
 
-def test_a_bad_switch_is_refused_when_the_engine_starts(monkeypatch):
+@pytest.mark.parametrize("variable, bad, message", [
+    (_gluon.GLUON_ENV, "on", "DCP_TRITON_GLUON must be 1 .* or 0 .* got 'on'"),
+    ("DCP_TRITON_FP8_DOT", "3", "DCP_TRITON_FP8_DOT must be 0 .*, 1 .* or 2 .* got '3'"),
+    ("DCP_TRITON_FP8_PREFILL", "fast", "DCP_TRITON_FP8_PREFILL must be tiles .* or copy .* got 'fast'")])
+def test_a_bad_switch_is_refused_when_the_engine_starts(variable, bad, message, monkeypatch):
     from dcp_plugin.kernel_choice import choose_kernel_impl
 
-    monkeypatch.setenv(_gluon.GLUON_ENV, "on")
-    with pytest.raises(ValueError, match="DCP_TRITON_GLUON must be 1 .* or 0 .* got 'on'"):
+    monkeypatch.setenv(variable, bad)
+    with pytest.raises(ValueError, match=message):
         choose_kernel_impl(engine="vLLM")
 
 

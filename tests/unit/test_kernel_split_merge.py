@@ -132,7 +132,7 @@ def test_the_warm_up_runs_its_steps_inside_every_variant(monkeypatch):
     seen = []
     monkeypatch.setattr(warmup, "_run_steps", lambda *a, **k: seen.append(_launch.every_variant_wanted()) or 1)
     monkeypatch.setattr(warmup, "DcpBatchBuffers", lambda *a: None)
-    monkeypatch.setattr(warmup, "steps_for", lambda attention, trees: warmup.STEPS)
+    monkeypatch.setattr(warmup, "steps_for", lambda attention, trees, **_: warmup.STEPS)
     t = torch.zeros(2, 2, 4)
     warmup.warm_up(None, query=t, key=t, value=t, key_cache=t, value_cache=t, output=t)
     assert seen == [True]

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"write_kv_cache_kernel", "chunk_attention_kernel", "prefix_attention_kernel",
-           "split_merge_kernel", "merge_kernel"}
+           "split_merge_kernel", "merge_kernel", "widen_pages_kernel"}
 
 
 def test_every_serving_variant_compiles_for_sm90_without_spills(tmp_path):

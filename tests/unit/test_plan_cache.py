@@ -11,7 +11,9 @@ import torch
 
 from dcp_plugin.kernels import _plan_cache, reference
 from dcp_plugin.kernels._gluon import GLUON_ENV
+from dcp_plugin.kernels._pdl import PDL_ENV
 from dcp_plugin.kernels._prefix_config import FP8_DOT_ENV
+from dcp_plugin.kernels.fp8_prefill import FP8_PREFILL_ENV
 from dcp_plugin.kernels._launch import every_variant
 from tests.helpers.kernel_checks import assert_matches, poisoned
 
@@ -103,9 +105,19 @@ def test_anything_planning_reads_plans_again(plans_built, monkeypatch):
     monkeypatch.setenv(FP8_DOT_ENV, "2")  # another one
     _decode(_paged(2))
     assert plans_built["prefix"] == len(variations) + 3
+    monkeypatch.setenv(FP8_PREFILL_ENV, "copy")  # and the last two
+    _decode(_paged(2))
+    assert plans_built["prefix"] == len(variations) + 4
+    monkeypatch.setenv(PDL_ENV, "0")
+    _decode(_paged(2))
+    assert plans_built["prefix"] == len(variations) + 5
+    monkeypatch.delenv(FP8_PREFILL_ENV)  # back to a setting seen before: its plan, kept
+    monkeypatch.delenv(PDL_ENV)
+    _decode(_paged(2))
+    assert plans_built["prefix"] == len(variations) + 5
     with every_variant():  # the warm-up's extra variants
         _decode(_paged(2))
-    assert plans_built["prefix"] == len(variations) + 4
+    assert plans_built["prefix"] == len(variations) + 6
 
 
 def test_only_the_latest_plans_are_kept(plans_built):

@@ -185,7 +185,8 @@ def test_warm_up_covers_every_kind():
 
 
 def test_warm_up_adds_a_long_chunk_only_where_a_step_can_reach_it(monkeypatch):
-    """A chunk past SHORT_CHUNK rows compiles the current chunk's larger GPU tiles: warmed up with the GPU's Triton
+    """A chunk past SHORT_CHUNK rows compiles the current chunk's larger GPU tiles, and over an fp8 cache whose
+    prefills take the 16-bit copy the copy's steps compile it and the pass over it: warmed up with the GPU's Triton
     kernels when the workspace holds such a step (or the layer sizes its own), not under the interpreter or with
     the torch references, whose tiles do not depend on it."""
     from types import SimpleNamespace
@@ -202,6 +203,10 @@ def test_warm_up_adds_a_long_chunk_only_where_a_step_can_reach_it(monkeypatch):
     assert warmup.steps_for(attn("triton", None)) == (*STEPS, warmup.LONG_CHUNK)
     assert warmup.steps_for(attn("triton", SHORT_CHUNK)) == STEPS
     assert warmup.steps_for(attn("reference", 8192)) == STEPS
+    assert warmup.steps_for(attn("triton", 8192), fp8_copy=True) == (*STEPS, warmup.LONG_CHUNK,
+                                                                      *warmup.FP8_COPY_STEPS)
+    assert warmup.steps_for(attn("triton", 63), fp8_copy=True) == STEPS  # a 64-row prefill cannot come
+    assert warmup.steps_for(attn("reference", 8192), fp8_copy=True) == STEPS
     monkeypatch.setattr(warmup, "INTERPRET", True)
     assert warmup.steps_for(attn("triton", 8192)) == STEPS
 

@@ -4,6 +4,7 @@ GPU only)."""
 from __future__ import annotations
 
 import json
+import os
 
 from benchmarks.kernels import sweep_kernels
 from dcp_plugin.kernels.prefix_attention import PrefixConfig, pick_config
@@ -32,3 +33,16 @@ def test_fp8_prefix_rows_are_judged_against_their_own_cache_dtype():
     for consts in sweep_kernels.FP8_PREFIX_CONFIGS:  # each candidate passes the kernels' own validation
         config = sweep_kernels.prefix_config(consts)
         assert pick_config(128, decode=False, config=config) is config
+
+
+def test_the_fp8_prefill_setting_holds_within_and_is_restored(monkeypatch):
+    from dcp_plugin.kernels.fp8_prefill import FP8_PREFILL_ENV, fp8_copy_asked
+
+    monkeypatch.delenv(FP8_PREFILL_ENV, raising=False)
+    with sweep_kernels.fp8_prefill_setting(sweep_kernels.FP8_COPY):
+        assert fp8_copy_asked()
+    assert FP8_PREFILL_ENV not in os.environ
+    monkeypatch.setenv(FP8_PREFILL_ENV, "copy")
+    with sweep_kernels.fp8_prefill_setting("tiles"):
+        assert not fp8_copy_asked()
+    assert fp8_copy_asked()

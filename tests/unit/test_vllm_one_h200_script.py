@@ -7,6 +7,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks.vllm_e2e import vllm_one_h200 as bench
 
 
@@ -145,18 +147,21 @@ def test_vllms_start_up_stages_come_from_its_log_lines():
         == {"init_engine_s": 14.51}  # eager: no compile, no capture
 
 
-def test_fp8_dot_twins_run_dcp_tritons_throughput_jobs_with_the_variable_and_their_own_summary_key(tmp_path,
-                                                                                                   monkeypatch):
-    monkeypatch.delenv("DCP_TRITON_FP8_DOT", raising=False)
+@pytest.mark.parametrize("field, value, variable, tag", [("fp8_dot", 2, "DCP_TRITON_FP8_DOT", "fp8dot2"),
+                                                          ("fp8_prefill", "copy", "DCP_TRITON_FP8_PREFILL", "fp8copy")])
+def test_twins_run_dcp_tritons_throughput_jobs_with_the_variable_and_their_own_summary_key(field, value, variable,
+                                                                                           tag, tmp_path, monkeypatch):
+    monkeypatch.delenv(variable, raising=False)
     chosen = [dict(j, kv_cache_dtype="fp8") for j in bench.jobs(profile=True, startup=True)
               if j["model"] == "llama8" and j["mode"] == "graphs" or j["kind"] != "throughput"]
-    assert bench.fp8_dot_twins(chosen, None) == []
-    twins = bench.fp8_dot_twins(chosen, 2)
-    assert [t["name"] for t in twins] == ["llama8-dcp-triton-fp8dot2-graphs"]
+    assert bench.twins(chosen, field, None) == []
+    twins = bench.twins(chosen, field, value)
+    assert [t["name"] for t in twins] == [f"llama8-dcp-triton-{tag}-graphs"]
     env = bench.job_env(twins[0], tmp_path, smoke=False, cold_triton_cache=False)
-    assert env["DCP_TRITON_FP8_DOT"] == "2"
+    assert env[variable] == str(value)
+    assert not {"DCP_TRITON_FP8_DOT", "DCP_TRITON_FP8_PREFILL"} - {variable} & set(env)  # the other one: unset
     plain = next(j for j in chosen if j["name"] == "llama8-dcp-triton-graphs")
-    assert "DCP_TRITON_FP8_DOT" not in bench.job_env(plain, tmp_path, smoke=False, cold_triton_cache=False)
+    assert variable not in bench.job_env(plain, tmp_path, smoke=False, cold_triton_cache=False)
     runs = {"long": [dict(output_tok_s=10.0)]}
     summary = bench.summarise([dict(plain, runs=runs), dict(twins[0], runs={"long": [dict(output_tok_s=12.0)]})])
-    assert summary["loads"]["llama8/long"]["graphs"] == {"dcp_triton": 10.0, "dcp_triton_fp8dot2": 12.0}
+    assert summary["loads"]["llama8/long"]["graphs"] == {"dcp_triton": 10.0, f"dcp_triton_{tag}": 12.0}

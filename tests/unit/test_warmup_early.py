@@ -36,7 +36,7 @@ def _patched(monkeypatch, events: list, workers: int, early: dict | None):
     monkeypatch.setattr(warmup, "_run_steps", _steps_recorded(events))
     monkeypatch.setattr(warmup, "join_early", lambda: events.append(("join",)) or early)
     monkeypatch.setattr(warmup, "DcpBatchBuffers", lambda *a: None)
-    monkeypatch.setattr(warmup, "steps_for", lambda attention, trees: warmup.STEPS + ((warmup.TREE_VERIFY,)
+    monkeypatch.setattr(warmup, "steps_for", lambda attention, trees, **_: warmup.STEPS + ((warmup.TREE_VERIFY,)
                                                                                        if trees else ()))
 
 
