@@ -44,12 +44,21 @@ def stream_key(device) -> int | None:
     return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# The switches' variables as ``os.environ`` holds them. On POSIX its own dict of encoded names is read directly:
+# ``os.environ.get`` encodes the name at each call, which took most of a kept plan's lookup, and every assignment to
+# ``os.environ`` lands in that dict. Elsewhere by name.
+_SWITCH_ENVS = (GLUON_ENV, _pdl.PDL_ENV, FP8_DOT_ENV, FP8_PREFILL_ENV)
+if os.name == "posix" and isinstance(getattr(os.environ, "_data", None), dict):
+    _ENV_READ, _ENV_NAMES = os.environ._data.get, tuple(map(os.fsencode, _SWITCH_ENVS))
+else:
+    _ENV_READ, _ENV_NAMES = os.environ.get, _SWITCH_ENVS
+
+
 def switches() -> tuple:
     """The switches planning reads at each call: the Gluon, PDL, fp8-product and fp8-prefill variables as set, and a
     ``programmatic_launches`` block's choice."""
     on, triggers = _pdl._OVERRIDE.get() or (None, {})
-    return (os.environ.get(GLUON_ENV), os.environ.get(_pdl.PDL_ENV), os.environ.get(FP8_DOT_ENV),
-            os.environ.get(FP8_PREFILL_ENV), on, tuple(sorted(triggers.items())))
+    return (*map(_ENV_READ, _ENV_NAMES), on, tuple(sorted(triggers.items())) if triggers else ())
 
 
 def checked(kind: str, tensors: tuple, host_args: tuple, *, check: Callable[[], tuple],
@@ -76,7 +85,7 @@ def checked(kind: str, tensors: tuple, host_args: tuple, *, check: Callable[[], 
 def _key(kind: str, tensors: tuple, host_args: tuple) -> tuple | None:
     try:
         device = tensors[0].device
-        key = (kind, layout(*tensors), tuple((type(a), a) for a in host_args), device.type, stream_key(device),
+        key = (kind, layout(*tensors), host_args, tuple(map(type, host_args)), device.type, stream_key(device),
                switches(), every_variant_wanted())
         hash(key)
     except (AttributeError, TypeError):
