@@ -4,7 +4,7 @@
 A prefill chunk's prefix pass is compute-bound: every cached token it reads meets every query row of the chunk. Over
 an fp8 cache the ``tl`` kernel widens each K and V tile to 16 bits inside its main loop, and the Gluon prefix pass
 (``gluon_prefix``, sm_90) reads 16-bit caches only: an e4m3 cache's pass ran at 359-361 TFLOP/s on an H200 where the
-bf16 cache's Gluon pass ran at 621-640 (``sweep_kernels.py --only fp8prefix``; docs/kernels.md). With ``copy``, a step
+bf16 cache's Gluon pass ran at 621-640 (``sweep_kernels.py --only fp8prefix``; docs/limits.md). With ``copy``, a step
 whose requests bring ``COPY_MIN_ROWS`` query rows each on average first widens the pages it reads:
 ``widen_pages_kernel`` writes ``value * scale`` in q's dtype (rounded once) into a copy laid out request by request in
 ``COPY_PAGE``-token pages, zero past each request's cached tokens, and the 16-bit pass (``plan_prefix`` over the copy:
@@ -30,7 +30,7 @@ from dcp_plugin.kernels.checks import FP8_DTYPES, env_choice
 FP8_PREFILL_ENV = "DCP_TRITON_FP8_PREFILL"
 COPY_PAGE = 64  # tokens per page of the copy: the Gluon prefix pass's page (``_gluon.PREFIX_PAGE``)
 COPY_MIN_ROWS = 64  # query rows per request, on average over the step, for a copy to pay
-COPY_MAX_BYTES = 256 << 20  # a copy of K and V past this reads the fp8 cache directly (32K tokens x 8 x 128, bf16)
+COPY_MAX_BYTES = 256 << 20  # K and V of 2 x 32K tokens, 8 KV heads of 128, bf16; a larger copy: the fp8 cache read
 
 
 def fp8_copy_asked() -> bool:
