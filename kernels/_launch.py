@@ -330,13 +330,15 @@ class GrownBuffers:
         self.buffers: dict = {}
         self.superseded: list[torch.Tensor] = []
 
-    def get(self, key, count: int) -> torch.Tensor:
-        """The buffer of ``key``, at least ``count`` elements: grown to ``max(count, 2 x its size)`` when smaller."""
+    def get(self, key, count: int, most: int | None = None) -> torch.Tensor:
+        """The buffer of ``key``, at least ``count`` elements: grown to ``max(count, 2 x its size)`` when smaller,
+        the doubling held to ``most`` elements where given."""
         buffer = self.buffers.get(key)
         if buffer is None or buffer.numel() < count:
+            doubled = 2 * buffer.numel() if buffer is not None else 0
             if buffer is not None:
                 self.superseded.append(buffer)
-            buffer = self.buffers[key] = self._make(max(count, 2 * buffer.numel() if buffer is not None else 0), key)
+            buffer = self.buffers[key] = self._make(max(count, doubled if most is None else min(doubled, most)), key)
         return buffer
 
 

@@ -10,8 +10,9 @@ whose requests bring ``COPY_MIN_ROWS`` query rows each on average first widens t
 ``COPY_PAGE``-token pages, zero past each request's cached tokens, and the 16-bit pass (``plan_prefix`` over the copy:
 the Gluon one where it serves) reads the copy. The copy moves three bytes per cached value and the pass reads two
 more where it would read one: little beside a prefill chunk's products, much beside a short query's, hence the rows
-bound. The copy lives in one buffer per device, stream and dtype (``GrownBuffers``); a step whose copy would pass
-``COPY_MAX_BYTES``, a decode and a short-query step read the fp8 cache directly.
+bound. The copy lives in one buffer per device, stream and dtype (``GrownBuffers``, grown within ``COPY_MAX_BYTES``,
+and what it outgrew kept); a step whose copy would pass the bound, a decode and a short-query step read the fp8
+cache directly.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def copy_buffers(device: torch.device, dtype: torch.dtype, shape: tuple) -> tupl
     """``(k_copy, v_copy)``: two contiguous ``shape`` views of the copy buffer of ``device``'s current stream."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     size = shape[0] * shape[1] * shape[2] * shape[3]
-    buffer = _COPIES.get((device.type, device.index, stream, dtype), 2 * size)
+    buffer = _COPIES.get((device.type, device.index, stream, dtype), 2 * size,
+                         most=COPY_MAX_BYTES // dtype.itemsize)  # a grown copy stays within the bound
     return buffer[:size].view(shape), buffer[size:2 * size].view(shape)
 
 
