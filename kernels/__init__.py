@@ -4,13 +4,13 @@ With no CUDA GPU present, ``TRITON_INTERPRET=1`` is set (``_mode``, which every 
 triton) so the kernels run on CPU tensors through the Triton interpreter. Set ``TRITON_INTERPRET`` yourself to
 override.
 
-Each public function checks its inputs and launches. Each also has a ``plan_*`` twin that checks nothing and
-returns a prepared launch (``Launch``) for tensors shaped like the ones given: the DCP core prepares its launches
-once per step and replays them for every layer. What the core also takes from here, by these names only: which
-kernel paths a process asks for (``gluon_asked``, ``gluon_enabled``, ``pdl_asked``, ``fp8_dot_asked``,
-``fp8_copy_asked``) and how it compiles its variants before serving (``compile_ahead``, ``compile_workers``,
-``join_early``, ``stand_by``, ``every_variant``, ``every_variant_wanted``, ``launches_run``). The argument checks the core shares with the kernels are
-``dcp_plugin.kernels.checks``.
+Each public function checks its inputs and launches. Each also has a ``plan_*`` twin that checks nothing and returns
+a prepared launch (``Launch``) for tensors shaped like the ones given: the DCP core prepares its launches once per
+step and replays them for every layer. What the core also takes from here, by these names only: which kernel paths a
+process asks for (``gluon_asked``, ``gluon_enabled``, ``pdl_asked``, ``fp8_dot_asked``, ``fp8_copy_asked``) and how
+it compiles its variants before serving (``compile_ahead``, ``compile_workers``, ``join_early``, ``stand_by``,
+``every_variant``, ``every_variant_wanted``, ``launches_run``). The argument checks the core shares with the kernels
+are ``dcp_plugin.kernels.checks``.
 
 The names below are imported on first use, so ``dcp_plugin.kernels.checks`` and ``dcp_plugin.kernels.reference``
 load without triton and without asking torch about CUDA (an engine's plugin loading imports the checks).

@@ -2,14 +2,14 @@
 like an earlier call's replay that call's plan instead of planning again (FlashInfer's plan / run, done for the
 caller, who may still call ``plan_prefix`` / ``plan_chunk`` once and keep the plan).
 
-A plan is keyed by everything planning and the argument checks read: each tensor's shape, strides, dtype, device
-and 16-byte alignment (None for an output to be made), the current stream (a plan holds its split scratch: calls on
-two streams must not share it), every host argument with its type, the switches planning reads per call
+A plan is keyed by everything planning and the argument checks read: each tensor's shape, strides, dtype, device and
+16-byte alignment (None for an output to be made), the current stream (a plan holds its split scratch: calls on two
+streams must not share it), every host argument with its type, the switches planning reads per call
 (``DCP_TRITON_GLUON``, ``DCP_TRITON_PDL``, ``DCP_TRITON_FP8_DOT``, ``DCP_TRITON_FP8_PREFILL`` and
-``programmatic_launches``) and whether the warm-up's extra variants are wanted (``every_variant``). A plan is kept only after its call's arguments passed the
-checks, which read nothing else (no tensor's values), so a call that finds it skips them: they would pass again.
-The ``KEPT`` latest plans are kept, with their scratch; a call with a config of its own or a chunk mask (bound to
-its plan) is checked and plans afresh.
+``programmatic_launches``) and whether the warm-up's extra variants are wanted (``every_variant``). A plan is kept
+only after its call's arguments passed the checks, which read nothing else (no tensor's values), so a call that
+finds it skips them: they would pass again. The ``KEPT`` latest plans are kept, with their scratch; a call with a
+config of its own or a chunk mask (bound to its plan) is checked and plans afresh.
 """
 
 from __future__ import annotations

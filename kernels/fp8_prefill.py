@@ -115,9 +115,9 @@ class CopiedPrefix:
 def plan_copy(q, key_cache, value_cache, block_table, kv_lens, max_kv_len: int,
               plan: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]) -> CopiedPrefix | None:
     """The prefix pass of ``plan_prefix``'s arguments through a 16-bit copy, the pass over it from ``plan(k_copy,
-    v_copy, table)``; None where the step reads the fp8 cache directly: ``fp8_copy_asked`` off, a 16-bit cache, fewer than
-    ``COPY_MIN_ROWS`` query rows per request on average (decode and short queries), nothing cached, or a copy past
-    ``COPY_MAX_BYTES``."""
+    v_copy, table)``; None where the step reads the fp8 cache directly: ``fp8_copy_asked`` off, a 16-bit cache, fewer
+    than ``COPY_MIN_ROWS`` query rows per request on average (decode and short queries), nothing cached, or a copy
+    past ``COPY_MAX_BYTES``."""
     num_tokens, _, head_dim = q.shape
     num_reqs, num_kv_heads = kv_lens.shape[0], key_cache.shape[2]
     if key_cache.dtype not in FP8_DTYPES or not fp8_copy_asked() or not num_reqs or max_kv_len < 1 \

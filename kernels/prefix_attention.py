@@ -292,10 +292,11 @@ def plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc
     num_reqs = kv_lens.shape[0]
     decode = max_query_len == 1
     if config is None and not decode and key_cache.dtype in FP8_DTYPES:  # DCP_TRITON_FP8_PREFILL=copy (fp8_prefill)
-        copied = plan_copy(q, key_cache, value_cache, block_table, kv_lens, max_kv_len, lambda kc, vc, table: plan_prefix(
-            q, kc, vc, table, kv_lens, query_start_loc, out, lse, scale=scale, q_head_start=q_head_start,
-            q_per_kv=q_per_kv, kv_head_start=kv_head_start, max_kv_len=max_kv_len, max_query_len=max_query_len,
-            num_splits=num_splits, split_buffer=split_buffer, split_slots=split_slots, split_sync=split_sync))
+        copied = plan_copy(q, key_cache, value_cache, block_table, kv_lens, max_kv_len, lambda kc, vc, pages: (
+            plan_prefix(q, kc, vc, pages, kv_lens, query_start_loc, out, lse, scale=scale, q_head_start=q_head_start,
+                        q_per_kv=q_per_kv, kv_head_start=kv_head_start, max_kv_len=max_kv_len,
+                        max_query_len=max_query_len, num_splits=num_splits, split_buffer=split_buffer,
+                        split_slots=split_slots, split_sync=split_sync)))
         if copied is not None:
             return copied
     cfg = config or pick_config(head_dim, decode=decode, dtype=q.dtype)

@@ -5,11 +5,12 @@ The variants are the ones ``dcp_plugin.warmup`` compiles: the dummy steps run th
 tensors with kernel plans that record their launches instead of running them (at DCP = 1 and DCP = 2, both comm
 modes, caches in the model dtype and in fp8 e4m3 / e5m2, pages of 16 and 64 tokens; over e4m3 also with the products
 in fp8, ``DCP_TRITON_FP8_DOT`` 1 and 2; over e4m3 and e5m2 also with a prefill's pages widened into a 16-bit copy,
-``DCP_TRITON_FP8_PREFILL=copy``), with the Hopper selections (tensor descriptors) on, as an sm_90 GPU would answer: the ``tl`` kernels (``DCP_TRITON_GLUON=0``), then with
-Triton 3.6 a second time with the Gluon kernels on (the default there). Each recorded launch is compiled ahead of
-time with Triton's own compiler for ``cuda:90``, specialized the way Triton's dispatch specializes it (integer
-arguments equal to 1 become constants, multiples of 16 and pointers are marked 16-divisible). A kernel that does not compile for the GPU
-fails here, on any machine with Triton.
+``DCP_TRITON_FP8_PREFILL=copy``), with the Hopper selections (tensor descriptors) on, as an sm_90 GPU would answer:
+the ``tl`` kernels (``DCP_TRITON_GLUON=0``), then with Triton 3.6 a second time with the Gluon kernels on (the
+default there). Each recorded launch is compiled ahead of time with Triton's own compiler for ``cuda:90``,
+specialized the way Triton's dispatch specializes it (integer arguments equal to 1 become constants, multiples of 16
+and pointers are marked 16-divisible). A kernel that does not compile for the GPU fails here, on any machine with
+Triton.
 
     TRITON_INTERPRET=0 python -m scripts.compile_for_hopper [--dtype bfloat16] [--head-dim 128] [--json OUT]
 
