@@ -341,6 +341,12 @@ class GrownBuffers:
             buffer = self.buffers[key] = self._make(max(count, doubled if most is None else min(doubled, most)), key)
         return buffer
 
+    def on_stream(self, device: torch.device, count: int, *more, most: int | None = None) -> torch.Tensor:
+        """``get`` keyed by ``(device.type, device.index, the current stream on device, *more)`` (stream 0 off
+        CUDA)."""
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        return self.get((device.type, device.index, stream, *more), count, most)
+
 
 # Triton's global scratch (device-side tensor descriptors: a few hundred bytes per program), one buffer per device and
 # stream, from torch's caching allocator (512-byte aligned, more than the 128 bytes a descriptor needs).

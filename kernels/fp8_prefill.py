@@ -89,10 +89,8 @@ _COPIES = GrownBuffers(lambda count, key: torch.empty(count, dtype=key[3], devic
 
 def copy_buffers(device: torch.device, dtype: torch.dtype, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """``(k_copy, v_copy)``: two contiguous ``shape`` views of the copy buffer of ``device``'s current stream."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     size = shape[0] * shape[1] * shape[2] * shape[3]
-    buffer = _COPIES.get((device.type, device.index, stream, dtype), 2 * size,
-                         most=COPY_MAX_BYTES // dtype.itemsize)  # a grown copy stays within the bound
+    buffer = _COPIES.on_stream(device, 2 * size, dtype, most=COPY_MAX_BYTES // dtype.itemsize)  # within the bound
     return buffer[:size].view(shape), buffer[size:2 * size].view(shape)
 
 

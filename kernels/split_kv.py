@@ -232,8 +232,7 @@ _SYNC = GrownBuffers(lambda count, key: torch.zeros(count, dtype=torch.int32, de
 
 def sync_counters(device: torch.device, count: int) -> torch.Tensor:
     """At least ``count`` zeroed int32 split counters on ``device`` for launches on its current stream."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    return _SYNC.get((device.type, device.index, stream), count)
+    return _SYNC.on_stream(device, count)
 
 
 def split_capacity(head_dim: int, device: torch.device) -> int:

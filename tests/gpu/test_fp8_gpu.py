@@ -11,7 +11,7 @@ from dcp_plugin.kernels import reference
 from dcp_plugin.kernels.prefix_attention import prefix_attention
 from dcp_plugin.kernels.write_kv_cache import write_kv_cache
 from dcp_plugin.testing import shuffled_block_table
-from tests.helpers.kernel_checks import assert_matches, poisoned
+from tests.helpers.kernel_checks import assert_matches, nan_past_context, poisoned
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -58,10 +58,7 @@ def test_prefix_attention_over_an_fp8_cache(fp8, dtype, head_dim, num_splits, bl
     buf = (raw * 0.1 / scale_row).to(FP8[fp8])
     kc, vc = buf[..., :head_dim], buf[..., head_dim:]
     table = shuffled_block_table(pages, generator=gen, first_page=3, fill=0)
-    for b, c in enumerate(ctx):  # a last page's rows past the context hold NaN: they must add exactly nothing
-        if c % block_size:
-            kc[table[b, c // block_size], c % block_size:] = float("nan")
-            vc[table[b, c // block_size], c % block_size:] = float("nan")
+    nan_past_context((kc, vc), table, ctx, block_size)  # a last page's rows past the context: they must add exactly nothing
     lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     heads = dict(scale=head_dim**-0.5, q_head_start=0, q_per_kv=8, kv_head_start=0, max_kv_len=max(ctx))

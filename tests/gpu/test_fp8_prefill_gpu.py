@@ -13,7 +13,7 @@ from dcp_plugin.kernels._gluon import GLUON_HEAD_DIMS, gluon_enabled
 from dcp_plugin.kernels.fp8_prefill import FP8_PREFILL_ENV, CopiedPrefix
 from dcp_plugin.kernels.prefix_attention import plan_prefix
 from dcp_plugin.testing import shuffled_block_table
-from tests.helpers.kernel_checks import assert_matches, poisoned
+from tests.helpers.kernel_checks import assert_matches, nan_past_context, poisoned
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -40,10 +40,7 @@ def test_a_prefill_through_the_copy_equals_float64(fp8, dtype, head_dim, block_s
     buf = (raw * 0.1 / torch.cat([k_scale.expand(head_dim), v_scale.expand(head_dim)])).to(FP8[fp8])
     kc, vc = buf[..., :head_dim], buf[..., head_dim:]
     table = shuffled_block_table(pages, generator=gen, first_page=3, fill=0)
-    for b, c in enumerate(ctx):  # a last page's rows past the context hold NaN: the copy must not carry them
-        if c % block_size:
-            kc[table[b, c // block_size], c % block_size:] = float("nan")
-            vc[table[b, c // block_size], c % block_size:] = float("nan")
+    nan_past_context((kc, vc), table, ctx, block_size)  # a last page's rows past the context: the copy must not carry them
     lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     heads = dict(scale=head_dim**-0.5, q_head_start=0, q_per_kv=4, kv_head_start=0, max_kv_len=max(ctx))

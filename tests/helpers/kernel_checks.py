@@ -13,6 +13,15 @@ def poisoned(shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
+def nan_past_context(caches, block_table: torch.Tensor, lens, page: int) -> None:
+    """Fill the rows of each request's last page past its ``lens[b]`` cached tokens with NaN in every cache of
+    ``caches`` (``[blocks, page, ...]``): rows a kernel must never let reach an output."""
+    for b, n in enumerate(lens):
+        if n % page:
+            for cache in caches:
+                cache[block_table[b, n // page], n % page:] = float("nan")
+
+
 def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, name: str) -> None:
     """Compare a kernel output with a float64 reference: NaN never passes, infinities must match exactly."""
     atol, rtol = TOLERANCES[dtype]
