@@ -263,11 +263,11 @@ def prefix_attention(q, key_cache, value_cache, block_table, kv_lens, query_star
                                       kv_head_start=kv_head_start, max_kv_len=max_kv_len, max_query_len=max_query_len,
                                       num_splits=num_splits, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale),
         outputs=lambda: outputs(q, out, lse),
-        plan=lambda o, o_lse: plan_prefix(*tensors[:6], o, o_lse, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
-                                      kv_head_start=kv_head_start, max_kv_len=max_kv_len,
-                                      max_query_len=max_query_len, num_splits=num_splits, config=None if config is None
-                                      else pick_config(q.shape[-1], decode=max_query_len == 1, dtype=q.dtype,
-                                                       config=config)),
+        plan=lambda o, o_lse: plan_prefix(
+            *tensors[:6], o, o_lse, scale=scale, q_head_start=q_head_start, q_per_kv=q_per_kv,
+            kv_head_start=kv_head_start, max_kv_len=max_kv_len, max_query_len=max_query_len, num_splits=num_splits,
+            fewer_launches=True, config=None if config is None else pick_config(
+                q.shape[-1], decode=max_query_len == 1, dtype=q.dtype, config=config)),
         keep=config is None)
     launch(q, key_cache, value_cache, block_table, kv_lens, query_start_loc, out, lse, k_scale, v_scale)
     return out, lse
@@ -277,7 +277,7 @@ def plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc
                 q_head_start, q_per_kv, kv_head_start, max_kv_len, max_query_len=None, num_splits=None,
                 split_buffer: torch.Tensor | None = None, config: PrefixConfig | None = None,
                 gluon_decode: tuple[int, ...] | None = None, split_slots: int | None = None,
-                split_sync: torch.Tensor | None = None) -> PrefixLaunch:
+                split_sync: torch.Tensor | None = None, fewer_launches: bool = False) -> PrefixLaunch:
     """``prefix_attention`` prepared for tensors shaped like these (no checks). ``split_buffer``: float32 scratch of
     ``split_capacity`` elements for the split partials (default: allocated here); an automatic split count is
     lowered until the partials fit in it. ``gluon_decode``: ``(pages, stages[, programs])`` of ``gluon_decode``
@@ -286,7 +286,9 @@ def plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc
     programs; None: ``PROGRAMS_PER_SM`` per SM on a GPU, none under the interpreter (one split, as ``auto_splits``);
     0: one count for every request. ``split_sync``: int32 counters, zero, at least tokens x head programs (the
     workspace's ``split_sync``), for a balanced decode whose config has ``last_split_merges`` (default:
-    ``split_kv.sync_counters``); too few: the merge runs apart."""
+    ``split_kv.sync_counters``); too few: the merge runs apart. ``fewer_launches``: that merge also in a step of
+    fewer (token, head program)s than ``LAST_MERGE_PROGRAMS`` (a one-shot call, where a launch's host time outweighs
+    the GPU time the merge launch saves there)."""
     num_tokens, num_q_heads, head_dim = q.shape
     page_size = key_cache.shape[1]
     num_reqs = kv_lens.shape[0]
@@ -352,7 +354,8 @@ def plan_prefix(q, key_cache, value_cache, block_table, kv_lens, query_start_loc
     mergeable = balanced and num_splits > 1 and cfg.last_split_merges
     sync = sync_counters(q.device, num_tokens * head_programs) if mergeable and split_sync is None else split_sync
     mergeable = mergeable and sync.numel() >= num_tokens * head_programs
-    last_merges = mergeable and num_reqs * head_programs >= LAST_MERGE_PROGRAMS and num_splits <= LAST_MERGE_SPLITS
+    last_merges = mergeable and num_splits <= LAST_MERGE_SPLITS \
+        and (fewer_launches or num_reqs * head_programs >= LAST_MERGE_PROGRAMS)
     rows = cdiv(slots, head_programs) + num_tokens if balanced else num_q_programs + cdiv(num_tokens, block_q)
     grid = ((rows * head_programs, 1, 1 if balanced else num_splits) if decode else (rows, head_programs, num_splits)) \
         if num_tokens else (0,)

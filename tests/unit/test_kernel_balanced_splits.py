@@ -98,15 +98,19 @@ def test_the_last_split_merges_only_few_splits_of_many_programs():
     a request takes many splits or the step has few (token, head program)s: the last split merges only where a
     request takes at most ``LAST_MERGE_SPLITS`` (by the plan's bound or on average over the slots) and the step
     has at least ``LAST_MERGE_PROGRAMS`` (token, head program)s. Plans only: nothing launches."""
-    def plan(kv_lens, slots):
+    def plan(kv_lens, slots, **kwargs):
         case = Case([1] * len(kv_lens), kv_lens, 4, 2, 2)  # 2 head programs, 32-token tiles
         q, key_cache, value_cache, *tables = _inputs(case, seed=5)
         return _plan(case, slots, q, (key_cache, value_cache), tables, poisoned(q.shape, case.dtype),
-                     poisoned(q.shape[:2], torch.float32), split_elements=1 << 21, config=LAST_MERGES)
+                     poisoned(q.shape[:2], torch.float32), split_elements=1 << 21, config=LAST_MERGES, **kwargs)
 
     few = plan([256] * 32, 256)  # 64 programs; 8 tiles: at most 4 splits a request
     assert few.num_splits == 4 and few.stage1.constexprs["LAST_MERGES"] and few.merge is None
     assert not plan([256] * 31, 256).stage1.constexprs["LAST_MERGES"], "62 (token, head program)s"
+    # A one-shot call's plan (fewer_launches) merges in the last split at any program count, within the split bound.
+    one = plan([256], 256, fewer_launches=True)
+    assert one.num_splits == 4 and one.stage1.constexprs["LAST_MERGES"] and one.merge is None
+    assert plan([2000], 256, fewer_launches=True).merge is not None, "32 splits: the merge launch"
     # 2000 tokens: 63 tiles, up to 32 splits by the bound. The bound decides, not the average over the slots (4
     # here): one long context among short ones would take dozens of splits, merged one after the other.
     many = plan([2000] + [256] * 31, 256)

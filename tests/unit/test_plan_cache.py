@@ -184,3 +184,18 @@ def test_a_kept_plan_skips_the_checks_its_layout_passed_and_a_bad_argument_is_st
     q, k, v = (torch.randn(8, h, D) for h in (4, 2, 2))
     with pytest.raises(ValueError, match="scale must be a positive float, got True"):
         chunk_module.chunk_attention(q, k, v, torch.tensor([0, 3, 8], dtype=torch.int32), 5, scale=True, **HEADS)
+
+
+def test_one_shot_calls_plan_for_fewer_launches(monkeypatch):
+    """``prefix_attention`` plans with ``fewer_launches`` (a small decode's last split merges: one launch, not two),
+    which the serving plans leave off."""
+    module = prefix_module
+    _plan_cache.clear()
+    seen = []
+    plan = module.plan_prefix
+    monkeypatch.setattr(module, "plan_prefix", lambda *a, **k: seen.append(k.get("fewer_launches")) or plan(*a, **k))
+    q, kc, vc = torch.randn(1, 4, 16), torch.randn(2, 16, 1, 16), torch.randn(2, 16, 1, 16)
+    module.prefix_attention(q, kc, vc, torch.tensor([[1, 0]]), torch.tensor([20]), torch.tensor([0, 1]),
+                            scale=0.25, q_head_start=0, q_per_kv=4, kv_head_start=0, max_kv_len=20, max_query_len=1)
+    assert seen == [True]
+    _plan_cache.clear()
