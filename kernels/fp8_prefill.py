@@ -1,10 +1,11 @@
 """A prefill step's prefix pass over an fp8 KV cache through a 16-bit copy of the pages it reads
-(``DCP_TRITON_FP8_PREFILL=copy``; the default, ``tiles``, reads the fp8 cache in the pass itself).
+(``DCP_TRITON_FP8_PREFILL=copy``, the default; ``tiles`` reads the fp8 cache in the pass itself).
 
 A prefill chunk's prefix pass is compute-bound: every cached token it reads meets every query row of the chunk. Over
 an fp8 cache the ``tl`` kernel widens each K and V tile to 16 bits inside its main loop, and the Gluon prefix pass
 (``gluon_prefix``, sm_90) reads 16-bit caches only: an e4m3 cache's pass ran at 359-361 TFLOP/s on an H200 where the
-bf16 cache's Gluon pass ran at 621-640 (``sweep_kernels.py --only fp8prefix``; docs/limits.md). With ``copy``, a step
+bf16 cache's Gluon pass ran at 621-640 (``sweep_kernels.py --only fp8prefix``; docs/limits.md); through the copy an
+H100's ran at 658-678, its bf16 cache's at 633-639. With ``copy``, a step
 whose requests bring ``COPY_MIN_ROWS`` query rows each on average first widens the pages it reads:
 ``widen_pages_kernel`` writes ``value * scale`` in q's dtype (rounded once) into a copy laid out request by request in
 ``COPY_PAGE``-token pages, zero past each request's cached tokens, and the 16-bit pass (``plan_prefix`` over the copy:
@@ -26,6 +27,7 @@ import triton
 import triton.language as tl
 
 from dcp_plugin.kernels._launch import GrownBuffers, Launch, cdiv, next_pow2
+from dcp_plugin.kernels._prefix_config import fp8_dot_asked
 from dcp_plugin.kernels.checks import FP8_DTYPES, env_choice
 
 FP8_PREFILL_ENV = "DCP_TRITON_FP8_PREFILL"
@@ -35,11 +37,12 @@ COPY_MAX_BYTES = 256 << 20  # K and V of 2 x 32K tokens, 8 KV heads of 128, bf16
 
 
 def fp8_copy_asked() -> bool:
-    """``$DCP_TRITON_FP8_PREFILL``: ``tiles`` (unset: the pass widens each fp8 tile) or ``copy``; any other value is
+    """``$DCP_TRITON_FP8_PREFILL``: ``copy`` or ``tiles`` (the pass widens each fp8 tile); unset, ``copy`` unless
+    ``$DCP_TRITON_FP8_DOT`` asks for fp8 products, which read the fp8 tiles (``tiles`` then); any other value is
     refused (the engine adapters ask at start)."""
     return env_choice(FP8_PREFILL_ENV, {"tiles": "the prefix pass widens each fp8 tile",
                                         "copy": "a prefill step's fp8 pages widened into a 16-bit copy first"},
-                      "tiles") == "copy"
+                      "tiles" if fp8_dot_asked() else "copy") == "copy"
 
 
 @triton.jit(do_not_specialize=("pages_per_req", "stride_bt_req"),

@@ -129,12 +129,13 @@ def collect(dtype: torch.dtype, head_dim: int, cache_dtypes: tuple) -> dict:
 
 def fp8_copy_collect(dtype: torch.dtype, head_dim: int) -> dict:
     """``collect`` over fp8 caches with a prefill step's pages widened into a 16-bit copy first
-    (``DCP_TRITON_FP8_PREFILL=copy``, off by default): the copy's kernel and the passes over the copy."""
+    (``DCP_TRITON_FP8_PREFILL=copy``, the default): the copy's kernel and the passes over the copy; the other
+    ``collect`` calls read the fp8 tiles in the pass (``tiles``)."""
     os.environ[FP8_PREFILL_ENV] = "copy"
     try:
         return collect(dtype, head_dim, (torch.float8_e4m3fn, torch.float8_e5m2))
     finally:
-        os.environ.pop(FP8_PREFILL_ENV)
+        os.environ[FP8_PREFILL_ENV] = "tiles"
 
 
 def cuobjdump(cubin: bytes, flag: str) -> str:
@@ -199,6 +200,7 @@ def main() -> None:
         module.pdl_for = _sm90_pdl
     dtype, cache_dtypes = getattr(torch, args.dtype), (None, torch.float8_e4m3fn, torch.float8_e5m2)
     os.environ.pop(FP8_DOT_ENV, None)  # the default products first
+    os.environ[FP8_PREFILL_ENV] = "tiles"  # each fp8 tile read in the pass; the copy apart (fp8_copy_collect)
     _gluon.gluon_enabled = lambda device: False  # the tl selections first (DCP_TRITON_GLUON=0)
     record = collect(dtype, args.head_dim, cache_dtypes)
     for products in ("1", "2"):  # an e4m3 cache's prefix-pass products in fp8 (DCP_TRITON_FP8_DOT, off by default)

@@ -24,7 +24,7 @@ and in the attention layers' ``forward`` (perf_counter around vLLM's calls; for 
     python -m benchmarks.vllm_e2e.vllm_one_h200 --only 'llama8-*-graphs' --loads small-batch,mixed  # these only
     python -m benchmarks.vllm_e2e.vllm_one_h200 --only '*-dcp-triton-*,*-FLASH_ATTN-*' --kv-cache-dtype fp8
     python -m benchmarks.vllm_e2e.vllm_one_h200 --only 'llama8-*-graphs' --kv-cache-dtype fp8 --loads long \
-        --fp8-prefill copy                           # dcp-triton also through its 16-bit prefill copy
+        --fp8-prefill tiles                          # dcp-triton also reading fp8 tiles in its prefill pass
     python -m benchmarks.vllm_e2e.vllm_one_h200 --merge benchmarks/results/vllm_one_h200_*.json --name vllm_one_h200
 
 Results: ``benchmarks/results/<name>.json`` (default ``vllm_one_<gpu>``, ``vllm_one_<gpu>_fp8`` with an fp8 cache):
@@ -196,7 +196,7 @@ TWINS = {"fp8_dot": ("DCP_TRITON_FP8_DOT", "fp8dot{}"), "fp8_prefill": ("DCP_TRI
 
 
 def twins(chosen: list[dict], field: str, value) -> list[dict]:
-    """``--fp8-dot N`` / ``--fp8-prefill copy``: a twin of each dcp-triton throughput job, run after them with
+    """``--fp8-dot N`` / ``--fp8-prefill tiles``: a twin of each dcp-triton throughput job, run after them with
     ``TWINS[field]``'s variable set to ``value`` (none for a ``value`` of None)."""
     tag = TWINS[field][1].format(value)
     return [dict(j, name=j["name"].replace("dcp-triton", f"dcp-triton-{tag}"), **{field: value})
@@ -204,7 +204,7 @@ def twins(chosen: list[dict], field: str, value) -> list[dict]:
 
 
 def twin_suffix(job: dict) -> str:
-    """The summary key's suffix of a twin job (``_fp8dot2``, ``_fp8copy``); '' for others."""
+    """The summary key's suffix of a twin job (``_fp8dot2``, ``_fp8tiles``); '' for others."""
     return "".join(f"_{tag.format(job[field])}" for field, (_, tag) in TWINS.items() if job.get(field))
 
 
@@ -273,8 +273,9 @@ def main() -> None:
                         f"{','.join(LOADS)})")
     parser.add_argument("--fp8-dot", type=int, choices=(1, 2), help="with an fp8 cache: each dcp-triton throughput "
                         "job chosen also runs with DCP_TRITON_FP8_DOT=N (its name and summary key say fp8dotN)")
-    parser.add_argument("--fp8-prefill", choices=("copy",), help="with an fp8 cache: each dcp-triton throughput job "
-                        "chosen also runs with DCP_TRITON_FP8_PREFILL=copy (its name and summary key say fp8copy)")
+    parser.add_argument("--fp8-prefill", choices=("copy", "tiles"), help="with an fp8 cache: each dcp-triton "
+                        "throughput job chosen also runs with DCP_TRITON_FP8_PREFILL set so (its name and summary "
+                        "key say fp8copy or fp8tiles; the default is copy)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

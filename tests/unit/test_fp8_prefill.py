@@ -93,8 +93,8 @@ def test_the_copy_holds_value_times_scale_rounded_once_and_zero_past_the_context
     assert_matches(out, want_out, q_dtype, "copied fp8 prefix out, fp16 q" if q_dtype == torch.float16 else "fp32 q")
 
 
-@pytest.mark.parametrize("why", ["decode", "short rows", "too large", "unset", "tiles"])
-def test_decode_short_queries_large_copies_and_the_default_read_the_fp8_cache(why, monkeypatch):
+@pytest.mark.parametrize("why", ["decode", "short rows", "too large", "tiles"])
+def test_decode_short_queries_large_copies_and_tiles_read_the_fp8_cache(why, monkeypatch):
     lens, rows, hints = [150, 40, 64], [70, 64, 66], dict(max_query_len=70)
     if why == "decode":
         rows, hints = [1, 1, 1], dict(max_query_len=1)
@@ -102,8 +102,6 @@ def test_decode_short_queries_large_copies_and_the_default_read_the_fp8_cache(wh
         rows = [70, 8, 8]  # 86 rows over three requests: fewer than COPY_MIN_ROWS each on average
     elif why == "too large":
         monkeypatch.setattr(fp8_prefill, "COPY_MAX_BYTES", 4 * 64 * 2 * 32 * 4 * 2 - 1)  # one byte short of 4 pages
-    elif why == "unset":
-        monkeypatch.delenv(FP8_PREFILL_ENV)
     else:
         monkeypatch.setenv(FP8_PREFILL_ENV, "tiles")
     args = _inputs(torch.float8_e5m2, page=16, lens=lens, rows=rows, seed=2)
@@ -112,6 +110,27 @@ def test_decode_short_queries_large_copies_and_the_default_read_the_fp8_cache(wh
     want_out, want_lse = _reference(*args)
     assert_matches(out, want_out, torch.float32, f"direct fp8 prefix out ({why})")
     assert_matches(lse, want_lse, torch.float32, f"direct fp8 prefix lse ({why})")
+
+
+def test_the_copy_is_the_default(monkeypatch):
+    monkeypatch.delenv(FP8_PREFILL_ENV)
+    monkeypatch.delenv("DCP_TRITON_FP8_DOT", raising=False)
+    args = _inputs(torch.float8_e5m2, page=16, lens=[150, 40, 64], rows=[70, 64, 66], seed=2)
+    plan, out, _ = _run(*args, max_query_len=70)
+    assert isinstance(plan, CopiedPrefix) and kernels.fp8_copy_asked()
+    assert_matches(out, _reference(*args)[0], torch.float32, "fp8 prefix out, unset")
+
+
+@pytest.mark.parametrize("prefill, dot, copies", [("", "1", False), ("", "2", False), ("", "0", True),
+                                                  ("copy", "2", True), ("tiles", "0", False)])
+def test_fp8_products_keep_the_tiles_unless_the_copy_is_named(prefill, dot, copies, monkeypatch):
+    """The fp8 products (``DCP_TRITON_FP8_DOT``) read the fp8 tiles: asked for, they need no second variable."""
+    monkeypatch.setenv(FP8_PREFILL_ENV, prefill)
+    monkeypatch.setenv("DCP_TRITON_FP8_DOT", dot)
+    assert kernels.fp8_copy_asked() is copies
+    monkeypatch.setenv(FP8_PREFILL_ENV, "widen")
+    with pytest.raises(ValueError, match="DCP_TRITON_FP8_PREFILL must be tiles .* or copy .*, got 'widen'"):
+        kernels.fp8_copy_asked()
 
 
 def test_the_copy_fits_exactly_at_the_bound(monkeypatch):

@@ -148,7 +148,9 @@ def test_vllms_start_up_stages_come_from_its_log_lines():
 
 
 @pytest.mark.parametrize("field, value, variable, tag", [("fp8_dot", 2, "DCP_TRITON_FP8_DOT", "fp8dot2"),
-                                                          ("fp8_prefill", "copy", "DCP_TRITON_FP8_PREFILL", "fp8copy")])
+                                                          ("fp8_prefill", "copy", "DCP_TRITON_FP8_PREFILL", "fp8copy"),
+                                                          ("fp8_prefill", "tiles", "DCP_TRITON_FP8_PREFILL",
+                                                           "fp8tiles")])
 def test_twins_run_dcp_tritons_throughput_jobs_with_the_variable_and_their_own_summary_key(field, value, variable,
                                                                                            tag, tmp_path, monkeypatch):
     monkeypatch.delenv(variable, raising=False)
