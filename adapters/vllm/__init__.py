@@ -41,6 +41,11 @@ def register() -> None:
     from dcp_plugin.adapters.vllm import registration
 
     try:
+        registration.cpu_opt_in()
+    except ValueError as err:  # the user's value, not a fault of ours: one line, no traceback
+        logger.error("dcp-triton: %s; so the dcp-triton attention backend is not registered", err)
+        return
+    try:
         registration.register()
     except Exception:
         logger.exception("dcp-triton: registering the attention backend failed, so it is not registered")

@@ -36,8 +36,16 @@ def cpu_route() -> str | None:
     return _cpu_route["reason"]
 
 
+def cpu_opt_in() -> bool:
+    """``$DCP_TRITON_CPU``: 1 routes vLLM's CPU_ATTN here; 0 or unset does not; any other value is refused."""
+    return env_switch(CPU_OPT_IN_ENV, on="vLLM's CPU_ATTN runs dcp-triton", off="only an engine that selects it",
+                      default=False)
+
+
 def register() -> None:
-    """Register the backend with vLLM (any number of times, in any process). Imports vLLM."""
+    """Register the backend with vLLM (any number of times, in any process). Imports vLLM. A bad
+    ``$DCP_TRITON_CPU`` is refused before anything is registered."""
+    route_cpu = cpu_opt_in()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     member = AttentionBackendEnum._member_map_.get(BACKEND_NAME)
@@ -53,8 +61,7 @@ def register() -> None:
         # Instance attribute: only this member pickles differently; every built-in member keeps vLLM's pickling.
         member.__reduce_ex__ = _reduce_member
     support.prepare_interpreter_env()
-    if env_switch(CPU_OPT_IN_ENV, on="vLLM's CPU_ATTN runs dcp-triton", off="only an engine that selects it",
-                  default=False):
+    if route_cpu:
         route_cpu_attn(reason=f"{CPU_OPT_IN_ENV}=1")
 
 

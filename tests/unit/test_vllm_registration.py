@@ -162,6 +162,27 @@ def test_cpu_opt_in_env_takes_one_or_zero(monkeypatch, cpu_attn_restored, value)
     assert AttentionBackendEnum.CPU_ATTN.get_path() == CPU_ATTN_DEFAULT
 
 
+def test_the_plugin_refuses_a_bad_cpu_opt_in_in_one_line_and_registers_nothing(monkeypatch, cpu_attn_restored):
+    """vLLM calls the entry point in every process: a bad value is one error line naming it, no traceback."""
+    import dcp_plugin.adapters.vllm as plugin
+
+    monkeypatch.setenv(registration.CPU_OPT_IN_ENV, "true")
+    called: list[int] = []
+    monkeypatch.setattr(registration, "register", lambda: called.append(1))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    plugin.logger.addHandler(handler)
+    try:
+        plugin.register()
+    finally:
+        plugin.logger.removeHandler(handler)
+    assert not called
+    assert [(r.levelno, r.exc_info) for r in records] == [(logging.ERROR, None)]
+    message = records[0].getMessage()
+    assert "DCP_TRITON_CPU must be 1" in message and "got 'true'" in message and "not registered" in message
+
+
 def test_vllms_cannot_use_notice_is_dropped_once_cpu_attn_is_routed(monkeypatch, cpu_attn_restored):
     """vLLM's CPU platform logs "Cannot use ... backend on CPU." for a selected backend; routed, that is untrue."""
     selector = AttentionSelectorConfig(head_size=64, dtype=torch.float32, kv_cache_dtype=None, block_size=None)
