@@ -104,7 +104,8 @@ def _config_fields(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
     try:
         fields, missing = hf_config_fields(args.config, dtype=args.dtype, **given)
     except OSError as err:
-        _refuse(parser, f"--config {args.config}: {err.strerror or err}")
+        _refuse(parser, f"--config {args.config}: {err.strerror or err} (a local checkpoint directory or config.json; "
+                "a hub model's: `hf download MODEL config.json --local-dir DIR`, then --config DIR)")
     except ValueError as err:  # not JSON, or not an object
         _refuse(parser, f"--config {err}")
     if missing:

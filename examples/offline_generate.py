@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"model: the embedded SmolLM2-135M-Instruct (converted once into {default_cache_dir()}, ~30 s)",
               flush=True)
-        args.model = smollm2_checkpoint(progress=args.verbose)
+        try:
+            args.model = smollm2_checkpoint(progress=args.verbose)
+        except ImportError as err:  # a package the conversion needs: the error names it and the install line
+            parser.error(str(err))
     _shared.check_topology(parser, args, args.model)
     _shared.set_env_defaults(tp=args.tp, gpu=gpu, kernels=args.kernels)
     max_tokens = args.max_tokens or (GPU_MAX_TOKENS if gpu else CPU_MAX_TOKENS[cpu_kernels()])

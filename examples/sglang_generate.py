@@ -9,7 +9,7 @@ drafts for itself (STANDALONE); prompts then go in as their UTF-8 bytes, one tok
 
     python examples/sglang_generate.py --plan-only --tp 4 --dcp 4        # no GPU needed
     python examples/sglang_generate.py --tp 1 --dcp 1                    # one GPU
-    python examples/sglang_generate.py --model Qwen/Qwen3.5-... --tp 4 --dcp 4 --speculative-algorithm NEXTN
+    python examples/sglang_generate.py --model /path/to/qwen3.5-checkpoint --tp 4 --dcp 4 --speculative-algorithm NEXTN
 """
 
 from __future__ import annotations

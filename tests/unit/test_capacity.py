@@ -208,7 +208,9 @@ def test_config_errors_name_the_flag_that_fixes_them(config, argv, error, tmp_pa
 
 def test_missing_config_file_is_refused(tmp_path, capsys):
     path = tmp_path / "nowhere.json"
-    assert refusal(["--config", str(path)], capsys) == f"--config {path}: No such file or directory"
+    assert refusal(["--config", str(path)], capsys) == (
+        f"--config {path}: No such file or directory (a local checkpoint directory or config.json; a hub model's: "
+        "`hf download MODEL config.json --local-dir DIR`, then --config DIR)")
 
 
 @pytest.mark.parametrize(

