@@ -48,22 +48,33 @@ def hook_supported() -> bool:
 
 
 DEFAULT_WORKERS = 8  # unset: this many, at most this process's share of its CPUs (``compile_workers``)
+_said_off: list[str] = []  # compile_workers warned once that an asked-for count cannot start
 
 
 def compile_workers() -> int:
-    """Worker processes for the warm-up's compile-ahead: $DCP_TRITON_COMPILE_WORKERS (0: off, each variant compiles
-    at its first launch; unset: ``DEFAULT_WORKERS``, at most the CPUs this process may run on over the GPUs it sees,
-    at least 1: each engine process, each rank, starts its own, and a host's ranks start together). 0 where nothing compiles (the interpreter), where this Triton cannot hand a compile over, and
-    where a worker could not reproduce this process's compile: a stages-inspection hook changes the compiled code,
-    ``always_compile`` recompiles whatever the cache holds. Inside vLLM on one H200 (32 Q / 8 KV, CUDA graphs, an
-    empty Triton cache) 8 workers took the engine's start from 70.7 to 55.2 s, its warm-up from 19.3 to 9.3 s
-    (docs/performance.md, start-up)."""
+    """Worker processes for the warm-up's compile-ahead: $DCP_TRITON_COMPILE_WORKERS (0: off, each variant compiles at
+    its first launch; unset: ``DEFAULT_WORKERS``, at most the CPUs this process may run on over the GPUs it sees, at
+    least 1: each engine process, each rank, starts its own, and a host's ranks start together). 0 where nothing
+    compiles (the interpreter), where this Triton cannot hand a compile over, and where a worker could not reproduce
+    this process's compile: a stages-inspection hook changes the compiled code, ``always_compile`` recompiles whatever
+    the cache holds (a count asked for there gets one warning saying why). Inside vLLM on one H200 (32 Q / 8 KV, CUDA
+    graphs, an empty Triton cache) 8 workers took the engine's start from 70.7 to 55.2 s, its warm-up from 19.3 to
+    9.3 s (docs/performance.md, start-up)."""
     value = os.environ.get(WORKERS_ENV, "").strip()
     if value and not value.isdigit():
         raise ValueError(f"{WORKERS_ENV} must be a whole number of worker processes (0: off), got {value!r}")
-    if INTERPRET or not hook_supported() or getattr(triton.knobs.runtime, "add_stages_inspection_hook", None):
+    if INTERPRET:
         return 0
-    if getattr(getattr(triton.knobs, "compilation", None), "always_compile", False):
+    off = ("this Triton cannot hand a compile over" if not hook_supported() else
+           "a stages-inspection hook changes the compiled code"
+           if getattr(triton.knobs.runtime, "add_stages_inspection_hook", None) else
+           "always_compile recompiles whatever the cache holds"
+           if getattr(getattr(triton.knobs, "compilation", None), "always_compile", False) else None)
+    if off is not None:
+        if value and int(value) and not _said_off:
+            _said_off.append(off)
+            _log.warning("dcp-triton: %s=%s starts no worker processes: %s; each kernel variant compiles at its "
+                         "first launch", WORKERS_ENV, value, off)
         return 0
     if value:
         return int(value)

@@ -8,6 +8,7 @@ worker count comes from one variable."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -361,3 +362,18 @@ def test_worker_count_refuses_what_is_not_a_count_and_is_off_under_the_interpret
     monkeypatch.setenv(_compile_ahead.WORKERS_ENV, "4")
     monkeypatch.setattr(_compile_ahead, "INTERPRET", True)
     assert compile_workers() == 0
+
+
+def test_an_asked_worker_count_that_cannot_start_says_why_once(monkeypatch, caplog):
+    monkeypatch.setattr(_compile_ahead, "INTERPRET", False)
+    monkeypatch.setattr(_compile_ahead, "hook_supported", lambda: False)
+    monkeypatch.setattr(_compile_ahead, "_said_off", [])
+    monkeypatch.setenv(_compile_ahead.WORKERS_ENV, "0")
+    with caplog.at_level(logging.WARNING, logger="dcp_plugin"):
+        assert compile_workers() == 0  # asked for none: nothing to say
+        assert not caplog.records
+        monkeypatch.setenv(_compile_ahead.WORKERS_ENV, "4")
+        assert compile_workers() == 0 and compile_workers() == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "dcp-triton: DCP_TRITON_COMPILE_WORKERS=4 starts no worker processes: this Triton cannot hand a compile over; "
+        "each kernel variant compiles at its first launch"]
