@@ -6,6 +6,7 @@ then generates. vLLM runs DCP > 1 only when tp > num_kv_heads and (tp / num_kv_h
 (3 KV heads) cannot meet on 8 GPUs; so without --model the script builds (once, in ~/.cache/dcp-triton) a
 random-initialised Llama with 16 Q heads and --kv-heads KV heads (default tp / dcp), head_dim 128, 4 layers, and
 no tokenizer: prompts are then sent as their UTF-8 bytes, one token id each, and completions print as token ids.
+The engine is eager, with max_model_len 2048 and a 4 GiB KV cache per GPU (examples/_shared.py, engine_kwargs).
 
     python examples/dcp_generate.py --tp 2 --dcp 2
     python examples/dcp_generate.py --tp 8 --dcp 4 --interleave 16 --model /path/to/checkpoint

@@ -5,7 +5,8 @@ With no arguments: the embedded SmolLM2-135M-Instruct (converted once from the l
 GPU the backend runs its torch reference kernels (exact, and far faster than interpreted Triton) unless
 --kernels triton asks for the Triton kernels under Triton's interpreter (slow: a few tokens by default). Prints the
 completions and one line of what every worker's attention layers ran; vLLM's log goes to a file (--verbose: here).
-On CPU, vLLM runs DCP = 1 only.
+On CPU, vLLM runs DCP = 1 only. The engine is eager (no CUDA graphs: a short start), with max_model_len 2048 and
+a KV cache of 256 MiB on CPU, 4 GiB on a GPU (examples/_shared.py, engine_kwargs); tokens/s are therefore eager ones.
 
     python examples/offline_generate.py
     python examples/offline_generate.py --prompt "The capital of France is" --max-tokens 32 --kernels triton
