@@ -18,6 +18,7 @@ cache directly.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -86,6 +87,8 @@ def widen_pages_kernel(
     tl.store(v_copy_ptr + to, v.to(v_copy_ptr.dtype.element_ty), mask=dims[None, :] < head_dim)
 
 
+_log = logging.getLogger("dcp_plugin")
+_said_no_memory: list[tuple] = []  # plan_copy warned once that a copy found no memory
 # The copies: one buffer per (device type, index, stream, dtype), K's elements then V's.
 _COPIES = GrownBuffers(lambda count, key: torch.empty(count, dtype=key[3], device=torch.device(*key[:2])))
 
@@ -128,7 +131,15 @@ def plan_copy(q, key_cache, value_cache, block_table, kv_lens, max_kv_len: int,
     shape = (num_reqs * pages, COPY_PAGE, num_kv_heads, head_dim)
     if 2 * shape[0] * COPY_PAGE * num_kv_heads * head_dim * q.element_size() > COPY_MAX_BYTES:
         return None
-    k_copy, v_copy = copy_buffers(q.device, q.dtype, shape)
+    try:
+        k_copy, v_copy = copy_buffers(q.device, q.dtype, shape)
+    except torch.OutOfMemoryError:  # allocated past the engine's KV-cache sizing: the fp8 cache is read instead
+        if not _said_no_memory:
+            _said_no_memory.append(shape)
+            _log.warning("dcp-triton: no GPU memory for the 16-bit copy of an fp8 prefill step's pages (%.0f MiB); "
+                         "such steps read the fp8 tiles (as DCP_TRITON_FP8_PREFILL=tiles) until memory allows it",
+                         2 * shape[0] * shape[1] * shape[2] * shape[3] * q.element_size() / 2 ** 20)
+        return None
     table = torch.arange(shape[0], dtype=torch.int32, device=q.device).view(num_reqs, pages)
     widen = Launch(widen_pages_kernel, (shape[0], num_kv_heads) if num_kv_heads and head_dim else (0,),
                    (num_kv_heads, head_dim, pages, *key_cache.stride(), *value_cache.stride(), *block_table.stride()),

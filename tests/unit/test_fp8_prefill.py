@@ -133,6 +133,24 @@ def test_fp8_products_keep_the_tiles_unless_the_copy_is_named(prefill, dot, copi
         kernels.fp8_copy_asked()
 
 
+def test_a_copy_without_memory_reads_the_fp8_cache_and_says_so_once(monkeypatch, caplog):
+    def no_memory(count, key):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(fp8_prefill, "_COPIES", fp8_prefill.GrownBuffers(no_memory))
+    monkeypatch.setattr(fp8_prefill, "_said_no_memory", [])
+    args = _inputs(torch.float8_e5m2, page=16, lens=[150, 40, 64], rows=[70, 64, 66], seed=4)
+    with caplog.at_level("WARNING", logger="dcp_plugin"):
+        for _ in range(2):
+            _plan_cache.clear()
+            plan, out, lse = _run(*args, max_query_len=70)
+            assert not isinstance(plan, CopiedPrefix)
+            want_out, want_lse = _reference(*args)
+            assert_matches(out, want_out, torch.float32, "fp8 prefix out, no memory for the copy")
+            assert_matches(lse, want_lse, torch.float32, "fp8 prefix lse, no memory for the copy")
+    assert len(caplog.records) == 1 and "no GPU memory for the 16-bit copy" in caplog.records[0].getMessage()
+
+
 def test_the_copy_fits_exactly_at_the_bound(monkeypatch):
     monkeypatch.setattr(fp8_prefill, "COPY_MAX_BYTES", 4 * 64 * 2 * 32 * 4 * 2)  # K and V, 3 requests x 2 pages
     args = _inputs(torch.float8_e5m2, page=16, lens=[64, 40, 64], rows=[70, 64, 66], seed=3)
