@@ -5,16 +5,15 @@ A prefill chunk's prefix pass is compute-bound: every cached token it reads meet
 an fp8 cache the ``tl`` kernel widens each K and V tile to 16 bits inside its main loop, and the Gluon prefix pass
 (``gluon_prefix``, sm_90) reads 16-bit caches only: an e4m3 cache's pass ran at 359-361 TFLOP/s on an H200 where the
 bf16 cache's Gluon pass ran at 621-640 (``sweep_kernels.py --only fp8prefix``; docs/limits.md); through the copy an
-H100's ran at 658-678, its bf16 cache's at 633-639. With ``copy``, a step
-whose requests bring ``COPY_MIN_ROWS`` query rows each on average first widens the pages it reads:
-``widen_pages_kernel`` writes ``value * scale`` in q's dtype (rounded once) into a copy laid out request by request in
-``COPY_PAGE``-token pages, zero past each request's cached tokens, and the 16-bit pass (``plan_prefix`` over the copy:
-the Gluon one where it serves) reads the copy. The copy moves three bytes per cached value and the pass reads two
-more where it would read one: little beside a prefill chunk's products, much beside a short query's, hence the rows
-bound. The copy lives in one buffer per device, stream and dtype (``GrownBuffers``, grown within ``COPY_MAX_BYTES``,
-and what it outgrew kept); a step whose copy would pass the bound, a decode and a short-query step read the fp8
-cache directly.
-"""
+H100's ran at 658-678, its bf16 cache's at 633-639. With ``copy``, a step whose requests bring ``COPY_MIN_ROWS`` query
+rows each on average first widens the pages it reads: ``widen_pages_kernel`` writes ``value * scale`` in q's dtype
+(rounded once) into a copy laid out request by request in ``COPY_PAGE``-token pages, zero past each request's cached
+tokens, and the 16-bit pass (``plan_prefix`` over the copy: the Gluon one where it serves) reads the copy. The copy
+moves three bytes per cached value and the pass reads two more where it would read one: little beside a prefill
+chunk's products, much beside a short query's, hence the rows bound. The copy lives in one buffer per device, stream
+and dtype (``GrownBuffers``, grown within ``COPY_MAX_BYTES``, and what it outgrew kept); a step whose copy would pass
+the bound, a decode and a short-query step read the fp8 cache directly, and so does a step whose copy finds no free
+memory (one warning)."""
 
 from __future__ import annotations
 
