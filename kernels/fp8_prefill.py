@@ -87,7 +87,9 @@ def widen_pages_kernel(
 
 
 _log = logging.getLogger("dcp_plugin")
-_said_no_memory: list[tuple] = []  # plan_copy warned once that a copy found no memory
+# The byte counts of copies that found no free memory (plan_copy): a copy as large is not tried again, since each
+# failed allocation has torch's allocator release its cached blocks (a device synchronisation) on a step's path.
+_no_memory: list[int] = []
 # The copies: one buffer per (device type, index, stream, dtype), K's elements then V's.
 _COPIES = GrownBuffers(lambda count, key: torch.empty(count, dtype=key[3], device=torch.device(*key[:2])))
 
@@ -128,16 +130,17 @@ def plan_copy(q, key_cache, value_cache, block_table, kv_lens, max_kv_len: int,
         return None
     pages = cdiv(max_kv_len, 2 * COPY_PAGE) * 2  # an even count: the Gluon pass reads two pages a key tile
     shape = (num_reqs * pages, COPY_PAGE, num_kv_heads, head_dim)
-    if 2 * shape[0] * COPY_PAGE * num_kv_heads * head_dim * q.element_size() > COPY_MAX_BYTES:
+    nbytes = 2 * shape[0] * COPY_PAGE * num_kv_heads * head_dim * q.element_size()
+    if nbytes > COPY_MAX_BYTES or (_no_memory and nbytes >= min(_no_memory)):
         return None
     try:
         k_copy, v_copy = copy_buffers(q.device, q.dtype, shape)
     except torch.OutOfMemoryError:  # allocated past the engine's KV-cache sizing: the fp8 cache is read instead
-        if not _said_no_memory:
-            _said_no_memory.append(shape)
+        if not _no_memory:
             _log.warning("dcp-triton: no GPU memory for the 16-bit copy of an fp8 prefill step's pages (%.0f MiB); "
-                         "such steps read the fp8 tiles (as DCP_TRITON_FP8_PREFILL=tiles) until memory allows it",
-                         2 * shape[0] * shape[1] * shape[2] * shape[3] * q.element_size() / 2 ** 20)
+                         "steps that large read the fp8 tiles from now on (as DCP_TRITON_FP8_PREFILL=tiles)",
+                         nbytes / 2 ** 20)
+        _no_memory.append(nbytes)
         return None
     table = torch.arange(shape[0], dtype=torch.int32, device=q.device).view(num_reqs, pages)
     widen = Launch(widen_pages_kernel, (shape[0], num_kv_heads) if num_kv_heads and head_dim else (0,),

@@ -134,11 +134,14 @@ def test_fp8_products_keep_the_tiles_unless_the_copy_is_named(prefill, dot, copi
 
 
 def test_a_copy_without_memory_reads_the_fp8_cache_and_says_so_once(monkeypatch, caplog):
+    tries: list[int] = []
+
     def no_memory(count, key):
+        tries.append(count)
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(fp8_prefill, "_COPIES", fp8_prefill.GrownBuffers(no_memory))
-    monkeypatch.setattr(fp8_prefill, "_said_no_memory", [])
+    monkeypatch.setattr(fp8_prefill, "_no_memory", [])
     args = _inputs(torch.float8_e5m2, page=16, lens=[150, 40, 64], rows=[70, 64, 66], seed=4)
     with caplog.at_level("WARNING", logger="dcp_plugin"):
         for _ in range(2):
@@ -149,6 +152,7 @@ def test_a_copy_without_memory_reads_the_fp8_cache_and_says_so_once(monkeypatch,
             assert_matches(out, want_out, torch.float32, "fp8 prefix out, no memory for the copy")
             assert_matches(lse, want_lse, torch.float32, "fp8 prefix lse, no memory for the copy")
     assert len(caplog.records) == 1 and "no GPU memory for the 16-bit copy" in caplog.records[0].getMessage()
+    assert len(tries) == 1  # a copy as large is not tried again: each failure costs the allocator a synchronisation
 
 
 def test_the_copy_fits_exactly_at_the_bound(monkeypatch):
